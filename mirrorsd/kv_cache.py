@@ -1,0 +1,91 @@
+"""A per-layer key/value cache with the operations speculative decoding needs.
+
+Buffers are preallocated (and grown by doubling) so appending a window is a slice write, not a
+``torch.cat`` of the whole history. Each layer keeps its own length because layer-wise execution (run
+layers ``[0, l)`` now, ``[l, N)`` later) fills the lower layers first. Rows (the batch dimension) hold
+independent sequences or branches that share one length; per-branch differences are expressed with
+attention masks, never with ragged buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        rows: int = 1,
+        capacity: int = 256,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (rows, n_kv_heads, max(capacity, 1), head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lengths = [0] * n_layers
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def __len__(self) -> int:
+        """Length of the sequence every layer holds (the committed part)."""
+        return min(self.lengths)
+
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a window ``[rows, heads, T, dim]`` after this layer's history; return views of all of it."""
+        start = self.lengths[layer]
+        end = start + key.shape[2]
+        if end > self.keys[layer].shape[2]:
+            self._grow(layer, end)
+        self.keys[layer][:, :, start:end] = key
+        self.values[layer][:, :, start:end] = value
+        self.lengths[layer] = end
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def _grow(self, layer: int, needed: int) -> None:
+        old_k, old_v = self.keys[layer], self.values[layer]
+        new_cap = max(needed, 2 * old_k.shape[2])
+        shape = (*old_k.shape[:2], new_cap, old_k.shape[3])
+        self.keys[layer] = old_k.new_zeros(shape)
+        self.values[layer] = old_v.new_zeros(shape)
+        length = self.lengths[layer]
+        self.keys[layer][:, :, :length] = old_k[:, :, :length]
+        self.values[layer][:, :, :length] = old_v[:, :, :length]
+
+    def truncate(self, length: int) -> None:
+        """Roll back every layer to at most ``length`` positions (rejected draft tokens vanish)."""
+        if length < 0:
+            raise ValueError(f"cannot truncate to a negative length ({length})")
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def keep(self, positions: torch.Tensor | list[int]) -> None:
+        """Keep only ``positions`` (in that order) in every layer: compaction after tree verification."""
+        index = torch.as_tensor(positions, dtype=torch.long, device=self.keys[0].device)
+        n = index.numel()
+        for layer in range(self.n_layers):
+            if n and int(index.max()) >= self.lengths[layer]:
+                raise IndexError(f"position {int(index.max())} is past layer {layer}'s length {self.lengths[layer]}")
+            # index_select copies first, so overlapping source and destination ranges are safe.
+            self.keys[layer][:, :, :n] = self.keys[layer].index_select(2, index)
+            self.values[layer][:, :, :n] = self.values[layer].index_select(2, index)
+            self.lengths[layer] = n
+
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Re-index the row dimension: drop, reorder or duplicate branches (``[0, 0, 0]`` forks row 0)."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.keys[0].device)
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]

@@ -1,0 +1,323 @@
+"""A compact Llama-family decoder with layer-wise control (Llama/SmolLM2, Qwen2/2.5, Qwen3, Mistral).
+
+Why our own and not HF's module: speculative methods need to run layers ``[0, l)`` on a window, keep the
+hidden states, read early-exit logits, run ``[l, N)`` later, attend with arbitrary tree/stream masks at
+explicit positions, and roll the cache back or compact it. HF transformers stays the loader (configs,
+tokenizers, GGUF dequantisation) and the oracle our parity tests compare against.
+
+Shapes: tokens and positions are ``[rows, T]``; a mask is boolean ``[rows or 1, T, past + T]`` with True
+meaning "may attend"; ``past`` is the number of positions the cache already holds at that layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+from .linear import make_linear
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf_config) -> ModelConfig:
+        arch = hf_config.model_type
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported architecture {arch!r}; mirrorsd supports {', '.join(SUPPORTED_ARCHS)}")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {hf_config.hidden_act!r} (expected silu)")
+        n_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
+        window = getattr(hf_config, "sliding_window", None)
+        if arch.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False):
+            window = None
+        return cls(
+            arch=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            n_layers=hf_config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            qkv_bias=arch == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            sliding_window=window,
+        )
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence we attend over exactly (sliding-window models are exact up to the window)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int) -> None:
+        super().__init__()
+        p = f"layers.{layer}.self_attn."
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = make_linear(weights[p + "q_proj.weight"], weights.get(p + "q_proj.bias"))
+        self.k_proj = make_linear(weights[p + "k_proj.weight"], weights.get(p + "k_proj.bias"))
+        self.v_proj = make_linear(weights[p + "v_proj.weight"], weights.get(p + "v_proj.bias"))
+        self.o_proj = make_linear(weights[p + "o_proj.weight"], weights.get(p + "o_proj.bias"))
+        self.q_norm = RMSNorm(weights[p + "q_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(weights[p + "k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        rows, t, _ = x.shape
+        q = self.q_proj(x).view(rows, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(rows, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(rows, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.append(self.layer, k, v)
+        attn_mask = None if mask is None else mask.unsqueeze(1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(rows, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, weights: dict[str, torch.Tensor], layer: int) -> None:
+        super().__init__()
+        p = f"layers.{layer}.mlp."
+        self.gate_proj = make_linear(weights[p + "gate_proj.weight"])
+        self.up_proj = make_linear(weights[p + "up_proj.weight"])
+        self.down_proj = make_linear(weights[p + "down_proj.weight"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int) -> None:
+        super().__init__()
+        p = f"layers.{layer}."
+        self.input_layernorm = RMSNorm(weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, weights, layer)
+        self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        self.mlp = MLP(weights, layer)
+
+    def forward(self, x, cos, sin, cache, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def causal_mask(past: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[1, t, past + t]``: the window sees the whole cache and itself causally."""
+    q = torch.arange(t, device=device).unsqueeze(1) + past
+    k = torch.arange(past + t, device=device).unsqueeze(0)
+    return (k <= q).unsqueeze(0)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. Build with :meth:`from_pretrained` (local HF folder) or :meth:`from_hf`."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor,
+                 rope_scale: float = 1.0) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding.from_pretrained(weights["embed_tokens.weight"], freeze=True)
+        self.layers = nn.ModuleList(Block(cfg, weights, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(weights["norm.weight"], cfg.rms_norm_eps)
+        head = weights.get("lm_head.weight")
+        if head is None or cfg.tie_word_embeddings:
+            head = self.embed_tokens.weight
+        self.lm_head = make_linear(head)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rope_scale = rope_scale
+
+    # -- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module) -> Transformer:
+        """Wrap the weights of an HF ``*ForCausalLM`` (shared storage, no copy)."""
+        state = {k.removeprefix("model."): v.detach() for k, v in hf_model.state_dict().items()}
+        return cls._build(hf_model.config, state)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> Transformer:
+        """Load a local HF checkpoint folder (config.json + *.safetensors)."""
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        path = Path(path)
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(path.glob("*.safetensors"))]
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            with safe_open(path / name, framework="pt", device=str(device)) as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    state[key.removeprefix("model.")] = f.get_tensor(key).to(dtype)
+        return cls._build(hf_config, state).to(device)
+
+    @classmethod
+    def _build(cls, hf_config, state: dict[str, torch.Tensor]) -> Transformer:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        cfg = ModelConfig.from_hf(hf_config)
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+            scale = 1.0
+        else:
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        return cls(cfg, state, inv_freq, scale)
+
+    def prefix_model(self, n_layers: int) -> Transformer:
+        """A self-draft sharing this model's first ``n_layers`` blocks, final norm and LM head (no copy)."""
+        if not 0 < n_layers <= self.config.n_layers:
+            raise ValueError(f"n_layers must be in 1..{self.config.n_layers}, got {n_layers}")
+        draft = object.__new__(type(self))
+        nn.Module.__init__(draft)
+        draft.config = ModelConfig(**{**self.config.__dict__, "n_layers": n_layers})
+        draft.embed_tokens, draft.norm, draft.lm_head = self.embed_tokens, self.norm, self.lm_head
+        draft.layers = nn.ModuleList(list(self.layers[:n_layers]))
+        draft.register_buffer("inv_freq", self.inv_freq, persistent=False)
+        draft.rope_scale = self.rope_scale
+        return draft
+
+    # -- execution ----------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, rows: int = 1, capacity: int = 256) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, rows=rows, capacity=capacity,
+                       dtype=self.dtype, device=self.device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+        start: int = 0,
+        end: int | None = None,
+    ) -> torch.Tensor:
+        """Run blocks ``[start, end)`` on a window's hidden states ``[rows, T, hidden]``.
+
+        With ``mask=None`` the window is causal over the cache (no mask at all for a single token).
+        """
+        end = self.config.n_layers if end is None else end
+        t = hidden.shape[1]
+        if mask is None and t > 1:
+            past = cache.lengths[start] if cache is not None else 0
+            mask = causal_mask(past, t, hidden.device)
+        cos, sin = self.rope(positions)
+        for block in self.layers[start:end]:
+            hidden = block(hidden, cos, sin, cache, mask)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on any layer's hidden states (this is also the early exit)."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[rows, T, vocab]`` for a window; positions default to continuing the cache."""
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if positions is None:
+            past = cache.lengths[0] if cache is not None else 0
+            positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
+        elif positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand_as(tokens)
+        return self.logits(self.run_layers(self.embed(tokens), positions, cache, mask))
+
+    def num_parameters(self) -> int:
+        seen, total = set(), 0
+        for p in self.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel()
+        return total
+

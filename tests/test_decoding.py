@@ -1,0 +1,129 @@
+"""Lossless decoding: every speculative configuration equals the target alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from mirrorsd import Transformer, generate
+from mirrorsd.sampling import SamplingParams
+from mirrorsd.verify import verify_match, verify_rejection
+
+from .conftest import tiny_hf
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gamma=st.integers(1, 7),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
+    seed=st.integers(0, 2**31),
+    prompt=st.lists(st.integers(0, 63), min_size=1, max_size=12),
+    max_new=st.integers(1, 30),
+    self_draft=st.booleans(),
+    top_p=st.sampled_from([1.0, 0.9]),
+)
+def test_sd_match_equals_ar(tiny_pair, gamma, temperature, seed, prompt, max_new, self_draft, top_p):
+    target, other = tiny_pair
+    draft = target.prefix_model(2) if self_draft else other
+    kw = dict(temperature=temperature, seed=seed, max_new_tokens=max_new, top_p=top_p)
+    ar = generate(target, prompt, method="ar", **kw)
+    sd = generate(target, prompt, method="sd", draft=draft, gamma=gamma, **kw)
+    assert sd.token_ids == ar.token_ids
+    assert len(sd.token_ids) == max_new
+    stats = sd.stats
+    undrafted_steps = stats.target_forwards - (len(prompt) > 1) - stats.steps  # last step when 1 token is left
+    assert sum(a + 1 for a in stats.accepted) + undrafted_steps == max_new
+    assert all(0 <= a <= gamma for a in stats.accepted)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(gamma=st.integers(1, 6), seed=st.integers(0, 1000), max_new=st.integers(1, 25))
+def test_rejection_sampling_is_greedy_exact_at_temperature_zero(tiny_pair, gamma, seed, max_new):
+    target, draft = tiny_pair
+    ar = generate(target, [3, 1, 4], method="ar", max_new_tokens=max_new)
+    sd = generate(target, [3, 1, 4], method="sd", draft=draft, gamma=gamma, acceptance="rejection",
+                  max_new_tokens=max_new, seed=seed)
+    assert sd.token_ids == ar.token_ids
+
+
+def test_identity_draft_accepts_everything(tiny_pair):
+    target, _ = tiny_pair
+    for temperature in (0.0, 1.0):
+        g = generate(target, [1, 2, 3], method="sd", draft=target, gamma=4, max_new_tokens=21,
+                     temperature=temperature, seed=5)
+        assert g.stats.accepted == [4, 4, 4, 4] and g.stats.mean_accepted_length == 5.0
+        assert g.stats.per_position_acceptance == [1.0] * 4
+        assert g.stats.target_forwards == 1 + 5  # prefill + 4 windows + the last single-token step
+
+
+def test_verify_match_rules():
+    logits = torch.full((4, 10), -5.0)
+    for row, tok in enumerate([3, 7, 2, 9]):
+        logits[row, tok] = 5.0
+    greedy = SamplingParams()
+    assert verify_match([3, 7, 2], logits, range(4), greedy).committed([3, 7, 2]) == [3, 7, 2, 9]
+    v = verify_match([3, 1, 2], logits, range(4), greedy)
+    assert (v.accepted, v.next_token) == (1, 7)
+    v = verify_match([], logits[:1], [0], greedy)
+    assert (v.accepted, v.next_token) == (0, 3)
+
+
+def test_rejection_rule_preserves_the_target_distribution():
+    """One position, fixed p and a deliberately bad q: committed tokens follow p (chi-square)."""
+    vocab, n = 6, 6000
+    target_logits = torch.tensor([[1.5, 0.2, -0.3, 0.9, -2.0, 0.0], [0.0] * vocab])
+    q = torch.tensor([0.05, 0.4, 0.3, 0.05, 0.15, 0.05], dtype=torch.float64)
+    params = SamplingParams(temperature=1.0, seed=123)
+    gen = torch.Generator().manual_seed(0)
+    proposals = torch.multinomial(q.float(), n, replacement=True, generator=gen).tolist()
+    counts = torch.zeros(vocab)
+    for pos, x in enumerate(proposals):
+        v = verify_rejection([x], q[None], target_logits, [pos, pos + 1], params)
+        counts[x if v.accepted else v.next_token] += 1
+    expected = target_logits[0].softmax(-1) * n
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def _exact_pair_distribution(model: Transformer, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(x1, x2 | prompt) by enumeration, from the target alone."""
+    with torch.no_grad():
+        p1 = (model(torch.tensor([prompt]))[0, -1] / temperature).softmax(-1)
+        vocab = p1.shape[0]
+        seqs = torch.tensor([prompt + [x] for x in range(vocab)])
+        p2 = (model(seqs)[:, -1] / temperature).softmax(-1)
+    return p1[:, None] * p2
+
+
+def test_sd_rejection_sampling_matches_target_distribution_end_to_end():
+    target = Transformer.from_hf(tiny_hf(vocab=8, layers=2, seed=3, std=0.5))
+    draft = Transformer.from_hf(tiny_hf(vocab=8, layers=1, seed=4, std=0.5))
+    prompt, temperature, n = [1, 2], 1.0, 1500
+    exact = _exact_pair_distribution(target, prompt, temperature).flatten()
+    counts = torch.zeros(64)
+    for seed in range(n):
+        g = generate(target, prompt, method="sd", draft=draft, gamma=2, acceptance="rejection",
+                     temperature=temperature, seed=seed, max_new_tokens=2)
+        counts[g.token_ids[0] * 8 + g.token_ids[1]] += 1
+    keep = exact * n >= 5  # chi-square needs expected counts >= 5; pool the rare cells
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([exact[keep] * n, (exact[~keep] * n).sum()[None]])
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("bad", [{"gamma": 0}, {"acceptance": "typical"}, {"beta": 1}])
+def test_sd_rejects_bad_options(tiny_pair, bad):
+    target, draft = tiny_pair
+    with pytest.raises(ValueError):
+        generate(target, [1, 2], method="sd", draft=draft, max_new_tokens=3, **bad)
+
+
+def test_sd_needs_a_matching_draft(tiny_pair):
+    target, _ = tiny_pair
+    with pytest.raises(ValueError, match="needs a draft"):
+        generate(target, [1, 2], method="sd")
+    other_vocab = Transformer.from_hf(tiny_hf(vocab=65))
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate(target, [1, 2], method="sd", draft=other_vocab)

@@ -1,0 +1,74 @@
+"""KV cache operations, alone and as used by the model (rollback, compaction, branches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mirrorsd import Transformer
+from mirrorsd.kv_cache import KVCache
+
+from .conftest import tiny_hf
+
+
+def kv(t: int, fill: float, rows: int = 1) -> torch.Tensor:
+    return torch.full((rows, 2, t, 4), fill)
+
+
+def test_append_truncate_keep_and_growth():
+    c = KVCache(n_layers=2, n_kv_heads=2, head_dim=4, capacity=2)
+    for layer in range(2):
+        k, v = c.append(layer, kv(3, 1.0), kv(3, -1.0))
+        assert k.shape[2] == 3 and c.capacity >= 3
+    c.append(0, kv(2, 2.0), kv(2, -2.0))
+    assert c.lengths == [5, 3] and len(c) == 3
+    c.truncate(4)
+    assert c.lengths == [4, 3]
+    c.append(1, kv(1, 3.0), kv(1, -3.0))
+    c.keep([3, 0])
+    assert c.lengths == [2, 2]
+    assert c.keys[0][0, 0, :2, 0].tolist() == [2.0, 1.0]
+    assert c.values[1][0, 0, :2, 0].tolist() == [-3.0, -1.0]
+    with pytest.raises(IndexError):
+        c.keep([0, 5])
+    with pytest.raises(ValueError):
+        c.truncate(-1)
+
+
+def test_select_rows_forks_and_reorders():
+    c = KVCache(n_layers=1, n_kv_heads=2, head_dim=4, rows=2)
+    c.append(0, torch.stack([kv(1, 1.0)[0], kv(1, 2.0)[0]]), torch.zeros(2, 2, 1, 4))
+    c.select_rows([1, 1, 0])
+    assert c.rows == 3
+    assert c.keys[0][:, 0, 0, 0].tolist() == [2.0, 2.0, 1.0]
+
+
+def test_rollback_then_continue_equals_fresh_decode():
+    model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1))
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        ref = model(ids)[0, -1]
+        cache = model.new_cache()
+        model(ids[:, :8], cache=cache)
+        model(torch.randint(0, 100, (1, 5)), cache=cache)  # a rejected draft window
+        cache.truncate(8)
+        out = model(ids[:, 8:], cache=cache)[0, -1]
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_compaction_after_tree_keeps_the_accepted_path():
+    """Score a two-branch tree, keep the prefix + branch B's positions, continue: equals plain decoding."""
+    model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1))
+    prefix, branch_a, branch_b, nxt = [1, 2, 3], [40, 41], [50, 51], [60]
+    with torch.no_grad():
+        ref = model(torch.tensor([prefix + branch_b + nxt]))[0, -1]
+        cache = model.new_cache()
+        model(torch.tensor([prefix]), cache=cache)
+        mask = torch.zeros(1, 4, 7, dtype=torch.bool)
+        mask[..., :3] = True
+        for i, j in [(0, 0), (1, 0), (1, 1), (2, 2), (3, 2), (3, 3)]:
+            mask[0, i, 3 + j] = True
+        model(torch.tensor([branch_a + branch_b]), torch.tensor([[3, 4, 3, 4]]), cache, mask)
+        cache.keep([0, 1, 2, 5, 6])
+        out = model(torch.tensor([nxt]), cache=cache)[0, -1]
+    assert (out - ref).abs().max().item() < 1e-5

@@ -1,0 +1,130 @@
+"""Our model against HF transformers as the oracle: logits, cache, layer-wise execution, masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mirrorsd import Transformer
+from mirrorsd.model import causal_mask
+
+from .conftest import HF_CONFIGS, requires_smollm2, tiny_hf
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
+def test_logits_match_hf(arch):
+    hf = tiny_hf(arch, vocab=300, std=0.1)
+    ours = Transformer.from_hf(hf)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        full = ours(ids)
+        cache = ours.new_cache(rows=2, capacity=4)  # small capacity: exercises growth
+        pieces = [ours(ids[:, a:b], cache=cache) for a, b in ((0, 9), (9, 10), (10, 17), (17, 24))]
+    assert (full - ref).abs().max().item() < TOL
+    assert (torch.cat(pieces, 1) - ref).abs().max().item() < TOL
+
+
+def test_llama3_rope_scaling_matches_hf():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 100, (1, 40))
+    with torch.no_grad():
+        assert (Transformer.from_hf(hf)(ids) - hf(ids).logits).abs().max().item() < TOL
+
+
+def test_unsupported_architecture_is_a_clear_error():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        from mirrorsd.model import ModelConfig
+
+        ModelConfig.from_hf(GPT2Config())
+
+
+def test_layerwise_execution_and_early_exit_match_hf_hidden_states():
+    hf = tiny_hf("qwen2", layers=4, vocab=200, std=0.1)
+    ours = Transformer.from_hf(hf)
+    ids = torch.randint(0, 200, (1, 12))
+    pos = torch.arange(12).unsqueeze(0)
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        cache = ours.new_cache()
+        h_mid = ours.run_layers(ours.embed(ids), pos, cache, start=0, end=2)
+        assert cache.lengths == [12, 12, 0, 0]
+        h_top = ours.run_layers(h_mid, pos, cache, start=2)
+        assert (h_mid - out.hidden_states[2]).abs().max().item() < TOL
+        assert (ours.logits(h_top) - out.logits).abs().max().item() < TOL
+        # Early exit: final norm + LM head applied to layer 2's hidden states.
+        early_ref = hf.lm_head(hf.model.norm(out.hidden_states[2]))
+        assert (ours.logits(h_mid) - early_ref).abs().max().item() < TOL
+
+
+def test_tree_mask_equals_separate_branches():
+    """Two branches after a shared prefix in one window, via an explicit mask and positions."""
+    ours = Transformer.from_hf(tiny_hf(vocab=100, std=0.1))
+    prefix, a, b = [5, 6, 7], [10, 11], [20, 21, 22]
+    with torch.no_grad():
+        ref_a = ours(torch.tensor([prefix + a]))[0, -len(a):]
+        ref_b = ours(torch.tensor([prefix + b]))[0, -len(b):]
+        cache = ours.new_cache()
+        ours(torch.tensor([prefix]), cache=cache)
+        tokens = torch.tensor([a + b])
+        positions = torch.tensor([[3, 4, 3, 4, 5]])
+        mask = torch.zeros(1, 5, 3 + 5, dtype=torch.bool)
+        mask[..., :3] = True  # everyone sees the prefix
+        for i, j in [(0, 0), (1, 0), (1, 1), (2, 2), (3, 2), (3, 3), (4, 2), (4, 3), (4, 4)]:
+            mask[0, i, 3 + j] = True
+        out = ours(tokens, positions, cache, mask)[0]
+    assert (out[:2] - ref_a).abs().max().item() < TOL
+    assert (out[2:] - ref_b).abs().max().item() < TOL
+
+
+def test_rows_are_independent_sequences():
+    ours = Transformer.from_hf(tiny_hf(vocab=100, std=0.1))
+    ids = torch.randint(0, 100, (3, 10))
+    with torch.no_grad():
+        batched = ours(ids)
+        for r in range(3):
+            assert (batched[r] - ours(ids[r:r + 1])[0]).abs().max().item() < TOL
+
+
+def test_prefix_model_is_first_layers_plus_head():
+    hf = tiny_hf(layers=4, vocab=100, std=0.1)
+    ours = Transformer.from_hf(hf)
+    draft = ours.prefix_model(2)
+    assert draft.config.n_layers == 2 and draft.lm_head is ours.lm_head
+    ids = torch.randint(0, 100, (1, 8))
+    with torch.no_grad():
+        hs = hf(ids, output_hidden_states=True).hidden_states[2]
+        assert (draft(ids) - hf.lm_head(hf.model.norm(hs))).abs().max().item() < TOL
+    with pytest.raises(ValueError):
+        ours.prefix_model(5)
+
+
+def test_causal_mask_shape_and_content():
+    m = causal_mask(2, 3)
+    assert m.shape == (1, 3, 5)
+    assert m[0].tolist() == [[True, True, True, False, False], [True, True, True, True, False],
+                             [True, True, True, True, True]]
+
+
+@requires_smollm2
+def test_smollm2_logits_match_hf(smollm2):
+    ours, hf = smollm2
+    ids = ours.tokenizer("The history of the printing press begins with", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = hf(ids).logits
+        full = ours.model(ids)
+        cache = ours.model.new_cache()
+        inc = torch.cat([ours.model(ids[:, :5], cache=cache), ours.model(ids[:, 5:], cache=cache)], 1)
+    assert (full - ref).abs().max().item() < TOL
+    assert (inc - ref).abs().max().item() < TOL
