@@ -302,8 +302,13 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         mask: torch.Tensor | None = None,
+        last: int | None = None,
     ) -> torch.Tensor:
-        """Logits ``[rows, T, vocab]`` for a window; positions default to continuing the cache."""
+        """Logits ``[rows, T, vocab]`` for a window; positions default to continuing the cache.
+
+        ``last=n`` returns only the last ``n`` rows' logits: the LM head is the largest matrix of a small
+        model, so a prefill or a draft catch-up should not pay it for rows nobody reads.
+        """
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
         if positions is None:
@@ -311,13 +316,12 @@ class Transformer(nn.Module):
             positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
         elif positions.dim() == 1:
             positions = positions.unsqueeze(0).expand_as(tokens)
-        return self.logits(self.run_layers(self.embed(tokens), positions, cache, mask))
+        hidden = self.run_layers(self.embed(tokens), positions, cache, mask)
+        return self.logits(hidden if last is None else hidden[:, -last:])
 
-    def num_parameters(self) -> int:
-        seen, total = set(), 0
-        for p in self.parameters():
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
-                total += p.numel()
-        return total
-
+    def prefill(self, tokens: torch.Tensor, cache: KVCache) -> None:
+        """Fill the cache with a prompt's keys and values; no logits (the LM head is skipped entirely)."""
+        tokens = tokens if tokens.dim() == 2 else tokens.unsqueeze(0)
+        past = cache.lengths[0]
+        positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
+        self.run_layers(self.embed(tokens), positions, cache)

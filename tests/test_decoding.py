@@ -24,19 +24,25 @@ from .conftest import tiny_hf
     max_new=st.integers(1, 30),
     self_draft=st.booleans(),
     top_p=st.sampled_from([1.0, 0.9]),
+    confidence=st.sampled_from([0.0, 0.4, 0.9]),
+    schedule=st.sampled_from(["constant", "heuristic"]),
 )
-def test_sd_match_equals_ar(tiny_pair, gamma, temperature, seed, prompt, max_new, self_draft, top_p):
+def test_sd_match_equals_ar(tiny_pair, gamma, temperature, seed, prompt, max_new, self_draft, top_p, confidence,
+                            schedule):
     target, other = tiny_pair
     draft = target.prefix_model(2) if self_draft else other
     kw = dict(temperature=temperature, seed=seed, max_new_tokens=max_new, top_p=top_p)
     ar = generate(target, prompt, method="ar", **kw)
-    sd = generate(target, prompt, method="sd", draft=draft, gamma=gamma, **kw)
+    sd = generate(target, prompt, method="sd", draft=draft, gamma=gamma, confidence=confidence, schedule=schedule,
+                  **kw)
     assert sd.token_ids == ar.token_ids
     assert len(sd.token_ids) == max_new
     stats = sd.stats
-    undrafted_steps = stats.target_forwards - (len(prompt) > 1) - stats.steps  # last step when 1 token is left
-    assert sum(a + 1 for a in stats.accepted) + undrafted_steps == max_new
-    assert all(0 <= a <= gamma for a in stats.accepted)
+    assert stats.target_forwards == (len(prompt) > 1) + stats.steps
+    assert sum(a + 1 for a in stats.accepted) == max_new
+    assert all(0 <= a <= d for a, d in zip(stats.accepted, stats.drafted, strict=True))
+    if schedule == "constant":
+        assert all(d <= gamma for d in stats.drafted)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -52,9 +58,10 @@ def test_rejection_sampling_is_greedy_exact_at_temperature_zero(tiny_pair, gamma
 def test_identity_draft_accepts_everything(tiny_pair):
     target, _ = tiny_pair
     for temperature in (0.0, 1.0):
-        g = generate(target, [1, 2, 3], method="sd", draft=target, gamma=4, max_new_tokens=21,
+        g = generate(target, [1, 2, 3], method="sd", draft=target, gamma=4, confidence=0, max_new_tokens=21,
                      temperature=temperature, seed=5)
-        assert g.stats.accepted == [4, 4, 4, 4] and g.stats.mean_accepted_length == 5.0
+        assert g.stats.accepted == [4, 4, 4, 4, 0] and g.stats.drafted == [4, 4, 4, 4, 0]
+        assert g.stats.mean_accepted_length == 21 / 5
         assert g.stats.per_position_acceptance == [1.0] * 4
         assert g.stats.target_forwards == 1 + 5  # prefill + 4 windows + the last single-token step
 
@@ -104,8 +111,8 @@ def test_sd_rejection_sampling_matches_target_distribution_end_to_end():
     exact = _exact_pair_distribution(target, prompt, temperature).flatten()
     counts = torch.zeros(64)
     for seed in range(n):
-        g = generate(target, prompt, method="sd", draft=draft, gamma=2, acceptance="rejection",
-                     temperature=temperature, seed=seed, max_new_tokens=2)
+        g = generate(target, prompt, method="sd", draft=draft, gamma=2, acceptance="rejection", confidence=0.3,
+                     temperature=temperature, seed=seed, max_new_tokens=3)  # first window: 2 draft tokens
         counts[g.token_ids[0] * 8 + g.token_ids[1]] += 1
     keep = exact * n >= 5  # chi-square needs expected counts >= 5; pool the rare cells
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
@@ -113,7 +120,8 @@ def test_sd_rejection_sampling_matches_target_distribution_end_to_end():
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("bad", [{"gamma": 0}, {"acceptance": "typical"}, {"beta": 1}])
+@pytest.mark.parametrize("bad", [{"gamma": 0}, {"acceptance": "typical"}, {"beta": 1}, {"confidence": 1.0},
+                                 {"schedule": "random"}])
 def test_sd_rejects_bad_options(tiny_pair, bad):
     target, draft = tiny_pair
     with pytest.raises(ValueError):

@@ -18,7 +18,7 @@ def decode(req: DecodeRequest) -> Iterator[list[int]]:
     cache = target.new_cache(capacity=len(req.prompt_ids) + req.max_new_tokens + 1)
     position = len(req.prompt_ids)  # absolute position of the next token
     with timer("prefill_s"):
-        logits = target(torch.tensor([req.prompt_ids], device=target.device), cache=cache)[0, -1:]
+        logits = target(torch.tensor([req.prompt_ids], device=target.device), cache=cache, last=1)[0]
     stats.target_forwards += 1
     while True:
         token = sample(logits, [position], req.sampling)[0]

@@ -27,8 +27,9 @@ class GenerationStats:
     new_tokens: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
-    gamma: int = 0
-    accepted: list[int] = field(default_factory=list)
+    gamma: int = 0  # the largest window drafted
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted, per speculative step
+    drafted: list[int] = field(default_factory=list)  # draft tokens proposed, per speculative step
     wall_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -43,13 +44,19 @@ class GenerationStats:
         """Tokens committed per target verification step: accepted + 1 (the vLLM / Spec-Bench convention)."""
         return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
 
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.drafted.append(drafted)
+        self.accepted.append(accepted)
+        self.gamma = max(self.gamma, drafted)
+
     @property
     def per_position_acceptance(self) -> list[float]:
-        """Entry i: share of steps whose draft token i+1 was accepted (windows shortened near the end count
-        only where position i+1 was drafted)."""
-        if not self.accepted or not self.gamma:
-            return []
-        return [sum(a > i for a in self.accepted) / len(self.accepted) for i in range(self.gamma)]
+        """Entry i: among steps that drafted a token at window position i+1, the share that accepted it."""
+        out = []
+        for i in range(self.gamma):
+            reached = [a for a, d in zip(self.accepted, self.drafted, strict=True) if d > i]
+            out.append(sum(a > i for a in reached) / len(reached) if reached else 0.0)
+        return out
 
     @property
     def tokens_per_s(self) -> float:
@@ -67,6 +74,7 @@ class GenerationStats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "accepted_per_step": list(self.accepted),
+            "drafted_per_step": list(self.drafted),
             "wall_s": round(self.wall_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "prefill_s": round(self.prefill_s, 4),

@@ -2,9 +2,20 @@
 
 Invariant at the start of every step, with ``seq`` the committed tokens (prompt + output):
 the target cache holds ``seq[:-1]``; the draft cache holds some prefix of ``seq`` and ``pending`` is the
-rest. One step: the draft feeds ``pending`` and then proposes ``gamma`` tokens one at a time; the target
-scores ``[seq[-1], d_1..d_gamma]`` in one forward; the verifier accepts ``A`` tokens and gives the
+rest. One step: the draft feeds ``pending`` and then proposes up to ``gamma`` tokens one at a time; the
+target scores ``[seq[-1], d_1..d_k]`` in one forward; the verifier accepts ``A`` tokens and gives the
 target's own next token; both caches roll back to what is committed.
+
+Two proposal policies change only *how many* tokens the draft proposes, never what is committed:
+
+* ``confidence`` (default 0.4): the draft stops *before* a position where its most likely token has
+  less than this probability, so the window ends where the draft starts guessing. Unlike HF's
+  ``assistant_confidence_threshold`` the doubtful token is not proposed: on a CPU, verifying even one
+  extra token costs about a whole extra target forward, and a window may end up empty (an AR step).
+* ``schedule="heuristic"``: the window limit grows by 2 after a fully accepted step and shrinks by 1
+  otherwise (HF's ``num_assistant_tokens_schedule``); ``"constant"`` (default) keeps ``gamma``.
+
+``confidence=0`` with ``schedule="constant"`` is textbook fixed-γ SD (the papers' baseline).
 """
 
 from __future__ import annotations
@@ -18,7 +29,9 @@ from ..sampling import DRAFT_STREAM, TARGET_STREAM, probabilities, sample
 from ..verify import ACCEPTANCE_RULES, verify_match, verify_rejection
 from .base import DecodeRequest, Timer
 
-DEFAULT_GAMMA = 4
+DEFAULT_GAMMA = 16
+DEFAULT_CONFIDENCE = 0.4
+SCHEDULES = ("constant", "heuristic")
 
 
 def check_draft(target: Transformer, draft: Transformer | None) -> Transformer:
@@ -32,32 +45,43 @@ def check_draft(target: Transformer, draft: Transformer | None) -> Transformer:
     return draft
 
 
-@torch.inference_mode()
-def decode(req: DecodeRequest) -> Iterator[list[int]]:
-    options = dict(req.options)
+def parse_options(options: dict) -> tuple[int, str, float, str]:
+    options = dict(options)
     gamma = int(options.pop("gamma", DEFAULT_GAMMA))
     rule = options.pop("acceptance", "match")
+    confidence = float(options.pop("confidence", DEFAULT_CONFIDENCE))
+    schedule = options.pop("schedule", "constant")
     if options:
         raise ValueError(f"unknown options for method 'sd': {sorted(options)}")
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
     if rule not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {rule!r}")
+    if not 0.0 <= confidence < 1.0:
+        raise ValueError(f"confidence must be in [0, 1), got {confidence}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return gamma, rule, confidence, schedule
+
+
+@torch.inference_mode()
+def decode(req: DecodeRequest) -> Iterator[list[int]]:
+    gamma, rule, confidence, schedule = parse_options(req.options)
     target, draft = req.target, check_draft(req.target, req.draft)
     params, stats, timer = req.sampling, req.stats, Timer(req.stats)
     rejection = rule == "rejection" and not params.greedy
     # Coupled drafting (same noise as the target) maximises sample-and-match acceptance; rejection
     # sampling needs the draft's draws independent of the target's acceptance noise.
     draft_stream = DRAFT_STREAM if rejection else TARGET_STREAM
-    stats.gamma = gamma
+    need_probs = rejection or confidence > 0
 
     seq = list(req.prompt_ids)
-    capacity = len(seq) + req.max_new_tokens + gamma + 2
+    capacity = len(seq) + req.max_new_tokens + 2
     t_cache, d_cache = target.new_cache(capacity=capacity), draft.new_cache(capacity=capacity)
     pending = list(seq)
     with timer("prefill_s"):
         if len(seq) > 1:
-            target(torch.tensor([seq[:-1]], device=target.device), cache=t_cache)
+            target.prefill(torch.tensor([seq[:-1]], device=target.device), t_cache)
             stats.target_forwards += 1
 
     produced = 0
@@ -68,12 +92,16 @@ def decode(req: DecodeRequest) -> Iterator[list[int]]:
         with timer("draft_s"):
             for i in range(window):
                 feed = pending if i == 0 else proposal[-1:]
-                logits = draft(torch.tensor([feed], device=draft.device), cache=d_cache)[0, -1:]
+                logits = draft(torch.tensor([feed], device=draft.device), cache=d_cache, last=1)[0]
                 stats.draft_forwards += 1
-                position = len(seq) + i
-                proposal.append(sample(logits, [position], params, draft_stream)[0])
-                if rejection:
-                    q_rows.append(probabilities(logits, params)[0])
+                if need_probs:
+                    q = probabilities(logits, params)[0] if not params.greedy else logits[0].double().softmax(-1)
+                    # Decided on the draft's distribution only, never on the draw, so that rejection
+                    # sampling still sees proposals distributed exactly as q.
+                    if q.max().item() < confidence:
+                        break
+                    q_rows.append(q)
+                proposal.append(sample(logits, [len(seq) + i], params, draft_stream)[0])
         with timer("target_s"):
             window_tokens = torch.tensor([[seq[-1], *proposal]], device=target.device)
             t_logits = target(window_tokens, cache=t_cache)[0]
@@ -84,13 +112,13 @@ def decode(req: DecodeRequest) -> Iterator[list[int]]:
                                            positions, params)
             else:
                 verdict = verify_match(proposal, t_logits, positions, params)
-        if window:
-            stats.accepted.append(verdict.accepted)
+        stats.record_step(len(proposal), verdict.accepted)
+        if proposal and schedule == "heuristic":
+            gamma = gamma + 2 if verdict.accepted == len(proposal) else max(1, gamma - 1)
         new = verdict.committed(proposal)
         # Roll back: the target keeps seq + accepted; the draft keeps what it saw of the committed text.
         t_cache.truncate(len(seq) + verdict.accepted)
-        drafted_len = len(seq) + max(len(proposal) - 1, 0) if window else len(d_cache)
-        keep = min(drafted_len, len(seq) + verdict.accepted)
+        keep = min(len(d_cache), len(seq) + verdict.accepted)
         d_cache.truncate(keep)
         seq.extend(new)
         pending = seq[keep:]
