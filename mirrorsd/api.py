@@ -172,8 +172,15 @@ class GenerationStream:
         return True
 
     def _pending_text(self, final: bool) -> str:
-        # Hold back a trailing replacement char: it is usually half of a multi-byte character.
-        end = len(self._text) if final or not self._text.endswith("\ufffd") else len(self._text) - 1
+        end = len(self._text)
+        if not final:
+            # Hold back what may still change: a trailing replacement char (usually half of a multi-byte
+            # character) and a tail that could be the start of a stop string (it would be cut).
+            if self._text.endswith("\ufffd"):
+                end -= 1
+            if self.stop:
+                end -= max(len(s) for s in self.stop) - 1
+        end = max(end, self._emitted)
         delta = self._text[self._emitted:end]
         self._emitted = max(self._emitted, end)
         return delta

