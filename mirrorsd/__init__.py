@@ -1,4 +1,8 @@
-"""mirrorsd: lossless speculative decoding (vanilla SD, Mirror-SD, Speculative Streaming)."""
+"""mirrorsd: lossless speculative decoding on real pretrained models.
+
+Today: the target alone (``ar``) and vanilla speculative decoding (``sd``); Mirror-SD and Speculative
+Streaming build on the same model, cache and verification layers.
+"""
 
 from .api import Generation, GenerationStream, LoadedModel, generate, load_model, stream
 from .decoding import METHODS, GenerationStats

@@ -6,6 +6,7 @@ validation, EOS / stop strings / ``max_new_tokens``, incremental detokenisation 
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -116,7 +117,8 @@ class GenerationStream:
     def __init__(self, target: LoadedModel, prompt_ids: list[int], method: str, request: DecodeRequest,
                  stop: Sequence[str]) -> None:
         self.target, self.prompt_ids, self.method, self.request = target, prompt_ids, method, request
-        self.stop = [s for s in stop if s]
+        self.stop = [stop] if isinstance(stop, str) else [s for s in stop if s]
+        self._steps = METHODS[method](request)  # validates the method's options now, not at first next()
         self.token_ids: list[int] = []
         self.result: Generation | None = None
         self._text = ""
@@ -127,10 +129,12 @@ class GenerationStream:
         return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
 
     def __iter__(self) -> Iterator[str]:
+        if self._steps is None:
+            raise RuntimeError("a GenerationStream can be iterated only once")
         req, stats = self.request, self.request.stats
         finish = "length"
         start = time.perf_counter()
-        steps = METHODS[self.method](req)
+        steps, self._steps = self._steps, None
         try:
             for chunk in steps:
                 done = False
@@ -164,20 +168,20 @@ class GenerationStream:
         self.result = Generation(self._text, self.token_ids, stats, finish, self.prompt_ids)
 
     def _hit_stop(self) -> bool:
-        text = self._decode(self.token_ids)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        if not cuts:
+        # A stop string that just appeared ends within the last few tokens: decode only those first.
+        tail = self._decode(self.token_ids[-(max(len(s) for s in self.stop) + 8):])
+        if not any(s in tail for s in self.stop):
             return False
-        self._text = text[: min(cuts)]  # like vLLM, the stop string itself is not part of the output
+        text = self._decode(self.token_ids)
+        self._text = text[: min(text.find(s) for s in self.stop if s in text)]  # vLLM-like: stop string cut
         return True
 
     def _pending_text(self, final: bool) -> str:
         end = len(self._text)
         if not final:
-            # Hold back what may still change: a trailing replacement char (usually half of a multi-byte
+            # Hold back what may still change: trailing replacement chars (the first bytes of a multi-byte
             # character) and a tail that could be the start of a stop string (it would be cut).
-            if self._text.endswith("\ufffd"):
-                end -= 1
+            end = len(self._text.rstrip("\ufffd"))
             if self.stop:
                 end -= max(len(s) for s in self.stop) - 1
         end = max(end, self._emitted)
@@ -195,9 +199,9 @@ def stream(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    seed: int = 0,
+    seed: int | None = None,
     max_new_tokens: int = 128,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
     raw: bool = False,
     **options: Any,
 ) -> GenerationStream:
@@ -224,17 +228,22 @@ def stream(
     if len(ids) >= context:
         raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {context}")
     max_new = min(max_new_tokens, context - len(ids))
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    request = DecodeRequest(target.model, ids, max_new, params, GenerationStats(method), draft_model, options)
+    if seed is None:  # like HF and vLLM, no seed means a fresh one; it is reported in the stats
+        seed = secrets.randbits(63)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))
+    stats = GenerationStats(method, seed=params.seed)
+    request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, options)
     return GenerationStream(target, ids, method, request, stop)
 
 
 def generate(target: LoadedModel | Transformer, prompt: str | Sequence[int], **kwargs: Any) -> Generation:
     """Generate a completion.
 
-    ``method`` is ``"ar"`` (target alone) or ``"sd"`` (speculative, needs ``draft``; options ``gamma`` and
-    ``acceptance="match"|"rejection"``). ``temperature=0`` is greedy; sampling is seeded by ``seed`` and
-    keyed by position, so ``ar`` and ``sd`` give identical tokens for the same seed.
+    ``method`` is ``"ar"`` (target alone) or ``"sd"`` (speculative, needs ``draft``; options ``gamma``,
+    ``confidence``, ``schedule`` and ``acceptance="match"|"rejection"``). ``temperature=0`` is greedy;
+    sampling noise is keyed by ``seed`` (random when None) and position, so ``ar`` and ``sd`` with match
+    acceptance give the same tokens for the same seed -- up to float near-ties, where a k-token and a
+    1-token forward may order two almost equal logits differently.
     """
     s = stream(target, prompt, **kwargs)
     for _ in s:

@@ -96,7 +96,18 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only where there is a default and the help does not state it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False) or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from mirrorsd.decoding import sd
     p = argparse.ArgumentParser(
         prog="mirrorsd",
         description="Lossless speculative decoding on real pretrained models, offline.",
@@ -106,37 +117,40 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser(
         "generate",
         help="generate text (AR or speculative)",
-        description="Generate a completion. Speculative methods give exactly the target's tokens: "
-        "greedy output equals --method ar, and seeded sampling equals ar for the same --seed.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Generate a completion. Speculative methods give the target's own tokens: greedy output "
+        "equals --method ar, and seeded sampling equals ar for the same --seed (up to float near-ties).",
+        formatter_class=_HelpFormatter,
     )
     g.add_argument("--target", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
     g.add_argument("--draft", default=None,
-                   help=f"draft model (zoo name or folder) for speculative methods [default: {DEFAULT_DRAFT}]")
+                   help=f"draft model (zoo name or folder) for speculative methods (default: {DEFAULT_DRAFT})")
     g.add_argument("--method", default="sd", choices=["ar", "sd"],
                    help="ar: target alone; sd: vanilla speculative decoding")
-    g.add_argument("--gamma", type=int, default=20, help="most draft tokens per verification window")
-    g.add_argument("--confidence", type=float, default=0.6,
+    g.add_argument("--gamma", type=int, help=f"most draft tokens per verification window (default: {sd.DEFAULT_GAMMA})")
+    g.add_argument("--confidence", type=float,
                    help="end a draft window at the first position where the draft's top probability is below "
-                        "this (0: always draft --gamma tokens, textbook SD)")
-    g.add_argument("--schedule", default="constant", choices=["constant", "heuristic"],
-                   help="heuristic: window limit +2 after a fully accepted step, -1 otherwise")
-    g.add_argument("--acceptance", default="match", choices=["match", "rejection"],
-                   help="match: greedy / sample-and-match (same tokens as ar); rejection: speculative sampling "
-                        "(same distribution as ar)")
+                        f"this; 0 always drafts --gamma tokens (textbook SD) (default: {sd.DEFAULT_CONFIDENCE})")
+    g.add_argument("--schedule", choices=sd.SCHEDULES,
+                   help="heuristic: window limit +2 after a fully accepted step, -1 otherwise (default: constant)")
+    g.add_argument("--acceptance", choices=["match", "rejection"],
+                   help="match: greedy / sample-and-match (the target's own tokens, as ar) (default); "
+                        "rejection: speculative sampling (the target's distribution)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
     g.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus filtering")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (noise is keyed by seed and position)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int,
+                   help="sampling seed; noise is keyed by seed and position, so ar and sd agree for a seed "
+                        "(default: random, reported in --json stats)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     g.add_argument("--stop", action="append", help="stop string (repeatable); excluded from the output")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts", help='JSONL file with one {"prompt": ...} per line')
     g.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="torch device for both models (cpu, cuda, cuda:1, ...)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations; the zoo converts to float32")
     g.set_defaults(func=_cmd_generate)
 
     m = sub.add_parser("models", help="the offline model zoo", description="List and prepare zoo models.")

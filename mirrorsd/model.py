@@ -47,6 +47,8 @@ class ModelConfig:
         arch = hf_config.model_type
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}; mirrorsd supports {', '.join(SUPPORTED_ARCHS)}")
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError("MLP biases (mlp_bias=True) are not supported")
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {hf_config.hidden_act!r} (expected silu)")
         n_heads = hf_config.num_attention_heads

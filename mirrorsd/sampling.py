@@ -96,11 +96,11 @@ def sample(logits: torch.Tensor, positions: Sequence[int], params: SamplingParam
     """One token per row of ``[n, vocab]`` logits; row i is the token at absolute position ``positions[i]``."""
     if params.greedy:
         return logits.argmax(-1).tolist()
-    noise = gumbel_noise(params.seed, positions, logits.shape[-1], stream)
+    noise = gumbel_noise(params.seed, positions, logits.shape[-1], stream).to(logits.device)
     return (warp(logits, params).double() + noise).argmax(-1).tolist()
 
 
 def sample_from_probs(probs: torch.Tensor, positions: Sequence[int], seed: int, stream: int) -> list[int]:
     """Exact draws from explicit distributions ``[n, vocab]`` via Gumbel-max on their logs."""
-    noise = gumbel_noise(seed, positions, probs.shape[-1], stream)
+    noise = gumbel_noise(seed, positions, probs.shape[-1], stream).to(probs.device)
     return (probs.double().log() + noise).argmax(-1).tolist()

@@ -43,11 +43,12 @@ def verify_match(draft: Sequence[int], target_logits: torch.Tensor, positions: S
     target alone would produce with the same seed. ``positions[i]`` is the absolute position of the token
     predicted by row ``i`` of ``target_logits``.
     """
-    own = sample(target_logits, positions, params)
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == own[accepted]:
-        accepted += 1
-    return Verdict(accepted, own[accepted])
+    for i, proposed in enumerate(draft):  # row by row: no noise is drawn past the first disagreement
+        own = sample(target_logits[i:i + 1], positions[i:i + 1], params)[0]
+        if own != proposed:
+            return Verdict(i, own)
+    n = len(draft)
+    return Verdict(n, sample(target_logits[n:n + 1], positions[n:n + 1], params)[0])
 
 
 def verify_rejection(draft: Sequence[int], draft_probs: torch.Tensor, target_logits: torch.Tensor,

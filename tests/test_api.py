@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mirrorsd import LoadedModel, Transformer, generate, stream
 
@@ -18,10 +17,10 @@ def tiny() -> Transformer:
 @pytest.mark.parametrize("method", ["ar", "sd"])
 def test_eos_stops_and_is_not_output(tiny, method):
     reference = generate(tiny, [1, 2, 3], max_new_tokens=20).token_ids
-    eos = reference[6]
-    first = reference.index(eos)
-    model = LoadedModel(tiny, eos_token_ids=frozenset({eos}))
-    kw = {"draft": tiny.prefix_model(1), "gamma": 5} if method == "sd" else {}
+    first = next(i for i in range(3, 20) if reference[i] not in reference[:i])  # a token new at i >= 3
+    model = LoadedModel(tiny, eos_token_ids=frozenset({reference[first]}))
+    # The identity draft with 8-token windows puts the EOS in the middle of an accepted window.
+    kw = {"draft": tiny, "gamma": 8, "confidence": 0} if method == "sd" else {}
     g = generate(model, [1, 2, 3], method=method, max_new_tokens=20, **kw)
     assert g.finish_reason == "eos"
     assert g.token_ids == reference[:first]
@@ -89,7 +88,7 @@ def test_stop_strings_streaming_and_chat_template(smollm2):
     middle = len(full.text) // 2
     stop = full.text[middle:middle + 3]
     for method, kw in [("ar", {}), ("sd", {"draft": ours.model.prefix_model(6), "gamma": 5})]:
-        s = stream(ours, prompt, method=method, stop=[stop], max_new_tokens=40, **kw)
+        s = stream(ours, prompt, method=method, stop=stop, max_new_tokens=40, **kw)  # a str is one stop string
         pieces = list(s)
         g = s.result
         assert g.finish_reason == "stop"
@@ -114,4 +113,21 @@ def test_stats_dict_is_json_ready(tiny):
     for key in ("target_forwards", "mean_accepted_length", "per_position_acceptance", "tokens_per_s", "draft_s",
                 "target_s", "wall_s"):
         assert key in d["stats"]
-    assert torch.is_tensor(torch.tensor(d["token_ids"]))
+    assert d["token_ids"] == g.token_ids and isinstance(d["stats"]["seed"], int)
+
+
+def test_seed_none_is_random_and_reported(tiny):
+    a = generate(tiny, [1, 2, 3], temperature=1.0, max_new_tokens=16)
+    b = generate(tiny, [1, 2, 3], temperature=1.0, max_new_tokens=16)
+    assert a.stats.seed != b.stats.seed
+    again = generate(tiny, [1, 2, 3], temperature=1.0, max_new_tokens=16, seed=a.stats.seed)
+    assert again.token_ids == a.token_ids
+
+
+def test_options_are_checked_before_iterating_and_streams_run_once(tiny):
+    with pytest.raises(ValueError, match="gamma"):
+        stream(tiny, [1, 2], method="sd", draft=tiny, gamma=0)
+    s = stream(tiny, [1, 2], max_new_tokens=3)
+    list(s)
+    with pytest.raises(RuntimeError, match="once"):
+        list(s)

@@ -83,4 +83,4 @@ def test_malformed_prompts_file(capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
     rc, _, err = run(capsys, "generate", "--target", "no-such-model", "--method", "ar", "--prompts", str(bad))
-    assert rc == 2 and "prompt" in err
+    assert rc == 2 and 'expected a JSON object with a "prompt" field' in err

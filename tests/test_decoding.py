@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -47,7 +49,7 @@ def test_sd_match_equals_ar(tiny_pair, gamma, temperature, seed, prompt, max_new
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(gamma=st.integers(1, 6), seed=st.integers(0, 1000), max_new=st.integers(1, 25))
-def test_rejection_sampling_is_greedy_exact_at_temperature_zero(tiny_pair, gamma, seed, max_new):
+def test_rejection_acceptance_at_temperature_zero_is_greedy(tiny_pair, gamma, seed, max_new):
     target, draft = tiny_pair
     ar = generate(target, [3, 1, 4], method="ar", max_new_tokens=max_new)
     sd = generate(target, [3, 1, 4], method="sd", draft=draft, gamma=gamma, acceptance="rejection",
@@ -78,6 +80,19 @@ def test_verify_match_rules():
     assert (v.accepted, v.next_token) == (0, 3)
 
 
+def test_rejection_rule_with_one_hot_distributions_is_exact_match():
+    logits = torch.full((3, 10), -5.0)
+    for row, tok in enumerate([3, 7, 2]):
+        logits[row, tok] = 5.0
+    greedy = SamplingParams()
+    q = torch.nn.functional.one_hot(torch.tensor([3, 1]), 10).double()
+    v = verify_rejection([3, 1], q, logits, [0, 1, 2], greedy)
+    assert (v.accepted, v.next_token) == (1, 7)
+    v = verify_rejection([3, 7], torch.nn.functional.one_hot(torch.tensor([3, 7]), 10).double(), logits, [0, 1, 2],
+                         greedy)
+    assert (v.accepted, v.next_token) == (2, 2)
+
+
 def test_rejection_rule_preserves_the_target_distribution():
     """One position, fixed p and a deliberately bad q: committed tokens follow p (chi-square)."""
     vocab, n = 6, 6000
@@ -104,20 +119,46 @@ def _exact_pair_distribution(model: Transformer, prompt: list[int], temperature:
     return p1[:, None] * p2
 
 
-def test_sd_rejection_sampling_matches_target_distribution_end_to_end():
+@pytest.mark.parametrize(
+    ("prompt", "first_windows"),
+    [
+        ([1, 2], {0}),  # the draft's top probability here is 0.72 < 0.75: the first window is always empty
+        ([5, 6], {2, 3}),  # 0.80 here, then 0.30-0.86: windows cut after a doubtful 2nd token, or full
+    ],
+)
+def test_sd_rejection_sampling_matches_target_distribution_end_to_end(prompt, first_windows):
+    """Joint law of the first two tokens under rejection sampling with windows of up to 3 and the
+    confidence cut active in both forms (a doubtful first token is not proposed; a doubtful later one is
+    proposed and ends the window)."""
     target = Transformer.from_hf(tiny_hf(vocab=8, layers=2, seed=3, std=0.5))
     draft = Transformer.from_hf(tiny_hf(vocab=8, layers=1, seed=4, std=0.5))
-    prompt, temperature, n = [1, 2], 1.0, 1500
+    temperature, n = 1.0, 2500
     exact = _exact_pair_distribution(target, prompt, temperature).flatten()
     counts = torch.zeros(64)
+    seen = Counter()
     for seed in range(n):
-        g = generate(target, prompt, method="sd", draft=draft, gamma=2, acceptance="rejection", confidence=0.3,
-                     temperature=temperature, seed=seed, max_new_tokens=3)  # first window: 2 draft tokens
+        g = generate(target, prompt, method="sd", draft=draft, gamma=3, acceptance="rejection", confidence=0.75,
+                     temperature=temperature, seed=seed, max_new_tokens=4)
         counts[g.token_ids[0] * 8 + g.token_ids[1]] += 1
+        seen[g.stats.drafted[0]] += 1
+    assert set(seen) == first_windows and min(seen.values()) > 100, seen  # every branch was exercised
     keep = exact * n >= 5  # chi-square needs expected counts >= 5; pool the rare cells
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     exp = torch.cat([exact[keep] * n, (exact[~keep] * n).sum()[None]])
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+
+
+def test_draft_with_a_smaller_padded_vocabulary(tiny_pair):
+    """Qwen2.5-7B pads its embedding past the tokenizer; a 0.5B draft with fewer rows must still work."""
+    target, _ = tiny_pair
+    small = Transformer.from_hf(tiny_hf(vocab=60, layers=1, seed=9))
+    for temperature, rule in [(0.0, "match"), (0.9, "match"), (0.9, "rejection")]:
+        kw = dict(temperature=temperature, seed=4, max_new_tokens=25)
+        ar = generate(target, [1, 2, 3], method="ar", **kw)
+        sd = generate(target, [1, 2, 3], method="sd", draft=small, acceptance=rule, confidence=0, gamma=3, **kw)
+        assert len(sd.token_ids) == 25
+        if rule == "match":
+            assert sd.token_ids == ar.token_ids
 
 
 @pytest.mark.parametrize("bad", [{"gamma": 0}, {"acceptance": "typical"}, {"beta": 1}, {"confidence": 1.0},
@@ -132,6 +173,6 @@ def test_sd_needs_a_matching_draft(tiny_pair):
     target, _ = tiny_pair
     with pytest.raises(ValueError, match="needs a draft"):
         generate(target, [1, 2], method="sd")
-    other_vocab = Transformer.from_hf(tiny_hf(vocab=65))
+    larger_vocab = Transformer.from_hf(tiny_hf(vocab=65))
     with pytest.raises(ValueError, match="vocabulary"):
-        generate(target, [1, 2], method="sd", draft=other_vocab)
+        generate(target, [1, 2], method="sd", draft=larger_vocab)

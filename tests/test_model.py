@@ -50,6 +50,15 @@ def test_unsupported_architecture_is_a_clear_error():
         ModelConfig.from_hf(GPT2Config())
 
 
+def test_mlp_bias_is_refused():
+    from transformers import LlamaConfig
+
+    from mirrorsd.model import ModelConfig
+
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf(LlamaConfig(mlp_bias=True))
+
+
 def test_layerwise_execution_and_early_exit_match_hf_hidden_states():
     hf = tiny_hf("qwen2", layers=4, vocab=200, std=0.1)
     ours = Transformer.from_hf(hf)

@@ -10,10 +10,14 @@ from ..sampling import sample
 from .base import DecodeRequest, Timer
 
 
-@torch.inference_mode()
 def decode(req: DecodeRequest) -> Iterator[list[int]]:
     if req.options:
         raise ValueError(f"method 'ar' takes no options, got {sorted(req.options)}")
+    return _run(req)
+
+
+@torch.inference_mode()
+def _run(req: DecodeRequest) -> Iterator[list[int]]:
     target, stats, timer = req.target, req.stats, Timer(req.stats)
     cache = target.new_cache(capacity=len(req.prompt_ids) + req.max_new_tokens + 1)
     position = len(req.prompt_ids)  # absolute position of the next token

@@ -23,6 +23,7 @@ class GenerationStats:
     """Per-generation counters. ``accepted`` holds the draft tokens accepted at each speculative step."""
 
     method: str
+    seed: int = 0
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0
@@ -41,7 +42,8 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens committed per target verification step: accepted + 1 (the vLLM / Spec-Bench convention)."""
+        """Tokens per target decoding step, accepted + 1 averaged over steps (Spec-Bench's convention; a
+        step with an empty window counts as 1)."""
         return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
 
     def record_step(self, drafted: int, accepted: int) -> None:
@@ -65,6 +67,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "method": self.method,
+            "seed": self.seed,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,

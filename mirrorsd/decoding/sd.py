@@ -37,11 +37,13 @@ SCHEDULES = ("constant", "heuristic")
 
 
 def check_draft(target: Transformer, draft: Transformer | None) -> Transformer:
+    """The draft must share the target's token ids; its embedding may be smaller (Qwen2.5-7B pads its
+    vocabulary to 152,064 rows while 0.5B-3B have 151,936 with the same tokenizer)."""
     if draft is None:
         raise ValueError("speculative decoding needs a draft model (draft=... / --draft)")
-    if draft.config.vocab_size != target.config.vocab_size:
+    if draft.config.vocab_size > target.config.vocab_size:
         raise ValueError(
-            f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+            f"draft vocabulary ({draft.config.vocab_size}) is larger than the target's "
             f"({target.config.vocab_size}); the draft must share the target's tokenizer"
         )
     return draft
@@ -66,16 +68,26 @@ def parse_options(options: dict) -> tuple[int, str, float, str]:
     return gamma, rule, confidence, schedule
 
 
-@torch.inference_mode()
 def decode(req: DecodeRequest) -> Iterator[list[int]]:
-    gamma, rule, confidence, schedule = parse_options(req.options)
-    target, draft = req.target, check_draft(req.target, req.draft)
+    options = parse_options(req.options)
+    check_draft(req.target, req.draft)
+    return _run(req, *options)
+
+
+@torch.inference_mode()
+def _run(req: DecodeRequest, gamma: int, rule: str, confidence: float, schedule: str) -> Iterator[list[int]]:
+    target, draft = req.target, req.draft
     params, stats, timer = req.sampling, req.stats, Timer(req.stats)
     rejection = rule == "rejection" and not params.greedy
     # Coupled drafting (same noise as the target) maximises sample-and-match acceptance; rejection
     # sampling needs the draft's draws independent of the target's acceptance noise.
     draft_stream = DRAFT_STREAM if rejection else TARGET_STREAM
     need_probs = rejection or confidence > 0
+    draft_vocab, pad = draft.config.vocab_size, target.config.vocab_size - draft.config.vocab_size
+
+    def draft_ids(tokens: list[int]) -> torch.Tensor:
+        # Tokens past a smaller draft vocabulary (padding rows) can only change what the draft proposes.
+        return torch.tensor([[t if t < draft_vocab else 0 for t in tokens]], device=draft.device)
 
     seq = list(req.prompt_ids)
     capacity = len(seq) + req.max_new_tokens + 2
@@ -94,7 +106,7 @@ def decode(req: DecodeRequest) -> Iterator[list[int]]:
         with timer("draft_s"):
             for i in range(window):
                 feed = pending if i == 0 else proposal[-1:]
-                logits = draft(torch.tensor([feed], device=draft.device), cache=d_cache, last=1)[0]
+                logits = draft(draft_ids(feed), cache=d_cache, last=1)[0]
                 stats.draft_forwards += 1
                 doubtful = False
                 if need_probs:
@@ -104,7 +116,7 @@ def decode(req: DecodeRequest) -> Iterator[list[int]]:
                     doubtful = q.max().item() < confidence
                     if doubtful and i == 0:
                         break
-                    q_rows.append(q)
+                    q_rows.append(torch.nn.functional.pad(q, (0, pad)) if pad else q)
                 proposal.append(sample(logits, [len(seq) + i], params, draft_stream)[0])
                 if doubtful:
                     break
