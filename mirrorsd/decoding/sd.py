@@ -36,7 +36,7 @@ DEFAULT_CONFIDENCE = 0.6
 SCHEDULES = ("constant", "heuristic")
 
 
-def check_draft(target: Transformer, draft: Transformer | None) -> Transformer:
+def check_draft(target: Transformer, draft: Transformer | None) -> None:
     """The draft must share the target's token ids; its embedding may be smaller (Qwen2.5-7B pads its
     vocabulary to 152,064 rows while 0.5B-3B have 151,936 with the same tokenizer)."""
     if draft is None:
@@ -46,7 +46,6 @@ def check_draft(target: Transformer, draft: Transformer | None) -> Transformer:
             f"draft vocabulary ({draft.config.vocab_size}) is larger than the target's "
             f"({target.config.vocab_size}); the draft must share the target's tokenizer"
         )
-    return draft
 
 
 def parse_options(options: dict) -> tuple[int, str, float, str]:
