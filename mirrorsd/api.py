@@ -115,9 +115,9 @@ class GenerationStream:
     """Iterates over text deltas as tokens are committed; ``.result`` holds the :class:`Generation` after."""
 
     def __init__(self, target: LoadedModel, prompt_ids: list[int], method: str, request: DecodeRequest,
-                 stop: Sequence[str]) -> None:
-        self.target, self.prompt_ids, self.method, self.request = target, prompt_ids, method, request
-        self.stop = [stop] if isinstance(stop, str) else [s for s in stop if s]
+                 stop: str | Sequence[str]) -> None:
+        self.target, self.prompt_ids, self.request = target, prompt_ids, request
+        self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # "" would match at once
         self._steps = METHODS[method](request)  # validates the method's options now, not at first next()
         self.token_ids: list[int] = []
         self.result: Generation | None = None

@@ -27,6 +27,12 @@ def test_eos_stops_and_is_not_output(tiny, method):
     assert g.stats.new_tokens == first
 
 
+def test_empty_stop_strings_are_ignored(tiny):
+    for stop in ("", [""], ()):
+        g = generate(tiny, [1, 2, 3], max_new_tokens=6, stop=stop)
+        assert len(g.token_ids) == 6 and g.finish_reason == "length"
+
+
 def test_max_new_tokens_and_length_reason(tiny):
     g = generate(tiny, [1, 2, 3], method="sd", draft=tiny, gamma=8, confidence=0, max_new_tokens=5)
     assert len(g.token_ids) == 5 and g.finish_reason == "length"
