@@ -54,10 +54,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated subset of " + ",".join(PROMPTS))
     ap.add_argument("--out", default="bench_out/hf")
+    ap.add_argument("--backend", default="auto", choices=["auto", "dense"],
+                    help="our linear layers: auto = packed small-M kernels, dense = PyTorch's GEMM (as HF)")
     args = ap.parse_args()
 
-    target = mirrorsd.load_model(args.target)
-    draft = mirrorsd.load_model(args.draft)
+    # fp32 weights on both sides, so HF's tokens are comparable with ours.
+    target = mirrorsd.load_model(args.target, weights="fp32", backend=args.backend)
+    draft = mirrorsd.load_model(args.draft, weights="fp32", backend=args.backend)
     hf_target = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(draft.path, dtype=torch.float32).eval()
     n = args.max_new_tokens

@@ -32,15 +32,31 @@ class LoadedModel:
     name: str = ""
     path: Path | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    weights: str = "fp32"
 
     @property
     def config(self):
         return self.model.config
 
 
+def default_weights(path: Path, device: str | torch.device, dtype: torch.dtype) -> str:
+    """``q4`` (the folder's own GGUF codes) on CPU in fp32 when the folder keeps its GGUF, else ``fp32``.
+
+    q4 is the fastest format here and its perplexity stays within 1% of the fp32-dequantized model on our
+    corpus (see docs/benchmarks.md); a user's own fp32 checkpoint is never quantized unless asked.
+    """
+    cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    return "q4" if cpu_fp32 and (Path(path) / "model.gguf").is_file() else "fp32"
+
+
 def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
-    """Load a zoo model by name (prepared on first use) or a local HF checkpoint folder."""
+               dtype: str | torch.dtype = torch.float32, weights: str | None = None, backend: str = "auto",
+               progress: bool = True) -> LoadedModel:
+    """Load a zoo model by name (prepared on first use) or a local HF checkpoint folder.
+
+    ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.model.WEIGHT_FORMATS`); None picks
+    :func:`default_weights`. ``backend="dense"`` keeps PyTorch's stock GEMMs (a baseline for benchmarks).
+    """
     from transformers import AutoTokenizer, GenerationConfig
 
     from . import zoo
@@ -50,7 +66,8 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     path = zoo.resolve(name_or_path, progress=progress)
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype).eval()
+    weights = weights or default_weights(path, device, dtype)
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, backend=backend).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     eos: set[int] = set()
     if tokenizer.eos_token_id is not None:
@@ -58,7 +75,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     if (path / "generation_config.json").exists():
         ids = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
         eos.update([ids] if isinstance(ids, int) else ids or [])
-    return LoadedModel(model, tokenizer, str(name_or_path), path, frozenset(eos))
+    return LoadedModel(model, tokenizer, str(name_or_path), path, frozenset(eos), weights)
 
 
 @dataclass

@@ -37,12 +37,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--draft is only used by speculative methods ({', '.join(sorted(SPECULATIVE))})")
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
-        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype)
+        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights)
     draft = None
     if speculative:
         draft_name = args.draft or DEFAULT_DRAFT
         with err.status(f"loading draft {draft_name}…"):
-            draft = mirrorsd.load_model(draft_name, device=args.device, dtype=args.dtype)
+            draft = mirrorsd.load_model(draft_name, device=args.device, dtype=args.dtype, weights=args.weights)
     options = {"gamma": args.gamma, "acceptance": args.acceptance, "confidence": args.confidence,
                "schedule": args.schedule} if speculative else {}
     for prompt in prompts:
@@ -59,12 +59,63 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             st = result.stats
             sys.stdout.write("\n")
-            line = (f"[{args.method}] {st.new_tokens} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.2f} tok/s), "
-                    f"{st.target_forwards} target forwards, finish={result.finish_reason}")
+            line = (f"[{args.method}, {target.weights}] {st.new_tokens} tokens in {st.wall_s:.2f} s "
+                    f"({st.tokens_per_s:.2f} tok/s), {st.target_forwards} target forwards, "
+                    f"finish={result.finish_reason}")
             if speculative:
                 line += (f", mean accepted length {st.mean_accepted_length:.2f} (γ={st.gamma}), "
                          f"draft {st.draft_s:.2f} s / target {st.target_s:.2f} s")
             err.print(line, style="dim", highlight=False)
+    return 0
+
+
+def _cmd_bench_forward(args: argparse.Namespace) -> int:
+    from mirrorsd import bench
+
+    try:
+        ks = tuple(sorted({int(k) for k in args.ks.split(",")}))
+    except ValueError:
+        raise ValueError(f"--ks must be comma-separated integers, got {args.ks!r}") from None
+    if not ks or ks[0] < 1:
+        raise ValueError("--ks must be positive")
+    if args.rounds < 1 or args.ar_tokens < 1 or args.context < 1:
+        raise ValueError("--rounds, --ar-tokens and --context must be positive")
+    report = bench.run(args.model, args.weights, ks, args.context, args.rounds, args.ar_tokens, args.llama_bench)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    print(f"{report.model} ({report.weights}) on {report.machine}, {report.threads} threads, "
+          f"fast kernels: {report.fast_kernels}, context {report.context}")
+    for k, ms in report.forward_ms.items():
+        print(f"  k={k:>3}: {ms:9.1f} ms  ({report.relative[k]:.2f}x k={ks[0]})")
+    print(f"  AR: {report.ar_tok_s:.2f} tok/s")
+    if report.llama_cpp:
+        lc = report.llama_cpp
+        print(f"  llama.cpp ({lc.get('build')}): AR {lc.get('ar_tok_s', float('nan')):.2f} tok/s; " + ", ".join(
+            f"k={k}: {ms:.1f} ms" for k, ms in lc["forward_ms"].items()))
+    return 0
+
+
+def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
+    from mirrorsd import perplexity
+    from mirrorsd.model import WEIGHT_FORMATS
+
+    formats = [w.strip() for w in args.weights.split(",") if w.strip()]
+    unknown = sorted(set(formats) - set(WEIGHT_FORMATS))
+    if not formats or unknown:
+        raise ValueError(f"--weights takes formats from {', '.join(WEIGHT_FORMATS)}; got {args.weights!r}")
+    if args.tokens < 2 or args.window < 2:
+        raise ValueError("--tokens and --window must be at least 2")
+    first = None
+    for fmt in formats:
+        report = perplexity.run(args.model, fmt, args.tokens, args.window, progress=not args.json)
+        first = first or report
+        if args.json:
+            print(json.dumps(report.to_dict()), flush=True)
+        else:
+            delta = 100 * (report.perplexity / first.perplexity - 1)
+            print(f"{report.model} {fmt:>5}: perplexity {report.perplexity:.4f} over {report.tokens} tokens "
+                  f"({delta:+.2f}% vs {first.weights})", flush=True)
     return 0
 
 
@@ -108,6 +159,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from mirrorsd.decoding import sd
+    from mirrorsd.model import WEIGHT_FORMATS
+
     p = argparse.ArgumentParser(
         prog="mirrorsd",
         description="Lossless speculative decoding on real pretrained models, offline.",
@@ -151,7 +204,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="torch device for both models (cpu, cuda, cuda:1, ...)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations; the zoo converts to float32")
+    g.add_argument("--weights", choices=WEIGHT_FORMATS,
+                   help="weight format for both models: fp32; q8 (int8 per 32 weights); q4 (the zoo GGUF's own "
+                        "Q4_K_M codes, computed without dequantizing) (default: q4 on CPU when the model folder "
+                        "keeps its GGUF, else fp32)")
     g.set_defaults(func=_cmd_generate)
+
+    b = sub.add_parser("bench", help="micro-benchmarks of the fast paths",
+                       description="Measure what decoding costs on this machine.")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bf = bsub.add_parser(
+        "forward", formatter_class=_HelpFormatter,
+        help="k-token forward cost and AR tok/s of one model",
+        description="Times k-token forwards (k = verification window) after a cached context, interleaved "
+        "over rounds (median), and greedy AR decoding speed. Speculative decoding pays when forward_ms[k] "
+        "stays close to forward_ms[1].")
+    bf.add_argument("--model", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
+    bf.add_argument("--weights", default="q4", choices=WEIGHT_FORMATS, help="weight format")
+    bf.add_argument("--ks", default="1,2,4,8,16", help="comma-separated window sizes")
+    bf.add_argument("--context", type=int, default=128, help="cached tokens before each timed forward")
+    bf.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
+    bf.add_argument("--ar-tokens", type=int, default=32, help="tokens decoded for the AR tok/s figure")
+    bf.add_argument("--llama-bench", metavar="PATH",
+                    help="llama.cpp's llama-bench binary: also time llama.cpp on the same GGUF file")
+    bf.add_argument("--json", action="store_true", help="print the report as JSON")
+    bf.set_defaults(func=_cmd_bench_forward)
+    bp = bsub.add_parser(
+        "perplexity", formatter_class=_HelpFormatter,
+        help="perplexity of a model in one or more weight formats on an offline corpus",
+        description="Scores Python standard-library source (fixed module list, teacher forcing, "
+        "non-overlapping windows) so the quality cost of q8/q4 against fp32 can be read off side by side.")
+    bp.add_argument("--model", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
+    bp.add_argument("--weights", default="fp32,q8,q4", help="comma-separated weight formats")
+    bp.add_argument("--tokens", type=int, default=4096, help="corpus tokens scored")
+    bp.add_argument("--window", type=int, default=512, help="tokens per scored window")
+    bp.add_argument("--json", action="store_true", help="print one JSON object per format")
+    bp.set_defaults(func=_cmd_bench_perplexity)
 
     m = sub.add_parser("models", help="the offline model zoo", description="List and prepare zoo models.")
     msub = m.add_subparsers(dest="models_command", required=True)

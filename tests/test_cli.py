@@ -84,3 +84,31 @@ def test_malformed_prompts_file(capsys, tmp_path):
     bad.write_text('{"text": "no prompt key"}\n')
     rc, _, err = run(capsys, "generate", "--target", "no-such-model", "--method", "ar", "--prompts", str(bad))
     assert rc == 2 and 'expected a JSON object with a "prompt" field' in err
+
+
+@requires_smollm2
+def test_bench_forward_json(capsys):
+    rc, out, _ = run(capsys, "bench", "forward", "--model", "smollm2-135m", "--weights", "q4", "--ks", "1,4",
+                     "--rounds", "1", "--ar-tokens", "2", "--context", "8", "--json")
+    report = json.loads(out)
+    assert rc == 0 and set(report["forward_ms"]) == {"1", "4"} and report["ar_tok_s"] > 0
+    assert report["weights"] == "q4" and report["relative"]["1"] == 1.0
+
+
+@requires_smollm2
+def test_bench_perplexity_json(capsys):
+    rc, out, _ = run(capsys, "bench", "perplexity", "--model", "smollm2-135m", "--weights", "fp32,q4",
+                     "--tokens", "64", "--window", "32", "--json")
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert rc == 0 and [r["weights"] for r in rows] == ["fp32", "q4"]
+    assert all(1 < r["perplexity"] < 1000 and r["tokens"] == 64 for r in rows)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench", "forward", "--ks", "0,2"], "--ks must be positive"),
+    (["bench", "forward", "--ks", "a"], "comma-separated integers"),
+    (["bench", "perplexity", "--weights", "q3"], "--weights takes formats"),
+])
+def test_bench_bad_input(capsys, argv, match):
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and match in err

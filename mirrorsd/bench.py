@@ -1,0 +1,131 @@
+"""Whole-model forward costs: what one k-token forward costs next to a one-token forward, and AR tok/s.
+
+Speculative decoding pays only when verifying k tokens costs about one decode step, so the figure that
+matters is ``forward_ms[k] / forward_ms[1]`` measured on the real model at a realistic context length. All
+sizes are timed interleaved (round-robin) so drifting clocks or a busy neighbour hit them alike, and the
+median over rounds is reported. ``llama_bench`` optionally times llama.cpp on the same GGUF file in the same
+run, for a side-by-side AR figure.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import kernels
+from .model import Transformer
+
+DEFAULT_KS = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class ForwardReport:
+    model: str
+    weights: str
+    context: int
+    rounds: int
+    forward_ms: dict[str, float]
+    relative: dict[str, float]
+    ar_tok_s: float
+    ar_tokens: int
+    fast_kernels: bool
+    threads: int
+    machine: str
+    llama_cpp: dict | None = field(default=None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@torch.inference_mode()
+def forward_costs(model: Transformer, ks: tuple[int, ...] = DEFAULT_KS, context: int = 128,
+                  rounds: int = 5) -> dict[int, float]:
+    """Median milliseconds of a k-token forward (with LM head on every row, as verification needs) after
+    ``context`` cached tokens."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, context), generator=generator, device=model.device)
+    cache = model.new_cache(capacity=context + max(ks) + 1)
+    model(prompt, cache=cache, last=1)
+    windows = {k: torch.randint(0, vocab, (1, k), generator=generator, device=model.device) for k in ks}
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for round_ in range(rounds + 1):  # round 0 warms up
+        for k in ks:
+            start = time.perf_counter()
+            model(windows[k], cache=cache)
+            elapsed = time.perf_counter() - start
+            cache.truncate(context)
+            if round_:
+                times[k].append(elapsed * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+@torch.inference_mode()
+def ar_tokens_per_second(model: Transformer, tokens: int = 32, context: int = 128, rounds: int = 3) -> float:
+    """Greedy one-token decoding speed after a ``context``-token prompt (median over rounds)."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=generator, device=model.device)
+    rates = []
+    for _ in range(rounds):
+        cache = model.new_cache(capacity=context + tokens + 1)
+        token = model(prompt, cache=cache, last=1)[0, -1].argmax().view(1, 1)
+        start = time.perf_counter()
+        for _ in range(tokens):
+            token = model(token, cache=cache)[0, -1].argmax().view(1, 1)
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], tokens: int, threads: int) -> dict:
+    """llama.cpp's own numbers on the same file: tg tok/s and ms per k-token prompt batch."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "3", "-o", "json",
+           "-p", ",".join(str(k) for k in ks), "-n", str(tokens), "-b", "2048", "-ub", "512"]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = json.loads(result.stdout)
+    out: dict = {"command": " ".join(cmd), "forward_ms": {}}
+    for row in rows:
+        if row.get("n_gen", 0) > 0:
+            out["ar_tok_s"] = row["avg_ts"]
+        elif row.get("n_prompt", 0) > 0:
+            out["forward_ms"][str(row["n_prompt"])] = 1e3 * row["n_prompt"] / row["avg_ts"]
+        out.setdefault("build", row.get("build_commit"))
+    return out
+
+
+def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, context: int = 128, rounds: int = 5,
+        ar_tokens: int = 32, llama_bench_path: str | None = None) -> ForwardReport:
+    """Load a zoo model (or local folder) and measure it; see the module docstring."""
+    from .zoo import resolve
+
+    path = resolve(name)
+    model = Transformer.from_pretrained(path, weights=weights)
+    costs = forward_costs(model, ks, context, rounds)
+    report = ForwardReport(
+        model=name, weights=weights, context=context, rounds=rounds,
+        forward_ms={str(k): round(v, 3) for k, v in costs.items()},
+        relative={str(k): round(v / costs[min(ks)], 3) for k, v in costs.items()},
+        ar_tok_s=round(ar_tokens_per_second(model, ar_tokens, context), 3), ar_tokens=ar_tokens,
+        fast_kernels=kernels.available(), threads=torch.get_num_threads(), machine=_cpu_name(),
+    )
+    if llama_bench_path:
+        del model
+        report.llama_cpp = llama_bench(llama_bench_path, Path(path) / "model.gguf", ks, ar_tokens,
+                                       torch.get_num_threads())
+    return report

@@ -1,0 +1,166 @@
+"""CPU small-M linear kernels: an AVX-512/VNNI C++ extension built on first use, with PyTorch fallbacks.
+
+The extension (``cpu_linear.cpp``) is compiled once per source version and CPU feature set into
+``<cache>/kernels`` with the system C++ compiler. Where it cannot be built or run (no compiler, a CPU without
+AVX-512 VNNI, ``MIRRORSD_KERNELS=off``) :func:`available` is False, a one-line warning says why, and the
+pure-PyTorch functions below compute the same model more slowly.
+
+Packed layouts (see the C++ file for the why): weights are interleaved in blocks of 16 output features so one
+vector load feeds 16 outputs and every activation row reuses it from registers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from ..quant import GroupQuant
+
+log = logging.getLogger(__name__)
+
+BLOCK_N = 16
+ACT_GROUP = 32
+SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+# -fopenmp: at::parallel_for is a header template that splits work with OpenMP pragmas; without the flag it
+# silently runs on one thread. The module then binds to the libgomp torch already loaded (same soname).
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-std=c++17",
+                 "-fopenmp"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _why_unavailable() -> str | None:
+    if os.environ.get("MIRRORSD_KERNELS", "").lower() in {"0", "off", "false", "no"}:
+        return "disabled by MIRRORSD_KERNELS"
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        return f"needs x86-64, this is {platform.machine()}"
+    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def _build_dir() -> Path:
+    from ..zoo import cache_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode() + torch.__version__.encode())
+    return cache_dir() / "kernels" / digest.hexdigest()[:16]
+
+
+@cache
+def available() -> bool:
+    """Build (once) and load the C++ kernels; False, with one warning saying why, when that is impossible."""
+    reason = _why_unavailable()
+    if reason is None:
+        try:
+            from torch.utils import cpp_extension
+
+            build = _build_dir()
+            build.mkdir(parents=True, exist_ok=True)
+            if not any(build.glob("*.so")):
+                log.warning("building mirrorsd CPU kernels once into %s (about a minute)", build)
+            cpp_extension.load(name="mirrorsd_cpu_linear", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+                               extra_ldflags=["-fopenmp"],
+                               build_directory=str(build), is_python_module=False, verbose=False)
+            return True
+        except Exception as exc:  # a compiler error, missing ninja, ...: fall back, but say so
+            reason = f"the C++ extension failed to build: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
+    warnings.warn(f"mirrorsd fast CPU kernels unavailable ({reason}); using slower PyTorch fallbacks",
+                  RuntimeWarning, stacklevel=2)
+    return False
+
+
+# ---------------------------------------------------------------- packing
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % BLOCK_N
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` fp32 → ``[N/16, K, 16]`` (rows padded with zeros)."""
+    w = _pad_rows(weight.float())
+    return w.view(-1, BLOCK_N, w.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_quant(q: GroupQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GroupQuant → (codes, scales, offsets) in the kernel layout; scales/offsets become fp16."""
+    n, k = q.shape
+    codes = _pad_rows(q.codes)
+    blocks = codes.shape[0] // BLOCK_N
+    steps = codes.view(blocks, BLOCK_N, k // 4, 4).transpose(1, 2)  # [blocks, K/4, 16, 4]
+    if q.bits == 4:
+        steps = steps.reshape(blocks, k // 8, 2, BLOCK_N * 4)
+        packed = steps[:, :, 0] | (steps[:, :, 1] << 4)  # [blocks, K/8, 64]
+    else:
+        packed = steps
+    groups = k // q.group
+
+    def interleave(t: torch.Tensor) -> torch.Tensor:
+        return _pad_rows(t).half().view(blocks, BLOCK_N, groups).transpose(1, 2).contiguous()
+
+    return packed.contiguous(), interleave(q.scales), interleave(q.offsets)
+
+
+# ---------------------------------------------------------------- reference math (also the fallbacks)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-32 absmax int8 quantization, exactly as the kernel does it: (codes as fp32, scales)."""
+    m, k = x.shape
+    groups = x.view(m, k // ACT_GROUP, ACT_GROUP)
+    amax = groups.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(groups * inv[..., None])
+    return codes.view(m, k), amax / 127.0
+
+
+def linear_quant_reference(x: torch.Tensor, q: GroupQuant, bias: torch.Tensor | None = None,
+                           chunk: int = 4096) -> torch.Tensor:
+    """The quantized layer in plain PyTorch: int8 activations, exact integer group dots, fp16 scales."""
+    m, k = x.shape
+    n = q.shape[0]
+    xq, xs = quantize_activations(x.float())
+    groups = k // q.group
+    xg = xq.view(m, groups, q.group)
+    xs_g = xs.repeat_interleave(ACT_GROUP // q.group, dim=1) if q.group < ACT_GROUP else xs
+    xsum = xs_g * xg.sum(-1)
+    sw = q.scales.half().float()
+    ow = q.offsets.half().float()
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        codes = q.codes[start:stop].view(stop - start, groups, q.group).float()
+        dots = torch.einsum("mgk,ngk->mng", xg, codes)
+        out[:, start:stop] = (dots * sw[start:stop] * xs_g[:, None]).sum(-1) + (ow[start:stop] * xsum[:, None]).sum(-1)
+    return out if bias is None else out + bias
+
+
+# ---------------------------------------------------------------- kernel entry points
+
+
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return torch.ops.mirrorsd.linear_f32(x, packed, bias, n)
+
+
+def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                 bias: torch.Tensor | None, n: int, bits: int, group: int) -> torch.Tensor:
+    return torch.ops.mirrorsd.linear_quant(x, codes, scales, offsets, bias, n, bits, group)

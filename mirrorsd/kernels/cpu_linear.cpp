@@ -1,0 +1,254 @@
+// Small-M linear layers for CPU decoding (AVX-512 + VNNI), built on first use by mirrorsd.kernels.
+//
+// Decoding multiplies a handful of activation rows (M = 1..16: one token, a verification window, tree or
+// stream rows) by a large weight. Stock GEMMs either stream the weight once per row block or pay packing
+// costs, so an 8-row product costs 2-3x a 1-row one. These kernels read every weight byte once for all M
+// rows: weights are pre-interleaved in blocks of 16 output features, so one vector load feeds 16 outputs
+// and every activation row reuses it from registers.
+//
+// Both kernels are batch-invariant: row m's result is summed in the same order whatever M is, so a k-token
+// verification forward gives bit-identical logits to k one-token forwards.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlockN = 16;    // output features per interleaved block (one zmm of fp32)
+constexpr int64_t kActGroup = 32;  // activation quantization group
+constexpr int64_t kMaxTile = 8;    // activation rows kept in registers at once
+
+// ---------------------------------------------------------------- fp32 weights
+// w: [N/16, K, 16] fp32 (N padded with zeros). y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+template <int MT>
+void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* acc_out) {
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 wv = _mm512_loadu_ps(w + k * kBlockN);
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * ldx + k]), acc[m]);
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(acc_out + m * kBlockN, acc[m]);
+}
+
+using F32Tile = void (*)(const float*, int64_t, const float*, int64_t, float*);
+constexpr F32Tile kF32Tiles[kMaxTile + 1] = {nullptr,         f32_tile<1>, f32_tile<2>, f32_tile<3>, f32_tile<4>,
+                                             f32_tile<5>,     f32_tile<6>, f32_tile<7>, f32_tile<8>};
+
+void store_block(const float* acc, int64_t rows, float* y, int64_t N, int64_t n0, const float* bias) {
+  const int64_t valid = std::min<int64_t>(kBlockN, N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m)
+    _mm512_mask_storeu_ps(y + m * N + n0, mask, _mm512_add_ps(_mm512_loadu_ps(acc + m * kBlockN), b));
+}
+
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
+                         int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kBlockN && w.size(1) == x.size(1) && w.is_contiguous(),
+              "w must be packed fp32 [N/16, K, 16]");
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
+  TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxTile * kBlockN];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+        const int64_t rows = std::min<int64_t>(kMaxTile, M - m0);
+        kF32Tiles[rows](xp + m0 * K, K, wp + nb * K * kBlockN, K, acc);
+        store_block(acc, rows, yp + m0 * N, N, nb * kBlockN, bp);
+      }
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------- group-quantized weights
+// Codes are unsigned (4 or 8 bit); W[n, k] = scale[n, g] * code[n, k] + offset[n, g] with g = k / G.
+// 8-bit codes: [N/16, K/4, 16, 4] bytes — one 64-byte vector holds 4 consecutive k for 16 outputs.
+// 4-bit codes: [N/16, K/8, 64] bytes — low nibbles hold k-step 2p, high nibbles k-step 2p+1.
+// scales/offsets: [N/16, K/G, 16] fp16.
+// Activations are quantized to int8 per row and per 32 features (absmax / 127, round half to even), so the
+// inner product is an exact integer dot product (VNNI vpdpbusd: u8 codes x s8 activations).
+
+struct QuantActs {
+  torch::Tensor q;     // int8 [M, K]
+  torch::Tensor scale; // fp32 [M, K/32]
+};
+
+QuantActs quantize_acts(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / kActGroup;
+  QuantActs out{torch::empty({M, K}, x.options().dtype(torch::kChar)),
+                torch::empty({M, groups}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = out.q.data_ptr<int8_t>();
+  float* sp = out.scale.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* src = xp + m * K + g * kActGroup;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kActGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      sp[m * groups + g] = amax / 127.f;
+      for (int64_t i = 0; i < kActGroup; ++i)
+        qp[m * K + g * kActGroup + i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+    }
+  }
+  return out;
+}
+
+// Integer accumulators per activation row: vpdpbusd has a ~5-cycle latency and one issue per cycle, so about
+// 16 independent chains keep it busy. Integer sums are exact, so splitting them changes no result bit.
+constexpr int chains_for(int mt, int steps) {
+  const int want = mt >= 8 ? 2 : mt >= 4 ? 4 : 8;
+  return want < steps ? want : steps;
+}
+
+// Byte distance from one block's scales to the next block's, given the code distance (0 = no prefetch).
+constexpr int64_t prefetch_scales(int64_t code_distance, int64_t K, int G, int BITS) {
+  return code_distance ? (K / G) * kBlockN * 2 : 0;
+}
+
+// One block of 16 outputs for MT activation rows. BITS = 4 or 8, G = 16 or 32 (weight group).
+template <int MT, int BITS, int G>
+void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* codes,
+                const uint16_t* scales, const uint16_t* offsets, float* acc_out, int64_t prefetch) {
+  constexpr int kSteps = G / 4;  // vpdpbusd steps (4 k each) per weight group
+  constexpr int A = chains_for(MT, kSteps);
+  const int64_t groups = K / G;
+  const int64_t act_groups = K / kActGroup;
+  __m512 accf[MT];
+  for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acci[MT][A];
+    for (int m = 0; m < MT; ++m)
+      for (int a = 0; a < A; ++a) acci[m][a] = _mm512_setzero_si512();
+    const int64_t k0 = g * G;
+    const uint8_t* c = codes + g * G * kBlockN * BITS / 8;
+    if (prefetch) {  // pull the next block's matching lines while this one computes (DRAM latency hiding)
+      for (int line = 0; line < G * kBlockN * BITS / 8; line += 64) _mm_prefetch(reinterpret_cast<const char*>(c + prefetch + line), _MM_HINT_T0);
+      if (g % 2 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(scales + g * kBlockN) + prefetch_scales(prefetch, K, G, BITS), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(offsets + g * kBlockN) + prefetch_scales(prefetch, K, G, BITS), _MM_HINT_T0);
+      }
+    }
+#pragma GCC unroll 8
+    for (int s = 0; s < kSteps; ++s) {
+      __m512i wv;
+      if constexpr (BITS == 8) {
+        wv = _mm512_loadu_si512(c + s * 64);
+      } else {  // step 2p in the low nibbles of vector p, step 2p+1 in the high nibbles
+        const __m512i packed = _mm512_loadu_si512(c + (s / 2) * 64);
+        wv = s % 2 ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4) : _mm512_and_si512(packed, low4);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int32_t xv = *reinterpret_cast<const int32_t*>(xq + m * K + k0 + 4 * s);
+        acci[m][s % A] = _mm512_dpbusd_epi32(acci[m][s % A], wv, _mm512_set1_epi32(xv));
+      }
+    }
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN)));
+    const __m512 ow = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + g * kBlockN)));
+    const int64_t ag = k0 / kActGroup;
+    for (int m = 0; m < MT; ++m) {
+      __m512i total = acci[m][0];
+      for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, acci[m][a]);
+      const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(xs[m * act_groups + ag]));
+      accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, accf[m]);
+      accf[m] = _mm512_fmadd_ps(ow, _mm512_set1_ps(xsum[m * groups + g]), accf[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(acc_out + m * kBlockN, accf[m]);
+}
+
+using QuantTile = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const uint16_t*,
+                           const uint16_t*, float*, int64_t);
+
+template <int BITS, int G>
+constexpr QuantTile kQuantTiles[kMaxTile + 1] = {
+    nullptr,
+    quant_tile<1, BITS, G>, quant_tile<2, BITS, G>, quant_tile<3, BITS, G>, quant_tile<4, BITS, G>,
+    quant_tile<5, BITS, G>, quant_tile<6, BITS, G>, quant_tile<7, BITS, G>, quant_tile<8, BITS, G>};
+
+QuantTile pick_tile(int64_t bits, int64_t group, int64_t rows) {
+  if (bits == 4 && group == 32) return kQuantTiles<4, 32>[rows];
+  if (bits == 8 && group == 32) return kQuantTiles<8, 32>[rows];
+  if (bits == 8 && group == 16) return kQuantTiles<8, 16>[rows];
+  TORCH_CHECK(false, "unsupported quantized layout: bits=", bits, " group=", group);
+}
+
+torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                           const torch::Tensor& offsets, const std::optional<torch::Tensor>& bias, int64_t N,
+                           int64_t bits, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kActGroup == 0 && K % group == 0, "K must be a multiple of 32 and of the group size");
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  const int64_t blocks = codes.size(0);
+  TORCH_CHECK(codes.numel() == blocks * kBlockN * K * bits / 8, "codes do not match [N/16, K] at ", bits, " bits");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kHalf, "scales must be fp16");
+  TORCH_CHECK(scales.numel() == blocks * (K / group) * kBlockN && offsets.numel() == scales.numel(),
+              "scales/offsets must be [N/16, K/G, 16]");
+  TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
+
+  const QuantActs acts = quantize_acts(x);
+  // Per weight group: sum of the dequantized activations, for the offset term.
+  const int64_t groups = K / group;
+  auto xsum = torch::empty({M, groups}, x.options());
+  {
+    const int8_t* q = acts.q.data_ptr<int8_t>();
+    const float* s = acts.scale.data_ptr<float>();
+    float* out = xsum.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t total = 0;
+        for (int64_t i = 0; i < group; ++i) total += q[m * K + g * group + i];
+        out[m * groups + g] = s[m * (K / kActGroup) + g * group / kActGroup] * static_cast<float>(total);
+      }
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* qp = acts.q.data_ptr<int8_t>();
+  const float* sp = acts.scale.data_ptr<float>();
+  const float* xsp = xsum.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* ofp = reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t code_block = kBlockN * K * bits / 8;
+  const int64_t scale_block = groups * kBlockN;
+  const int64_t act_groups = K / kActGroup;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxTile * kBlockN];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+        const int64_t rows = std::min<int64_t>(kMaxTile, M - m0);
+        const int64_t prefetch = m0 == 0 && nb + 1 < end ? code_block : 0;
+        pick_tile(bits, group, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
+                                     cp + nb * code_block, scp + nb * scale_block, ofp + nb * scale_block, acc,
+                                     prefetch);
+        store_block(acc, rows, yp + m0 * N, N, nb * kBlockN, bp);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mirrorsd, m) {
+  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor", linear_f32);
+  m.def("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int n, int bits, "
+        "int group) -> Tensor",
+        linear_quant);
+}

@@ -1,0 +1,91 @@
+"""Quantized models are their own targets: on SmolLM2's q4 (its GGUF codes) and q8 weights, every method
+must give exactly that model's AR tokens; and the quantized model must stay close to the fp32 one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mirrorsd
+from mirrorsd import Transformer, generate
+from mirrorsd.api import default_weights
+from mirrorsd.linear import QuantLinear
+
+from .conftest import assert_same_or_near_tie, requires_smollm2
+
+pytestmark = requires_smollm2
+
+PROMPTS = ["The history of the printing press begins", "def quicksort(arr):"]
+N_NEW = 32
+
+
+@pytest.fixture(scope="module", params=["q4", "q8"])
+def quantized(request):
+    return mirrorsd.load_model("smollm2-135m", weights=request.param, progress=False)
+
+
+def test_zoo_models_default_to_q4_and_plain_folders_to_fp32(smollm2, tmp_path):
+    ours, _ = smollm2
+    assert default_weights(ours.path, "cpu", torch.float32) == "q4"
+    assert default_weights(ours.path, "cpu", torch.bfloat16) == "fp32"
+    assert default_weights(tmp_path, "cpu", torch.float32) == "fp32"
+    assert mirrorsd.load_model("smollm2-135m", progress=False).weights == "q4"
+
+
+def test_quantized_layers_are_used(quantized):
+    layers = [m for m in quantized.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 7 * quantized.config.n_layers + 1  # every projection and the head
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_every_method_equals_quantized_ar(smollm2, quantized, prompt):
+    fp32, _ = smollm2
+    ids = quantized.tokenizer(prompt)["input_ids"]
+    ar = generate(quantized, prompt, method="ar", max_new_tokens=N_NEW, raw=True)
+    drafts = {"self": quantized.model, "prefix": quantized.model.prefix_model(4), "fp32": fp32.model}
+    for name, draft in drafts.items():
+        for options in ({"gamma": 4, "confidence": 0.0}, {}):
+            sd = generate(quantized, prompt, draft=draft, method="sd", max_new_tokens=N_NEW, raw=True, **options)
+            assert_same_or_near_tie(quantized.model, ids, sd.token_ids, ar.token_ids), (name, options)
+
+
+def test_seeded_sampling_equal_on_quantized(quantized):
+    kw = dict(temperature=0.8, top_p=0.95, seed=3, max_new_tokens=24)
+    ar = generate(quantized, PROMPTS[0], method="ar", **kw)
+    sd = generate(quantized, PROMPTS[0], method="sd", draft=quantized.model.prefix_model(6), gamma=3, **kw)
+    assert sd.token_ids == ar.token_ids
+
+
+def test_verification_window_is_bit_identical_to_decoding(quantized):
+    """Batch invariance end to end: a k-token window gives the very logits k one-token steps give."""
+    model = quantized.model
+    ids = torch.tensor([quantized.tokenizer(PROMPTS[1])["input_ids"]])
+    with torch.inference_mode():
+        cache = model.new_cache()
+        model(ids[:, :-4], cache=cache, last=1)
+        window = model(ids[:, -4:], cache=cache)
+        cache.truncate(ids.shape[1] - 4)
+        steps = torch.cat([model(ids[:, i : i + 1], cache=cache) for i in range(ids.shape[1] - 4, ids.shape[1])], 1)
+    assert torch.equal(window, steps)
+
+
+def test_quantized_model_stays_close_to_fp32(smollm2, quantized):
+    fp32, _ = smollm2
+    ids = torch.tensor([fp32.tokenizer("def fibonacci(n):\n    if n < 2:\n        return n\n")["input_ids"]])
+    with torch.inference_mode():
+        ref = fp32.model(ids)
+        out = quantized.model(ids)
+    agree = (ref.argmax(-1) == out.argmax(-1)).float().mean().item()
+    # q4 uses the very codes the fp32 checkpoint was dequantized from: only int8 activations differ.
+    assert agree >= 0.9
+    per_token_kl = torch.nn.functional.kl_div(out[0].log_softmax(-1), ref[0].log_softmax(-1), log_target=True,
+                                              reduction="batchmean")
+    assert per_token_kl.item() < 0.01
+
+
+def test_quantized_formats_refuse_gpu_and_low_precision(smollm2):
+    ours, _ = smollm2
+    with pytest.raises(ValueError, match="CPU in fp32 only"):
+        Transformer.from_pretrained(ours.path, weights="q4", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        Transformer.from_pretrained(ours.path, weights="int3")
