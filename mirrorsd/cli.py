@@ -80,11 +80,12 @@ def _cmd_bench_forward(args: argparse.Namespace) -> int:
         raise ValueError("--ks must be positive")
     if args.rounds < 1 or args.ar_tokens < 1 or args.context < 1:
         raise ValueError("--rounds, --ar-tokens and --context must be positive")
-    report = bench.run(args.model, args.weights, ks, args.context, args.rounds, args.ar_tokens, args.llama_bench)
+    report = bench.run(args.model, args.weights, ks, args.context, args.rounds, args.ar_tokens, args.llama_bench,
+                       args.backend)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
-    print(f"{report.model} ({report.weights}) on {report.machine}, {report.threads} threads, "
+    print(f"{report.model} ({report.weights}, {report.backend}) on {report.machine}, {report.threads} threads, "
           f"fast kernels: {report.fast_kernels}, context {report.context}")
     for k, ms in report.forward_ms.items():
         print(f"  k={k:>3}: {ms:9.1f} ms  ({report.relative[k]:.2f}x k={ks[0]})")
@@ -221,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         "stays close to forward_ms[1].")
     bf.add_argument("--model", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
     bf.add_argument("--weights", default="q4", choices=WEIGHT_FORMATS, help="weight format")
+    bf.add_argument("--backend", default="auto", choices=["auto", "dense"],
+                    help="auto: our packed/quantized kernels; dense: PyTorch's stock GEMMs (the baseline)")
     bf.add_argument("--ks", default="1,2,4,8,16", help="comma-separated window sizes")
     bf.add_argument("--context", type=int, default=128, help="cached tokens before each timed forward")
     bf.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")

@@ -135,6 +135,7 @@ layer = make_linear(quantize_q8(w))
 assert isinstance(layer, QuantLinear) and not layer.fast
 x = torch.randn(3, 64)
 assert torch.allclose(layer(x), kernels.linear_quant_reference(x, quantize_q8(w)))
+assert torch.equal(layer(x[:1]), layer(x)[:1])  # exact integer group dots keep the fallback batch-invariant
 print("ok")
 """
     env = {**__import__("os").environ, "MIRRORSD_KERNELS": "off"}
