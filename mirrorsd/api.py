@@ -40,10 +40,12 @@ class LoadedModel:
 
 
 def default_weights(path: Path, device: str | torch.device, dtype: torch.dtype) -> str:
-    """``q4`` (the folder's own GGUF codes) on CPU in fp32 when the folder keeps its GGUF, else ``fp32``.
+    """``q4`` on CPU in fp32 when the folder holds a ``model.gguf`` (zoo folders keep the GGUF their fp32
+    weights were converted from), else ``fp32``.
 
-    q4 is the fastest format here and its perplexity stays within 1% of the fp32-dequantized model on our
-    corpus (see docs/benchmarks.md); a user's own fp32 checkpoint is never quantized unless asked.
+    q4 is the fastest format here and its perplexity stays within the 1% margin of the fp32-dequantized
+    model on our corpus (+0.04–0.09%, docs/benchmarks.md). A folder without a GGUF is never quantized unless
+    ``weights`` asks for it.
     """
     cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
     return "q4" if cpu_fp32 and (Path(path) / "model.gguf").is_file() else "fp32"

@@ -206,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations; the zoo converts to float32")
     g.add_argument("--weights", choices=WEIGHT_FORMATS,
-                   help="weight format for both models: fp32; q8 (int8 per 32 weights); q4 (the zoo GGUF's own "
-                        "Q4_K_M codes, computed without dequantizing) (default: q4 on CPU when the model folder "
-                        "keeps its GGUF, else fp32)")
+                   help="weight format for both models: fp32; q8 (int8 per 32 weights); q4 (the codes of the GGUF "
+                        "file a zoo folder keeps — Q4_K_M for the Qwen pair, Q4_1/Q8_0 for SmolLM2 — computed "
+                        "without dequantizing) (default: q4 on CPU for folders holding a model.gguf, else fp32)")
     g.set_defaults(func=_cmd_generate)
 
     b = sub.add_parser("bench", help="micro-benchmarks of the fast paths",

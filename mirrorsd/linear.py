@@ -9,8 +9,9 @@ Which module a weight becomes depends on its format and device, never on the dec
 * anything else (CUDA, bf16/fp16, ``backend="dense"``, no kernels) → :class:`DenseLinear`, PyTorch's GEMM
   (cuBLAS on GPU). A GroupQuant headed for CUDA is dequantized.
 
-The fast modules are batch-invariant (row m's sum runs in the same order whatever M is), so a verification
-window and one-token decoding see bit-identical projections.
+The fast modules are batch-invariant (row m's sum runs in the same order whatever M is; PackedLinear hands
+prefills of more than PACKED_MAX_ROWS rows to a batched GEMM unless its model is quantized), so a
+verification window and one-token decoding see bit-identical projections.
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", kernels.pack_f32(weight))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self.row_exact = False  # set in quantized models: every row count then takes the batch-invariant kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
-        if rows.shape[0] <= PACKED_MAX_ROWS:
+        if rows.shape[0] <= PACKED_MAX_ROWS or self.row_exact:
             y = kernels.linear_f32(rows, self.packed, self.bias, self.out_features)
         else:  # prefill: one small GEMM per 16-feature block, batched
             y = torch.matmul(rows, self.packed).transpose(0, 1).reshape(rows.shape[0], -1)[:, : self.out_features]
@@ -113,7 +115,8 @@ def make_linear(weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = N
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if isinstance(weight, GroupQuant):
-        if weight.codes.device.type == "cpu" and backend == "auto" and weight.shape[1] % kernels.ACT_GROUP == 0:
+        if (weight.codes.device.type == "cpu" and backend == "auto" and weight.shape[1] % kernels.ACT_GROUP == 0
+                and (weight.bits, weight.group) in kernels.LAYOUTS):
             return QuantLinear(weight, bias)
         weight = weight.dequantize()
     fast = (backend == "auto" and weight.device.type == "cpu" and weight.dtype == torch.float32

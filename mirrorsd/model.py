@@ -20,12 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
-from .linear import QuantLinear, make_linear
+from .linear import PackedLinear, QuantLinear, make_linear
 from .quant import GroupQuant, quantize_q8
 
-#: Windows up to this many tokens attend row by row in quantized models (see Attention._attend_row_by_row);
-#: longer ones are prefills, which every method runs identically anyway.
-ROW_EXACT_MAX_T = 64
 #: Weight formats :meth:`Transformer.from_pretrained` can load (``--weights`` on the CLI).
 WEIGHT_FORMATS = ("fp32", "q8", "q4")
 Weights = dict[str, "torch.Tensor | GroupQuant"]
@@ -146,7 +143,7 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
-        if self.row_exact and 1 < t <= ROW_EXACT_MAX_T:
+        if self.row_exact and t > 1:
             out = self._attend_row_by_row(q, k, v, mask)
         else:
             attn_mask = None if mask is None else mask.unsqueeze(1)
@@ -156,19 +153,24 @@ class Attention(nn.Module):
     def _attend_row_by_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None) -> torch.Tensor:
         """Each query exactly as one-token decoding computes it: unmasked SDPA over just the keys it sees,
-        in position order. Quantized models need this: their int8 activations turn the last-bit differences
-        between a masked multi-query SDPA and a single-query one into different rounding steps, and so into
-        different tokens; this way a verification window reproduces decoding bit for bit."""
+        in position order. Quantized models need this for every multi-token call (prefill included, since
+        methods split prompts differently): their int8 activations turn the last-bit differences between a
+        masked multi-query SDPA and a single-query one into different rounding steps, and so into different
+        tokens. This way any grouping of tokens into forwards gives bit-identical results."""
+        if mask is not None and mask.dtype != torch.bool:
+            raise TypeError("attention masks must be boolean (True = attend)")
         rows, _, t, _ = q.shape
         total = k.shape[2]
         out = torch.empty_like(q)
         for r in range(rows):
             for i in range(t):
-                if mask is None:
-                    keys, values = k[r : r + 1, :, : total - t + i + 1], v[r : r + 1, :, : total - t + i + 1]
+                seen = None if mask is None else mask[r if mask.shape[0] > 1 else 0, i]
+                count = total - t + i + 1 if seen is None else int(seen.sum())
+                if seen is None or bool(seen[:count].all()):  # a prefix of the cache: slice, no copy
+                    keys, values = k[r : r + 1, :, :count], v[r : r + 1, :, :count]
                 else:
-                    seen = mask[r if mask.shape[0] > 1 else 0, i].nonzero().squeeze(1)
-                    keys, values = k[r : r + 1].index_select(2, seen), v[r : r + 1].index_select(2, seen)
+                    index = seen.nonzero().squeeze(1)
+                    keys, values = k[r : r + 1].index_select(2, index), v[r : r + 1].index_select(2, index)
                 out[r : r + 1, :, i : i + 1] = F.scaled_dot_product_attention(
                     q[r : r + 1, :, i : i + 1], keys, values, enable_gqa=self.gqa)
         return out
@@ -219,11 +221,15 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding.from_pretrained(dense_embed, freeze=True)
         self.layers = nn.ModuleList(Block(cfg, weights, i, backend) for i in range(cfg.n_layers))
         self.norm = RMSNorm(weights["norm.weight"], cfg.rms_norm_eps)
-        head = weights.get("lm_head.weight", embed)  # tied checkpoints may omit it (or repeat the embedding)
+        head = weights.get("lm_head.weight")
+        if head is None or (cfg.tie_word_embeddings and not isinstance(head, GroupQuant)):
+            head = embed  # tied (a quantized copy of the embedding, from q8/q4 loading, is kept as the head)
         self.lm_head = make_linear(head, backend=backend)
+        # Quantized models must give bit-identical results however tokens are grouped into forwards.
         self.row_exact = any(isinstance(m, QuantLinear) for m in self.modules())
-        for block in self.layers:
-            block.self_attn.row_exact = self.row_exact
+        for module in self.modules():
+            if isinstance(module, Attention | PackedLinear):
+                module.row_exact = self.row_exact
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
 

@@ -134,7 +134,8 @@ assert isinstance(make_linear(w), DenseLinear)
 layer = make_linear(quantize_q8(w))
 assert isinstance(layer, QuantLinear) and not layer.fast
 x = torch.randn(3, 64)
-assert torch.allclose(layer(x), kernels.linear_quant_reference(x, quantize_q8(w)))
+ref = torch.nn.functional.linear(x, quantize_q8(w).dequantize())
+assert (layer(x) - ref).abs().max() < 0.02 * ref.abs().max()  # int8 activations: a small, bounded error
 assert torch.equal(layer(x[:1]), layer(x)[:1])  # exact integer group dots keep the fallback batch-invariant
 print("ok")
 """
@@ -142,3 +143,37 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_tiny_activation_groups_quantize_to_zero_not_nan():
+    x = torch.zeros(2, 64)
+    x[0, 3] = 1e-39  # subnormal: 127 / amax would overflow to inf
+    codes, scales = kernels.quantize_activations(x)
+    assert torch.isfinite(codes).all() and torch.isfinite(scales).all() and codes.abs().sum() == 0
+    if kernels.available():
+        q = quantize_q8(torch.randn(16, 64))
+        out = kernels.linear_quant(x, *kernels.pack_quant(q), None, 16, 8, 32)
+        assert torch.isfinite(out).all() and out.abs().max() == 0
+
+
+@requires_kernels
+def test_kernel_input_checks():
+    q = quantize_q8(torch.randn(16, 64))
+    codes, scales, offsets = kernels.pack_quant(q)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        kernels.linear_quant(x, codes, scales, offsets, torch.zeros(3), 16, 8, 32)
+    with pytest.raises(RuntimeError, match="unsupported quantized layout"):
+        kernels.linear_quant(x, codes, scales, offsets, None, 16, 4, 16)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.linear_f32(x.double(), kernels.pack_f32(torch.randn(16, 64)), None, 16)
+    with pytest.raises(NotImplementedError):  # no kernel for other devices: the dispatcher says so
+        kernels.linear_f32(x.to("meta"), kernels.pack_f32(torch.randn(16, 64)).to("meta"), None, 16)
+
+
+def test_unsupported_quant_layout_falls_back_to_dense():
+    q = GroupQuant(torch.randint(0, 16, (16, 64), dtype=torch.uint8), torch.rand(16, 4), torch.rand(16, 4), 16, 4)
+    layer = make_linear(q)
+    assert not isinstance(layer, QuantLinear)
+    x = torch.randn(2, 64)
+    assert torch.allclose(layer(x), F.linear(x, q.dequantize()), atol=1e-4)

@@ -11,7 +11,7 @@ from mirrorsd import Transformer, generate
 from mirrorsd.api import default_weights
 from mirrorsd.linear import QuantLinear
 
-from .conftest import assert_same_or_near_tie, requires_smollm2
+from .conftest import requires_smollm2
 
 pytestmark = requires_smollm2
 
@@ -37,16 +37,26 @@ def test_quantized_layers_are_used(quantized):
     assert len(layers) == 7 * quantized.config.n_layers + 1  # every projection and the head
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_every_method_equals_quantized_ar(smollm2, quantized, prompt):
+#: Over 70 tokens: ar prefills it whole while sd prefills all but the last token and verifies that one in
+#: its first window, so the two group the same tokens differently from the first step on.
+LONG_PROMPT = ("Summarise the following notes in one sentence. " * 3 + "The printing press, invented around 1440, "
+               "spread literacy across Europe, lowered the cost of books, and helped standardise languages; "
+               "within fifty years presses ran in more than two hundred cities. Summary:")
+
+
+@pytest.mark.parametrize("prompt", [*PROMPTS, LONG_PROMPT])
+def test_every_method_equals_quantized_ar_exactly(smollm2, quantized, prompt):
+    """Bit-exact kernels and row-by-row attention: no near-tie allowance at all, whatever the grouping."""
     fp32, _ = smollm2
     ids = quantized.tokenizer(prompt)["input_ids"]
+    assert prompt != LONG_PROMPT or len(ids) > 70
     ar = generate(quantized, prompt, method="ar", max_new_tokens=N_NEW, raw=True)
     drafts = {"self": quantized.model, "prefix": quantized.model.prefix_model(4), "fp32": fp32.model}
+    policies = ({"gamma": 4, "confidence": 0.0}, {}, {"gamma": 70, "confidence": 0.0})
     for name, draft in drafts.items():
-        for options in ({"gamma": 4, "confidence": 0.0}, {}):
+        for options in policies:
             sd = generate(quantized, prompt, draft=draft, method="sd", max_new_tokens=N_NEW, raw=True, **options)
-            assert_same_or_near_tie(quantized.model, ids, sd.token_ids, ar.token_ids), (name, options)
+            assert sd.token_ids == ar.token_ids, (name, options)
 
 
 def test_seeded_sampling_equal_on_quantized(quantized):

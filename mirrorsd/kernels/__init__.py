@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 import warnings
 from functools import cache
 from pathlib import Path
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 
 BLOCK_N = 16
 ACT_GROUP = 32
+#: (code bits, group size) pairs the C++ kernel implements: Q4_x/Q4_K, Q8_0/Q5_0/Q5_K/our q8, Q6_K.
+FLT_MIN = torch.finfo(torch.float32).tiny
+LAYOUTS = ((4, 32), (8, 32), (8, 16))
+#: A build lock older than this is left over from a killed build (a real build takes ~20 s).
+STALE_LOCK_S = 600
 SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 # -fopenmp: at::parallel_for is a header template that splits work with OpenMP pragmas; without the flag it
@@ -74,8 +80,11 @@ def available() -> bool:
 
             build = _build_dir()
             build.mkdir(parents=True, exist_ok=True)
+            lock = build / "lock"
+            if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                lock.unlink(missing_ok=True)  # torch would otherwise wait on it forever
             if not any(build.glob("*.so")):
-                log.warning("building mirrorsd CPU kernels once into %s (about a minute)", build)
+                log.warning("building mirrorsd CPU kernels once into %s (~20 s)", build)
             cpp_extension.load(name="mirrorsd_cpu_linear", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
                                extra_ldflags=["-fopenmp"],
                                build_directory=str(build), is_python_module=False, verbose=False)
@@ -98,11 +107,14 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 def pack_f32(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` fp32 → ``[N/16, K, 16]`` (rows padded with zeros)."""
     w = _pad_rows(weight.float())
-    return w.view(-1, BLOCK_N, w.shape[1]).transpose(1, 2).contiguous()
+    return w.reshape(-1, BLOCK_N, w.shape[1]).transpose(1, 2).contiguous()
 
 
 def pack_quant(q: GroupQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GroupQuant → (codes, scales, offsets) in the kernel layout; scales/offsets become fp16."""
+    """GroupQuant → (codes, scales, offsets) in the kernel layout.
+
+    Scales/offsets become fp16 (halving their bytes): exact for Q8_0/Q5_0/Q4_0/Q4_1 and our q8, a relative
+    rounding of at most 2^-11 for Q4_K/Q6_K's products d·sc (measured in the perplexity benchmark)."""
     n, k = q.shape
     codes = _pad_rows(q.codes)
     blocks = codes.shape[0] // BLOCK_N
@@ -128,7 +140,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     groups = x.view(m, k // ACT_GROUP, ACT_GROUP)
     amax = groups.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax >= FLT_MIN, 127.0 / amax, torch.zeros_like(amax))  # 127/subnormal would be inf
     codes = torch.round(groups * inv[..., None])
     return codes.view(m, k), amax / 127.0
 

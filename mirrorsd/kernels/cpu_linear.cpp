@@ -14,8 +14,10 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -48,9 +50,17 @@ void store_block(const float* acc, int64_t rows, float* y, int64_t N, int64_t n0
     _mm512_mask_storeu_ps(y + m * N + n0, mask, _mm512_add_ps(_mm512_loadu_ps(acc + m * kBlockN), b));
 }
 
+void check_bias(const std::optional<torch::Tensor>& bias, int64_t N) {
+  if (bias)
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be contiguous fp32 [N]");
+}
+
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
                          int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  check_bias(bias, N);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat, "w must be fp32");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kBlockN && w.size(1) == x.size(1) && w.is_contiguous(),
               "w must be packed fp32 [N/16, K, 16]");
   const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
@@ -98,7 +108,7 @@ QuantActs quantize_acts(const torch::Tensor& x) {
       const float* src = xp + m * K + g * kActGroup;
       float amax = 0.f;
       for (int64_t i = 0; i < kActGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const float inv = amax >= FLT_MIN ? 127.f / amax : 0.f;  // 127 / subnormal would be inf
       sp[m * groups + g] = amax / 127.f;
       for (int64_t i = 0; i < kActGroup; ++i)
         qp[m * K + g * kActGroup + i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
@@ -155,7 +165,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
         wv = s % 2 ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4) : _mm512_and_si512(packed, low4);
       }
       for (int m = 0; m < MT; ++m) {
-        const int32_t xv = *reinterpret_cast<const int32_t*>(xq + m * K + k0 + 4 * s);
+        int32_t xv;  // four int8 activations, broadcast to every lane
+        std::memcpy(&xv, xq + m * K + k0 + 4 * s, sizeof(xv));
         acci[m][s % A] = _mm512_dpbusd_epi32(acci[m][s % A], wv, _mm512_set1_epi32(xv));
       }
     }
@@ -193,7 +204,11 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
                            const torch::Tensor& offsets, const std::optional<torch::Tensor>& bias, int64_t N,
                            int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  check_bias(bias, N);
   const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)),
+              "unsupported quantized layout: bits=", bits, " group=", group);
+  TORCH_CHECK(scales.is_contiguous() && offsets.is_contiguous(), "scales/offsets must be contiguous");
   TORCH_CHECK(K % kActGroup == 0 && K % group == 0, "K must be a multiple of 32 and of the group size");
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t blocks = codes.size(0);
@@ -248,9 +263,15 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
 
 }  // namespace
 
+// Registered for the CPU dispatch key only: a CUDA (or meta) tensor gets the dispatcher's clear error instead
+// of a device pointer dereferenced on the host.
 TORCH_LIBRARY(mirrorsd, m) {
-  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor", linear_f32);
+  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int n, int bits, "
-        "int group) -> Tensor",
-        linear_quant);
+        "int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
+  m.impl("linear_f32", linear_f32);
+  m.impl("linear_quant", linear_quant);
 }
