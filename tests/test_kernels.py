@@ -177,3 +177,14 @@ def test_unsupported_quant_layout_falls_back_to_dense():
     assert not isinstance(layer, QuantLinear)
     x = torch.randn(2, 64)
     assert torch.allclose(layer(x), F.linear(x, q.dequantize()), atol=1e-4)
+
+
+def test_seam_keeps_stock_gemm_off_cpu():
+    """Non-CPU weights (CUDA in practice; meta here, as CI has no GPU) get PyTorch's GEMM (cuBLAS on CUDA),
+    and a quantized weight headed there is dequantized rather than run through the CPU kernel."""
+    w = torch.randn(16, 64, device="meta")
+    assert isinstance(make_linear(w), DenseLinear)
+    q = quantize_q8(torch.randn(16, 64))
+    meta_q = GroupQuant(q.codes.to("meta"), q.scales.to("meta"), q.offsets.to("meta"), q.group, q.bits)
+    layer = make_linear(meta_q)
+    assert isinstance(layer, DenseLinear) and layer.weight.device.type == "meta"
