@@ -85,11 +85,12 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: GroupQuant, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.bits, self.group = weight.bits, weight.group
+        self.bits, self.group = kernels.packed_bits(weight), weight.group
         self.fast = kernels.available()
         if self.fast:
-            codes, scales, offsets = kernels.pack_quant(weight)
+            codes, planes, scales, offsets = kernels.pack_quant(weight, self.bits)
             self.register_buffer("codes", codes)
+            self.register_buffer("planes", planes)
             self.register_buffer("scales", scales)
             self.register_buffer("offsets", offsets)
         else:
@@ -99,8 +100,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
         if self.fast:
-            y = kernels.linear_quant(rows, self.codes, self.scales, self.offsets, self.bias, self.out_features,
-                                     self.bits, self.group)
+            y = kernels.linear_quant(rows, self.codes, self.planes, self.scales, self.offsets, self.bias,
+                                     self.out_features, self.bits, self.group)
         else:
             y = kernels.linear_quant_reference(rows, self.quant, self.bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -47,16 +47,18 @@ def test_f32_kernel_matches_linear(m, n, k, bias, seed):
 @requires_kernels
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 20), n=st.integers(1, 70), groups=st.integers(1, 8),
-       layout=st.sampled_from([(4, 32), (8, 32), (8, 16)]), bias=st.booleans(), seed=st.integers(0, 99))
+       layout=st.sampled_from(kernels.LAYOUTS), bias=st.booleans(), seed=st.integers(0, 99))
 def test_quant_kernel_matches_reference(m, n, groups, layout, bias, seed):
+    """Every packed width (4; 5 and 6 as nibbles + bit planes; 8) and group size against the reference."""
     bits, group = layout
     k = 32 * groups
     q = random_quant(n, k, bits, group, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4  # uneven channel scales
     b = torch.randn(n, generator=g) if bias else None
-    codes, scales, offsets = kernels.pack_quant(q)
-    out = kernels.linear_quant(x, codes, scales, offsets, b, n, bits, group)
+    codes, planes, scales, offsets = kernels.pack_quant(q, bits)
+    assert (planes is None) == (bits in (4, 8))
+    out = kernels.linear_quant(x, codes, planes, scales, offsets, b, n, bits, group)
     ref = kernels.linear_quant_reference(x, q, b)
     assert out.shape == (m, n)
     assert (out - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
@@ -152,23 +154,32 @@ def test_tiny_activation_groups_quantize_to_zero_not_nan():
     assert torch.isfinite(codes).all() and torch.isfinite(scales).all() and codes.abs().sum() == 0
     if kernels.available():
         q = quantize_q8(torch.randn(16, 64))
-        out = kernels.linear_quant(x, *kernels.pack_quant(q), None, 16, 8, 32)
+        out = kernels.linear_quant(x, *kernels.pack_quant(q), None, 16, 8, 32)  # codes, planes, scales, offsets
         assert torch.isfinite(out).all() and out.abs().max() == 0
 
 
 @requires_kernels
 def test_kernel_input_checks():
     q = quantize_q8(torch.randn(16, 64))
-    codes, scales, offsets = kernels.pack_quant(q)
+    codes, planes, scales, offsets = kernels.pack_quant(q)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="bias must be"):
-        kernels.linear_quant(x, codes, scales, offsets, torch.zeros(3), 16, 8, 32)
+        kernels.linear_quant(x, codes, planes, scales, offsets, torch.zeros(3), 16, 8, 32)
     with pytest.raises(RuntimeError, match="unsupported quantized layout"):
-        kernels.linear_quant(x, codes, scales, offsets, None, 16, 4, 16)
+        kernels.linear_quant(x, codes, planes, scales, offsets, None, 16, 4, 16)
+    with pytest.raises(RuntimeError, match="bit planes"):
+        six = kernels.pack_quant(random_quant(16, 64, 6, 32, 0))
+        kernels.linear_quant(x, six[0], None, six[2], six[3], None, 16, 6, 32)
     with pytest.raises(RuntimeError, match="x must be"):
         kernels.linear_f32(x.double(), kernels.pack_f32(torch.randn(16, 64)), None, 16)
     with pytest.raises(NotImplementedError):  # no kernel for other devices: the dispatcher says so
         kernels.linear_f32(x.to("meta"), kernels.pack_f32(torch.randn(16, 64)).to("meta"), None, 16)
+
+
+def test_packed_bits_picks_the_narrowest_width():
+    for top, expected in ((15, 4), (31, 5), (63, 6), (255, 8)):
+        q = GroupQuant(torch.full((16, 64), top, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2), 32, 8)
+        assert kernels.packed_bits(q) == expected
 
 
 def test_unsupported_quant_layout_falls_back_to_dense():

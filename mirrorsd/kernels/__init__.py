@@ -28,9 +28,11 @@ log = logging.getLogger(__name__)
 
 BLOCK_N = 16
 ACT_GROUP = 32
-#: (code bits, group size) pairs the C++ kernel implements: Q4_x/Q4_K, Q8_0/Q5_0/Q5_K/our q8, Q6_K.
+#: Smallest normal float32: an activation group below it quantizes to zeros (127 / subnormal overflows).
 FLT_MIN = torch.finfo(torch.float32).tiny
-LAYOUTS = ((4, 32), (8, 32), (8, 16))
+#: (packed code bits, group size) pairs the C++ kernel implements: Q4_x/Q4_K (4), Q5_0/Q5_K (5), Q6_K (6/16),
+#: Q8_0 and our q8 (8).
+LAYOUTS = ((4, 32), (5, 32), (6, 32), (6, 16), (8, 32), (8, 16))
 #: A build lock older than this is left over from a killed build (a real build takes ~20 s).
 STALE_LOCK_S = 600
 SOURCE = Path(__file__).with_name("cpu_linear.cpp")
@@ -110,26 +112,39 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, BLOCK_N, w.shape[1]).transpose(1, 2).contiguous()
 
 
-def pack_quant(q: GroupQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GroupQuant → (codes, scales, offsets) in the kernel layout.
+def packed_bits(q: GroupQuant) -> int:
+    """The narrowest kernel code width holding every code: GGUF's Q5_0/Q6_K say 8 bits but need 5/6."""
+    needed = max(int(q.codes.max()).bit_length(), 1) if q.codes.numel() else 1
+    return next(b for b in (4, 5, 6, 8) if needed <= b and (b, q.group) in LAYOUTS)
+
+
+def pack_quant(q: GroupQuant, bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                                 torch.Tensor]:
+    """GroupQuant → (codes, bit planes or None, scales, offsets) in the kernel layout for ``bits``-bit codes
+    (default: :func:`packed_bits`).
 
     Scales/offsets become fp16 (halving their bytes): exact for Q8_0/Q5_0/Q4_0/Q4_1 and our q8, a relative
     rounding of at most 2^-11 for Q4_K/Q6_K's products d·sc (measured in the perplexity benchmark)."""
+    bits = packed_bits(q) if bits is None else bits
     n, k = q.shape
     codes = _pad_rows(q.codes)
     blocks = codes.shape[0] // BLOCK_N
-    steps = codes.view(blocks, BLOCK_N, k // 4, 4).transpose(1, 2)  # [blocks, K/4, 16, 4]
-    if q.bits == 4:
-        steps = steps.reshape(blocks, k // 8, 2, BLOCK_N * 4)
-        packed = steps[:, :, 0] | (steps[:, :, 1] << 4)  # [blocks, K/8, 64]
-    else:
+    steps = codes.view(blocks, BLOCK_N, k // 4, 4).transpose(1, 2).reshape(blocks, k // 4, BLOCK_N * 4)
+    planes = None
+    if bits == 8:
         packed = steps
+    else:  # low nibbles of step pairs share a byte; bits 4.. go to 64-bit planes, one bit per code byte
+        pairs = (steps & 0x0F).reshape(blocks, k // 8, 2, BLOCK_N * 4)
+        packed = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+        weights = torch.ones(BLOCK_N * 4, dtype=torch.int64) << torch.arange(BLOCK_N * 4)  # bit 63 wraps: fine
+        extra = [((steps.long() >> (4 + b)) & 1) * weights for b in range(bits - 4)]
+        planes = torch.stack([e.sum(-1) for e in extra], -1).contiguous() if extra else None
     groups = k // q.group
 
     def interleave(t: torch.Tensor) -> torch.Tensor:
         return _pad_rows(t).half().view(blocks, BLOCK_N, groups).transpose(1, 2).contiguous()
 
-    return packed.contiguous(), interleave(q.scales), interleave(q.offsets)
+    return packed.contiguous(), planes, interleave(q.scales), interleave(q.offsets)
 
 
 # ---------------------------------------------------------------- reference math (also the fallbacks)
@@ -173,6 +188,6 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.mirrorsd.linear_f32(x, packed, bias, n)
 
 
-def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 bias: torch.Tensor | None, n: int, bits: int, group: int) -> torch.Tensor:
-    return torch.ops.mirrorsd.linear_quant(x, codes, scales, offsets, bias, n, bits, group)
+def linear_quant(x: torch.Tensor, codes: torch.Tensor, planes: torch.Tensor | None, scales: torch.Tensor,
+                 offsets: torch.Tensor, bias: torch.Tensor | None, n: int, bits: int, group: int) -> torch.Tensor:
+    return torch.ops.mirrorsd.linear_quant(x, codes, planes, scales, offsets, bias, n, bits, group)

@@ -87,6 +87,9 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const s
 // Codes are unsigned (4 or 8 bit); W[n, k] = scale[n, g] * code[n, k] + offset[n, g] with g = k / G.
 // 8-bit codes: [N/16, K/4, 16, 4] bytes — one 64-byte vector holds 4 consecutive k for 16 outputs.
 // 4-bit codes: [N/16, K/8, 64] bytes — low nibbles hold k-step 2p, high nibbles k-step 2p+1.
+// 5- and 6-bit codes (Q5_0, Q5_K, Q6_K): the 4-bit nibble layout for the low bits, plus 1 or 2 bit planes
+// [N/16, K/4, P] uint64 — bit j of plane b is bit 4+b of byte j of that k-step's 64-byte code vector; a
+// masked byte add puts it back in registers. 5/6 bits cost 0.625/0.75 bytes per weight instead of 1.
 // scales/offsets: [N/16, K/G, 16] fp16.
 // Activations are quantized to int8 per row and per 32 features (absmax / 127, round half to even), so the
 // inner product is an exact integer dot product (VNNI vpdpbusd: u8 codes x s8 activations).
@@ -129,10 +132,16 @@ constexpr int chains_for(int mt, int steps) {
 // blocks ahead measured alike within noise.
 constexpr int64_t kPrefetchBlocks = 1;
 
-// One block of 16 outputs for MT activation rows. BITS = 4 or 8, G = 16 or 32 (weight group).
+constexpr int planes_for(int bits) { return bits == 5 ? 1 : bits == 6 ? 2 : 0; }
+constexpr int code_bits(int bits) { return bits == 8 ? 8 : 4; }  // bits per weight in the codes array
+
+// One block of 16 outputs for MT activation rows. BITS = 4, 5, 6 or 8; G = 16 or 32 (weight group).
 template <int MT, int BITS, int G>
 void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* codes,
-                const uint16_t* scales, const uint16_t* offsets, float* acc_out, bool prefetch) {
+                const uint64_t* planes, const uint16_t* scales, const uint16_t* offsets, float* acc_out,
+                bool prefetch) {
+  constexpr int P = planes_for(BITS);
+  constexpr int CB = code_bits(BITS);
   constexpr int kSteps = G / 4;  // vpdpbusd steps (4 k each) per weight group
   constexpr int A = chains_for(MT, kSteps);
   const int64_t groups = K / G;
@@ -145,10 +154,13 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
     for (int m = 0; m < MT; ++m)
       for (int a = 0; a < A; ++a) acci[m][a] = _mm512_setzero_si512();
     const int64_t k0 = g * G;
-    const uint8_t* c = codes + g * G * kBlockN * BITS / 8;
+    const uint8_t* c = codes + g * G * kBlockN * CB / 8;
+    const uint64_t* pl = planes + g * kSteps * P;
     if (prefetch) {  // pull a later block's matching lines while this one computes (DRAM latency hiding)
-      const char* ahead = reinterpret_cast<const char*>(c) + kPrefetchBlocks * kBlockN * K * BITS / 8;
-      for (int line = 0; line < G * kBlockN * BITS / 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      const char* ahead = reinterpret_cast<const char*>(c) + kPrefetchBlocks * kBlockN * K * CB / 8;
+      for (int line = 0; line < G * kBlockN * CB / 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      if constexpr (P > 0)  // kSteps * P * 8 bytes per group: at most one line
+        _mm_prefetch(reinterpret_cast<const char*>(pl + kPrefetchBlocks * (K / 4) * P), _MM_HINT_T0);
       if (g % 2 == 0) {  // 16 fp16 scales (32 bytes) per group: one line covers two groups
         const int64_t scale_ahead = kPrefetchBlocks * groups * kBlockN;
         _mm_prefetch(reinterpret_cast<const char*>(scales + g * kBlockN + scale_ahead), _MM_HINT_T0);
@@ -163,6 +175,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
       } else {  // step 2p in the low nibbles of vector p, step 2p+1 in the high nibbles
         const __m512i packed = _mm512_loadu_si512(c + (s / 2) * 64);
         wv = s % 2 ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4) : _mm512_and_si512(packed, low4);
+        for (int b = 0; b < P; ++b)  // bit 4+b of each code, from its plane
+          wv = _mm512_mask_add_epi8(wv, static_cast<__mmask64>(pl[s * P + b]), wv, _mm512_set1_epi8(0x10 << b));
       }
       for (int m = 0; m < MT; ++m) {
         int32_t xv;  // four int8 activations, broadcast to every lane
@@ -184,8 +198,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(acc_out + m * kBlockN, accf[m]);
 }
 
-using QuantTile = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const uint16_t*,
-                           const uint16_t*, float*, bool);
+using QuantTile = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const uint64_t*,
+                           const uint16_t*, const uint16_t*, float*, bool);
 
 template <int BITS, int G>
 constexpr QuantTile kQuantTiles[kMaxTile + 1] = {
@@ -195,24 +209,35 @@ constexpr QuantTile kQuantTiles[kMaxTile + 1] = {
 
 QuantTile pick_tile(int64_t bits, int64_t group, int64_t rows) {
   if (bits == 4 && group == 32) return kQuantTiles<4, 32>[rows];
+  if (bits == 5 && group == 32) return kQuantTiles<5, 32>[rows];
+  if (bits == 6 && group == 16) return kQuantTiles<6, 16>[rows];
+  if (bits == 6 && group == 32) return kQuantTiles<6, 32>[rows];
   if (bits == 8 && group == 32) return kQuantTiles<8, 32>[rows];
   if (bits == 8 && group == 16) return kQuantTiles<8, 16>[rows];
   TORCH_CHECK(false, "unsupported quantized layout: bits=", bits, " group=", group);
 }
 
-torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           const torch::Tensor& offsets, const std::optional<torch::Tensor>& bias, int64_t N,
-                           int64_t bits, int64_t group) {
+bool supported_layout(int64_t bits, int64_t group) {
+  return (group == 32 && (bits == 4 || bits == 5 || bits == 6 || bits == 8)) || (group == 16 && (bits == 6 || bits == 8));
+}
+
+torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
+                           const torch::Tensor& scales, const torch::Tensor& offsets,
+                           const std::optional<torch::Tensor>& bias, int64_t N, int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
   check_bias(bias, N);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)),
-              "unsupported quantized layout: bits=", bits, " group=", group);
+  TORCH_CHECK(supported_layout(bits, group), "unsupported quantized layout: bits=", bits, " group=", group);
+  const int64_t n_planes = bits == 5 ? 1 : bits == 6 ? 2 : 0;
+  const int64_t cbits = bits == 8 ? 8 : 4;
   TORCH_CHECK(scales.is_contiguous() && offsets.is_contiguous(), "scales/offsets must be contiguous");
   TORCH_CHECK(K % kActGroup == 0 && K % group == 0, "K must be a multiple of 32 and of the group size");
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t blocks = codes.size(0);
-  TORCH_CHECK(codes.numel() == blocks * kBlockN * K * bits / 8, "codes do not match [N/16, K] at ", bits, " bits");
+  TORCH_CHECK(codes.numel() == blocks * kBlockN * K * cbits / 8, "codes do not match [N/16, K] at ", bits, " bits");
+  TORCH_CHECK(n_planes == 0 || (planes && planes->scalar_type() == torch::kLong && planes->is_contiguous() &&
+                                planes->numel() == blocks * (K / 4) * n_planes),
+              bits, "-bit codes need contiguous int64 bit planes [N/16, K/4, ", n_planes, "]");
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kHalf, "scales must be fp16");
   TORCH_CHECK(scales.numel() == blocks * (K / group) * kBlockN && offsets.numel() == scales.numel(),
               "scales/offsets must be [N/16, K/G, 16]");
@@ -242,7 +267,9 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
   const uint16_t* ofp = reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t code_block = kBlockN * K * bits / 8;
+  const uint64_t* pp = n_planes ? reinterpret_cast<const uint64_t*>(planes->data_ptr<int64_t>()) : nullptr;
+  const int64_t code_block = kBlockN * K * cbits / 8;
+  const int64_t plane_block = (K / 4) * n_planes;
   const int64_t scale_block = groups * kBlockN;
   const int64_t act_groups = K / kActGroup;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -252,8 +279,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
         const int64_t rows = std::min<int64_t>(kMaxTile, M - m0);
         const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && nb + kPrefetchBlocks < end;
         pick_tile(bits, group, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
-                                     cp + nb * code_block, scp + nb * scale_block, ofp + nb * scale_block, acc,
-                                     prefetch);
+                                     cp + nb * code_block, pp ? pp + nb * plane_block : nullptr,
+                                     scp + nb * scale_block, ofp + nb * scale_block, acc, prefetch);
         store_block(acc, rows, yp + m0 * N, N, nb * kBlockN, bp);
       }
     }
@@ -267,8 +294,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
 // of a device pointer dereferenced on the host.
 TORCH_LIBRARY(mirrorsd, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
-  m.def("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int n, int bits, "
-        "int group) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor codes, Tensor? planes, Tensor scales, Tensor offsets, Tensor? bias, int n, "
+        "int bits, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
