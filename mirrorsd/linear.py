@@ -2,7 +2,7 @@
 
 Which module a weight becomes depends on its format and device, never on the decoding method:
 
-* a :class:`~mirrorsd.quant.GroupQuant` on CPU → :class:`QuantLinear` (int8 activations × 4/8-bit codes,
+* a :class:`~mirrorsd.quant.GroupQuant` on CPU → :class:`QuantLinear` (int8 activations × 4/5/6/8-bit codes,
   VNNI kernel);
 * fp32 on CPU with the kernels built → :class:`PackedLinear` (weights interleaved once so a k-row product
   streams them once: an 8-token verification costs about what one token does);
@@ -80,7 +80,7 @@ class PackedLinear(nn.Module):
 
 
 class QuantLinear(nn.Module):
-    """Group-quantized weights (4- or 8-bit codes, fp16 scales/offsets) computed without dequantizing."""
+    """Group-quantized weights (4/5/6/8-bit codes, fp16 scales/offsets) computed without dequantizing."""
 
     def __init__(self, weight: GroupQuant, bias: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -84,7 +84,7 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const s
 }
 
 // ---------------------------------------------------------------- group-quantized weights
-// Codes are unsigned (4 or 8 bit); W[n, k] = scale[n, g] * code[n, k] + offset[n, g] with g = k / G.
+// Codes are unsigned (4, 5, 6 or 8 bit); W[n, k] = scale[n, g] * code[n, k] + offset[n, g] with g = k / G.
 // 8-bit codes: [N/16, K/4, 16, 4] bytes — one 64-byte vector holds 4 consecutive k for 16 outputs.
 // 4-bit codes: [N/16, K/8, 64] bytes — low nibbles hold k-step 2p, high nibbles k-step 2p+1.
 // 5- and 6-bit codes (Q5_0, Q5_K, Q6_K): the 4-bit nibble layout for the low bits, plus 1 or 2 bit planes
