@@ -1,7 +1,7 @@
 """mirrorsd: lossless speculative decoding on real pretrained models.
 
-Today: the target alone (``ar``) and vanilla speculative decoding (``sd``); Mirror-SD and Speculative
-Streaming build on the same model, cache and verification layers.
+Today: the target alone (``ar``), vanilla speculative decoding (``sd``) and Mirror-SD (``mirror``); Speculative
+Streaming builds on the same model, cache and verification layers.
 """
 
 from .api import Generation, GenerationStream, LoadedModel, generate, load_model, stream

@@ -258,8 +258,9 @@ def stream(
 def generate(target: LoadedModel | Transformer, prompt: str | Sequence[int], **kwargs: Any) -> Generation:
     """Generate a completion.
 
-    ``method`` is ``"ar"`` (target alone) or ``"sd"`` (speculative, needs ``draft``; options ``gamma``,
-    ``confidence``, ``schedule`` and ``acceptance="match"|"rejection"``). ``temperature=0`` is greedy;
+    ``method`` is ``"ar"`` (target alone), ``"sd"`` (speculative, needs ``draft``; options ``gamma``,
+    ``confidence``, ``schedule`` and ``acceptance="match"|"rejection"``) or ``"mirror"`` (Mirror-SD, needs
+    ``draft``; options in :class:`mirrorsd.decoding.mirror.MirrorOptions`). ``temperature=0`` is greedy;
     sampling noise is keyed by ``seed`` (random when None) and position, so ``ar`` and ``sd`` with match
     acceptance give the same tokens for the same seed -- up to float near-ties, where a k-token and a
     1-token forward may order two almost equal logits differently.

@@ -25,6 +25,47 @@ def _read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def _number(text: str) -> int | float:
+    """An int when it is one (a layer index), else a float (a fraction of the depth)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _load_draft(args: argparse.Namespace, target, console):
+    """``--draft`` is a zoo name or folder, or ``self:N`` / ``self:F``: the target's first N layers (or that
+    fraction of them), sharing its weights."""
+    import mirrorsd
+    from mirrorsd.api import LoadedModel
+
+    name = args.draft or DEFAULT_DRAFT
+    if name.startswith("self:"):
+        depth = _number(name.removeprefix("self:"))
+        n_layers = target.config.n_layers
+        layers = round(depth * n_layers) if isinstance(depth, float) else depth
+        if not 0 < layers < n_layers:
+            raise ValueError(f"--draft {name}: the self-draft needs 1..{n_layers - 1} of the target's layers")
+        return LoadedModel(target.model.prefix_model(layers), target.tokenizer, f"{target.name}[:{layers}]",
+                           target.path, target.eos_token_ids, target.weights)
+    with console.status(f"loading draft {name}…"):
+        return mirrorsd.load_model(name, device=args.draft_device or args.device, dtype=args.dtype,
+                                   weights=args.weights)
+
+
+def _method_options(args: argparse.Namespace) -> dict:
+    if args.method == "sd":
+        return {"gamma": args.gamma, "acceptance": args.acceptance, "confidence": args.confidence,
+                "schedule": args.schedule}
+    if args.method == "mirror":
+        if args.schedule:
+            raise ValueError("--schedule applies to --method sd only (mirror drafts fixed windows)")
+        return {"gamma": args.gamma, "acceptance": args.acceptance, "confidence": args.confidence,
+                "kappa": args.kappa, "exit_layer": args.exit_layer, "roots": args.roots, "budget": args.budget,
+                "backend": args.backend, "threads": args.threads}
+    return {}
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -35,16 +76,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     speculative = args.method in SPECULATIVE
     if args.draft and not speculative:
         raise ValueError(f"--draft is only used by speculative methods ({', '.join(sorted(SPECULATIVE))})")
+    mirror_only = {"--kappa": args.kappa, "--exit-layer": args.exit_layer, "--roots": args.roots,
+                   "--budget": args.budget, "--backend": args.backend, "--threads": args.threads,
+                   "--trace": args.trace}
+    misplaced = [flag for flag, value in mirror_only.items() if value is not None and args.method != "mirror"]
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} apply to --method mirror only")
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights)
-    draft = None
-    if speculative:
-        draft_name = args.draft or DEFAULT_DRAFT
-        with err.status(f"loading draft {draft_name}…"):
-            draft = mirrorsd.load_model(draft_name, device=args.device, dtype=args.dtype, weights=args.weights)
-    options = {"gamma": args.gamma, "acceptance": args.acceptance, "confidence": args.confidence,
-               "schedule": args.schedule} if speculative else {}
+    draft = _load_draft(args, target, err) if speculative else None
+    options = _method_options(args)
+    spans = []
     for prompt in prompts:
         s = mirrorsd.stream(target, prompt, draft=draft, method=args.method, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -54,6 +97,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
         result = s.result
+        spans.extend(result.stats.spans)
         if args.json:
             print(json.dumps({"prompt": prompt, **result.to_dict()}, ensure_ascii=False), flush=True)
         else:
@@ -65,7 +109,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if speculative:
                 line += (f", mean accepted length {st.mean_accepted_length:.2f} (γ={st.gamma}), "
                          f"draft {st.draft_s:.2f} s / target {st.target_s:.2f} s")
+            if "mirror" in st.extra:
+                m = st.extra["mirror"].to_dict()
+                line += (f", fallback {m['fallback_frequency']}, hidden draft {m['hidden_draft_fraction']}, "
+                         f"step {m['mean_ms']['step_s']:.1f} ms vs Eq. 10 {m['mean_ms']['eq10_s']:.1f} ms")
             err.print(line, style="dim", highlight=False)
+    if args.trace:
+        from mirrorsd.runtime import write_chrome_trace
+
+        write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft,
+                                                        "options": {k: v for k, v in options.items() if v}})
+        err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)", style="dim", highlight=False)
     return 0
 
 
@@ -159,8 +213,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mirrorsd.decoding import sd
+    from mirrorsd.decoding import mirror, sd
     from mirrorsd.model import WEIGHT_FORMATS
+    from mirrorsd.runtime import BACKENDS
 
     p = argparse.ArgumentParser(
         prog="mirrorsd",
@@ -177,18 +232,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--target", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
     g.add_argument("--draft", default=None,
-                   help=f"draft model (zoo name or folder) for speculative methods (default: {DEFAULT_DRAFT})")
-    g.add_argument("--method", default="sd", choices=["ar", "sd"],
-                   help="ar: target alone; sd: vanilla speculative decoding")
-    g.add_argument("--gamma", type=int, help=f"most draft tokens per verification window (default: {sd.DEFAULT_GAMMA})")
+                   help="draft for speculative methods: zoo name or folder, or self:N / self:F for the target's "
+                        f"first N layers (or fraction F of them) (default: {DEFAULT_DRAFT})")
+    g.add_argument("--method", default="sd", choices=["ar", "sd", "mirror"],
+                   help="ar: target alone; sd: vanilla speculative decoding; mirror: Mirror-SD (early-exit "
+                        "token channel, draft rollouts overlapped with the target's upper layers)")
+    g.add_argument("--gamma", type=int,
+                   help=f"most draft tokens per verification window (default: sd {sd.DEFAULT_GAMMA}, "
+                        f"mirror {mirror.DEFAULT_GAMMA})")
     g.add_argument("--confidence", type=float,
                    help="end a draft window at the first position where the draft's top probability is below "
-                        f"this; 0 always drafts --gamma tokens (textbook SD) (default: {sd.DEFAULT_CONFIDENCE})")
+                        f"this; 0 always drafts --gamma tokens (textbook SD) (default: sd {sd.DEFAULT_CONFIDENCE}, "
+                        "mirror 0)")
     g.add_argument("--schedule", choices=sd.SCHEDULES,
-                   help="heuristic: window limit +2 after a fully accepted step, -1 otherwise (default: constant)")
+                   help="sd only. heuristic: window limit +2 after a fully accepted step, -1 otherwise "
+                        "(default: constant)")
     g.add_argument("--acceptance", choices=["match", "rejection"],
                    help="match: greedy / sample-and-match (the target's own tokens, as ar) (default); "
                         "rejection: speculative sampling (the target's distribution)")
+    mg = g.add_argument_group("Mirror-SD (--method mirror)")
+    mg.add_argument("--kappa", type=int,
+                    help=f"top-κ early-exit candidates per window position (default: {mirror.DEFAULT_KAPPA})")
+    mg.add_argument("--exit-layer", type=_number,
+                    help="early-exit layer ℓe: an index 1..N-1 or a fraction of the target's depth (default: 0.5)")
+    mg.add_argument("--roots", choices=mirror.ROOT_MODES,
+                    help="paper: roll out all (γ+1)·κ candidates; budget: only those most likely to be the "
+                         "correction, as many as fit in the target's suffix time (default: paper)")
+    mg.add_argument("--budget", type=int, help="with --roots budget: a fixed number of roots instead of fitting Δ")
+    mg.add_argument("--backend", choices=BACKENDS,
+                    help="where the draft runs while the target finishes: serial (no overlap, the reference), "
+                         "threads (CPU core split), cuda-streams (one GPU), devices (--draft-device) "
+                         "(default: serial)")
+    mg.add_argument("--threads", help="with --backend threads: TARGET,DRAFT intra-op threads while they overlap "
+                                      "(default: half the cores each)")
+    mg.add_argument("--draft-device", help="device for the draft model (--backend devices), e.g. cuda:1 or cpu")
+    mg.add_argument("--trace", metavar="FILE",
+                    help="write a Chrome/Perfetto trace of the target and draft lanes to FILE")
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
     g.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus filtering")

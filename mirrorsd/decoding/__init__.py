@@ -2,12 +2,12 @@
 
 from collections.abc import Callable, Iterator
 
-from . import ar, sd
+from . import ar, mirror, sd
 from .base import DecodeRequest, GenerationStats
 
 Method = Callable[[DecodeRequest], Iterator[list[int]]]
 
-METHODS: dict[str, Method] = {"ar": ar.decode, "sd": sd.decode}
-SPECULATIVE = {"sd"}  # methods that need a draft model
+METHODS: dict[str, Method] = {"ar": ar.decode, "sd": sd.decode, "mirror": mirror.decode}
+SPECULATIVE = {"sd", "mirror"}  # methods that need a draft model
 
 __all__ = ["METHODS", "SPECULATIVE", "DecodeRequest", "GenerationStats", "Method"]

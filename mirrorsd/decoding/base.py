@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..model import Transformer
+from ..runtime.trace import Span
 from ..sampling import SamplingParams
 
 
@@ -35,6 +36,8 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     target_s: float = 0.0  # target forwards after prefill (verification, for speculative methods)
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific statistics with a to_dict()
+    spans: list[Span] = field(default_factory=list)  # timeline (methods that trace their lanes)
 
     @property
     def steps(self) -> int:
@@ -83,6 +86,7 @@ class GenerationStats:
             "prefill_s": round(self.prefill_s, 4),
             "draft_s": round(self.draft_s, 4),
             "target_s": round(self.target_s, 4),
+            **{name: value.to_dict() for name, value in self.extra.items()},
         }
 
 

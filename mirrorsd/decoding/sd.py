@@ -23,11 +23,13 @@ Two proposal policies change only *how many* tokens the draft proposes, never wh
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from ..kv_cache import KVCache
 from ..model import Transformer
-from ..sampling import DRAFT_STREAM, TARGET_STREAM, probabilities, sample
+from ..sampling import DRAFT_STREAM, TARGET_STREAM, SamplingParams, probabilities, sample
 from ..verify import ACCEPTANCE_RULES, verify_match, verify_rejection
 from .base import DecodeRequest, Timer
 
@@ -73,6 +75,56 @@ def decode(req: DecodeRequest) -> Iterator[list[int]]:
     return _run(req, *options)
 
 
+def draft_tokens(draft: Transformer, tokens: list[int]) -> torch.Tensor:
+    """``[1, T]`` ids for the draft; ids past a smaller draft vocabulary (the target's padding rows) become 0,
+    which can only change what the draft proposes, never what is committed."""
+    vocab = draft.config.vocab_size
+    return torch.tensor([[t if t < vocab else 0 for t in tokens]], device=draft.device)
+
+
+def window_end(top_probs: list[float], confidence: float) -> int:
+    """How many of a rollout's tokens to propose under the confidence rule (all when ``confidence`` is 0):
+    through the first doubtful token, or none when the first one is doubtful."""
+    for i, p in enumerate(top_probs):
+        if p < confidence:
+            return 0 if i == 0 else i + 1
+    return len(top_probs)
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    q_rows: list[torch.Tensor]  # the distributions the tokens were drawn from (rejection / confidence only)
+    forwards: int
+
+
+def propose(draft: Transformer, cache: KVCache, pending: list[int], position: int, window: int,
+            params: SamplingParams, stream: int, need_probs: bool, confidence: float, pad: int) -> Proposal:
+    """Feed ``pending`` (committed tokens the draft cache lacks), then draft up to ``window`` tokens one at a
+    time; ``position`` is the absolute position of the first drafted token. The cache ends holding the
+    committed text and every proposed token but the last."""
+    tokens: list[int] = []
+    q_rows: list[torch.Tensor] = []
+    forwards = 0
+    for i in range(window):
+        feed = pending if i == 0 else tokens[-1:]
+        logits = draft(draft_tokens(draft, feed), cache=cache, last=1)[0]
+        forwards += 1
+        doubtful = False
+        if need_probs:
+            q = probabilities(logits, params)[0] if not params.greedy else logits[0].double().softmax(-1)
+            # Decided on the draft's distribution only, never on the draw, so that rejection
+            # sampling still sees proposals distributed exactly as q.
+            doubtful = q.max().item() < confidence
+            if doubtful and i == 0:
+                break
+            q_rows.append(torch.nn.functional.pad(q, (0, pad)) if pad else q)
+        tokens.append(sample(logits, [position + i], params, stream)[0])
+        if doubtful:
+            break
+    return Proposal(tokens, q_rows, forwards)
+
+
 @torch.inference_mode()
 def _run(req: DecodeRequest, gamma: int, rule: str, confidence: float, schedule: str) -> Iterator[list[int]]:
     target, draft = req.target, req.draft
@@ -82,11 +134,7 @@ def _run(req: DecodeRequest, gamma: int, rule: str, confidence: float, schedule:
     # sampling needs the draft's draws independent of the target's acceptance noise.
     draft_stream = DRAFT_STREAM if rejection else TARGET_STREAM
     need_probs = rejection or confidence > 0
-    draft_vocab, pad = draft.config.vocab_size, target.config.vocab_size - draft.config.vocab_size
-
-    def draft_ids(tokens: list[int]) -> torch.Tensor:
-        # Tokens past a smaller draft vocabulary (padding rows) can only change what the draft proposes.
-        return torch.tensor([[t if t < draft_vocab else 0 for t in tokens]], device=draft.device)
+    pad = target.config.vocab_size - draft.config.vocab_size
 
     seq = list(req.prompt_ids)
     capacity = len(seq) + req.max_new_tokens + 2
@@ -100,33 +148,19 @@ def _run(req: DecodeRequest, gamma: int, rule: str, confidence: float, schedule:
     produced = 0
     while True:
         window = min(gamma, req.max_new_tokens - produced - 1)
-        proposal: list[int] = []
-        q_rows: list[torch.Tensor] = []
         with timer("draft_s"):
-            for i in range(window):
-                feed = pending if i == 0 else proposal[-1:]
-                logits = draft(draft_ids(feed), cache=d_cache, last=1)[0]
-                stats.draft_forwards += 1
-                doubtful = False
-                if need_probs:
-                    q = probabilities(logits, params)[0] if not params.greedy else logits[0].double().softmax(-1)
-                    # Decided on the draft's distribution only, never on the draw, so that rejection
-                    # sampling still sees proposals distributed exactly as q.
-                    doubtful = q.max().item() < confidence
-                    if doubtful and i == 0:
-                        break
-                    q_rows.append(torch.nn.functional.pad(q, (0, pad)) if pad else q)
-                proposal.append(sample(logits, [len(seq) + i], params, draft_stream)[0])
-                if doubtful:
-                    break
+            drafted = propose(draft, d_cache, pending, len(seq), window, params, draft_stream, need_probs,
+                              confidence, pad)
+        stats.draft_forwards += drafted.forwards
+        proposal = drafted.tokens
         with timer("target_s"):
             window_tokens = torch.tensor([[seq[-1], *proposal]], device=target.device)
             t_logits = target(window_tokens, cache=t_cache)[0]
             stats.target_forwards += 1
             positions = list(range(len(seq), len(seq) + len(proposal) + 1))
             if rejection:
-                verdict = verify_rejection(proposal, torch.stack(q_rows) if q_rows else None, t_logits,
-                                           positions, params)
+                verdict = verify_rejection(proposal, torch.stack(drafted.q_rows) if drafted.q_rows else None,
+                                           t_logits, positions, params)
             else:
                 verdict = verify_match(proposal, t_logits, positions, params)
         stats.record_step(len(proposal), verdict.accepted)

@@ -1,0 +1,145 @@
+"""Execution backends: where the draft's work runs while the target continues.
+
+A method hands the draft's job to :meth:`Executor.submit` and keeps computing on the calling thread; the
+result is read with ``future.result()``. One small interface, four placements:
+
+* ``serial``: the job runs when its result is asked for -- the same math with no overlap (the reference,
+  and the baseline the overlap gain is measured against).
+* ``threads``: a draft worker thread with its own intra-op thread count (PyTorch's count is per thread), so
+  the cores are split between the target (``target_threads`` while the two overlap) and the draft.
+* ``cuda-streams``: one GPU; the worker issues the draft's kernels on its own CUDA stream.
+* ``devices``: target and draft on two devices (``cuda:0``/``cuda:1``, ``cuda``/``cpu``); the worker runs the
+  draft on its own device. Only token ids cross between them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+BACKENDS = ("serial", "threads", "cuda-streams", "devices")
+
+
+class Executor:
+    """``serial``: deferred execution on the caller's thread."""
+
+    name = "serial"
+
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        return _Deferred(job)
+
+    def overlapping(self) -> AbstractContextManager[None]:
+        """Wrap the caller's work that runs while a submitted job may be running (sets its thread count)."""
+        return nullcontext()
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Deferred(Future):
+    """A future whose job runs, on the caller's thread, when the result is first asked for."""
+
+    def __init__(self, job: Callable[[], T]) -> None:
+        super().__init__()
+        self._job = job
+
+    def result(self, timeout: float | None = None) -> T:
+        if self._job is not None:
+            job, self._job = self._job, None
+            try:
+                self.set_result(job())
+            except BaseException as e:  # noqa: BLE001 - re-raised by Future.result, like a worker's error
+                self.set_exception(e)
+        return super().result(timeout)
+
+
+class WorkerExecutor(Executor):
+    """One draft worker thread (``threads``, ``cuda-streams``, ``devices``)."""
+
+    def __init__(self, name: str, draft_device: torch.device, draft_threads: int | None,
+                 target_threads: int | None) -> None:
+        self.name = name
+        self.total_threads = torch.get_num_threads()
+        self.target_threads = target_threads
+        self.stream = torch.cuda.Stream(draft_device) if name == "cuda-streams" else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="mirrorsd-draft",
+                                       initializer=self._init_worker, initargs=(draft_threads,))
+
+    @staticmethod
+    def _init_worker(draft_threads: int | None) -> None:
+        if draft_threads:
+            torch.set_num_threads(draft_threads)
+
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        def run() -> T:
+            # Grad and inference modes are thread-local: the worker must enter them itself.
+            with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.stream else nullcontext()):
+                out = job()
+                if self.stream is not None:
+                    self.stream.synchronize()
+                return out
+
+        return self.pool.submit(run)
+
+    def overlapping(self) -> AbstractContextManager[None]:
+        return _Threads(self.target_threads, self.total_threads) if self.target_threads else nullcontext()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class _Threads(AbstractContextManager):
+    def __init__(self, inside: int, outside: int) -> None:
+        self.inside, self.outside = inside, outside
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.inside)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.outside)
+
+
+def default_split(total: int) -> tuple[int, int]:
+    """(target, draft) intra-op threads while they overlap: the target gets the larger half."""
+    draft = max(1, total // 2)
+    return max(1, total - draft), draft
+
+
+def make_executor(backend: str, target_device: torch.device, draft_device: torch.device,
+                  split: tuple[int, int] | None = None) -> Executor:
+    """Check that ``backend`` fits the models' devices and build it (``split``: threads for target, draft)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    same = target_device == draft_device
+    if backend == "serial":
+        return Executor()
+    if backend == "threads":
+        if target_device.type != "cpu" or not same:
+            raise ValueError("backend 'threads' runs target and draft on the same CPU; "
+                             "use 'cuda-streams' on one GPU or 'devices' for two devices")
+        total = torch.get_num_threads() if split is None else sum(split)
+        target_threads, draft_threads = split or default_split(total)
+        if total > (os.cpu_count() or total):
+            raise ValueError(f"thread split {target_threads}+{draft_threads} exceeds the {os.cpu_count()} cores")
+        return WorkerExecutor("threads", draft_device, draft_threads, target_threads)
+    if backend == "cuda-streams":
+        if target_device.type != "cuda" or not same:
+            raise ValueError("backend 'cuda-streams' needs target and draft on the same CUDA device")
+        return WorkerExecutor("cuda-streams", draft_device, None, None)
+    if same:
+        raise ValueError(f"backend 'devices' needs the draft on another device than the target ({target_device}); "
+                         "set --draft-device")
+    return WorkerExecutor("devices", draft_device, split[1] if split else None, split[0] if split else None)

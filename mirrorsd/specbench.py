@@ -1,0 +1,44 @@
+"""The Spec-Bench questions vendored in the package (Apache-2.0, hemingkx/Spec-Bench; see the NOTICE beside them).
+
+Task groups follow Spec-Bench: the eight MT-Bench categories pooled as ``mt_bench``, then translation,
+summarization, qa, math_reasoning and rag (80 questions each).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int
+    category: str
+    turns: tuple[str, ...]
+
+    @property
+    def group(self) -> str:
+        return "mt_bench" if self.category in MT_BENCH else self.category
+
+
+def load_questions() -> list[Question]:
+    text = resources.files("mirrorsd.data.spec_bench").joinpath("question.jsonl").read_text(encoding="utf-8")
+    return [Question(q["question_id"], q["category"], tuple(q["turns"]))
+            for q in map(json.loads, text.splitlines()) if q]
+
+
+def subset(per_group: int) -> list[Question]:
+    """``per_group`` questions of every group, spread evenly over the group and always the same ones."""
+    if per_group < 1:
+        raise ValueError(f"questions per group must be >= 1, got {per_group}")
+    chosen = []
+    questions = load_questions()
+    for group in GROUPS:
+        members = [q for q in questions if q.group == group]
+        n = min(per_group, len(members))
+        chosen.extend(members[(i * len(members)) // n] for i in range(n))
+    return chosen

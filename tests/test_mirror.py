@@ -1,0 +1,304 @@
+"""Mirror-SD: lossless on random and real models, parity with vanilla SD, reuse rules, real overlap, and a
+draft that fails mid-generation."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mirrorsd
+from mirrorsd import Transformer, generate
+from mirrorsd.decoding.mirror import (
+    ChannelMessage,
+    RootBudget,
+    RootScorer,
+    Tree,
+    is_reuse_hit,
+    resolve_exit_layer,
+    select_roots,
+)
+from mirrorsd.model import _is_projection
+from mirrorsd.quant import quantize_q8
+from mirrorsd.runtime import write_chrome_trace
+from mirrorsd.runtime.trace import overlap
+
+from .conftest import assert_same_or_near_tie, requires_smollm2, tiny_hf
+
+
+def row_exact(hf) -> Transformer:
+    """Our q8 of a random HF model: quantized models give bit-identical logits however tokens are grouped,
+    so a tree-masked rollout equals the sequential one exactly and parity with ``sd`` can be asserted."""
+    state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
+    state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
+    model = Transformer._build(hf.config, state)
+    assert model.row_exact
+    return model
+
+
+@pytest.fixture(scope="module")
+def exact_pair() -> tuple[Transformer, Transformer]:
+    return row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
+
+
+# -- lossless and parity on random models ------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gamma=st.integers(1, 5),
+    kappa=st.integers(1, 6),
+    exit_layer=st.sampled_from([1, 2, 3, 0.5]),
+    roots=st.sampled_from(["paper", "budget"]),
+    backend=st.sampled_from(["serial", "threads"]),
+    temperature=st.sampled_from([0.0, 0.7, 1.5]),
+    seed=st.integers(0, 2**31),
+    prompt=st.lists(st.integers(0, 63), min_size=1, max_size=10),
+    max_new=st.integers(1, 24),
+    self_draft=st.booleans(),
+    confidence=st.sampled_from([0.0, 0.5]),
+)
+def test_mirror_equals_ar(tiny_pair, gamma, kappa, exit_layer, roots, backend, temperature, seed, prompt, max_new,
+                          self_draft, confidence):
+    target, other = tiny_pair
+    draft = target.prefix_model(2) if self_draft else other
+    kw = dict(temperature=temperature, seed=seed, max_new_tokens=max_new)
+    ar = generate(target, prompt, method="ar", **kw)
+    m = generate(target, prompt, method="mirror", draft=draft, gamma=gamma, kappa=kappa, exit_layer=exit_layer,
+                 roots=roots, backend=backend, confidence=confidence, **kw)
+    assert m.token_ids == ar.token_ids
+    stats = m.stats
+    assert sum(a + 1 for a in stats.accepted) == max_new
+    assert stats.target_forwards == (len(prompt) > 1) + stats.steps
+    steps = stats.extra["mirror"].steps
+    assert len(steps) == stats.steps
+    if roots == "paper":
+        assert all(s.roots == (s.drafted + 1) * kappa for s in steps if s.hit is not None)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gamma=st.integers(1, 6),
+    kappa=st.integers(1, 8),
+    temperature=st.sampled_from([0.0, 1.0]),
+    acceptance=st.sampled_from(["match", "rejection"]),
+    seed=st.integers(0, 2**31),
+    max_new=st.integers(2, 30),
+    self_draft=st.booleans(),
+    confidence=st.sampled_from([0.0, 0.6]),
+    backend=st.sampled_from(["serial", "threads"]),
+)
+def test_accepted_lengths_equal_vanilla_sd(exact_pair, gamma, kappa, temperature, acceptance, seed, max_new,
+                                          self_draft, confidence, backend):
+    """The paper's parity claim (App. B): the window a hit reuses is exactly what vanilla SD's draft proposes
+    after that step, so every step accepts the same number of tokens -- and with rejection sampling even the
+    drawn tokens agree, since both methods key the noise by position."""
+    target, other = exact_pair
+    draft = target.prefix_model(2) if self_draft else other
+    kw = dict(temperature=temperature, seed=seed, max_new_tokens=max_new, acceptance=acceptance,
+              confidence=confidence, gamma=gamma)
+    sd = generate(target, [5, 9, 2, 7], method="sd", draft=draft, **kw)
+    m = generate(target, [5, 9, 2, 7], method="mirror", draft=draft, kappa=kappa, backend=backend, **kw)
+    assert m.token_ids == sd.token_ids
+    assert m.stats.accepted == sd.stats.accepted
+    assert m.stats.drafted == sd.stats.drafted
+    if acceptance == "match":
+        assert m.token_ids == generate(target, [5, 9, 2, 7], method="ar", temperature=temperature, seed=seed,
+                                       max_new_tokens=max_new).token_ids
+
+
+def test_identity_draft_hits_every_step(exact_pair):
+    """The target as its own draft accepts every window, so the reusable root is the bonus token at the last
+    position (full acceptance); with κ = the whole vocabulary it is always a candidate, so every step hits."""
+    target, _ = exact_pair
+    m = generate(target, [1, 2, 3], method="mirror", draft=target, gamma=4, kappa=64, max_new_tokens=21)
+    assert m.token_ids == generate(target, [1, 2, 3], method="ar", max_new_tokens=21).token_ids
+    assert m.stats.accepted == [4, 4, 4, 4, 0]
+    assert [s.hit for s in m.stats.extra["mirror"].steps] == [True, True, True, True, None]
+
+
+# -- reuse rules, root selection and the budget on hand-built cases -------------------------------------
+
+
+def _message() -> ChannelMessage:
+    # window d = [7, 8]; row j holds the candidates for slot j+1 (position 0 predicts slot 1, ...)
+    return ChannelMessage(ids=[[7, 3, 4], [5, 8, 6], [9, 1, 2]],
+                          logprobs=[[-0.1, -2.5, -3.0], [-0.7, -0.9, -3.0], [-0.2, -1.9, -2.3]])
+
+
+def test_reuse_hit_rules():
+    msg = _message()
+    assert is_reuse_hit(msg, 0, 3)  # rejected at slot 1, correction among position 0's candidates
+    assert not is_reuse_hit(msg, 0, 5)  # a candidate of another position does not count
+    assert is_reuse_hit(msg, 1, 5) and not is_reuse_hit(msg, 1, 9)
+    assert is_reuse_hit(msg, 2, 9)  # full acceptance: the bonus token against the last position
+    assert not is_reuse_hit(msg, 2, 7)
+    tree = Tree(roots=[(0, 3), (2, 9)], tokens=[[1], [2]], top_probs=None, q=None, base=10, forwards=1)
+    assert tree.branch(2, 9) == 1 and tree.branch(0, 3) == 0 and tree.branch(1, 3) is None
+
+
+def test_paper_roots_are_all_candidates_of_all_positions():
+    roots = select_roots(_message(), [7, 8], "paper")
+    assert len(roots) == 9 and roots[:3] == [(0, 7), (0, 3), (0, 4)]
+
+
+def test_budget_roots_rank_by_first_rejection_times_correction_rank():
+    msg, window = _message(), [7, 8]
+    assert msg.candidates(window, 0) == [3, 4] and msg.candidates(window, 2) == [9, 1, 2]
+    scorer = RootScorer(kappa=3)
+    # Priors: a draft token that is the exit's top-1 is accepted 3/4 of the time, else 1/4; ranks weigh 1, 1/2,
+    # 1/4 (+1/8 for "not a candidate"). d_1 = 7 is position 0's top-1, d_2 = 8 is not. P(A = j):
+    # j=0: 1/4; j=1: 3/4 · 3/4 = 9/16; j=2: 3/4 · 1/4 = 3/16.
+    roots = select_roots(msg, window, "budget", scorer, budget=8)
+    assert roots == [(1, 5), (1, 6), (0, 3), (2, 9), (0, 4), (2, 1), (2, 2)]
+    assert (0, 7) not in roots and (1, 8) not in roots  # the draft's own tokens can never be the correction
+    assert select_roots(msg, window, "budget", scorer, budget=2) == [(1, 5), (1, 6)]
+    for _ in range(20):  # windows keep being accepted whole and the bonus token is the exit's second candidate
+        scorer.observe(msg, window, accepted=2, correction=1)
+    # Now P(A = 2) = 23/24 · 21/24 and rank 1 carries 20.5 of 21.875 pseudo-counts: (2, 1) first, then rank 1
+    # of position 1 (P(A = 1) = 23/24 · 3/24) before rank 0 of position 2.
+    assert select_roots(msg, window, "budget", scorer, budget=2) == [(2, 1), (1, 6)]
+
+
+def test_root_budget_fits_rollouts_into_delta():
+    budget = RootBudget(start=8, most=64)
+    budget.observe(roots=8, steps=4, draft_s=0.08, delta_s=0.02)  # 20 ms per step for 8 roots -> 2.5 ms/root
+    assert budget.current == 2  # 4 steps must fit in 20 ms: 5 ms per step
+    budget.observe(roots=2, steps=4, draft_s=0.04, delta_s=0.02)  # two widths: 10 ms/step = 6.67 + 1.67·R
+    assert budget.current == 1  # nothing but the floor fits
+    roomy = RootBudget(start=8, most=16)
+    roomy.observe(roots=8, steps=2, draft_s=0.002, delta_s=1.0)
+    assert roomy.current == 16  # capped at (γ+1)·κ
+
+
+def test_exit_layer_resolution_and_bad_options(tiny_pair):
+    assert resolve_exit_layer(0.5, 24) == 12 and resolve_exit_layer(0.25, 28) == 7 and resolve_exit_layer(3, 4) == 3
+    for bad in (0, 4, 1.5, -0.5):
+        with pytest.raises(ValueError, match="exit layer"):
+            resolve_exit_layer(bad, 4)
+    target, draft = tiny_pair
+    for options, match in [({"kappa": 0}, "kappa"), ({"kappa": 65}, "kappa"), ({"gamma": 0}, "gamma"),
+                           ({"roots": "all"}, "roots"), ({"budget": 3}, "budget"), ({"backend": "mpi"}, "backend"),
+                           ({"backend": "cuda-streams"}, "CUDA"), ({"backend": "devices"}, "another device"),
+                           ({"threads": "1"}, "threads"), ({"exit_layer": 9}, "exit layer"), ({"beam": 2}, "unknown")]:
+        with pytest.raises(ValueError, match=match):
+            generate(target, [1, 2], method="mirror", draft=draft, max_new_tokens=4, **options)
+
+
+# -- concurrency, failure, tracing ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def heavy_pair() -> tuple[Transformer, Transformer]:
+    """Big enough that the target's suffix lasts milliseconds, so a thread hand-off fits inside it."""
+    target = Transformer.from_hf(tiny_hf(vocab=256, layers=8, hidden=512, seed=3, std=0.05))
+    return target, target.prefix_model(2)
+
+
+def test_threads_backend_overlaps_draft_with_target_suffix(heavy_pair, tmp_path):
+    target, draft = heavy_pair
+    m = generate(target, list(range(20)), method="mirror", draft=draft, backend="threads", gamma=4, kappa=4,
+                 max_new_tokens=24)
+    assert m.token_ids == generate(target, list(range(20)), method="ar", max_new_tokens=24).token_ids
+    spans = m.stats.spans
+    suffixes = [s for s in spans if s.lane == "target" and s.name.startswith("layers ≥")]
+    rollouts = [s for s in spans if s.lane == "draft" and s.name == "rollout"]
+    assert rollouts and suffixes
+    overlapped = [r for r in rollouts if any(overlap(r, s) > 0 for s in suffixes)]
+    assert len(overlapped) >= len(rollouts) // 2, "draft rollouts should run during the target's suffix"
+    assert m.stats.to_dict()["mirror"]["hidden_draft_fraction"] > 0
+    serial = generate(target, list(range(20)), method="mirror", draft=draft, backend="serial", gamma=4, kappa=4,
+                      max_new_tokens=24)
+    assert serial.stats.to_dict()["mirror"]["hidden_draft_fraction"] == 0  # the reference: no overlap
+    trace = json.loads(write_chrome_trace(spans, tmp_path / "t.json").read_text())
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert lanes == {"target", "draft"}
+    assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+
+
+class _FailingDraft:
+    """Makes a draft raise on its ``n``-th layer run (inside a rollout or a fresh window)."""
+
+    def __init__(self, model: Transformer, n: int) -> None:
+        self.calls, self.n, self.run_layers = 0, n, model.run_layers
+        model.run_layers = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise RuntimeError("draft device lost")
+        return self.run_layers(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["serial", "threads"])
+@pytest.mark.parametrize("fail_at", [1, 3, 12])
+def test_failing_draft_degrades_to_target_only(tiny_pair, backend, fail_at):
+    target, _ = tiny_pair
+    draft = target.prefix_model(3)
+    failing = _FailingDraft(draft, fail_at)
+    with pytest.warns(RuntimeWarning, match="draft failed"):
+        m = generate(target, [4, 4, 2], method="mirror", draft=draft, backend=backend, gamma=3, max_new_tokens=30)
+    assert failing.calls == fail_at  # never called again after the failure
+    assert m.token_ids == generate(target, [4, 4, 2], method="ar", max_new_tokens=30).token_ids
+    assert sum(a + 1 for a in m.stats.accepted) == 30
+    assert "draft device lost" in m.stats.extra["mirror"].draft_failed
+
+
+@requires_smollm2
+def test_cli_generate_mirror_with_trace(tmp_path, capsys):
+    from mirrorsd.cli import main
+
+    trace = tmp_path / "trace.json"
+    code = main(["generate", "--target", "smollm2-135m", "--draft", "self:0.25", "--method", "mirror",
+                 "--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "12", "--kappa", "4", "--exit-layer",
+                 "0.5", "--roots", "budget", "--backend", "threads", "--trace", str(trace), "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["mirror"]["exit_layer"] == 15 and out["stats"]["mirror"]["backend"] == "threads"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["cat"] for e in events if e["ph"] == "X"} == {"target", "draft"}
+
+
+# -- real weights ---------------------------------------------------------------------------------------------
+
+
+PROMPTS = ["The history of the printing press begins", "def quicksort(arr):"]
+
+
+@requires_smollm2
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_smollm2_greedy_equals_ar_and_hf_with_several_drafts(smollm2, prompt):
+    ours, hf = smollm2
+    ids = ours.tokenizer(prompt)["input_ids"]
+    ar = generate(ours, prompt, method="ar", max_new_tokens=32, raw=True)
+    with torch.no_grad():
+        hf_tokens = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+    q4 = mirrorsd.load_model("smollm2-135m", weights="q4", progress=False)
+    drafts = {"first-8-layers": ours.model.prefix_model(8), "q4-copy": q4.model}
+    for name, draft in drafts.items():
+        for options in ({}, {"roots": "budget", "backend": "threads", "exit_layer": 0.25, "kappa": 2}):
+            m = generate(ours, prompt, method="mirror", draft=draft, max_new_tokens=32, raw=True, **options)
+            assert_same_or_near_tie(ours.model, ids, m.token_ids, ar.token_ids)
+            assert_same_or_near_tie(ours.model, ids, m.token_ids, hf_tokens)
+            if name == "q4-copy":
+                assert m.stats.mean_accepted_length > 2, name
+
+
+@requires_smollm2
+def test_smollm2_seeded_sampling_equals_ar_and_parity_on_q8():
+    q8 = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
+    draft = q8.model.prefix_model(10)
+    for seed in (0, 1):
+        kw = dict(temperature=0.8, top_p=0.95, seed=seed, max_new_tokens=32)
+        ar = generate(q8, PROMPTS[0], method="ar", **kw)
+        sd = generate(q8, PROMPTS[0], method="sd", draft=draft, gamma=5, confidence=0, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the draft must not fail
+            m = generate(q8, PROMPTS[0], method="mirror", draft=draft, gamma=5, kappa=2, backend="threads", **kw)
+        assert m.token_ids == ar.token_ids == sd.token_ids
+        assert m.stats.accepted == sd.stats.accepted
