@@ -453,12 +453,11 @@ def _run(req: DecodeRequest, opts: MirrorOptions, exit_layer: int, executor: Exe
             return Window([], []), time.perf_counter() - start
 
     try:
-        with tracer.span("target", "prefill"):
-            start = time.perf_counter()
+        with tracer.span("target", "prefill") as prefill:
             if len(seq) > 1:
                 target.prefill(torch.tensor([seq[:-1]], device=target.device), t_cache)
                 stats.target_forwards += 1
-            stats.prefill_s += time.perf_counter() - start
+        stats.prefill_s += prefill.seconds
         produced = 0
         window, t_fallback = fresh(min(opts.gamma, req.max_new_tokens - 1))
         stats.draft_s += t_fallback
