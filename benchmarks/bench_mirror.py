@@ -203,10 +203,13 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"speed configurations: {', '.join(CONFIGS)}")
     p.add_argument("--parts", default="speed,fallback,gamma")
+    p.add_argument("--groups", help="only these task groups (comma-separated; 'code' is the code prompts)")
     p.add_argument("--out", type=Path, required=True, help="JSON results file")
     args = p.parse_args()
     target, draft = mirrorsd.load_model(args.target), mirrorsd.load_model(args.draft)
     items = prompts(args.per_group)
+    if args.groups:
+        items = [(group, text) for group, text in items if group in args.groups.split(",")]
     parts = set(args.parts.split(","))
     report = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
                          f"torch {torch.__version__}", "target": args.target, "draft": args.draft,
