@@ -12,6 +12,8 @@ meaning "may attend"; ``past`` is the number of positions the cache already hold
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,8 +145,10 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
-        if self.row_exact and t > 1:
-            out = self._attend_row_by_row(q, k, v, mask)
+        if self.row_exact:
+            with _one_thread():  # CPU SDPA splits its work by thread count, and so its rounding
+                out = self._attend_row_by_row(q, k, v, mask) if t > 1 else F.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=self.gqa)
         else:
             attn_mask = None if mask is None else mask.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.gqa)
@@ -174,6 +178,22 @@ class Attention(nn.Module):
                 out[r : r + 1, :, i : i + 1] = F.scaled_dot_product_attention(
                     q[r : r + 1, :, i : i + 1], keys, values, enable_gqa=self.gqa)
         return out
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run on one intra-op thread, so a result cannot depend on the caller's thread count (quantized models
+    turn last-bit differences into different tokens, and Mirror-SD's ``threads`` backend lowers the target's
+    count while the draft runs)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class MLP(nn.Module):

@@ -18,7 +18,6 @@ from mirrorsd.decoding.mirror import (
     RootBudget,
     RootScorer,
     Tree,
-    is_reuse_hit,
     resolve_exit_layer,
     select_roots,
 )
@@ -131,14 +130,18 @@ def _message() -> ChannelMessage:
 
 
 def test_reuse_hit_rules():
-    msg = _message()
-    assert is_reuse_hit(msg, 0, 3)  # rejected at slot 1, correction among position 0's candidates
-    assert not is_reuse_hit(msg, 0, 5)  # a candidate of another position does not count
-    assert is_reuse_hit(msg, 1, 5) and not is_reuse_hit(msg, 1, 9)
-    assert is_reuse_hit(msg, 2, 9)  # full acceptance: the bonus token against the last position
-    assert not is_reuse_hit(msg, 2, 7)
-    tree = Tree(roots=[(0, 3), (2, 9)], tokens=[[1], [2]], top_probs=None, q=None, base=10, forwards=1)
-    assert tree.branch(2, 9) == 1 and tree.branch(0, 3) == 0 and tree.branch(1, 3) is None
+    """With paper roots, a hit is exactly the paper's rule: c is a candidate of position A (Π⁺ ∈ Paths_τ(T))."""
+    roots = select_roots(_message(), [7, 8], "paper")
+    tree = Tree(roots=roots, tokens=[[0]] * len(roots), top_probs=None, q=None, base=10, forwards=1)
+    hit = lambda accepted, correction: tree.branch(accepted, correction) is not None  # noqa: E731
+    assert hit(0, 3)  # rejected at slot 1, correction among position 0's candidates
+    assert not hit(0, 5)  # a candidate of another position does not count
+    assert hit(1, 5) and not hit(1, 9)
+    assert hit(2, 9)  # full acceptance: the bonus token against the last position
+    assert not hit(2, 7)
+    assert roots[tree.branch(2, 9)] == (2, 9)
+    budget = Tree(roots=[(0, 3), (2, 9)], tokens=[[1], [2]], top_probs=None, q=None, base=10, forwards=1)
+    assert budget.branch(2, 9) == 1 and budget.branch(0, 3) == 0 and budget.branch(1, 5) is None
 
 
 def test_paper_roots_are_all_candidates_of_all_positions():
@@ -302,3 +305,41 @@ def test_smollm2_seeded_sampling_equals_ar_and_parity_on_q8():
             m = generate(q8, PROMPTS[0], method="mirror", draft=draft, gamma=5, kappa=2, backend="threads", **kw)
         assert m.token_ids == ar.token_ids == sd.token_ids
         assert m.stats.accepted == sd.stats.accepted
+
+
+def test_quantized_attention_ignores_the_callers_thread_count(monkeypatch):
+    """The ``threads`` backend lowers the target's intra-op thread count while the draft runs. CPU SDPA splits
+    its work (and so its rounding) by thread count and a quantized model turns that into different tokens
+    (Qwen2.5-1.5B q4 diverged from ar at token 10 with a 0.07 logit gap), so quantized attention runs on one
+    thread whatever the caller's count."""
+    import contextlib
+
+    import mirrorsd.model as model_module
+
+    hf = tiny_hf("qwen2", vocab=64, layers=1, hidden=1536, std=0.02)  # Qwen2.5-1.5B's 12 heads × 128, 2 KV heads
+    hf.config.num_attention_heads, hf.config.num_key_value_heads = 12, 2
+    hf = type(hf)(hf.config).eval()
+    model = row_exact(hf)
+    ids = torch.randint(0, 64, (1, 301), generator=torch.Generator().manual_seed(0))
+
+    seen = []  # what attention hands to o_proj: int8 quantization there may round a 1e-8 difference either way
+    model.layers[0].self_attn.o_proj.register_forward_hook(lambda module, args, out: seen.append(args[0].clone()))
+
+    def decode(threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                cache = model.new_cache(capacity=320)
+                model.prefill(ids[:, :-1], cache)
+                model(ids[:, -1:], cache=cache)
+                return seen[-1]
+        finally:
+            torch.set_num_threads(before)
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("needs two intra-op threads")
+    assert torch.equal(decode(1), decode(2))
+    monkeypatch.setattr(model_module, "_one_thread", contextlib.nullcontext)
+    if torch.equal(decode(1), decode(2)):
+        pytest.skip("this CPU's SDPA happens to give the same bits at 1 and 2 threads: the test has no power here")

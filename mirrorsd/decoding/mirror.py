@@ -143,11 +143,6 @@ def select_roots(msg: ChannelMessage, window: list[int], mode: str, scorer: Root
     return scorer.select(msg, window, budget)
 
 
-def is_reuse_hit(msg: ChannelMessage, accepted: int, correction: int) -> bool:
-    """The paper's rule (Π⁺ ∈ Paths_τ(T)): the correction or bonus token is a candidate of position A."""
-    return correction in msg.ids[accepted]
-
-
 class RootScorer:
     """The ``budget`` estimator: P(root (j, v) is the correction) = P(A = j) · P(c = v | A = j), both read off
     the early-exit candidates and calibrated on the generation's own past steps.
