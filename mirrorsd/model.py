@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,32 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
+class StreamDeltas(Protocol):
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class StreamRows:
+    """The last ``count`` rows of a window are Speculative Streaming stream rows: their projections get the
+    stream adapters' low-rank deltas (main rows keep the base weights, so the target's tokens cannot change)
+    and their keys/values are attended in this forward but never written to the cache."""
+
+    count: int
+    adapters: StreamDeltas
+
+    def project(self, layer: int, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x)  # one product over main and stream rows: the weights are read once
+        if not self.count:
+            return out
+        s = self.count
+        delta = self.adapters.delta(layer, name, x[:, -s:])
+        return torch.cat([out[:, :-s], out[:, -s:] + delta.to(out.dtype)], dim=1)
+
+
+def _project(streams: StreamRows | None, layer: int, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return linear(x) if streams is None else streams.project(layer, name, linear, x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
@@ -132,27 +159,46 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None,
         mask: torch.Tensor | None,
+        streams: StreamRows | None = None,
     ) -> torch.Tensor:
         rows, t, _ = x.shape
-        q = self.q_proj(x).view(rows, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, t, self.n_kv_heads, self.head_dim)
+        q = _project(streams, self.layer, "q_proj", self.q_proj, x).view(rows, t, self.n_heads, self.head_dim)
+        k = _project(streams, self.layer, "k_proj", self.k_proj, x).view(rows, t, self.n_kv_heads, self.head_dim)
+        v = _project(streams, self.layer, "v_proj", self.v_proj, x).view(rows, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        s = streams.count if streams is not None else 0
         if cache is not None:
-            k, v = cache.append(self.layer, k, v)
-        if self.row_exact:
-            with _one_thread():  # CPU SDPA splits its work by thread count, and so its rounding
-                out = self._attend_row_by_row(q, k, v, mask) if t > 1 else F.scaled_dot_product_attention(
-                    q, k, v, enable_gqa=self.gqa)
+            main_k, main_v = cache.append(self.layer, k[:, :, : t - s], v[:, :, : t - s])
+            if s:  # stream keys/values follow the cached ones for this forward only
+                main_k, main_v = torch.cat([main_k, k[:, :, t - s :]], 2), torch.cat([main_v, v[:, :, t - s :]], 2)
+            k, v = main_k, main_v
+        if self.row_exact and s:
+            # Main rows exactly as decoding computes them; stream rows only shape proposals, so one batched call.
+            main = self._attend_exact(q[:, :, : t - s], k, v, None if mask is None else mask[:, : t - s])
+            stream = F.scaled_dot_product_attention(q[:, :, t - s :], k, v, attn_mask=mask[:, t - s :].unsqueeze(1),
+                                                    enable_gqa=self.gqa)
+            out = torch.cat([main, stream], 2)
+        elif self.row_exact:
+            out = self._attend_exact(q, k, v, mask)
         else:
             attn_mask = None if mask is None else mask.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(rows, t, self.n_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(rows, t, self.n_heads * self.head_dim)
+        return _project(streams, self.layer, "o_proj", self.o_proj, out)
+
+    def _attend_exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        with _one_thread():  # CPU SDPA splits its work by thread count, and so its rounding
+            if q.shape[2] > 1:
+                return self._attend_row_by_row(q, k, v, mask)
+            if mask is not None and not bool(mask.all()):  # one query that skips keys (a tree node)
+                return self._attend_row_by_row(q, k, v, mask)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.gqa)
 
     def _attend_row_by_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None) -> torch.Tensor:
@@ -199,13 +245,16 @@ def _one_thread() -> Iterator[None]:
 class MLP(nn.Module):
     def __init__(self, weights: Weights, layer: int, backend: str) -> None:
         super().__init__()
+        self.layer = layer
         p = f"layers.{layer}.mlp."
         self.gate_proj = make_linear(weights[p + "gate_proj.weight"], backend=backend)
         self.up_proj = make_linear(weights[p + "up_proj.weight"], backend=backend)
         self.down_proj = make_linear(weights[p + "down_proj.weight"], backend=backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, streams: StreamRows | None = None) -> torch.Tensor:
+        gate = _project(streams, self.layer, "gate_proj", self.gate_proj, x)
+        up = _project(streams, self.layer, "up_proj", self.up_proj, x)
+        return _project(streams, self.layer, "down_proj", self.down_proj, F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -217,9 +266,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         self.mlp = MLP(weights, layer, backend)
 
-    def forward(self, x, cos, sin, cache, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, cache, mask, streams: StreamRows | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, streams)
+        return x + self.mlp(self.post_attention_layernorm(x), streams)
 
 
 def causal_mask(past: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -366,11 +415,15 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,
         start: int = 0,
         end: int | None = None,
+        streams: StreamRows | None = None,
     ) -> torch.Tensor:
         """Run blocks ``[start, end)`` on a window's hidden states ``[rows, T, hidden]``.
 
         With ``mask=None`` the window is causal over the cache (no mask at all for a single token).
+        ``streams`` marks the window's trailing rows as Speculative Streaming stream rows (give a mask then).
         """
+        if streams is not None and streams.count and mask is None:
+            raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
         t = hidden.shape[1]
         if mask is None and t > 1:
@@ -378,7 +431,7 @@ class Transformer(nn.Module):
             mask = causal_mask(past, t, hidden.device)
         cos, sin = self.rope(positions)
         for block in self.layers[start:end]:
-            hidden = block(hidden, cos, sin, cache, mask)
+            hidden = block(hidden, cos, sin, cache, mask, streams)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

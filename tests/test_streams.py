@@ -1,0 +1,342 @@
+"""Speculative Streaming: MSA masks, the frozen-main guarantee, ``ss`` equal to ``ar`` (random and real models),
+pruning, KV compaction, the SS draft inside Mirror-SD, training and the shipped adapters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mirrorsd
+from mirrorsd import Transformer, generate
+from mirrorsd.decoding import ss
+from mirrorsd.decoding.sd import propose
+from mirrorsd.sampling import TARGET_STREAM, SamplingParams
+from mirrorsd.streams import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
+
+from .conftest import assert_same_or_near_tie, requires_smollm2, tiny_hf
+from .test_mirror import row_exact
+
+
+def random_adapters(model: Transformer, streams: int = 3, layers: int = 2, seed: int = 0,
+                    std: float = 0.3) -> StreamAdapters:
+    """Adapters with every trainable weight random (a trained adapter is just another such point)."""
+    cfg = model.config
+    adapters = StreamAdapters(model, StreamConfig(streams=streams, layers=layers, hidden_size=cfg.hidden_size,
+                                                  n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapters.trainable():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return adapters.eval()
+
+
+@pytest.fixture(scope="module")
+def exact_model() -> Transformer:
+    return row_exact(tiny_hf(layers=4, seed=1))
+
+
+@pytest.fixture(scope="module")
+def dense_model() -> Transformer:
+    return Transformer.from_hf(tiny_hf(layers=4, seed=1))
+
+
+# -- masks and trees -------------------------------------------------------------------------------------------
+
+
+def test_tree_is_the_cartesian_product_with_ancestor_mask():
+    tokens, parents, depths = ss.build_tree([7], [[1, 2], [3, 4], [5, 6]])
+    assert len(tokens) == 1 + 2 + 4 + 8
+    assert tokens[:3] == [7, 1, 2] and parents[:3] == [-1, 0, 0]
+    assert [tokens[i] for i in range(3, 7)] == [3, 4, 3, 4] and parents[3:7] == [1, 1, 2, 2]
+    assert depths == [0, 1, 1, 2, 2, 2, 2] + [3] * 8
+    anc = ss.ancestors(parents)
+    leaf = 7  # under node 3, under node 1, under the root
+    assert anc[leaf].nonzero().flatten().tolist() == [0, 1, 3, 7]
+    # A trunk of committed tokens is a chain the tree hangs from.
+    tokens, parents, depths = ss.build_tree([4, 5, 6], [[1, 2]])
+    assert tokens == [4, 5, 6, 1, 2] and parents == [-1, 0, 1, 2, 2] and depths == [0, 1, 2, 3, 3]
+
+
+def test_msa_mask_streams_see_their_node_ancestors_and_lower_streams_only():
+    anc = ss.ancestors([-1, 0, 0])  # root with two children
+    mask = msa_mask(anc, past=2, streams=2)[0]
+    m, gamma = 3, 2
+    assert mask.shape == (m + m * gamma, 2 + m + m * gamma)
+    assert mask[:, :2].all()  # the cache
+    main = mask[:m]
+    assert torch.equal(main[:, 2:2 + m], anc) and not main[:, 2 + m:].any()  # v1: main sees no stream
+    stream = lambda node, j: mask[m + node * gamma + j - 1]  # noqa: E731
+    # Stream (2, 1) sees the root and node 2 (not its sibling), itself, and no other stream.
+    assert stream(2, 1)[2:2 + m].tolist() == [True, False, True]
+    assert stream(2, 1)[2 + m:].nonzero().flatten().tolist() == [2 * gamma]
+    # Stream (2, 2) also sees stream (2, 1); stream (1, 2) sees streams (1, 1..2) only.
+    assert stream(2, 2)[2 + m:].nonzero().flatten().tolist() == [2 * gamma, 2 * gamma + 1]
+    assert stream(1, 2)[2 + m:].nonzero().flatten().tolist() == [gamma, gamma + 1]
+
+
+def test_cache_compaction_moves_only_the_tail():
+    model = Transformer.from_hf(tiny_hf(layers=2))
+    cache = model.new_cache(capacity=4)
+    for layer in range(2):
+        keys = torch.arange(10.0).view(1, 1, 10, 1).expand(1, cache.keys[0].shape[1], 10, cache.keys[0].shape[3])
+        cache.append(layer, keys, keys + 100)
+    cache.compact(3, [0, 4, 6], range(1))
+    cache.compact(3, [1], range(1, 2))
+    assert cache.lengths == [6, 4]
+    assert cache.keys[0][0, 0, :6, 0].tolist() == [0, 1, 2, 3, 7, 9]
+    assert cache.values[1][0, 0, :4, 0].tolist() == [100, 101, 102, 104]
+    with pytest.raises(IndexError):
+        cache.compact(3, [5], range(1, 2))
+
+
+# -- the frozen-main guarantee -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["exact", "dense"])
+def test_main_logits_identical_with_and_without_streams(which, exact_model, dense_model):
+    """Main rows use the base weights and never attend to streams, so adding streams (with random adapters)
+    cannot change the target's own logits: bit for bit on the row-exact model, to float reordering on fp32."""
+    model = exact_model if which == "exact" else dense_model
+    adapters = random_adapters(model)
+    ids = torch.tensor([[3, 9, 27, 14, 5, 60, 2, 33]])
+    n, gamma, split = ids.shape[1], adapters.config.streams, adapters.first_layer
+    with torch.inference_mode():
+        plain = model(ids)[0]
+        positions = torch.arange(n)[None]
+        hidden = model.run_layers(model.embed(ids), positions, None, None, 0, split)
+        x = adapters.insert(hidden)
+        pos = torch.cat([positions[0], positions[0].repeat_interleave(gamma)])[None]
+        mask = msa_mask(torch.ones(n, n, dtype=torch.bool).tril(), 0, gamma)
+        out = model.run_layers(x, pos, None, mask, split, None, streams=adapters.rows(n * gamma))
+        with_streams = model.logits(out[0, :n])
+        stream_logits = model.logits(out[0, n:])
+    if which == "exact":
+        assert torch.equal(with_streams, plain)
+    else:
+        torch.testing.assert_close(with_streams, plain, rtol=0, atol=1e-5)
+    assert not torch.allclose(stream_logits[::gamma], plain, atol=1e-2)  # the streams did change
+
+
+# -- ss equals ar ---------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    streams=st.integers(1, 4),
+    layers=st.integers(1, 3),
+    tree_k=st.integers(1, 4),
+    depth=st.sampled_from([None, 0, 1, 2]),
+    threshold=st.sampled_from([0.0, 0.02, 0.2]),
+    temperature=st.sampled_from([0.0, 0.8, 1.5]),
+    seed=st.integers(0, 2**31),
+    prompt=st.lists(st.integers(0, 63), min_size=1, max_size=10),
+    max_new=st.integers(1, 24),
+    adapter_seed=st.integers(0, 3),
+)
+def test_ss_equals_ar_on_row_exact_models(exact_model, streams, layers, tree_k, depth, threshold, temperature,
+                                          seed, prompt, max_new, adapter_seed):
+    adapters = random_adapters(exact_model, streams, layers, adapter_seed, std=0.1)
+    kwargs = {"temperature": temperature, "seed": seed, "max_new_tokens": max_new}
+    want = generate(exact_model, prompt, method="ar", **kwargs)
+    got = generate(exact_model, prompt, method="ss", streams=adapters, tree_k=tree_k, depth=depth,
+                   threshold=threshold, **kwargs)
+    assert got.token_ids == want.token_ids
+    x = got.stats.extra["ss"]
+    assert len(x.committed) == got.stats.target_forwards - (len(prompt) > 1)  # one forward per pass
+    assert sum(x.committed) >= len(got.token_ids)
+    assert all(after <= before for before, after in zip(x.tree_before, x.tree_after, strict=True))
+    if threshold == 0:
+        assert x.tree_after == x.tree_before
+
+
+def test_ss_equals_ar_on_fp32_up_to_near_ties(dense_model):
+    adapters = random_adapters(dense_model, std=0.1)
+    for prompt in ([1, 2, 3], [40, 41, 7, 7, 9]):
+        want = generate(dense_model, prompt, method="ar", max_new_tokens=32)
+        got = generate(dense_model, prompt, method="ss", streams=adapters, max_new_tokens=32, threshold=0.05)
+        assert_same_or_near_tie(dense_model, prompt, got.token_ids, want.token_ids)
+
+
+def test_streams_that_predict_right_are_accepted_and_compaction_keeps_the_exact_cache(exact_model):
+    """Tree candidates built from the target's own future tokens are accepted whole (γ+1 tokens per pass), and
+    after every pass the cache equals the one a plain prefill of the committed text gives, in every layer."""
+    model = exact_model
+    adapters = random_adapters(model, streams=3, layers=2)
+    prompt = [5, 17, 3, 44]
+    future = generate(model, prompt, method="ar", max_new_tokens=30).token_ids
+    seq = list(prompt)
+    cache = model.new_cache()
+    params = SamplingParams()
+    with torch.inference_mode():
+        model.prefill(torch.tensor([seq[:-1]]), cache)
+        done = 0
+        candidates: list[list[int]] = []
+        while done < 20:
+            result = ss.ss_pass(model, adapters, cache, [seq[-1]], candidates, params, tree_k=2)
+            new = [*result.accepted, result.next_token]
+            assert new == future[done:done + len(new)]
+            if candidates:
+                assert len(result.accepted) == len(candidates)  # oracle candidates: everything is accepted
+            seq += new
+            done += len(new)
+            # Oracle tree: the true next tokens first, then a decoy in each level.
+            candidates = [[future[done + g], (future[done + g] + 1) % 64] for g in range(3)]
+            reference = model.new_cache()
+            model.prefill(torch.tensor([seq[:-1]]), reference)
+            assert cache.lengths == reference.lengths == [len(seq) - 1] * model.config.n_layers
+            for layer in range(model.config.n_layers):
+                assert torch.equal(cache.keys[layer][:, :, :len(seq) - 1], reference.keys[layer][:, :, :len(seq) - 1])
+
+
+def test_zero_threshold_never_prunes_and_a_high_one_keeps_the_root(exact_model):
+    adapters = random_adapters(exact_model)
+    params = SamplingParams()
+    with torch.inference_mode():
+        for threshold, expect_all in ((0.0, True), (0.99, False)):
+            cache = exact_model.new_cache()
+            exact_model.prefill(torch.tensor([[1, 2, 3]]), cache)
+            result = ss.ss_pass(exact_model, adapters, cache, [4], [[5, 6, 7], [8, 9, 10]], params,
+                                threshold=threshold)
+            assert result.tree_size == 13
+            assert (result.kept == 13) is expect_all and result.kept >= 1
+
+
+def test_ss_bad_options_and_missing_adapters(exact_model, tmp_path):
+    adapters = random_adapters(exact_model)
+    for bad in ({"tree_k": 0}, {"threshold": 1.0}, {"depth": -1}, {"beam": 2}):
+        with pytest.raises(ValueError):
+            generate(exact_model, [1, 2], method="ss", streams=adapters, **bad)
+    with pytest.raises(ValueError, match="no shipped stream adapter"):
+        generate(exact_model, [1, 2], method="ss")
+    with pytest.raises(FileNotFoundError, match="train-streams"):
+        generate(exact_model, [1, 2], method="ss", streams=str(tmp_path))
+    adapters.save(tmp_path / "a")
+    other = Transformer.from_hf(tiny_hf(layers=5, seed=3))
+    with pytest.raises(ValueError, match="trained for"):
+        load_adapters(other, tmp_path / "a")
+    with pytest.raises(ValueError, match="does not use a draft"):
+        generate(exact_model, [1, 2], method="ss", streams=adapters, draft=exact_model)
+
+
+def test_saved_adapter_round_trips(exact_model, tmp_path):
+    adapters = random_adapters(exact_model)
+    adapters.save(tmp_path)
+    loaded = load_adapters(exact_model, tmp_path)
+    for key, value in adapters.adapter_state().items():
+        torch.testing.assert_close(loaded.adapter_state()[key], value.half().float())  # stored as fp16
+
+
+# -- the SS draft inside Mirror-SD ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pending=st.integers(1, 4),
+    window=st.integers(1, 9),
+    temperature=st.sampled_from([0.0, 1.0]),
+    confidence=st.sampled_from([0.0, 0.3]),
+    seed=st.integers(0, 2**31),
+)
+def test_ss_rollout_equals_the_drafts_own_rollout(exact_model, pending, window, temperature, confidence, seed):
+    model = exact_model
+    adapters = random_adapters(model, streams=3, layers=2, std=0.1)
+    seq = [3, 1, 4, 1, 5, 9, 2, 6][: 4 + pending]
+    params = SamplingParams(temperature=temperature, seed=seed)
+    need = confidence > 0
+    with torch.inference_mode():
+        results = []
+        for use_streams in (False, True):
+            cache = model.new_cache()
+            model.prefill(torch.tensor([seq[: len(seq) - pending]]), cache)
+            args = (cache, seq[len(seq) - pending:], len(seq), window, params, TARGET_STREAM, need, confidence, 0)
+            p = ss.rollout(model, adapters, *args) if use_streams else propose(model, *args)
+            results.append((p, len(cache)))
+    (plain, plain_len), (streamed, streamed_len) = results
+    assert streamed.tokens == plain.tokens and streamed_len == plain_len
+    assert len(streamed.q_rows) == len(plain.q_rows)
+    for a, b in zip(streamed.q_rows, plain.q_rows, strict=True):
+        torch.testing.assert_close(a, b)
+    assert streamed.forwards <= plain.forwards
+
+
+def test_mirror_with_ss_draft_equals_ar_and_keeps_parity_with_sd():
+    target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
+    adapters = random_adapters(draft, streams=2, layers=1, std=0.1)
+    for temperature in (0.0, 1.0):
+        kwargs = {"temperature": temperature, "seed": 5, "max_new_tokens": 40}
+        want = generate(target, [7, 8, 9], method="ar", **kwargs)
+        plain = generate(target, [7, 8, 9], method="mirror", draft=draft, gamma=5, kappa=2, **kwargs)
+        got = generate(target, [7, 8, 9], method="mirror", draft=draft, gamma=5, kappa=2, draft_streams=adapters,
+                       **kwargs)
+        assert got.token_ids == want.token_ids
+        assert got.stats.accepted == plain.stats.accepted
+        m = got.stats.to_dict()["mirror"]
+        assert m["draft_streams"] and m["fresh_tokens_per_draft_forward"] >= 1.0
+
+
+# -- real weights, training, shipped adapters ----------------------------------------------------------------
+
+
+@requires_smollm2
+@pytest.mark.parametrize("prompt", ["Explain what a Python list comprehension is.", "Write a haiku about rain."])
+def test_smollm2_ss_greedy_equals_ar_and_hf(smollm2, prompt):
+    ours, hf = smollm2
+    want = generate(ours, prompt, method="ar", max_new_tokens=40)
+    got = generate(ours, prompt, method="ss", max_new_tokens=40)  # the shipped adapter
+    ids = torch.tensor([got.prompt_ids])
+    hf_ids = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    hf_new = hf_ids[0, ids.shape[1]:].tolist()
+    assert_same_or_near_tie(ours.model, got.prompt_ids, got.token_ids, want.token_ids)
+    assert_same_or_near_tie(ours.model, got.prompt_ids, got.token_ids, hf_new[:len(got.token_ids)])
+    assert got.stats.extra["ss"].call_reduction > 1.0
+
+
+@requires_smollm2
+def test_smollm2_q8_ss_seeded_sampling_and_greedy_equal_ar_exactly():
+    model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
+    for temperature in (0.0, 0.9):
+        kwargs = {"temperature": temperature, "seed": 11, "max_new_tokens": 48}
+        want = generate(model, "Tell me about the history of tea.", method="ar", **kwargs)
+        got = generate(model, "Tell me about the history of tea.", method="ss", threshold=0.02, **kwargs)
+        assert got.token_ids == want.token_ids
+
+
+@requires_smollm2
+def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smollm2):
+    from mirrorsd.train_streams import corpus_texts, evaluate, freeze_chunk, make_chunks
+
+    ours, _ = smollm2
+    folder = shipped_adapter("smollm2-135m")
+    assert folder is not None
+    config = json.loads((folder / "stream_config.json").read_text())
+    recipe = config["recipe"]
+    total = recipe["train_chunks"] + recipe["held_out_chunks"]
+    texts = corpus_texts(recipe["data"])
+    held_out = make_chunks(ours.tokenizer, texts, recipe["seq_len"], total, 0)[:4]  # never trained on
+    trained = load_adapters(ours.model, folder)
+    untrained = StreamAdapters(ours.model, trained.config)
+    frozen = [freeze_chunk(ours.model, trained.first_layer, c) for c in held_out]
+    good, base = evaluate(ours.model, trained, frozen), evaluate(ours.model, untrained, frozen)
+    assert all(g > b + 0.02 for g, b in zip(good, base, strict=True)), (good, base)
+
+
+@requires_smollm2
+def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path):
+    from mirrorsd.cli import main
+
+    out = tmp_path / "adapter"
+    args = ["train-streams", "--model", "smollm2-135m", "--data", "pydoc-topics", "--out", str(out),
+            "--seq-len", "32", "--held-out", "1", "--layers", "2", "--streams", "2"]
+    assert main([*args, "--steps", "2"]) == 0
+    first = json.loads((out / "summary.json").read_text())
+    assert main([*args, "--steps", "4"]) == 0  # resumes from step 2
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 4 and state["before"] == first["held_out_stream_accuracy_before"]
+    assert (out / "adapter.safetensors").stat().st_size < 2_000_000
+    model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
+    got = generate(model, "Hi there", method="ss", streams=str(out), max_new_tokens=12)
+    assert got.token_ids == generate(model, "Hi there", method="ar", max_new_tokens=12).token_ids
