@@ -313,8 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="top-k tokens per stream; the tree is their Cartesian product, 1+Σk^g nodes (default: 3)")
     sg.add_argument("--tree-depth", type=int, help="tree depth, at most the adapter's γ streams (default: γ)")
     sg.add_argument("--prune-threshold", type=float,
-                    help="drop tree edges whose pruning-adapter probability is below this, with their subtrees "
-                         "(default: 0, no pruning)")
+                    help="drop tree edges whose pruning-adapter probability is below this, with their subtrees; "
+                         "0 never prunes (default: 0.05)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
     g.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus filtering")
