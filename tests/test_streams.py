@@ -151,6 +151,7 @@ def test_ss_equals_ar_on_row_exact_models(exact_model, streams, layers, tree_k, 
     assert all(after <= before for before, after in zip(x.tree_before, x.tree_after, strict=True))
     if threshold == 0:
         assert x.tree_after == x.tree_before
+    assert all(a <= d for a, d in zip(got.stats.accepted, got.stats.drafted, strict=True))
 
 
 def test_ss_equals_ar_on_fp32_up_to_near_ties(dense_model):

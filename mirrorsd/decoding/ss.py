@@ -68,6 +68,7 @@ class PassResult:
     path_logits: torch.Tensor  # [accepted + 1, vocab] main logits that chose accepted + next_token
     tree_size: int
     kept: int
+    depth: int  # deepest surviving tree level (window positions drafted, after pruning)
 
 
 @dataclass
@@ -177,7 +178,8 @@ def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk:
     full_path = list(range(len(trunk))) + path
     cache.compact(past, full_path, range(split))
     cache.compact(past, [where[i] for i in full_path], range(split, model.config.n_layers))
-    return PassResult(accepted, own, next_candidates, main_logits[chose], n, m)
+    depth = max(depths[i] for i in kept) - depths[root]
+    return PassResult(accepted, own, next_candidates, main_logits[chose], n, m, depth)
 
 
 def decode(req: DecodeRequest) -> Iterator[list[int]]:
@@ -206,18 +208,12 @@ def _run(req: DecodeRequest, opts: SSOptions, adapters: StreamAdapters) -> Itera
                              tree_k=opts.tree_k)
         stats.target_forwards += 1
         sstats.record(result)
-        stats.record_step(_depth_after_pruning(result, len(tree)), len(result.accepted))
+        stats.record_step(result.depth, len(result.accepted))
         new = [*result.accepted, result.next_token]
         seq.extend(new)
         produced += len(new)
         candidates = result.candidates
         yield new
-
-
-def _depth_after_pruning(result: PassResult, depth: int) -> int:
-    """Window positions drafted, for per-position acceptance: the full depth unless pruning emptied levels
-    (a lower bound then: we only know how many nodes survived)."""
-    return depth if result.kept == result.tree_size else min(depth, result.kept - 1)
 
 
 def rollout(model: Transformer, adapters: StreamAdapters, cache: KVCache, pending: list[int], position: int,
