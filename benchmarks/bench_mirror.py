@@ -31,10 +31,8 @@ import torch
 
 import mirrorsd
 from mirrorsd import specbench
+from mirrorsd.bench.probe import run_probe
 from mirrorsd.decoding import SPECULATIVE
-from mirrorsd.decoding.sd import propose
-from mirrorsd.sampling import TARGET_STREAM, SamplingParams
-from mirrorsd.verify import verify_match
 
 CODE_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring and tests.",
@@ -127,65 +125,16 @@ def summarize_speed(results: dict[str, list[dict]]) -> dict:
     return out
 
 
-@torch.inference_mode()
 def fallback_grid(target, draft, items, max_new, gamma=7, kappas=(1, 2, 4, 8, 16)) -> dict:
-    """Vanilla SD (γ fixed, greedy) with the early exit read at N/4, N/2 and 3N/4 at every step."""
-    model, dmodel = target.model, draft.model
-    n = model.config.n_layers
-    exits = {"1/4": n // 4, "1/2": n // 2, "3/4": (3 * n) // 4}
-    bounds = sorted(set(exits.values()))
-    params = SamplingParams()
-    ranks: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-    accepted: dict[str, list[int]] = defaultdict(list)
-    for group, text in items:
-        seq = mirrorsd.api.encode_prompt(target, text)
-        capacity = len(seq) + max_new + 2
-        t_cache, d_cache = model.new_cache(capacity=capacity), dmodel.new_cache(capacity=capacity)
-        model.prefill(torch.tensor([seq[:-1]]), t_cache)
-        pending, produced = list(seq), 0
-        while produced < max_new:
-            window = min(gamma, max_new - produced - 1)
-            drafted = propose(dmodel, d_cache, pending, len(seq), window, params, TARGET_STREAM, False, 0.0, 0)
-            tokens = [seq[-1], *drafted.tokens]
-            ids = torch.tensor([tokens])
-            positions = torch.arange(len(seq) - 1, len(seq) - 1 + len(tokens))[None]
-            hidden, start, exit_ids = model.embed(ids), 0, {}
-            for end in [*bounds, n]:
-                hidden = model.run_layers(hidden, positions, t_cache, start=start, end=end)
-                for name, layer in exits.items():
-                    if layer == end:
-                        exit_ids[name] = model.logits(hidden)[0].topk(max(kappas), -1).indices.tolist()
-                start = end
-            verdict = verify_match(drafted.tokens, model.logits(hidden)[0],
-                                   list(range(len(seq), len(seq) + len(tokens))), params)
-            a, c = verdict.accepted, verdict.next_token
-            for name, ids_at in exit_ids.items():
-                row = ids_at[a]
-                ranks[group][name].append(row.index(c) if c in row else max(kappas))
-            accepted[group].append(a)
-            t_cache.truncate(len(seq) + a)
-            keep = min(len(d_cache), len(seq) + a)
-            d_cache.truncate(keep)
-            seq.extend(verdict.committed(drafted.tokens))
-            pending = seq[keep:]
-            produced += a + 1
-            if c in target.eos_token_ids:
-                break
-    grid = {}
-    for group, by_exit in [*ranks.items(), ("all", _pool(ranks))]:
-        grid[group] = {name: {str(k): sum(r >= k for r in rs) / len(rs) for k in kappas}
-                       for name, rs in by_exit.items()}
-        grid[group]["steps"] = len(next(iter(by_exit.values())))
-    return {"exit_layers": exits, "gamma": gamma, "fallback": grid,
-            "mean_accepted": {g: statistics.mean(a) for g, a in accepted.items()}}
-
-
-def _pool(ranks):
-    pooled = defaultdict(list)
-    for by_exit in ranks.values():
-        for name, rs in by_exit.items():
-            pooled[name].extend(rs)
-    return pooled
+    """Vanilla SD (γ fixed, greedy) with the early exit read at N/4, N/2 and 3N/4 (mirrorsd.bench.probe)."""
+    prompts = [(group, mirrorsd.api.encode_prompt(target, text)) for group, text in items]
+    probe = run_probe(target, draft, prompts, max_new, gamma, kappas)
+    grid = {g: {**{name: {str(k): f for k, f in row.items()} for name, row in probe.fallback(g).items()},
+                "steps": len(probe.ranks[g][next(iter(probe.exit_layers))]) if g != "all" else
+                sum(len(by_exit[next(iter(probe.exit_layers))]) for by_exit in probe.ranks.values())}
+            for g in probe.groups()}
+    return {"exit_layers": probe.exit_layers, "gamma": gamma, "fallback": grid,
+            "mean_accepted": {g: statistics.mean(a) for g, a in probe.accepted.items() if a}}
 
 
 def gamma_sweep(target, draft, items, max_new, gammas=range(1, 8)) -> dict:

@@ -97,20 +97,28 @@ def _as_loaded(m: LoadedModel | Transformer) -> LoadedModel:
     return m if isinstance(m, LoadedModel) else LoadedModel(m)
 
 
+def encode_chat(target: LoadedModel, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation (``[{"role": "user", "content": ...}, ...]``) through the model's chat template,
+    ending with the assistant's turn; a tokenizer without a template gets the turns' contents joined."""
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError("this model has no tokenizer; pass token ids instead of text")
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return tok("\n\n".join(m["content"] for m in messages))["input_ids"]
+
+
 def encode_prompt(target: LoadedModel, prompt: str | Sequence[int], *, raw: bool = False) -> list[int]:
     """Token ids for a prompt: ids pass through; text goes through the chat template unless ``raw``."""
     if not isinstance(prompt, str):
         ids = [int(t) for t in prompt]
-    else:
-        tok = target.tokenizer
-        if tok is None:
+    elif raw:
+        if target.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids instead of text")
-        if not raw and getattr(tok, "chat_template", None):
-            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tok(prompt)["input_ids"]
+        ids = target.tokenizer(prompt)["input_ids"]
+    else:
+        ids = encode_chat(target, [{"role": "user", "content": prompt}])
     if not ids:
         raise ValueError("the prompt is empty")
     vocab = target.config.vocab_size
@@ -139,6 +147,18 @@ def _shipped_streams(model: LoadedModel) -> Path:
         raise ValueError(f"no shipped stream adapter for {model.name or 'this model'}; pass streams=FOLDER (or "
                          "--streams) with an adapter from `mirrorsd train-streams`")
     return folder
+
+
+def _planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
+             options: dict[str, Any]) -> tuple[str, dict[str, Any], LoadedModel | Transformer | None]:
+    """``method="auto"``: the configuration `mirrorsd plan` recommended for this pair on this machine; options
+    given explicitly win over the plan's."""
+    from .bench.plan import load_plan
+
+    draft_name = _as_loaded(draft).name if draft is not None else None
+    recommended = load_plan(target.name, draft_name)["recommended"]
+    method = recommended["method"]
+    return method, {**recommended["options"], **options}, draft if method in SPECULATIVE else None
 
 
 class GenerationStream:
@@ -237,6 +257,8 @@ def stream(
 ) -> GenerationStream:
     """Like :func:`generate`, but returns an iterator of text deltas (``.result`` is set at the end)."""
     target = _as_loaded(target)
+    if method == "auto":
+        method, options, draft = _planned(target, draft, options)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     if max_new_tokens < 1:
@@ -273,7 +295,8 @@ def stream(
 def generate(target: LoadedModel | Transformer, prompt: str | Sequence[int], **kwargs: Any) -> Generation:
     """Generate a completion.
 
-    ``method`` is ``"ar"`` (target alone), ``"sd"`` (speculative, needs ``draft``; options ``gamma``,
+    ``method`` is ``"auto"`` (what `mirrorsd plan` recommended for this target and draft), ``"ar"`` (target
+    alone), ``"sd"`` (speculative, needs ``draft``; options ``gamma``,
     ``confidence``, ``schedule`` and ``acceptance="match"|"rejection"``) or ``"mirror"`` (Mirror-SD, needs
     ``draft``; options in :class:`mirrorsd.decoding.mirror.MirrorOptions`, ``draft_streams=True`` for the draft's
     shipped Speculative Streaming adapter) or ``"ss"`` (Speculative Streaming, one model; options in

@@ -76,7 +76,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from mirrorsd.decoding import SPECULATIVE
 
     err = Console(stderr=True)
-    speculative = args.method in SPECULATIVE
+    speculative = args.method in SPECULATIVE or args.method == "auto"  # auto: the plan is keyed by the draft too
     if args.draft and not speculative:
         raise ValueError(f"--draft is only used by speculative methods ({', '.join(sorted(SPECULATIVE))})")
     mirror_only = {"--kappa": args.kappa, "--exit-layer": args.exit_layer, "--roots": args.roots,
@@ -111,10 +111,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             st = result.stats
             sys.stdout.write("\n")
-            line = (f"[{args.method}, {target.weights}] {st.new_tokens} tokens in {st.wall_s:.2f} s "
+            line = (f"[{st.method}, {target.weights}] {st.new_tokens} tokens in {st.wall_s:.2f} s "
                     f"({st.tokens_per_s:.2f} tok/s), {st.target_forwards} target forwards, "
                     f"finish={result.finish_reason}")
-            if speculative:
+            if st.method in SPECULATIVE:
                 line += (f", mean accepted length {st.mean_accepted_length:.2f} (γ={st.gamma}), "
                          f"draft {st.draft_s:.2f} s / target {st.target_s:.2f} s")
             if "ss" in st.extra:
@@ -156,7 +156,7 @@ def _cmd_train_streams(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_forward(args: argparse.Namespace) -> int:
-    from mirrorsd import bench
+    from mirrorsd.bench import forward as bench
 
     try:
         ks = tuple(sorted({int(k) for k in args.ks.split(",")}))
@@ -180,6 +180,106 @@ def _cmd_bench_forward(args: argparse.Namespace) -> int:
         lc = report.llama_cpp
         print(f"  llama.cpp ({lc.get('build')}): AR {lc.get('ar_tok_s', float('nan')):.2f} tok/s; " + ", ".join(
             f"k={k}: {ms:.1f} ms" for k, ms in lc["forward_ms"].items()))
+    return 0
+
+
+def _bench_config(args: argparse.Namespace, methods) -> object:
+    from mirrorsd.bench.runner import BenchConfig
+
+    split = None
+    if getattr(args, "threads_split", None):
+        split = tuple(int(x) for x in args.threads_split.split(","))
+    return BenchConfig(target=args.target, draft=args.draft, methods=methods, suite=args.suite,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       runs=args.runs, warmup=args.warmup, weights=args.weights, device=args.device, dtype=args.dtype,
+                       llama_server=getattr(args, "llama_server", None), probe=not args.no_probe,
+                       predict=not args.no_predict, threads_split=split)
+
+
+def _run_bench(config, out: Path) -> int:
+    from mirrorsd.bench.report import write_report
+    from mirrorsd.bench.runner import Bench, write_answers
+
+    out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(config)
+    try:
+        results = bench.run()
+    finally:
+        bench.close()
+    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
+    write_answers(results, out)
+    report = write_report(results, out)
+    print(report.read_text(encoding="utf-8"))
+    print(f"written: {out / 'results.json'}, {report}, {out / 'answers'}/*.jsonl and plots in {out}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from mirrorsd.bench.runner import parse_methods
+
+    return _run_bench(_bench_config(args, parse_methods(args.methods)), Path(args.out))
+
+
+def _csv(text: str, cast=str) -> list:
+    try:
+        return [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected a comma-separated list, got {text!r}") from None
+
+
+def _cmd_bench_sweep(args: argparse.Namespace) -> int:
+    from mirrorsd.bench.runner import MethodSpec
+
+    specs = [MethodSpec("ar", "ar")]
+    for gamma in _csv(args.gammas, int):
+        specs.append(MethodSpec(f"sd γ={gamma}", "sd", {"gamma": gamma, "confidence": 0.0}))
+        for exit_layer in _csv(args.exit_layers, _number):
+            for kappa in _csv(args.kappas, int):
+                for roots in _csv(args.roots):
+                    for backend in _csv(args.backends):
+                        splits = args.thread_splits if backend == "threads" else [None]
+                        for split in splits:
+                            options = {"gamma": gamma, "kappa": kappa, "exit_layer": exit_layer, "roots": roots,
+                                       "backend": backend}
+                            label = f"mirror γ={gamma} κ={kappa} ℓe={exit_layer} {roots} {backend}"
+                            if split:
+                                options["threads"] = split
+                                label += f" {split}"
+                            specs.append(MethodSpec(label, "mirror", options))
+    print(f"sweep: {len(specs)} configurations", flush=True)
+    return _run_bench(_bench_config(args, specs), Path(args.out))
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import mirrorsd
+    from mirrorsd.api import encode_chat
+    from mirrorsd.bench.plan import make_plan
+    from mirrorsd.specbench import load_suite
+
+    target = mirrorsd.load_model(args.target, weights=args.weights)
+    draft = mirrorsd.load_model(args.draft, weights=args.weights)
+    prompts = [(q.group, encode_chat(target, [{"role": "user", "content": q.turns[0]}]))
+               for q in load_suite(args.suite)]
+    plan = make_plan(target, draft, prompts, args.max_new_tokens)
+    path = plan.save(Path(args.out) if args.out else None)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"predicted speed on {plan.machine} (Mirror-SD latency law, measured costs and acceptance)")
+    for col in ("rank", "configuration", "tokens/step", "step ms", "predicted tok/s"):
+        table.add_column(col)
+    shown = plan.ranked[: args.top]
+    ar = next((r for r in plan.ranked if r["method"] == "ar"), None)
+    if ar is not None and ar not in shown:
+        shown.append(ar)
+    for row in shown:
+        table.add_row(str(plan.ranked.index(row) + 1), row["label"], f"{row['tokens_per_step']:.2f}",
+                      f"{row['step_ms']:.1f}", f"{row['predicted_tokens_per_s']:.2f}")
+    Console().print(table)
+    print(f"recommended: {plan.recommended['label']} — saved to {path}; `mirrorsd generate --method auto` uses it")
     return 0
 
 
@@ -235,6 +335,38 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
+    from mirrorsd.model import WEIGHT_FORMATS
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="zoo model name or local HF folder")
+    if methods:
+        p.add_argument("--methods", default="ar,sd,mirror,ss,hf-assisted,hf-pld,llama-server",
+                       help="comma-separated: ar, sd, mirror, ss, hf-ar, hf-assisted, hf-pld, llama-server, "
+                            "llama-server-ar; options as KIND:key=value:key=value, a label as LABEL=KIND:... "
+                            "(e.g. mirror:roots=budget:backend=threads). References (ar, hf-ar, llama-server-ar) "
+                            "are added as needed")
+        p.add_argument("--llama-server", metavar="PATH",
+                       help="llama.cpp's llama-server binary (default: $MIRRORSD_LLAMA_SERVER or PATH; skipped "
+                            "with a note when absent)")
+    p.add_argument("--suite", default="specbench:1",
+                   help="specbench (all 480), specbench:N (N questions per task group, spread evenly) or a JSONL "
+                        'file of {"turns": [...]} / {"prompt": ...}')
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (Spec-Bench's setting)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per question: seed and question id)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs (median and range reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up passes of every method")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, help="our weight format (default: as generate)")
+    p.add_argument("--device", default="cpu", help="torch device for our models and the HF peers")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads-split", metavar="T,D", help="target,draft threads the planner times for the threads "
+                                                         "backend (default: half each)")
+    p.add_argument("--no-probe", action="store_true", help="skip the untimed acceptance / early-exit probe")
+    p.add_argument("--no-predict", action="store_true", help="skip the forward-cost measurement and predictions")
+    p.add_argument("--out", default="bench_out/run", help="output folder")
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" only where there is a default and the help does not state it already."""
 
@@ -267,10 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None,
                    help="draft for speculative methods: zoo name or folder, or self:N / self:F for the target's "
                         f"first N layers (or fraction F of them) (default: {DEFAULT_DRAFT})")
-    g.add_argument("--method", default="sd", choices=["ar", "sd", "mirror", "ss"],
+    g.add_argument("--method", default="sd", choices=["ar", "sd", "mirror", "ss", "auto"],
                    help="ar: target alone; sd: vanilla speculative decoding; mirror: Mirror-SD (early-exit "
                         "token channel, draft rollouts overlapped with the target's upper layers); ss: Speculative "
-                        "Streaming (one model with stream adapters verifies and drafts in one pass; no draft)")
+                        "Streaming (one model with stream adapters verifies and drafts in one pass; no draft); "
+                        "auto: the configuration `mirrorsd plan` saved for this target and draft on this machine")
     g.add_argument("--gamma", type=int,
                    help=f"most draft tokens per verification window (default: sd {sd.DEFAULT_GAMMA}, "
                         f"mirror {mirror.DEFAULT_GAMMA})")
@@ -362,9 +495,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="data order and initialisation")
     t.set_defaults(func=_cmd_train_streams)
 
-    b = sub.add_parser("bench", help="micro-benchmarks of the fast paths",
-                       description="Measure what decoding costs on this machine.")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
+    b = sub.add_parser(
+        "bench", formatter_class=_HelpFormatter, help="Spec-Bench runner with peers in the same run; sweeps; costs",
+        description="Run Spec-Bench questions (or your own JSONL) through our methods and the peers (HF "
+        "transformers generate / assisted / prompt lookup, llama.cpp's llama-server when found) in one run, "
+        "interleaved per question; check every output against its AR reference; write results.json, Spec-Bench "
+        "answer files, report.md and plots to --out. Subcommands: sweep, forward, perplexity.")
+    _bench_arguments(b, methods=True)
+    b.set_defaults(func=_cmd_bench)
+    bsub = b.add_subparsers(dest="bench_command", required=False, metavar="{sweep,forward,perplexity}")
+    bw = bsub.add_parser(
+        "sweep", formatter_class=_HelpFormatter, help="Mirror-SD over γ × κ × ℓe × roots × backend × threads",
+        description="Times ar, vanilla SD at every γ and Mirror-SD at every combination, interleaved as in "
+        "`mirrorsd bench`, with predicted (latency law) next to measured speed, fallback and hidden-draft "
+        "fraction per configuration.")
+    _bench_arguments(bw, methods=False)
+    bw.add_argument("--gammas", default="7", help="comma-separated γ values")
+    bw.add_argument("--kappas", default="1,2,4,8", help="comma-separated κ values")
+    bw.add_argument("--exit-layers", default="0.25,0.5,0.75", help="comma-separated ℓe (indices or fractions)")
+    bw.add_argument("--roots", default="paper", help="comma-separated root modes (paper, budget)")
+    bw.add_argument("--backends", default="serial", help="comma-separated backends (serial, threads, ...)")
+    bw.add_argument("--thread-splits", nargs="+", default=["1,1"], metavar="T,D",
+                    help="target,draft thread splits tried with the threads backend")
+    bw.set_defaults(func=_cmd_bench_sweep)
     bf = bsub.add_parser(
         "forward", formatter_class=_HelpFormatter,
         help="k-token forward cost and AR tok/s of one model",
@@ -394,6 +547,21 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--window", type=int, default=512, help="tokens per scored window")
     bp.add_argument("--json", action="store_true", help="print one JSON object per format")
     bp.set_defaults(func=_cmd_bench_perplexity)
+
+    pl = sub.add_parser(
+        "plan", formatter_class=_HelpFormatter, help="measure this machine and recommend a configuration",
+        description="Measures the target's k-token forward, prefix and early-exit costs and the draft's k-row "
+        "costs here, probes acceptance and early-exit fallback on a few Spec-Bench prompts, predicts every "
+        "method's speed with the Mirror-SD latency law (Eq. 10) and saves the best for `generate --method auto`.")
+    pl.add_argument("--target", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
+    pl.add_argument("--draft", default=DEFAULT_DRAFT, help="zoo model name or local HF folder")
+    pl.add_argument("--weights", choices=WEIGHT_FORMATS, help="weight format (default: as generate)")
+    pl.add_argument("--suite", default="specbench:1", help="calibration prompts: specbench[:N] or FILE.jsonl")
+    pl.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")
+    pl.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
+    pl.add_argument("--out", help="plan file (default: the cache's plans/ folder, where --method auto looks)")
+    pl.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    pl.set_defaults(func=_cmd_plan)
 
     m = sub.add_parser("models", help="the offline model zoo", description="List and prepare zoo models.")
     msub = m.add_subparsers(dest="models_command", required=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -42,3 +43,34 @@ def subset(per_group: int) -> list[Question]:
         n = min(per_group, len(members))
         chosen.extend(members[(i * len(members)) // n] for i in range(n))
     return chosen
+
+
+def load_suite(spec: str) -> list[Question]:
+    """``specbench`` (all 480), ``specbench:N`` (:func:`subset`) or a JSONL file of Spec-Bench-style questions
+    (``turns`` or ``prompt``; optional ``question_id`` and ``category``, default the line number and ``custom``)."""
+    if spec == "specbench":
+        return load_questions()
+    if spec.startswith("specbench:"):
+        try:
+            return subset(int(spec.removeprefix("specbench:")))
+        except ValueError as e:
+            raise ValueError(f"--suite specbench:N needs a positive number of questions per group ({e})") from None
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"--suite {spec!r}: not 'specbench', 'specbench:N' or an existing JSONL file")
+    questions = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            turns = row["turns"] if "turns" in row else [row["prompt"]]
+            if not turns or not all(isinstance(t, str) and t for t in turns):
+                raise ValueError("turns must be non-empty strings")
+            questions.append(Question(int(row.get("question_id", n)), str(row.get("category", "custom")),
+                                      tuple(turns)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f'{path}:{n}: expected a JSON object with "turns" (list) or "prompt" ({e})') from None
+    if not questions:
+        raise ValueError(f"{path} holds no questions")
+    return questions

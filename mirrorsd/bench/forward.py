@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
-from .model import Transformer
+from .. import kernels
+from ..model import Transformer
 
 DEFAULT_KS = (1, 2, 4, 8, 16)
 
@@ -113,7 +113,7 @@ def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], token
 def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, context: int = 128, rounds: int = 5,
         ar_tokens: int = 32, llama_bench_path: str | None = None, backend: str = "auto") -> ForwardReport:
     """Load a zoo model (or local folder) and measure it; see the module docstring."""
-    from .zoo import resolve
+    from ..zoo import resolve
 
     path = resolve(name)
     model = Transformer.from_pretrained(path, weights=weights, backend=backend)

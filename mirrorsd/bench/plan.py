@@ -1,0 +1,339 @@
+"""The planner: measure what each piece of a decoding step costs on this machine, predict every method's speed
+with the Mirror-SD latency law (the paper's Eq. 10) and measured acceptance, and recommend a configuration.
+
+Costs (median ms, interleaved rounds, after ``context`` cached tokens): the target's k-token forward ``T(k)``
+(LM head on every row, as verification needs), its prefix ``P_ℓ(k)`` (layers below each candidate exit layer),
+the early-exit head with top-κ ``EE(k)``, and the draft's k-row forward ``D(k)`` (a chain, or k tree roots in
+one forward). Per decoding step (``w`` = window + 1 tokens verified, γ draft steps, ``R`` rollout roots):
+
+* ``ar``: ``T(1)`` per token.
+* ``sd``: ``γ·D(1) + T(γ+1)`` (draft, then verify: the two are serial).
+* ``mirror``: ``P_ℓ(w) + EE(w) + max(Δ, γ·D(R)) + f·γ·D(1)`` with ``Δ = T(w) − P_ℓ(w)`` — Eq. 10 with the
+  rendezvous folded into EE — plus the exposed fresh rollout after a miss (fallback frequency ``f``), which
+  Eq. 10 leaves out. The ``serial`` backend adds Δ and the rollout instead of overlapping them; ``threads``
+  uses costs measured with the cores split between target and draft (each alone: contention for memory
+  bandwidth while both run is not in the model, so this is an upper bound).
+* ``ss``: a pass runs the whole tree (``n`` nodes) through the bottom layers, and the ``m`` nodes kept by pruning
+  with their ``m·γ_s`` stream rows through the top ``N_s``: ``(1 − N_s/N)·T(n) + (N_s/N)·T(m·(1 + γ_s))``.
+
+Tokens per step come from measured acceptance: E[A](γ) = Σ_i Π_{j≤i} p_j from the probe's per-position
+acceptance, and fallback frequencies per κ × ℓe from the probe's exit ranks (see :mod:`.probe`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..model import Transformer
+from .metrics import expected_accepted
+
+TARGET_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DRAFT_KS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class Costs:
+    """Milliseconds per forward piece, keyed by row count (and exit layer for the prefix)."""
+
+    context: int
+    threads: int
+    target_ms: dict[int, float]
+    prefix_ms: dict[int, dict[int, float]]  # exit layer -> k -> ms of layers [0, ℓe)
+    exit_head_ms: dict[int, float]
+    draft_ms: dict[int, float]
+    split: dict[str, Any] | None = None  # the same tables measured with (target, draft) threads split
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Costs:
+        ints = lambda t: {int(k): v for k, v in t.items()}  # noqa: E731 (JSON keys are strings)
+        split = d.get("split")
+        if split:
+            split = {**split, "target_ms": ints(split["target_ms"]), "draft_ms": ints(split["draft_ms"]),
+                     "prefix_ms": {int(e): ints(t) for e, t in split["prefix_ms"].items()}}
+        return cls(d["context"], d["threads"], ints(d["target_ms"]),
+                   {int(e): ints(t) for e, t in d["prefix_ms"].items()}, ints(d["exit_head_ms"]),
+                   ints(d["draft_ms"]), split)
+
+    def for_backend(self, backend: str) -> Costs:
+        """Costs for a backend: split-thread tables for ``threads`` when measured, else these."""
+        if backend != "threads" or not self.split:
+            return self
+        s = self.split
+        return Costs(self.context, self.threads, s["target_ms"], s["prefix_ms"], self.exit_head_ms, s["draft_ms"])
+
+
+def interpolate(table: dict[int, float], k: float) -> float:
+    """Piecewise-linear in k through the measured points, extended linearly past the ends."""
+    ks = sorted(table)
+    if k in table:
+        return table[int(k)]
+    if len(ks) == 1:
+        return table[ks[0]] * k / ks[0]
+    lo, hi = (ks[0], ks[1]) if k < ks[0] else (ks[-2], ks[-1]) if k > ks[-1] else next(
+        (a, b) for a, b in zip(ks, ks[1:], strict=False) if a <= k <= b)
+    return table[lo] + (table[hi] - table[lo]) * (k - lo) / (hi - lo)
+
+
+# -- measuring ------------------------------------------------------------------------------------------------
+
+
+def _median_ms(fn, rounds: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], context: int, rounds: int,
+            heads: bool) -> tuple[dict, dict, dict]:
+    g = torch.Generator().manual_seed(0)
+    vocab, device = model.config.vocab_size, model.device
+    cache = model.new_cache(capacity=context + max(ks) + 1)
+    model.prefill(torch.randint(0, vocab, (1, context), generator=g).to(device), cache)
+    full, prefix, head = {}, {e: {} for e in exit_layers}, {}
+    for k in ks:
+        x = torch.randint(0, vocab, (1, k), generator=g).to(device)
+        positions = torch.arange(context, context + k, device=device)[None]
+
+        def forward(x=x):
+            model(x, cache=cache)
+            cache.truncate(context)
+
+        full[k] = _median_ms(forward, rounds)
+        for e in exit_layers:
+            def pre(x=x, positions=positions, e=e):
+                model.run_layers(model.embed(x), positions, cache, end=e)
+                cache.truncate(context)
+
+            prefix[e][k] = _median_ms(pre, rounds)
+        if heads:
+            hidden = model.embed(x)
+            head[k] = _median_ms(lambda hidden=hidden: model.logits(hidden)[0].topk(16, -1), rounds)
+    return full, prefix, head
+
+
+def measure_costs(target: Transformer, draft: Transformer | None, exit_layers: Sequence[int], context: int = 256,
+                  rounds: int = 5, target_ks: Sequence[int] = TARGET_KS, draft_ks: Sequence[int] = DRAFT_KS,
+                  split: tuple[int, int] | None = None) -> Costs:
+    """Time the pieces (see the module docstring); ``split=(T, D)`` also times them with T target and D draft
+    threads, the way the ``threads`` backend runs them."""
+    threads = torch.get_num_threads()
+    full, prefix, head = _tables(target, target_ks, exit_layers, context, rounds, heads=True)
+    draft_ms = _tables(draft, draft_ks, (), context, rounds, heads=False)[0] if draft is not None else {}
+    split_tables = None
+    if split and draft is not None:
+        try:
+            torch.set_num_threads(split[0])
+            s_full, s_prefix, _ = _tables(target, target_ks, exit_layers, context, rounds, heads=False)
+            torch.set_num_threads(split[1])
+            s_draft = _tables(draft, draft_ks, (), context, rounds, heads=False)[0]
+        finally:
+            torch.set_num_threads(threads)
+        split_tables = {"threads": list(split), "target_ms": s_full, "prefix_ms": s_prefix, "draft_ms": s_draft}
+    return Costs(context, threads, full, prefix, head, draft_ms, split_tables)
+
+
+# -- the latency law ------------------------------------------------------------------------------------------
+
+
+def ar_step(costs: Costs) -> float:
+    return interpolate(costs.target_ms, 1)
+
+
+def sd_step(costs: Costs, drafted: int) -> float:
+    """Serial draft then verification of ``drafted`` tokens (a step with nothing drafted is one AR forward)."""
+    return drafted * interpolate(costs.draft_ms, 1) + interpolate(costs.target_ms, drafted + 1)
+
+
+def mirror_step(costs: Costs, exit_layer: int, drafted: int, gamma: int, roots: int, miss: float,
+                overlap: bool) -> float:
+    """Eq. 10 plus the exposed fresh rollout (``miss``: 1 for a miss, or the fallback frequency)."""
+    w = drafted + 1
+    pre = interpolate(costs.prefix_ms[exit_layer], w)
+    delta = interpolate(costs.target_ms, w) - pre
+    rollout = gamma * interpolate(costs.draft_ms, roots) if roots else 0.0
+    core = max(delta, rollout) if overlap else delta + rollout
+    return pre + interpolate(costs.exit_head_ms, w) + core + miss * gamma * interpolate(costs.draft_ms, 1)
+
+
+def ss_pass(costs: Costs, tree: float, kept: float, streams: int, top_fraction: float) -> float:
+    """The whole tree runs the bottom layers; the kept nodes and their streams run the top N_s layers."""
+    return ((1 - top_fraction) * interpolate(costs.target_ms, tree)
+            + top_fraction * interpolate(costs.target_ms, kept * (1 + streams)))
+
+
+def turn_time(costs: Costs, kind: str, steps: Sequence[dict[str, Any]], new_tokens: int, prefill_s: float,
+              options: dict[str, Any]) -> float | None:
+    """Predicted seconds for a measured turn: its measured prefill plus the law over its recorded steps."""
+    if kind == "ar":
+        ms = new_tokens * ar_step(costs)
+    elif kind == "sd":
+        ms = sum(sd_step(costs, s["drafted"]) for s in steps)
+    elif kind == "mirror":
+        c = costs.for_backend(options.get("backend") or "serial")
+        overlap = (options.get("backend") or "serial") != "serial"
+        ms = sum(mirror_step(c, s["exit_layer"], s["drafted"], s["gamma"], s["roots"], float(s["hit"] is False),
+                             overlap) for s in steps)
+    elif kind == "ss":
+        ms = sum(ss_pass(costs, s["tree"], s["kept"], s["streams"], s["top_fraction"]) for s in steps)
+    else:
+        return None
+    return prefill_s + ms / 1e3
+
+
+# -- recommending ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    method: str
+    options: dict[str, Any]
+    tokens_per_step: float
+    step_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.tokens_per_step / self.step_ms
+
+    def label(self) -> str:
+        return ":".join([self.method, *(f"{k}={v}" for k, v in self.options.items())])
+
+
+def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, dict[int, float]], n_layers: int,
+               gammas: Sequence[int] = range(1, 9), kappas: Sequence[int] = (1, 2, 4, 8),
+               backends: Sequence[str] = ("serial", "threads"),
+               ss: dict[str, float] | None = None) -> list[Candidate]:
+    """Every configuration the law can price; ``fallback[ℓe][κ]`` from the probe, ``ss`` = measured call
+    reduction, mean tree nodes, streams and top-layer fraction of a short SS run."""
+    out = [Candidate("ar", {}, 1.0, ar_step(costs))]
+    if costs.draft_ms:
+        for g in gammas:
+            tokens = expected_accepted(per_position, g) + 1
+            out.append(Candidate("sd", {"gamma": g, "confidence": 0.0}, tokens, sd_step(costs, g)))
+            for e, by_kappa in fallback.items():
+                for k in kappas:
+                    if k not in by_kappa:
+                        continue
+                    for backend in backends:
+                        if backend == "threads" and not costs.split:
+                            continue
+                        c = costs.for_backend(backend)
+                        step = mirror_step(c, e, g, g, (g + 1) * k, by_kappa[k], backend != "serial")
+                        out.append(Candidate("mirror", {"gamma": g, "kappa": k, "exit_layer": e, "roots": "paper",
+                                                        "backend": backend}, tokens, step))
+    if ss:
+        out.append(Candidate("ss", {}, ss["call_reduction"],
+                             ss_pass(costs, ss["tree"], ss["kept"], int(ss["streams"]), ss["top_fraction"])))
+    return out
+
+
+def plan_path(target: str, draft: str | None) -> Path:
+    from ..zoo import cache_dir
+
+    safe = lambda s: "".join(c if c.isalnum() or c in "._-" else "_" for c in s)  # noqa: E731
+    return cache_dir() / "plans" / f"{safe(target)}__{safe(draft or 'none')}.json"
+
+
+@dataclass
+class Plan:
+    target: str
+    draft: str | None
+    machine: str
+    costs: Costs
+    probe: dict[str, Any]
+    ranked: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def recommended(self) -> dict[str, Any]:
+        return self.ranked[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "draft": self.draft, "machine": self.machine, "costs": self.costs.to_dict(),
+                "probe": self.probe, "recommended": self.recommended, "ranked": self.ranked}
+
+    def save(self, path: Path | None = None) -> Path:
+        path = path or plan_path(self.target, self.draft)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+        return path
+
+
+def load_plan(target: str, draft: str | None) -> dict[str, Any]:
+    path = plan_path(target, draft)
+    if not path.is_file():
+        raise FileNotFoundError(f"no saved plan for target {target} and draft {draft} on this machine ({path}); "
+                                f"run `mirrorsd plan --target {target} --draft {draft}` first")
+    return json.loads(path.read_text())
+
+
+# -- the plan command -----------------------------------------------------------------------------------------
+
+
+def default_split() -> tuple[int, int] | None:
+    """The ``threads`` backend's default: half the intra-op threads each."""
+    n = torch.get_num_threads()
+    return (max(1, n // 2), max(1, n - n // 2)) if n > 1 else None
+
+
+def _ss_calibration(target, prompts: Sequence[list[int]], max_new: int) -> dict[str, float] | None:
+    """Call reduction and tree size of a short SS run with the target's shipped adapter (None without one)."""
+    import mirrorsd
+
+    from ..streams import CONFIG_FILE, shipped_adapter
+
+    folder = shipped_adapter(target.name or "")
+    if folder is None:
+        return None
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    committed, tree, kept = [], [], []
+    for ids in prompts:
+        s = mirrorsd.generate(target, ids, method="ss", max_new_tokens=max_new).stats.extra["ss"]
+        committed, tree, kept = committed + s.committed, tree + s.tree_before, kept + s.tree_after
+    return {"call_reduction": statistics.fmean(committed), "tree": statistics.fmean(tree),
+            "kept": statistics.fmean(kept), "streams": cfg["streams"],
+            "top_fraction": cfg["layers"] / target.config.n_layers}
+
+
+def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int = 48,
+              progress: bool = True) -> Plan:
+    """Measure costs, probe acceptance on ``prompts`` ((group, ids) pairs), rank every candidate."""
+    from .probe import EXITS, run_probe
+    from .runner import machine
+
+    n = target.config.n_layers
+    exits = {name: min(n - 1, max(1, round(f * n))) for name, f in EXITS.items()}
+    if progress:
+        print("measuring forward costs…", flush=True)
+    costs = measure_costs(target.model, draft.model if draft else None, sorted(set(exits.values())),
+                          split=default_split())
+    probe = run_probe(target, draft, prompts, max_new, exits=EXITS, progress=progress) if draft else None
+    per_position = probe.per_position() if probe else []
+    fallback = {exits[name]: row for name, row in probe.fallback().items()} if probe else {}
+    if progress:
+        print("calibrating Speculative Streaming…", flush=True)
+    ss = _ss_calibration(target, [ids for _, ids in prompts[:2]], min(32, max_new))
+    ranked = sorted(candidates(costs, per_position, fallback, n, ss=ss), key=lambda c: -c.tokens_per_s)
+    rows = [{"method": c.method, "options": c.options, "label": c.label(),
+             "predicted_tokens_per_s": round(c.tokens_per_s, 3), "tokens_per_step": round(c.tokens_per_step, 3),
+             "step_ms": round(c.step_ms, 3)} for c in ranked]
+    m = machine()
+    return Plan(target.name, draft.name if draft else None, f"{m['cpu']}, {m['torch_threads']} threads",
+                costs, {**(probe.to_dict() if probe else {}), "ss": ss}, rows)

@@ -1,0 +1,290 @@
+"""``report.md`` and PNG plots from a bench's ``results.json`` (also usable on a saved file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..specbench import GROUPS
+from .metrics import OVERALL
+
+GROUP_TITLES = {"translation": "Translation", "summarization": "Summarization", "qa": "Question Answering",
+                "math_reasoning": "Mathematical Reasoning", "rag": "Retrieval Aug. Generation",
+                "mt_bench": "Multi-turn Conversation"}
+TABLE_ORDER = ("translation", "summarization", "qa", "math_reasoning", "rag", "mt_bench")  # the paper's Table 1
+WIDE_LIMIT = 9  # more methods than this: one row per method instead of one column
+
+
+def _x(s: dict[str, float] | None, spread: bool = False) -> str:
+    if not s:
+        return "–"
+    text = f"{s['median']:.2f}x"
+    if spread and len(s["runs"]) > 1:
+        text += f" ({s['min']:.2f}–{s['max']:.2f})"
+    return text
+
+
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def _machine(m: dict[str, Any]) -> str:
+    parts = [m.get("cpu", "?"), f"{m.get('cores')} cores", f"{m.get('torch_threads')} torch threads"]
+    if m.get("memory_gib"):
+        parts.append(f"{m['memory_gib']} GiB RAM")
+    if m.get("gpu"):
+        parts.append(f"GPU {m['gpu']}")
+    parts += [f"torch {m.get('torch')}", f"transformers {m.get('transformers')}", f"python {m.get('python')}"]
+    return ", ".join(parts)
+
+
+def _groups(results: dict[str, Any]) -> list[str]:
+    present = {a["group"] for a in results["answers"]}
+    return [g for g in TABLE_ORDER if g in present] + sorted(present - set(GROUPS))
+
+
+def render(results: dict[str, Any], plots: list[str]) -> str:
+    cfg, summary = results["config"], results["summary"]
+    labels = list(summary)
+    groups = _groups(results)
+    runs = cfg["runs"]
+    lines = [
+        f"# mirrorsd bench: {cfg['target']} + draft {cfg['draft']}",
+        "",
+        f"Machine: {_machine(results['machine'])}.",
+        f"Suite `{cfg['suite']}` ({results['questions']} questions), max {cfg['max_new_tokens']} new tokens, "
+        f"temperature {cfg['temperature']}, {runs} run(s) (median; range in brackets), warm-up {cfg['warmup']}, "
+        f"methods interleaved per question with a rotating order; our target weights `{results['target_weights']}`.",
+        "",
+        "Speedup = mean per-question tok/s of the method ÷ that of `ar` in the same run (Spec-Bench's definition); "
+        "MAT = mean tokens committed per target step, bonus included.",
+        "",
+    ]
+    for note in results.get("notes", []):
+        lines.append(f"> {note}")
+    if results.get("notes"):
+        lines.append("")
+    if len(labels) <= WIDE_LIMIT:
+        lines += ["## Speedup per task group (layout of the Mirror-SD paper's Table 1)", "",
+                  "| Task | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        for g in groups:
+            lines.append(f"| {GROUP_TITLES.get(g, g)} | " + " | ".join(
+                _x(summary[m]["speedup"].get(g)) for m in labels) + " |")
+        lines.append("| **Overall** | " + " | ".join(_x(summary[m]["speedup"].get(OVERALL), True) for m in labels)
+                     + " |")
+        lines.append("| MAT | " + " | ".join(_f(summary[m]["mean_accepted_tokens"]) for m in labels) + " |")
+        lines.append("")
+    lines += ["## Per method", "",
+              "| method | tok/s | speedup vs ar | vs own AR | MAT | lossless vs reference | fallback | hidden draft "
+              "| call reduction | predicted tok/s (law) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in labels:
+        s = summary[m]
+        tps = s["tokens_per_s"]
+        loss = s["lossless"]
+        lossless = f"{loss['equal']}/{loss['checked']} = {s['reference']}" if loss["checked"] else "n/a (sampling)"
+        own = _x(s["speedup_vs_reference"].get(OVERALL)) if "speedup_vs_reference" in s else "–"
+        lines.append(
+            f"| `{m}` | {tps['median']:.2f} ({tps['min']:.2f}–{tps['max']:.2f}) | {_x(s['speedup'].get(OVERALL))} "
+            f"| {own} | {_f(s['mean_accepted_tokens'])} | {lossless} | {_f(s.get('fallback_frequency'))} "
+            f"| {_f(s.get('hidden_draft_fraction'))} | {_f(s.get('call_reduction'))} "
+            f"| {_f(s.get('predicted_tokens_per_s'))} |")
+    lines.append("")
+    lines += _per_position(summary) + _divergences(summary) + _probe(results) + _costs(results)
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    opts = [f"- `{m}`: {summary[m]['kind']} {summary[m]['options'] or ''}".rstrip() for m in labels]
+    lines += ["## Configurations", "", *opts, "",
+              "Raw data: `results.json`; Spec-Bench answer files: `answers/<method>.jsonl`.", ""]
+    return "\n".join(lines)
+
+
+def _per_position(summary: dict[str, Any]) -> list[str]:
+    rows = {m: s["per_position_acceptance"] for m, s in summary.items() if s["per_position_acceptance"]}
+    if not rows:
+        return []
+    depth = min(max(len(v) for v in rows.values()), 12)
+    out = ["## Per-position acceptance (share of steps drafting position i that accepted it)", "",
+           "| method | " + " | ".join(str(i + 1) for i in range(depth)) + " |", "|---|" + "---|" * depth]
+    for m, v in rows.items():
+        out.append(f"| `{m}` | " + " | ".join(f"{x:.2f}" if i < len(v) else "" for i, x in
+                                                enumerate(v[:depth] + [0.0] * (depth - len(v[:depth])))) + " |")
+    return [*out, ""]
+
+
+def _divergences(summary: dict[str, Any]) -> list[str]:
+    rows = [(m, d) for m, s in summary.items() for d in s["lossless"]["divergences"]]
+    out = ["## Lossless check", ""]
+    if not rows:
+        checked = sum(s["lossless"]["checked"] for s in summary.values())
+        return [*out, f"Every checked answer ({checked}) equals its AR reference token for token.", ""]
+    out += ["| method | question | run | turn | position | reference token | method token | logit gap | verdict |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for m, d in rows:
+        out.append(f"| `{m}` | {d['question_id']} | {d['run']} | {d['turn']} | {d['position']} | "
+                   f"{d['reference_token']} | {d['method_token']} | {_f(d['logit_gap'], '{:.2e}')} | "
+                   f"{d['verdict'] or 'n/a'} |")
+    return [*out, ""]
+
+
+def _probe(results: dict[str, Any]) -> list[str]:
+    p = results.get("probe")
+    if not p:
+        return []
+    ea = p["expected_accepted"]["all"]
+    fb = p["fallback"]["all"]
+    kappas = sorted({int(k) for row in fb.values() for k in row})
+    out = [f"## Acceptance probe (one untimed vanilla-SD pass, γ = {p['gamma']}, greedy, {p['steps']} full windows)",
+           "", "E[A_t] vs γ: " + ", ".join(f"γ={g}: {v:.2f}" for g, v in ea.items()), "",
+           "Fallback frequency of the `paper` reuse rule (correction not among the exit's top-κ) per κ × ℓe:", "",
+           "| ℓe | " + " | ".join(f"κ={k}" for k in kappas) + " |", "|---|" + "---|" * len(kappas)]
+    for name, row in fb.items():
+        layer = p["exit_layers"][name]
+        out.append(f"| {name} (layer {layer}) | " + " | ".join(f"{row[str(k)]:.2f}"
+                                                             for k in kappas) + " |")
+    return [*out, ""]
+
+
+def _costs(results: dict[str, Any]) -> list[str]:
+    c = results.get("costs")
+    if not c:
+        return []
+    t = c["target_ms"]
+    d = c["draft_ms"]
+    line = ", ".join(f"T({n}) {t[str(n)]:.1f}" for n in (1, 2, 4, 8, 16) if str(n) in t)
+    if d:
+        line += "; draft " + ", ".join(f"D({n}) {d[str(n)]:.1f}" for n in (1, 8, 32, 64) if str(n) in d)
+    return ["## Measured forward costs (ms, after " + f"{c['context']} cached tokens) for the latency law", "",
+            line + ".", "Predicted tok/s applies the law (mirrorsd/bench/plan.py) to each method's own recorded "
+            "steps (windows, roots, hits, tree sizes) and measured prefill, run 1.", ""]
+
+
+# -- plots ---------------------------------------------------------------------------------------------------
+
+
+def plot_all(results: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    made = []
+    for name, fn in (("speedup_by_group.png", _plot_speedup), ("acceptance_vs_gamma.png", _plot_gamma),
+                     ("fallback_kappa_exit.png", _plot_fallback), ("step_timeline.png", _plot_timeline)):
+        if fn(results, out / name):
+            made.append(name)
+    return made
+
+
+def _plot_speedup(results: dict[str, Any], path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]
+    labels = [m for m in summary if m != "ar"]
+    groups = [*_groups(results), OVERALL]
+    if not labels:
+        return False
+    fig, ax = plt.subplots(figsize=(min(14, max(7, 0.35 * len(groups) * len(labels))), 4.5))
+    width = 0.8 / len(labels)
+    for i, m in enumerate(labels):
+        values = [summary[m]["speedup"].get(g, {}).get("median", 0) for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=m)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))],
+                  [GROUP_TITLES.get(g, g).replace(" ", "\n", 1) for g in groups], fontsize=8)
+    ax.set_ylabel("speedup over ar (tok/s ratio)")
+    ax.set_title(f"{results['config']['target']}: speedup per task group")
+    ax.legend(fontsize=7, ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_gamma(results: dict[str, Any], path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    p = results.get("probe")
+    if not p:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for group, curve in p["expected_accepted"].items():
+        if curve:
+            xs = sorted(int(g) for g in curve)
+            ax.plot(xs, [curve[str(g)] for g in xs], marker="o",
+                    lw=2.5 if group == "all" else 1, label=GROUP_TITLES.get(group, group))
+    ax.set_xlabel("γ (draft window)")
+    ax.set_ylabel("E[A_t] (accepted draft tokens per step)")
+    ax.set_title("Acceptance vs γ (cf. Mirror-SD Fig. 3b)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_fallback(results: dict[str, Any], path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    p = results.get("probe")
+    if not p or not p["fallback"]["all"]:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, row in p["fallback"]["all"].items():
+        ks = sorted(int(k) for k in row)
+        ax.plot(ks, [row[str(k)] for k in ks], marker="o",
+                label=f"ℓe = {name} (layer {p['exit_layers'][name]})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("κ (early-exit candidates per position)")
+    ax.set_ylabel("fallback frequency")
+    ax.set_title("Fallback vs κ × ℓe (cf. Mirror-SD Fig. 7)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_timeline(results: dict[str, Any], path: Path) -> bool:
+    """One Mirror-SD step from the middle of the first traced generation: target and draft lanes."""
+    import matplotlib.pyplot as plt
+
+    tl = results.get("timeline")
+    if not tl:
+        return False
+    spans = tl["spans"]
+    starts = [s for s in spans if s["lane"] == "target" and s["name"] == "layers < ℓe"]
+    if not starts:
+        return False
+    mid = len(starts) // 2
+    t0 = starts[mid]["start"]
+    t1 = starts[mid + 1]["start"] if mid + 1 < len(starts) else max(s["end"] for s in spans)
+    chosen = [s for s in spans if s["end"] > t0 and s["start"] < t1]
+    lanes = ["target", "draft"]
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    colors = plt.get_cmap("tab10")
+    names = list(dict.fromkeys(s["name"] for s in chosen))
+    for s in chosen:
+        y = lanes.index(s["lane"]) if s["lane"] in lanes else 2
+        ax.barh(y, 1e3 * (s["end"] - s["start"]), left=1e3 * (s["start"] - t0), height=0.6,
+                color=colors(names.index(s["name"]) % 10), label=s["name"])
+    handles, texts = ax.get_legend_handles_labels()
+    unique = dict(zip(texts, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45),
+              ncols=4)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("ms from the step's start")
+    ax.set_title(f"One Mirror-SD step ({tl['method']}): the draft's rollout overlaps the target's upper layers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def write_report(results: dict[str, Any], out: Path) -> Path:
+    """Plots and ``report.md`` in ``out``; ``results`` as written to (or read from) ``results.json``."""
+    results = json.loads(json.dumps(results))  # JSON's string keys throughout, saved or fresh
+    plots = plot_all(results, out)
+    path = out / "report.md"
+    path.write_text(render(results, plots), encoding="utf-8")
+    return path

@@ -1,0 +1,430 @@
+"""``mirrorsd bench``: Spec-Bench questions through our methods and the peers, in one run, interleaved.
+
+Protocol (Spec-Bench's, adapted): every question's turns go through the model's chat template, later turns
+carrying the method's own earlier answers; a warm-up precedes timing; in each run every question visits every
+method back to back with the order rotating per question, so machine drift hits all methods alike; each turn
+is timed around the whole call (prefill included) with device synchronisation on GPUs. Every method's tokens
+are checked against its AR reference (ours against ``ar``, HF's against ``hf-ar``, llama.cpp's against its
+draft-less server); at a first divergence the reference model's logit gap between the two tokens is recorded,
+telling a float near-tie from a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..decoding import METHODS, SPECULATIVE
+from ..specbench import GROUPS, Question, load_suite
+from . import metrics, plan, probe
+from .forward import _cpu_name
+from .metrics import Answer, Turn
+from .peers import HF_METHODS, LLAMA_METHODS, HFPeers, LlamaServer, find_llama_server
+
+NEAR_TIE = 1e-3  # logit units: a divergence with a smaller gap is float reordering, not a bug
+REFERENCE = {"hf-assisted": "hf-ar", "hf-pld": "hf-ar", "hf-ar": "hf-ar", "llama-server": "llama-server-ar",
+             "llama-server-ar": "llama-server-ar"}
+KINDS = (*METHODS, "hf-ar", "hf-assisted", "hf-pld", "llama-server", "llama-server-ar")
+NEEDS_DRAFT = {*SPECULATIVE, "hf-assisted", "llama-server"}
+
+
+@dataclass
+class MethodSpec:
+    """One benchmarked configuration: ``label`` names it in the results, ``kind`` is the decoder."""
+
+    label: str
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reference(self) -> str:
+        return REFERENCE.get(self.kind, "ar")
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """``ar,sd,mirror:roots=budget:backend=threads,fast=sd:gamma=4``: a kind with ``:key=value`` options,
+    optionally labelled ``LABEL=``. References are added: ``ar`` always, ``hf-ar`` / ``llama-server-ar`` for
+    their peers."""
+    specs: list[MethodSpec] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        label = item
+        if re.match(r"^[\w.\-]+=", item) and "=" in item.split(":")[0]:
+            label, item = item.split("=", 1)
+        kind, *pairs = item.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"unknown method {kind!r}; available: {', '.join(KINDS)}")
+        options = {}
+        for pair in pairs:
+            if "=" not in pair:
+                raise ValueError(f"method option {pair!r} in {item!r} must be key=value")
+            key, value = pair.split("=", 1)
+            options[key.replace("-", "_")] = _value(value)
+        specs.append(MethodSpec(label, kind, options))
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"method labels must be unique: {', '.join(labels)}")
+    for ref in ("hf-ar", "llama-server-ar", "ar"):
+        needed = ref == "ar" or any(s.reference == ref for s in specs)
+        if needed and ref not in labels:
+            specs.insert(0, MethodSpec(ref, ref))
+    if specs[0].label != "ar":  # the baseline first
+        specs.sort(key=lambda s: s.label != "ar")
+    return specs
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                            "torch": torch.__version__, "python": platform.python_version(),
+                            "date": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+        mem = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()[1]
+        info["memory_gib"] = round(int(mem) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    draft: str | None
+    methods: list[MethodSpec]
+    suite: str = "specbench:1"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    runs: int = 3
+    warmup: int = 1
+    weights: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    llama_server: str | None = None
+    probe: bool = True
+    predict: bool = True
+    threads_split: tuple[int, int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(vars(self))
+        d["methods"] = [vars(m) for m in self.methods]
+        return d
+
+
+class Bench:
+    """Loads the models and peers once and runs every method on every question (see the module docstring)."""
+
+    def __init__(self, config: BenchConfig, progress: bool = True) -> None:
+        import mirrorsd
+
+        self.config, self.progress, self.notes = config, progress, []
+        if config.max_new_tokens < 1 or config.runs < 1 or config.warmup < 0:
+            raise ValueError("--max-new-tokens and --runs must be >= 1 and --warmup >= 0")
+        self.questions = load_suite(config.suite)
+        kinds = {m.kind for m in config.methods}
+        needs_draft = bool(kinds & NEEDS_DRAFT) or config.probe
+        if needs_draft and not config.draft:
+            raise ValueError(f"methods {', '.join(sorted(kinds & NEEDS_DRAFT)) or 'and the probe'} need --draft")
+        load = dict(device=config.device, dtype=config.dtype, weights=config.weights, progress=progress)
+        self.target = mirrorsd.load_model(config.target, **load)
+        self.draft = mirrorsd.load_model(config.draft, **load) if needs_draft else None
+        if self.draft is not None:
+            mirrorsd.api.check_tokenizers(self.target, self.draft)
+        self.device = self.target.model.device
+        self.hf = None
+        if kinds & HF_METHODS:
+            self.hf = HFPeers(self.target, self.draft if "hf-assisted" in kinds else None, self.device,
+                              self.target.model.dtype)
+        self.servers: dict[str, LlamaServer] = {}
+        if kinds & LLAMA_METHODS:
+            self._start_llama(kinds)
+        self.methods = [m for m in config.methods if m.kind not in LLAMA_METHODS or m.kind in self.servers]
+        self.answers: list[Answer] = []
+        self.timeline: dict[str, Any] | None = None
+        self._ss_shape: tuple[int, float] | None = None
+
+    def _start_llama(self, kinds: set[str]) -> None:
+        binary = find_llama_server(self.config.llama_server)
+        gguf = lambda m: m.path / "model.gguf" if m is not None and m.path is not None else None  # noqa: E731
+        t_gguf, d_gguf = gguf(self.target), gguf(self.draft)
+        if binary is None:
+            self.notes.append("llama-server skipped: no binary (put llama-server on PATH, set "
+                              "MIRRORSD_LLAMA_SERVER or pass --llama-server PATH)")
+            return
+        if t_gguf is None or not t_gguf.is_file() or d_gguf is None or not d_gguf.is_file():
+            self.notes.append("llama-server skipped: the models are not zoo models with a GGUF file")
+            return
+        context = self.target.config.context_length
+        ctx = min(context, 8192)
+        self.servers["llama-server-ar"] = LlamaServer(binary, t_gguf, None, torch.get_num_threads(), ctx)
+        if "llama-server" in kinds:
+            self.servers["llama-server"] = LlamaServer(binary, t_gguf, d_gguf, torch.get_num_threads(), ctx)
+        self.notes.append(f"llama-server: {binary} on the same GGUF files, {torch.get_num_threads()} threads, "
+                          "its default speculative settings, prompt cache off")
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+
+    # -- one turn -----------------------------------------------------------------------------------------
+
+    def _seed(self, question: Question) -> int:
+        return self.config.seed * 1_000_003 + question.question_id
+
+    def _generate(self, spec: MethodSpec, ids: list[int], seed: int, max_new: int) -> Turn:
+        import mirrorsd
+
+        cfg = self.config
+        if spec.kind in HF_METHODS:
+            turn = self.hf.generate(spec.kind, ids, max_new, cfg.temperature, seed, spec.options)
+            turn.text = self.target.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+            return turn
+        if spec.kind in LLAMA_METHODS:
+            return self.servers[spec.kind].complete(ids, max_new, cfg.temperature, seed, self.target.eos_token_ids)
+        draft = self.draft if spec.kind in SPECULATIVE else None
+        _sync(self.device)
+        start = time.perf_counter()
+        g = mirrorsd.generate(self.target, ids, method=spec.kind, draft=draft, temperature=cfg.temperature,
+                              seed=seed, max_new_tokens=max_new, **spec.options)
+        _sync(self.device)
+        wall = time.perf_counter() - start
+        st = g.stats
+        turn = Turn(new_tokens=st.new_tokens, wall_s=wall, token_ids=g.token_ids, text=g.text,
+                    prefill_s=st.prefill_s, accept_lengths=[a + 1 for a in st.accepted] or [1] * st.new_tokens,
+                    drafted=list(st.drafted) if st.accepted else [0] * st.new_tokens)
+        if spec.kind == "sd":
+            turn.steps = [{"drafted": d} for d in st.drafted]
+        if "mirror" in st.extra:
+            m = st.extra["mirror"]
+            with_tree = [s for s in m.steps if s.hit is not None]
+            turn.counters = {"tree_steps": len(with_tree), "misses": sum(not s.hit for s in with_tree),
+                             "hidden_s": sum(s.hidden for s in m.steps),
+                             "draft_s": sum(s.t_draft + s.t_fallback for s in m.steps)}
+            gamma = spec.options.get("gamma") or mirrorsd.decoding.mirror.DEFAULT_GAMMA
+            turn.steps = [{"drafted": s.drafted, "roots": s.roots, "hit": s.hit, "gamma": gamma,
+                           "exit_layer": m.exit_layer} for s in m.steps]
+            overlapped = m.backend != "serial"  # the timeline shows the first overlapped Mirror-SD run if any
+            if st.spans and (self.timeline is None or overlapped and not self.timeline["overlapped"]):
+                origin = st.spans[0].start
+                self.timeline = {"method": spec.label, "overlapped": overlapped, "spans": [
+                    {"lane": s.lane, "name": s.name, "start": s.start - origin, "end": s.end - origin}
+                    for s in st.spans]}
+        if "ss" in st.extra:
+            s = st.extra["ss"]
+            turn.counters = {"passes": len(s.committed), "committed": sum(s.committed)}
+            streams, top = self._ss_geometry(spec)
+            turn.steps = [{"tree": n, "kept": m, "streams": streams, "top_fraction": top}
+                          for n, m in zip(s.tree_before, s.tree_after, strict=True)]
+        return turn
+
+    def _ss_geometry(self, spec: MethodSpec) -> tuple[int, float]:
+        if self._ss_shape is None:
+            from ..streams import CONFIG_FILE, resolve_adapter
+
+            folder = resolve_adapter(spec.options.get("streams") or self.target.name, self.target.name)
+            cfg = json.loads((Path(folder) / CONFIG_FILE).read_text())
+            self._ss_shape = (cfg["streams"], cfg["layers"] / self.target.config.n_layers)
+        return self._ss_shape
+
+    def _answer(self, spec: MethodSpec, question: Question, run: int, max_new: int) -> Answer:
+        from ..api import encode_chat
+
+        messages: list[dict[str, str]] = []
+        turns = []
+        for text in question.turns:
+            messages.append({"role": "user", "content": text})
+            ids = encode_chat(self.target, messages)
+            limit = min(max_new, self.target.config.context_length - len(ids))
+            if limit < 1:
+                raise ValueError(f"question {question.question_id}: the prompt ({len(ids)} tokens) fills the context")
+            turn = self._generate(spec, ids, self._seed(question), limit)
+            turn.prompt_ids = ids
+            turns.append(turn)
+            messages.append({"role": "assistant", "content": turn.text})
+        return Answer(run, spec.label, question.question_id, question.category, question.group, turns)
+
+    # -- the lossless check -------------------------------------------------------------------------------
+
+    def _comparable(self, spec: MethodSpec) -> bool:
+        if self.config.temperature <= 0 or spec.label == spec.reference:
+            return True
+        # Position-keyed sampling makes our match-acceptance methods equal ar token for token at any
+        # temperature; speculative sampling and other libraries' RNGs only match in distribution.
+        return spec.kind in METHODS and spec.options.get("acceptance", "match") == "match"
+
+    def _check(self, spec: MethodSpec, answer: Answer, reference: Answer) -> None:
+        if not self._comparable(spec):
+            return
+        answer.equal_to_reference = True
+        for i, (mine, ref) in enumerate(zip(answer.turns, reference.turns, strict=True)):
+            pos = metrics.first_divergence(ref.token_ids, mine.token_ids)
+            if pos is None:
+                continue
+            answer.equal_to_reference = False
+            eos = min(self.target.eos_token_ids) if self.target.eos_token_ids else -1
+            expected = ref.token_ids[pos] if pos < len(ref.token_ids) else eos
+            got = mine.token_ids[pos] if pos < len(mine.token_ids) else eos
+            gap = self._logit_gap(spec, ref.prompt_ids + ref.token_ids[:pos], expected, got)
+            verdict = None if gap is None else "float near-tie" if abs(gap) < NEAR_TIE else "mismatch"
+            answer.divergence = {"turn": i, "position": pos, "reference_token": expected, "method_token": got,
+                                 "logit_gap": gap, "verdict": verdict, "reference": spec.reference}
+            return
+
+    @torch.inference_mode()
+    def _logit_gap(self, spec: MethodSpec, prefix: list[int], expected: int, got: int) -> float | None:
+        if expected < 0 or got < 0:
+            return None
+        if spec.kind in HF_METHODS:
+            return self.hf.logit_gap(prefix, expected, got)
+        if spec.kind in LLAMA_METHODS:
+            return None  # llama.cpp's logits are not exposed here
+        model = self.target.model
+        cache = model.new_cache(capacity=len(prefix) + 1)
+        logits = model(torch.tensor([prefix], device=model.device), cache=cache, last=1)[0, -1]
+        return float(logits[expected] - logits[got])
+
+    # -- the run ------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        cfg, methods = self.config, self.methods
+        costs = None
+        if cfg.predict and self.target.model.device.type == "cpu":
+            exits = sorted({self._exit_layer(m) for m in methods if m.kind == "mirror"})
+            if self.progress:
+                print("measuring forward costs for the latency law…", flush=True)
+            costs = plan.measure_costs(self.target.model, self.draft.model if self.draft else None, exits,
+                                       split=cfg.threads_split or plan.default_split())
+        first = self.questions[0]
+        for _ in range(cfg.warmup):
+            for spec in tqdm(methods, desc="warm-up", disable=not self.progress, leave=False):
+                self._answer(spec, Question(first.question_id, first.category, first.turns[:1]), -1,
+                             min(16, cfg.max_new_tokens))
+        self.timeline = None  # from a timed run, not the warm-up
+        bar = tqdm(total=cfg.runs * len(self.questions) * len(methods), desc="bench", unit="answer",
+                   disable=not self.progress, dynamic_ncols=True)
+        for run in range(cfg.runs):
+            for qi, question in enumerate(self.questions):
+                rotation = (run * len(self.questions) + qi) % len(methods)
+                done: dict[str, Answer] = {}
+                for spec in methods[rotation:] + methods[:rotation]:
+                    done[spec.label] = self._answer(spec, question, run, cfg.max_new_tokens)
+                    bar.set_postfix_str(f"run {run + 1} q{question.question_id} {spec.label} "
+                                        f"{done[spec.label].speed:.1f} tok/s")
+                    bar.update()
+                for spec in methods:
+                    if spec.reference in done:
+                        self._check(spec, done[spec.label], done[spec.reference])
+                self.answers.extend(done[spec.label] for spec in methods)
+        bar.close()
+        probe_result = None
+        if cfg.probe and self.draft is not None:
+            from ..api import encode_chat
+
+            prompts = [(q.group, encode_chat(self.target, [{"role": "user", "content": q.turns[0]}]))
+                       for q in self.questions]
+            probe_result = probe.run_probe(self.target, self.draft, prompts, cfg.max_new_tokens,
+                                           progress=self.progress).to_dict()
+        return self.results(costs, probe_result)
+
+    def _exit_layer(self, spec: MethodSpec) -> int:
+        from ..decoding.mirror import DEFAULT_EXIT, resolve_exit_layer
+
+        return resolve_exit_layer(spec.options.get("exit_layer", DEFAULT_EXIT), self.target.config.n_layers)
+
+    def results(self, costs: plan.Costs | None, probe_result: dict | None) -> dict[str, Any]:
+        answers = self.answers
+        summary = {}
+        for spec in self.methods:
+            s: dict[str, Any] = {
+                "kind": spec.kind, "options": spec.options, "reference": spec.reference,
+                "tokens_per_s": metrics.tokens_per_second(answers, spec.label),
+                "speedup": metrics.speedups(answers, spec.label, "ar"),
+                "mean_accepted_tokens": metrics.mean_accepted_tokens(answers, spec.label),
+                "mat_by_group": {g: metrics.mean_accepted_tokens(answers, spec.label, g) for g in GROUPS},
+                "per_position_acceptance": metrics.per_position_acceptance(answers, spec.label),
+                "lossless": metrics.lossless_summary(answers, spec.label),
+                **metrics.method_extras(answers, spec.label),
+            }
+            if spec.reference != "ar":
+                s["speedup_vs_reference"] = metrics.speedups(answers, spec.label, spec.reference)
+            if spec.kind in LLAMA_METHODS:
+                c = metrics.pooled_counters(answers, spec.label)
+                if c.get("draft_n"):
+                    s["draft_acceptance_rate"] = c["draft_n_accepted"] / c["draft_n"]
+            if spec.kind in HF_METHODS | LLAMA_METHODS:
+                s["mean_accepted_tokens"] = None  # not exposed by these peers
+                s["mat_by_group"] = {}
+            if costs is not None:
+                s["predicted_tokens_per_s"] = self._predicted(spec, costs)
+            summary[spec.label] = s
+        return {"config": self.config.to_dict(), "machine": machine(), "target_weights": self.target.weights,
+                "notes": self.notes, "questions": len(self.questions), "summary": summary,
+                "costs": costs.to_dict() if costs else None, "probe": probe_result, "timeline": self.timeline,
+                "answers": [{**{k: v for k, v in vars(a).items() if k != "turns"},
+                             "turns": [t.to_dict() for t in a.turns]} for a in answers]}
+
+    def _predicted(self, spec: MethodSpec, costs: plan.Costs) -> float | None:
+        """Mean per-question speed the latency law predicts from this method's own recorded steps."""
+        speeds = []
+        for a in (a for a in self.answers if a.method == spec.label and a.run == 0):
+            times = [plan.turn_time(costs, spec.kind, t.steps, t.new_tokens, t.prefill_s, spec.options)
+                     for t in a.turns]
+            if any(t is None for t in times):
+                return None
+            speeds.append(a.new_tokens / sum(times))
+        return sum(speeds) / len(speeds) if speeds else None
+
+
+def write_answers(results: dict[str, Any], out: Path) -> list[Path]:
+    """One Spec-Bench answer file per method: a line per question, ``choices[r]`` holding run r."""
+    folder = out / "answers"
+    folder.mkdir(parents=True, exist_ok=True)
+    model_id = f"{results['config']['target']}+{results['config']['draft']}"
+    paths = []
+    for label in results["summary"]:
+        rows: dict[int, dict[str, Any]] = {}
+        for a in (a for a in results["answers"] if a["method"] == label):
+            row = rows.setdefault(a["question_id"], {
+                "question_id": a["question_id"], "category": a["category"], "answer_id": str(uuid.uuid4()),
+                "model_id": f"{model_id}/{label}", "choices": [], "tstamp": time.time()})
+            row["choices"].append({
+                "index": a["run"], "turns": [t["text"] for t in a["turns"]],
+                "decoding_steps": [len(t["accept_lengths"]) for t in a["turns"]],
+                "new_tokens": [t["new_tokens"] for t in a["turns"]], "wall_time": [t["wall_s"] for t in a["turns"]],
+                "accept_lengths": [n for t in a["turns"] for n in t["accept_lengths"]]})
+        path = folder / (re.sub(r"[^\w.\-]+", "_", label) + ".jsonl")
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()), encoding="utf-8")
+        paths.append(path)
+    return paths

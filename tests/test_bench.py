@@ -1,0 +1,309 @@
+"""The benchmark harness: metric code on known inputs, the latency law, method parsing, suites, the report, and
+`mirrorsd bench` / `bench sweep` / `plan` / `generate --method auto` end to end on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mirrorsd.bench import metrics, plan
+from mirrorsd.bench.metrics import Answer, Turn
+from mirrorsd.bench.report import render, write_report
+from mirrorsd.bench.runner import MethodSpec, parse_methods
+from mirrorsd.cli import main
+from mirrorsd.specbench import GROUPS, load_suite
+
+from .conftest import requires_smollm2
+
+
+def answer(method: str, run: int, qid: int, group: str, tokens: int, wall: float, lengths=(), drafted=(),
+           counters=None, equal=None) -> Answer:
+    turn = Turn(tokens, wall, list(lengths), list(drafted), counters=counters or {})
+    return Answer(run, method, qid, group, group, [turn], equal)
+
+
+# -- metrics ---------------------------------------------------------------------------------------------------
+
+
+def test_speedup_is_the_ratio_of_mean_per_question_speeds_per_group_and_run():
+    rows = []
+    for run, slow in ((0, 1.0), (1, 2.0)):  # run 1's machine is twice as slow for both methods alike
+        rows += [answer("ar", run, 1, "qa", 10, 1.0 * slow), answer("ar", run, 2, "qa", 30, 1.0 * slow),
+                 answer("ar", run, 3, "rag", 10, 1.0 * slow),
+                 answer("sd", run, 1, "qa", 10, 0.5 * slow), answer("sd", run, 2, "qa", 30, 0.5 * slow),
+                 answer("sd", run, 3, "rag", 10, 2.0 * slow)]
+    s = metrics.speedups(rows, "sd", "ar")
+    # qa: mean speed 40 vs 20 -> 2.0 in both runs; rag: 5 vs 10 -> 0.5
+    assert s["qa"]["median"] == pytest.approx(2.0) and s["qa"]["runs"] == pytest.approx([2.0, 2.0])
+    assert s["rag"]["median"] == pytest.approx(0.5)
+    # overall: run 0 mean(20, 60, 5) / mean(10, 30, 10) = 85/50 = 1.7 (ratio of means, not mean of ratios)
+    assert s["overall"]["median"] == pytest.approx(1.7)
+    assert metrics.speedups(rows, "ar", "ar")["overall"]["median"] == 1.0
+    tps = metrics.tokens_per_second(rows, "ar")
+    assert tps["runs"] == pytest.approx([50 / 3, 25 / 3]) and tps["max"] == pytest.approx(50 / 3)
+
+
+def test_speed_pools_the_turns_of_a_question():
+    a = Answer(0, "ar", 1, "writing", "mt_bench", [Turn(10, 1.0), Turn(30, 3.0)])
+    assert a.speed == pytest.approx(10.0) and a.new_tokens == 40
+
+
+def test_spread_over_runs():
+    assert metrics.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "runs": [3.0, 1.0, 2.0]}
+
+
+def test_mean_accepted_tokens_includes_the_bonus_and_pools_steps():
+    rows = [answer("sd", 0, 1, "qa", 9, 1.0, lengths=[3, 1, 5], drafted=[4, 4, 4]),
+            answer("sd", 0, 2, "rag", 3, 1.0, lengths=[3], drafted=[2]),
+            answer("ar", 0, 1, "qa", 4, 1.0, lengths=[1, 1, 1, 1], drafted=[0, 0, 0, 0])]
+    assert metrics.mean_accepted_tokens(rows, "sd") == pytest.approx(12 / 4)
+    assert metrics.mean_accepted_tokens(rows, "sd", "qa") == pytest.approx(3.0)
+    assert metrics.mean_accepted_tokens(rows, "ar") == 1.0
+    assert metrics.mean_accepted_tokens(rows, "hf-assisted") is None
+    # accepted (2, 0, 4) of 4 drafted, and 2 of 2: positions 1-2 drafted 4 times, accepted 3 times each;
+    # positions 3-4 drafted 3 times, accepted once (the share of steps that drafted it, as GenerationStats)
+    assert metrics.per_position_acceptance(rows, "sd") == pytest.approx([3 / 4, 3 / 4, 1 / 3, 1 / 3])
+    assert metrics.per_position_acceptance(rows, "ar") == []
+
+
+def test_mirror_and_ss_extras_pool_counters():
+    rows = [answer("m", 0, 1, "qa", 1, 1.0, counters={"tree_steps": 4, "misses": 1, "hidden_s": 0.3, "draft_s": 1.0}),
+            answer("m", 0, 2, "qa", 1, 1.0, counters={"tree_steps": 6, "misses": 1, "hidden_s": 0.1, "draft_s": 1.0}),
+            answer("s", 0, 1, "qa", 1, 1.0, counters={"passes": 4, "committed": 6})]
+    assert metrics.method_extras(rows, "m") == pytest.approx({"fallback_frequency": 0.2, "hidden_draft_fraction": 0.2})
+    assert metrics.method_extras(rows, "s") == pytest.approx({"call_reduction": 1.5})
+
+
+def test_first_divergence_and_lossless_summary():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert metrics.first_divergence([1, 2, 3], [1, 2]) == 2
+    bad = answer("sd", 1, 7, "qa", 1, 1.0, equal=False)
+    bad.divergence = {"position": 3, "logit_gap": 2.5}
+    rows = [answer("sd", 0, 7, "qa", 1, 1.0, equal=True), bad, answer("sd", 0, 8, "qa", 1, 1.0, equal=None)]
+    s = metrics.lossless_summary(rows, "sd")
+    assert s["checked"] == 2 and s["equal"] == 1
+    assert s["divergences"] == [{"position": 3, "logit_gap": 2.5, "question_id": 7, "run": 1}]
+
+
+def test_expected_accepted_from_per_position_acceptance():
+    assert metrics.expected_accepted([0.5, 0.5, 1.0], 2) == pytest.approx(0.75)
+    assert metrics.expected_accepted([0.5, 0.5, 1.0], 3) == pytest.approx(1.0)
+    assert metrics.expected_accepted([1.0] * 4, 7) == 4.0
+
+
+# -- the latency law -------------------------------------------------------------------------------------------
+
+
+def costs(draft_ms=2.0) -> plan.Costs:
+    target = {1: 10.0, 2: 11.0, 8: 17.0, 16: 25.0}
+    return plan.Costs(context=128, threads=2, target_ms=target, prefix_ms={4: {k: v / 2 for k, v in target.items()}},
+                      exit_head_ms={1: 0.5, 16: 1.5}, draft_ms={1: draft_ms, 64: 64 * draft_ms / 4})
+
+
+def test_interpolate_is_piecewise_linear_and_extends_past_the_ends():
+    table = {1: 10.0, 2: 11.0, 8: 17.0}
+    assert plan.interpolate(table, 2) == 11.0
+    assert plan.interpolate(table, 5) == pytest.approx(14.0)
+    assert plan.interpolate(table, 10) == pytest.approx(19.0)
+
+
+def test_latency_law_terms():
+    c = costs()
+    assert plan.sd_step(c, 7) == pytest.approx(7 * 2.0 + 17.0)
+    assert plan.sd_step(c, 0) == 10.0
+    # w = 8: P = 8.5, Δ = 8.5, EE = 0.5 + 1.0 * 7/15, rollout = 7 * D(64) = 7 * 32 = 224
+    ee = 0.5 + 7 / 15
+    assert plan.mirror_step(c, 4, 7, 7, 64, 0.0, overlap=True) == pytest.approx(8.5 + ee + 224)
+    assert plan.mirror_step(c, 4, 7, 7, 64, 0.0, overlap=False) == pytest.approx(8.5 + ee + 8.5 + 224)
+    # a rollout shorter than Δ is hidden; a miss adds the exposed fresh rollout γ·D(1)
+    assert plan.mirror_step(c, 4, 7, 1, 1, 0.0, overlap=True) == pytest.approx(8.5 + ee + 8.5)
+    assert plan.mirror_step(c, 4, 7, 1, 1, 1.0, overlap=True) == pytest.approx(8.5 + ee + 8.5 + 2.0)
+    assert plan.ss_pass(c, 16, 2, 3, 0.25) == pytest.approx(0.75 * 25.0 + 0.25 * 17.0)
+    steps = [{"drafted": 7}, {"drafted": 0}]
+    assert plan.turn_time(c, "sd", steps, 9, 0.5, {}) == pytest.approx(0.5 + (31.0 + 10.0) / 1e3)
+    assert plan.turn_time(c, "ar", [], 5, 0.0, {}) == pytest.approx(0.05)
+    assert plan.turn_time(c, "hf-ar", [], 5, 0.0, {}) is None
+
+
+def test_planner_ranks_by_predicted_speed():
+    perfect, fallback = [1.0] * 8, {4: {1: 0.5, 8: 0.0}}
+    ranked = sorted(plan.candidates(costs(draft_ms=0.5), perfect, fallback, 8, backends=("serial",)),
+                    key=lambda c: -c.tokens_per_s)
+    assert ranked[0].method in ("sd", "mirror") and ranked[0].tokens_per_step == 9.0  # cheap, perfect draft
+    useless = sorted(plan.candidates(costs(draft_ms=50.0), [0.0] * 8, fallback, 8, backends=("serial",)),
+                     key=lambda c: -c.tokens_per_s)
+    assert useless[0].method == "ar"  # a costly draft that is never right loses to ar
+    assert plan.Costs.from_dict(json.loads(json.dumps(costs().to_dict()))) == costs()
+
+
+# -- methods, suites -------------------------------------------------------------------------------------------
+
+
+def test_parse_methods_options_labels_and_references():
+    specs = parse_methods("sd:gamma=4:confidence=0,fast=mirror:roots=budget:exit-layer=0.25,hf-pld,llama-server")
+    by = {s.label: s for s in specs}
+    assert specs[0].label == "ar"  # the baseline, added and first
+    assert by["sd:gamma=4:confidence=0"].options == {"gamma": 4, "confidence": 0}
+    assert by["fast"].kind == "mirror" and by["fast"].options == {"roots": "budget", "exit_layer": 0.25}
+    assert by["hf-pld"].reference == "hf-ar" and "hf-ar" in by
+    assert by["llama-server"].reference == "llama-server-ar" and "llama-server-ar" in by
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_methods("ar,eagle")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_methods("sd:gamma")
+    with pytest.raises(ValueError, match="unique"):
+        parse_methods("sd,sd")
+
+
+def test_suites(tmp_path):
+    chosen = load_suite("specbench:2")
+    assert len(chosen) == 2 * len(GROUPS) and [q.group for q in chosen[::2]] == list(GROUPS)
+    assert len(load_suite("specbench")) == 480
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n{"question_id": 9, "category": "code", "turns": ["a", "b"]}\n')
+    mine = load_suite(str(path))
+    assert [(q.question_id, q.group, q.turns) for q in mine] == [(1, "custom", ("hi",)), (9, "code", ("a", "b"))]
+    path.write_text('{"turns": []}\n')
+    with pytest.raises(ValueError, match=":1:"):
+        load_suite(str(path))
+    with pytest.raises(FileNotFoundError):
+        load_suite("nope.jsonl")
+    with pytest.raises(ValueError, match="positive"):
+        load_suite("specbench:x")
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+
+
+def synthetic_results() -> dict:
+    rows = [answer("ar", r, q, g, 10, 1.0, [1] * 10, [0] * 10, equal=True) for r in range(2)
+            for q, g in ((1, "qa"), (2, "mt_bench"))]
+    rows += [answer("sd", r, q, g, 10, 0.5, [2] * 5, [3] * 5, equal=True) for r in range(2)
+             for q, g in ((1, "qa"), (2, "mt_bench"))]
+    summary = {m: {"kind": m, "options": {}, "reference": "ar", "tokens_per_s": metrics.tokens_per_second(rows, m),
+                   "speedup": metrics.speedups(rows, m, "ar"), "mean_accepted_tokens": metrics.mean_accepted_tokens(
+                       rows, m), "per_position_acceptance": metrics.per_position_acceptance(rows, m),
+                   "lossless": metrics.lossless_summary(rows, m)} for m in ("ar", "sd")}
+    return {"config": {"target": "t", "draft": "d", "suite": "specbench:1", "runs": 2, "max_new_tokens": 10,
+                       "temperature": 0.0, "warmup": 1},
+            "machine": {"cpu": "test cpu", "cores": 2, "torch_threads": 2}, "target_weights": "q4", "questions": 2,
+            "notes": ["llama-server skipped: no binary"], "summary": summary, "costs": None, "probe": None,
+            "timeline": None, "answers": [{**vars(a), "turns": [t.to_dict() for t in a.turns]} for a in rows]}
+
+
+def test_report_has_the_table1_layout_machine_and_notes(tmp_path):
+    results = synthetic_results()
+    text = render(json.loads(json.dumps(results)), [])
+    assert "| Task | ar | sd |" in text
+    assert "| Question Answering | 1.00x | 2.00x |" in text
+    assert "| Multi-turn Conversation | 1.00x | 2.00x |" in text
+    assert "| MAT | 1.00 | 2.00 |" in text and "test cpu" in text and "llama-server skipped" in text
+    assert "Every checked answer (8) equals its AR reference" in text
+    write_report(results, tmp_path)
+    assert (tmp_path / "speedup_by_group.png").stat().st_size > 1000 and (tmp_path / "report.md").exists()
+
+
+# -- end to end on real weights --------------------------------------------------------------------------------
+
+
+@requires_smollm2
+def test_bench_end_to_end_with_peers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("mirrorsd.bench.runner.find_llama_server", lambda path=None: None)
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]}\n'
+                     '{"question_id": 2, "category": "writing", "turns": ["Name a colour.", "And another one?"]}\n')
+    out = tmp_path / "out"
+    rc = main(["bench", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", str(suite),
+               "--methods", "ar,sd,mirror:backend=threads,ss,hf-assisted,hf-pld,llama-server",
+               "--max-new-tokens", "6", "--runs", "2", "--out", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    summary = results["summary"]
+    assert list(summary) == ["ar", "hf-ar", "sd", "mirror:backend=threads", "ss", "hf-assisted", "hf-pld"]
+    assert any("llama-server skipped" in n for n in results["notes"])
+    for label, s in summary.items():
+        assert s["lossless"]["checked"] == 4 and s["lossless"]["equal"] == 4, label  # 2 questions x 2 runs
+        assert set(s["speedup"]) == {"qa", "mt_bench", "overall"} and len(s["tokens_per_s"]["runs"]) == 2
+    assert summary["ar"]["speedup"]["overall"]["median"] == 1.0
+    assert summary["hf-pld"]["speedup_vs_reference"]["overall"]["median"] > 0
+    assert summary["sd"]["mean_accepted_tokens"] > 1.0  # the target drafting for itself is always accepted
+    assert 0 <= summary["mirror:backend=threads"]["hidden_draft_fraction"] <= 1
+    assert summary["ss"]["call_reduction"] >= 1.0
+    assert summary["sd"]["predicted_tokens_per_s"] > 0
+    assert results["probe"]["expected_accepted"]["all"]["1"] == 1.0
+    assert results["timeline"]["overlapped"]
+    line = json.loads((out / "answers" / "hf-pld.jsonl").read_text().splitlines()[1])
+    choice = line["choices"][0]
+    assert line["question_id"] == 2 and len(line["choices"]) == 2
+    assert len(choice["turns"]) == 2 and len(choice["new_tokens"]) == 2 and len(choice["wall_time"]) == 2
+    mirror = json.loads((out / "answers" / "mirror_backend_threads.jsonl").read_text().splitlines()[0])
+    assert sum(mirror["choices"][0]["accept_lengths"]) >= mirror["choices"][0]["new_tokens"][0]
+    report = (out / "report.md").read_text()
+    assert "Multi-turn Conversation" in report and "Question Answering" in report
+    for png in ("speedup_by_group.png", "acceptance_vs_gamma.png", "fallback_kappa_exit.png", "step_timeline.png"):
+        assert (out / png).stat().st_size > 1000, png
+
+
+@requires_smollm2
+def test_lossless_check_reports_the_logit_gap_at_a_divergence(smollm2):
+    import mirrorsd
+    from mirrorsd.bench.runner import Bench, BenchConfig
+
+    ours, _ = smollm2
+    ids = mirrorsd.api.encode_prompt(ours, "Count to five.")
+    ref = mirrorsd.generate(ours, ids, max_new_tokens=6).token_ids
+    bench = Bench.__new__(Bench)
+    bench.config, bench.target, bench.hf = BenchConfig("t", None, []), ours, None
+    wrong = list(ref)
+    wrong[3] = (ref[3] + 1) % ours.config.vocab_size
+    reference = Answer(0, "ar", 1, "qa", "qa", [Turn(6, 1.0, token_ids=ref, prompt_ids=ids)])
+    bad = Answer(0, "sd", 1, "qa", "qa", [Turn(6, 1.0, token_ids=wrong, prompt_ids=ids)])
+    bench._check(MethodSpec("sd", "sd"), bad, reference)
+    d = bad.divergence
+    assert bad.equal_to_reference is False and d["position"] == 3 and d["method_token"] == wrong[3]
+    assert d["logit_gap"] > 1e-3 and d["verdict"] == "mismatch"  # a real disagreement is flagged, not excused
+    good = Answer(0, "sd", 1, "qa", "qa", [Turn(6, 1.0, token_ids=list(ref), prompt_ids=ids)])
+    bench._check(MethodSpec("sd", "sd"), good, reference)
+    assert good.equal_to_reference is True and good.divergence is None
+
+
+@requires_smollm2
+def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "sweep"
+    rc = main(["bench", "sweep", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", "specbench:1",
+               "--gammas", "2", "--kappas", "1", "--exit-layers", "0.5", "--max-new-tokens", "4", "--runs", "1",
+               "--warmup", "0", "--no-probe", "--no-predict", "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert list(summary) == ["ar", "sd γ=2", "mirror γ=2 κ=1 ℓe=0.5 paper serial"]
+    assert summary["mirror γ=2 κ=1 ℓe=0.5 paper serial"]["options"]["kappa"] == 1
+    capsys.readouterr()
+
+    saved = tmp_path / "plan.json"
+    monkeypatch.setattr(plan, "plan_path", lambda target, draft: saved)
+    rc = main(["plan", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", "specbench:1",
+               "--max-new-tokens", "8", "--json"])
+    assert rc == 0
+    stored = json.loads(saved.read_text())
+    assert stored["recommended"] == stored["ranked"][0]
+    speeds = [r["predicted_tokens_per_s"] for r in stored["ranked"]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert {r["method"] for r in stored["ranked"]} >= {"ar", "sd", "mirror", "ss"}
+    capsys.readouterr()
+
+    stored["ranked"].insert(0, {"method": "sd", "options": {"gamma": 3, "confidence": 0.0}, "label": "sd:gamma=3"})
+    stored["recommended"] = stored["ranked"][0]
+    saved.write_text(json.dumps(stored))
+    rc = main(["generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--method", "auto",
+               "--prompt", "Say hi.", "--max-new-tokens", "8", "--json"])
+    row = json.loads(capsys.readouterr().out)
+    assert rc == 0 and row["stats"]["method"] == "sd" and row["stats"]["gamma"] <= 3
+
+
+def test_generate_auto_without_a_plan_says_what_to_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(plan, "plan_path", lambda target, draft: Path(tmp_path / "none.json"))
+    with pytest.raises(FileNotFoundError, match="mirrorsd plan --target t"):
+        plan.load_plan("t", "d")
