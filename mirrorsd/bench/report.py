@@ -200,21 +200,22 @@ def _plot_speedup(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def _plot_gamma(results: dict[str, Any], path: Path) -> bool:
+def _line_plot(path: Path, curves: dict[str, dict[str, float]], xlabel: str, ylabel: str, title: str,
+               log2: bool = False, bold: str | None = None) -> bool:
+    """One line per label over integer x values (JSON's string keys)."""
     import matplotlib.pyplot as plt
 
-    p = results.get("probe")
-    if not p:
-        return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    for group, curve in p["expected_accepted"].items():
-        if curve:
-            xs = sorted(int(g) for g in curve)
-            ax.plot(xs, [curve[str(g)] for g in xs], marker="o",
-                    lw=2.5 if group == "all" else 1, label=GROUP_TITLES.get(group, group))
-    ax.set_xlabel("γ (draft window)")
-    ax.set_ylabel("E[A_t] (accepted draft tokens per step)")
-    ax.set_title("Acceptance vs γ (cf. Mirror-SD Fig. 3b)")
+    xs: list[int] = []
+    for label, curve in curves.items():
+        xs = sorted(int(x) for x in curve)
+        ax.plot(xs, [curve[str(x)] for x in xs], marker="o", lw=2.5 if label == bold else 1, label=label)
+    if log2:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -222,27 +223,22 @@ def _plot_gamma(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def _plot_fallback(results: dict[str, Any], path: Path) -> bool:
-    import matplotlib.pyplot as plt
+def _plot_gamma(results: dict[str, Any], path: Path) -> bool:
+    p = results.get("probe")
+    if not p:
+        return False
+    curves = {GROUP_TITLES.get(g, g): c for g, c in p["expected_accepted"].items() if c}
+    return _line_plot(path, curves, "γ (draft window)", "E[A_t] (accepted draft tokens per step)",
+                      "Acceptance vs γ (cf. Mirror-SD Fig. 3b)", bold="all")
 
+
+def _plot_fallback(results: dict[str, Any], path: Path) -> bool:
     p = results.get("probe")
     if not p or not p["fallback"]["all"]:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, row in p["fallback"]["all"].items():
-        ks = sorted(int(k) for k in row)
-        ax.plot(ks, [row[str(k)] for k in ks], marker="o",
-                label=f"ℓe = {name} (layer {p['exit_layers'][name]})")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("κ (early-exit candidates per position)")
-    ax.set_ylabel("fallback frequency")
-    ax.set_title("Fallback vs κ × ℓe (cf. Mirror-SD Fig. 7)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    curves = {f"ℓe = {name} (layer {p['exit_layers'][name]})": row for name, row in p["fallback"]["all"].items()}
+    return _line_plot(path, curves, "κ (early-exit candidates per position)", "fallback frequency",
+                      "Fallback vs κ × ℓe (cf. Mirror-SD Fig. 7)", log2=True)
 
 
 def _plot_timeline(results: dict[str, Any], path: Path) -> bool:
