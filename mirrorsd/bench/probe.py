@@ -52,6 +52,8 @@ class Probe:
         return {g: statistics.fmean(min(a, g) for a in acc) for g in range(1, self.gamma + 1)} if acc else {}
 
     def per_position(self) -> list[float]:
+        """Entry i: P(position i+1 accepted | positions 1..i accepted), the conditional form E[A] needs
+        (:func:`mirrorsd.bench.metrics.expected_accepted`); the report's per-position table is unconditional."""
         acc = self._accepted("all")
         out = []
         for i in range(self.gamma):
