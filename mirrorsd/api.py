@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .decoding import METHODS, SPECULATIVE, DecodeRequest, GenerationStats
-from .model import Transformer
+from .model import ACTIVATION_FORMATS, Transformer
 from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -33,31 +33,46 @@ class LoadedModel:
     path: Path | None = None
     eos_token_ids: frozenset[int] = frozenset()
     weights: str = "fp32"
+    activations: str = "int8"
 
     @property
     def config(self):
         return self.model.config
 
+    @property
+    def format(self) -> str:
+        """What was loaded, for messages: ``fp32``, or ``q4 weights, int8x2 activations``."""
+        return "fp32" if self.weights == "fp32" else f"{self.weights} weights, {self.activations} activations"
 
-def default_weights(path: Path, device: str | torch.device, dtype: torch.dtype) -> str:
-    """``q4`` on CPU in fp32 when the folder holds a ``model.gguf`` (zoo folders keep the GGUF their fp32
-    weights were converted from), else ``fp32``.
 
-    q4 is the fastest format here and its perplexity stays within the 1% margin of the fp32-dequantized
-    model on our corpus (+0.04–0.09%, docs/benchmarks.md). A folder without a GGUF is never quantized unless
-    ``weights`` asks for it.
+def default_format(name_or_path: str | Path, path: Path, device: str | torch.device,
+                   dtype: torch.dtype) -> tuple[str, str]:
+    """The (weights, activations) a model loads with when none are asked for.
+
+    Zoo models: the fastest format that passed the chat quality gate on that model (``ZooEntry.default_weights``
+    / ``default_activations``, measured by ``mirrorsd bench quality``; docs/benchmarks.md). Other folders
+    holding a ``model.gguf``: its q4 codes with two-plane int8 activations, the setting that passed the gate on
+    every zoo model. Everything else, and any GPU or non-fp32 load: fp32.
     """
-    cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    return "q4" if cpu_fp32 and (Path(path) / "model.gguf").is_file() else "fp32"
+    from .zoo import ZOO
+
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return "fp32", "int8"
+    entry = ZOO.get(str(name_or_path))
+    if entry is not None:
+        return entry.default_weights, entry.default_activations
+    return ("q4", "int8x2") if (Path(path) / "model.gguf").is_file() else ("fp32", "int8")
 
 
 def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = torch.float32, weights: str | None = None, backend: str = "auto",
-               progress: bool = True) -> LoadedModel:
+               dtype: str | torch.dtype = torch.float32, weights: str | None = None, activations: str | None = None,
+               backend: str = "auto", progress: bool = True) -> LoadedModel:
     """Load a zoo model by name (prepared on first use) or a local HF checkpoint folder.
 
-    ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.model.WEIGHT_FORMATS`); None picks
-    :func:`default_weights`. ``backend="dense"`` keeps PyTorch's stock GEMMs (a baseline for benchmarks).
+    ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.model.WEIGHT_FORMATS`); ``activations``: ``int8``
+    or ``int8x2`` for quantized weights (:data:`mirrorsd.model.ACTIVATION_FORMATS`). None picks
+    :func:`default_format`; ``activations`` alone keeps the default weights. ``backend="dense"`` keeps PyTorch's
+    stock GEMMs (a baseline for benchmarks).
     """
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -67,9 +82,16 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
+    if activations is not None and activations not in ACTIVATION_FORMATS:
+        raise ValueError(f"activations must be one of {ACTIVATION_FORMATS}, got {activations!r}")
     path = zoo.resolve(name_or_path, progress=progress)
-    weights = weights or default_weights(path, device, dtype)
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, backend=backend).eval()
+    default_weights, default_acts = default_format(name_or_path, path, device, dtype)
+    weights = weights or default_weights
+    activations = activations or (default_acts if weights == default_weights else "int8x2")
+    if weights == "fp32":
+        activations = "int8"  # no quantized layer: nothing to set
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, backend=backend,
+                                        activations=activations).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     eos: set[int] = set()
     if tokenizer.eos_token_id is not None:
@@ -77,7 +99,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     if (path / "generation_config.json").exists():
         ids = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
         eos.update([ids] if isinstance(ids, int) else ids or [])
-    return LoadedModel(model, tokenizer, str(name_or_path), path, frozenset(eos), weights)
+    return LoadedModel(model, tokenizer, str(name_or_path), path, frozenset(eos), weights, activations)
 
 
 @dataclass

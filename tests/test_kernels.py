@@ -64,6 +64,33 @@ def test_quant_kernel_matches_reference(m, n, groups, layout, bias, seed):
     assert (out - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
 
 
+@requires_kernels
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 20), n=st.integers(1, 40), groups=st.integers(1, 6),
+       layout=st.sampled_from(kernels.LAYOUTS), bias=st.booleans(), seed=st.integers(0, 99))
+def test_split_activations_match_reference_and_stay_batch_invariant(m, n, groups, layout, bias, seed):
+    """int8x2 (a second int8 plane for each activation's remainder), also with a massive activation in a group:
+    the kernel equals the reference, any grouping of rows gives the same bits, and the error to the exact product
+    falls by orders of magnitude."""
+    bits, group = layout
+    k = 32 * groups
+    q = random_quant(n, k, bits, group, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g)
+    x[0, 0] = 300.0  # an attention-sink-like outlier: int8 alone zeroes the rest of its group
+    b = torch.randn(n, generator=g) if bias else None
+    packed = kernels.pack_quant(q, bits)
+    out = kernels.linear_quant(x, *packed, b, n, bits, group, True)
+    ref = kernels.linear_quant_reference(x, q, b, split=True)
+    assert (out - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
+    rows = torch.cat([kernels.linear_quant(x[i : i + 1].contiguous(), *packed, b, n, bits, group, True)
+                      for i in range(m)])
+    assert torch.equal(rows, out)
+    exact = F.linear(x.double(), q.dequantize().double(), None if b is None else b.double())
+    single = kernels.linear_quant(x, *packed, b, n, bits, group)
+    assert (out.double() - exact).norm() < 0.02 * (single.double() - exact).norm() + 1e-4 * exact.norm()
+
+
 def test_quant_reference_is_close_to_dequantized_matmul():
     """Activation quantization (int8 per 32) costs well under a percent on a realistic layer."""
     q = random_quant(64, 256, 4, 32, 0)

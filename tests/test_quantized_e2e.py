@@ -8,7 +8,6 @@ import torch
 
 import mirrorsd
 from mirrorsd import Transformer, generate
-from mirrorsd.api import default_weights
 from mirrorsd.linear import QuantLinear
 
 from .conftest import requires_smollm2
@@ -22,14 +21,6 @@ N_NEW = 32
 @pytest.fixture(scope="module", params=["q4", "q8"])
 def quantized(request):
     return mirrorsd.load_model("smollm2-135m", weights=request.param, progress=False)
-
-
-def test_zoo_models_default_to_q4_and_plain_folders_to_fp32(smollm2, tmp_path):
-    ours, _ = smollm2
-    assert default_weights(ours.path, "cpu", torch.float32) == "q4"
-    assert default_weights(ours.path, "cpu", torch.bfloat16) == "fp32"
-    assert default_weights(tmp_path, "cpu", torch.float32) == "fp32"
-    assert mirrorsd.load_model("smollm2-135m", progress=False).weights == "q4"
 
 
 def test_quantized_layers_are_used(quantized):

@@ -244,7 +244,7 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
 
 
 def plan_path(target: str, draft: str | None) -> Path:
-    from ..zoo import cache_dir
+    from ..cache import cache_dir
 
     safe = lambda s: "".join(c if c.isalnum() or c in "._-" else "_" for c in s)  # noqa: E731
     return cache_dir() / "plans" / f"{safe(target)}__{safe(draft or 'none')}.json"

@@ -1,9 +1,12 @@
 """CPU small-M linear kernels: an AVX-512/VNNI C++ extension built on first use, with PyTorch fallbacks.
 
-The extension (``cpu_linear.cpp``) is compiled once per source version and CPU feature set into
-``<cache>/kernels`` with the system C++ compiler. Where it cannot be built or run (no compiler, a CPU without
-AVX-512 VNNI, ``MIRRORSD_KERNELS=off``) :func:`available` is False, a one-line warning says why, and the
-pure-PyTorch functions below compute the same model more slowly.
+The extension (``cpu_linear.cpp``) is compiled once into ``<cache>/kernels/<key>``, where the key hashes
+everything that makes the binary differ: the source, the flags, the torch version and install path, the Python
+ABI and the compiler (path and ``--version``). Builds are serialised by an OS file lock, which the kernel drops
+when its holder dies (Ctrl-C, OOM, a closed terminal), so a killed build can never block a later run; a run that
+waits for a live build says so. Where the extension cannot be built or run (no compiler, a CPU without AVX-512
+VNNI, ``MIRRORSD_KERNELS=off``) :func:`available` is False, a one-line warning says why, and the pure-PyTorch
+functions below compute the same model more slowly.
 
 Packed layouts (see the C++ file for the why): weights are interleaved in blocks of 16 output features so one
 vector load feeds 16 outputs and every activation row reuses it from registers.
@@ -11,17 +14,24 @@ vector load feeds 16 outputs and every activation row reuses it from registers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from ..cache import cache_dir
 from ..quant import GroupQuant
 
 log = logging.getLogger(__name__)
@@ -33,14 +43,19 @@ FLT_MIN = torch.finfo(torch.float32).tiny
 #: (packed code bits, group size) pairs the C++ kernel implements: Q4_x/Q4_K (4), Q5_0/Q5_K (5), Q6_K (6/16),
 #: Q8_0 and our q8 (8).
 LAYOUTS = ((4, 32), (5, 32), (6, 32), (6, 16), (8, 32), (8, 16))
-#: A build lock older than this is left over from a killed build (a real build takes ~20 s).
-STALE_LOCK_S = 600
+#: How often a run waiting for another process's build says it is still waiting.
+WAIT_MESSAGE_EVERY_S = 15.0
 SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+EXTENSION = "mirrorsd_cpu_linear"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 # -fopenmp: at::parallel_for is a header template that splits work with OpenMP pragmas; without the flag it
 # silently runs on one thread. The module then binds to the libgomp torch already loaded (same soname).
 COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-std=c++17",
                  "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
+#: Written into a build folder after its library loaded: a folder with a library but no stamp was cut off
+#: mid-build (a killed linker can leave a truncated .so that ninja would call up to date) and is rebuilt.
+DONE_STAMP = "built.ok"
 
 
 def _cpu_flags() -> set[str]:
@@ -65,11 +80,82 @@ def _why_unavailable() -> str | None:
     return None
 
 
-def _build_dir() -> Path:
-    from ..zoo import cache_dir
+def _compiler_identity() -> str:
+    """The C++ compiler torch will call (``$CXX`` or ``c++``): its resolved path and ``--version`` banner."""
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx) or cxx
+    try:
+        banner = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        banner = f"unavailable: {exc!r}"
+    return f"{os.path.realpath(path)}\n{banner}"
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode() + torch.__version__.encode())
-    return cache_dir() / "kernels" / digest.hexdigest()[:16]
+
+def build_key(source: Path, cflags: Sequence[str], ldflags: Sequence[str]) -> str:
+    """A hash of everything that makes the built library differ (two environments never share a folder)."""
+    parts = [source.read_bytes(), " ".join(cflags).encode(), " ".join(ldflags).encode(), torch.__version__.encode(),
+             str(Path(torch.__file__).resolve().parent).encode(), sys.version.encode(),
+             str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), platform.machine().encode(),
+             _compiler_identity().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def build_lock(build: Path) -> Iterator[None]:
+    """Hold ``build``'s OS file lock, saying who we wait for while another live process builds there.
+
+    The lock is an ``flock`` on ``build/build.lock``: the kernel releases it when its holder exits in any way,
+    so it cannot outlive a killed build. torch's own lock file (``build/lock``, judged only by existence) can
+    then only be a leftover and is removed before building."""
+    import fcntl
+
+    build.mkdir(parents=True, exist_ok=True)
+    with open(build / "build.lock", "a+") as fh:
+        started = time.monotonic()
+        said = None
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - started
+                if said is None or waited - said >= WAIT_MESSAGE_EVERY_S:
+                    fh.seek(0)
+                    holder = fh.read().strip() or "another process"
+                    log.warning("waiting for %s, which is building mirrorsd CPU kernels in %s (%.0f s so far)",
+                                holder, build, waited)
+                    said = waited
+                time.sleep(0.2)
+        try:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"pid {os.getpid()} on {platform.node()}")
+            fh.flush()
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def build_extension(name: str, source: Path, build: Path, cflags: Sequence[str] = (),
+                    ldflags: Sequence[str] = ()) -> None:
+    """Compile (if needed) and load a C++ extension into ``build`` under :func:`build_lock`."""
+    from torch.utils import cpp_extension
+
+    with build_lock(build):
+        done = build / DONE_STAMP
+        if not done.exists():
+            for leftover in build.iterdir():  # a build cut off midway: start clean, keep only our lock
+                if leftover.name != "build.lock":
+                    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+            log.warning("building mirrorsd CPU kernels once into %s (~20 s)", build)
+        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+                           build_directory=str(build), is_python_module=False, verbose=False)
+        done.touch()
+
+
+def build_dir() -> Path:
+    return cache_dir() / "kernels" / build_key(SOURCE, COMPILE_FLAGS, LINK_FLAGS)
 
 
 @cache
@@ -78,18 +164,7 @@ def available() -> bool:
     reason = _why_unavailable()
     if reason is None:
         try:
-            from torch.utils import cpp_extension
-
-            build = _build_dir()
-            build.mkdir(parents=True, exist_ok=True)
-            lock = build / "lock"
-            if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-                lock.unlink(missing_ok=True)  # torch would otherwise wait on it forever
-            if not any(build.glob("*.so")):
-                log.warning("building mirrorsd CPU kernels once into %s (~20 s)", build)
-            cpp_extension.load(name="mirrorsd_cpu_linear", sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS,
-                               extra_ldflags=["-fopenmp"],
-                               build_directory=str(build), is_python_module=False, verbose=False)
+            build_extension(EXTENSION, SOURCE, build_dir(), COMPILE_FLAGS, LINK_FLAGS)
             return True
         except Exception as exc:  # a compiler error, missing ninja, ...: fall back, but say so
             reason = f"the C++ extension failed to build: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
@@ -150,34 +225,49 @@ def pack_quant(q: GroupQuant, bits: int | None = None) -> tuple[torch.Tensor, to
 # ---------------------------------------------------------------- reference math (also the fallbacks)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row, per-32 absmax int8 quantization, exactly as the kernel does it: (codes as fp32, scales)."""
-    m, k = x.shape
-    groups = x.view(m, k // ACT_GROUP, ACT_GROUP)
+def _quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = groups.abs().amax(-1)
     inv = torch.where(amax >= FLT_MIN, 127.0 / amax, torch.zeros_like(amax))  # 127/subnormal would be inf
-    codes = torch.round(groups * inv[..., None])
-    return codes.view(m, k), amax / 127.0
+    return torch.round(groups * inv[..., None]), amax / 127.0
+
+
+def quantize_activations(x: torch.Tensor, split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-32 absmax int8 quantization, exactly as the kernel does it: (codes as fp32, scales).
+
+    ``split``: rows ``2m`` and ``2m + 1`` are row m's codes and the codes of its remainder ``x - codes * scale``
+    (two int8 planes, ~15-bit activations; the product of a row is the sum of its two rows' products)."""
+    m, k = x.shape
+    groups = x.view(m, k // ACT_GROUP, ACT_GROUP)
+    codes, scales = _quantize_groups(groups)
+    if split:
+        rest_codes, rest_scales = _quantize_groups(groups - codes * scales[..., None])
+        codes, scales = torch.stack([codes, rest_codes], 1), torch.stack([scales, rest_scales], 1)
+        m *= 2
+    return codes.reshape(m, k), scales.reshape(m, k // ACT_GROUP)
 
 
 def linear_quant_reference(x: torch.Tensor, q: GroupQuant, bias: torch.Tensor | None = None,
-                           chunk: int = 4096) -> torch.Tensor:
-    """The quantized layer in plain PyTorch: int8 activations, exact integer group dots, fp16 scales."""
+                           chunk: int = 4096, split: bool = False) -> torch.Tensor:
+    """The quantized layer in plain PyTorch: int8 activations (two planes with ``split``), exact integer group
+    dots, fp16 scales."""
     m, k = x.shape
     n = q.shape[0]
-    xq, xs = quantize_activations(x.float())
+    xq, xs = quantize_activations(x.float(), split)
+    rows = xq.shape[0]
     groups = k // q.group
-    xg = xq.view(m, groups, q.group)
+    xg = xq.view(rows, groups, q.group)
     xs_g = xs.repeat_interleave(ACT_GROUP // q.group, dim=1) if q.group < ACT_GROUP else xs
     xsum = xs_g * xg.sum(-1)
     sw = q.scales.half().float()
     ow = q.offsets.half().float()
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
         codes = q.codes[start:stop].view(stop - start, groups, q.group).float()
         dots = torch.einsum("mgk,ngk->mng", xg, codes)
         out[:, start:stop] = (dots * sw[start:stop] * xs_g[:, None]).sum(-1) + (ow[start:stop] * xsum[:, None]).sum(-1)
+    if split:
+        out = out.view(m, 2, n).sum(1)
     return out if bias is None else out + bias
 
 
@@ -189,5 +279,6 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear_quant(x: torch.Tensor, codes: torch.Tensor, planes: torch.Tensor | None, scales: torch.Tensor,
-                 offsets: torch.Tensor, bias: torch.Tensor | None, n: int, bits: int, group: int) -> torch.Tensor:
-    return torch.ops.mirrorsd.linear_quant(x, codes, planes, scales, offsets, bias, n, bits, group)
+                 offsets: torch.Tensor, bias: torch.Tensor | None, n: int, bits: int, group: int,
+                 split: bool = False) -> torch.Tensor:
+    return torch.ops.mirrorsd.linear_quant(x, codes, planes, scales, offsets, bias, n, bits, group, split)

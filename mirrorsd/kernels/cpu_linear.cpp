@@ -23,7 +23,7 @@ namespace {
 
 constexpr int64_t kBlockN = 16;    // output features per interleaved block (one zmm of fp32)
 constexpr int64_t kActGroup = 32;  // activation quantization group
-constexpr int64_t kMaxTile = 8;    // activation rows kept in registers at once
+constexpr int64_t kMaxTile = 8;    // activation rows kept in registers at once (even: see split)
 
 // ---------------------------------------------------------------- fp32 weights
 // w: [N/16, K, 16] fp32 (N padded with zeros). y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
@@ -93,31 +93,52 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const s
 // scales/offsets: [N/16, K/G, 16] fp16.
 // Activations are quantized to int8 per row and per 32 features (absmax / 127, round half to even), so the
 // inner product is an exact integer dot product (VNNI vpdpbusd: u8 codes x s8 activations).
+// split: each row becomes two int8 rows, its quantization and the quantization of what that left over (x - q*s),
+// and their products are added: ~15-bit activations at the cost of doubling M, which leaves M = 1 decoding
+// bandwidth-bound (the weights are still read once). Small models answering chat prompts need it (quality.py).
 
 struct QuantActs {
   torch::Tensor q;     // int8 [M, K]
   torch::Tensor scale; // fp32 [M, K/32]
 };
 
-QuantActs quantize_acts(const torch::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), groups = K / kActGroup;
-  QuantActs out{torch::empty({M, K}, x.options().dtype(torch::kChar)),
-                torch::empty({M, groups}, x.options())};
+// One group of 32 activations to int8 codes; returns the scale (absmax / 127).
+float quantize_group(const float* src, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < kActGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
+  const float inv = amax >= FLT_MIN ? 127.f / amax : 0.f;  // 127 / subnormal would be inf
+  for (int64_t i = 0; i < kActGroup; ++i) q[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+  return amax / 127.f;
+}
+
+// Rows [M, K] -> int8 codes and scales; with split, rows 2m and 2m+1 hold row m's codes and its remainder's.
+QuantActs quantize_acts(const torch::Tensor& x, bool split) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / kActGroup, per_row = split ? 2 : 1;
+  QuantActs out{torch::empty({M * per_row, K}, x.options().dtype(torch::kChar)),
+                torch::empty({M * per_row, groups}, x.options())};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = out.q.data_ptr<int8_t>();
   float* sp = out.scale.data_ptr<float>();
+  float rest[kActGroup];
   for (int64_t m = 0; m < M; ++m) {
+    const int64_t row = m * per_row;
     for (int64_t g = 0; g < groups; ++g) {
       const float* src = xp + m * K + g * kActGroup;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kActGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
-      const float inv = amax >= FLT_MIN ? 127.f / amax : 0.f;  // 127 / subnormal would be inf
-      sp[m * groups + g] = amax / 127.f;
-      for (int64_t i = 0; i < kActGroup; ++i)
-        qp[m * K + g * kActGroup + i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+      int8_t* q = qp + row * K + g * kActGroup;
+      const float scale = sp[row * groups + g] = quantize_group(src, q);
+      if (!split) continue;
+      for (int64_t i = 0; i < kActGroup; ++i) rest[i] = src[i] - static_cast<float>(q[i]) * scale;
+      sp[(row + 1) * groups + g] = quantize_group(rest, q + K);
     }
   }
   return out;
+}
+
+// Split rows: fold each pair of accumulator rows (a row's codes and its remainder's) into one.
+void fold_pairs(float* acc, int64_t pairs) {
+  for (int64_t j = 0; j < pairs; ++j)
+    _mm512_storeu_ps(acc + j * kBlockN, _mm512_add_ps(_mm512_loadu_ps(acc + 2 * j * kBlockN),
+                                                      _mm512_loadu_ps(acc + (2 * j + 1) * kBlockN)));
 }
 
 // Integer accumulators per activation row: vpdpbusd has a ~5-cycle latency and one issue per cycle, so about
@@ -223,7 +244,8 @@ bool supported_layout(int64_t bits, int64_t group) {
 
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
                            const torch::Tensor& scales, const torch::Tensor& offsets,
-                           const std::optional<torch::Tensor>& bias, int64_t N, int64_t bits, int64_t group) {
+                           const std::optional<torch::Tensor>& bias, int64_t N, int64_t bits, int64_t group,
+                           bool split) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
   check_bias(bias, N);
   const int64_t M = x.size(0), K = x.size(1);
@@ -243,15 +265,16 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
               "scales/offsets must be [N/16, K/G, 16]");
   TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
 
-  const QuantActs acts = quantize_acts(x);
+  const QuantActs acts = quantize_acts(x, split);
+  const int64_t rows_q = acts.q.size(0);  // quantized rows: M, or 2M with split
   // Per weight group: sum of the dequantized activations, for the offset term.
   const int64_t groups = K / group;
-  auto xsum = torch::empty({M, groups}, x.options());
+  auto xsum = torch::empty({rows_q, groups}, x.options());
   {
     const int8_t* q = acts.q.data_ptr<int8_t>();
     const float* s = acts.scale.data_ptr<float>();
     float* out = xsum.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = 0; m < rows_q; ++m)
       for (int64_t g = 0; g < groups; ++g) {
         int32_t total = 0;
         for (int64_t i = 0; i < group; ++i) total += q[m * K + g * group + i];
@@ -275,13 +298,15 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxTile * kBlockN];
     for (int64_t nb = begin; nb < end; ++nb) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-        const int64_t rows = std::min<int64_t>(kMaxTile, M - m0);
+      for (int64_t m0 = 0; m0 < rows_q; m0 += kMaxTile) {  // kMaxTile is even: split pairs share a tile
+        const int64_t rows = std::min<int64_t>(kMaxTile, rows_q - m0);
         const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && nb + kPrefetchBlocks < end;
         pick_tile(bits, group, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
                                      cp + nb * code_block, pp ? pp + nb * plane_block : nullptr,
                                      scp + nb * scale_block, ofp + nb * scale_block, acc, prefetch);
-        store_block(acc, rows, yp + m0 * N, N, nb * kBlockN, bp);
+        if (split) fold_pairs(acc, rows / 2);
+        const int64_t out_rows = split ? rows / 2 : rows, out_m0 = split ? m0 / 2 : m0;
+        store_block(acc, out_rows, yp + out_m0 * N, N, nb * kBlockN, bp);
       }
     }
   });
@@ -295,7 +320,7 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
 TORCH_LIBRARY(mirrorsd, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor codes, Tensor? planes, Tensor scales, Tensor offsets, Tensor? bias, int n, "
-        "int bits, int group) -> Tensor");
+        "int bits, int group, bool split=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
