@@ -71,8 +71,8 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
 
     ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.model.WEIGHT_FORMATS`); ``activations``: ``int8``
     or ``int8x2`` for quantized weights (:data:`mirrorsd.model.ACTIVATION_FORMATS`). None picks
-    :func:`default_format`; ``activations`` alone keeps the default weights. ``backend="dense"`` keeps PyTorch's
-    stock GEMMs (a baseline for benchmarks).
+    :func:`default_format` (the model's default activations also apply to weights asked for explicitly).
+    ``backend="dense"`` keeps PyTorch's stock GEMMs (a baseline for benchmarks).
     """
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -87,9 +87,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     path = zoo.resolve(name_or_path, progress=progress)
     default_weights, default_acts = default_format(name_or_path, path, device, dtype)
     weights = weights or default_weights
-    activations = activations or (default_acts if weights == default_weights else "int8x2")
-    if weights == "fp32":
-        activations = "int8"  # no quantized layer: nothing to set
+    activations = "int8" if weights == "fp32" else activations or default_acts  # fp32 has no quantized layer
     model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, backend=backend,
                                         activations=activations).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

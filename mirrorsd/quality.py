@@ -92,8 +92,12 @@ def chat_conversations(reference, questions, answer_tokens: int = 64, progress: 
     for q in tqdm(questions, desc=f"fp32 answers ({reference.name})", unit="q", disable=not progress):
         prompt = encode_chat(reference, [{"role": "user", "content": q.turns[0]}])
         g = generate(reference, prompt, method="ar", max_new_tokens=answer_tokens)
-        answer = g.token_ids + ([min(reference.eos_token_ids)] if g.finish_reason == "eos" else [])
-        conversations.append(Conversation(q.question_id, q.group, prompt + answer, len(prompt)))
+        ids = prompt + g.token_ids
+        if g.finish_reason == "eos":  # the API drops the EOS id; models with several (Qwen) need the one it chose
+            with torch.inference_mode():
+                ids.append(int(reference.model(torch.tensor([ids], device=reference.model.device),
+                                               last=1)[0, -1].argmax()))
+        conversations.append(Conversation(q.question_id, q.group, ids, len(prompt)))
     return conversations
 
 
