@@ -14,6 +14,7 @@ rounds, weights cycled through several copies so they come from DRAM as in a rea
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -23,13 +24,18 @@ import torch
 import torch._inductor.config
 import torch.nn.functional as F
 import torch.utils.mkldnn
-from bench_hf import machine
 
 from mirrorsd import kernels
+from mirrorsd.bench.forward import _cpu_name
 from mirrorsd.linear import PackedLinear, QuantLinear
 from mirrorsd.quant import GroupQuant, quantize_q8
 
 SHAPES = {"q/o_proj": (1536, 1536), "k/v_proj": (256, 1536), "gate/up_proj": (8960, 1536), "down_proj": (1536, 8960)}
+
+
+def machine() -> str:
+    return (f"{_cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"python {platform.python_version()}")
 
 
 def q4_of(w: torch.Tensor) -> GroupQuant:

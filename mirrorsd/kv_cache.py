@@ -96,9 +96,3 @@ class KVCache:
             self.keys[layer][:, :, start:end] = self.keys[layer].index_select(2, index)
             self.values[layer][:, :, start:end] = self.values[layer].index_select(2, index)
             self.lengths[layer] = end
-
-    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
-        """Re-index the row dimension: drop, reorder or duplicate branches (``[0, 0, 0]`` forks row 0)."""
-        index = torch.as_tensor(rows, dtype=torch.long, device=self.keys[0].device)
-        self.keys = [k.index_select(0, index) for k in self.keys]
-        self.values = [v.index_select(0, index) for v in self.values]

@@ -6,7 +6,7 @@ Which module a weight becomes depends on its format and device, never on the dec
   VNNI kernel; ``split_activations`` gives each activation a second int8 plane for its remainder);
 * fp32 on CPU with the kernels built → :class:`PackedLinear` (weights interleaved once so a k-row product
   streams them once: an 8-token verification costs about what one token does);
-* anything else (CUDA, bf16/fp16, ``backend="dense"``, no kernels) → :class:`DenseLinear`, PyTorch's GEMM
+* anything else (CUDA, bf16/fp16, ``linear="dense"``, no kernels) → :class:`DenseLinear`, PyTorch's GEMM
   (cuBLAS on GPU). A GroupQuant headed for CUDA is dequantized.
 
 The fast modules are batch-invariant (row m's sum runs in the same order whatever M is; PackedLinear hands
@@ -23,7 +23,8 @@ from torch import nn
 from . import kernels
 from .quant import GroupQuant
 
-BACKENDS = ("auto", "dense")
+#: Linear implementations: ``auto`` picks by format and device (above); ``dense`` always PyTorch's GEMM.
+LINEAR_IMPLS = ("auto", "dense")
 #: Above this many rows (prefill) the packed fp32 weight is multiplied with a batched GEMM instead.
 PACKED_MAX_ROWS = 32
 
@@ -116,15 +117,15 @@ class QuantLinear(nn.Module):
 
 
 def make_linear(weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None,
-                backend: str = "auto") -> nn.Module:
+                linear: str = "auto") -> nn.Module:
     """Build the linear module for one projection (the single place a weight format meets a kernel)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if linear not in LINEAR_IMPLS:
+        raise ValueError(f"linear must be one of {LINEAR_IMPLS}, got {linear!r}")
     if isinstance(weight, GroupQuant):
-        if (weight.codes.device.type == "cpu" and backend == "auto" and weight.shape[1] % kernels.ACT_GROUP == 0
+        if (weight.codes.device.type == "cpu" and linear == "auto" and weight.shape[1] % kernels.ACT_GROUP == 0
                 and (weight.bits, weight.group) in kernels.LAYOUTS):
             return QuantLinear(weight, bias)
         weight = weight.dequantize()
-    fast = (backend == "auto" and weight.device.type == "cpu" and weight.dtype == torch.float32
+    fast = (linear == "auto" and weight.device.type == "cpu" and weight.dtype == torch.float32
             and kernels.available())
     return PackedLinear(weight, bias) if fast else DenseLinear(weight, bias)

@@ -141,17 +141,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: Weights, layer: int, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, layer: int, linear: str) -> None:
         super().__init__()
         p = f"layers.{layer}.self_attn."
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.gqa = self.n_heads != self.n_kv_heads
         self.row_exact = False  # set by Transformer for models with quantized (int8-activation) layers
-        self.q_proj = make_linear(weights[p + "q_proj.weight"], weights.get(p + "q_proj.bias"), backend)
-        self.k_proj = make_linear(weights[p + "k_proj.weight"], weights.get(p + "k_proj.bias"), backend)
-        self.v_proj = make_linear(weights[p + "v_proj.weight"], weights.get(p + "v_proj.bias"), backend)
-        self.o_proj = make_linear(weights[p + "o_proj.weight"], weights.get(p + "o_proj.bias"), backend)
+        self.q_proj = make_linear(weights[p + "q_proj.weight"], weights.get(p + "q_proj.bias"), linear)
+        self.k_proj = make_linear(weights[p + "k_proj.weight"], weights.get(p + "k_proj.bias"), linear)
+        self.v_proj = make_linear(weights[p + "v_proj.weight"], weights.get(p + "v_proj.bias"), linear)
+        self.o_proj = make_linear(weights[p + "o_proj.weight"], weights.get(p + "o_proj.bias"), linear)
         self.q_norm = RMSNorm(weights[p + "q_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(weights[p + "k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -246,13 +246,13 @@ def _one_thread() -> Iterator[None]:
 
 
 class MLP(nn.Module):
-    def __init__(self, weights: Weights, layer: int, backend: str) -> None:
+    def __init__(self, weights: Weights, layer: int, linear: str) -> None:
         super().__init__()
         self.layer = layer
         p = f"layers.{layer}.mlp."
-        self.gate_proj = make_linear(weights[p + "gate_proj.weight"], backend=backend)
-        self.up_proj = make_linear(weights[p + "up_proj.weight"], backend=backend)
-        self.down_proj = make_linear(weights[p + "down_proj.weight"], backend=backend)
+        self.gate_proj = make_linear(weights[p + "gate_proj.weight"], linear=linear)
+        self.up_proj = make_linear(weights[p + "up_proj.weight"], linear=linear)
+        self.down_proj = make_linear(weights[p + "down_proj.weight"], linear=linear)
 
     def forward(self, x: torch.Tensor, streams: StreamRows | None = None) -> torch.Tensor:
         gate = _project(streams, self.layer, "gate_proj", self.gate_proj, x)
@@ -261,13 +261,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: Weights, layer: int, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, layer: int, linear: str) -> None:
         super().__init__()
         p = f"layers.{layer}."
         self.input_layernorm = RMSNorm(weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, weights, layer, backend)
+        self.self_attn = Attention(cfg, weights, layer, linear)
         self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        self.mlp = MLP(weights, layer, backend)
+        self.mlp = MLP(weights, layer, linear)
 
     def forward(self, x, cos, sin, cache, mask, streams: StreamRows | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, streams)
@@ -285,18 +285,18 @@ class Transformer(nn.Module):
     """Decoder-only LM. Build with :meth:`from_pretrained` (local HF folder) or :meth:`from_hf`."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, inv_freq: torch.Tensor, rope_scale: float = 1.0,
-                 backend: str = "auto") -> None:
+                 linear: str = "auto") -> None:
         super().__init__()
         self.config = cfg
         embed = weights["embed_tokens.weight"]
         dense_embed = embed.dequantize() if isinstance(embed, GroupQuant) else embed
         self.embed_tokens = nn.Embedding.from_pretrained(dense_embed, freeze=True)
-        self.layers = nn.ModuleList(Block(cfg, weights, i, backend) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, weights, i, linear) for i in range(cfg.n_layers))
         self.norm = RMSNorm(weights["norm.weight"], cfg.rms_norm_eps)
         head = weights.get("lm_head.weight")
         if head is None or (cfg.tie_word_embeddings and not isinstance(head, GroupQuant)):
             head = embed  # tied (a quantized copy of the embedding, from q8/q4 loading, is kept as the head)
-        self.lm_head = make_linear(head, backend=backend)
+        self.lm_head = make_linear(head, linear=linear)
         # Quantized models must give bit-identical results however tokens are grouped into forwards.
         self.row_exact = any(isinstance(m, QuantLinear) for m in self.modules())
         for module in self.modules():
@@ -319,27 +319,29 @@ class Transformer(nn.Module):
     # -- construction -------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module, backend: str = "auto") -> Transformer:
-        """Build from the weights of an HF ``*ForCausalLM`` (``backend="dense"`` shares their storage)."""
+    def from_hf(cls, hf_model: nn.Module, linear: str = "auto") -> Transformer:
+        """Build from the weights of an HF ``*ForCausalLM`` (``linear="dense"`` shares their storage)."""
         state = {k.removeprefix("model."): v.detach() for k, v in hf_model.state_dict().items()}
-        return cls._build(hf_model.config, state, backend)
+        return cls._build(hf_model.config, state, linear)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, weights: str = "fp32",
-                        backend: str = "auto", activations: str = "int8") -> Transformer:
+                        linear: str = "auto", activations: str = "int8") -> Transformer:
         """Load a local HF checkpoint folder (config.json + *.safetensors).
 
         ``weights`` picks the weight format (see :data:`WEIGHT_FORMATS`): ``fp32`` the checkpoint as is, ``q8``
         our per-32 int8 quantization of it, ``q4`` the folder's original ``model.gguf`` codes (zoo models keep
         it; Q4_K_M files mix 4-bit with some 6/8-bit tensors). Quantized formats run on CPU only, with
-        ``activations`` as their activation precision (:data:`ACTIVATION_FORMATS`).
+        ``activations`` as their activation precision (:data:`ACTIVATION_FORMATS`). ``linear`` picks the linear
+        implementation (:data:`~mirrorsd.linear.LINEAR_IMPLS`): ``auto`` by format and device (our CPU kernels
+        where they apply), ``dense`` PyTorch's stock GEMMs.
         """
-        return cls._load(path, device, dtype, weights, backend).use_activations(activations)
+        return cls._load(path, device, dtype, weights, linear).use_activations(activations)
 
     @classmethod
     def _load(cls, path: str | Path, device: str | torch.device, dtype: torch.dtype, weights: str,
-              backend: str) -> Transformer:
+              linear: str) -> Transformer:
         from safetensors import safe_open
         from transformers import AutoConfig
 
@@ -356,7 +358,7 @@ class Transformer(nn.Module):
             if not gguf.exists():
                 raise FileNotFoundError(f"weights='q4' needs the original GGUF file at {gguf}")
             state = {k.removeprefix("model."): v for k, v in load_gguf_weights(gguf, hf_config).items()}
-            return cls._build(hf_config, state, backend)
+            return cls._build(hf_config, state, linear)
         index = path / "model.safetensors.index.json"
         if index.exists():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -373,10 +375,10 @@ class Transformer(nn.Module):
             if hf_config.tie_word_embeddings or "lm_head.weight" not in state:
                 state["lm_head.weight"] = state["embed_tokens.weight"]
             state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
-        return cls._build(hf_config, state, backend).to(device)
+        return cls._build(hf_config, state, linear).to(device)
 
     @classmethod
-    def _build(cls, hf_config, state: Weights, backend: str = "auto") -> Transformer:
+    def _build(cls, hf_config, state: Weights, linear: str = "auto") -> Transformer:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         cfg = ModelConfig.from_hf(hf_config)
@@ -388,7 +390,7 @@ class Transformer(nn.Module):
             scale = 1.0
         else:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-        return cls(cfg, state, inv_freq, scale, backend)
+        return cls(cfg, state, inv_freq, scale, linear)
 
     def prefix_model(self, n_layers: int) -> Transformer:
         """A self-draft sharing this model's first ``n_layers`` blocks, final norm and LM head (no copy)."""

@@ -1,7 +1,7 @@
 """Sampling with noise keyed by (seed, absolute position).
 
 Gumbel-max sampling, ``argmax(logits / T + g)``, draws exactly from ``softmax(logits / T)``. We derive the
-Gumbel noise ``g`` from a counter-based hash of (seed, position, vocabulary index, stream) instead of a
+Gumbel noise ``g`` from a counter-based hash of (seed, position, vocabulary index, noise key) instead of a
 stateful RNG, so the token at position ``p`` is a pure function of the target's logits there and of the
 seed. Any method that commits only tokens the target itself would sample -- AR, SD with sample-and-match,
 Mirror-SD -- therefore yields the *same tokens* for the same seed, no matter how many positions it
@@ -13,12 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 import torch
 
-# Independent noise streams, so e.g. rejection sampling's accept test never reuses the proposal's noise.
-TARGET_STREAM, DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 0, 1, 2, 3
+from .errors import OptionError
+
+
+class Noise(IntEnum):
+    """Independent noise keys, so e.g. rejection sampling's accept test never reuses the proposal's noise."""
+
+    TARGET = 0  # the target's own draws (and a draft coupled to them)
+    DRAFT = 1  # a draft's draws independent of the target (rejection sampling)
+    ACCEPT = 2  # rejection sampling's accept test
+    RESIDUAL = 3  # rejection sampling's residual draw
+
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -34,11 +44,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise OptionError("temperature", f"must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise OptionError("top_k", f"must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -54,10 +64,10 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def keyed_uniforms(seed: int, positions: Sequence[int], size: int, stream: int = TARGET_STREAM) -> torch.Tensor:
+def keyed_uniforms(seed: int, positions: Sequence[int], size: int, noise: int = Noise.TARGET) -> torch.Tensor:
     """Uniforms in (0, 1), ``[len(positions), size]`` float64, a pure function of their arguments."""
     pos = np.asarray(positions, dtype=np.uint64)[:, None]
-    base = _splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _splitmix64(np.uint64(stream)))
+    base = _splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _splitmix64(np.uint64(noise)))
     with np.errstate(over="ignore"):
         keys = _splitmix64(base ^ (pos * np.uint64(0xD1B54A32D192ED03)))
         bits = _splitmix64(keys + np.arange(size, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15))
@@ -65,8 +75,8 @@ def keyed_uniforms(seed: int, positions: Sequence[int], size: int, stream: int =
     return torch.from_numpy(u)
 
 
-def gumbel_noise(seed: int, positions: Sequence[int], size: int, stream: int = TARGET_STREAM) -> torch.Tensor:
-    return -torch.log(-torch.log(keyed_uniforms(seed, positions, size, stream)))
+def gumbel_noise(seed: int, positions: Sequence[int], size: int, noise: int = Noise.TARGET) -> torch.Tensor:
+    return -torch.log(-torch.log(keyed_uniforms(seed, positions, size, noise)))
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -92,15 +102,15 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, positions: Sequence[int], params: SamplingParams,
-           stream: int = TARGET_STREAM) -> list[int]:
+           noise: int = Noise.TARGET) -> list[int]:
     """One token per row of ``[n, vocab]`` logits; row i is the token at absolute position ``positions[i]``."""
     if params.greedy:
         return logits.argmax(-1).tolist()
-    noise = gumbel_noise(params.seed, positions, logits.shape[-1], stream).to(logits.device)
-    return (warp(logits, params).double() + noise).argmax(-1).tolist()
+    gumbel = gumbel_noise(params.seed, positions, logits.shape[-1], noise).to(logits.device)
+    return (warp(logits, params).double() + gumbel).argmax(-1).tolist()
 
 
-def sample_from_probs(probs: torch.Tensor, positions: Sequence[int], seed: int, stream: int) -> list[int]:
+def sample_from_probs(probs: torch.Tensor, positions: Sequence[int], seed: int, noise: int) -> list[int]:
     """Exact draws from explicit distributions ``[n, vocab]`` via Gumbel-max on their logs."""
-    noise = gumbel_noise(seed, positions, probs.shape[-1], stream).to(probs.device)
-    return (probs.double().log() + noise).argmax(-1).tolist()
+    gumbel = gumbel_noise(seed, positions, probs.shape[-1], noise).to(probs.device)
+    return (probs.double().log() + gumbel).argmax(-1).tolist()

@@ -1,8 +1,9 @@
 """Acceptance rules shared by every speculative method.
 
-A verifier takes the draft tokens of one window and the target's logits for the window's ``gamma + 1``
-positions and returns how many draft tokens to accept and the target's own token for the next slot
-(the correction after a rejection, or the bonus token after full acceptance). Every rule is lossless.
+A verifier takes the draft tokens of one window (a chain, or a tree) and the target's logits after the last
+committed token and after each draft token, and returns which draft tokens to accept and the target's own
+token for the next slot (the correction after a rejection, or the bonus token after full acceptance). Every
+rule is lossless.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import (
-    ACCEPT_STREAM,
-    RESIDUAL_STREAM,
+    Noise,
     SamplingParams,
     keyed_uniforms,
     probabilities,
@@ -29,9 +29,12 @@ ACCEPTANCE_RULES = ("match", "rejection")
 class Verdict:
     accepted: int  # number of draft tokens accepted
     next_token: int  # the target's token at slot ``accepted + 1``
+    path: tuple[int, ...] | None = None  # tree drafts: the accepted nodes, root first (chains: the first ones)
 
-    def committed(self, draft: Sequence[int]) -> list[int]:
-        return [*draft[: self.accepted], self.next_token]
+    @property
+    def nodes(self) -> Sequence[int]:
+        """Indices of the accepted draft tokens."""
+        return self.path if self.path is not None else range(self.accepted)
 
 
 def verify_match(draft: Sequence[int], target_logits: torch.Tensor, positions: Sequence[int],
@@ -59,7 +62,7 @@ def verify_rejection(draft: Sequence[int], draft_probs: torch.Tensor, target_log
     """
     p = probabilities(target_logits, params)
     for i, token in enumerate(draft):
-        u = keyed_uniforms(params.seed, [positions[i]], 1, ACCEPT_STREAM).item()
+        u = keyed_uniforms(params.seed, [positions[i]], 1, Noise.ACCEPT).item()
         q_x = draft_probs[i, token].item()
         if q_x > 0 and u * q_x < p[i, token].item():
             continue
@@ -67,7 +70,29 @@ def verify_rejection(draft: Sequence[int], draft_probs: torch.Tensor, target_log
         total = residual.sum()
         if total <= 0:  # p == q: any rejection is measure-zero; fall back to p itself
             residual, total = p[i], p[i].sum()
-        token = sample_from_probs((residual / total)[None], [positions[i]], params.seed, RESIDUAL_STREAM)[0]
+        token = sample_from_probs((residual / total)[None], [positions[i]], params.seed, Noise.RESIDUAL)[0]
         return Verdict(i, token)
     bonus = len(draft)
     return Verdict(bonus, sample(target_logits[bonus:bonus + 1], [positions[bonus]], params)[0])
+
+
+def verify_tree(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, position: int,
+                params: SamplingParams, noise: int = Noise.TARGET) -> Verdict:
+    """Match down a draft tree: from the root (the last committed token), the child whose token is the target's
+    own choice at its parent is accepted, and so on down.
+
+    ``parents[i]`` is token i's parent (-1: the root; parents come first); ``logits`` row 0 follows the root,
+    row i+1 follows token i; ``position`` is the absolute position the root's row predicts. A chain
+    (``parents = [-1, 0, 1, ...]``) gives :func:`verify_match`'s verdict.
+    """
+    children: dict[int, dict[int, int]] = {}
+    for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+        children.setdefault(parent, {}).setdefault(token, node)
+    node, path = -1, []
+    while True:
+        own = sample(logits[node + 1:node + 2], [position + len(path)], params, noise)[0]
+        child = children.get(node, {}).get(own)
+        if child is None:
+            return Verdict(len(path), own, tuple(path))
+        path.append(child)
+        node = child

@@ -32,10 +32,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import cache_dir
+from .cache import CacheDirError, cache_dir, ensure_cache_dir
 
 __all__ = [
     "ZOO",
+    "CacheDirError",
     "ChecksumError",
     "MissingPackageError",
     "ModelNotFoundError",
@@ -431,8 +432,7 @@ def prepare(name: str, *, progress: bool = True) -> Path:
     if _complete(target, entry):
         return target  # fast path; works even if the packages were uninstalled afterwards
     sources = _locate(entry)
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    root = ensure_cache_dir()
     with _locked(root, entry.name, progress):
         if _complete(target, entry):  # another process prepared it while we waited
             return target

@@ -49,7 +49,7 @@ def test_prompt_over_context_is_a_clear_error(tiny):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"method": "beam"}, "unknown method"),
+        ({"method": "beam"}, "method must be one of ar, sd, mirror, ss"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"temperature": -0.5}, "temperature"),
         ({"method": "ar", "draft": "x"}, "does not use a draft"),
@@ -137,3 +137,17 @@ def test_options_are_checked_before_iterating_and_streams_run_once(tiny):
     list(s)
     with pytest.raises(RuntimeError, match="once"):
         list(s)
+
+
+def test_stats_gamma_is_the_configured_window_and_max_drafted_the_largest_drafted(tiny):
+    draft = tiny.prefix_model(1)
+    g = generate(tiny, [1, 2, 3], method="sd", draft=draft, gamma=10000, confidence=0.0, max_new_tokens=5)
+    assert g.stats.gamma == 10000
+    assert 1 <= g.stats.max_drafted <= 4  # the windows stay inside max_new_tokens
+    assert g.stats.to_dict()["gamma"] == 10000 and g.stats.to_dict()["max_drafted"] == g.stats.max_drafted
+    assert generate(tiny, [1, 2, 3], method="ar", max_new_tokens=3).stats.gamma == 0
+
+
+def test_default_method_is_sd_with_a_draft_else_ar(tiny):
+    assert generate(tiny, [1, 2], max_new_tokens=3).stats.method == "ar"
+    assert generate(tiny, [1, 2], draft=tiny.prefix_model(1), max_new_tokens=3).stats.method == "sd"

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from mirrorsd import plans
 from mirrorsd.bench import metrics, plan
 from mirrorsd.bench.metrics import Answer, Turn
 from mirrorsd.bench.report import render, write_report
 from mirrorsd.bench.runner import MethodSpec, parse_methods
 from mirrorsd.cli import main
+from mirrorsd.decoding import get_method
 from mirrorsd.specbench import GROUPS, load_suite
 
 from .conftest import requires_smollm2
@@ -110,30 +112,40 @@ def test_interpolate_is_piecewise_linear_and_extends_past_the_ends():
     assert plan.interpolate(table, 10) == pytest.approx(19.0)
 
 
+def step_ms(kind: str, step: dict, **options) -> float:
+    """A registered method's cost model (what the planner asks each method for)."""
+    method = get_method(kind)
+    return method.step_cost(costs(), step, method.options.parse(options, kind))
+
+
 def test_latency_law_terms():
     c = costs()
-    assert plan.sd_step(c, 7) == pytest.approx(7 * 2.0 + 17.0)
-    assert plan.sd_step(c, 0) == 10.0
+    assert step_ms("ar", {"drafted": 0}) == 10.0
+    assert step_ms("sd", {"drafted": 7}) == pytest.approx(7 * 2.0 + 17.0)
+    assert step_ms("sd", {"drafted": 0}) == 10.0
     # w = 8: P = 8.5, Δ = 8.5, EE = 0.5 + 1.0 * 7/15, rollout = 7 * D(64) = 7 * 32 = 224
     ee = 0.5 + 7 / 15
-    assert plan.mirror_step(c, 4, 7, 7, 64, 0.0, overlap=True) == pytest.approx(8.5 + ee + 224)
-    assert plan.mirror_step(c, 4, 7, 7, 64, 0.0, overlap=False) == pytest.approx(8.5 + ee + 8.5 + 224)
+    step = {"drafted": 7, "gamma": 7, "roots": 64, "exit_layer": 4, "hit": True}
+    assert step_ms("mirror", step, backend="threads") == pytest.approx(8.5 + ee + 224)
+    assert step_ms("mirror", step) == pytest.approx(8.5 + ee + 8.5 + 224)  # serial: no overlap
     # a rollout shorter than Δ is hidden; a miss adds the exposed fresh rollout γ·D(1)
-    assert plan.mirror_step(c, 4, 7, 1, 1, 0.0, overlap=True) == pytest.approx(8.5 + ee + 8.5)
-    assert plan.mirror_step(c, 4, 7, 1, 1, 1.0, overlap=True) == pytest.approx(8.5 + ee + 8.5 + 2.0)
-    assert plan.ss_pass(c, 16, 2, 3, 0.25) == pytest.approx(0.75 * 25.0 + 0.25 * 17.0)
+    short = {**step, "gamma": 1, "roots": 1}
+    assert step_ms("mirror", short, backend="threads") == pytest.approx(8.5 + ee + 8.5)
+    assert step_ms("mirror", {**short, "hit": False}, backend="threads") == pytest.approx(8.5 + ee + 8.5 + 2.0)
+    tree = {"tree": 16, "kept": 2, "streams": 3, "top_fraction": 0.25}
+    assert step_ms("ss", tree) == pytest.approx(0.75 * 25.0 + 0.25 * 17.0)
     steps = [{"drafted": 7}, {"drafted": 0}]
-    assert plan.turn_time(c, "sd", steps, 9, 0.5, {}) == pytest.approx(0.5 + (31.0 + 10.0) / 1e3)
-    assert plan.turn_time(c, "ar", [], 5, 0.0, {}) == pytest.approx(0.05)
-    assert plan.turn_time(c, "hf-ar", [], 5, 0.0, {}) is None
+    assert plan.turn_time(c, "sd", steps, 0.5, {}) == pytest.approx(0.5 + (31.0 + 10.0) / 1e3)
+    assert plan.turn_time(c, "ar", [{"drafted": 0}] * 5, 0.0, {}) == pytest.approx(0.05)
+    assert plan.turn_time(c, "hf-ar", [], 0.0, {}) is None
 
 
 def test_planner_ranks_by_predicted_speed():
     perfect, fallback = [1.0] * 8, {4: {1: 0.5, 8: 0.0}}
-    ranked = sorted(plan.candidates(costs(draft_ms=0.5), perfect, fallback, 8, backends=("serial",)),
+    ranked = sorted(plan.candidates(costs(draft_ms=0.5), perfect, fallback, backends=("serial",)),
                     key=lambda c: -c.tokens_per_s)
     assert ranked[0].method in ("sd", "mirror") and ranked[0].tokens_per_step == 9.0  # cheap, perfect draft
-    useless = sorted(plan.candidates(costs(draft_ms=50.0), [0.0] * 8, fallback, 8, backends=("serial",)),
+    useless = sorted(plan.candidates(costs(draft_ms=50.0), [0.0] * 8, fallback, backends=("serial",)),
                      key=lambda c: -c.tokens_per_s)
     assert useless[0].method == "ar"  # a costly draft that is never right loses to ar
     assert plan.Costs.from_dict(json.loads(json.dumps(costs().to_dict()))) == costs()
@@ -284,6 +296,7 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
 
     saved = tmp_path / "plan.json"
     monkeypatch.setattr(plan, "plan_path", lambda target, draft: saved)
+    monkeypatch.setattr(plans, "plan_path", lambda target, draft: saved)
     rc = main(["plan", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", "specbench:1",
                "--max-new-tokens", "8", "--json"])
     assert rc == 0
@@ -304,6 +317,6 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
 
 
 def test_generate_auto_without_a_plan_says_what_to_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(plan, "plan_path", lambda target, draft: Path(tmp_path / "none.json"))
+    monkeypatch.setattr(plans, "plan_path", lambda target, draft: Path(tmp_path / "none.json"))
     with pytest.raises(FileNotFoundError, match="mirrorsd plan --target t"):
-        plan.load_plan("t", "d")
+        plans.load_plan("t", "d")

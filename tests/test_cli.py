@@ -72,9 +72,6 @@ def test_streaming_output_and_prompts_file(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        (["--method", "sd", "--draft", "smollm2-135m", "--gamma", "0"], "gamma"),
-        (["--method", "ar", "--draft", "smollm2-135m"], "--draft"),
-        (["--method", "ar", "--temperature", "-1"], "temperature"),
         (["--method", "sd", "--draft", "/nonexistent/folder"], "neither a zoo model"),
     ],
 )
@@ -117,3 +114,71 @@ def test_bench_perplexity_json(capsys):
 def test_bench_bad_input(capsys, argv, match):
     rc, _, err = run(capsys, *argv)
     assert rc == 2 and match in err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading a model fails the test: these errors must come before any model loads."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr("mirrorsd.load_model", refuse)
+
+
+@requires_smollm2  # the exit layer is checked against the prepared target's config.json
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--method", "sd", "--gamma", "0"], "--gamma must be >= 1, got 0"),
+        (["--method", "mirror", "--exit-layer", "99"], "--exit-layer must be in 1..29"),
+        (["--method", "mirror", "--exit-layer", "1.5"], "--exit-layer as a fraction must be in (0, 1)"),
+        (["--method", "sd", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+        (["--method", "ar", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--method", "sd", "--confidence", "abc"], "--confidence must be a number, got 'abc'"),
+        (["--method", "mirror", "--threads", "x"], "--threads must be TARGET,DRAFT thread counts"),
+        (["--method", "mirror", "--budget", "3"], "--budget takes a number of roots"),
+        (["--method", "ar", "--gamma", "5"], "--gamma does not apply to --method ar (it is an option of: sd, mirror"),
+        (["--method", "ar", "--confidence", "0.9"], "--confidence does not apply to --method ar"),
+        (["--method", "sd", "--kappa", "2"], "--kappa does not apply to --method sd (it is an option of: mirror)"),
+        (["--method", "ss", "--gamma", "3"], "--gamma does not apply to --method ss"),
+        (["--method", "ss", "--draft", "smollm2-135m"], "--draft does not apply to --method ss"),
+    ],
+)
+def test_every_flag_is_checked_before_loading_and_named(capsys, no_loading, extra, message):
+    rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--prompt", "hi", *extra)
+    assert rc == 2 and message in err, err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("mirrorsd ")
+
+
+def test_help_shows_every_methods_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: sd: 20, mirror: 7" in out  # --gamma, per method (test methods may follow)
+    assert "(default: ss: the target's shipped adapter)" in out
+    assert "(default: cpu)" in out and "(default: 128)" in out
+
+
+def test_methods_lists_the_registry(capsys):
+    rc, out, _ = run(capsys, "methods", "--json")
+    described = {m["name"]: m for m in json.loads(out)}
+    assert rc == 0 and {"ar", "sd", "mirror", "ss"} <= set(described)
+    assert described["sd"]["needs_draft"] and not described["ss"]["needs_draft"]
+    assert {o["name"]: o["default"] for o in described["sd"]["options"]}["gamma"] == 20
+    rc, out, _ = run(capsys, "methods")
+    assert rc == 0 and "--exit-layer" in out and "needs a draft model" in out
+
+
+def test_cli_and_api_default_to_the_same_method():
+    from mirrorsd.api import default_method
+    from mirrorsd.cli import DEFAULT_DRAFT
+
+    assert default_method(None) == "ar" and default_method(DEFAULT_DRAFT) == "sd"
+    assert main.__module__ == "mirrorsd.cli"  # the CLI resolves --method with default_method(--draft or default)

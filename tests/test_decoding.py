@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from mirrorsd import Transformer, generate
 from mirrorsd.sampling import SamplingParams
-from mirrorsd.verify import verify_match, verify_rejection
+from mirrorsd.verify import verify_match, verify_rejection, verify_tree
 
 from .conftest import tiny_hf
 
@@ -73,11 +73,33 @@ def test_verify_match_rules():
     for row, tok in enumerate([3, 7, 2, 9]):
         logits[row, tok] = 5.0
     greedy = SamplingParams()
-    assert verify_match([3, 7, 2], logits, range(4), greedy).committed([3, 7, 2]) == [3, 7, 2, 9]
+    v = verify_match([3, 7, 2], logits, range(4), greedy)
+    assert (v.accepted, v.next_token, list(v.nodes)) == (3, 9, [0, 1, 2])
     v = verify_match([3, 1, 2], logits, range(4), greedy)
     assert (v.accepted, v.next_token) == (1, 7)
     v = verify_match([], logits[:1], [0], greedy)
     assert (v.accepted, v.next_token) == (0, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 5), max_size=6), temperature=st.sampled_from([0.0, 1.0]),
+       seed=st.integers(0, 1000))
+def test_tree_walk_on_a_chain_is_match(tokens, temperature, seed):
+    logits = torch.randn(len(tokens) + 1, 6, generator=torch.Generator().manual_seed(seed)) * 3
+    params = SamplingParams(temperature=temperature, seed=seed)
+    chain = verify_match(tokens, logits, range(10, 11 + len(tokens)), params)
+    tree = verify_tree(tokens, list(range(-1, len(tokens) - 1)), logits, 10, params)
+    assert (tree.accepted, tree.next_token, list(tree.nodes)) == (chain.accepted, chain.next_token, list(chain.nodes))
+
+
+def test_tree_walk_follows_the_targets_choice_at_each_node():
+    # root -> {0: token 4, 1: token 7}; node 1 -> {2: token 5, 3: token 2}. Row i + 1 follows node i.
+    tokens, parents = [4, 7, 5, 2], [-1, -1, 1, 1]
+    logits = torch.full((5, 10), -5.0)
+    for row, choice in enumerate([7, 0, 2, 0, 8]):  # root picks 7 (node 1), node 1 picks 2 (node 3), node 3 picks 8
+        logits[row, choice] = 5.0
+    v = verify_tree(tokens, parents, logits, 0, SamplingParams())
+    assert (v.accepted, list(v.nodes), v.next_token) == (2, [1, 3], 8)
 
 
 def test_rejection_rule_with_one_hot_distributions_is_exact_match():

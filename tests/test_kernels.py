@@ -127,15 +127,15 @@ def test_quantize_q8_roundtrip():
         quantize_q8(torch.randn(4, 33))
 
 
-def test_make_linear_picks_by_format_and_backend():
+def test_make_linear_picks_by_format_and_linear_impl():
     w = torch.randn(16, 64)
-    assert isinstance(make_linear(w, backend="dense"), DenseLinear)
+    assert isinstance(make_linear(w, linear="dense"), DenseLinear)
     assert isinstance(make_linear(w.double()), DenseLinear)
     assert isinstance(make_linear(w), PackedLinear if kernels.available() else DenseLinear)
     assert isinstance(make_linear(quantize_q8(w)), QuantLinear)
-    assert isinstance(make_linear(quantize_q8(w), backend="dense"), DenseLinear)
-    with pytest.raises(ValueError, match="backend"):
-        make_linear(w, backend="fast")
+    assert isinstance(make_linear(quantize_q8(w), linear="dense"), DenseLinear)
+    with pytest.raises(ValueError, match="linear must be one of"):
+        make_linear(w, linear="fast")
 
 
 @requires_kernels

@@ -35,14 +35,6 @@ def test_append_truncate_keep_and_growth():
         c.truncate(-1)
 
 
-def test_select_rows_forks_and_reorders():
-    c = KVCache(n_layers=1, n_kv_heads=2, head_dim=4, rows=2)
-    c.append(0, torch.stack([kv(1, 1.0)[0], kv(1, 2.0)[0]]), torch.zeros(2, 2, 1, 4))
-    c.select_rows([1, 1, 0])
-    assert c.rows == 3
-    assert c.keys[0][:, 0, 0, 0].tolist() == [2.0, 2.0, 1.0]
-
-
 def test_rollback_then_continue_equals_fresh_decode():
     model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1))
     ids = torch.randint(0, 100, (1, 12))

@@ -181,13 +181,14 @@ def test_root_budget_fits_rollouts_into_delta():
 def test_exit_layer_resolution_and_bad_options(tiny_pair):
     assert resolve_exit_layer(0.5, 24) == 12 and resolve_exit_layer(0.25, 28) == 7 and resolve_exit_layer(3, 4) == 3
     for bad in (0, 4, 1.5, -0.5):
-        with pytest.raises(ValueError, match="exit layer"):
+        with pytest.raises(ValueError, match="exit_layer"):
             resolve_exit_layer(bad, 4)
     target, draft = tiny_pair
     for options, match in [({"kappa": 0}, "kappa"), ({"kappa": 65}, "kappa"), ({"gamma": 0}, "gamma"),
                            ({"roots": "all"}, "roots"), ({"budget": 3}, "budget"), ({"backend": "mpi"}, "backend"),
                            ({"backend": "cuda-streams"}, "CUDA"), ({"backend": "devices"}, "another device"),
-                           ({"threads": "1"}, "threads"), ({"exit_layer": 9}, "exit layer"), ({"beam": 2}, "unknown")]:
+                           ({"threads": "1"}, "threads"), ({"exit_layer": 9}, "exit_layer"),
+                           ({"beam": 2}, "not an option"), ({"backend": "serial", "threads": "1,1"}, "threads")]:
         with pytest.raises(ValueError, match=match):
             generate(target, [1, 2], method="mirror", draft=draft, max_new_tokens=4, **options)
 

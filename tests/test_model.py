@@ -133,11 +133,11 @@ TOL_PACKED = 5e-4
 
 
 @requires_smollm2
-@pytest.mark.parametrize("backend", ["dense", "auto"])
-def test_smollm2_logits_match_hf(smollm2, backend):
+@pytest.mark.parametrize("linear", ["dense", "auto"])
+def test_smollm2_logits_match_hf(smollm2, linear):
     ours, hf = smollm2
-    model = ours.model if backend == "auto" else Transformer.from_pretrained(ours.path, backend="dense")
-    tol = TOL_PACKED if backend == "auto" and kernels.available() else TOL
+    model = ours.model if linear == "auto" else Transformer.from_pretrained(ours.path, linear="dense")
+    tol = TOL_PACKED if linear == "auto" and kernels.available() else TOL
     ids = ours.tokenizer("The history of the printing press begins with", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         ref = hf(ids).logits

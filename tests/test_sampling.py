@@ -7,8 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from mirrorsd.sampling import (
-    DRAFT_STREAM,
-    TARGET_STREAM,
+    Noise,
     SamplingParams,
     keyed_uniforms,
     probabilities,
@@ -23,7 +22,7 @@ def test_keyed_uniforms_are_a_pure_function_of_their_key():
     assert torch.equal(a[1], keyed_uniforms(7, [4], 1000)[0])  # row depends on its own position only
     assert not torch.equal(a[0], a[1])
     assert not torch.equal(a, keyed_uniforms(8, [3, 4], 1000))
-    assert not torch.equal(a, keyed_uniforms(7, [3, 4], 1000, DRAFT_STREAM))
+    assert not torch.equal(a, keyed_uniforms(7, [3, 4], 1000, Noise.DRAFT))
     assert a.min() > 0 and a.max() < 1
     u = keyed_uniforms(1, range(200), 500).flatten()
     assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
@@ -61,7 +60,7 @@ def test_bad_sampling_params(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_streams_are_independent_of_target_stream():
-    a = keyed_uniforms(0, [5], 64, TARGET_STREAM)[0]
-    b = keyed_uniforms(0, [5], 64, DRAFT_STREAM)[0]
+def test_noise_keys_are_independent_of_the_target_key():
+    a = keyed_uniforms(0, [5], 64, Noise.TARGET)[0]
+    b = keyed_uniforms(0, [5], 64, Noise.DRAFT)[0]
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.4

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import Transformer, generate
-from mirrorsd.decoding import ss
-from mirrorsd.decoding.sd import propose
-from mirrorsd.sampling import TARGET_STREAM, SamplingParams
+from mirrorsd.decoding import streaming
+from mirrorsd.decoding.engine import DecodeRequest, Draft, GenerationStats, RequestState
+from mirrorsd.decoding.proposers import ModelProposer, StreamProposer
+from mirrorsd.sampling import SamplingParams
 from mirrorsd.streams import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
 
 from .conftest import assert_same_or_near_tie, requires_smollm2, tiny_hf
@@ -48,21 +49,21 @@ def dense_model() -> Transformer:
 
 
 def test_tree_is_the_cartesian_product_with_ancestor_mask():
-    tokens, parents, depths = ss.build_tree([7], [[1, 2], [3, 4], [5, 6]])
+    tokens, parents, depths = streaming.build_tree([7], [[1, 2], [3, 4], [5, 6]])
     assert len(tokens) == 1 + 2 + 4 + 8
     assert tokens[:3] == [7, 1, 2] and parents[:3] == [-1, 0, 0]
     assert [tokens[i] for i in range(3, 7)] == [3, 4, 3, 4] and parents[3:7] == [1, 1, 2, 2]
     assert depths == [0, 1, 1, 2, 2, 2, 2] + [3] * 8
-    anc = ss.ancestors(parents)
+    anc = streaming.ancestors(parents)
     leaf = 7  # under node 3, under node 1, under the root
     assert anc[leaf].nonzero().flatten().tolist() == [0, 1, 3, 7]
     # A trunk of committed tokens is a chain the tree hangs from.
-    tokens, parents, depths = ss.build_tree([4, 5, 6], [[1, 2]])
+    tokens, parents, depths = streaming.build_tree([4, 5, 6], [[1, 2]])
     assert tokens == [4, 5, 6, 1, 2] and parents == [-1, 0, 1, 2, 2] and depths == [0, 1, 2, 3, 3]
 
 
 def test_msa_mask_streams_see_their_node_ancestors_and_lower_streams_only():
-    anc = ss.ancestors([-1, 0, 0])  # root with two children
+    anc = streaming.ancestors([-1, 0, 0])  # root with two children
     mask = msa_mask(anc, past=2, streams=2)[0]
     m, gamma = 3, 2
     assert mask.shape == (m + m * gamma, 2 + m + m * gamma)
@@ -177,7 +178,7 @@ def test_streams_that_predict_right_are_accepted_and_compaction_keeps_the_exact_
         done = 0
         candidates: list[list[int]] = []
         while done < 20:
-            result = ss.ss_pass(model, adapters, cache, [seq[-1]], candidates, params, tree_k=2)
+            result = streaming.ss_pass(model, adapters, cache, [seq[-1]], candidates, params, tree_k=2)
             new = [*result.accepted, result.next_token]
             assert new == future[done:done + len(new)]
             if candidates:
@@ -195,15 +196,16 @@ def test_streams_that_predict_right_are_accepted_and_compaction_keeps_the_exact_
 
 def test_zero_threshold_never_prunes_and_a_high_one_keeps_the_root(exact_model):
     adapters = random_adapters(exact_model)
-    params = SamplingParams()
     with torch.inference_mode():
         for threshold, expect_all in ((0.0, True), (0.99, False)):
             cache = exact_model.new_cache()
             exact_model.prefill(torch.tensor([[1, 2, 3]]), cache)
-            result = ss.ss_pass(exact_model, adapters, cache, [4], [[5, 6, 7], [8, 9, 10]], params,
-                                threshold=threshold)
-            assert result.tree_size == 13
-            assert (result.kept == 13) is expect_all and result.kept >= 1
+            tree = streaming.candidate_tree([[5, 6, 7], [8, 9, 10]])
+            forward = streaming.fused_forward(exact_model, adapters, cache, [4], tree, threshold=threshold)
+            assert forward.nodes == 13
+            kept = len(forward.kept)
+            assert (kept == 13) is expect_all and kept >= 1
+            assert len(forward.draft.tokens) == kept - 1 == forward.main_logits.shape[0] - 1
 
 
 def test_ss_bad_options_and_missing_adapters(exact_model, tmp_path):
@@ -240,27 +242,31 @@ def test_saved_adapter_round_trips(exact_model, tmp_path):
     window=st.integers(1, 9),
     temperature=st.sampled_from([0.0, 1.0]),
     confidence=st.sampled_from([0.0, 0.3]),
+    rejection=st.booleans(),
     seed=st.integers(0, 2**31),
 )
-def test_ss_rollout_equals_the_drafts_own_rollout(exact_model, pending, window, temperature, confidence, seed):
+def test_ss_rollout_equals_the_drafts_own_rollout(exact_model, pending, window, temperature, confidence, rejection,
+                                                  seed):
     model = exact_model
     adapters = random_adapters(model, streams=3, layers=2, std=0.1)
     seq = [3, 1, 4, 1, 5, 9, 2, 6][: 4 + pending]
     params = SamplingParams(temperature=temperature, seed=seed)
-    need = confidence > 0
+    vocab = model.config.vocab_size
+    kw = dict(confidence=confidence, rejection=rejection)
     with torch.inference_mode():
-        results = []
-        for use_streams in (False, True):
+        results: list[tuple[Draft, int]] = []
+        for proposer in (ModelProposer(model, vocab, params, window, **kw),
+                         StreamProposer(model, adapters, vocab, params, window, **kw)):
             cache = model.new_cache()
             model.prefill(torch.tensor([seq[: len(seq) - pending]]), cache)
-            args = (cache, seq[len(seq) - pending:], len(seq), window, params, TARGET_STREAM, need, confidence, 0)
-            p = ss.rollout(model, adapters, *args) if use_streams else propose(model, *args)
-            results.append((p, len(cache)))
+            request = DecodeRequest(model, seq, 64, params, GenerationStats("test"))
+            state = RequestState(request, list(seq), model.new_cache(), cache, seq[len(seq) - pending:])
+            results.append((proposer.propose(state), len(cache)))
     (plain, plain_len), (streamed, streamed_len) = results
     assert streamed.tokens == plain.tokens and streamed_len == plain_len
-    assert len(streamed.q_rows) == len(plain.q_rows)
-    for a, b in zip(streamed.q_rows, plain.q_rows, strict=True):
-        torch.testing.assert_close(a, b)
+    assert (streamed.probs is None) == (plain.probs is None)
+    if plain.probs is not None:
+        torch.testing.assert_close(streamed.probs, plain.probs)
     assert streamed.forwards <= plain.forwards
 
 

@@ -30,7 +30,7 @@ class ForwardReport:
     model: str
     weights: str
     activations: str
-    backend: str
+    linear: str
     context: int
     rounds: int
     forward_ms: dict[str, float]
@@ -112,16 +112,16 @@ def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], token
 
 
 def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, context: int = 128, rounds: int = 5,
-        ar_tokens: int = 32, llama_bench_path: str | None = None, backend: str = "auto",
+        ar_tokens: int = 32, llama_bench_path: str | None = None, linear: str = "auto",
         activations: str = "int8") -> ForwardReport:
     """Load a zoo model (or local folder) and measure it; see the module docstring."""
     from ..zoo import resolve
 
     path = resolve(name)
-    model = Transformer.from_pretrained(path, weights=weights, backend=backend, activations=activations)
+    model = Transformer.from_pretrained(path, weights=weights, linear=linear, activations=activations)
     costs = forward_costs(model, ks, context, rounds)
     report = ForwardReport(
-        model=name, weights=weights, activations=activations, backend=backend, context=context, rounds=rounds,
+        model=name, weights=weights, activations=activations, linear=linear, context=context, rounds=rounds,
         forward_ms={str(k): round(v, 3) for k, v in costs.items()},
         relative={str(k): round(v / costs[min(ks)], 3) for k, v in costs.items()},
         ar_tok_s=round(ar_tokens_per_second(model, ar_tokens, context), 3), ar_tokens=ar_tokens,

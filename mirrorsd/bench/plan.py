@@ -33,7 +33,10 @@ from typing import Any
 
 import torch
 
+from ..decoding import get_method, methods
 from ..model import Transformer
+from ..plans import plan_path
+from ..runtime.executors import split_threads
 from .metrics import expected_accepted
 
 TARGET_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -65,6 +68,19 @@ class Costs:
         return cls(d["context"], d["threads"], ints(d["target_ms"]),
                    {int(e): ints(t) for e, t in d["prefix_ms"].items()}, ints(d["exit_head_ms"]),
                    ints(d["draft_ms"]), split)
+
+    # What a method's cost model reads (mirrorsd.decoding.registry.CostTable), in ms.
+    def target(self, rows: float) -> float:
+        return interpolate(self.target_ms, rows)
+
+    def draft(self, rows: float) -> float:
+        return interpolate(self.draft_ms, rows)
+
+    def prefix(self, exit_layer: int, rows: float) -> float:
+        return interpolate(self.prefix_ms[exit_layer], rows)
+
+    def exit_head(self, rows: float) -> float:
+        return interpolate(self.exit_head_ms, rows)
 
     def for_backend(self, backend: str) -> Costs:
         """Costs for a backend: split-thread tables for ``threads`` when measured, else these."""
@@ -152,49 +168,17 @@ def measure_costs(target: Transformer, draft: Transformer | None, exit_layers: S
 # -- the latency law ------------------------------------------------------------------------------------------
 
 
-def ar_step(costs: Costs) -> float:
-    return interpolate(costs.target_ms, 1)
-
-
-def sd_step(costs: Costs, drafted: int) -> float:
-    """Serial draft then verification of ``drafted`` tokens (a step with nothing drafted is one AR forward)."""
-    return drafted * interpolate(costs.draft_ms, 1) + interpolate(costs.target_ms, drafted + 1)
-
-
-def mirror_step(costs: Costs, exit_layer: int, drafted: int, gamma: int, roots: int, miss: float,
-                overlap: bool) -> float:
-    """Eq. 10 plus the exposed fresh rollout (``miss``: 1 for a miss, or the fallback frequency)."""
-    w = drafted + 1
-    pre = interpolate(costs.prefix_ms[exit_layer], w)
-    delta = interpolate(costs.target_ms, w) - pre
-    rollout = gamma * interpolate(costs.draft_ms, roots) if roots else 0.0
-    core = max(delta, rollout) if overlap else delta + rollout
-    return pre + interpolate(costs.exit_head_ms, w) + core + miss * gamma * interpolate(costs.draft_ms, 1)
-
-
-def ss_pass(costs: Costs, tree: float, kept: float, streams: int, top_fraction: float) -> float:
-    """The whole tree runs the bottom layers; the kept nodes and their streams run the top N_s layers."""
-    return ((1 - top_fraction) * interpolate(costs.target_ms, tree)
-            + top_fraction * interpolate(costs.target_ms, kept * (1 + streams)))
-
-
-def turn_time(costs: Costs, kind: str, steps: Sequence[dict[str, Any]], new_tokens: int, prefill_s: float,
+def turn_time(costs: Costs, kind: str, steps: Sequence[dict[str, Any]], prefill_s: float,
               options: dict[str, Any]) -> float | None:
-    """Predicted seconds for a measured turn: its measured prefill plus the law over its recorded steps."""
-    if kind == "ar":
-        ms = new_tokens * ar_step(costs)
-    elif kind == "sd":
-        ms = sum(sd_step(costs, s["drafted"]) for s in steps)
-    elif kind == "mirror":
-        c = costs.for_backend(options.get("backend") or "serial")
-        overlap = (options.get("backend") or "serial") != "serial"
-        ms = sum(mirror_step(c, s["exit_layer"], s["drafted"], s["gamma"], s["roots"], float(s["hit"] is False),
-                             overlap) for s in steps)
-    elif kind == "ss":
-        ms = sum(ss_pass(costs, s["tree"], s["kept"], s["streams"], s["top_fraction"]) for s in steps)
-    else:
+    """Predicted seconds for a measured turn: its measured prefill plus the method's cost model (registered
+    with the method) over its recorded steps; None for methods without one."""
+    if kind not in {m.name for m in methods()}:
+        return None  # a peer
+    method = get_method(kind)
+    if method.step_cost is None:
         return None
-    return prefill_s + ms / 1e3
+    opts = method.options.parse(options, kind)
+    return prefill_s + sum(method.step_cost(costs, step, opts) for step in steps) / 1e3
 
 
 # -- recommending ---------------------------------------------------------------------------------------------
@@ -215,17 +199,21 @@ class Candidate:
         return ":".join([self.method, *(f"{k}={v}" for k, v in self.options.items())])
 
 
-def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, dict[int, float]], n_layers: int,
+def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, dict[int, float]],
                gammas: Sequence[int] = range(1, 9), kappas: Sequence[int] = (1, 2, 4, 8),
                backends: Sequence[str] = ("serial", "threads"),
                ss: dict[str, float] | None = None) -> list[Candidate]:
-    """Every configuration the law can price; ``fallback[ℓe][κ]`` from the probe, ``ss`` = measured call
-    reduction, mean tree nodes, streams and top-layer fraction of a short SS run."""
-    out = [Candidate("ar", {}, 1.0, ar_step(costs))]
+    """Every configuration the methods' cost models can price; ``fallback[ℓe][κ]`` from the probe, ``ss`` =
+    measured call reduction, mean tree nodes, streams and top-layer fraction of a short SS run."""
+    def cost(kind: str, step: dict[str, Any], c: Costs = costs, **options: Any) -> float:
+        method = get_method(kind)
+        return method.step_cost(c, step, method.options.parse(options, kind))
+
+    out = [Candidate("ar", {}, 1.0, cost("ar", {"drafted": 0}))]
     if costs.draft_ms:
         for g in gammas:
             tokens = expected_accepted(per_position, g) + 1
-            out.append(Candidate("sd", {"gamma": g, "confidence": 0.0}, tokens, sd_step(costs, g)))
+            out.append(Candidate("sd", {"gamma": g, "confidence": 0.0}, tokens, cost("sd", {"drafted": g}, gamma=g)))
             for e, by_kappa in fallback.items():
                 for k in kappas:
                     if k not in by_kappa:
@@ -233,21 +221,16 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
                     for backend in backends:
                         if backend == "threads" and not costs.split:
                             continue
-                        c = costs.for_backend(backend)
-                        step = mirror_step(c, e, g, g, (g + 1) * k, by_kappa[k], backend != "serial")
-                        out.append(Candidate("mirror", {"gamma": g, "kappa": k, "exit_layer": e, "roots": "paper",
-                                                        "backend": backend}, tokens, step))
+                        options = {"gamma": g, "kappa": k, "exit_layer": e, "roots": "paper", "backend": backend}
+                        step = {"drafted": g, "gamma": g, "roots": (g + 1) * k, "exit_layer": e}
+                        miss, f = cost("mirror", {**step, "hit": False}, **options), by_kappa[k]
+                        hit = cost("mirror", {**step, "hit": True}, **options)
+                        out.append(Candidate("mirror", options, tokens, f * miss + (1 - f) * hit))
     if ss:
-        out.append(Candidate("ss", {}, ss["call_reduction"],
-                             ss_pass(costs, ss["tree"], ss["kept"], int(ss["streams"]), ss["top_fraction"])))
+        step = {"tree": ss["tree"], "kept": ss["kept"], "streams": int(ss["streams"]),
+                "top_fraction": ss["top_fraction"]}
+        out.append(Candidate("ss", {}, ss["call_reduction"], cost("ss", step)))
     return out
-
-
-def plan_path(target: str, draft: str | None) -> Path:
-    from ..cache import cache_dir
-
-    safe = lambda s: "".join(c if c.isalnum() or c in "._-" else "_" for c in s)  # noqa: E731
-    return cache_dir() / "plans" / f"{safe(target)}__{safe(draft or 'none')}.json"
 
 
 @dataclass
@@ -276,21 +259,7 @@ class Plan:
         return path
 
 
-def load_plan(target: str, draft: str | None) -> dict[str, Any]:
-    path = plan_path(target, draft)
-    if not path.is_file():
-        raise FileNotFoundError(f"no saved plan for target {target} and draft {draft} on this machine ({path}); "
-                                f"run `mirrorsd plan --target {target} --draft {draft}` first")
-    return json.loads(path.read_text())
-
-
 # -- the plan command -----------------------------------------------------------------------------------------
-
-
-def default_split() -> tuple[int, int] | None:
-    """The ``threads`` backend's default: half the intra-op threads each."""
-    n = torch.get_num_threads()
-    return (max(1, n // 2), max(1, n - n // 2)) if n > 1 else None
 
 
 def _ss_calibration(target, prompts: Sequence[list[int]], max_new: int) -> dict[str, float] | None:
@@ -323,14 +292,14 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     if progress:
         print("measuring forward costs…", flush=True)
     costs = measure_costs(target.model, draft.model if draft else None, sorted(set(exits.values())),
-                          split=default_split())
+                          split=split_threads())
     probe = run_probe(target, draft, prompts, max_new, exits=EXITS, progress=progress) if draft else None
     per_position = probe.per_position() if probe else []
     fallback = {exits[name]: row for name, row in probe.fallback().items()} if probe else {}
     if progress:
         print("calibrating Speculative Streaming…", flush=True)
     ss = _ss_calibration(target, [ids for _, ids in prompts[:2]], min(32, max_new))
-    ranked = sorted(candidates(costs, per_position, fallback, n, ss=ss), key=lambda c: -c.tokens_per_s)
+    ranked = sorted(candidates(costs, per_position, fallback, ss=ss), key=lambda c: -c.tokens_per_s)
     rows = [{"method": c.method, "options": c.options, "label": c.label(),
              "predicted_tokens_per_s": round(c.tokens_per_s, 3), "tokens_per_step": round(c.tokens_per_step, 3),
              "step_ms": round(c.step_ms, 3)} for c in ranked]

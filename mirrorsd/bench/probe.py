@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.sd import propose
-from ..sampling import TARGET_STREAM, SamplingParams
-from ..verify import verify_match
+from ..decoding import engine
+from ..decoding.engine import ChainScorer, DecodeRequest, Draft, GenerationStats, RequestState, Roles, Scores, match
+from ..decoding.proposers import ModelProposer
+from ..sampling import SamplingParams
 
 EXITS = {"1/4": 0.25, "1/2": 0.5, "3/4": 0.75}
 KAPPAS = (1, 2, 4, 8, 16)
@@ -77,47 +78,51 @@ class Probe:
                 "fallback": {g: self.fallback(g) for g in self.groups()}}
 
 
-@torch.inference_mode()
+class ExitReader(ChainScorer):
+    """The target's chain scorer that also reads the early exit (top-κ ids) at several depths on the way up."""
+
+    def __init__(self, model, exit_layers: dict[str, int], kappa: int) -> None:
+        super().__init__(model)
+        self.exit_layers, self.kappa = exit_layers, kappa
+        self.bounds = sorted(set(exit_layers.values()))
+        self.exit_ids: dict[str, list[list[int]]] = {}
+
+    def score(self, state: RequestState, draft: Draft) -> Scores:
+        model = self.model
+        tokens = [state.tokens[-1], *draft.tokens]
+        positions = torch.arange(len(state.tokens) - 1, len(state.tokens) - 1 + len(tokens), device=model.device)
+        hidden, start = model.embed(torch.tensor([tokens], device=model.device)), 0
+        for end in [*self.bounds, model.config.n_layers]:
+            hidden = model.run_layers(hidden, positions[None], state.target_cache, start=start, end=end)
+            for name, layer in self.exit_layers.items():
+                if layer == end:
+                    self.exit_ids[name] = model.logits(hidden)[0].topk(self.kappa, -1).indices.tolist()
+            start = end
+        return Scores(model.logits(hidden)[0], draft)
+
+
 def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int, gamma: int = 7,
               kappas: tuple[int, ...] = KAPPAS, exits: dict[str, float] = EXITS, progress: bool = True) -> Probe:
-    """``prompts`` are (group, token ids) pairs; ``target``/``draft`` are loaded models."""
+    """``prompts`` are (group, token ids) pairs; ``target``/``draft`` are loaded models. The steps are the decoding
+    loop's with the shared draft proposer (fixed γ windows) and a scorer that reads the exits."""
     model, dmodel = target.model, draft.model
     n = model.config.n_layers
     exit_layers = {name: min(n - 1, max(1, round(f * n))) for name, f in exits.items()}
     probe = Probe(gamma, exit_layers, tuple(kappas))
-    bounds = sorted(set(exit_layers.values()))
     params = SamplingParams()
     for group, ids in tqdm(prompts, desc="acceptance probe", unit="prompt", disable=not progress):
-        seq = list(ids)
-        capacity = len(seq) + max_new + gamma + 2
-        t_cache, d_cache = model.new_cache(capacity=capacity), dmodel.new_cache(capacity=capacity)
-        model.prefill(torch.tensor([seq[:-1]], device=model.device), t_cache)
-        pending, produced = list(seq), 0
-        while produced < max_new:
-            drafted = propose(dmodel, d_cache, pending, len(seq), gamma, params, TARGET_STREAM, False, 0.0, 0)
-            tokens = [seq[-1], *drafted.tokens]
-            x = torch.tensor([tokens], device=model.device)
-            positions = torch.arange(len(seq) - 1, len(seq) - 1 + len(tokens), device=model.device)[None]
-            hidden, start, exit_ids = model.embed(x), 0, {}
-            for end in [*bounds, n]:
-                hidden = model.run_layers(hidden, positions, t_cache, start=start, end=end)
-                for name, layer in exit_layers.items():
-                    if layer == end:
-                        exit_ids[name] = model.logits(hidden)[0].topk(max(kappas), -1).indices.tolist()
-                start = end
-            verdict = verify_match(drafted.tokens, model.logits(hidden)[0],
-                                   list(range(len(seq), len(seq) + len(tokens))), params)
-            a, c = verdict.accepted, verdict.next_token
-            if len(drafted.tokens) == gamma:
+        scorer = ExitReader(model, exit_layers, max(kappas))
+        roles = Roles(ModelProposer(dmodel, model.config.vocab_size, params, gamma), scorer, match)
+        # Room for full windows up to the last step (the loop keeps windows inside max_new_tokens).
+        request = DecodeRequest(model, list(ids), max_new + gamma + 1, params, GenerationStats("probe"), dmodel)
+        produced = 0
+        for new in engine.run(request, roles):
+            a, c = request.stats.accepted[-1], new[-1]
+            if request.stats.drafted[-1] == gamma:
                 probe.accepted[group].append(a)
-            for name, rows in exit_ids.items():
+            for name, rows in scorer.exit_ids.items():
                 probe.ranks[group][name].append(rows[a].index(c) if c in rows[a] else max(kappas))
-            t_cache.truncate(len(seq) + a)
-            keep = min(len(d_cache), len(seq) + a)
-            d_cache.truncate(keep)
-            seq.extend(verdict.committed(drafted.tokens))
-            pending = seq[keep:]
-            produced += a + 1
-            if c in target.eos_token_ids:
+            produced += len(new)
+            if produced >= max_new or c in target.eos_token_ids:
                 break
     return probe

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding import METHODS, SPECULATIVE
+from ..decoding import get_method, methods
+from ..errors import OptionError
+from ..runtime.executors import split_threads
 from ..specbench import GROUPS, Question, load_suite
 from . import metrics, plan, probe
 from .forward import _cpu_name
@@ -34,8 +36,17 @@ from .peers import HF_METHODS, LLAMA_METHODS, HFPeers, LlamaServer, find_llama_s
 NEAR_TIE = 1e-3  # logit units: a divergence with a smaller gap is float reordering, not a bug
 REFERENCE = {"hf-assisted": "hf-ar", "hf-pld": "hf-ar", "hf-ar": "hf-ar", "llama-server": "llama-server-ar",
              "llama-server-ar": "llama-server-ar"}
-KINDS = (*METHODS, "hf-ar", "hf-assisted", "hf-pld", "llama-server", "llama-server-ar")
-NEEDS_DRAFT = {*SPECULATIVE, "hf-assisted", "llama-server"}
+PEER_KINDS = ("hf-ar", "hf-assisted", "hf-pld", "llama-server", "llama-server-ar")
+PEERS_NEEDING_DRAFT = {"hf-assisted", "llama-server"}
+
+
+def ours(kind: str) -> bool:
+    """A registered mirrorsd method (not a peer)."""
+    return kind not in PEER_KINDS
+
+
+def needs_draft(kind: str) -> bool:
+    return kind in PEERS_NEEDING_DRAFT if not ours(kind) else get_method(kind).needs_draft
 
 
 @dataclass
@@ -52,6 +63,7 @@ class MethodSpec:
 
 
 def _value(text: str) -> Any:
+    """A peer's option value (peers take few options and no registry): bool, int, float or the text."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -65,8 +77,9 @@ def _value(text: str) -> Any:
 
 def parse_methods(text: str) -> list[MethodSpec]:
     """``ar,sd,mirror:roots=budget:backend=threads,fast=sd:gamma=4``: a kind with ``:key=value`` options,
-    optionally labelled ``LABEL=``. References are added: ``ar`` always, ``hf-ar`` / ``llama-server-ar`` for
-    their peers."""
+    optionally labelled ``LABEL=``. Our methods' options are parsed and checked by their registered options
+    class. References are added: ``ar`` always, ``hf-ar`` / ``llama-server-ar`` for their peers."""
+    kinds = [*(m.name for m in methods()), *PEER_KINDS]
     specs: list[MethodSpec] = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
@@ -75,14 +88,22 @@ def parse_methods(text: str) -> list[MethodSpec]:
         if re.match(r"^[\w.\-]+=", item) and "=" in item.split(":")[0]:
             label, item = item.split("=", 1)
         kind, *pairs = item.split(":")
-        if kind not in KINDS:
-            raise ValueError(f"unknown method {kind!r}; available: {', '.join(KINDS)}")
-        options = {}
+        if kind not in kinds:
+            raise ValueError(f"unknown method {kind!r}; available: {', '.join(kinds)}")
+        raw = {}
         for pair in pairs:
             if "=" not in pair:
                 raise ValueError(f"method option {pair!r} in {item!r} must be key=value")
             key, value = pair.split("=", 1)
-            options[key.replace("-", "_")] = _value(value)
+            raw[key.replace("-", "_")] = value
+        if ours(kind):
+            try:
+                parsed = get_method(kind).options.parse(raw, kind)
+            except OptionError as e:
+                raise ValueError(f"{item}: {e}") from None
+            options = {k: getattr(parsed, k) for k in raw}
+        else:
+            options = {k: _value(v) for k, v in raw.items()}
         specs.append(MethodSpec(label, kind, options))
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
@@ -154,12 +175,12 @@ class Bench:
             raise ValueError("--max-new-tokens and --runs must be >= 1 and --warmup >= 0")
         self.questions = load_suite(config.suite)
         kinds = {m.kind for m in config.methods}
-        needs_draft = bool(kinds & NEEDS_DRAFT) or config.probe
-        if needs_draft and not config.draft:
-            raise ValueError(f"methods {', '.join(sorted(kinds & NEEDS_DRAFT)) or 'and the probe'} need --draft")
+        drafting = sorted(k for k in kinds if needs_draft(k))
+        if (drafting or config.probe) and not config.draft:
+            raise ValueError(f"methods {', '.join(drafting) or 'and the probe'} need --draft")
         load = dict(device=config.device, dtype=config.dtype, weights=config.weights, progress=progress)
         self.target = mirrorsd.load_model(config.target, **load)
-        self.draft = mirrorsd.load_model(config.draft, **load) if needs_draft else None
+        self.draft = mirrorsd.load_model(config.draft, **load) if drafting or config.probe else None
         if self.draft is not None:
             mirrorsd.api.check_tokenizers(self.target, self.draft)
         self.device = self.target.model.device
@@ -173,7 +194,6 @@ class Bench:
         self.methods = [m for m in config.methods if m.kind not in LLAMA_METHODS or m.kind in self.servers]
         self.answers: list[Answer] = []
         self.timeline: dict[str, Any] | None = None
-        self._ss_shape: tuple[int, float] | None = None
 
     def _start_llama(self, kinds: set[str]) -> None:
         binary = find_llama_server(self.config.llama_server)
@@ -213,7 +233,7 @@ class Bench:
             return turn
         if spec.kind in LLAMA_METHODS:
             return self.servers[spec.kind].complete(ids, max_new, cfg.temperature, seed, self.target.eos_token_ids)
-        draft = self.draft if spec.kind in SPECULATIVE else None
+        draft = self.draft if get_method(spec.kind).needs_draft else None
         _sync(self.device)
         start = time.perf_counter()
         g = mirrorsd.generate(self.target, ids, method=spec.kind, draft=draft, temperature=cfg.temperature,
@@ -223,18 +243,13 @@ class Bench:
         st = g.stats
         turn = Turn(new_tokens=st.new_tokens, wall_s=wall, token_ids=g.token_ids, text=g.text,
                     prefill_s=st.prefill_s, accept_lengths=[a + 1 for a in st.accepted] or [1] * st.new_tokens,
-                    drafted=list(st.drafted) if st.accepted else [0] * st.new_tokens)
-        if spec.kind == "sd":
-            turn.steps = [{"drafted": d} for d in st.drafted]
+                    drafted=list(st.drafted) if st.accepted else [0] * st.new_tokens, steps=list(st.step_log))
         if "mirror" in st.extra:
             m = st.extra["mirror"]
             with_tree = [s for s in m.steps if s.hit is not None]
             turn.counters = {"tree_steps": len(with_tree), "misses": sum(not s.hit for s in with_tree),
                              "hidden_s": sum(s.hidden for s in m.steps),
                              "draft_s": sum(s.t_draft + s.t_fallback for s in m.steps)}
-            gamma = spec.options.get("gamma") or mirrorsd.decoding.mirror.DEFAULT_GAMMA
-            turn.steps = [{"drafted": s.drafted, "roots": s.roots, "hit": s.hit, "gamma": gamma,
-                           "exit_layer": m.exit_layer} for s in m.steps]
             overlapped = m.backend != "serial"  # the timeline shows the first overlapped Mirror-SD run if any
             if st.spans and (self.timeline is None or overlapped and not self.timeline["overlapped"]):
                 origin = st.spans[0].start
@@ -244,19 +259,7 @@ class Bench:
         if "ss" in st.extra:
             s = st.extra["ss"]
             turn.counters = {"passes": len(s.committed), "committed": sum(s.committed)}
-            streams, top = self._ss_geometry(spec)
-            turn.steps = [{"tree": n, "kept": m, "streams": streams, "top_fraction": top}
-                          for n, m in zip(s.tree_before, s.tree_after, strict=True)]
         return turn
-
-    def _ss_geometry(self, spec: MethodSpec) -> tuple[int, float]:
-        if self._ss_shape is None:
-            from ..streams import CONFIG_FILE, resolve_adapter
-
-            folder = resolve_adapter(spec.options.get("streams") or self.target.name, self.target.name)
-            cfg = json.loads((Path(folder) / CONFIG_FILE).read_text())
-            self._ss_shape = (cfg["streams"], cfg["layers"] / self.target.config.n_layers)
-        return self._ss_shape
 
     def _answer(self, spec: MethodSpec, question: Question, run: int, max_new: int) -> Answer:
         from ..api import encode_chat
@@ -282,7 +285,7 @@ class Bench:
             return True
         # Position-keyed sampling makes our match-acceptance methods equal ar token for token at any
         # temperature; speculative sampling and other libraries' RNGs only match in distribution.
-        return spec.kind in METHODS and spec.options.get("acceptance", "match") == "match"
+        return ours(spec.kind) and spec.options.get("acceptance", "match") == "match"
 
     def _check(self, spec: MethodSpec, answer: Answer, reference: Answer) -> None:
         if not self._comparable(spec):
@@ -325,7 +328,7 @@ class Bench:
             if self.progress:
                 print("measuring forward costs for the latency law…", flush=True)
             costs = plan.measure_costs(self.target.model, self.draft.model if self.draft else None, exits,
-                                       split=cfg.threads_split or plan.default_split())
+                                       split=cfg.threads_split or split_threads())
         first = self.questions[0]
         for _ in range(cfg.warmup):
             for spec in tqdm(methods, desc="warm-up", disable=not self.progress, leave=False):
@@ -399,7 +402,7 @@ class Bench:
         """Mean per-question speed the latency law predicts from this method's own recorded steps."""
         speeds = []
         for a in (a for a in self.answers if a.method == spec.label and a.run == 0):
-            times = [plan.turn_time(costs, spec.kind, t.steps, t.new_tokens, t.prefill_s, spec.options)
+            times = [plan.turn_time(costs, spec.kind, t.steps, t.prefill_s, spec.options)
                      for t in a.turns]
             if any(t is None for t in times):
                 return None

@@ -1,13 +1,10 @@
-"""Decoding methods, one module each; a method is one name in :data:`METHODS`."""
+"""Decoding methods on one loop (:mod:`.engine`), one module each, registered in :mod:`.registry`."""
 
-from collections.abc import Callable, Iterator
+# Importing a method module registers it; this order is the listing order.
+from . import ar, sd  # noqa: F401, I001
+from . import mirror, ss  # noqa: F401
+from .engine import DecodeRequest, Draft, GenerationStats, RequestState, Roles, Scores
+from .registry import Method, MethodOptions, ModelShape, OptionError, get_method, methods, option, register
 
-from . import ar, mirror, sd, ss
-from .base import DecodeRequest, GenerationStats
-
-Method = Callable[[DecodeRequest], Iterator[list[int]]]
-
-METHODS: dict[str, Method] = {"ar": ar.decode, "sd": sd.decode, "mirror": mirror.decode, "ss": ss.decode}
-SPECULATIVE = {"sd", "mirror"}  # methods that need a draft model
-
-__all__ = ["METHODS", "SPECULATIVE", "DecodeRequest", "GenerationStats", "Method"]
+__all__ = ["DecodeRequest", "Draft", "GenerationStats", "Method", "MethodOptions", "ModelShape", "OptionError",
+           "RequestState", "Roles", "Scores", "get_method", "methods", "option", "register"]

@@ -2,32 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from ..sampling import sample
-from .base import DecodeRequest, Timer
-
-
-def decode(req: DecodeRequest) -> Iterator[list[int]]:
-    if req.options:
-        raise ValueError(f"method 'ar' takes no options, got {sorted(req.options)}")
-    return _run(req)
+from .engine import ChainScorer, DecodeRequest, NoDraft, Roles, match
+from .registry import MethodOptions, register
 
 
-@torch.inference_mode()
-def _run(req: DecodeRequest) -> Iterator[list[int]]:
-    target, stats, timer = req.target, req.stats, Timer(req.stats)
-    cache = target.new_cache(capacity=len(req.prompt_ids) + req.max_new_tokens + 1)
-    position = len(req.prompt_ids)  # absolute position of the next token
-    with timer("prefill_s"):
-        logits = target(torch.tensor([req.prompt_ids], device=target.device), cache=cache, last=1)[0]
-    stats.target_forwards += 1
-    while True:
-        token = sample(logits, [position], req.sampling)[0]
-        yield [token]
-        position += 1
-        with timer("target_s"):
-            logits = target(torch.tensor([[token]], device=target.device), cache=cache)[0, -1:]
-        stats.target_forwards += 1
+@dataclass(frozen=True)
+class AROptions(MethodOptions):
+    """``ar`` takes no options."""
+
+
+def build(req: DecodeRequest, opts: AROptions) -> Roles:
+    return Roles(NoDraft(), ChainScorer(req.target, whole_prompt=True), match)
+
+
+def step_cost(costs: Any, step: dict[str, Any], opts: AROptions) -> float:
+    return costs.target(1)
+
+
+register("ar", "the target alone, one token per forward (the reference every method equals)", needs_draft=False,
+         options=AROptions, build=build, step_cost=step_cost)

@@ -3,49 +3,45 @@
 One step, with committed text ending in ``a`` (the target cache holds everything before it) and the current
 draft window ``d_1..d_w``:
 
-1. The target runs layers ``[0, ℓe)`` on ``[a, d_1..d_w]``.
-2. **Early exit**: the target's own final norm + LM head on those hidden states; the top-κ ids and log-probs
-   at each of the ``w+1`` positions form the token-channel message. Only ids and log-probs cross, never
-   logits.
-3. **In parallel** (an :mod:`~mirrorsd.runtime` executor): the target runs ``[ℓe, N)`` and verifies, while
-   the draft rolls out, for every root ``(j, v)``, a γ-token continuation of ``(committed, a, d_1..d_j, v)``.
-   All roots go through the draft together, one tree-masked forward per draft step over the shared prefix
-   cache (branch tokens are appended after the spine; masks say who sees whom).
-4. **Verification** is vanilla SD's (:mod:`mirrorsd.verify`): ``A`` tokens accepted, the target's own
+1. **Prefix** -- the target runs layers ``[0, ℓe)`` on ``[a, d_1..d_w]``.
+2. **Early exit** -- the target's own final norm + LM head on those hidden states; the top-κ ids and log-probs
+   at each of the ``w+1`` positions form the token-channel message. Only ids and log-probs cross, never logits.
+3. **Rollouts, in parallel** (an :mod:`~mirrorsd.runtime` executor) -- while the target runs ``[ℓe, N)``, the
+   draft rolls out, for every root ``(j, v)``, a γ-token continuation of ``(committed, a, d_1..d_j, v)``. All
+   roots go through the draft together, one tree-masked forward per draft step over the shared prefix cache.
+4. **Verification** -- the loop's verifier (match or rejection): ``A`` tokens accepted and the target's own
    token ``c`` at slot ``A+1`` (correction, or bonus after full acceptance).
-5. **Reuse**: hit iff the root ``(A, c)`` was rolled out -- in ``paper`` mode, iff ``c`` is among the top-κ
-   early-exit candidates of position ``A``, the position that predicts slot ``A+1``. Its rollout is the next
-   window at once and the draft cache is compacted to that branch. Miss (fallback): a fresh rollout from
-   ``(committed, c)``, whose time is exposed.
-6. ``A + 1`` tokens are committed and the target cache is truncated to them.
+5. **Reuse or fallback** -- hit iff the root ``(A, c)`` was rolled out (in ``paper`` mode, iff ``c`` is among
+   the top-κ early-exit candidates of position ``A``): its rollout is the next window at once and the draft
+   cache is compacted to that branch. Miss: the next window is a fresh rollout from ``(committed, c)``, whose
+   time is exposed.
 
-The first window after prefill comes from an ordinary rollout. Every committed token is the target's own,
-so the output equals ``ar``; the branch rolled out for ``(A, c)`` is exactly the window vanilla SD's draft
-would propose after that step (same context, same position-keyed noise), so the accepted lengths equal
-``sd``'s with the same draft and ``confidence`` (the paper's parity claim, App. B).
+On the loop, steps 1-3 are :class:`EarlyExitScorer` and step 5 is :class:`BranchProposer`'s feedback. Every
+committed token is the target's own, so the output equals ``ar``; the branch rolled out for ``(A, c)`` is exactly
+the window vanilla SD's draft would propose after that step (same context, same position-keyed noise), so the
+accepted lengths equal ``sd``'s with the same draft and ``confidence`` (the paper's parity claim, App. B).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 
-from ..kv_cache import KVCache
 from ..model import Transformer
-from ..runtime import Executor, Span, Tracer, make_executor
+from ..runtime import BACKENDS, Executor, Span, Tracer, make_executor
 from ..runtime.trace import overlap
-from ..sampling import DRAFT_STREAM, TARGET_STREAM, SamplingParams, probabilities, sample
-from ..streams import StreamAdapters, load_adapters
-from ..verify import ACCEPTANCE_RULES, Verdict, verify_match, verify_rejection
-from . import ss
-from .base import DecodeRequest
-from .sd import check_draft, draft_tokens, propose, window_end
+from ..sampling import SamplingParams, probabilities, sample
+from ..streams import load_adapters
+from ..verify import ACCEPTANCE_RULES, Verdict
+from .engine import VERIFIERS, ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, draft_tokens
+from .proposers import ModelProposer, StreamProposer, check_draft, window_end
+from .registry import MethodOptions, ModelShape, OptionError, at_least, option, probability, register
 
 DEFAULT_GAMMA = 7  # the paper's window
 DEFAULT_KAPPA = 8  # the paper's top-κ at batch size 1
@@ -53,61 +49,74 @@ DEFAULT_EXIT = 0.5  # ℓe = N/2
 ROOT_MODES = ("paper", "budget")
 
 
-@dataclass(frozen=True)
-class MirrorOptions:
-    gamma: int = DEFAULT_GAMMA
-    kappa: int = DEFAULT_KAPPA
-    exit_layer: int | float = DEFAULT_EXIT
-    roots: str = "paper"
-    budget: int | None = None  # roots="budget": fixed number of roots; None = fit the rollouts into Δ
-    backend: str = "serial"
-    threads: tuple[int, int] | None = None  # (target, draft) intra-op threads while they overlap
-    acceptance: str = "match"
-    confidence: float = 0.0
-    draft_streams: Any = None  # Speculative Streaming adapter of the draft: fresh rollouts then take SS passes
+def layer_or_fraction(text: str) -> int | float:
+    """An int when it is one (a layer index), else a float (a fraction of the depth)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
-    @classmethod
-    def parse(cls, options: dict[str, Any], n_layers: int, vocab: int) -> tuple[MirrorOptions, int]:
-        """Validated options and the resolved exit layer index ℓe (layers ``[0, ℓe)`` run before the exit)."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown options for method 'mirror': {unknown}")
-        threads = options.get("threads")
-        if isinstance(threads, str):
-            try:
-                threads = tuple(int(x) for x in threads.split(","))
-            except ValueError:
-                raise ValueError(f"threads must be 'TARGET,DRAFT' thread counts, got {threads!r}") from None
-        opts = cls(**{**options, "threads": threads})
-        if opts.gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {opts.gamma}")
-        if not 1 <= opts.kappa <= vocab:
-            raise ValueError(f"kappa must be in 1..{vocab} (the vocabulary), got {opts.kappa}")
-        if opts.roots not in ROOT_MODES:
-            raise ValueError(f"roots must be one of {ROOT_MODES}, got {opts.roots!r}")
-        if opts.budget is not None and (opts.roots != "budget" or opts.budget < 1):
-            raise ValueError("budget takes a positive number of roots, with roots='budget'")
-        if opts.threads is not None and (len(opts.threads) != 2 or min(opts.threads) < 1):
-            raise ValueError(f"threads must be two positive counts (target, draft), got {opts.threads}")
-        if opts.acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {opts.acceptance!r}")
-        if not 0.0 <= opts.confidence < 1.0:
-            raise ValueError(f"confidence must be in [0, 1), got {opts.confidence}")
-        return opts, resolve_exit_layer(opts.exit_layer, n_layers)
+
+layer_or_fraction.kind = "a layer index or a fraction"  # type: ignore[attr-defined]
+
+
+def thread_split(text: str) -> tuple[int, int]:
+    target, draft = (int(x) for x in text.split(","))
+    return target, draft
+
+
+thread_split.kind = "TARGET,DRAFT thread counts"  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class MirrorOptions(MethodOptions):
+    gamma: int = option(DEFAULT_GAMMA, "most draft tokens per verification window", check=at_least(1))
+    kappa: int = option(DEFAULT_KAPPA, "top-κ early-exit candidates per window position", check=at_least(1))
+    exit_layer: int | float = option(DEFAULT_EXIT, "early-exit layer ℓe: an index 1..N-1 or a fraction of the "
+                                     "target's depth", parse=layer_or_fraction, check=(lambda v: v > 0, "must be > 0"))
+    roots: str = option("paper", "paper: roll out all (γ+1)·κ candidates; budget: only those most likely to be the "
+                        "correction, as many as fit in the target's suffix time", choices=ROOT_MODES)
+    budget: int | None = option(None, "with --roots budget: a fixed number of roots instead of fitting Δ", parse=int,
+                                check=at_least(1), default_text="fit Δ")
+    backend: str = option("serial", "where the draft runs while the target finishes: serial (no overlap, the "
+                          "reference), threads (CPU core split), cuda-streams (one GPU), devices (--draft-device)",
+                          choices=BACKENDS)
+    threads: tuple[int, int] | None = option(None, "with --backend threads: TARGET,DRAFT intra-op threads while "
+                                             "they overlap", default_text="the larger half to the target",
+                                             parse=thread_split, check=(lambda v: len(v) == 2 and min(v) >= 1,
+                                                                        "must be two positive counts"))
+    acceptance: str = option("match", "match: greedy / sample-and-match (the target's own tokens, as ar); "
+                             "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
+    confidence: float = option(0.0, "end a draft window at the first position where the draft's top probability "
+                               "is below this; 0 always drafts γ tokens", check=probability())
+    draft_streams: Any = option(None, "draft with Speculative Streaming: fresh rollouts take several tokens per "
+                                "draft forward (the same tokens). ADAPTER is a folder; alone, the draft's shipped "
+                                "adapter", parse=str, metavar="ADAPTER", const="auto", default_text="an AR draft")
+
+    def check(self, shape: ModelShape | None) -> None:
+        if self.budget is not None and self.roots != "budget":
+            raise OptionError("budget", "takes a number of roots with roots='budget'")
+        if self.threads is not None and self.backend not in ("threads", "devices"):
+            raise OptionError("threads", "applies to backend='threads' (or 'devices')")
+        if isinstance(self.exit_layer, float) and not self.exit_layer.is_integer() and not 0 < self.exit_layer < 1:
+            raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {self.exit_layer}")
+        if shape is not None:
+            resolve_exit_layer(self.exit_layer, shape.n_layers)
+            if self.kappa > shape.vocab_size:
+                raise OptionError("kappa", f"must be in 1..{shape.vocab_size} (the vocabulary), got {self.kappa}")
 
 
 def resolve_exit_layer(exit_layer: int | float, n_layers: int) -> int:
     """An index in ``1..N-1``, or a fraction of the depth in (0, 1) (``0.5`` is the paper's N/2)."""
     if isinstance(exit_layer, float) and not exit_layer.is_integer():
         if not 0 < exit_layer < 1:
-            raise ValueError(f"a fractional exit layer must be in (0, 1), got {exit_layer}")
+            raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {exit_layer}")
         index = round(exit_layer * n_layers)
     else:
         index = int(exit_layer)
     if not 1 <= index <= n_layers - 1:
-        raise ValueError(f"the exit layer must be in 1..{n_layers - 1} for a {n_layers}-layer target "
-                         f"(or a fraction in (0, 1)), got {exit_layer}")
+        raise OptionError("exit_layer", f"must be in 1..{n_layers - 1} for a {n_layers}-layer target (or a fraction "
+                          f"in (0, 1)), got {exit_layer}")
     return index
 
 
@@ -245,54 +254,56 @@ class Tree:
         return None
 
 
-@dataclass
-class Window:
-    tokens: list[int]
-    q_rows: list[torch.Tensor]
+class BranchProposer:
+    """The draft: fresh rollouts (vanilla SD's, through the shared proposer), tree rollouts launched by the
+    scorer at the early exit, and, on the verdict, the branch the correction selects (hit) or a fresh rollout
+    at the next step (miss). A failing draft degrades the request to target-only decoding."""
 
+    def __init__(self, run: MirrorRun, fresh: ModelProposer) -> None:
+        self.run, self.fresh, self.model = run, fresh, fresh.model
+        self.rejection, self.confidence, self.params = fresh.rejection, fresh.confidence, fresh.params
+        self.ready: Draft | None = None  # the next window, when a branch was kept
+        self.future: Future[Tree] | None = None
+        self.failed = False
 
-class DraftSide:
-    """The draft model, its one-row cache and the three things it does: fresh rollouts, tree rollouts over the
-    shared prefix, and keeping a selected branch."""
+    def start(self, state: RequestState) -> None:
+        pass
 
-    def __init__(self, draft: Transformer, target_vocab: int, capacity: int, params: SamplingParams,
-                 rejection: bool, confidence: float, streams: StreamAdapters | None = None) -> None:
-        self.model, self.params, self.confidence, self.streams = draft, params, confidence, streams
-        self.cache: KVCache = draft.new_cache(capacity=capacity)
-        self.rejection = rejection
-        self.stream = DRAFT_STREAM if rejection else TARGET_STREAM  # coupled noise for sample-and-match
-        self.need_probs = rejection or confidence > 0
-        self.pad = target_vocab - draft.config.vocab_size
-        self.fresh_tokens = self.fresh_forwards = 0  # η̄ = tokens per draft forward in fresh rollouts
+    def propose(self, state: RequestState) -> Draft:
+        if self.ready is not None:
+            window, self.ready = self.ready, None
+            return window
+        start = time.perf_counter()
+        window = Draft()
+        if not self.failed and min(self.fresh.gamma, state.room) > 0:
+            try:
+                with self.run.tracer.span("draft", "fresh rollout"):
+                    window = self.fresh.propose(state)
+                self.run.stats.fresh_tokens += len(window.tokens)
+                self.run.stats.fresh_forwards += window.forwards
+            except Exception as error:  # noqa: BLE001 - any draft failure degrades to target-only decoding
+                self.fail(error)
+        self.run.fresh_done(time.perf_counter() - start)
+        return window
 
-    def fresh(self, seq: list[int], window: int) -> tuple[Window, int]:
-        """Vanilla SD's rollout after the committed ``seq``: feeds what the cache lacks, drafts ``window``."""
-        keep = min(len(self.cache), len(seq) - 1)  # past that, the cache holds rejected spine or branch tokens
-        self.cache.truncate(keep)
-        if self.streams is not None:  # the same tokens, several per draft forward
-            drafted = ss.rollout(self.model, self.streams, self.cache, seq[keep:], len(seq), window, self.params,
-                                 self.stream, self.need_probs, self.confidence, self.pad)
-        else:
-            drafted = propose(self.model, self.cache, seq[keep:], len(seq), window, self.params, self.stream,
-                              self.need_probs, self.confidence, self.pad)
-        self.fresh_tokens += len(drafted.tokens)
-        self.fresh_forwards += drafted.forwards
-        return Window(drafted.tokens, drafted.q_rows), drafted.forwards
+    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+        self.future = self.run.executor.submit(partial(self.rollout, len(state.tokens), window, roots, steps, state))
 
     def rollout(self, committed: int, window: list[int], roots: list[tuple[int, int]], steps: int,
-                tracer: Tracer) -> Tree:
+                state: RequestState) -> Tree:
+        with self.run.tracer.span("draft", "rollout", roots=len(roots), steps=steps) as span:
+            tree = self._rollout(state, committed, window, roots, steps)
+        tree.span = span
+        return tree
+
+    def _rollout(self, state: RequestState, committed: int, window: list[int], roots: list[tuple[int, int]],
+                 steps: int) -> Tree:
         """γ tokens after every root, one batched tree-masked forward per step over the shared cache.
 
         ``committed`` is the length of the committed text (through ``a``); the cache holds it plus
         ``window[:-1]``. Root ``(j, v)`` sits at position ``committed + j`` and sees the spine up to ``d_j``.
         """
-        with tracer.span("draft", "rollout", roots=len(roots), steps=steps) as span:
-            tree = self._rollout(committed, window, roots, steps)
-        tree.span = span
-        return tree
-
-    def _rollout(self, committed: int, window: list[int], roots: list[tuple[int, int]], steps: int) -> Tree:
-        model, cache, params = self.model, self.cache, self.params
+        model, cache, params = self.model, state.draft_cache, self.params
         device = model.device
         spine_feed = window[-1:]
         if len(cache) != committed + max(len(window) - 1, 0):
@@ -321,32 +332,101 @@ class DraftSide:
             positions = torch.cat([torch.arange(past, past + lead, device=device), root_pos + step]).unsqueeze(0)
             hidden = model.run_layers(model.embed(draft_tokens(model, feed)), positions, cache, mask)
             logits = model.logits(hidden[0, lead:])
-            if self.need_probs:
+            if self.fresh.need_probs:
                 q = probabilities(logits, params) if not params.greedy else logits.double().softmax(-1)
                 if top_probs is not None:
                     for r, p in enumerate(q.max(-1).values.tolist()):
                         top_probs[r].append(p)
                 if self.rejection:
-                    q_steps.append(torch.nn.functional.pad(q, (0, self.pad)) if self.pad else q)
-            drawn = sample(logits, (root_pos + step + 1).tolist(), params, self.stream)
+                    q_steps.append(torch.nn.functional.pad(q, (0, self.fresh.pad)) if self.fresh.pad else q)
+            drawn = sample(logits, (root_pos + step + 1).tolist(), params, self.fresh.noise)
             for r, token in enumerate(drawn):
                 tokens[r].append(token)
             feed = drawn
         q = torch.stack(q_steps, 1) if q_steps else None
         return Tree(roots, tokens, top_probs, q, base, steps)
 
-    def keep_branch(self, tree: Tree, branch: int, committed_before: int, window: int) -> Window:
-        """Compact the cache to the spine through ``d_A`` plus the branch's inputs ``c, t_1..t_{w-1}``."""
-        n = len(tree.roots)
-        kept = list(range(committed_before)) + [tree.base + s * n + branch for s in range(max(window, 1))]
-        self.cache.keep(kept)
-        q_rows = list(tree.q[branch, :window]) if tree.q is not None else []
-        return Window(tree.tokens[branch][:window], q_rows)
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        """The final rendezvous: wait for the rollout, keep the branch the correction selects, or fall back."""
+        tree, future, self.future = None, self.future, None
+        if future is not None:
+            try:
+                tree = future.result()
+                state.stats.draft_forwards += tree.forwards
+            except Exception as error:  # noqa: BLE001 - degrade, never lose the verified tokens
+                self.fail(error)
+        self.run.joined(tree)
+        branch = None
+        if tree is not None and not self.failed:
+            with self.run.tracer.span("draft", "select") as select:
+                branch = tree.branch(verdict.accepted, verdict.next_token)
+                if branch is not None:
+                    self.ready = self.keep_branch(state, tree, branch)
+            self.run.selected(select.seconds, branch is not None)
+        if branch is None and not self.failed:
+            ModelProposer.rollback(state, verdict.accepted)
 
-    def window_length(self, tree: Tree, branch: int, limit: int) -> int:
+    def keep_branch(self, state: RequestState, tree: Tree, branch: int) -> Draft:
+        """Compact the cache to the spine through ``d_A`` plus the branch's inputs ``c, t_1..t_{w-1}``."""
+        limit = min(self.fresh.gamma, state.room)
         if tree.top_probs is None:
-            return min(limit, len(tree.tokens[branch]))
-        return min(limit, window_end(tree.top_probs[branch], self.confidence))
+            window = min(limit, len(tree.tokens[branch]))
+        else:
+            window = min(limit, window_end(tree.top_probs[branch], self.confidence))
+        before = len(state.tokens) - 1  # the spine through d_A
+        n = len(tree.roots)
+        state.draft_cache.keep(list(range(before)) + [tree.base + s * n + branch for s in range(max(window, 1))])
+        probs = tree.q[branch, :window] if tree.q is not None and window else None
+        return Draft(tree.tokens[branch][:window], probs=probs)
+
+    def fail(self, error: BaseException) -> None:
+        self.failed, self.ready = True, None
+        self.run.stats.draft_failed = f"{type(error).__name__}: {error}"
+        warnings.warn(f"mirror: the draft failed ({self.run.stats.draft_failed}); continuing with the target alone",
+                      RuntimeWarning, stacklevel=3)
+
+
+# -- the target side --------------------------------------------------------------------------------------
+
+
+class EarlyExitScorer(ChainScorer):
+    """The target in two halves: layers below ℓe, the early exit and the launch of the draft's rollouts, then
+    the layers above ℓe while the rollouts run."""
+
+    def __init__(self, run: MirrorRun, target: Transformer, draft: BranchProposer) -> None:
+        super().__init__(target)
+        self.run, self.draft = run, draft
+
+    def prefill(self, state: RequestState) -> int:
+        with self.run.tracer.span("target", "prefill"):
+            return super().prefill(state)
+
+    def score(self, state: RequestState, draft: Draft) -> Scores:
+        run, target, opts = self.run, self.model, self.run.opts
+        start = time.perf_counter()
+        committed = len(state.tokens)
+        ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=target.device)
+        positions = torch.arange(committed - 1, committed + len(draft.tokens), device=target.device)[None]
+        with run.tracer.span("target", "layers < ℓe") as pre:
+            exit_hidden = target.run_layers(target.embed(ids), positions, state.target_cache, end=run.exit_layer)
+        # The next window can hold at most this many tokens; rollouts past it would be wasted.
+        steps = min(opts.gamma, state.room - 1)
+        message, roots, t_ee, submitted = None, [], 0.0, 0.0
+        if not self.draft.failed and steps > 0:
+            with run.tracer.span("target", "early exit") as ee:
+                message = early_exit(target, exit_hidden, opts.kappa, state.params)
+            t_ee = ee.seconds
+            budget = run.budget.current if run.budget else 0
+            roots = select_roots(message, draft.tokens, opts.roots, run.root_scorer, budget)
+            submitted = time.perf_counter()
+            self.draft.launch(state, draft.tokens, roots, steps)
+        with run.executor.overlapping(), run.tracer.span("target", "layers ≥ ℓe") as suffix:
+            hidden = target.run_layers(exit_hidden, positions, state.target_cache, start=run.exit_layer)
+            logits = target.logits(hidden)[0]
+        run.scored(MirrorStep(accepted=0, drafted=len(draft.tokens), roots=len(roots), hit=None, t_pre=pre.seconds,
+                              t_ee=t_ee, t_channel=0.0, delta=suffix.seconds, t_draft=0.0, t_fv=0.0,
+                              t_fallback=0.0, hidden=0.0, step_s=0.0), start, submitted, suffix, message, steps)
+        return Scores(logits, draft, hidden=exit_hidden)
 
 
 # -- statistics --------------------------------------------------------------------------------------------
@@ -418,142 +498,105 @@ class MirrorStats:
 # -- the method ----------------------------------------------------------------------------------------------
 
 
-def decode(req: DecodeRequest) -> Iterator[list[int]]:
+class MirrorRun:
+    """One request's Mirror-SD bookkeeping shared by its scorer and proposer: the executor, the tracer, the
+    root budget and scorer, and the step record both halves fill in."""
+
+    def __init__(self, req: DecodeRequest, opts: MirrorOptions, exit_layer: int, executor: Executor) -> None:
+        self.opts, self.exit_layer, self.executor = opts, exit_layer, executor
+        self.tracer = Tracer()
+        req.stats.spans = self.tracer.spans
+        self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots)
+        req.stats.extra["mirror"] = self.stats
+        most = (opts.gamma + 1) * opts.kappa
+        self.budget = RootBudget(opts.budget or opts.kappa, most) if opts.roots == "budget" else None
+        self.root_scorer = RootScorer(opts.kappa) if opts.roots == "budget" else None
+        self.overlapped = executor.name != "serial"  # serial runs the rollout after the suffix: no channel wait
+        self.record: MirrorStep | None = None
+        self._step: tuple[float, float, Span, ChannelMessage | None, int] | None = None
+
+    def scored(self, record: MirrorStep, start: float, submitted: float, suffix: Span,
+               message: ChannelMessage | None, steps: int) -> None:
+        self.record = record
+        self.stats.steps.append(record)  # now: the caller may stop after these tokens
+        self._step = (start, submitted, suffix, message, steps)
+
+    def joined(self, tree: Tree | None) -> None:
+        """The rollout is back (or there was none): its timings go into the step's record."""
+        record, (start, submitted, suffix, _, steps) = self.record, self._step
+        joined = time.perf_counter()
+        rollout = tree.span if tree is not None else None
+        if rollout is not None:
+            record.t_draft = rollout.seconds
+            record.t_channel = max(0.0, rollout.start - submitted) if self.overlapped else 0.0
+            record.hidden = overlap(rollout, suffix)
+        record.t_fv = max(0.0, joined - max(suffix.end, rollout.end if rollout else suffix.end))
+        record.step_s = joined - start
+        if self.budget is not None and tree is not None and self.opts.budget is None:
+            self.budget.observe(record.roots, steps, record.t_draft, suffix.seconds)
+
+    def selected(self, seconds: float, hit: bool) -> None:
+        self.record.t_fv += seconds
+        self.record.step_s += seconds
+        self.record.hit = hit
+
+    def observe(self, window: list[int], verdict: Verdict) -> None:
+        self.record.accepted = verdict.accepted
+        message = self._step[3]
+        if self.root_scorer is not None and message is not None:
+            self.root_scorer.observe(message, window, verdict.accepted, verdict.next_token)
+
+    def fresh_done(self, seconds: float) -> None:
+        """A fresh rollout (the first window, or after a miss) took ``seconds``, exposed."""
+        if self.record is not None:
+            self.record.t_fallback += seconds
+            self.record.step_s += seconds
+
+
+def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     check_draft(req.target, req.draft)
-    opts, exit_layer = MirrorOptions.parse(req.options, req.target.config.n_layers, req.target.config.vocab_size)
+    exit_layer = resolve_exit_layer(opts.exit_layer, req.target.config.n_layers)
+    if opts.kappa > req.target.config.vocab_size:
+        raise OptionError("kappa", f"must be in 1..{req.target.config.vocab_size} (the vocabulary), got {opts.kappa}")
     executor = make_executor(opts.backend, req.target.device, req.draft.device, opts.threads)
-    return _run(req, opts, exit_layer, executor)
+    run = MirrorRun(req, opts, exit_layer, executor)
+    vocab, rejection = req.target.config.vocab_size, opts.acceptance == "rejection"
+    if opts.draft_streams is None:
+        fresh = ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,
+                              rejection=rejection)
+    else:
+        fresh = StreamProposer(req.draft, load_adapters(req.draft, opts.draft_streams), vocab, req.sampling,
+                               opts.gamma, confidence=opts.confidence, rejection=rejection)
+    run.stats.draft_streams = opts.draft_streams is not None
+    proposer = BranchProposer(run, fresh)
+    scorer = EarlyExitScorer(run, req.target, proposer)
+    verify = VERIFIERS[opts.acceptance]
+
+    def verifier(state: RequestState, scores: Scores) -> Verdict:
+        verdict = verify(state, scores)
+        run.observe(scores.draft.tokens, verdict)
+        return verdict
+
+    def log(scores: Scores, verdict: Verdict) -> dict[str, Any]:
+        r = run.record
+        return {"roots": r.roots, "hit": r.hit, "gamma": opts.gamma, "exit_layer": exit_layer}
+
+    return Roles(proposer, scorer, verifier, gamma=opts.gamma, close=executor.close, log=log)
 
 
-@torch.inference_mode()
-def _run(req: DecodeRequest, opts: MirrorOptions, exit_layer: int, executor: Executor) -> Iterator[list[int]]:
-    target, params, stats = req.target, req.sampling, req.stats
-    rejection = opts.acceptance == "rejection" and not params.greedy
-    tracer = Tracer()
-    stats.spans = tracer.spans
-    mstats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots)
-    stats.extra["mirror"] = mstats
-    most_roots = (opts.gamma + 1) * opts.kappa
-    overlapped = executor.name != "serial"  # serial runs the rollout after the suffix: no channel wait to time
-    budget = RootBudget(opts.budget or opts.kappa, most_roots) if opts.roots == "budget" else None
-    scorer = RootScorer(opts.kappa) if opts.roots == "budget" else None
-
-    seq = list(req.prompt_ids)
-    capacity = len(seq) + req.max_new_tokens + 2
-    t_cache = target.new_cache(capacity=capacity)
-    streams = None if opts.draft_streams is None else load_adapters(req.draft, opts.draft_streams)
-    mstats.draft_streams = streams is not None
-    draft: DraftSide | None = DraftSide(req.draft, target.config.vocab_size, capacity, params, rejection,
-                                        opts.confidence, streams)
-
-    def draft_failed(error: BaseException) -> None:
-        nonlocal draft
-        draft = None
-        mstats.draft_failed = f"{type(error).__name__}: {error}"
-        warnings.warn(f"mirror: the draft failed ({mstats.draft_failed}); continuing with the target alone",
-                      RuntimeWarning, stacklevel=3)
-
-    def fresh(window_limit: int) -> tuple[Window, float]:
-        start = time.perf_counter()
-        if draft is None or window_limit <= 0:
-            return Window([], []), 0.0
-        try:
-            with tracer.span("draft", "fresh rollout"):
-                window, forwards = draft.fresh(seq, window_limit)
-            stats.draft_forwards += forwards
-            mstats.fresh_tokens, mstats.fresh_forwards = draft.fresh_tokens, draft.fresh_forwards
-            return window, time.perf_counter() - start
-        except Exception as error:  # noqa: BLE001 - any draft failure degrades to target-only decoding
-            draft_failed(error)
-            return Window([], []), time.perf_counter() - start
-
-    try:
-        with tracer.span("target", "prefill") as prefill:
-            if len(seq) > 1:
-                target.prefill(torch.tensor([seq[:-1]], device=target.device), t_cache)
-                stats.target_forwards += 1
-        stats.prefill_s += prefill.seconds
-        produced = 0
-        window, t_fallback = fresh(min(opts.gamma, req.max_new_tokens - 1))
-        stats.draft_s += t_fallback
-        step_start = time.perf_counter()
-        while True:
-            committed = len(seq)
-            tokens = [seq[-1], *window.tokens]
-            ids = torch.tensor([tokens], device=target.device)
-            positions = torch.arange(committed - 1, committed + len(window.tokens), device=target.device)[None]
-            with tracer.span("target", "layers < ℓe") as pre:
-                hidden = target.run_layers(target.embed(ids), positions, t_cache, end=exit_layer)
-            # The next window can hold at most this many tokens; rollouts past it would be wasted.
-            steps = min(opts.gamma, req.max_new_tokens - produced - 2)
-            future, roots, t_ee, submitted = None, [], 0.0, 0.0
-            if draft is not None and steps > 0:
-                with tracer.span("target", "early exit") as ee:
-                    message = early_exit(target, hidden, opts.kappa, params)
-                t_ee = ee.seconds
-                roots = select_roots(message, window.tokens, opts.roots, scorer, budget.current if budget else 0)
-                submitted = time.perf_counter()
-                future = executor.submit(partial(draft.rollout, committed, window.tokens, roots, steps, tracer))
-            with executor.overlapping(), tracer.span("target", "layers ≥ ℓe + verify") as suffix:
-                hidden = target.run_layers(hidden, positions, t_cache, start=exit_layer)
-                logits = target.logits(hidden)[0]
-                verdict = _verify(window, logits, list(range(committed, committed + len(tokens))), params,
-                                  rejection)
-            stats.target_forwards += 1
-            tree: Tree | None = None
-            if future is not None:
-                try:
-                    tree = future.result()
-                    stats.draft_forwards += tree.forwards
-                except Exception as error:  # noqa: BLE001 - degrade, never lose the verified tokens
-                    draft_failed(error)
-            joined = time.perf_counter()
-            new = verdict.committed(window.tokens)
-            t_cache.truncate(committed + verdict.accepted)
-            seq.extend(new)
-            produced += len(new)
-            stats.record_step(len(window.tokens), verdict.accepted)
-            rollout = tree.span if tree is not None else None
-            record = MirrorStep(
-                accepted=verdict.accepted, drafted=len(tokens) - 1, roots=len(roots), hit=None, t_pre=pre.seconds,
-                t_ee=t_ee, t_channel=max(0.0, rollout.start - submitted) if rollout and overlapped else 0.0,
-                delta=suffix.seconds, t_draft=rollout.seconds if rollout else 0.0,
-                t_fv=max(0.0, joined - max(suffix.end, rollout.end if rollout else suffix.end)), t_fallback=0.0,
-                hidden=overlap(rollout, suffix), step_s=time.perf_counter() - step_start)
-            mstats.steps.append(record)  # now: the caller may stop after these tokens
-            stats.target_s += record.t_pre + record.t_ee + record.delta
-            stats.draft_s += record.t_draft
-            if budget is not None and tree is not None:
-                if opts.budget is None:
-                    budget.observe(len(roots), steps, record.t_draft, suffix.seconds)
-                scorer.observe(message, window.tokens, verdict.accepted, verdict.next_token)
-            yield new
-            resumed = time.perf_counter()
-
-            # Final rendezvous: reuse the branch the correction selects, or fall back to a fresh rollout.
-            limit = min(opts.gamma, req.max_new_tokens - produced - 1)
-            if tree is not None and draft is not None:
-                with tracer.span("draft", "select") as select:
-                    branch = tree.branch(verdict.accepted, verdict.next_token)
-                    if branch is not None:
-                        length = draft.window_length(tree, branch, limit)
-                        window = draft.keep_branch(tree, branch, committed + verdict.accepted, length)
-                record.t_fv += select.seconds
-                record.hit = branch is not None
-                if not record.hit:
-                    window, record.t_fallback = fresh(limit)
-            else:
-                window, record.t_fallback = fresh(limit)
-            stats.draft_s += record.t_fallback
-            record.step_s += time.perf_counter() - resumed
-            step_start = time.perf_counter()
-    finally:
-        executor.close()
+def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
+    """Eq. 10 plus the exposed fresh rollout after a miss, which Eq. 10 leaves out: prefix + early exit +
+    max(Δ, rollout) (their sum on the serial backend) + the miss's fresh rollout."""
+    backend = opts.backend
+    c = costs.for_backend(backend)
+    w, gamma, roots = step["drafted"] + 1, step["gamma"], step["roots"]
+    pre = c.prefix(step["exit_layer"], w)
+    delta = c.target(w) - pre
+    rollout = gamma * c.draft(roots) if roots else 0.0
+    core = max(delta, rollout) if backend != "serial" else delta + rollout
+    miss = float(step["hit"] is False)
+    return pre + c.exit_head(w) + core + miss * gamma * c.draft(1)
 
 
-def _verify(window: Window, logits: torch.Tensor, positions: list[int], params: SamplingParams,
-            rejection: bool) -> Verdict:
-    if rejection:
-        q = torch.stack(window.q_rows) if window.q_rows else None
-        return verify_rejection(window.tokens, q, logits, positions, params)
-    return verify_match(window.tokens, logits, positions, params)
+register("mirror", "Mirror-SD: early-exit token channel, draft rollouts overlapped with the target's upper layers",
+         needs_draft=True, options=MirrorOptions, build=build, step_cost=step_cost, rejection=True)

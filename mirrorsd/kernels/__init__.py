@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache import cache_dir
+from ..cache import CacheDirError, cache_dir, ensure_cache_dir
 from ..quant import GroupQuant
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,10 @@ def available() -> bool:
     reason = _why_unavailable()
     if reason is None:
         try:
-            build_extension(EXTENSION, SOURCE, build_dir(), COMPILE_FLAGS, LINK_FLAGS)
+            build_extension(EXTENSION, SOURCE, ensure_cache_dir(build_dir()), COMPILE_FLAGS, LINK_FLAGS)
             return True
+        except CacheDirError as exc:  # nowhere to build: fall back, saying which variable to fix
+            reason = str(exc)
         except Exception as exc:  # a compiler error, missing ninja, ...: fall back, but say so
             reason = f"the C++ extension failed to build: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
     warnings.warn(f"mirrorsd fast CPU kernels unavailable ({reason}); using slower PyTorch fallbacks",

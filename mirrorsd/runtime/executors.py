@@ -112,10 +112,15 @@ class _Threads(AbstractContextManager):
         torch.set_num_threads(self.outside)
 
 
-def default_split(total: int) -> tuple[int, int]:
-    """(target, draft) intra-op threads while they overlap: the target gets the larger half."""
-    draft = max(1, total // 2)
-    return max(1, total - draft), draft
+def split_threads(total: int | None = None) -> tuple[int, int] | None:
+    """(target, draft) intra-op threads while they overlap: the target, the slower half, gets the larger half
+    of ``total`` (default: PyTorch's thread count). None when there is nothing to split (one thread). The
+    executors and the planner both use it, so what the planner times is what runs."""
+    total = torch.get_num_threads() if total is None else total
+    if total < 2:
+        return None
+    draft = total // 2
+    return total - draft, draft
 
 
 def make_executor(backend: str, target_device: torch.device, draft_device: torch.device,
@@ -131,7 +136,7 @@ def make_executor(backend: str, target_device: torch.device, draft_device: torch
             raise ValueError("backend 'threads' runs target and draft on the same CPU; "
                              "use 'cuda-streams' on one GPU or 'devices' for two devices")
         total = torch.get_num_threads() if split is None else sum(split)
-        target_threads, draft_threads = split or default_split(total)
+        target_threads, draft_threads = split or split_threads(total) or (1, 1)
         if total > (os.cpu_count() or total):
             raise ValueError(f"thread split {target_threads}+{draft_threads} exceeds the {os.cpu_count()} cores")
         return WorkerExecutor("threads", draft_device, draft_threads, target_threads)

@@ -1,0 +1,362 @@
+"""The one decoding loop every method runs, and the roles it is made of.
+
+One step: the **proposer** drafts (a chain or a tree of tokens, optionally with the distributions they were
+drawn from) → the **scorer** runs the target over them → a **verifier** accepts a prefix (a tree path) and
+gives the target's own next token → the scorer **commits** (truncates or compacts the target cache) → the
+proposer gets the verdict **back** (rolls back its own cache, adapts its window, picks its next draft) → the
+committed tokens are yielded. ``ar`` is the proposer that never drafts.
+
+Everything one request owns lives in :class:`RequestState` (committed tokens, caches, tokens the draft cache
+lacks, the produced count, statistics), so the roles hold only models and settings.
+
+The caller (:mod:`mirrorsd.api`) owns stopping: EOS, stop strings and ``max_new_tokens`` cut the output and
+close the generator; the loop only keeps every window inside ``max_new_tokens`` so no work is wasted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..kv_cache import KVCache
+from ..model import Transformer
+from ..runtime.trace import Span
+from ..sampling import SamplingParams
+from ..verify import Verdict, verify_match, verify_rejection, verify_tree
+
+# -- what crosses between the roles -------------------------------------------------------------------------
+
+
+@dataclass
+class Draft:
+    """Draft tokens after the last committed token: a chain, or a tree when ``parents`` is set (``parents[i]``
+    is the index of token i's parent, -1 for the last committed token; parents come first)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] | None = None
+    probs: torch.Tensor | None = None  # [len(tokens), vocab] distributions the tokens were drawn from (rejection)
+    forwards: int = 0  # draft forwards it took
+
+    @property
+    def depth(self) -> int:
+        """Window positions drafted (the deepest tree level)."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return max(depth, default=0)
+
+
+@dataclass
+class Scores:
+    """The target's verdict material: ``logits`` row 0 follows the last committed token, row i+1 follows
+    ``draft.tokens[i]`` (``draft`` is what was scored: a scorer may prune a tree)."""
+
+    logits: torch.Tensor
+    draft: Draft
+    hidden: torch.Tensor | None = None  # hidden states a scorer exposes (Mirror-SD: layer ℓe, for an EAGLE-like head)
+    forwards: int = 1  # target forwards it took
+
+
+@dataclass
+class GenerationStats:
+    """Per-generation counters. ``accepted``/``drafted``: draft tokens accepted / proposed at each step."""
+
+    method: str
+    seed: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    gamma: int = 0  # the configured window (γ; a tree's depth); 0 for methods that never draft
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    step_log: list[dict[str, Any]] = field(default_factory=list)  # per step: what the planner's cost model reads
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # time in the proposer (drafting the loop waited for)
+    target_s: float = 0.0  # target forwards after prefill, with verification
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific statistics with a to_dict()
+    spans: list[Span] = field(default_factory=list)  # timeline (methods that trace their lanes)
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def max_drafted(self) -> int:
+        """The largest window actually drafted (the confidence rule and the end of the output cut windows)."""
+        return max(self.drafted, default=0)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per target decoding step, accepted + 1 averaged over steps (Spec-Bench's convention; a
+        step with an empty window counts as 1)."""
+        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+    def record_step(self, drafted: int, accepted: int, **detail: Any) -> None:
+        self.drafted.append(drafted)
+        self.accepted.append(accepted)
+        self.step_log.append({"drafted": drafted, "accepted": accepted, **detail})
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Entry i: among steps that drafted a token at window position i+1, the share that accepted it."""
+        out = []
+        for i in range(self.max_drafted):
+            reached = [a for a, d in zip(self.accepted, self.drafted, strict=True) if d > i]
+            out.append(sum(a > i for a in reached) / len(reached) if reached else 0.0)
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "seed": self.seed,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "steps": self.steps,
+            "gamma": self.gamma,
+            "max_drafted": self.max_drafted,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "accepted_per_step": list(self.accepted),
+            "drafted_per_step": list(self.drafted),
+            "wall_s": round(self.wall_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "prefill_s": round(self.prefill_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "target_s": round(self.target_s, 4),
+            **{name: value.to_dict() for name, value in self.extra.items()},
+        }
+
+
+@dataclass
+class DecodeRequest:
+    """What a method is asked to do: the models, the prompt, the budget, sampling and its raw options."""
+
+    target: Transformer
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stats: GenerationStats
+    draft: Transformer | None = None
+    options: Any = None  # the method's options (a MethodOptions)
+
+
+@dataclass
+class RequestState:
+    """One request in flight: everything that changes as it decodes.
+
+    Invariants between steps: ``target_cache`` holds ``tokens[:-1]``, or all of ``tokens`` while
+    ``next_logits`` holds the target's logits after them (a whole-prompt prefill, see :class:`ChainScorer`);
+    ``draft_cache`` holds ``tokens[:len(draft_cache)]`` and ``pending`` is the rest of ``tokens``, which the
+    proposer feeds first.
+    """
+
+    request: DecodeRequest
+    tokens: list[int]
+    target_cache: KVCache
+    draft_cache: KVCache | None = None
+    pending: list[int] = field(default_factory=list)
+    produced: int = 0
+    next_logits: torch.Tensor | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.request.stats
+
+    @property
+    def room(self) -> int:
+        """Most draft tokens a window may hold: the step's own token must still fit in ``max_new_tokens``."""
+        return self.request.max_new_tokens - self.produced - 1
+
+    def commit(self, draft: Draft, verdict: Verdict) -> list[int]:
+        """Append the verdict's tokens (the caches are the roles' to roll back)."""
+        new = [*(draft.tokens[i] for i in verdict.nodes), verdict.next_token]
+        self.tokens.extend(new)
+        self.produced += len(new)
+        return new
+
+
+def draft_tokens(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    """``[1, T]`` ids for a draft model; ids past a smaller draft vocabulary (the target's padding rows) become 0,
+    which can only change what the draft proposes, never what is committed."""
+    vocab = model.config.vocab_size
+    return torch.tensor([[t if t < vocab else 0 for t in tokens]], device=model.device)
+
+
+# -- the roles ---------------------------------------------------------------------------------------------------
+
+
+class Proposer(Protocol):
+    """Drafts tokens and learns what the target kept (vLLM's proposer, HF's ``CandidateGenerator``)."""
+
+    def start(self, state: RequestState) -> None:
+        """Set up per-request state (a draft cache) before the first step."""
+
+    def propose(self, state: RequestState) -> Draft:
+        """A draft of at most ``state.room`` window positions after ``state.tokens``."""
+
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        """The verdict of the last draft (``state.tokens`` already holds what was committed): roll back,
+        adapt the window, prepare the next draft."""
+
+
+class Scorer(Protocol):
+    """Runs the target: the prefill, then one forward over each draft; keeps the target cache consistent."""
+
+    def prefill(self, state: RequestState) -> int:
+        """Feed the prompt; returns the forwards it took."""
+
+    def score(self, state: RequestState, draft: Draft) -> Scores: ...
+
+    def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        """Roll the target cache back to the committed tokens (call before ``state.commit``)."""
+
+
+Verifier = Callable[[RequestState, Scores], Verdict]
+
+
+def match(state: RequestState, scores: Scores) -> Verdict:
+    """Greedy / sample-and-match on chains and trees: the target's own token at every position."""
+    draft, position = scores.draft, len(state.tokens)
+    if draft.parents is not None:
+        return verify_tree(draft.tokens, draft.parents, scores.logits, position, state.params)
+    positions = list(range(position, position + len(draft.tokens) + 1))
+    return verify_match(draft.tokens, scores.logits, positions, state.params)
+
+
+def rejection(state: RequestState, scores: Scores) -> Verdict:
+    """Speculative sampling on a chain (the target's distribution); greedy falls back to ``match``."""
+    draft = scores.draft
+    if state.params.greedy or draft.parents is not None:
+        return match(state, scores)
+    positions = list(range(len(state.tokens), len(state.tokens) + len(draft.tokens) + 1))
+    return verify_rejection(draft.tokens, draft.probs, scores.logits, positions, state.params)
+
+
+VERIFIERS: dict[str, Verifier] = {"match": match, "rejection": rejection}
+
+
+class NoDraft:
+    """The proposer of ``ar``: never drafts, so each step is one target forward."""
+
+    def start(self, state: RequestState) -> None:
+        pass
+
+    def propose(self, state: RequestState) -> Draft:
+        return Draft()
+
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        pass
+
+
+class ChainScorer:
+    """The target over ``[last committed, *draft]`` in one causal forward.
+
+    ``whole_prompt``: prefill the whole prompt and keep its last row's logits for the first step, which then
+    needs no forward (what ``ar`` does; a method that drafts first scores the last prompt token with its draft).
+    """
+
+    def __init__(self, model: Transformer, whole_prompt: bool = False) -> None:
+        self.model, self.whole_prompt = model, whole_prompt
+
+    def prefill(self, state: RequestState) -> int:
+        prompt = state.tokens if self.whole_prompt else state.tokens[:-1]
+        if not prompt:
+            return 0
+        ids = torch.tensor([prompt], device=self.model.device)
+        if self.whole_prompt:
+            state.next_logits = self.model(ids, cache=state.target_cache, last=1)[0]
+        else:
+            self.model.prefill(ids, state.target_cache)
+        return 1
+
+    def score(self, state: RequestState, draft: Draft) -> Scores:
+        if state.next_logits is not None and not draft.tokens:
+            logits, state.next_logits = state.next_logits, None
+            return Scores(logits, draft, forwards=0)
+        ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=self.model.device)
+        return Scores(self.model(ids, cache=state.target_cache)[0], draft)
+
+    def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        state.target_cache.truncate(len(state.tokens) + verdict.accepted)
+
+
+@dataclass
+class Roles:
+    """A method, as the loop runs it: its proposer, scorer and verifier, the configured window (for the
+    stats) and what to release when the request ends."""
+
+    proposer: Proposer
+    scorer: Scorer
+    verifier: Verifier
+    gamma: int = 0
+    close: Callable[[], None] | None = None
+    log: Callable[[Scores, Verdict], dict[str, Any]] | None = None  # extra per-step details for step_log
+
+
+@contextmanager
+def timed(stats: GenerationStats, field_name: str) -> Iterator[None]:
+    """Adds the block's wall time to a stats field."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - start)
+
+
+def new_state(request: DecodeRequest) -> RequestState:
+    capacity = len(request.prompt_ids) + request.max_new_tokens + 2
+    draft_cache = request.draft.new_cache(capacity=capacity) if request.draft is not None else None
+    return RequestState(request, list(request.prompt_ids), request.target.new_cache(capacity=capacity),
+                        draft_cache, list(request.prompt_ids))
+
+
+def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
+    """Decode ``request`` with ``roles``: yields the tokens each step commits, forever (the caller stops)."""
+    state = new_state(request)
+    stats = request.stats
+    stats.gamma = roles.gamma
+    proposer, scorer, verifier = roles.proposer, roles.scorer, roles.verifier
+    try:
+        with torch.inference_mode():
+            with timed(stats, "prefill_s"):
+                stats.target_forwards += scorer.prefill(state)
+            proposer.start(state)
+        while True:
+            with torch.inference_mode():
+                with timed(stats, "draft_s"):
+                    draft = proposer.propose(state)
+                stats.draft_forwards += draft.forwards
+                with timed(stats, "target_s"):
+                    scores = scorer.score(state, draft)
+                    verdict = verifier(state, scores)
+                    scorer.commit(state, scores, verdict)
+                stats.target_forwards += scores.forwards
+                new = state.commit(scores.draft, verdict)
+                with timed(stats, "draft_s"):
+                    proposer.feedback(state, scores, verdict)
+                detail = roles.log(scores, verdict) if roles.log is not None else {}
+                stats.record_step(scores.draft.depth, verdict.accepted, **detail)
+            yield new
+    finally:
+        if roles.close is not None:
+            roles.close()
+

@@ -1,0 +1,153 @@
+"""Shared proposers: a draft model drafting one token per forward (:class:`ModelProposer`, vanilla SD's
+drafting and Mirror-SD's fresh rollouts), and the same draft with Speculative Streaming passes
+(:class:`StreamProposer`: the same tokens, several per forward).
+
+Both keep the draft's cache in :class:`~mirrorsd.decoding.engine.RequestState` (``draft_cache`` holds a prefix
+of the committed tokens, ``pending`` is the rest) and roll it back on the verdict.
+
+Two policies change only *how many* tokens are proposed, never what is committed:
+
+* ``confidence``: the window ends at the first position where the draft's most likely token has less than
+  this probability. That token is still proposed (it is drafted already, and once a window is non-empty one
+  more token barely changes the cost of verifying it) -- unless it would be the first: on a CPU verifying one
+  draft token costs about a whole extra target forward, so then the window stays empty and the step is a
+  plain 1-token target forward. (HF's ``assistant_confidence_threshold`` always proposes it.) The decision
+  reads the draft's distribution only, never its draw, so rejection sampling still sees proposals drawn
+  exactly from q.
+* ``schedule="heuristic"``: the window limit grows by 2 after a fully accepted step and shrinks by 1
+  otherwise (HF's ``num_assistant_tokens_schedule``); ``"constant"`` keeps γ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import Transformer
+from ..sampling import Noise, SamplingParams, probabilities, sample
+from ..streams import StreamAdapters
+from ..verify import Verdict
+from .engine import Draft, RequestState, Scores, draft_tokens
+from .streaming import DEFAULT_TREE_K, ss_pass
+
+SCHEDULES = ("constant", "heuristic")
+
+
+def check_draft(target: Transformer, draft: Transformer | None) -> None:
+    """The draft must share the target's token ids; its embedding may be smaller (Qwen2.5-7B pads its
+    vocabulary to 152,064 rows while 0.5B-3B have 151,936 with the same tokenizer)."""
+    if draft is None:
+        raise ValueError("speculative decoding needs a draft model (draft=... / --draft)")
+    if draft.config.vocab_size > target.config.vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({draft.config.vocab_size}) is larger than the target's "
+            f"({target.config.vocab_size}); the draft must share the target's tokenizer"
+        )
+
+
+def window_end(top_probs: list[float], confidence: float) -> int:
+    """How many of a rollout's tokens to propose under the confidence rule (all when ``confidence`` is 0):
+    through the first doubtful token, or none when the first one is doubtful."""
+    for i, p in enumerate(top_probs):
+        if p < confidence:
+            return 0 if i == 0 else i + 1
+    return len(top_probs)
+
+
+class ModelProposer:
+    """A draft model, one token per forward.
+
+    ``rejection``: the draft's draws use their own noise key and keep their distributions (speculative
+    sampling needs them independent of the acceptance noise); otherwise the draft is coupled to the target's
+    noise, which maximises sample-and-match acceptance.
+    """
+
+    def __init__(self, draft: Transformer, target_vocab: int, params: SamplingParams, gamma: int, *,
+                 confidence: float = 0.0, rejection: bool = False, schedule: str = "constant") -> None:
+        self.model, self.params, self.gamma, self.confidence, self.schedule = draft, params, gamma, confidence, schedule
+        self.rejection = rejection and not params.greedy
+        self.noise = Noise.DRAFT if self.rejection else Noise.TARGET
+        self.need_probs = self.rejection or confidence > 0
+        self.pad = target_vocab - draft.config.vocab_size
+
+    def start(self, state: RequestState) -> None:
+        pass
+
+    def propose(self, state: RequestState, window: int | None = None) -> Draft:
+        """Feed ``state.pending``, then draft up to ``window`` tokens (default: γ within the room left). The
+        cache ends holding the committed text and every proposed token but the last."""
+        window = min(self.gamma, state.room) if window is None else window
+        model, params, cache = self.model, self.params, state.draft_cache
+        position = len(state.tokens)  # of the first drafted token
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        forwards = 0
+        for i in range(window):
+            feed = state.pending if i == 0 else tokens[-1:]
+            logits = model(draft_tokens(model, feed), cache=cache, last=1)[0]
+            forwards += 1
+            doubtful = False
+            if self.need_probs:
+                q = self.distribution(logits)[0]
+                doubtful = q.max().item() < self.confidence
+                if doubtful and i == 0:
+                    break
+                q_rows.append(q)
+            tokens.append(sample(logits, [position + i], params, self.noise)[0])
+            if doubtful:
+                break
+        return Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's distribution over the target's vocabulary (softmax when greedy: the confidence rule)."""
+        q = probabilities(logits, self.params) if not self.params.greedy else logits.double().softmax(-1)
+        return torch.nn.functional.pad(q, (0, self.pad)) if self.pad else q
+
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        self.rollback(state, verdict.accepted)
+        if scores.draft.tokens and self.schedule == "heuristic":
+            full = verdict.accepted == len(scores.draft.tokens)
+            self.gamma = self.gamma + 2 if full else max(1, self.gamma - 1)
+
+    @staticmethod
+    def rollback(state: RequestState, accepted: int) -> None:
+        """Keep what the draft cache saw of the committed text; the rest becomes ``pending``."""
+        before = len(state.tokens) - accepted - 1  # committed length before the step
+        keep = min(len(state.draft_cache), before + accepted)
+        state.draft_cache.truncate(keep)
+        state.pending = state.tokens[keep:]
+
+
+class StreamProposer(ModelProposer):
+    """:class:`ModelProposer` with Speculative Streaming passes: each pass is verified by the draft's own main
+    stream, so the window equals the draft's plain autoregressive continuation, in fewer forwards."""
+
+    def __init__(self, draft: Transformer, adapters: StreamAdapters, target_vocab: int, params: SamplingParams,
+                 gamma: int, *, confidence: float = 0.0, rejection: bool = False,
+                 tree_k: int = DEFAULT_TREE_K) -> None:
+        super().__init__(draft, target_vocab, params, gamma, confidence=confidence, rejection=rejection)
+        self.adapters, self.tree_k = adapters, tree_k
+
+    def propose(self, state: RequestState, window: int | None = None) -> Draft:
+        window = min(self.gamma, state.room) if window is None else window
+        cache, position = state.draft_cache, len(state.tokens)
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        trunk, candidates, forwards, end = list(state.pending), [], 0, window
+        while len(tokens) < window:
+            depth = min(self.adapters.config.streams, window - len(tokens) - 1)
+            result = ss_pass(self.model, self.adapters, cache, trunk, candidates[:depth], self.params,
+                             noise=self.noise, tree_k=self.tree_k)
+            forwards += 1
+            new = [*result.accepted, result.next_token]
+            tokens += new
+            trunk, candidates = [new[-1]], result.candidates
+            if not self.need_probs:
+                continue
+            q_rows.extend(self.distribution(logits[None])[0] for logits in result.path_logits)
+            tops = [q.max().item() for q in q_rows[:window]]
+            if self.confidence > 0 and min(tops) < self.confidence:  # propose() stops at the first doubtful one
+                end = window_end(tops, self.confidence)
+                break
+        tokens, q_rows = tokens[:end], q_rows[:end]
+        cache.truncate(position + max(end, 1) - 1)
+        return Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)

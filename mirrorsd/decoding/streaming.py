@@ -1,0 +1,166 @@
+"""The Speculative Streaming forward (Bhendawade et al. 2024), shared by the ``ss`` method (the target verifies
+and drafts) and :class:`~mirrorsd.decoding.proposers.StreamProposer` (a draft that self-verifies).
+
+One pass, with committed text ending in a *trunk* of tokens the cache lacks (its last one is the root) and
+candidate tokens from the previous pass's streams: the tree is the trunk plus the Cartesian product of the
+top-k tokens of streams 1..γ (stream ``g`` at depth ``g``, every node under every node of the depth above:
+``1 + Σ k^g`` nodes). All nodes run layers ``[0, N - N_s)`` under a tree mask (ancestors only). At layer
+``N - N_s`` the pruning adapter's early exit scores each parent→child edge and drops children (with their
+subtrees) whose probability is under the threshold; ``γ`` streams are inserted beside every surviving node and
+the top ``N_s`` layers run with the MSA mask. The main stream verifies (:func:`mirrorsd.verify.verify_tree`);
+the streams of the last accepted node give the next tree's candidates, and the cache is compacted to the
+accepted path. Main rows use the base weights only (:mod:`mirrorsd.streams`), so the committed tokens are the
+model's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv_cache import KVCache
+from ..model import Transformer
+from ..sampling import Noise, SamplingParams
+from ..streams import StreamAdapters, msa_mask
+from ..verify import Verdict, verify_tree
+from .engine import Draft, draft_tokens
+
+DEFAULT_TREE_K = 3  # PMLR: γ = 3, k = 3 (a 40-node tree)
+
+
+def build_tree(trunk: list[int], candidates: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """Tokens, parents and depths (from the first trunk token) in breadth-first order: the trunk is a chain of
+    committed tokens the cache lacks (its last one is the root), then the Cartesian product of the candidates."""
+    tokens, parents, depths = list(trunk), list(range(-1, len(trunk) - 1)), list(range(len(trunk)))
+    level = [len(trunk) - 1]
+    for options in candidates:
+        nxt = []
+        for parent in level:
+            for token in options:
+                nxt.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(depths[parent] + 1)
+        level = nxt
+    return tokens, parents, depths
+
+
+def candidate_tree(candidates: list[list[int]]) -> Draft:
+    """A draft tree (root = the last committed token) from per-depth candidates."""
+    tokens, parents, _ = build_tree([0], candidates)
+    return Draft(tokens[1:], [p - 1 for p in parents[1:]])
+
+
+def ancestors(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n, n]``: node ``a`` sees node ``b`` iff ``b`` is ``a`` or one of its ancestors (parents come first)."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            anc[i] |= anc[parent]
+    return anc.to(device)
+
+
+@dataclass
+class TreeForward:
+    """One fused forward over ``trunk + tree``, before verification."""
+
+    past: int  # cache length before the pass
+    trunk: int  # trunk length (the root is node ``trunk - 1``)
+    nodes: int  # tree size before pruning, trunk included
+    kept: list[int]  # surviving nodes in order (the trunk always survives); their rows in ``out``
+    out: torch.Tensor  # [1, m + m·γ, d]: main rows of the kept nodes, then their stream rows
+    main_logits: torch.Tensor  # [m - root, vocab]: main logits from the root on
+    draft: Draft  # the surviving tree below the root, aligned with main_logits rows 1..
+
+    @property
+    def root_row(self) -> int:
+        return self.trunk - 1
+
+    def nodes_of(self, verdict: Verdict) -> list[int]:
+        """The verdict's accepted path as node indices of the unpruned tree."""
+        return [self.kept[self.trunk + i] for i in verdict.nodes]
+
+
+def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Draft,
+                  threshold: float = 0.0) -> TreeForward:
+    """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows."""
+    device = model.device
+    past = len(cache)
+    root = len(trunk) - 1
+    tokens = [*trunk, *tree.tokens]
+    parents = [*range(-1, root), *(root if p < 0 else p + len(trunk) for p in tree.parents or [])]
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    n = len(tokens)
+    anc = ancestors(parents, device)
+    positions = torch.tensor(depths, device=device) + past
+    low_mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), anc], 1).unsqueeze(0)
+    split = adapters.first_layer
+    hidden = model.run_layers(model.embed(draft_tokens(model, tokens)), positions[None], cache, low_mask, 0, split)
+
+    kept = list(range(n))
+    if threshold > 0 and n > len(trunk):
+        heads = sorted({parents[i] for i in range(len(trunk), n)})
+        probs = adapters.prune_logits(model, hidden[0, heads]).softmax(-1)
+        row = {h: r for r, h in enumerate(heads)}
+        alive = [True] * n
+        for i in range(len(trunk), n):
+            alive[i] = alive[parents[i]] and probs[row[parents[i]], tokens[i]].item() >= threshold
+        kept = [i for i in range(n) if alive[i]]
+
+    m, gamma = len(kept), adapters.config.streams
+    sub = torch.tensor(kept, device=device)
+    x = adapters.insert(hidden[:, sub])
+    up_positions = torch.cat([positions[sub], positions[sub].repeat_interleave(gamma)])[None]
+    up_mask = msa_mask(anc[sub][:, sub], past, gamma)
+    out = model.run_layers(x, up_positions, cache, up_mask, split, None, streams=adapters.rows(m * gamma))
+    where = {node: r for r, node in enumerate(kept)}
+    below = kept[len(trunk):]
+    draft = Draft([tokens[i] for i in below],
+                  [-1 if parents[i] == root else where[parents[i]] - len(trunk) for i in below])
+    return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m]), draft)
+
+
+def next_candidates(model: Transformer, adapters: StreamAdapters, forward: TreeForward, verdict: Verdict,
+                    tree_k: int) -> list[list[int]]:
+    """Top-k of streams 1..γ at the last accepted node: the next tree."""
+    gamma, m = adapters.config.streams, len(forward.kept)
+    last = forward.trunk + verdict.nodes[-1] if verdict.accepted else forward.root_row
+    logits = model.logits(forward.out[0, m + last * gamma: m + (last + 1) * gamma])
+    return logits.topk(min(tree_k, logits.shape[-1]), dim=-1).indices.tolist()
+
+
+def compact(model: Transformer, adapters: StreamAdapters, cache: KVCache, forward: TreeForward,
+            verdict: Verdict) -> None:
+    """The cache keeps the trunk and the accepted path, in both layer groups (their trees differ after
+    pruning: the bottom layers saw every node, the top ones the kept nodes only)."""
+    path = [*range(forward.trunk), *forward.nodes_of(verdict)]
+    where = {node: r for r, node in enumerate(forward.kept)}
+    split = adapters.first_layer
+    cache.compact(forward.past, path, range(split))
+    cache.compact(forward.past, [where[i] for i in path], range(split, model.config.n_layers))
+
+
+@dataclass
+class PassResult:
+    accepted: list[int]  # tree tokens accepted after the root
+    next_token: int  # the model's token after the last accepted node
+    candidates: list[list[int]]  # top-k of streams 1..γ at that node: the next tree
+    path_logits: torch.Tensor  # [accepted + 1, vocab] main logits that chose accepted + next_token
+
+
+def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int],
+            candidates: list[list[int]], params: SamplingParams, *, noise: int = Noise.TARGET,
+            threshold: float = 0.0, tree_k: int = DEFAULT_TREE_K) -> PassResult:
+    """One self-verified pass: verify the tree under ``trunk[-1]``, draft the next one, compact."""
+    forward = fused_forward(model, adapters, cache, trunk, candidate_tree(candidates), threshold)
+    verdict = verify_tree(forward.draft.tokens, forward.draft.parents, forward.main_logits,
+                          forward.past + forward.trunk, params, noise)
+    chose = [0, *(i + 1 for i in verdict.nodes)]
+    result = PassResult([forward.draft.tokens[i] for i in verdict.nodes], verdict.next_token,
+                        next_candidates(model, adapters, forward, verdict, tree_k), forward.main_logits[chose])
+    compact(model, adapters, cache, forward, verdict)
+    return result

@@ -1,0 +1,71 @@
+"""Dependencies point down: no module imports one from a higher layer (function-level imports included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import mirrorsd
+
+PACKAGE = Path(mirrorsd.__file__).parent
+
+# Bottom to top. A module may import its own layer and the ones below it.
+LAYERS = [
+    {"errors", "cache", "quant", "sampling", "kv_cache", "kernels", "linear", "gguf_weights", "model", "streams",
+     "verify", "runtime"},  # the model, its kernels and the executors
+    {"decoding"},  # the loop, the roles, the methods and their registry
+    {"zoo", "plans", "specbench", "api"},  # loading models and the HF-like API
+    {"perplexity", "quality", "train_streams"},  # tools on the API
+    {"bench"},  # benchmarks and the planner
+    {"cli", "__init__", "__main__"},  # the command line and the package's public names
+]
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[0]
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"mirrorsd.{module} is in no layer of tests/test_layers.py; add it where it belongs")
+
+
+def imports(source: str, package: list[str]) -> list[tuple[int, str]]:
+    """(line, module relative to mirrorsd) of every mirrorsd import in ``source``, a module of the subpackage
+    ``package`` (``[]`` for top-level modules)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                names = [*base, *(node.module.split(".") if node.module else [])]
+                if node.module:
+                    out.append((node.lineno, ".".join(names)))
+                else:  # from . import x, y
+                    out.extend((node.lineno, ".".join([*names, a.name])) for a in node.names)
+            elif node.module and node.module.split(".")[0] == "mirrorsd":
+                rest = node.module.split(".")[1:]
+                if rest:
+                    out.append((node.lineno, ".".join(rest)))
+                else:
+                    out.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name.split(".", 1)[1]) for a in node.names
+                       if a.name.startswith("mirrorsd.") )
+    return out
+
+
+def test_no_module_imports_an_upper_layer():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        own = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        for line, module in imports(path.read_text(encoding="utf-8"), list(path.relative_to(PACKAGE).parts[:-1])):
+            if module and layer_of(module) > layer_of(own):
+                upward.append(f"mirrorsd/{path.relative_to(PACKAGE)}:{line} imports mirrorsd.{module}")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_the_checker_sees_upward_imports_in_functions_too():
+    source = "import torch\n\ndef f():\n    from ..api import generate\n    from mirrorsd.bench import plan\n"
+    found = imports(source, ["decoding"])
+    assert found == [(4, "api"), (5, "bench")]
+    assert all(layer_of(m) > layer_of("decoding") for _, m in found)
