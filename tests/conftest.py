@@ -82,3 +82,13 @@ def assert_same_or_near_tie(model: Transformer, prompt: list[int], got: list[int
         logits = model(torch.tensor([prompt + want[:i]]))[0, -1]
     gap = abs(logits[got[i]].item() - logits[want[i]].item())
     assert gap < max_gap, f"tokens differ at {i}: {got[i]} vs {want[i]}, logit gap {gap:.3g} is not a near-tie"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on SmolLM2's real weights (the ``smollm2`` fixture or ``requires_smollm2``) is marked ``real``,
+    so ``-m "not real and not slow"`` leaves the random-weight loop."""
+    reason = requires_smollm2.kwargs["reason"]
+    for item in items:
+        uses_weights = "smollm2" in getattr(item, "fixturenames", ())
+        if uses_weights or any(m.name == "skipif" and m.kwargs.get("reason") == reason for m in item.iter_markers()):
+            item.add_marker(pytest.mark.real)
