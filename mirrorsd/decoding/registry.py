@@ -9,7 +9,7 @@ A new method is one new module that calls :func:`register` (see ``tests/test_reg
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -203,7 +203,3 @@ def methods() -> list[Method]:
 
 def get_method(name: str) -> Method:
     return Registry.get(name)
-
-
-def names() -> Iterable[str]:
-    return [m.name for m in Registry.all()]
