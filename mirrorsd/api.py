@@ -173,12 +173,11 @@ def _shipped_streams(model: LoadedModel) -> Path:
 
 def _planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
              options: dict[str, Any]) -> tuple[str, dict[str, Any], LoadedModel | Transformer | None]:
-    """``method="auto"``: the configuration `mirrorsd plan` recommended for this pair on this machine; options
-    given explicitly win over the plan's."""
-    from .plans import load_plan
+    """``method="auto"``: the configuration `mirrorsd plan` recommended for this pair on this machine (planned
+    briefly now on first use); options given explicitly win over the plan's."""
+    from .plans import plan_for
 
-    draft_name = _as_loaded(draft).name if draft is not None else None
-    recommended = load_plan(target.name, draft_name)["recommended"]
+    recommended = plan_for(target, _as_loaded(draft) if draft is not None else None)["recommended"]
     method = recommended["method"]
     return method, {**recommended["options"], **options}, draft if get_method(method).needs_draft else None
 

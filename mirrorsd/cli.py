@@ -474,8 +474,8 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="zoo model name or local HF folder")
     if methods:
-        p.add_argument("--methods", default="ar,sd,mirror,ss,hf-assisted,hf-pld,llama-server",
-                       help="comma-separated: ar, sd, mirror, ss, hf-ar, hf-assisted, hf-pld, llama-server, "
+        p.add_argument("--methods", default="ar,suffix,sd,mirror,ss,hf-assisted,hf-pld,llama-server",
+                       help="comma-separated: ar, suffix, sd, mirror, ss, hf-ar, hf-assisted, hf-pld, llama-server, "
                             "llama-server-ar; options as KIND:key=value:key=value, a label as LABEL=KIND:... "
                             "(e.g. mirror:roots=budget:backend=threads). References (ar, hf-ar, llama-server-ar) "
                             "are added as needed")
@@ -483,7 +483,8 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
                        help="llama.cpp's llama-server binary (default: $MIRRORSD_LLAMA_SERVER or PATH; skipped "
                             "with a note when absent)")
     p.add_argument("--suite", default="specbench:1",
-                   help="specbench (all 480), specbench:N (N questions per task group, spread evenly) or a JSONL "
+                   help="specbench (all 480), specbench:N (N questions per task group, spread evenly), assist "
+                        "(12 editing / refactoring / answer-from-context prompts) or a JSONL "
                         'file of {"turns": [...]} / {"prompt": ...}')
     p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per turn")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (Spec-Bench's setting)")
@@ -674,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--models", default="all", help="comma-separated zoo names or folders, or 'all' (the zoo)")
     bq.add_argument("--formats", default="q4/int8,q4/int8x2,q8/int8,q8/int8x2",
                     help="comma-separated WEIGHTS/ACTIVATIONS formats scored against fp32")
-    bq.add_argument("--suite", default="specbench:4", help="questions: specbench[:N] or FILE.jsonl")
+    bq.add_argument("--suite", default="specbench:4", help="questions: specbench[:N], assist or FILE.jsonl")
     bq.add_argument("--answer-tokens", type=int, default=64, help="most tokens of each fp32 answer")
     bq.add_argument("--out", required=True, help="output folder")
     bq.set_defaults(func=_cmd_bench_quality)
@@ -687,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--target", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
     pl.add_argument("--draft", default=DEFAULT_DRAFT, help="zoo model name or local HF folder")
     pl.add_argument("--weights", choices=WEIGHT_FORMATS, help="weight format (default: as generate)")
-    pl.add_argument("--suite", default="specbench:1", help="calibration prompts: specbench[:N] or FILE.jsonl")
+    pl.add_argument("--suite", default="specbench:1", help="calibration prompts: specbench[:N], assist or FILE.jsonl")
     pl.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")
     pl.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
     pl.add_argument("--out", help="plan file (default: the cache's plans/ folder, where --method auto looks)")

@@ -12,7 +12,7 @@ meaning "may attend"; ``past`` is the number of positions the cache already hold
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -468,11 +468,13 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         mask: torch.Tensor | None = None,
         last: int | None = None,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits ``[rows, T, vocab]`` for a window; positions default to continuing the cache.
 
         ``last=n`` returns only the last ``n`` rows' logits: the LM head is the largest matrix of a small
-        model, so a prefill or a draft catch-up should not pay it for rows nobody reads.
+        model, so a prefill or a draft catch-up should not pay it for rows nobody reads. ``head``: another
+        head on the normed states (a draft's reduced vocabulary, :mod:`mirrorsd.draft_vocab`).
         """
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
@@ -482,7 +484,8 @@ class Transformer(nn.Module):
         elif positions.dim() == 1:
             positions = positions.unsqueeze(0).expand_as(tokens)
         hidden = self.run_layers(self.embed(tokens), positions, cache, mask)
-        return self.logits(hidden if last is None else hidden[:, -last:])
+        hidden = hidden if last is None else hidden[:, -last:]
+        return self.logits(hidden) if head is None else head(self.norm(hidden))
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> None:
         """Fill the cache with a prompt's keys and values; no logits (the LM head is skipped entirely)."""

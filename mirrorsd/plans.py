@@ -1,18 +1,29 @@
 """Saved plans: where `mirrorsd plan` writes its recommendation and ``method="auto"`` reads it (below the API,
-so the API never imports the benchmark layer)."""
+so the API never imports the benchmark layer: the package installs the planner with :func:`set_planner`)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .cache import cache_dir
 
+Planner = Callable[[Any, Any], dict[str, Any]]  # (target, draft) loaded models -> the saved plan's dict
+_planner: Planner | None = None
+
 
 def plan_path(target: str, draft: str | None) -> Path:
     safe = lambda s: "".join(c if c.isalnum() or c in "._-" else "_" for c in s)  # noqa: E731
     return cache_dir() / "plans" / f"{safe(target)}__{safe(draft or 'none')}.json"
+
+
+def set_planner(planner: Planner | None) -> None:
+    """What :func:`plan_for` runs when no plan is saved yet (``mirrorsd`` installs the quick planner)."""
+    global _planner
+    _planner = planner
 
 
 def load_plan(target: str, draft: str | None) -> dict[str, Any]:
@@ -21,3 +32,15 @@ def load_plan(target: str, draft: str | None) -> dict[str, Any]:
         raise FileNotFoundError(f"no saved plan for target {target} and draft {draft} on this machine ({path}); "
                                 f"run `mirrorsd plan --target {target} --draft {draft}` first")
     return json.loads(path.read_text())
+
+
+def plan_for(target: Any, draft: Any) -> dict[str, Any]:
+    """The saved plan for this pair, or, on first use, a quick one made now and saved (said on stderr)."""
+    draft_name = draft.name if draft is not None else None
+    path = plan_path(target.name, draft_name)
+    if path.is_file() or _planner is None:
+        return load_plan(target.name, draft_name)
+    print(f"mirrorsd: no plan for {target.name} + {draft_name or 'no draft'} on this machine yet: planning "
+          f"briefly (about a minute) and saving it to {path}; `mirrorsd plan` plans more thoroughly",
+          file=sys.stderr, flush=True)
+    return _planner(target, draft)

@@ -2,6 +2,10 @@
 
 Task groups follow Spec-Bench: the eight MT-Bench categories pooled as ``mt_bench``, then translation,
 summarization, qa, math_reasoning and rag (80 questions each).
+
+``assist`` is a small suite of our own (``mirrorsd/data/assist``, 4 prompts each of ``editing``,
+``refactoring`` and ``from_context``): what coding assistants and retrieval pipelines send -- a passage or a file and an
+instruction to rewrite it or answer from it, where much of the answer repeats the prompt.
 """
 
 from __future__ import annotations
@@ -45,11 +49,20 @@ def subset(per_group: int) -> list[Question]:
     return chosen
 
 
+def load_assist() -> list[Question]:
+    text = resources.files("mirrorsd.data.assist").joinpath("questions.jsonl").read_text(encoding="utf-8")
+    return [Question(q["question_id"], q["category"], tuple(q["turns"]))
+            for q in map(json.loads, text.splitlines()) if q]
+
+
 def load_suite(spec: str) -> list[Question]:
-    """``specbench`` (all 480), ``specbench:N`` (:func:`subset`) or a JSONL file of Spec-Bench-style questions
-    (``turns`` or ``prompt``; optional ``question_id`` and ``category``, default the line number and ``custom``)."""
+    """``specbench`` (all 480), ``specbench:N`` (:func:`subset`), ``assist`` (our editing / refactoring / RAG
+    prompts) or a JSONL file of Spec-Bench-style questions (``turns`` or ``prompt``; optional ``question_id``
+    and ``category``, default the line number and ``custom``)."""
     if spec == "specbench":
         return load_questions()
+    if spec == "assist":
+        return load_assist()
     if spec.startswith("specbench:"):
         try:
             return subset(int(spec.removeprefix("specbench:")))
@@ -57,7 +70,8 @@ def load_suite(spec: str) -> list[Question]:
             raise ValueError(f"--suite specbench:N needs a positive number of questions per group ({e})") from None
     path = Path(spec)
     if not path.is_file():
-        raise FileNotFoundError(f"--suite {spec!r}: not 'specbench', 'specbench:N' or an existing JSONL file")
+        raise FileNotFoundError(f"--suite {spec!r}: not 'specbench', 'specbench:N', 'assist' or an existing JSONL "
+                                "file")
     questions = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():

@@ -49,7 +49,7 @@ def test_prompt_over_context_is_a_clear_error(tiny):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"method": "beam"}, "method must be one of ar, sd, mirror, ss"),
+        ({"method": "beam"}, "method must be one of ar, suffix, sd, mirror, ss"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"temperature": -0.5}, "temperature"),
         ({"method": "ar", "draft": "x"}, "does not use a draft"),

@@ -138,7 +138,8 @@ def no_loading(monkeypatch):
         (["--method", "sd", "--confidence", "abc"], "--confidence must be a number, got 'abc'"),
         (["--method", "mirror", "--threads", "x"], "--threads must be TARGET,DRAFT thread counts"),
         (["--method", "mirror", "--budget", "3"], "--budget takes a number of roots"),
-        (["--method", "ar", "--gamma", "5"], "--gamma does not apply to --method ar (it is an option of: sd, mirror"),
+        (["--method", "ar", "--gamma", "5"],
+         "--gamma does not apply to --method ar (it is an option of: suffix, sd, mirror"),
         (["--method", "ar", "--confidence", "0.9"], "--confidence does not apply to --method ar"),
         (["--method", "sd", "--kappa", "2"], "--kappa does not apply to --method sd (it is an option of: mirror)"),
         (["--method", "ss", "--gamma", "3"], "--gamma does not apply to --method ss"),
@@ -161,7 +162,7 @@ def test_help_shows_every_methods_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "(default: sd: 20, mirror: 7" in out  # --gamma, per method (test methods may follow)
+    assert "(default: suffix: 16, sd: 20, mirror: 7" in out  # --gamma, per method (test methods may follow)
     assert "(default: ss: the target's shipped adapter)" in out
     assert "(default: cpu)" in out and "(default: 128)" in out
 

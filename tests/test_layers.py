@@ -12,7 +12,7 @@ PACKAGE = Path(mirrorsd.__file__).parent
 # Bottom to top. A module may import its own layer and the ones below it.
 LAYERS = [
     {"errors", "cache", "quant", "sampling", "kv_cache", "kernels", "linear", "gguf_weights", "model", "streams",
-     "verify", "runtime"},  # the model, its kernels and the executors
+     "verify", "runtime", "draft_vocab"},  # the model, its kernels and the executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api"},  # loading models and the HF-like API
     {"perplexity", "quality", "train_streams"},  # tools on the API

@@ -13,11 +13,17 @@ one forward). Per decoding step (``w`` = window + 1 tokens verified, γ draft st
   Eq. 10 leaves out. The ``serial`` backend adds Δ and the rollout instead of overlapping them; ``threads``
   uses costs measured with the cores split between target and draft (each alone: contention for memory
   bandwidth while both run is not in the model, so this is an upper bound).
+* ``suffix`` and the ``sd`` hybrid (``suffix_match``): acceptance depends on how much the text repeats, so
+  these are priced by running them briefly on the calibration prompts and adding up their recorded steps with
+  the method's cost model (a suffix window costs its verification ``T(w)`` only).
 * ``ss``: a pass runs the whole tree (``n`` nodes) through the bottom layers, and the ``m`` nodes kept by pruning
   with their ``m·γ_s`` stream rows through the top ``N_s``: ``(1 − N_s/N)·T(n) + (N_s/N)·T(m·(1 + γ_s))``.
 
 Tokens per step come from measured acceptance: E[A](γ) = Σ_i Π_{j≤i} p_j from the probe's per-position
 acceptance, and fallback frequencies per κ × ℓe from the probe's exit ranks (see :mod:`.probe`).
+
+The recommendation is ``ar`` unless a candidate is predicted at least ``MARGIN`` faster: ``auto`` must never
+lose to plain decoding because of a prediction error.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ from .metrics import expected_accepted
 
 TARGET_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_KS = (1, 2, 4, 8, 16, 32, 64, 128)
+MARGIN = 1.1  # predicted speed over ar's that a recommendation needs
+SUFFIX_CONFIGS = ({}, {"factor": 2.0})  # suffix configurations the planner prices by running them
+HYBRID_MATCHES = (3,)  # sd's suffix_match values it prices by running them, with the best analytic sd window
 
 
 @dataclass
@@ -213,7 +222,8 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
     if costs.draft_ms:
         for g in gammas:
             tokens = expected_accepted(per_position, g) + 1
-            out.append(Candidate("sd", {"gamma": g, "confidence": 0.0}, tokens, cost("sd", {"drafted": g}, gamma=g)))
+            options = {"gamma": g, "confidence": 0.0, "suffix_match": 0}  # the probe measured the draft alone
+            out.append(Candidate("sd", options, tokens, cost("sd", {"drafted": g}, **options)))
             for e, by_kappa in fallback.items():
                 for k in kappas:
                     if k not in by_kappa:
@@ -233,6 +243,33 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
     return out
 
 
+def calibrated(target, draft, prompts: Sequence[list[int]], max_new: int, costs: Costs, kind: str,
+               options: dict[str, Any]) -> Candidate:
+    """A candidate priced from its own short runs: tokens per step as measured, step time from its cost model
+    over the recorded steps (``suffix`` looks at each prompt alone: no flattering repeats of earlier runs)."""
+    import mirrorsd
+
+    method = get_method(kind)
+    opts = method.options.parse(options, kind)
+    steps: list[dict[str, Any]] = []
+    tokens = 0
+    for ids in prompts:
+        shared = {"shared": "none"} if kind == "suffix" else {}
+        g = mirrorsd.generate(target, ids, method=kind, draft=draft if method.needs_draft else None,
+                              max_new_tokens=max_new, **options, **shared)
+        steps += g.stats.step_log
+        tokens += g.stats.new_tokens
+    ms = sum(method.step_cost(costs, step, opts) for step in steps)
+    return Candidate(kind, options, tokens / len(steps), ms / len(steps))
+
+
+def recommend(ranked: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
+    """The fastest candidate, unless it is not ``margin`` faster than ``ar``."""
+    ar = next(c for c in ranked if c.method == "ar")
+    best = max(ranked, key=lambda c: c.tokens_per_s)
+    return best if best.tokens_per_s >= margin * ar.tokens_per_s else ar
+
+
 @dataclass
 class Plan:
     target: str
@@ -242,9 +279,7 @@ class Plan:
     probe: dict[str, Any]
     ranked: list[dict[str, Any]] = field(default_factory=list)
 
-    @property
-    def recommended(self) -> dict[str, Any]:
-        return self.ranked[0]
+    recommended: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "draft": self.draft, "machine": self.machine, "costs": self.costs.to_dict(),
@@ -282,8 +317,9 @@ def _ss_calibration(target, prompts: Sequence[list[int]], max_new: int) -> dict[
 
 
 def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int = 48,
-              progress: bool = True) -> Plan:
-    """Measure costs, probe acceptance on ``prompts`` ((group, ids) pairs), rank every candidate."""
+              progress: bool = True, quick: bool = False) -> Plan:
+    """Measure costs, probe acceptance on ``prompts`` ((group, ids) pairs), rank every candidate. ``quick``:
+    fewer window sizes and rounds, no split-thread tables and no hybrid runs (``method="auto"``'s first use)."""
     from .probe import EXITS, run_probe
     from .runner import machine
 
@@ -291,18 +327,39 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     exits = {name: min(n - 1, max(1, round(f * n))) for name, f in EXITS.items()}
     if progress:
         print("measuring forward costs…", flush=True)
+    sizes = dict(rounds=3, target_ks=(1, 2, 4, 8, 16), draft_ks=(1, 2, 4, 8, 16, 32, 64)) if quick else {}
     costs = measure_costs(target.model, draft.model if draft else None, sorted(set(exits.values())),
-                          split=split_threads())
+                          split=None if quick else split_threads(), **sizes)
     probe = run_probe(target, draft, prompts, max_new, exits=EXITS, progress=progress) if draft else None
     per_position = probe.per_position() if probe else []
     fallback = {exits[name]: row for name, row in probe.fallback().items()} if probe else {}
     if progress:
-        print("calibrating Speculative Streaming…", flush=True)
+        print("calibrating Speculative Streaming and suffix decoding…", flush=True)
     ss = _ss_calibration(target, [ids for _, ids in prompts[:2]], min(32, max_new))
-    ranked = sorted(candidates(costs, per_position, fallback, ss=ss), key=lambda c: -c.tokens_per_s)
-    rows = [{"method": c.method, "options": c.options, "label": c.label(),
-             "predicted_tokens_per_s": round(c.tokens_per_s, 3), "tokens_per_step": round(c.tokens_per_step, 3),
-             "step_ms": round(c.step_ms, 3)} for c in ranked]
+    found = candidates(costs, per_position, fallback, ss=ss)
+    ids = [i for _, i in prompts]
+    found += [calibrated(target, None, ids, max_new, costs, "suffix", dict(o)) for o in SUFFIX_CONFIGS]
+    sd = max((c for c in found if c.method == "sd"), key=lambda c: c.tokens_per_s, default=None)
+    if sd is not None and not quick:
+        found += [calibrated(target, draft, ids, max_new, costs, "sd", {**sd.options, "suffix_match": m})
+                  for m in HYBRID_MATCHES]
+    ranked = sorted(found, key=lambda c: -c.tokens_per_s)
+    row = lambda c: {"method": c.method, "options": c.options, "label": c.label(),  # noqa: E731
+                     "predicted_tokens_per_s": round(c.tokens_per_s, 3),
+                     "tokens_per_step": round(c.tokens_per_step, 3), "step_ms": round(c.step_ms, 3)}
     m = machine()
     return Plan(target.name, draft.name if draft else None, f"{m['cpu']}, {m['torch_threads']} threads",
-                costs, {**(probe.to_dict() if probe else {}), "ss": ss}, rows)
+                costs, {**(probe.to_dict() if probe else {}), "ss": ss}, [row(c) for c in ranked],
+                row(recommend(ranked)))
+
+
+def quick_plan(target, draft) -> dict[str, Any]:
+    """``method="auto"``'s first use: a brief plan on three Spec-Bench prompts, saved where auto looks."""
+    from ..api import encode_chat
+    from ..specbench import load_suite
+
+    prompts = [(q.group, encode_chat(target, [{"role": "user", "content": q.turns[0]}]))
+               for q in load_suite("specbench:1")[:3]]
+    plan = make_plan(target, draft, prompts, max_new=24, progress=False, quick=True)
+    plan.save()
+    return plan.to_dict()

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding import get_method, methods
+from ..decoding.suffix_index import clear_shared_indexes
 from ..errors import OptionError
 from ..runtime.executors import split_threads
 from ..specbench import GROUPS, Question, load_suite
@@ -266,6 +267,9 @@ class Bench:
 
         messages: list[dict[str, str]] = []
         turns = []
+        # Every method answers every question in every run: an index of earlier outputs would hold this very
+        # answer (another method's, or an earlier run's), so each answer starts from an empty one.
+        clear_shared_indexes()
         for text in question.turns:
             messages.append({"role": "user", "content": text})
             ids = encode_chat(self.target, messages)
@@ -368,6 +372,8 @@ class Bench:
 
     def results(self, costs: plan.Costs | None, probe_result: dict | None) -> dict[str, Any]:
         answers = self.answers
+        present = {a.group for a in answers}
+        groups = [*(g for g in GROUPS if g in present), *sorted(present - set(GROUPS))]
         summary = {}
         for spec in self.methods:
             s: dict[str, Any] = {
@@ -375,7 +381,7 @@ class Bench:
                 "tokens_per_s": metrics.tokens_per_second(answers, spec.label),
                 "speedup": metrics.speedups(answers, spec.label, "ar"),
                 "mean_accepted_tokens": metrics.mean_accepted_tokens(answers, spec.label),
-                "mat_by_group": {g: metrics.mean_accepted_tokens(answers, spec.label, g) for g in GROUPS},
+                "mat_by_group": {g: metrics.mean_accepted_tokens(answers, spec.label, g) for g in groups},
                 "per_position_acceptance": metrics.per_position_acceptance(answers, spec.label),
                 "lossless": metrics.lossless_summary(answers, spec.label),
                 **metrics.method_extras(answers, spec.label),

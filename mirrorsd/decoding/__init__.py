@@ -2,7 +2,7 @@
 
 # Importing a method module registers it; this order is the listing order.
 from . import ar, sd  # noqa: F401, I001
-from . import mirror, ss  # noqa: F401
+from . import suffix, mirror, ss  # noqa: F401
 from .engine import DecodeRequest, Draft, GenerationStats, RequestState, Roles, Scores
 from .registry import Method, MethodOptions, ModelShape, OptionError, get_method, methods, option, register
 

@@ -40,8 +40,9 @@ from ..sampling import SamplingParams, probabilities, sample
 from ..streams import load_adapters
 from ..verify import ACCEPTANCE_RULES, Verdict
 from .engine import VERIFIERS, ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, draft_tokens
-from .proposers import ModelProposer, StreamProposer, check_draft, window_end
+from .proposers import ModelProposer, StreamProposer, check_draft, draft_vocab_option, window_end
 from .registry import MethodOptions, ModelShape, OptionError, at_least, option, probability, register
+from .suffix import SuffixOptions, SuffixProposer, suffix_match_option, suffix_proposer
 
 DEFAULT_GAMMA = 7  # the paper's window
 DEFAULT_KAPPA = 8  # the paper's top-κ at batch size 1
@@ -92,10 +93,14 @@ class MirrorOptions(MethodOptions):
     draft_streams: Any = option(None, "draft with Speculative Streaming: fresh rollouts take several tokens per "
                                 "draft forward (the same tokens). ADAPTER is a folder; alone, the draft's shipped "
                                 "adapter", parse=str, metavar="ADAPTER", const="auto", default_text="an AR draft")
+    suffix_match: int = suffix_match_option()
+    draft_vocab: int = draft_vocab_option()
 
     def check(self, shape: ModelShape | None) -> None:
         if self.budget is not None and self.roots != "budget":
             raise OptionError("budget", "takes a number of roots with roots='budget'")
+        if self.draft_vocab and self.draft_streams is not None:
+            raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams")
         if self.threads is not None and self.backend not in ("threads", "devices"):
             raise OptionError("threads", "applies to backend='threads' (or 'devices')")
         if isinstance(self.exit_layer, float) and not self.exit_layer.is_integer() and not 0 < self.exit_layer < 1:
@@ -259,23 +264,30 @@ class BranchProposer:
     scorer at the early exit, and, on the verdict, the branch the correction selects (hit) or a fresh rollout
     at the next step (miss). A failing draft degrades the request to target-only decoding."""
 
-    def __init__(self, run: MirrorRun, fresh: ModelProposer) -> None:
+    def __init__(self, run: MirrorRun, fresh: ModelProposer, lookup: SuffixProposer | None = None,
+                 min_match: int = 0) -> None:
         self.run, self.fresh, self.model = run, fresh, fresh.model
+        self.lookup, self.min_match = lookup, min_match  # the suffix hybrid: a long match replaces a fresh rollout
         self.rejection, self.confidence, self.params = fresh.rejection, fresh.confidence, fresh.params
         self.ready: Draft | None = None  # the next window, when a branch was kept
         self.future: Future[Tree] | None = None
         self.failed = False
+        self.source = "model"  # who drafted the last window: "branch", "suffix" or "model" (a fresh rollout)
 
     def start(self, state: RequestState) -> None:
-        pass
+        if self.lookup is not None:
+            self.lookup.start(state)
 
     def propose(self, state: RequestState) -> Draft:
         if self.ready is not None:
-            window, self.ready = self.ready, None
+            window, self.ready, self.source = self.ready, None, "branch"
             return window
         start = time.perf_counter()
-        window = Draft()
-        if not self.failed and min(self.fresh.gamma, state.room) > 0:
+        window, self.source = Draft(), "model"
+        if self.lookup is not None:
+            window = self.lookup.propose(state, self.min_match)
+            self.source = "suffix" if window.tokens else "model"
+        if not window.tokens and not self.failed and min(self.fresh.gamma, state.room) > 0:
             try:
                 with self.run.tracer.span("draft", "fresh rollout"):
                     window = self.fresh.propose(state)
@@ -287,28 +299,32 @@ class BranchProposer:
         return window
 
     def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
-        self.future = self.run.executor.submit(partial(self.rollout, len(state.tokens), window, roots, steps, state))
+        # What the draft cache lacks of the spine (the committed text and the window): the window's last token
+        # after a model draft; more after a suffix draft, or when the cache lags behind suffix steps.
+        spine = [*state.tokens, *window][len(state.draft_cache):]
+        self.future = self.run.executor.submit(
+            partial(self.rollout, len(state.tokens), window, spine, roots, steps, state))
 
-    def rollout(self, committed: int, window: list[int], roots: list[tuple[int, int]], steps: int,
-                state: RequestState) -> Tree:
+    def rollout(self, committed: int, window: list[int], spine: list[int], roots: list[tuple[int, int]],
+                steps: int, state: RequestState) -> Tree:
         with self.run.tracer.span("draft", "rollout", roots=len(roots), steps=steps) as span:
-            tree = self._rollout(state, committed, window, roots, steps)
+            tree = self._rollout(state, committed, window, spine, roots, steps)
         tree.span = span
         return tree
 
-    def _rollout(self, state: RequestState, committed: int, window: list[int], roots: list[tuple[int, int]],
-                 steps: int) -> Tree:
+    def _rollout(self, state: RequestState, committed: int, window: list[int], spine_feed: list[int],
+                 roots: list[tuple[int, int]], steps: int) -> Tree:
         """γ tokens after every root, one batched tree-masked forward per step over the shared cache.
 
-        ``committed`` is the length of the committed text (through ``a``); the cache holds it plus
-        ``window[:-1]``. Root ``(j, v)`` sits at position ``committed + j`` and sees the spine up to ``d_j``.
+        ``committed`` is the length of the committed text (through ``a``); the cache holds the spine (that text
+        and ``window``) but ``spine_feed``, which the first step feeds causally. Root ``(j, v)`` sits at
+        position ``committed + j`` and sees the spine up to ``d_j``.
         """
         model, cache, params = self.model, state.draft_cache, self.params
         device = model.device
-        spine_feed = window[-1:]
-        if len(cache) != committed + max(len(window) - 1, 0):
-            raise RuntimeError(f"draft cache holds {len(cache)} positions, expected "
-                               f"{committed + max(len(window) - 1, 0)}")
+        if len(cache) + len(spine_feed) != committed + len(window):
+            raise RuntimeError(f"draft cache holds {len(cache)} positions and {len(spine_feed)} are fed, expected "
+                               f"{committed + len(window)} in all")
         n_roots, past = len(roots), len(cache)
         base = past + len(spine_feed)  # == committed + len(window)
         sees_spine = torch.tensor([committed + j for j, _ in roots], device=device)  # root (j, v) sees [0, L+j)
@@ -323,15 +339,16 @@ class BranchProposer:
             total = base + (step + 1) * n_roots
             cols = torch.arange(total, device=device)
             mask = torch.zeros(1, lead + n_roots, total, dtype=torch.bool, device=device)
-            if lead:
-                mask[0, 0, : past + 1] = True  # d_w extends the spine causally
+            for i in range(lead):
+                mask[0, i, : past + i + 1] = True  # the spine's missing tokens, causally
             rows = mask[0, lead:]
             rows |= cols.unsqueeze(0) < sees_spine.unsqueeze(1)
             for s in range(step + 1):  # the branch's own earlier inputs and itself
                 rows[branch_rows, base + s * n_roots + branch_rows] = True
             positions = torch.cat([torch.arange(past, past + lead, device=device), root_pos + step]).unsqueeze(0)
             hidden = model.run_layers(model.embed(draft_tokens(model, feed)), positions, cache, mask)
-            logits = model.logits(hidden[0, lead:])
+            rows = hidden[0, lead:]
+            logits = model.logits(rows) if self.fresh.head is None else self.fresh.head(model.norm(rows))
             if self.fresh.need_probs:
                 q = probabilities(logits, params) if not params.greedy else logits.double().softmax(-1)
                 if top_probs is not None:
@@ -348,6 +365,8 @@ class BranchProposer:
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         """The final rendezvous: wait for the rollout, keep the branch the correction selects, or fall back."""
+        if self.lookup is not None:
+            self.lookup.feedback(state, scores, verdict)
         tree, future, self.future = None, self.future, None
         if future is not None:
             try:
@@ -563,12 +582,13 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     vocab, rejection = req.target.config.vocab_size, opts.acceptance == "rejection"
     if opts.draft_streams is None:
         fresh = ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,
-                              rejection=rejection)
+                              rejection=rejection, vocab=opts.draft_vocab)
     else:
         fresh = StreamProposer(req.draft, load_adapters(req.draft, opts.draft_streams), vocab, req.sampling,
                                opts.gamma, confidence=opts.confidence, rejection=rejection)
     run.stats.draft_streams = opts.draft_streams is not None
-    proposer = BranchProposer(run, fresh)
+    lookup = suffix_proposer(req, SuffixOptions(), gamma=opts.gamma, rejection=rejection) if opts.suffix_match else None
+    proposer = BranchProposer(run, fresh, lookup, opts.suffix_match)
     scorer = EarlyExitScorer(run, req.target, proposer)
     verify = VERIFIERS[opts.acceptance]
 
@@ -579,9 +599,15 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
 
     def log(scores: Scores, verdict: Verdict) -> dict[str, Any]:
         r = run.record
-        return {"roots": r.roots, "hit": r.hit, "gamma": opts.gamma, "exit_layer": exit_layer}
+        return {"roots": r.roots, "hit": r.hit, "gamma": opts.gamma, "exit_layer": exit_layer,
+                "source": proposer.source}
 
-    return Roles(proposer, scorer, verifier, gamma=opts.gamma, close=executor.close, log=log)
+    def close() -> None:
+        executor.close()
+        if lookup is not None:
+            lookup.close()
+
+    return Roles(proposer, scorer, verifier, gamma=opts.gamma, close=close, log=log)
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
@@ -594,8 +620,8 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     delta = c.target(w) - pre
     rollout = gamma * c.draft(roots) if roots else 0.0
     core = max(delta, rollout) if backend != "serial" else delta + rollout
-    miss = float(step["hit"] is False)
-    return pre + c.exit_head(w) + core + miss * gamma * c.draft(1)
+    fresh = float(step["hit"] is False and step.get("source", "model") == "model")  # a suffix draft is free
+    return pre + c.exit_head(w) + core + fresh * gamma * c.draft(1)
 
 
 register("mirror", "Mirror-SD: early-exit token channel, draft rollouts overlapped with the target's upper layers",

@@ -20,16 +20,27 @@ Two policies change only *how many* tokens are proposed, never what is committed
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..draft_vocab import subset_head
 from ..model import Transformer
 from ..sampling import Noise, SamplingParams, probabilities, sample
 from ..streams import StreamAdapters
 from ..verify import Verdict
 from .engine import Draft, RequestState, Scores, draft_tokens
+from .registry import at_least, option
 from .streaming import DEFAULT_TREE_K, ss_pass
 
 SCHEDULES = ("constant", "heuristic")
+
+
+def draft_vocab_option() -> Any:
+    """The reduced-vocabulary option, shared by the methods that draft with a model."""
+    return option(0, "restrict the draft model's LM head to the N most frequent token ids of the shipped table "
+                  "(FR-Spec; lossless: the target verifies with its full vocabulary); 0: the full vocabulary",
+                  check=at_least(0))
 
 
 def check_draft(target: Transformer, draft: Transformer | None) -> None:
@@ -62,12 +73,15 @@ class ModelProposer:
     """
 
     def __init__(self, draft: Transformer, target_vocab: int, params: SamplingParams, gamma: int, *,
-                 confidence: float = 0.0, rejection: bool = False, schedule: str = "constant") -> None:
+                 confidence: float = 0.0, rejection: bool = False, schedule: str = "constant",
+                 vocab: int = 0) -> None:
         self.model, self.params, self.gamma, self.confidence, self.schedule = draft, params, gamma, confidence, schedule
+        self.head = subset_head(draft, vocab).full if vocab else None  # a reduced draft vocabulary (FR-Spec)
         self.rejection = rejection and not params.greedy
         self.noise = Noise.DRAFT if self.rejection else Noise.TARGET
         self.need_probs = self.rejection or confidence > 0
         self.pad = target_vocab - draft.config.vocab_size
+        self.last: Draft | None = None  # the last draft proposed
 
     def start(self, state: RequestState) -> None:
         pass
@@ -83,7 +97,7 @@ class ModelProposer:
         forwards = 0
         for i in range(window):
             feed = state.pending if i == 0 else tokens[-1:]
-            logits = model(draft_tokens(model, feed), cache=cache, last=1)[0]
+            logits = model(draft_tokens(model, feed), cache=cache, last=1, head=self.head)[0]
             forwards += 1
             doubtful = False
             if self.need_probs:
@@ -95,7 +109,8 @@ class ModelProposer:
             tokens.append(sample(logits, [position + i], params, self.noise)[0])
             if doubtful:
                 break
-        return Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)
+        self.last = Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)
+        return self.last
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's distribution over the target's vocabulary (softmax when greedy: the confidence rule)."""
@@ -104,7 +119,8 @@ class ModelProposer:
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         self.rollback(state, verdict.accepted)
-        if scores.draft.tokens and self.schedule == "heuristic":
+        own = scores.draft is self.last  # a hybrid may have scored another proposer's draft
+        if own and scores.draft.tokens and self.schedule == "heuristic":
             full = verdict.accepted == len(scores.draft.tokens)
             self.gamma = self.gamma + 2 if full else max(1, self.gamma - 1)
 
@@ -150,4 +166,5 @@ class StreamProposer(ModelProposer):
                 break
         tokens, q_rows = tokens[:end], q_rows[:end]
         cache.truncate(position + max(end, 1) - 1)
-        return Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)
+        self.last = Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)
+        return self.last

@@ -4,7 +4,8 @@ the next one in the same forward pass (:mod:`mirrorsd.decoding.streaming`).
 On the loop: the proposer turns the last pass's stream candidates into a tree (no forward of its own); the
 scorer runs the fused pass (pruning included) and exposes the stream rows; the shared tree verifier walks the
 tree; committing compacts the cache to the accepted path; the feedback reads the next candidates off the
-streams of the last accepted node.
+streams of the last accepted node. With ``suffix_match`` a long suffix match is proposed instead, as a
+one-branch tree (:class:`~mirrorsd.decoding.suffix.SuffixFirst`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..verify import Verdict
 from .engine import ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, match
 from .registry import MethodOptions, at_least, option, probability, register
 from .streaming import DEFAULT_TREE_K, TreeForward, candidate_tree, compact, fused_forward, next_candidates
+from .suffix import SuffixFirst, SuffixOptions, suffix_match_option, suffix_proposer
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; at 0.05 the CR was unchanged and k=3 ran 1.5x faster
 
@@ -32,6 +34,7 @@ class SSOptions(MethodOptions):
                                check=at_least(0), flag="--tree-depth")
     threshold: float = option(DEFAULT_THRESHOLD, "drop tree edges whose pruning-adapter probability is below this, "
                               "with their subtrees; 0 never prunes", check=probability(), flag="--prune-threshold")
+    suffix_match: int = suffix_match_option()
 
 
 @dataclass
@@ -105,12 +108,19 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     req.stats.extra["ss"] = stats
     top_fraction = adapters.config.layers / req.target.config.n_layers
 
+    proposer: Any = StreamCandidates(req.target, adapters, depth, opts.tree_k)
+    lookup, window = None, depth
+    if opts.suffix_match:  # suffix windows are not bounded by the streams
+        window = max(depth, SuffixOptions().gamma)
+        lookup = suffix_proposer(req, SuffixOptions(), gamma=window)
+        proposer = SuffixFirst(lookup, proposer, opts.suffix_match, tree=True)
+
     def log(scores: TreeScores, verdict: Verdict) -> dict[str, Any]:
         return {"tree": scores.forward.nodes, "kept": len(scores.forward.kept), "streams": streams,
-                "top_fraction": top_fraction}
+                "top_fraction": top_fraction, **(proposer.log(scores, verdict) if lookup else {})}
 
-    return Roles(StreamCandidates(req.target, adapters, depth, opts.tree_k),
-                 StreamTreeScorer(req.target, adapters, opts.threshold, stats), match, gamma=depth, log=log)
+    return Roles(proposer, StreamTreeScorer(req.target, adapters, opts.threshold, stats), match, gamma=window,
+                 log=log, close=lookup.close if lookup else None)
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: SSOptions) -> float:

@@ -1,0 +1,274 @@
+"""``suffix``: draft-free speculative decoding from suffix matches (SuffixDecoding, arXiv 2411.04975;
+SAM-Decoding, arXiv 2411.10666; vLLM's ``ngram`` and ``suffix`` methods).
+
+The proposer finds the longest suffix of the committed text that occurred before -- in the request's own
+prompt and output, or in earlier outputs of this process (:func:`~.suffix_index.shared_index`) -- and
+proposes the most frequent continuation of its occurrences. The window is set by the evidence, not a fixed
+γ: at most ``factor`` × the match length tokens, and each token only when it raises the expected tokens per
+second, given its estimated acceptance (:class:`AcceptanceModel`) and the measured cost of a longer window
+(:class:`VerifyCost`). On a CPU where an 8-token verification costs 1.5-2.3× a 1-token forward, a long window
+of guesses loses; a long window of a repeated passage wins.
+
+The target scores the window with the stock chain scorer and the stock ``match`` verifier keeps its own
+tokens, so the output equals ``ar`` (greedy and seeded sampling: under sample-and-match a deterministic guess
+is accepted exactly when it is the target's own draw). The same proposer sits in front of a draft model in
+``sd`` (``suffix_match``): SAM-Decoding's rule, the match's draft when it is at least that long, else the
+model's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache import cache_dir
+from ..verify import Verdict
+from .engine import ChainScorer, DecodeRequest, Draft, Proposer, RequestState, Roles, Scores, match
+from .registry import MethodOptions, at_least, option, probability, register
+from .suffix_index import SuffixIndex, shared_index
+
+
+@dataclass(frozen=True)
+class SuffixOptions(MethodOptions):
+    gamma: int = option(16, "most draft tokens per verification window", check=at_least(1))
+    factor: float = option(1.0, "a window holds at most factor × the match length tokens (SuffixDecoding's "
+                           "max_spec_factor)", check=(lambda v: v > 0, "must be > 0"))
+    min_prob: float = option(0.1, "floor of the window rule: never draft a token whose estimated probability of "
+                             "being accepted is below this (the learned cost of verification usually stops the "
+                             "window earlier)", check=probability())
+    min_match: int = option(1, "shortest suffix match that drafts anything", check=at_least(1))
+    shared: str = option("process", "earlier outputs to look up as well: none, process (this process's "
+                         "requests), or persist (also saved under the cache folder across runs)",
+                         choices=("none", "process", "persist"))
+
+
+class AcceptanceModel:
+    """What the verifier has done with this request's suffix drafts, as probabilities for the next one.
+
+    A draft's first token is accepted with a probability that grows with the match length (bucketed: 1, 2, 3,
+    4-7, 8+); each later token given the previous one was, with a rate of its own. Both are Beta posteriors
+    whose priors (``FIRST_PRIOR``, ``NEXT_PRIOR``, weight ``PRIOR_WEIGHT`` observations) were measured on the
+    default pair. A token's estimate is this times its frequency among the match's continuations.
+    """
+
+    FIRST_PRIOR = {1: 0.15, 2: 0.3, 3: 0.45, 4: 0.6, 8: 0.75}  # bucket lower bound -> first-token acceptance
+    NEXT_PRIOR = 0.8
+    PRIOR_WEIGHT = 4.0
+
+    def __init__(self) -> None:
+        self.first = {b: [p * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT] for b, p in self.FIRST_PRIOR.items()}
+        self.next = [self.NEXT_PRIOR * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT]
+
+    def _bucket(self, match: int) -> list[float]:
+        return self.first[max(b for b in self.first if b <= match)]
+
+    def first_token(self, match: int) -> float:
+        hits, tries = self._bucket(match)
+        return hits / tries
+
+    def next_token(self) -> float:
+        return self.next[0] / self.next[1]
+
+    def observe(self, match: int, drafted: int, accepted: int) -> None:
+        bucket = self._bucket(match)
+        bucket[0] += accepted > 0
+        bucket[1] += 1
+        reached = min(accepted, drafted - 1)  # later tokens whose predecessor was accepted
+        self.next[0] += min(accepted, drafted) - (accepted > 0)
+        self.next[1] += reached
+
+
+class VerifyCost:
+    """The target's step time as ``a + b·k`` for a k-token window, learned from this request's own steps (timed
+    from the proposal to its verdict): ``ratio`` = b / a is what one more window token costs, in 1-token
+    forwards. It grows with the context (attention) and differs per machine and weight format, so it is
+    measured, not configured; ``PRIOR_RATIO`` holds until both an empty and a non-empty window were timed."""
+
+    PRIOR_RATIO = 0.1
+    DECAY = 0.8  # weight of the old estimate in each update
+
+    def __init__(self) -> None:
+        self.base: float | None = None  # seconds of a step with an empty window
+        self.per_token: float | None = None  # extra seconds per window token
+
+    def observe(self, window: int, seconds: float) -> None:
+        ema = lambda old, new: new if old is None else self.DECAY * old + (1 - self.DECAY) * new  # noqa: E731
+        if window == 0:
+            self.base = ema(self.base, seconds)
+        elif self.base is not None:
+            self.per_token = ema(self.per_token, max(0.0, seconds - self.base) / window)
+
+    @property
+    def ratio(self) -> float:
+        if self.base is None or self.per_token is None or self.base <= 0:
+            return self.PRIOR_RATIO
+        return min(1.0, self.per_token / self.base)
+
+
+def suffix_match_option(default: int = 0) -> Any:
+    """The hybrid's option, shared by the model-drafting methods (on by default where it measured faster)."""
+    return option(default, "hybrid: draft from a suffix match (as method suffix) when it matched at least this "
+                  "many tokens, else from the draft model; 0 turns the suffix proposer off", check=at_least(0))
+
+
+class SuffixProposer:
+    """Drafts the most frequent continuation of the longest earlier occurrence of the text's suffix.
+
+    ``target_vocab`` with ``rejection``: drafts carry one-hot distributions (a deterministic guess is a draw
+    from a point mass), so a rejection-sampling verifier can take them next to a model's draws.
+    """
+
+    def __init__(self, gamma: int, *, factor: float = 1.0, min_prob: float = 0.1, min_match: int = 1,
+                 shared: SuffixIndex | None = None, persist: Path | None = None, target_vocab: int = 0,
+                 rejection: bool = False) -> None:
+        self.gamma, self.factor, self.min_prob, self.min_match = gamma, factor, min_prob, min_match
+        self.shared, self.persist = shared, persist
+        self.target_vocab, self.rejection = target_vocab, rejection
+        self.index = SuffixIndex()
+        self.doc = -1
+        self.prompt_len = 0
+        self.last_match = 0  # match length behind the last draft (0: none)
+        self.last: Draft | None = None
+        self.proposed_at = 0.0
+        self.acceptance = AcceptanceModel()
+        self.cost = VerifyCost()
+
+    def start(self, state: RequestState) -> None:
+        self.doc = self.index.add(state.tokens)
+        self.prompt_len = len(state.tokens)
+
+    def propose(self, state: RequestState, min_match: int | None = None) -> Draft:
+        """A draft, or an empty one when no suffix of at least ``min_match`` tokens occurred before."""
+        window = min(self.gamma, state.room)
+        self.last_match = 0
+        self.last = Draft()
+        self.proposed_at = time.perf_counter()
+        if window <= 0:
+            return self.last
+        text = self.index.docs[self.doc]
+        found = self.index.continuations(text, window)
+        if self.shared is not None:
+            with self.shared.lock:
+                found = self.shared.continuations(text, window, into=found)
+        if found is None or found.length < (min_match or self.min_match):
+            return self.last
+        tokens = self.chain(found.root, min(window, math.ceil(self.factor * found.length)),
+                            self.acceptance.first_token(found.length))
+        self.last_match = found.length if tokens else 0
+        self.last = Draft(tokens, probs=self.point_masses(tokens))
+        return self.last
+
+    def chain(self, node: Any, limit: int, first: float = 1.0) -> list[int]:
+        """Follow the most frequent child while the next token pays for itself.
+
+        ``p``, the estimated probability that the verifier accepts the path through the next token, is
+        ``first`` for the first token, then the observed rate, times each token's frequency among the
+        occurrences. With a step costing ``a + b·k`` and ``S`` tokens expected so far, one more token raises the
+        expected tokens per second iff ``p > (b/a)·(1 + S) / (1 + (b/a)·k)``; ``min_prob`` is a floor."""
+        out: list[int] = []
+        p, expected, ratio = first, 0.0, self.cost.ratio
+        while node.children and len(out) < limit:
+            token, child = max(node.children.items(), key=lambda kv: kv[1].count)
+            p *= child.count / node.count * (self.acceptance.next_token() if out else 1.0)
+            if p < max(self.min_prob, ratio * (1 + expected) / (1 + ratio * len(out))):
+                break
+            out.append(token)
+            expected += p
+            node = child
+        return out
+
+    def point_masses(self, tokens: list[int]) -> torch.Tensor | None:
+        if not self.rejection or not tokens:
+            return None
+        q = torch.zeros(len(tokens), self.target_vocab, dtype=torch.float64)
+        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return q
+
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        self.index.extend(self.doc, state.tokens[len(self.index.docs[self.doc]):])
+        if self.last is None or scores.draft is not self.last:
+            return  # a hybrid's model drafted this window
+        self.cost.observe(len(self.last.tokens), time.perf_counter() - self.proposed_at)
+        if self.last.tokens:
+            self.acceptance.observe(self.last_match, len(self.last.tokens), verdict.accepted)
+
+    def close(self) -> None:
+        """Give the request's output to the shared index (and save it when persisting)."""
+        if self.shared is None or self.doc < 0:
+            return
+        output = self.index.docs[self.doc][self.prompt_len:]
+        if not output:
+            return
+        with self.shared.lock:
+            self.shared.add(output)
+            if self.persist is not None:
+                self.shared.save(self.persist)
+
+
+class SuffixFirst:
+    """SAM-Decoding's hybrid: the suffix match's draft when the match is at least ``min_match`` tokens long,
+    else the wrapped proposer's. The wrapped proposer always gets the verdict (a draft model's cache simply
+    lags behind after a suffix step: its ``pending`` grows). ``tree``: the wrapped proposer drafts trees, so a
+    suffix chain is given as a one-branch tree."""
+
+    def __init__(self, lookup: SuffixProposer, model: Proposer, min_match: int, tree: bool = False) -> None:
+        self.lookup, self.model, self.min_match, self.tree = lookup, model, min_match, tree
+        self.source = "model"  # which proposer drafted the last window
+
+    def start(self, state: RequestState) -> None:
+        self.lookup.start(state)
+        self.model.start(state)
+
+    def propose(self, state: RequestState) -> Draft:
+        draft = self.lookup.propose(state, self.min_match)
+        if not draft.tokens:
+            self.source = "model"
+            return self.model.propose(state)
+        self.source = "suffix"
+        if self.tree:
+            draft.parents = list(range(-1, len(draft.tokens) - 1))
+        return draft
+
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        self.lookup.feedback(state, scores, verdict)
+        self.model.feedback(state, scores, verdict)
+
+    def log(self, scores: Scores, verdict: Verdict) -> dict[str, Any]:
+        return {"source": self.source}
+
+
+def suffix_proposer(req: DecodeRequest, opts: Any, *, gamma: int, rejection: bool = False) -> SuffixProposer:
+    """The proposer with ``opts``' lookup settings, wired to this process's shared index for the target's
+    tokenizer (keyed by vocabulary size: ids mean nothing across tokenizers)."""
+    shared = persist = None
+    if opts.shared != "none":
+        key = f"vocab{req.target.config.vocab_size}"
+        shared = shared_index(key)
+        if opts.shared == "persist":
+            persist = cache_dir() / "suffix" / f"{key}.json"
+            with shared.lock:
+                if not shared.docs and persist.exists():
+                    shared.load(persist)
+    return SuffixProposer(gamma, factor=opts.factor, min_prob=opts.min_prob, min_match=opts.min_match,
+                          shared=shared, persist=persist, target_vocab=req.target.config.vocab_size,
+                          rejection=rejection and not req.sampling.greedy)
+
+
+def build(req: DecodeRequest, opts: SuffixOptions) -> Roles:
+    proposer = suffix_proposer(req, opts, gamma=opts.gamma)
+    return Roles(proposer, ChainScorer(req.target), match, gamma=opts.gamma, close=proposer.close)
+
+
+def step_cost(costs: Any, step: dict[str, Any], opts: SuffixOptions) -> float:
+    """The lookup costs microseconds; a step is one target forward over the window and the last token."""
+    return costs.target(step["drafted"] + 1)
+
+
+register("suffix", "suffix decoding: propose what followed the longest earlier match of the text's suffix "
+         "(prompt, output, earlier outputs); no draft model", needs_draft=False, options=SuffixOptions,
+         build=build, step_cost=step_cost)

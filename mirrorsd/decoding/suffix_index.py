@@ -1,0 +1,175 @@
+"""Where has the text's current suffix occurred before, and what followed it there?
+
+:class:`SuffixIndex` maps every n-gram (n = 1..``key_len``) of its documents to where it ended, so the longest
+indexed suffix is found with ``key_len`` dictionary lookups. The true match length of each occurrence is then
+measured by comparing tokens backwards (up to ``MAX_MATCH``), which is what SuffixDecoding's suffix tree and
+SAM-Decoding's automaton give, at a cost per appended token of ``key_len`` dictionary inserts -- the right
+trade for Python, where a pointer-based suffix tree walks one object per token.
+
+A request's own text (prompt and output) is one growing document; the process keeps a second, *shared*
+index of earlier outputs (:func:`shared_index`), bounded by a token budget and evicting the oldest document
+first. :meth:`SuffixIndex.continuations` merges the occurrences of the longest match into a frequency trie,
+from which the proposer takes a chain or a small tree of the most frequent continuations.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_MATCH = 64  # longest match length measured (SuffixDecoding's tree depth)
+KEY_LEN = 4  # longest indexed n-gram
+
+
+@dataclass
+class TrieNode:
+    """Continuations after a matched suffix: ``count`` occurrences reached this node."""
+
+    count: int = 0
+    children: dict[int, TrieNode] = field(default_factory=dict)
+
+
+@dataclass
+class Match:
+    """The longest suffix found and the continuations that followed its occurrences."""
+
+    length: int  # tokens matched (the longest among the occurrences)
+    occurrences: int
+    root: TrieNode
+
+
+class SuffixIndex:
+    """n-gram → (document, end position) over a set of token documents, with eviction by a token budget."""
+
+    def __init__(self, key_len: int = KEY_LEN, max_tokens: int | None = None) -> None:
+        self.key_len, self.max_tokens = key_len, max_tokens
+        self.docs: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
+        self.table: dict[tuple[int, ...], dict[int, list[int]]] = {}  # key -> doc -> end positions (exclusive)
+        self.tokens = 0
+        self._next_doc = 0
+        self.lock = threading.Lock()  # the shared index is read and written by concurrent requests
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def add(self, tokens: Sequence[int]) -> int:
+        """A new document; returns its id. Evicts the oldest documents beyond ``max_tokens``."""
+        doc = self._next_doc
+        self._next_doc += 1
+        self.docs[doc] = []
+        self.extend(doc, tokens)
+        self._evict(keep=doc)
+        return doc
+
+    def extend(self, doc: int, tokens: Iterable[int]) -> None:
+        """Append tokens to a document, indexing the n-grams they end."""
+        text = self.docs[doc]
+        for token in tokens:
+            text.append(token)
+            end = len(text)
+            for n in range(1, min(self.key_len, end) + 1):
+                key = tuple(text[end - n:end])
+                self.table.setdefault(key, {}).setdefault(doc, []).append(end)
+            self.tokens += 1
+
+    def _evict(self, keep: int) -> None:
+        while self.max_tokens is not None and self.tokens > self.max_tokens and len(self.docs) > 1:
+            doc = next(iter(self.docs))
+            if doc == keep:
+                break
+            text = self.docs.pop(doc)
+            for end in range(1, len(text) + 1):
+                for n in range(1, min(self.key_len, end) + 1):
+                    key = tuple(text[end - n:end])
+                    entry = self.table.get(key)
+                    if entry is not None and entry.pop(doc, None) is not None and not entry:
+                        del self.table[key]
+            self.tokens -= len(text)
+
+    def occurrences(self, text: Sequence[int], *, limit: int = 32) -> list[tuple[int, int, int]]:
+        """``(match length, doc, end)`` of the latest ``limit`` occurrences of ``text``'s longest indexed suffix
+        that something follows (so ``text`` itself, when it is a document, is skipped), longest match first."""
+        for n in range(min(self.key_len, len(text)), 0, -1):
+            entry = self.table.get(tuple(text[len(text) - n:]))
+            if not entry:
+                continue
+            found = []
+            for doc in reversed(entry):  # newest documents first
+                ends = entry[doc]
+                for end in reversed(ends):
+                    if end >= len(self.docs[doc]):
+                        continue  # nothing follows the occurrence
+                    found.append((self._match_length(text, self.docs[doc], end, n), doc, end))
+                    if len(found) >= limit:
+                        break
+                if len(found) >= limit:
+                    break
+            if found:
+                found.sort(key=lambda x: -x[0])
+                return found
+        return []
+
+    @staticmethod
+    def _match_length(text: Sequence[int], other: Sequence[int], end: int, known: int) -> int:
+        n = known
+        while n < MAX_MATCH and n < len(text) and n < end and text[len(text) - 1 - n] == other[end - 1 - n]:
+            n += 1
+        return n
+
+    def continuations(self, text: Sequence[int], depth: int, *, limit: int = 32,
+                      into: Match | None = None) -> Match | None:
+        """The occurrences of the longest match merged into a trie of their next ``depth`` tokens (added to
+        ``into`` when it matched as long; replacing it when this match is longer)."""
+        found = self.occurrences(text, limit=limit)
+        if not found:
+            return into
+        longest = found[0][0]
+        if into is not None and into.length > longest:
+            return into
+        match = into if into is not None and into.length == longest else Match(longest, 0, TrieNode())
+        for length, doc, end in found:
+            if length < longest:
+                break
+            match.occurrences += 1
+            node = match.root
+            node.count += 1
+            for token in self.docs[doc][end:end + depth]:
+                node = node.children.setdefault(token, TrieNode())
+                node.count += 1
+        return match
+
+    # -- persistence of the shared index (documents only; the table is rebuilt) -------------------------------
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(list(self.docs.values())))
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        for doc in json.loads(path.read_text()):
+            self.add(doc)
+
+
+SHARED_TOKENS = 1 << 18  # token budget of a process's shared index (262k tokens, some 60 MB of Python objects)
+_shared: dict[str, SuffixIndex] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_index(tokenizer_key: str, max_tokens: int = SHARED_TOKENS) -> SuffixIndex:
+    """The process-wide index of earlier outputs for one tokenizer (token ids mean nothing across them)."""
+    with _shared_lock:
+        index = _shared.get(tokenizer_key)
+        if index is None:
+            index = _shared[tokenizer_key] = SuffixIndex(max_tokens=max_tokens)
+        return index
+
+
+def clear_shared_indexes() -> None:
+    """Forget every earlier output (benchmarks: no answer may be looked up in a copy of itself)."""
+    with _shared_lock:
+        _shared.clear()

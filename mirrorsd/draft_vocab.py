@@ -1,0 +1,141 @@
+"""Reduced-vocabulary draft heads (FR-Spec, arXiv 2502.14856; EAGLE-3's draft vocabulary).
+
+A small draft's LM head is a large share of its per-token cost (Qwen2.5-0.5B: 136M of its 494M parameters).
+Restricted to the N most frequent token ids it reads N/V of that matrix. Drafting stays lossless: the target
+verifies with its full vocabulary, and the draft's distribution is exactly the subset softmax with zeros
+elsewhere (what rejection sampling is given).
+
+Frequency tables ship per tokenizer (``mirrorsd/data/draft_vocab/vocab{V}.pt``: every id, those seen most
+frequent first, the unseen ones after them by id -- BPE's merge order). ``python -m mirrorsd.draft_vocab FOLDER``
+builds one from offline corpora: the Python standard library's source, its documentation (``pydoc_data``) and
+chat-templated conversations, plus the tokenizer's special tokens, which always stay in.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .linear import DenseLinear, make_linear
+from .quant import quantize_q8
+
+SIZES = (8192, 16384, 32768)
+
+
+def table_path(vocab_size: int) -> Path:
+    return Path(str(resources.files("mirrorsd.data.draft_vocab").joinpath(f"vocab{vocab_size}.pt")))
+
+
+def load_table(vocab_size: int) -> torch.Tensor:
+    """Token ids of the tokenizer with ``vocab_size`` rows, most frequent first."""
+    path = table_path(vocab_size)
+    if not path.is_file():
+        raise FileNotFoundError(f"no draft vocabulary table ships for a {vocab_size}-token vocabulary ({path}); "
+                                "build one with `python -m mirrorsd.draft_vocab MODEL_FOLDER`")
+    return torch.load(path)
+
+
+class SubsetHead(nn.Module):
+    """The LM head on ``ids`` only; :meth:`full` scatters its logits into a full-vocabulary row (-inf elsewhere),
+    so sampling, its position-keyed noise and the confidence rule see the usual shapes."""
+
+    def __init__(self, head: nn.Module, embedding: torch.Tensor, ids: torch.Tensor, tied: bool) -> None:
+        super().__init__()
+        ids = ids.sort().values.to(embedding.device)
+        rows = head_weight(head, embedding, tied)[ids].float()
+        self.linear = make_linear(quantize_q8(rows) if rows.shape[1] % 32 == 0 else rows)
+        self.register_buffer("ids", ids)
+        self.vocab = embedding.shape[0]
+
+    def full(self, hidden: torch.Tensor) -> torch.Tensor:
+        sub = self.linear(hidden).float()
+        out = torch.full((*sub.shape[:-1], self.vocab), float("-inf"), device=sub.device)
+        out[..., self.ids] = sub
+        return out
+
+
+@torch.inference_mode()
+def head_weight(head: nn.Module, embedding: torch.Tensor, tied: bool) -> torch.Tensor:
+    """The head's ``[vocab, hidden]`` weight: the embedding when tied (a tied quantized head holds the embedding's
+    codes, which the embedding holds dequantized), else read off the head by applying it to the identity (exact
+    for int8-activation kernels too: each row has one non-zero)."""
+    if tied:
+        return embedding
+    if isinstance(head, DenseLinear):
+        return head.weight
+    return head(torch.eye(head.in_features, device=embedding.device)).float().T
+
+
+def subset_head(model, size: int) -> SubsetHead:
+    """``model``'s head restricted to the ``size`` most frequent ids of its tokenizer's shipped table."""
+    table = load_table(model.config.vocab_size)
+    if size > len(table):
+        raise ValueError(f"the shipped table has {len(table)} ids; draft_vocab must be at most that")
+    return SubsetHead(model.lm_head, model.embed_tokens.weight, table[:size], model.config.tie_word_embeddings)
+
+
+# -- building a table ----------------------------------------------------------------------------------------
+
+
+def _corpora(limit_chars: int) -> list[str]:
+    import pydoc_data.topics
+    import sysconfig
+
+    texts = list(pydoc_data.topics.topics.values())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    total = sum(map(len, texts))
+    for path in sorted(stdlib.rglob("*.py")):
+        if total > limit_chars:
+            break
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        texts.append(text)
+        total += len(text)
+    return texts
+
+
+def build_table(model_dir: Path, limit_chars: int = 30_000_000) -> torch.Tensor:
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    counts: Counter[int] = Counter()
+    for text in tqdm(_corpora(limit_chars), desc="counting tokens", unit="text"):
+        counts.update(tokenizer(text)["input_ids"])
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in (
+        ("Write a Python function that adds two numbers.", "def add(a, b):\n    return a + b"),
+        ("What is the capital of France?", "The capital of France is Paris."),
+    )]
+    for chat in chats:
+        counts.update(tokenizer(tokenizer.apply_chat_template(chat, tokenize=False))["input_ids"])
+    for token_id in tokenizer.all_special_ids:
+        counts[token_id] += 10**9  # always kept
+    ranked = [t for t, _ in counts.most_common() if t < vocab]
+    seen = set(ranked)
+    ranked += [t for t in range(vocab) if t not in seen]  # unseen ids by BPE rank: earlier merges are commoner
+    return torch.tensor(ranked, dtype=torch.int32)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Build the draft-vocabulary frequency table for a model's tokenizer "
+                                "from offline corpora (the stdlib source and docs, chat templates).")
+    p.add_argument("folder", type=Path, help="a model folder with config.json and the tokenizer (a prepared zoo "
+                   "model: ~/.cache/mirrorsd/NAME)")
+    args = p.parse_args()
+    folder = args.folder
+    table = build_table(folder)
+    from transformers import AutoConfig
+
+    out = Path(__file__).parent / "data" / "draft_vocab" / f"vocab{AutoConfig.from_pretrained(folder).vocab_size}.pt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(table, out)
+    print(f"{out}: {len(table)} ids")
+
+
+if __name__ == "__main__":
+    main()

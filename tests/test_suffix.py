@@ -1,0 +1,196 @@
+"""The suffix index and proposer: longest matches, continuation frequencies, bounded memory, persistence, the
+window rule, and the sd hybrid (losslessness of both is in the conformance suite)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mirrorsd import generate
+from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, RequestState, Scores
+from mirrorsd.decoding.suffix import AcceptanceModel, SuffixProposer, VerifyCost
+from mirrorsd.decoding.suffix_index import MAX_MATCH, SuffixIndex
+from mirrorsd.sampling import SamplingParams
+from mirrorsd.verify import Verdict
+
+from .conftest import tiny_hf
+from .test_mirror import row_exact
+
+
+def test_longest_match_is_measured_past_the_indexed_key():
+    index = SuffixIndex(key_len=2)
+    doc = index.add([1, 2, 3, 4, 5, 9, 9, 3, 4, 5, 7, 1, 2, 3, 4, 5])
+    found = index.occurrences(index.docs[doc])
+    # "1 2 3 4 5" ended at 5 (followed by 9); "3 4 5" at 10 (followed by 7); the text itself is skipped
+    assert [(length, end) for length, _, end in found] == [(5, 5), (3, 10)]
+
+
+def test_match_length_is_capped():
+    index = SuffixIndex()
+    text = [7] * (3 * MAX_MATCH)
+    doc = index.add(text)
+    assert index.occurrences(index.docs[doc])[0][0] == MAX_MATCH
+
+
+def test_continuations_count_the_longest_matches_only():
+    index = SuffixIndex()
+    index.add([5, 6, 1, 2])
+    index.add([5, 6, 1, 3])
+    index.add([9, 6, 1, 4])  # matches "6 1" only: shorter, left out
+    found = index.continuations([0, 5, 6, 1], depth=2)
+    assert found.length == 3 and found.occurrences == 2
+    assert {t: c.count for t, c in found.root.children.items()} == {2: 1, 3: 1}
+
+
+def test_eviction_keeps_the_budget_and_forgets_the_oldest():
+    index = SuffixIndex(max_tokens=10)
+    index.add([1, 2, 3, 4, 5, 6])
+    index.add([7, 8, 9, 10, 11, 12])
+    assert len(index) == 6 and len(index.docs) == 1
+    assert all(0 not in entry for entry in index.table.values())  # no key still points at the evicted doc
+    assert (1, 2) not in index.table and (7, 8) in index.table
+    assert index.occurrences([0, 1, 2]) == []
+
+
+def test_shared_index_round_trips_through_a_file(tmp_path):
+    index = SuffixIndex()
+    index.add([1, 2, 3])
+    index.add([4, 5])
+    index.save(tmp_path / "s.json")
+    again = SuffixIndex()
+    again.load(tmp_path / "s.json")
+    assert list(again.docs.values()) == [[1, 2, 3], [4, 5]] and again.table == index.table
+
+
+def _state(tokens: list[int], max_new: int = 32) -> RequestState:
+    target = row_exact(tiny_hf(layers=2, seed=1))
+    request = DecodeRequest(target, tokens, max_new, SamplingParams(), GenerationStats("suffix"))
+    return RequestState(request, list(tokens), target.new_cache(capacity=64))
+
+
+def test_window_follows_the_evidence():
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3]
+    proposer = SuffixProposer(16, factor=1.0, min_prob=0.1)
+    state = _state(text)
+    proposer.start(state)
+    assert proposer.propose(state).tokens == [4, 5, 6]  # factor 1: as many tokens as matched (3)
+    proposer.factor = 4.0
+    # a 3-token match: the first token is accepted with p = 0.45 (the prior), each next one x0.8: 0.45, 0.36,
+    # 0.29, 0.23, 0.18, 0.15; one more token must beat (b/a)(1 + S)/(1 + (b/a)k) at the prior b/a = 0.1, which
+    # the 6th (0.147 < 0.1 x 2.51 / 1.5 = 0.168) does not
+    assert proposer.propose(state).tokens == [4, 5, 6, 7, 8]
+    proposer.gamma = 2
+    assert proposer.propose(state).tokens == [4, 5]
+    assert proposer.propose(state, min_match=4).tokens == []
+
+
+def test_rare_continuations_end_the_window():
+    # "1 2" was followed by 3 three times and by 4 once; then 3 by 5, 6, 7: 0.3 (a 2-token match) x 0.75 for
+    # the 3, then x 1/3 x 0.8 for any of 5, 6, 7
+    text = [1, 2, 3, 5, 1, 2, 3, 6, 1, 2, 3, 7, 1, 2, 4, 0, 1, 2]
+    proposer = SuffixProposer(16, factor=8.0, min_prob=0.2)
+    state = _state(text)
+    proposer.start(state)
+    assert proposer.propose(state).tokens == [3]
+
+
+def test_windows_learn_from_the_verifier():
+    acceptance = AcceptanceModel()
+    assert acceptance.first_token(3) == AcceptanceModel.FIRST_PRIOR[3]
+    for _ in range(16):  # 3-token matches whose first token the target never took
+        acceptance.observe(3, drafted=3, accepted=0)
+    assert acceptance.first_token(3) < 0.1 and acceptance.first_token(8) == AcceptanceModel.FIRST_PRIOR[8]
+    for _ in range(8):  # long matches, fully accepted
+        acceptance.observe(12, drafted=5, accepted=5)
+    assert acceptance.first_token(12) > 0.85 and acceptance.next_token() > 0.95
+
+    proposer = SuffixProposer(16, min_prob=0.1)
+    state = _state([1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3])
+    proposer.start(state)
+    proposer.acceptance = acceptance
+    assert proposer.propose(state).tokens == []  # 3-token matches have not paid in this request
+
+
+def test_costly_verification_shortens_windows():
+    cost = VerifyCost()
+    assert cost.ratio == VerifyCost.PRIOR_RATIO
+    cost.observe(0, 0.100)
+    cost.observe(4, 0.200)
+    assert cost.ratio == pytest.approx(0.25)
+    proposer = SuffixProposer(16, factor=4.0)
+    state = _state([1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3])
+    proposer.start(state)
+    cheap = proposer.propose(state).tokens
+    proposer.cost = cost  # a 4-token window costs twice an empty one: 0.45, 0.36 pass, 0.29 < 0.25 x 1.81 / 1.5
+    assert proposer.propose(state).tokens == [4, 5] and len(cheap) == 5
+
+
+def test_rejection_drafts_are_point_masses():
+    proposer = SuffixProposer(4, target_vocab=64, rejection=True, factor=4.0)
+    state = _state([1, 2, 3, 1, 2])
+    proposer.start(state)
+    draft = proposer.propose(state)
+    assert draft.tokens == [3, 1, 2]
+    assert torch.equal(draft.probs.argmax(-1), torch.tensor(draft.tokens)) and torch.all(draft.probs.sum(-1) == 1)
+
+
+def test_earlier_outputs_are_looked_up_and_added():
+    shared = SuffixIndex()
+    shared.add([7, 8, 9, 10, 11])
+    proposer = SuffixProposer(16, shared=shared)
+    state = _state([1, 7, 8])
+    proposer.start(state)
+    assert proposer.propose(state).tokens == [9, 10]  # a 2-token match in an earlier output
+    window = proposer.last
+    state.tokens += [9, 10, 12]
+    proposer.feedback(state, Scores(torch.zeros(3, 64), window), Verdict(2, 12))
+    proposer.close()
+    assert list(shared.docs.values())[-1] == [9, 10, 12]  # the output, without the prompt
+
+
+def test_suffix_equals_ar_with_and_without_earlier_outputs():
+    target = row_exact(tiny_hf(layers=2, seed=1))
+    prompt = [3, 1, 4, 1, 5]
+    want = generate(target, prompt, method="ar", max_new_tokens=24).token_ids
+    for shared in ("process", "process", "none"):
+        assert generate(target, prompt, method="suffix", max_new_tokens=24, shared=shared).token_ids == want
+
+
+@pytest.mark.parametrize("suffix_match", [1, 3])
+def test_sd_hybrid_logs_which_proposer_drafted(suffix_match):
+    target = row_exact(tiny_hf(layers=4, seed=1))
+    draft = target.prefix_model(2)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    got = generate(target, prompt, method="sd", draft=draft, max_new_tokens=20, suffix_match=suffix_match,
+                   gamma=4, confidence=0.0)
+    want = generate(target, prompt, method="ar", max_new_tokens=20)
+    assert got.token_ids == want.token_ids
+    sources = [s["source"] for s in got.stats.step_log]
+    assert sources[0] == "suffix"  # "3 4 1 2" occurred: a 4-token match
+    assert set(sources) <= {"suffix", "model"}
+
+
+@pytest.mark.parametrize("backend", ["serial", "threads"])
+def test_mirror_hybrid_feeds_the_spine_the_draft_cache_lacks(backend):
+    target = row_exact(tiny_hf(layers=4, seed=1))
+    draft = target.prefix_model(2)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    got = generate(target, prompt, method="mirror", draft=draft, max_new_tokens=24, suffix_match=2, gamma=3,
+                   kappa=2, exit_layer=2, backend=backend)
+    assert got.token_ids == generate(target, prompt, method="ar", max_new_tokens=24).token_ids
+    assert got.stats.extra["mirror"].draft_failed is None  # the rollouts after suffix windows ran
+    sources = [s["source"] for s in got.stats.step_log]
+    assert sources[0] == "suffix" and set(sources) <= {"suffix", "model", "branch"}
+
+
+def test_ss_hybrid_drafts_suffix_chains_as_one_branch_trees():
+    from .test_streams import random_adapters
+
+    target = row_exact(tiny_hf(layers=4, seed=1))
+    adapters = random_adapters(target, 2, 2, 0, std=0.1)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]
+    got = generate(target, prompt, method="ss", streams=adapters, max_new_tokens=20, suffix_match=2,
+                   threshold=0.0)  # random pruning adapters would cut the chain
+    assert got.token_ids == generate(target, prompt, method="ar", max_new_tokens=20).token_ids
+    first = got.stats.step_log[0]
+    assert first["source"] == "suffix" and first["drafted"] > 2  # deeper than the 2 streams could draft
