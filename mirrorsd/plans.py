@@ -41,6 +41,6 @@ def plan_for(target: Any, draft: Any) -> dict[str, Any]:
     if path.is_file() or _planner is None:
         return load_plan(target.name, draft_name)
     print(f"mirrorsd: no plan for {target.name} + {draft_name or 'no draft'} on this machine yet: planning "
-          f"briefly (about a minute) and saving it to {path}; `mirrorsd plan` plans more thoroughly",
+          f"briefly (1-2 minutes) and saving it to {path}; `mirrorsd plan` plans more thoroughly",
           file=sys.stderr, flush=True)
     return _planner(target, draft)
