@@ -9,7 +9,7 @@ trade for Python, where a pointer-based suffix tree walks one object per token.
 A request's own text (prompt and output) is one growing document; the process keeps a second, *shared*
 index of earlier outputs (:func:`shared_index`), bounded by a token budget and evicting the oldest document
 first. :meth:`SuffixIndex.continuations` merges the occurrences of the longest match into a frequency trie,
-from which the proposer takes a chain or a small tree of the most frequent continuations.
+from which the proposer follows the most frequent continuation (a chain; trees are not drafted yet).
 """
 
 from __future__ import annotations
