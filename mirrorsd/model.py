@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .kv_cache import KVCache
 from .linear import PackedLinear, QuantLinear, make_linear
 from .quant import GroupQuant, quantize_q8
@@ -180,7 +181,9 @@ class Attention(nn.Module):
             if s:  # stream keys/values follow the cached ones for this forward only
                 main_k, main_v = torch.cat([main_k, k[:, :, t - s :]], 2), torch.cat([main_v, v[:, :, t - s :]], 2)
             k, v = main_k, main_v
-        if self.row_exact and s:
+        if self.row_exact and kernels.available() and self.head_dim % 16 == 0:
+            out = kernels.attend(q, k, v, mask)  # batch-invariant in one call: main and stream rows alike
+        elif self.row_exact and s:
             # Main rows exactly as decoding computes them; stream rows only shape proposals, so one batched call.
             main = self._attend_exact(q[:, :, : t - s], k, v, None if mask is None else mask[:, : t - s])
             stream = F.scaled_dot_product_attention(q[:, :, t - s :], k, v, attn_mask=mask[:, t - s :].unsqueeze(1),

@@ -226,3 +226,66 @@ def test_seam_keeps_stock_gemm_off_cpu():
     meta_q = GroupQuant(q.codes.to("meta"), q.scales.to("meta"), q.offsets.to("meta"), q.group, q.bits)
     layer = make_linear(meta_q)
     assert isinstance(layer, DenseLinear) and layer.weight.device.type == "meta"
+
+
+def _sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    index = seen.nonzero().squeeze(1)
+    return F.scaled_dot_product_attention(q, k.index_select(2, index), v.index_select(2, index), enable_gqa=True)
+
+
+@requires_kernels
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 7), t=st.integers(1, 12),
+       past=st.integers(0, 40), dim=st.sampled_from([16, 48, 64, 128]), masked=st.booleans(), seed=st.integers(0, 99))
+def test_attention_kernel_matches_sdpa_and_is_batch_invariant(rows, kv_heads, group, t, past, dim, masked, seed):
+    """Every query equals SDPA over the keys it sees (to fp32 rounding) and, bit for bit, the kernel's own
+    one-query call on just those keys: so a k-token window reproduces one-token decoding exactly."""
+    g = torch.Generator().manual_seed(seed)
+    heads, total = kv_heads * group, past + t
+    q = torch.randn(rows, heads, t, dim, generator=g)
+    cache_k = torch.randn(rows, kv_heads, total + 5, dim, generator=g)  # a cache view: strided, longer buffer
+    cache_v = torch.randn(rows, kv_heads, total + 5, dim, generator=g)
+    k, v = cache_k[:, :, :total], cache_v[:, :, :total]
+    if masked:  # a tree: each query sees a random subset, always including key 0
+        mask = torch.rand(rows, t, total, generator=g) > 0.5
+        mask[..., 0] = True
+    else:
+        mask = None
+    out = kernels.attend(q, k, v, mask)
+    for r in range(rows):
+        for i in range(t):
+            seen = mask[r, i] if masked else torch.arange(total) < past + i + 1
+            qi = q[r : r + 1, :, i : i + 1].contiguous()
+            ref = _sdpa_one(qi, k[r : r + 1], v[r : r + 1], seen)
+            assert (out[r : r + 1, :, i : i + 1] - ref).abs().max() < 1e-5
+            index = seen.nonzero().squeeze(1)
+            alone = kernels.attend(qi, k[r : r + 1].index_select(2, index), v[r : r + 1].index_select(2, index), None)
+            assert torch.equal(out[r : r + 1, :, i : i + 1], alone)
+
+
+@requires_kernels
+def test_attention_kernel_ignores_thread_count():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 12, 9, 128, generator=g)
+    k, v = torch.randn(2, 2, 70, 128, generator=g), torch.randn(2, 2, 70, 128, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.attend(q, k, v, None)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(kernels.attend(q, k, v, None), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@requires_kernels
+def test_attention_kernel_input_checks():
+    q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 5, 16)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        kernels.attend(q.double(), k.double(), k.double(), None)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.attend(torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None)
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        kernels.attend(torch.randn(1, 3, 2, 16), k, k, None)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        kernels.attend(q, k, k, torch.ones(1, 2, 4, dtype=torch.bool))

@@ -1,15 +1,16 @@
-"""CPU small-M linear kernels: an AVX-512/VNNI C++ extension built on first use, with PyTorch fallbacks.
+"""CPU kernels for small-M linears and batch-invariant attention: an AVX-512/VNNI C++ extension built on first use,
+with PyTorch fallbacks.
 
-The extension (``cpu_linear.cpp``) is compiled once into ``<cache>/kernels/<key>``, where the key hashes
-everything that makes the binary differ: the source, the flags, the torch version and install path, the Python
-ABI and the compiler (path and ``--version``). Builds are serialised by an OS file lock, which the kernel drops
-when its holder dies (Ctrl-C, OOM, a closed terminal), so a killed build can never block a later run; a run that
-waits for a live build says so. Where the extension cannot be built or run (no compiler, a CPU without AVX-512
+The extension (``cpu_linear.cpp``, ``cpu_attention.cpp``) is compiled once into ``<cache>/kernels/<key>``, where the
+key hashes everything that makes the binary differ: the sources, the flags, the torch version and install path, the
+Python ABI and the compiler (path and ``--version``). Builds are serialised by an OS file lock, which the kernel
+drops when its holder dies (Ctrl-C, OOM, a closed terminal), so a killed build can never block a later run; a run
+that waits for a live build says so. Where the extension cannot be built or run (no compiler, a CPU without AVX-512
 VNNI, ``MIRRORSD_KERNELS=off``) :func:`available` is False, a one-line warning says why, and the pure-PyTorch
 functions below compute the same model more slowly.
 
-Packed layouts (see the C++ file for the why): weights are interleaved in blocks of 16 output features so one
-vector load feeds 16 outputs and every activation row reuses it from registers.
+Packed layouts (see the C++ file for the why): weights are interleaved in blocks of 16 output features so one vector
+load feeds 16 outputs and every activation row reuses it from registers.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ FLT_MIN = torch.finfo(torch.float32).tiny
 LAYOUTS = ((4, 32), (5, 32), (6, 32), (6, 16), (8, 32), (8, 16))
 #: How often a run waiting for another process's build says it is still waiting.
 WAIT_MESSAGE_EVERY_S = 15.0
-SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+SOURCES = (Path(__file__).with_name("cpu_linear.cpp"), Path(__file__).with_name("cpu_attention.cpp"))
 EXTENSION = "mirrorsd_cpu_linear"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 # -fopenmp: at::parallel_for is a header template that splits work with OpenMP pragmas; without the flag it
@@ -91,9 +92,14 @@ def _compiler_identity() -> str:
     return f"{os.path.realpath(path)}\n{banner}"
 
 
-def build_key(source: Path, cflags: Sequence[str], ldflags: Sequence[str]) -> str:
+def _paths(sources: Path | Sequence[Path]) -> list[Path]:
+    return [sources] if isinstance(sources, Path) else list(sources)
+
+
+def build_key(sources: Path | Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str]) -> str:
     """A hash of everything that makes the built library differ (two environments never share a folder)."""
-    parts = [source.read_bytes(), " ".join(cflags).encode(), " ".join(ldflags).encode(), torch.__version__.encode(),
+    parts = [*(source.read_bytes() for source in _paths(sources)), " ".join(cflags).encode(),
+             " ".join(ldflags).encode(), torch.__version__.encode(),
              str(Path(torch.__file__).resolve().parent).encode(), sys.version.encode(),
              str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), platform.machine().encode(),
              _compiler_identity().encode()]
@@ -137,7 +143,7 @@ def build_lock(build: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def build_extension(name: str, source: Path, build: Path, cflags: Sequence[str] = (),
+def build_extension(name: str, sources: Path | Sequence[Path], build: Path, cflags: Sequence[str] = (),
                     ldflags: Sequence[str] = ()) -> None:
     """Compile (if needed) and load a C++ extension into ``build`` under :func:`build_lock`."""
     from torch.utils import cpp_extension
@@ -149,13 +155,14 @@ def build_extension(name: str, source: Path, build: Path, cflags: Sequence[str] 
                 if leftover.name != "build.lock":
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
             log.warning("building mirrorsd CPU kernels once into %s (~20 s)", build)
-        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+        cpp_extension.load(name=name, sources=[str(source) for source in _paths(sources)],
+                           extra_cflags=list(cflags), extra_ldflags=list(ldflags),
                            build_directory=str(build), is_python_module=False, verbose=False)
         done.touch()
 
 
 def build_dir() -> Path:
-    return cache_dir() / "kernels" / build_key(SOURCE, COMPILE_FLAGS, LINK_FLAGS)
+    return cache_dir() / "kernels" / build_key(SOURCES, COMPILE_FLAGS, LINK_FLAGS)
 
 
 @cache
@@ -164,7 +171,7 @@ def available() -> bool:
     reason = _why_unavailable()
     if reason is None:
         try:
-            build_extension(EXTENSION, SOURCE, ensure_cache_dir(build_dir()), COMPILE_FLAGS, LINK_FLAGS)
+            build_extension(EXTENSION, SOURCES, ensure_cache_dir(build_dir()), COMPILE_FLAGS, LINK_FLAGS)
             return True
         except CacheDirError as exc:  # nowhere to build: fall back, saying which variable to fix
             reason = str(exc)
@@ -284,3 +291,11 @@ def linear_quant(x: torch.Tensor, codes: torch.Tensor, planes: torch.Tensor | No
                  offsets: torch.Tensor, bias: torch.Tensor | None, n: int, bits: int, group: int,
                  split: bool = False) -> torch.Tensor:
     return torch.ops.mirrorsd.linear_quant(x, codes, planes, scales, offsets, bias, n, bits, group, split)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Batch-invariant attention (``cpu_attention.cpp``): every query exactly as a one-query call computes it.
+
+    ``q`` ``[rows, heads, T, dim]``; ``k``/``v`` ``[rows, kv_heads, S, dim]``; ``mask`` bool ``[rows or 1, T, S]``
+    or None for causal over a cache ending in the queries' own keys."""
+    return torch.ops.mirrorsd.attend(q, k, v, None if mask is None else mask.contiguous())

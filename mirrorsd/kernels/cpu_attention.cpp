@@ -1,0 +1,213 @@
+// Batch-invariant attention for CPU decoding (AVX-512), built with cpu_linear.cpp by mirrorsd.kernels.
+//
+// Quantized models turn last-bit differences into different tokens (their int8 activations round them into
+// different steps), so a k-token verification forward must compute every query exactly as one-token decoding
+// does. A masked multi-query SDPA does not (its blocking and reductions depend on the query count), which is
+// why mirrorsd used to call SDPA once per query from Python: 8 x 28 calls for an 8-token window.
+//
+// Here every (row, head, query) is one independent work item whose arithmetic depends only on its own query
+// vector and the keys/values it sees, in position order: the dot products, the softmax sums and the value
+// accumulation run in a fixed order whatever the number of queries, rows or threads. So any grouping of tokens
+// into forwards, and any thread count, gives bit-identical outputs, and all queries run in one call.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;    // fp32 lanes in a zmm register
+constexpr int64_t kMaxDim = 256;  // head_dim limit: the output accumulators live in registers (16 zmm)
+constexpr int kTile = 6;          // queries of one kv head sharing each key load (a GQA group, window rows)
+constexpr int kValueTile = 2;     // queries sharing each value load (their accumulators fill the registers)
+
+// exp on 16 lanes, ~1.5 ulp (the polynomial of ggml's ggml_v_expf, MIT licence). Elementwise: a lane's value
+// does not depend on its neighbours, so where a score sits in a vector cannot change its weight.
+inline __m512 exp16(__m512 x) {
+  const __m512 r = _mm512_set1_ps(0x1.8p23f);
+  const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r);
+  const __m512 n = _mm512_sub_ps(z, r);
+  const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+  const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+  const __m512 u = _mm512_mul_ps(b, b);
+  const __m512 j = _mm512_fmadd_ps(
+      _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
+                      _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+  const __m512 res = _mm512_scalef_ps(j, n);
+  if (_mm512_kortestz(big, big)) return res;
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 alt = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, zero, _CMP_LE_OQ), _mm512_set1_ps(INFINITY), zero);
+  return _mm512_mask_blend_ps(big, res, alt);
+}
+
+// Scores of up to kTile queries against one key: each query keeps its own accumulator over head_dim in order,
+// then a fixed horizontal reduction, so a query's score does not depend on which queries share its tile.
+template <int NQ>
+inline void dots(const float* const* q, const float* k, int64_t dim, float scale, float* const* out, int64_t j) {
+  __m512 acc[NQ];
+  for (int t = 0; t < NQ; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    const __m512 kv = _mm512_loadu_ps(k + d);
+    for (int t = 0; t < NQ; ++t) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q[t] + d), kv, acc[t]);
+  }
+  for (int t = 0; t < NQ; ++t) out[t][j] = _mm512_reduce_add_ps(acc[t]) * scale;
+}
+
+// Weighted values for up to kValueTile queries: each query adds its seen keys' p * v in position order.
+template <int NQ>
+void weigh_values(const float* vbase, int64_t vstride, int64_t span, int64_t dim, const uint8_t* const* seen,
+                  const float* const* probs, float* const* out) {
+  __m512 acc[NQ][kMaxDim / kLanes];
+  const int64_t vecs = dim / kLanes;
+  int64_t next[NQ];
+  for (int t = 0; t < NQ; ++t) {
+    next[t] = 0;
+    for (int64_t d = 0; d < vecs; ++d) acc[t][d] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < span; ++j) {
+    const float* v = vbase + j * vstride;
+    for (int t = 0; t < NQ; ++t) {
+      if (!seen[t][j]) continue;
+      const __m512 p = _mm512_set1_ps(probs[t][next[t]++]);
+      for (int64_t d = 0; d < vecs; ++d) acc[t][d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + d * kLanes), acc[t][d]);
+    }
+  }
+  for (int t = 0; t < NQ; ++t)
+    for (int64_t d = 0; d < vecs; ++d) _mm512_storeu_ps(out[t] + d * kLanes, acc[t][d]);
+}
+
+// softmax over one query's seen scores, compacted in position order into probs; returns 1 / their sum.
+float softmax_seen(const float* scores, const uint8_t* seen, int64_t span, float* probs, int64_t* count) {
+  float top = -INFINITY;
+  int64_t n = 0;
+  for (int64_t j = 0; j < span; ++j)
+    if (seen[j]) {
+      probs[n++] = scores[j];
+      top = std::max(top, scores[j]);
+    }
+  const __m512 topv = _mm512_set1_ps(top);
+  __m512 sumv = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __mmask16 m = static_cast<__mmask16>(n - j >= kLanes ? 0xFFFF : (1u << (n - j)) - 1u);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, probs + j), topv));
+    _mm512_mask_storeu_ps(probs + j, m, p);
+    sumv = _mm512_mask_add_ps(sumv, m, sumv, p);
+  }
+  *count = n;
+  return 1.0f / _mm512_reduce_add_ps(sumv);
+}
+
+// q [R, H, T, D]; k, v [R, Hkv, S, D] (strided views of the cache are fine: D must be contiguous);
+// mask: bool [R or 1, T, S] (True = attend) or none, meaning causal over a cache whose last T keys are the
+// queries' own (query i sees keys 0 .. S - T + i).
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const std::optional<torch::Tensor>& mask) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4-d [rows, heads, T, dim]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+              "attend: fp32 only");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attend: head_dim must be contiguous");
+  const int64_t R = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(D % kLanes == 0 && D <= kMaxDim, "attend: head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(k.size(0) == R && v.size(0) == R && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
+              v.size(3) == D && Hkv > 0 && H % Hkv == 0, "attend: q, k, v shapes disagree");
+  TORCH_CHECK(mask || S >= T, "attend: a causal call needs the queries' own keys in the cache");
+  const bool* mp = nullptr;
+  int64_t mask_row_stride = 0;
+  if (mask) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 3 && mask->is_contiguous() &&
+                (mask->size(0) == 1 || mask->size(0) == R) && mask->size(1) == T && mask->size(2) == S,
+                "attend: mask must be contiguous bool [rows or 1, T, S]");
+    mp = mask->data_ptr<bool>();
+    mask_row_stride = mask->size(0) == 1 ? 0 : T * S;
+  }
+  auto out = torch::empty({R, H, T, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / Hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // Work items: (row, kv head, tile of up to kTile of the group * T queries that read that head's keys).
+  const int64_t per_head = group * T, tiles = (per_head + kTile - 1) / kTile;
+  at::parallel_for(0, R * Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kTile * S), probs(kTile * S);
+    std::vector<uint8_t> seen(kTile * S);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item % tiles, kvh = (item / tiles) % Hkv, r = item / (tiles * Hkv);
+      const int64_t first = tile * kTile;
+      const int nq = static_cast<int>(std::min<int64_t>(kTile, per_head - first));
+      const float* qrow[kTile];
+      float* orow[kTile];
+      float* srow[kTile];
+      float* prow[kTile];
+      const uint8_t* vis[kTile];
+      int64_t span = 0;
+      for (int t = 0; t < nq; ++t) {
+        const int64_t h = kvh * group + (first + t) / T, i = (first + t) % T;
+        qrow[t] = qp + r * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        orow[t] = op + ((r * H + h) * T + i) * D;
+        srow[t] = scores.data() + t * S;
+        prow[t] = probs.data() + t * S;
+        uint8_t* flags = seen.data() + t * S;
+        vis[t] = flags;
+        int64_t last = 0;  // one past the last key this query sees
+        if (mp) {
+          const bool* row = mp + r * mask_row_stride + i * S;
+          for (int64_t j = 0; j < S; ++j)
+            if ((flags[j] = row[j])) last = j + 1;
+        } else {
+          last = S - T + i + 1;
+          std::fill(flags, flags + last, uint8_t{1});
+        }
+        std::fill(flags + last, flags + S, uint8_t{0});
+        span = std::max(span, last);
+      }
+      const float* kb = kp + r * k.stride(0) + kvh * k.stride(1);
+      const float* vb = vp + r * v.stride(0) + kvh * v.stride(1);
+      for (int64_t j = 0; j < span; ++j) {  // scores of keys a query does not see are computed, never read
+        const float* key = kb + j * k.stride(2);
+        switch (nq) {
+          case 1: dots<1>(qrow, key, D, scale, srow, j); break;
+          case 2: dots<2>(qrow, key, D, scale, srow, j); break;
+          case 3: dots<3>(qrow, key, D, scale, srow, j); break;
+          case 4: dots<4>(qrow, key, D, scale, srow, j); break;
+          case 5: dots<5>(qrow, key, D, scale, srow, j); break;
+          default: dots<kTile>(qrow, key, D, scale, srow, j); break;
+        }
+      }
+      float inv[kTile];
+      for (int t = 0; t < nq; ++t) {
+        int64_t n = 0;
+        inv[t] = softmax_seen(srow[t], vis[t], span, prow[t], &n);
+        if (n == 0) inv[t] = 0.0f;  // no key to attend to: zeros (SDPA would give NaN; callers never ask)
+      }
+      for (int t = 0; t < nq; t += kValueTile) {
+        if (nq - t >= kValueTile)
+          weigh_values<kValueTile>(vb, v.stride(2), span, D, vis + t, prow + t, orow + t);
+        else
+          weigh_values<1>(vb, v.stride(2), span, D, vis + t, prow + t, orow + t);
+      }
+      for (int t = 0; t < nq; ++t) {
+        const __m512 iv = _mm512_set1_ps(inv[t]);
+        for (int64_t d = 0; d < D; d += kLanes) _mm512_storeu_ps(orow[t] + d, _mm512_mul_ps(_mm512_loadu_ps(orow[t] + d), iv));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) { m.impl("attend", attend); }
