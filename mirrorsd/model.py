@@ -128,8 +128,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self.fused = False  # set by Transformer: one C++ call instead of eight small ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -149,6 +152,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.gqa = self.n_heads != self.n_kv_heads
         self.row_exact = False  # set by Transformer for models with quantized (int8-activation) layers
+        self.fused = False  # set by Transformer: C++ rotary embedding and batch-invariant attention kernel
         self.q_proj = make_linear(weights[p + "q_proj.weight"], weights.get(p + "q_proj.bias"), linear)
         self.k_proj = make_linear(weights[p + "k_proj.weight"], weights.get(p + "k_proj.bias"), linear)
         self.v_proj = make_linear(weights[p + "v_proj.weight"], weights.get(p + "v_proj.bias"), linear)
@@ -171,17 +175,20 @@ class Attention(nn.Module):
         v = _project(streams, self.layer, "v_proj", self.v_proj, x).view(rows, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if self.fused:
+            q, k, v = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin), v.transpose(1, 2)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         s = streams.count if streams is not None else 0
         if cache is not None:
             main_k, main_v = cache.append(self.layer, k[:, :, : t - s], v[:, :, : t - s])
             if s:  # stream keys/values follow the cached ones for this forward only
                 main_k, main_v = torch.cat([main_k, k[:, :, t - s :]], 2), torch.cat([main_v, v[:, :, t - s :]], 2)
             k, v = main_k, main_v
-        if self.row_exact and kernels.available() and self.head_dim % 16 == 0:
+        if self.fused:
             out = kernels.attend(q, k, v, mask)  # batch-invariant in one call: main and stream rows alike
         elif self.row_exact and s:
             # Main rows exactly as decoding computes them; stream rows only shape proposals, so one batched call.
@@ -302,9 +309,13 @@ class Transformer(nn.Module):
         self.lm_head = make_linear(head, linear=linear)
         # Quantized models must give bit-identical results however tokens are grouped into forwards.
         self.row_exact = any(isinstance(m, QuantLinear) for m in self.modules())
+        # The fast path of quantized models: row-local C++ layers, bit-identical however tokens are grouped.
+        fused = self.row_exact and kernels.available() and cfg.head_dim % 16 == 0 and dense_embed.dtype == torch.float32
         for module in self.modules():
             if isinstance(module, Attention | PackedLinear):
                 module.row_exact = self.row_exact
+            if isinstance(module, Attention | RMSNorm):
+                module.fused = fused
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
         self.activations = "int8"

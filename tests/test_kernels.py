@@ -289,3 +289,37 @@ def test_attention_kernel_input_checks():
         kernels.attend(torch.randn(1, 3, 2, 16), k, k, None)
     with pytest.raises(RuntimeError, match="mask must be"):
         kernels.attend(q, k, k, torch.ones(1, 2, 4, dtype=torch.bool))
+
+
+@requires_kernels
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 9), k=st.integers(1, 70), seed=st.integers(0, 99))
+def test_rms_norm_kernel_matches_torch_and_is_row_local(rows, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g) * 3, torch.randn(k, generator=g)
+    out = kernels.rms_norm(x, w, 1e-6)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    for r in range(rows):
+        assert torch.equal(kernels.rms_norm(x[r : r + 1], w, 1e-6), out[r : r + 1])
+
+
+@requires_kernels
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 3), t=st.integers(1, 9), heads=st.integers(1, 4), dim=st.sampled_from([8, 16, 64, 128]),
+       shared_angles=st.booleans(), seed=st.integers(0, 99))
+def test_rope_kernel_matches_torch_and_is_row_local(rows, t, heads, dim, shared_angles, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, t, heads, dim, generator=g)
+    angles = torch.rand(1 if shared_angles else rows, t, dim // 2, generator=g) * 50
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos(), emb.sin()
+    out = kernels.rope(x, cos, sin)
+    xt, c, s = x.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1)
+    ref = xt * c + torch.cat([-xt[..., dim // 2 :], xt[..., : dim // 2]], -1) * s
+    assert out.shape == (rows, heads, t, dim) and torch.allclose(out, ref, atol=1e-6)
+    for r in range(rows):
+        for i in range(t):
+            pick = slice(0, 1) if shared_angles else slice(r, r + 1)
+            one = kernels.rope(x[r : r + 1, i : i + 1], cos[pick, i : i + 1], sin[pick, i : i + 1])
+            assert torch.equal(one, out[r : r + 1, :, i : i + 1])

@@ -1,13 +1,13 @@
 """CPU kernels for small-M linears and batch-invariant attention: an AVX-512/VNNI C++ extension built on first use,
 with PyTorch fallbacks.
 
-The extension (``cpu_linear.cpp``, ``cpu_attention.cpp``) is compiled once into ``<cache>/kernels/<key>``, where the
-key hashes everything that makes the binary differ: the sources, the flags, the torch version and install path, the
-Python ABI and the compiler (path and ``--version``). Builds are serialised by an OS file lock, which the kernel
-drops when its holder dies (Ctrl-C, OOM, a closed terminal), so a killed build can never block a later run; a run
-that waits for a live build says so. Where the extension cannot be built or run (no compiler, a CPU without AVX-512
-VNNI, ``MIRRORSD_KERNELS=off``) :func:`available` is False, a one-line warning says why, and the pure-PyTorch
-functions below compute the same model more slowly.
+The extension (``cpu_linear.cpp``, ``cpu_attention.cpp``, ``cpu_elementwise.cpp``) is compiled once into
+``<cache>/kernels/<key>``, where the key hashes everything that makes the binary differ: the sources, the flags, the
+torch version and install path, the Python ABI and the compiler (path and ``--version``). Builds are serialised by
+an OS file lock, which the kernel drops when its holder dies (Ctrl-C, OOM, a closed terminal), so a killed build can
+never block a later run; a run that waits for a live build says so. Where the extension cannot be built or run (no
+compiler, a CPU without AVX-512 VNNI, ``MIRRORSD_KERNELS=off``) :func:`available` is False, a one-line warning says
+why, and the pure-PyTorch functions below compute the same model more slowly.
 
 Packed layouts (see the C++ file for the why): weights are interleaved in blocks of 16 output features so one vector
 load feeds 16 outputs and every activation row reuses it from registers.
@@ -46,7 +46,8 @@ FLT_MIN = torch.finfo(torch.float32).tiny
 LAYOUTS = ((4, 32), (5, 32), (6, 32), (6, 16), (8, 32), (8, 16))
 #: How often a run waiting for another process's build says it is still waiting.
 WAIT_MESSAGE_EVERY_S = 15.0
-SOURCES = (Path(__file__).with_name("cpu_linear.cpp"), Path(__file__).with_name("cpu_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_attention.cpp",
+                                                              "cpu_elementwise.cpp"))
 EXTENSION = "mirrorsd_cpu_linear"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 # -fopenmp: at::parallel_for is a header template that splits work with OpenMP pragmas; without the flag it
@@ -299,3 +300,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ``q`` ``[rows, heads, T, dim]``; ``k``/``v`` ``[rows, kv_heads, S, dim]``; ``mask`` bool ``[rows or 1, T, S]``
     or None for causal over a cache ending in the queries' own keys."""
     return torch.ops.mirrorsd.attend(q, k, v, None if mask is None else mask.contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in one call (``cpu_elementwise.cpp``), row-local."""
+    return torch.ops.mirrorsd.rms_norm(x.contiguous(), weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[rows, T, heads, dim]`` with ``cos``/``sin`` ``[rows or 1, T, dim]``, returned
+    as ``[rows, heads, T, dim]`` (attention's layout) in one call."""
+    return torch.ops.mirrorsd.rope(x.contiguous(), cos.contiguous(), sin.contiguous())
