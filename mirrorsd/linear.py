@@ -94,10 +94,11 @@ class QuantLinear(nn.Module):
         self.fast = kernels.available()
         if self.fast:
             codes, planes, scales, offsets = kernels.pack_quant(weight, self.bits)
+            self.zero = kernels.symmetric_zero(weight)  # symmetric: offsets follow from the scales
             self.register_buffer("codes", codes)
             self.register_buffer("planes", planes)
             self.register_buffer("scales", scales)
-            self.register_buffer("offsets", offsets)
+            self.register_buffer("offsets", None if self.zero else offsets)
         else:
             self.quant = weight
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
@@ -106,7 +107,7 @@ class QuantLinear(nn.Module):
         rows = _rows(x)
         if self.fast:
             y = kernels.linear_quant(rows, self.codes, self.planes, self.scales, self.offsets, self.bias,
-                                     self.out_features, self.bits, self.group, self.split_activations)
+                                     self.out_features, self.bits, self.group, self.split_activations, self.zero)
         else:
             y = kernels.linear_quant_reference(rows, self.quant, self.bias, split=self.split_activations)
         return y.view(*x.shape[:-1], self.out_features)

@@ -323,3 +323,22 @@ def test_rope_kernel_matches_torch_and_is_row_local(rows, t, heads, dim, shared_
             pick = slice(0, 1) if shared_angles else slice(r, r + 1)
             one = kernels.rope(x[r : r + 1, i : i + 1], cos[pick, i : i + 1], sin[pick, i : i + 1])
             assert torch.equal(one, out[r : r + 1, :, i : i + 1])
+
+
+@requires_kernels
+@pytest.mark.parametrize(("zero", "bits", "group"), [(128, 8, 32), (32, 6, 16), (16, 5, 32), (8, 4, 32)])
+def test_symmetric_formats_drop_offsets_bit_for_bit(zero, bits, group):
+    """Q8_0/Q6_K/Q5_0/Q4_0-style weights (offset = -Z·scale) run without their offsets, changing no bit."""
+    base = random_quant(48, 128, bits, group, 5)
+    q = GroupQuant(base.codes, base.scales, -zero * base.scales, group, bits)
+    assert kernels.symmetric_zero(q) == zero and kernels.symmetric_zero(base) == 0
+    codes, planes, scales, offsets = kernels.pack_quant(q)
+    width = kernels.packed_bits(q)
+    x = torch.randn(5, 128)
+    kept = kernels.linear_quant(x, codes, planes, scales, offsets, None, 48, width, group)
+    dropped = kernels.linear_quant(x, codes, planes, scales, None, None, 48, width, group, zero=zero)
+    assert torch.equal(kept, dropped)
+    layer = QuantLinear(q)
+    assert layer.offsets is None and torch.equal(layer(x), kept)
+    with pytest.raises(RuntimeError, match="symmetric format"):
+        kernels.linear_quant(x, codes, planes, scales, None, None, 48, width, group)

@@ -232,6 +232,22 @@ def pack_quant(q: GroupQuant, bits: int | None = None) -> tuple[torch.Tensor, to
     return packed.contiguous(), planes, interleave(q.scales), interleave(q.offsets)
 
 
+#: Zero points of the symmetric formats (offset = -Z * scale): Q4_0, Q5_0, Q6_K, Q8_0 and our q8.
+SYMMETRIC_ZEROS = (8, 16, 32, 128)
+
+
+def symmetric_zero(q: GroupQuant) -> int:
+    """The Z with fp16(offset) == -Z * fp16(scale) bit for bit in every group, else 0 (offsets must be kept).
+
+    The kernel then forms each offset from its fp16 scale (a power-of-two product: exact), so dropping the offsets
+    changes no result bit and the weight stream loses 2 bytes per group."""
+    scales, offsets = q.scales.half(), q.offsets.half().view(torch.int16)
+    for zero in SYMMETRIC_ZEROS:
+        if torch.equal((scales.float() * -zero).half().view(torch.int16), offsets):
+            return zero
+    return 0
+
+
 # ---------------------------------------------------------------- reference math (also the fallbacks)
 
 
@@ -289,9 +305,10 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear_quant(x: torch.Tensor, codes: torch.Tensor, planes: torch.Tensor | None, scales: torch.Tensor,
-                 offsets: torch.Tensor, bias: torch.Tensor | None, n: int, bits: int, group: int,
-                 split: bool = False) -> torch.Tensor:
-    return torch.ops.mirrorsd.linear_quant(x, codes, planes, scales, offsets, bias, n, bits, group, split)
+                 offsets: torch.Tensor | None, bias: torch.Tensor | None, n: int, bits: int, group: int,
+                 split: bool = False, zero: int = 0) -> torch.Tensor:
+    """``offsets=None`` with ``zero=Z``: a symmetric format (see :func:`symmetric_zero`)."""
+    return torch.ops.mirrorsd.linear_quant(x, codes, planes, scales, offsets, bias, n, bits, group, split, zero)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

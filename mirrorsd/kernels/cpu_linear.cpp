@@ -90,7 +90,10 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const s
 // 5- and 6-bit codes (Q5_0, Q5_K, Q6_K): the 4-bit nibble layout for the low bits, plus 1 or 2 bit planes
 // [N/16, K/4, P] uint64 — bit j of plane b is bit 4+b of byte j of that k-step's 64-byte code vector; a
 // masked byte add puts it back in registers. 5/6 bits cost 0.625/0.75 bytes per weight instead of 1.
-// scales/offsets: [N/16, K/G, 16] fp16.
+// scales/offsets: [N/16, K/G, 16] fp16. Symmetric formats (Q8_0, Q6_K, Q5_0, Q4_0 and our q8: offset = -Z * scale
+// with Z a power of two) ship no offsets: the kernel forms -Z * scale from the fp16 scale, the very value the
+// fp16 offset held (a power-of-two product is exact), so results are unchanged and the weight stream is 0.125
+// (group 32) or 0.25 (group 16) bytes per weight lighter.
 // Activations are quantized to int8 per row and per 32 features (absmax / 127, round half to even), so the
 // inner product is an exact integer dot product (VNNI vpdpbusd: u8 codes x s8 activations).
 // split: each row becomes two int8 rows, its quantization and the quantization of what that left over (x - q*s),
@@ -159,8 +162,8 @@ constexpr int code_bits(int bits) { return bits == 8 ? 8 : 4; }  // bits per wei
 // One block of 16 outputs for MT activation rows. BITS = 4, 5, 6 or 8; G = 16 or 32 (weight group).
 template <int MT, int BITS, int G>
 void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* codes,
-                const uint64_t* planes, const uint16_t* scales, const uint16_t* offsets, float* acc_out,
-                bool prefetch) {
+                const uint64_t* planes, const uint16_t* scales, const uint16_t* offsets, float neg_zero,
+                float* acc_out, bool prefetch) {
   constexpr int P = planes_for(BITS);
   constexpr int CB = code_bits(BITS);
   constexpr int kSteps = G / 4;  // vpdpbusd steps (4 k each) per weight group
@@ -185,7 +188,7 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
       if (g % 2 == 0) {  // 16 fp16 scales (32 bytes) per group: one line covers two groups
         const int64_t scale_ahead = kPrefetchBlocks * groups * kBlockN;
         _mm_prefetch(reinterpret_cast<const char*>(scales + g * kBlockN + scale_ahead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(offsets + g * kBlockN + scale_ahead), _MM_HINT_T0);
+        if (offsets) _mm_prefetch(reinterpret_cast<const char*>(offsets + g * kBlockN + scale_ahead), _MM_HINT_T0);
       }
     }
 #pragma GCC unroll 8
@@ -206,7 +209,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
       }
     }
     const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN)));
-    const __m512 ow = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + g * kBlockN)));
+    const __m512 ow = offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + g * kBlockN)))
+                              : _mm512_mul_ps(sw, _mm512_set1_ps(neg_zero));
     const int64_t ag = k0 / kActGroup;
     for (int m = 0; m < MT; ++m) {
       __m512i total = acci[m][0];
@@ -220,7 +224,7 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
 }
 
 using QuantTile = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const uint64_t*,
-                           const uint16_t*, const uint16_t*, float*, bool);
+                           const uint16_t*, const uint16_t*, float, float*, bool);
 
 template <int BITS, int G>
 constexpr QuantTile kQuantTiles[kMaxTile + 1] = {
@@ -243,16 +247,17 @@ bool supported_layout(int64_t bits, int64_t group) {
 }
 
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
-                           const torch::Tensor& scales, const torch::Tensor& offsets,
+                           const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
                            const std::optional<torch::Tensor>& bias, int64_t N, int64_t bits, int64_t group,
-                           bool split) {
+                           bool split, int64_t zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
   check_bias(bias, N);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(supported_layout(bits, group), "unsupported quantized layout: bits=", bits, " group=", group);
   const int64_t n_planes = bits == 5 ? 1 : bits == 6 ? 2 : 0;
   const int64_t cbits = bits == 8 ? 8 : 4;
-  TORCH_CHECK(scales.is_contiguous() && offsets.is_contiguous(), "scales/offsets must be contiguous");
+  TORCH_CHECK(offsets ? zero == 0 : zero > 0, "give offsets, or zero > 0 for a symmetric format (offset = -zero * scale)");
+  TORCH_CHECK(scales.is_contiguous() && (!offsets || offsets->is_contiguous()), "scales/offsets must be contiguous");
   TORCH_CHECK(K % kActGroup == 0 && K % group == 0, "K must be a multiple of 32 and of the group size");
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t blocks = codes.size(0);
@@ -260,8 +265,9 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
   TORCH_CHECK(n_planes == 0 || (planes && planes->scalar_type() == torch::kLong && planes->is_contiguous() &&
                                 planes->numel() == blocks * (K / 4) * n_planes),
               bits, "-bit codes need contiguous int64 bit planes [N/16, K/4, ", n_planes, "]");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && offsets.scalar_type() == torch::kHalf, "scales must be fp16");
-  TORCH_CHECK(scales.numel() == blocks * (K / group) * kBlockN && offsets.numel() == scales.numel(),
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && (!offsets || offsets->scalar_type() == torch::kHalf),
+              "scales must be fp16");
+  TORCH_CHECK(scales.numel() == blocks * (K / group) * kBlockN && (!offsets || offsets->numel() == scales.numel()),
               "scales/offsets must be [N/16, K/G, 16]");
   TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
 
@@ -287,7 +293,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
   const float* xsp = xsum.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* ofp = reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>());
+  const uint16_t* ofp = offsets ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr;
+  const float neg_zero = -static_cast<float>(zero);
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const uint64_t* pp = n_planes ? reinterpret_cast<const uint64_t*>(planes->data_ptr<int64_t>()) : nullptr;
@@ -303,7 +310,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
         const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && nb + kPrefetchBlocks < end;
         pick_tile(bits, group, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
                                      cp + nb * code_block, pp ? pp + nb * plane_block : nullptr,
-                                     scp + nb * scale_block, ofp + nb * scale_block, acc, prefetch);
+                                     scp + nb * scale_block, ofp ? ofp + nb * scale_block : nullptr, neg_zero, acc,
+                                     prefetch);
         if (split) fold_pairs(acc, rows / 2);
         const int64_t out_rows = split ? rows / 2 : rows, out_m0 = split ? m0 / 2 : m0;
         store_block(acc, out_rows, yp + out_m0 * N, N, nb * kBlockN, bp);
@@ -319,8 +327,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
 // of a device pointer dereferenced on the host.
 TORCH_LIBRARY(mirrorsd, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
-  m.def("linear_quant(Tensor x, Tensor codes, Tensor? planes, Tensor scales, Tensor offsets, Tensor? bias, int n, "
-        "int bits, int group, bool split=False) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor codes, Tensor? planes, Tensor scales, Tensor? offsets, Tensor? bias, int n, "
+        "int bits, int group, bool split=False, int zero=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
