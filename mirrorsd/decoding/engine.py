@@ -271,7 +271,8 @@ class ChainScorer:
     """The target over ``[last committed, *draft]`` in one causal forward.
 
     ``whole_prompt``: prefill the whole prompt and keep its last row's logits for the first step, which then
-    needs no forward (what ``ar`` does; a method that drafts first scores the last prompt token with its draft).
+    scores only the draft (no forward at all for an empty one: what ``ar`` does). Otherwise the first step scores
+    the last prompt token with the draft (a draft model's proposer lags the target by that token anyway).
     """
 
     def __init__(self, model: Transformer, whole_prompt: bool = False) -> None:
@@ -289,9 +290,12 @@ class ChainScorer:
         return 1
 
     def score(self, state: RequestState, draft: Draft) -> Scores:
-        if state.next_logits is not None and not draft.tokens:
-            logits, state.next_logits = state.next_logits, None
-            return Scores(logits, draft, forwards=0)
+        if state.next_logits is not None:  # the prefill scored the last committed token already
+            first, state.next_logits = state.next_logits, None
+            if not draft.tokens:
+                return Scores(first, draft, forwards=0)
+            ids = torch.tensor([draft.tokens], device=self.model.device)
+            return Scores(torch.cat([first, self.model(ids, cache=state.target_cache)[0]]), draft)
         ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=self.model.device)
         return Scores(self.model(ids, cache=state.target_cache)[0], draft)
 

@@ -261,7 +261,9 @@ def suffix_proposer(req: DecodeRequest, opts: Any, *, gamma: int, rejection: boo
 
 def build(req: DecodeRequest, opts: SuffixOptions) -> Roles:
     proposer = suffix_proposer(req, opts, gamma=opts.gamma)
-    return Roles(proposer, ChainScorer(req.target), match, gamma=opts.gamma, close=proposer.close)
+    # The whole prompt in the prefill: a short answer should not pay a separate forward for its last token.
+    return Roles(proposer, ChainScorer(req.target, whole_prompt=True), match, gamma=opts.gamma,
+                 close=proposer.close)
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: SuffixOptions) -> float:
