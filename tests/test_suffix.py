@@ -194,3 +194,16 @@ def test_ss_hybrid_drafts_suffix_chains_as_one_branch_trees():
     assert got.token_ids == generate(target, prompt, method="ar", max_new_tokens=20).token_ids
     first = got.stats.step_log[0]
     assert first["source"] == "suffix" and first["drafted"] > 2  # deeper than the 2 streams could draft
+
+
+def test_the_step_served_by_the_prefill_teaches_no_cost():
+    """``suffix`` prefills the whole prompt, so its first step may run no forward at all: timing it as an empty
+    window would make every later window look expensive (the base cost near zero) and stop drafting."""
+    proposer = SuffixProposer(16)
+    state = _state([1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3])
+    proposer.start(state)
+    proposer.gamma = 0  # empty windows
+    for forwards in (0, 1):  # the step served by the prefill, then a real one
+        draft = proposer.propose(state)
+        proposer.feedback(state, Scores(torch.zeros(1, 64), draft, forwards=forwards), Verdict(0, 0))
+        assert (proposer.cost.base is None) == (forwards == 0)

@@ -133,6 +133,7 @@ class SuffixProposer:
         self.doc = -1
         self.prompt_len = 0
         self.last_match = 0  # match length behind the last draft (0: none)
+        self.after_prefill = False
         self.last: Draft | None = None
         self.proposed_at = 0.0
         self.acceptance = AcceptanceModel()
@@ -141,6 +142,7 @@ class SuffixProposer:
     def start(self, state: RequestState) -> None:
         self.doc = self.index.add(state.tokens)
         self.prompt_len = len(state.tokens)
+        self.after_prefill = True  # the first step reuses the prefill's last row: its time is no step's cost
 
     def propose(self, state: RequestState, min_match: int | None = None) -> Draft:
         """A draft, or an empty one when no suffix of at least ``min_match`` tokens occurred before."""
@@ -193,7 +195,10 @@ class SuffixProposer:
         self.index.extend(self.doc, state.tokens[len(self.index.docs[self.doc]):])
         if self.last is None or scores.draft is not self.last:
             return  # a hybrid's model drafted this window
-        self.cost.observe(len(self.last.tokens), time.perf_counter() - self.proposed_at)
+        if self.after_prefill:  # (an empty window there costs nothing; timing it would zero the base cost)
+            self.after_prefill = False
+        else:
+            self.cost.observe(len(self.last.tokens), time.perf_counter() - self.proposed_at)
         if self.last.tokens:
             self.acceptance.observe(self.last_match, len(self.last.tokens), verdict.accepted)
 
