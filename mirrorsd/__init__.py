@@ -6,7 +6,7 @@ decoding loop (:mod:`mirrorsd.decoding`); ``auto`` picks the fastest for this ma
 """
 
 from . import plans
-from .api import Generation, GenerationStream, LoadedModel, generate, load_model, stream
+from .api import Generation, GenerationStream, LoadedModel, StreamDelta, generate, load_model, stream
 from .decoding import GenerationStats, methods
 from .model import Transformer
 from .sampling import SamplingParams
@@ -29,6 +29,7 @@ __all__ = [
     "GenerationStream",
     "LoadedModel",
     "SamplingParams",
+    "StreamDelta",
     "Transformer",
     "generate",
     "load_model",

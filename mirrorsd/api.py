@@ -171,7 +171,7 @@ def _shipped_streams(model: LoadedModel) -> Path:
     return folder
 
 
-def _planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
+def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
              options: dict[str, Any]) -> tuple[str, dict[str, Any], LoadedModel | Transformer | None]:
     """``method="auto"``: the configuration `mirrorsd plan` recommended for this pair on this machine (planned
     briefly now on first use); options given explicitly win over the plan's."""
@@ -187,8 +187,26 @@ def default_method(draft: object | None) -> str:
     return "ar" if draft is None else "sd"
 
 
+@dataclass
+class StreamDelta:
+    """What one decoding step added to the output, for servers and UIs that show how tokens were produced.
+
+    ``text`` is the new text (possibly empty: bytes of a character, or a possible stop string, are held back);
+    ``segments`` split it by the token that produced each character, as ``(text, source)`` with source
+    ``"draft"`` (a draft token the target accepted: a draft model's, a suffix match's or a stream's) or
+    ``"target"`` (the target's own token: the correction or bonus every step ends with). ``token_ids`` /
+    ``sources``: the step's committed tokens after EOS, stop strings and ``max_new_tokens`` cut them.
+    """
+
+    text: str
+    segments: list[tuple[str, str]]
+    token_ids: list[int]
+    sources: list[str]
+
+
 class GenerationStream:
-    """Iterates over text deltas as tokens are committed; ``.result`` holds the :class:`Generation` after."""
+    """Iterates over text deltas as tokens are committed (:meth:`deltas` gives per-step detail);
+    ``.result`` holds the :class:`Generation` after."""
 
     def __init__(self, target: LoadedModel, prompt_ids: list[int], steps: Iterator[list[int]],
                  request: DecodeRequest, stop: str | Sequence[str]) -> None:
@@ -199,12 +217,23 @@ class GenerationStream:
         self.result: Generation | None = None
         self._text = ""
         self._emitted = 0
+        self._ends: list[tuple[int, str]] = []  # (text length after token i, its source), for segments
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.target.tokenizer
         return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
 
     def __iter__(self) -> Iterator[str]:
+        return (d.text for d in self.deltas() if d.text)
+
+    def close(self) -> None:
+        """Stop generating (a client went away); ``.result`` stays None unless the stream had finished."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+
+    def deltas(self) -> Iterator[StreamDelta]:
+        """One :class:`StreamDelta` per decoding step (and a last one with any held-back text)."""
         if self._steps is None:
             raise RuntimeError("a GenerationStream can be iterated only once")
         req, stats = self.request, self.request.stats
@@ -214,12 +243,16 @@ class GenerationStream:
         try:
             for chunk in steps:
                 done = False
-                for token in chunk:
+                kept: list[int] = []
+                sources: list[str] = []
+                for i, token in enumerate(chunk):
                     self.token_ids.append(token)
                     if token in self.target.eos_token_ids:
                         self.token_ids.pop()  # like HF, the EOS id is a stop signal, not output
                         finish, done = "eos", True
                         break
+                    kept.append(token)
+                    sources.append("target" if i == len(chunk) - 1 else "draft")
                     if self.stop and self._hit_stop():
                         finish, done = "stop", True
                         break
@@ -228,9 +261,8 @@ class GenerationStream:
                         break
                 if finish != "stop":
                     self._text = self._decode(self.token_ids)
-                delta = self._pending_text(final=done)
-                if delta:
-                    yield delta
+                self._mark_ends(kept, sources)
+                yield self._delta(final=done, token_ids=kept, sources=sources)
                 if done:
                     break
         finally:
@@ -238,10 +270,31 @@ class GenerationStream:
             stats.wall_s = time.perf_counter() - start
             stats.new_tokens = len(self.token_ids)
             stats.prompt_tokens = len(self.prompt_ids)
-        tail = self._pending_text(final=True)
-        if tail:
+        tail = self._delta(final=True, token_ids=[], sources=[])
+        if tail.text:
             yield tail
         self.result = Generation(self._text, self.token_ids, stats, finish, self.prompt_ids)
+
+    def _mark_ends(self, kept: list[int], sources: list[str]) -> None:
+        """Where each new token's text ends, by decoding the output up to it (only when several tokens came)."""
+        first = len(self.token_ids) - len(kept)
+        for i, source in enumerate(sources):
+            end = len(self._text) if i == len(kept) - 1 else len(self._decode(self.token_ids[: first + i + 1]))
+            self._ends.append((min(end, len(self._text)), source))
+
+    def _delta(self, final: bool, token_ids: list[int], sources: list[str]) -> StreamDelta:
+        begin = self._emitted
+        text = self._pending_text(final)
+        stop, position = begin + len(text), begin
+        segments: list[tuple[str, str]] = []
+        for end, source in self._ends:
+            end = min(end, stop)
+            if end > position:
+                segments.append((text[position - begin: end - begin], source))
+                position = end
+        if position < stop:  # text past the last token's recorded end (a later decode merged bytes)
+            segments.append((text[position - begin:], self._ends[-1][1] if self._ends else "target"))
+        return StreamDelta(text, segments, token_ids, sources)
 
     def _hit_stop(self) -> bool:
         # A stop string that just appeared ends within the last few tokens: decode only those first.
@@ -286,7 +339,7 @@ def stream(
     target = _as_loaded(target)
     method = method or default_method(draft)
     if method == "auto":
-        method, options, draft = _planned(target, draft, options)
+        method, options, draft = planned(target, draft, options)
     spec = get_method(method)
     if max_new_tokens < 1:
         raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")

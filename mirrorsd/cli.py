@@ -132,7 +132,7 @@ def _checked_options(args: argparse.Namespace, method: str) -> dict:
     to_flag.update(temperature="--temperature", top_k="--top-k", top_p="--top-p", max_new_tokens="--max-new-tokens")
     try:
         SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-        if args.max_new_tokens < 1:
+        if getattr(args, "max_new_tokens", 1) < 1:
             raise OptionError("max_new_tokens", f"must be >= 1, got {args.max_new_tokens}")
         if method == "auto":
             return values
@@ -201,6 +201,55 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft, "method": method,
                                                         "options": {k: str(v) for k, v in options.items()}})
         err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)", style="dim", highlight=False)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    import uvicorn
+    from rich.console import Console
+
+    import mirrorsd
+    from mirrorsd.api import default_method, planned
+    from mirrorsd.decoding import get_method
+    from mirrorsd.server import ServerConfig, create_app
+
+    err = Console(stderr=True)
+    method = args.method or default_method(args.draft)
+    options = _checked_options(args, method)
+    for name, value in (("--max-queued", args.max_queued), ("--max-prompt-tokens", args.max_prompt_tokens),
+                        ("--max-tokens", args.max_tokens), ("--max-request-bytes", args.max_request_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    api_key = args.api_key or os.environ.get("MIRRORSD_API_KEY") or None
+    with err.status(f"loading target {args.target}…"):
+        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
+                                     activations=args.activations)
+    _say_loaded("target", target, args)
+    needs_draft = args.draft is not None or method == "auto" or get_method(method).needs_draft
+    if needs_draft and args.draft is None and method != "auto":
+        raise ValueError(f"--method {method} needs --draft (a zoo name or folder, or self:N)")
+    draft = _load_draft(args, target, err) if needs_draft and (args.draft or method != "auto") else None
+    if method == "auto":
+        method, options, chosen = planned(target, draft, options)
+        draft = draft if chosen is not None else None
+        err.print(f"mirrorsd: auto chose {method} {options}", style="dim", highlight=False)
+    config = ServerConfig(model_name=args.served_model_name or target.name, method=method, options=options,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, api_key=api_key,
+                          max_queued=args.max_queued, max_prompt_tokens=args.max_prompt_tokens,
+                          max_tokens=args.max_tokens, max_request_bytes=args.max_request_bytes,
+                          shutdown_timeout=args.shutdown_timeout)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err.print(f"mirrorsd: warning: serving on {args.host} without --api-key: anyone who can reach this "
+                  "port can use the model", style="yellow", highlight=False)
+    err.print(f"mirrorsd: serving {config.model_name} with method {method} at http://{args.host}:{args.port} "
+              f"(chat page at /, OpenAI API at /v1, metrics at /metrics)", highlight=False)
+    app = create_app(target, draft, config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 
@@ -583,6 +632,48 @@ def build_parser() -> argparse.ArgumentParser:
                         "second int8 plane for the remainder, ~15 bits: what small models need on chat prompts) "
                         "(default: the zoo model's gate-picked one; int8x2 otherwise)")
     g.set_defaults(func=_cmd_generate)
+
+    sv = sub.add_parser(
+        "serve", formatter_class=_HelpFormatter,
+        help="an OpenAI-compatible HTTP server (chat, completions, SSE streaming, metrics, a chat page)",
+        description="Serve a target (and a draft) over OpenAI's HTTP API with speculative decoding: POST "
+        "/v1/chat/completions and /v1/completions (stream: true for SSE), GET /v1/models, /health, /metrics "
+        "(Prometheus), POST /tokenize and /detokenize, and a chat page at / that colours each token by how it was "
+        "produced. Requests may pick the method and its options in a `mirrorsd` object ({\"mirrorsd\": "
+        "{\"method\": \"suffix\", \"gamma\": 8}}); this command's flags are the defaults. Every answer is "
+        "the target's own output, as with `mirrorsd generate`.")
+    sv.add_argument("--target", default=DEFAULT_TARGET, help="zoo model name or local HF folder")
+    sv.add_argument("--draft", default=None,
+                    help="draft model for sd / mirror: zoo name or folder, or self:N / self:F (default: none; "
+                         "requests may then use only draft-free methods: ar, suffix, ss)")
+    sv.add_argument("--method", choices=[*(m.name for m in methods()), "auto"],
+                    help="the default decoding method of requests (default: sd with --draft, else ar; "
+                         "`suffix` needs no draft and measured fastest here, see docs/drafting.md)")
+    sv.add_argument("--served-model-name", help="the model name clients send (default: --target)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback: only this machine)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port")
+    sv.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health and the "
+                                      "page (default: $MIRRORSD_API_KEY, else none)")
+    sv.add_argument("--temperature", type=float, default=1.0,
+                    help="temperature of requests that send none (OpenAI's default; 0 is greedy)")
+    sv.add_argument("--top-p", type=float, default=1.0, help="top_p of requests that send none")
+    sv.add_argument("--top-k", type=int, default=0, help="top_k of requests that send none (0: off)")
+    sv.add_argument("--max-queued", type=int, default=64,
+                    help="requests that may wait for the engine; more are answered 429")
+    sv.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted (400 beyond)")
+    sv.add_argument("--max-tokens", type=int, default=2048,
+                    help="largest max_tokens a request may ask for, and the limit of requests that set none")
+    sv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds running requests get to finish on shutdown before they are cancelled")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.add_argument("--device", default="cpu", help="torch device for both models")
+    sv.add_argument("--draft-device", help="device for the draft model (default: --device)")
+    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sv.add_argument("--weights", choices=WEIGHT_FORMATS, help="weight format (default: as generate)")
+    sv.add_argument("--activations", choices=ACTIVATION_FORMATS, help="activation precision (default: as generate)")
+    _add_method_flags(sv)
+    sv.set_defaults(func=_cmd_serve)
 
     t = sub.add_parser(
         "train-streams", formatter_class=_HelpFormatter,

@@ -104,6 +104,28 @@ def test_stop_strings_streaming_and_chat_template(smollm2):
 
 
 @requires_smollm2
+@pytest.mark.parametrize("method", ["ar", "sd", "suffix"])
+def test_deltas_split_the_text_by_token_source(smollm2, method):
+    """Per-step deltas (what the server's chat page colours): segments cover each delta's text exactly, every
+    step ends with the target's own token, and only accepted draft tokens are marked "draft"."""
+    ours, _ = smollm2
+    prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps"
+    kw = {"draft": ours.model.prefix_model(15), "gamma": 4} if method == "sd" else {}
+    s = stream(ours, prompt, method=method, max_new_tokens=40, stop=["lazy cat"], **kw)
+    deltas = list(s.deltas())
+    g = s.result
+    assert "".join(d.text for d in deltas) == g.text
+    assert all("".join(t for t, _ in d.segments) == d.text for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == g.token_ids
+    steps = deltas[: g.stats.steps]  # one delta per decoding step, then possibly held-back text
+    for i, (d, accepted) in enumerate(zip(steps, g.stats.accepted, strict=True)):
+        full = ["draft"] * accepted + ["target"]
+        assert d.sources == full if i < len(steps) - 1 else d.sources == full[: len(d.sources)]
+    drafted = sum(src == "draft" for d in steps for src in d.sources)
+    assert drafted == 0 if method == "ar" else drafted > 0
+
+
+@requires_smollm2
 def test_raw_skips_the_chat_template(smollm2):
     ours, _ = smollm2
     g = generate(ours, "Hello", raw=True, max_new_tokens=2)

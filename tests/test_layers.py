@@ -17,6 +17,7 @@ LAYERS = [
     {"zoo", "plans", "specbench", "api"},  # loading models and the HF-like API
     {"perplexity", "quality", "train_streams"},  # tools on the API
     {"bench"},  # benchmarks and the planner
+    {"server"},  # mirrorsd serve: the OpenAI-compatible HTTP server
     {"cli", "__init__", "__main__"},  # the command line and the package's public names
 ]
 

@@ -1,0 +1,469 @@
+"""``mirrorsd serve``: an OpenAI-compatible HTTP server over :func:`mirrorsd.stream`.
+
+Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (SSE streaming with ``stream: true``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize`` and ``/detokenize``, and a chat page
+at ``/`` that colours each token by how it was produced. Requests are checked here (types, sizes, the method
+and its options through the registry) before they queue; the :class:`~mirrorsd.server.scheduler.Scheduler`
+runs them on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ValidationError
+
+from .. import api
+from ..decoding import ModelShape, get_method
+from ..errors import OptionError
+from ..sampling import SamplingParams
+from .metrics import Metrics
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+    new_id,
+    now,
+)
+from .scheduler import Event, Job, Scheduler
+
+log = logging.getLogger("mirrorsd.server")
+STATIC = Path(__file__).parent / "static"
+SERVER_ONLY_OPTIONS = frozenset({"streams", "draft_streams", "backend", "threads"})  # paths and hardware
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
+
+
+@dataclass
+class ServerConfig:
+    """What ``mirrorsd serve``'s flags set; request fields override the sampling defaults and the options."""
+
+    model_name: str
+    method: str = "ar"
+    options: dict[str, Any] = field(default_factory=dict)
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
+    top_k: int = 0
+    api_key: str | None = None
+    max_queued: int = 64
+    max_prompt_tokens: int = 4096
+    max_tokens: int = 2048
+    max_request_bytes: int = 1 << 20
+    shutdown_timeout: float = 30.0
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready to queue."""
+
+    prompt_ids: list[int]
+    method: str
+    options: dict[str, Any]
+    params: SamplingParams
+    max_new_tokens: int
+    stops: list[str]
+
+
+class Server:
+    """The models, the scheduler and the metrics behind the routes."""
+
+    def __init__(self, target: api.LoadedModel, draft: api.LoadedModel | None, config: ServerConfig) -> None:
+        self.target, self.draft, self.config = target, draft, config
+        self.scheduler = Scheduler(config.max_queued)
+        self.metrics = Metrics(config.model_name, lambda: self.scheduler.waiting,
+                               lambda: int(self.scheduler.running is not None))
+        context = target.config.context_length
+        if draft is not None:
+            context = min(context, draft.config.context_length)
+        self.context = context
+
+    # -- checks -------------------------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.config.model_name}`",
+                           param="model", code="model_not_found")
+
+    def prepare(self, req: SamplingFields, prompt_ids: list[int]) -> Prepared:
+        self.check_model(req.model)
+        req.unsupported()
+        cfg = self.config
+        ext = req.mirrorsd
+        method = (ext.method if ext is not None and ext.method else None) or cfg.method
+        try:
+            spec = get_method(method)
+        except OptionError as e:
+            raise APIError(400, f"mirrorsd.method {e.message}", param="mirrorsd.method") from None
+        if spec.needs_draft and self.draft is None:
+            raise APIError(400, f"method {method!r} needs a draft model; this server has none (start it with "
+                           "--draft)", param="mirrorsd.method")
+        asked = ext.options() if ext is not None else {}
+        fixed = sorted(SERVER_ONLY_OPTIONS & set(asked))
+        if fixed:
+            raise APIError(400, f"mirrorsd.{fixed[0]} is set by the server's command line, not per request",
+                           param=f"mirrorsd.{fixed[0]}")
+        options = {**(cfg.options if method == cfg.method else {}), **asked}
+        shape = ModelShape(self.target.config.n_layers, self.target.config.vocab_size)
+        try:
+            spec.options.parse(options, method, shape)
+            params = SamplingParams(
+                temperature=cfg.temperature if req.temperature is None else req.temperature,
+                top_p=cfg.top_p if req.top_p is None else req.top_p,
+                top_k=cfg.top_k if req.top_k is None else max(req.top_k, 0),
+                seed=0 if req.seed is None else req.seed)
+        except OptionError as e:
+            where = e.option if e.option in SamplingFields.model_fields else f"mirrorsd.{e.option}"
+            raise APIError(400, f"{where} {e.message}", param=where) from None
+        if len(prompt_ids) > cfg.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this server takes at most "
+                           f"{cfg.max_prompt_tokens} (--max-prompt-tokens)", param="messages",
+                           code="context_length_exceeded")
+        room = self.context - len(prompt_ids)
+        limit = req.token_limit
+        if limit is not None and limit > cfg.max_tokens:
+            raise APIError(400, f"max_tokens is {limit}; this server allows at most {cfg.max_tokens} "
+                           "(--max-tokens)", param="max_tokens")
+        if room < 1 or (limit is not None and limit > room):
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {limit}, but the "
+                           f"model's context is {self.context} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        return Prepared(prompt_ids, method, options, params, min(limit or cfg.max_tokens, room), req.stops)
+
+    def encode(self, prompt: str | list[int], *, raw: bool) -> list[int]:
+        try:
+            return api.encode_prompt(self.target, prompt, raw=raw)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+
+    def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        try:
+            return api.encode_chat(self.target, req.conversation())
+        except APIError:
+            raise
+        except Exception as e:  # a chat template refusing the conversation (jinja2 errors)
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+
+    # -- running ------------------------------------------------------------------------------------------
+
+    def job(self, p: Prepared, seed_given: bool) -> Job:
+        def make_stream() -> api.GenerationStream:
+            return api.stream(self.target, p.prompt_ids, draft=self.draft if get_method(p.method).needs_draft
+                              else None, method=p.method, temperature=p.params.temperature, top_k=p.params.top_k,
+                              top_p=p.params.top_p, seed=p.params.seed if seed_given else None,
+                              max_new_tokens=p.max_new_tokens, stop=p.stops, **p.options)
+
+        return Job(make_stream, asyncio.get_running_loop(), on_step=self.metrics.step)
+
+    def finish(self, job: Job, reason: str, first_token_at: float | None, completion_tokens: int) -> None:
+        """Metrics and the log line of a request that ended (``abort``: its client went away)."""
+        end = time.perf_counter()
+        ttft = first_token_at - job.arrival if first_token_at is not None else None
+        stats = job.stream.request.stats if job.stream is not None else None
+        prompt_tokens = len(job.stream.prompt_ids) if job.stream is not None else 0
+        self.metrics.finished(reason, prompt_tokens, completion_tokens, ttft, end - job.arrival)
+        if stats is not None:
+            decode_s = end - (first_token_at or end)
+            log.info("request %s: method=%s prompt=%d tokens=%d mean_accepted_length=%.2f tok/s=%.1f "
+                     "ttft=%.2fs e2e=%.2fs finish=%s", job.id, stats.method, prompt_tokens, completion_tokens,
+                     stats.mean_accepted_length, (completion_tokens - 1) / decode_s if decode_s > 0 else 0.0,
+                     ttft or 0.0, end - job.arrival, reason)
+
+
+def usage(result: api.Generation) -> dict[str, Any]:
+    st = result.stats
+    drafted, accepted = sum(st.drafted), sum(st.accepted)
+    return {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
+            "total_tokens": len(result.prompt_ids) + len(result.token_ids),
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted},
+            "drafted_tokens": drafted, "accepted_tokens": accepted}
+
+
+def summary(result: api.Generation) -> dict[str, Any]:
+    """The ``mirrorsd`` field of a finished response: how it was decoded."""
+    st = result.stats
+    return {"method": st.method, "seed": st.seed, "steps": st.steps,
+            "mean_accepted_length": round(st.mean_accepted_length, 4), "target_forwards": st.target_forwards,
+            "draft_forwards": st.draft_forwards, "tokens_per_s": round(st.tokens_per_s, 2)}
+
+
+async def read_json(request: Request, model: type[BaseModel], limit: int) -> Any:
+    """The body as ``model``: 413 past ``limit`` bytes, 400 for malformed JSON or a wrong field."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes; this server takes at most {limit} "
+                       "(--max-request-bytes)", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body is over {limit} bytes (--max-request-bytes)",
+                           code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{where or 'body'}: {err['msg']}", param=where) from None
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def create_app(target: api.LoadedModel, draft: api.LoadedModel | None, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``target`` (and ``draft`` for methods that need one)."""
+    server = Server(target, draft, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.scheduler.start()
+        yield
+        await asyncio.to_thread(server.scheduler.stop, config.shutdown_timeout)
+
+    app = FastAPI(title="mirrorsd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    open_paths = {"/health", "/", "/favicon.ico"}
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):  # noqa: ANN202 (Starlette's signature)
+        path = request.url.path
+        if config.api_key and path not in open_paths and not path.startswith("/static/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return error(APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                                      code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error(exc)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return error(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": now(),
+                                            "owned_by": "mirrorsd", "max_model_len": server.context}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await read_json(request, TokenizeRequest, config.max_request_bytes)
+        server.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = server.encode_chat(ChatCompletionRequest(model=config.model_name, messages=req.messages))
+        else:
+            ids = server.target.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await read_json(request, DetokenizeRequest, config.max_request_bytes)
+        server.check_model(req.model)
+        vocab = server.target.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        return {"prompt": server.target.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = await read_json(request, ChatCompletionRequest, config.max_request_bytes)
+        server.check_model(req.model)
+        prompt_ids = await asyncio.to_thread(server.encode_chat, req)
+        return await respond(server, request, req, prompt_ids, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await read_json(request, CompletionRequest, config.max_request_bytes)
+        server.check_model(req.model)
+        prompt = req.one_prompt()
+        prompt_ids = await asyncio.to_thread(server.encode, prompt, raw=True)
+        return await respond(server, request, req, prompt_ids, chat=False)
+
+    @app.get("/")
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+def error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def respond(server: Server, request: Request, req: SamplingFields, prompt_ids: list[int],
+                  chat: bool) -> Response:
+    """Queue the request, wait until the engine starts it (so its errors are HTTP statuses), then answer."""
+    prepared = server.prepare(req, prompt_ids)
+    job = server.job(prepared, seed_given=req.seed is not None)
+    job.id = new_id("chatcmpl" if chat else "cmpl")
+    server.scheduler.submit(job)
+    try:
+        first = await until_disconnect(request, job)
+    except BaseException:
+        job.cancel()
+        raise
+    if first.kind == "error":
+        raise first.value
+    if first.kind != "started":  # the client left while queued
+        server.finish(job, "abort", None, 0)
+        return Response(status_code=499)
+    if req.stream:
+        return StreamingResponse(stream_events(server, job, req, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await whole_response(server, request, job, req, chat)
+
+
+async def until_disconnect(request: Request, job: Job) -> Any:
+    """The job's next event; if the client disconnects meanwhile, the job is cancelled and this returns
+    :data:`LEFT` (non-streaming answers have no other way to notice a client that went away)."""
+    getter = asyncio.ensure_future(job.next())
+    try:
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=0.25)
+            if done:
+                return getter.result()
+            if await request.is_disconnected():
+                job.cancel()
+                return LEFT
+    finally:
+        getter.cancel()
+
+
+LEFT = Event("left")
+
+
+async def whole_response(server: Server, request: Request, job: Job, req: SamplingFields, chat: bool) -> Response:
+    first_token_at: float | None = None
+    tokens = 0
+    while True:
+        event = await until_disconnect(request, job)
+        if event.kind == "delta":
+            if event.value.token_ids and first_token_at is None:
+                first_token_at = event.at
+            tokens += len(event.value.token_ids)
+        elif event.kind == "done":
+            result = event.value
+            server.finish(job, FINISH_REASONS[result.finish_reason], first_token_at, len(result.token_ids))
+            return JSONResponse(completion_body(job.id, server.config.model_name, result, chat))
+        elif event.kind == "error":
+            raise event.value
+        else:  # cancelled, or the client left
+            server.finish(job, "abort", first_token_at, tokens)
+            return Response(status_code=499)
+
+
+def completion_body(id_: str, model: str, result: api.Generation, chat: bool) -> dict[str, Any]:
+    finish = FINISH_REASONS[result.finish_reason]
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
+    return {"id": id_, "object": "chat.completion" if chat else "text_completion", "created": now(), "model": model,
+            "choices": [choice], "usage": usage(result), "mirrorsd": summary(result)}
+
+
+async def stream_events(server: Server, job: Job, req: SamplingFields, chat: bool) -> AsyncIterator[bytes]:
+    """SSE chunks: one per decoding step that produced text, then the finish chunk, the usage chunk when asked
+    for, and ``data: [DONE]``. Each chunk's ``mirrorsd`` field carries the step's text split by how it was
+    produced (``segments``: ``[{"text", "source": "draft" | "target"}]``) and the running counts."""
+    model, created = server.config.model_name, now()
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = req.include_usage
+
+    def chunk(text: str | None, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body = {"id": job.id, "object": kind, "created": created, "model": model, "choices": [choice],
+                "mirrorsd": extra}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    first_token_at: float | None = None
+    tokens = steps = 0
+    finished = False
+    try:
+        if chat:
+            first = chunk(None, None, {"segments": [], "completion_tokens": 0, "steps": 0})
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield sse(first)
+        while True:
+            event = await job.next()
+            if event.kind == "delta":
+                d = event.value
+                if d.token_ids:
+                    first_token_at = first_token_at or event.at
+                    tokens += len(d.token_ids)
+                    steps += 1
+                if d.text:
+                    yield sse(chunk(d.text, None, {"segments": [{"text": t, "source": s} for t, s in d.segments],
+                                                   "completion_tokens": tokens, "steps": steps}))
+            elif event.kind == "done":
+                result = event.value
+                finished = True
+                server.finish(job, FINISH_REASONS[result.finish_reason], first_token_at, len(result.token_ids))
+                yield sse(chunk(None if chat else "", FINISH_REASONS[result.finish_reason],
+                                {"segments": [], "completion_tokens": len(result.token_ids), "steps": steps,
+                                 **summary(result)}))
+                if include_usage:
+                    yield sse({"id": job.id, "object": kind, "created": created, "model": model, "choices": [],
+                               "usage": usage(result)})
+                yield sse("[DONE]")
+                return
+            elif event.kind == "error":  # after the stream started: say so in the stream, OpenAI-style
+                finished = True
+                server.finish(job, "error", first_token_at, tokens)
+                yield sse(event.value.body())
+                return
+            else:
+                return
+    finally:
+        if not finished:  # the client went away (Starlette cancels this generator): stop decoding for it
+            job.cancel()
+            server.finish(job, "abort", first_token_at, tokens)

@@ -1,0 +1,367 @@
+"""``mirrorsd serve`` end to end: a real uvicorn server on loopback, the official ``openai`` client and raw
+HTTP (httpx), on SmolLM2-135M real weights in its default (batch-invariant q4) format."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+import mirrorsd
+from mirrorsd.api import LoadedModel
+from mirrorsd.server import ServerConfig, create_app
+
+from .conftest import requires_smollm2
+
+pytestmark = [requires_smollm2, pytest.mark.real]
+MODEL = "smollm2-135m"
+PROMPTS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
+           "List three colours.", "Explain recursion in one sentence."]
+
+
+class LiveServer:
+    """A uvicorn server on a free loopback port, in a thread (how `mirrorsd serve` runs it, minus the CLI)."""
+
+    def __init__(self, app, shutdown_timeout: float = 10.0) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    timeout_graceful_shutdown=shutdown_timeout))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def client(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def metrics(self, key: str | None = None) -> dict[tuple[str, tuple], float]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        text = httpx.get(self.url + "/metrics", headers=headers).text
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = mirrorsd.load_model(MODEL, progress=False)
+    layers = target.config.n_layers // 2  # the target's first layers as the draft (`--draft self:0.5`)
+    draft = LoadedModel(target.model.prefix_model(layers), target.tokenizer, f"{MODEL}[:{layers}]", target.path,
+                        target.eos_token_ids, target.weights, target.activations)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def live(models):
+    target, draft = models
+    server = LiveServer(create_app(target, draft, ServerConfig(MODEL, method="sd", options={"gamma": 4},
+                                                               max_prompt_tokens=512, max_tokens=256,
+                                                               max_request_bytes=64 * 1024)))
+    yield server
+    server.stop()
+
+
+def reference(models, prompt: str, method: str = "ar", raw: bool = False, **kwargs) -> mirrorsd.Generation:
+    target, draft = models
+    return mirrorsd.generate(target, prompt, draft=draft if method in ("sd", "mirror") else None, method=method,
+                             raw=raw, **kwargs)
+
+
+# -- answers equal mirrorsd generate ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "suffix"])
+def test_chat_greedy_equals_generate(live, models, method):
+    want = reference(models, PROMPTS[1], max_new_tokens=40, temperature=0)
+    got = live.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=40, temperature=0,
+        extra_body={"mirrorsd": {"method": method}})
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.prompt_tokens == len(want.prompt_ids)
+    extra = got.usage.model_extra
+    if method == "ar":
+        assert extra["drafted_tokens"] == 0 and extra["accepted_tokens"] == 0
+    else:
+        assert extra["drafted_tokens"] >= extra["accepted_tokens"] >= 0 and extra["drafted_tokens"] > 0
+    assert got.model_extra["mirrorsd"]["method"] == method
+
+
+def test_chat_stream_equals_generate_and_carries_segments(live, models):
+    want = reference(models, PROMPTS[0], max_new_tokens=48, temperature=0.8, seed=11)
+    chunks = list(live.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=48, temperature=0.8, seed=11,
+        stream=True, stream_options={"include_usage": True}, extra_body={"mirrorsd": {"method": "sd"}}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    for c in chunks[1:]:
+        if c.choices and c.choices[0].delta.content:  # the colouring covers exactly the chunk's text
+            segments = c.model_extra["mirrorsd"]["segments"]
+            assert "".join(s["text"] for s in segments) == c.choices[0].delta.content
+            assert {s["source"] for s in segments} <= {"draft", "target"}
+    sources = {s["source"] for c in chunks if c.choices for s in c.model_extra["mirrorsd"]["segments"]}
+    assert "target" in sources
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].model_extra["mirrorsd"]["seed"] == 11
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_raw_text_equals_generate(live, models):
+    prompt = "def fibonacci(n):"
+    want = reference(models, prompt, method="suffix", raw=True, max_new_tokens=32, temperature=0)
+    client = live.client()
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
+                                    extra_body={"mirrorsd": {"method": "suffix"}})
+    assert got.choices[0].text == want.text and got.object == "text_completion"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stream=True) if c.choices)
+    assert streamed == want.text  # the server's default method (sd) gives the same text
+
+
+def test_text_equals_the_cli(live, tmp_path):
+    """The same request through `mirrorsd generate` in a fresh process and through the server."""
+    out = subprocess.run([sys.executable, "-m", "mirrorsd.cli", "generate", "--target", MODEL, "--method", "ar",
+                          "--prompt", PROMPTS[2], "--max-new-tokens", "24", "--seed", "5", "--temperature", "0.7",
+                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+    want = json.loads(out.stdout.splitlines()[-1])["text"]
+    got = live.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=24, seed=5, temperature=0.7)
+    assert got.choices[0].message.content == want
+
+
+def test_stop_strings(live, models):
+    want = reference(models, PROMPTS[1], max_new_tokens=64, temperature=0, stop=["\n"])
+    got = live.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                                max_tokens=64, temperature=0, stop="\n")
+    assert got.choices[0].message.content == want.text and "\n" not in want.text
+
+
+# -- the other routes ---------------------------------------------------------------------------------------
+
+
+def test_models_health_tokenize_page(live, models):
+    target, _ = models
+    assert [m.id for m in live.client().models.list()] == [MODEL]
+    assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+    ids = httpx.post(live.url + "/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+    assert ids["tokens"] == target.tokenizer("hello world")["input_ids"] and ids["count"] == len(ids["tokens"])
+    assert httpx.post(live.url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "hello world"
+    chat = httpx.post(live.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == mirrorsd.api.encode_chat(target, [{"role": "user", "content": "hi"}])
+    page = httpx.get(live.url + "/")
+    assert page.status_code == 200 and "/static/chat.js" in page.text
+    assert "segments" in httpx.get(live.url + "/static/chat.js").text
+
+
+# -- bad input: OpenAI-shaped 4xx, never a 500 ---------------------------------------------------------------
+
+
+def post(live, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(live.url + path, timeout=60, **kwargs)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, words: str = "") -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "Traceback" not in err["message"] and words in err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize("body,status,param,words", [
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400, "max_tokens",
+     "integer"),
+    ({"model": MODEL, "messages": []}, 400, "messages", ""),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "does not exist"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature", ""),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n", "n must be 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs", ""),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400, "max_tokens",
+     "--max-tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"method": "warp"}}, 400,
+     "mirrorsd.method", "must be one of"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"gamma": 0}}, 400,
+     "mirrorsd.gamma", ">= 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"method": "ar", "gamma": 4}},
+     400, "mirrorsd.gamma", "not an option of method 'ar'"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"backend": "threads"}}, 400,
+     "mirrorsd.backend", "command line"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages", "at most 512"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 404, None, ""),  # a completions body sent to the chat route
+])
+def test_bad_requests(live, body, status, param, words):
+    if "prompt" in body:  # the chat route needs messages: 400, not 404
+        assert_error(post(live, "/v1/chat/completions", json=body), 400, "messages")
+        assert_error(post(live, "/v1/completions", json=body), 400, "prompt", "one prompt per request")
+        return
+    assert_error(post(live, "/v1/chat/completions", json=body), status, param, words)
+
+
+def test_malformed_and_oversize_bodies(live):
+    assert_error(post(live, "/v1/chat/completions", content=b"{not json", headers={"content-type":
+                                                                                   "application/json"}), 400)
+    assert_error(post(live, "/v1/chat/completions", content=b"[1, 2]"), 400)
+    assert_error(post(live, "/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "y" * (70 * 1024)}]}), 413, None, "--max-request-bytes")
+    assert_error(post(live, "/v1/completions", json={"model": MODEL, "prompt": [10 ** 9]}), 400, "prompt", "range")
+    assert_error(httpx.get(live.url + "/v1/nothing"), 404)
+    with pytest.raises(openai.NotFoundError):
+        live.client().chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="gamma"):
+        live.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                              extra_body={"mirrorsd": {"gamma": -1}})
+
+
+def test_api_key(models):
+    target, _ = models
+    server = LiveServer(create_app(target, None, ServerConfig(MODEL, api_key="s3cret", max_tokens=8)))
+    try:
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.get(server.url + "/").status_code == 200  # the page holds no data; its calls need the key
+        for path in ("/v1/models", "/metrics"):
+            assert_error(httpx.get(server.url + path), 401, None, "API key")
+            assert_error(httpx.get(server.url + path, headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(httpx.post(server.url + "/tokenize", json={"prompt": "x"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            server.client("wrong").models.list()
+        got = server.client("s3cret").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+        assert got.usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError, match="needs a draft"):  # no --draft: sd is refused
+            server.client("s3cret").chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"mirrorsd": {"method": "sd"}})
+    finally:
+        server.stop()
+
+
+# -- concurrency: disconnects, a full queue, load -----------------------------------------------------------
+
+
+def counters(snapshot: dict, name: str) -> float:
+    return sum(v for (n, _), v in snapshot.items() if n == name)
+
+
+def test_client_disconnect_stops_its_generation(live, models):
+    before = live.metrics()
+    with httpx.Client(timeout=60) as h, h.stream("POST", live.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 256,
+            "temperature": 0.9, "seed": 1, "stream": True, "mirrorsd": {"method": "ar"}}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the role chunk: the request is running
+        assert next(line for line in lines if line.startswith("data: {"))
+    # another client is served at once, with the right answer
+    want = reference(models, PROMPTS[0], max_new_tokens=16, temperature=0)
+    got = live.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == want.text
+    after = live.metrics()
+    abort = ("mirrorsd:request_success_total", (("finished_reason", "abort"),))
+    assert after[abort] - before.get(abort, 0) == 1
+    aborted_tokens = (counters(after, "mirrorsd:generation_tokens_total")
+                      - counters(before, "mirrorsd:generation_tokens_total") - got.usage.completion_tokens)
+    assert aborted_tokens < 256  # it stopped early instead of decoding to max_tokens for nobody
+
+
+def test_full_queue_answers_429(models):
+    target, _ = models
+    server = LiveServer(create_app(target, None, ServerConfig(MODEL, max_queued=1, max_tokens=128)))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 96,
+            "temperature": 0.9, "seed": 3}
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            statuses = sorted(pool.map(lambda _: post(server, "/v1/chat/completions", json=body).status_code,
+                                       range(6)))
+        assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) <= {200, 429}
+        r = [post(server, "/v1/chat/completions", json=body) for _ in range(1)][0]
+        assert r.status_code == 200  # served again once the queue drained
+    finally:
+        server.stop()
+
+
+def test_load_16_clients_correct_answers_and_consistent_metrics(live, models):
+    """16 concurrent clients, 2 requests each, mixed methods, greedy: every answer equals `ar`'s and the
+    Prometheus counters add up to the responses' usage."""
+    methods = ["ar", "suffix", "sd"]
+    wants = {p: reference(models, p, max_new_tokens=16, temperature=0).text for p in PROMPTS}
+    before = live.metrics()
+
+    def client_session(i: int) -> list:
+        client = live.client()
+        out = []
+        for j in range(2):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)]
+            start = time.perf_counter()
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=16, temperature=0,
+                                               extra_body={"mirrorsd": {"method": methods[(i + j) % 3]}})
+            out.append((prompt, r, time.perf_counter() - start))
+        return out
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        results = [x for session in pool.map(client_session, range(16)) for x in session]
+    wall = time.perf_counter() - start
+    assert wall < 240, f"the load test took {wall:.0f} s"
+    assert all(r.choices[0].message.content == wants[p] for p, r, _ in results)
+    after = live.metrics()
+
+    def grew(name: str) -> float:
+        return counters(after, name) - counters(before, name)
+
+    assert grew("mirrorsd:request_success_total") == 32
+    assert grew("mirrorsd:generation_tokens_total") == sum(r.usage.completion_tokens for _, r, _ in results)
+    assert grew("mirrorsd:prompt_tokens_total") == sum(r.usage.prompt_tokens for _, r, _ in results)
+    assert grew("mirrorsd:spec_decode_num_draft_tokens_total") == sum(
+        r.usage.model_extra["drafted_tokens"] for _, r, _ in results)
+    assert grew("mirrorsd:spec_decode_num_accepted_tokens_total") == sum(
+        r.usage.model_extra["accepted_tokens"] for _, r, _ in results)
+    assert grew("mirrorsd:spec_decode_num_accepted_tokens_per_pos_total") == grew(
+        "mirrorsd:spec_decode_num_accepted_tokens_total")
+    assert grew("mirrorsd:e2e_request_latency_seconds_count") == 32
+    assert grew("mirrorsd:num_decode_steps_total") >= grew("mirrorsd:spec_decode_num_drafts_total") > 0
+    latencies = sorted(t for _, _, t in results)
+    print(f"\nload: 32 requests, 16 clients, {wall:.1f} s, "
+          f"{sum(r.usage.completion_tokens for _, r, _ in results) / wall:.1f} tok/s, "
+          f"p50 {latencies[15]:.2f} s, p99 {latencies[-1]:.2f} s")
+
+
+def test_graceful_shutdown_finishes_running_requests(models):
+    target, _ = models
+    server = LiveServer(create_app(target, None, ServerConfig(MODEL)), shutdown_timeout=30)
+    want = reference(models, PROMPTS[1], max_new_tokens=48, temperature=0)
+    received: list[str] = []
+    with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 48,
+            "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        received.append(next(lines))
+        server.server.should_exit = True  # what SIGTERM / Ctrl-C does
+        received.extend(lines)
+    server.thread.join(60)
+    assert not server.thread.is_alive()
+    received = [line for line in received if line]  # SSE events end with an empty line
+    assert received[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in received if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want.text
