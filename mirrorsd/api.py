@@ -171,6 +171,17 @@ def _shipped_streams(model: LoadedModel) -> Path:
     return folder
 
 
+def _shipped_exit(model: LoadedModel) -> str:
+    """The tuned early exit shipped for a zoo target (``exit_head=FOLDER`` overrides it)."""
+    from .exit_heads import shipped_exit
+
+    folder = shipped_exit(model.name or "")
+    if folder is None:
+        raise ValueError(f"no shipped tuned exit for {model.name or 'this model'}; pass exit_head=FOLDER (or "
+                         "--exit-head FOLDER) with one from `mirrorsd train-exit`")
+    return str(folder)
+
+
 def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
              options: dict[str, Any]) -> tuple[str, dict[str, Any], LoadedModel | Transformer | None]:
     """``method="auto"``: the configuration `mirrorsd plan` recommended for this pair on this machine (planned
@@ -356,6 +367,8 @@ def stream(
         options["streams"] = _shipped_streams(target)
     if method == "mirror" and options.get("draft_streams") in (True, "auto"):
         options["draft_streams"] = _shipped_streams(draft)
+    if method == "mirror" and options.get("exit_head") == "tuned":
+        options["exit_head"] = _shipped_exit(target)
     opts = spec.options.parse(options, method, ModelShape(target.config.n_layers, target.config.vocab_size))
     ids = encode_prompt(target, prompt, raw=raw)
     context = target.config.context_length

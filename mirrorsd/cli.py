@@ -289,6 +289,31 @@ def _cmd_train_streams(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_exit(args: argparse.Namespace) -> int:
+    import shlex
+
+    import mirrorsd
+    from mirrorsd.decoding.mirror import resolve_exit_layer
+    from mirrorsd.train_exit import fit_exit, plot_curve
+    from mirrorsd.train_streams import corpus_texts
+
+    layers_asked = [_number(x) for x in _csv(args.layers)]
+    loaded = mirrorsd.load_model(args.model, weights=args.weights, activations=args.activations)
+    _say_loaded("model", loaded, args)
+    layers = sorted({resolve_exit_layer(x, loaded.config.n_layers) for x in layers_asked})
+    translators = fit_exit(loaded.model, loaded.tokenizer, corpus_texts(args.data), layers, chunks=args.chunks,
+                           held_out=args.held_out, seq_len=args.seq_len, seed=args.seed)
+    translators.meta["recipe"].update(
+        command="mirrorsd train-exit " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []), model=args.model,
+        data=args.data, weights=loaded.weights, activations=loaded.activations)
+    out = Path(args.out)
+    translators.save(out)
+    plot_curve(translators.meta, out / "learning_curve.png")
+    print(json.dumps(translators.meta["held_out"], indent=2))
+    print(f"written: {out}/exit_head.safetensors, exit_head.json, learning_curve.png", file=sys.stderr)
+    return 0
+
+
 def _cmd_bench_forward(args: argparse.Namespace) -> int:
     from mirrorsd.bench import forward as bench
 
@@ -699,6 +724,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the text decoding will actually ask the streams to predict)")
     t.add_argument("--seed", type=int, default=0, help="data order and initialisation")
     t.set_defaults(func=_cmd_train_streams)
+
+    te = sub.add_parser(
+        "train-exit", formatter_class=_HelpFormatter,
+        help="fit a tuned early exit (Mirror-SD's --exit-head tuned) on offline text, in closed form",
+        description="Fit an affine translator per exit layer that maps the layer's state towards the final one "
+        "before the model's own final norm + LM head (a tuned lens), by ridge regression on the frozen model's "
+        "states over offline text (labels: the model's own greedy next tokens). Reports held-out top-κ hit rates "
+        "of the plain logit lens and the tuned exit, and saves a learning curve. Minutes on a CPU.")
+    te.add_argument("--model", required=True, help="zoo model name or local HF folder")
+    te.add_argument("--data", nargs="+", default=["stdlib", "pydoc-topics"],
+                    help="text files or folders, or corpus names: stdlib, pydoc-topics (as train-streams)")
+    te.add_argument("--out", required=True, help="folder for exit_head.safetensors + exit_head.json")
+    te.add_argument("--layers", default="0.25,0.5,0.75", help="exit layers: indices or fractions of the depth")
+    te.add_argument("--chunks", type=int, default=64, help="training windows")
+    te.add_argument("--held-out", type=int, default=8, help="windows kept out to measure the hit rates")
+    te.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    te.add_argument("--seed", type=int, default=0, help="data order")
+    te.add_argument("--weights", choices=WEIGHT_FORMATS, help="the format decoding will use (default: as generate)")
+    te.add_argument("--activations", choices=ACTIVATION_FORMATS, help="(default: as generate)")
+    te.set_defaults(func=_cmd_train_exit)
 
     b = sub.add_parser(
         "bench", formatter_class=_HelpFormatter, help="Spec-Bench runner with peers in the same run; sweeps; costs",

@@ -12,10 +12,10 @@ PACKAGE = Path(mirrorsd.__file__).parent
 # Bottom to top. A module may import its own layer and the ones below it.
 LAYERS = [
     {"errors", "cache", "quant", "sampling", "kv_cache", "kernels", "linear", "gguf_weights", "model", "streams",
-     "verify", "runtime", "draft_vocab"},  # the model, its kernels and the executors
+     "verify", "runtime", "draft_vocab", "exit_heads"},  # the model, its kernels and the executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api"},  # loading models and the HF-like API
-    {"perplexity", "quality", "train_streams"},  # tools on the API
+    {"perplexity", "quality", "train_streams", "train_exit"},  # tools on the API
     {"bench"},  # benchmarks and the planner
     {"server"},  # mirrorsd serve: the OpenAI-compatible HTTP server
     {"cli", "__init__", "__main__"},  # the command line and the package's public names

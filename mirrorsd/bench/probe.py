@@ -22,9 +22,11 @@ from tqdm.auto import tqdm
 from ..decoding import engine
 from ..decoding.engine import ChainScorer, DecodeRequest, Draft, GenerationStats, RequestState, Roles, Scores, match
 from ..decoding.proposers import ModelProposer
+from ..exit_heads import ExitTranslators
 from ..sampling import SamplingParams
 
 EXITS = {"1/4": 0.25, "1/2": 0.5, "3/4": 0.75}
+TUNED = " tuned"  # suffix of the probe's names for tuned exits
 KAPPAS = (1, 2, 4, 8, 16)
 
 
@@ -79,11 +81,12 @@ class Probe:
 
 
 class ExitReader(ChainScorer):
-    """The target's chain scorer that also reads the early exit (top-κ ids) at several depths on the way up."""
+    """The target's chain scorer that also reads the early exit (top-κ ids) at several depths on the way up;
+    exits named ``"<depth> tuned"`` go through the tuned exit's translator first."""
 
-    def __init__(self, model, exit_layers: dict[str, int], kappa: int) -> None:
+    def __init__(self, model, exit_layers: dict[str, int], kappa: int, tuned: ExitTranslators | None = None) -> None:
         super().__init__(model)
-        self.exit_layers, self.kappa = exit_layers, kappa
+        self.exit_layers, self.kappa, self.tuned = exit_layers, kappa, tuned
         self.bounds = sorted(set(exit_layers.values()))
         self.exit_ids: dict[str, list[list[int]]] = {}
 
@@ -96,22 +99,27 @@ class ExitReader(ChainScorer):
             hidden = model.run_layers(hidden, positions[None], state.target_cache, start=start, end=end)
             for name, layer in self.exit_layers.items():
                 if layer == end:
-                    self.exit_ids[name] = model.logits(hidden)[0].topk(self.kappa, -1).indices.tolist()
+                    read = self.tuned(hidden, layer) if name.endswith(TUNED) and self.tuned else hidden
+                    self.exit_ids[name] = model.logits(read)[0].topk(self.kappa, -1).indices.tolist()
             start = end
         return Scores(model.logits(hidden)[0], draft)
 
 
 def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int, gamma: int = 7,
-              kappas: tuple[int, ...] = KAPPAS, exits: dict[str, float] = EXITS, progress: bool = True) -> Probe:
+              kappas: tuple[int, ...] = KAPPAS, exits: dict[str, float] = EXITS, progress: bool = True,
+              tuned: ExitTranslators | None = None) -> Probe:
     """``prompts`` are (group, token ids) pairs; ``target``/``draft`` are loaded models. The steps are the decoding
-    loop's with the shared draft proposer (fixed γ windows) and a scorer that reads the exits."""
+    loop's with the shared draft proposer (fixed γ windows) and a scorer that reads the exits; with ``tuned``,
+    every depth it has a translator for is also read through it (``"1/2 tuned"``)."""
     model, dmodel = target.model, draft.model
     n = model.config.n_layers
     exit_layers = {name: min(n - 1, max(1, round(f * n))) for name, f in exits.items()}
+    if tuned is not None:
+        exit_layers.update({name + TUNED: layer for name, layer in list(exit_layers.items()) if layer in tuned.layers})
     probe = Probe(gamma, exit_layers, tuple(kappas))
     params = SamplingParams()
     for group, ids in tqdm(prompts, desc="acceptance probe", unit="prompt", disable=not progress):
-        scorer = ExitReader(model, exit_layers, max(kappas))
+        scorer = ExitReader(model, exit_layers, max(kappas), tuned)
         roles = Roles(ModelProposer(dmodel, model.config.vocab_size, params, gamma), scorer, match)
         # Room for full windows up to the last step (the loop keeps windows inside max_new_tokens).
         request = DecodeRequest(model, list(ids), max_new + gamma + 1, params, GenerationStats("probe"), dmodel)

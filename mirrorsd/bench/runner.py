@@ -358,11 +358,15 @@ class Bench:
         probe_result = None
         if cfg.probe and self.draft is not None:
             from ..api import encode_chat
+            from ..exit_heads import ExitTranslators, shipped_exit
 
             prompts = [(q.group, encode_chat(self.target, [{"role": "user", "content": q.turns[0]}]))
                        for q in self.questions]
+            tuned_folder = shipped_exit(self.target.name or "")  # the probe reads the tuned exit too, if shipped
             probe_result = probe.run_probe(self.target, self.draft, prompts, cfg.max_new_tokens,
-                                           progress=self.progress).to_dict()
+                                           progress=self.progress,
+                                           tuned=ExitTranslators.load(tuned_folder) if tuned_folder else None
+                                           ).to_dict()
         return self.results(costs, probe_result)
 
     def _exit_layer(self, spec: MethodSpec) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..exit_heads import ExitTranslators
 from ..model import Transformer
 from ..runtime import BACKENDS, Executor, Span, Tracer, make_executor
 from ..runtime.trace import overlap
@@ -93,6 +95,10 @@ class MirrorOptions(MethodOptions):
     draft_streams: Any = option(None, "draft with Speculative Streaming: fresh rollouts take several tokens per "
                                 "draft forward (the same tokens). ADAPTER is a folder; alone, the draft's shipped "
                                 "adapter", parse=str, metavar="ADAPTER", const="auto", default_text="an AR draft")
+    exit_head: str = option("lens", "early-exit head: lens (the target's final norm + LM head on the layer-ℓe "
+                            "state: the paper's choice) or tuned (an affine translator per layer first, fitted by "
+                            "`mirrorsd train-exit`: the target's shipped one, or give its folder)", parse=str,
+                            metavar="HEAD")
     suffix_match: int = suffix_match_option()
     draft_vocab: int = draft_vocab_option()
 
@@ -141,9 +147,11 @@ class ChannelMessage:
         return [v for v in self.ids[j] if j >= len(window) or v != window[j]]
 
 
-def early_exit(target: Transformer, hidden: torch.Tensor, kappa: int, params: SamplingParams) -> ChannelMessage:
-    """Top-κ of the target's own head on layer-ℓe hidden states (at the sampling temperature, raw if greedy)."""
-    logits = target.logits(hidden)[0]
+def early_exit(target: Transformer, hidden: torch.Tensor, kappa: int, params: SamplingParams,
+               translate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ChannelMessage:
+    """Top-κ of the target's own head on layer-ℓe hidden states (at the sampling temperature, raw if greedy);
+    ``translate`` maps them towards the final layer's first (the tuned exit, :mod:`mirrorsd.exit_heads`)."""
+    logits = target.logits(hidden if translate is None else translate(hidden))[0]
     if not params.greedy:
         logits = logits / params.temperature
     top = logits.log_softmax(-1).topk(kappa, dim=-1)
@@ -433,7 +441,7 @@ class EarlyExitScorer(ChainScorer):
         message, roots, t_ee, submitted = None, [], 0.0, 0.0
         if not self.draft.failed and steps > 0:
             with run.tracer.span("target", "early exit") as ee:
-                message = early_exit(target, exit_hidden, opts.kappa, state.params)
+                message = early_exit(target, exit_hidden, opts.kappa, state.params, run.translate)
             t_ee = ee.seconds
             budget = run.budget.current if run.budget else 0
             roots = select_roots(message, draft.tokens, opts.roots, run.root_scorer, budget)
@@ -521,8 +529,9 @@ class MirrorRun:
     """One request's Mirror-SD bookkeeping shared by its scorer and proposer: the executor, the tracer, the
     root budget and scorer, and the step record both halves fill in."""
 
-    def __init__(self, req: DecodeRequest, opts: MirrorOptions, exit_layer: int, executor: Executor) -> None:
-        self.opts, self.exit_layer, self.executor = opts, exit_layer, executor
+    def __init__(self, req: DecodeRequest, opts: MirrorOptions, exit_layer: int, executor: Executor,
+                 translate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.opts, self.exit_layer, self.executor, self.translate = opts, exit_layer, executor, translate
         self.tracer = Tracer()
         req.stats.spans = self.tracer.spans
         self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots)
@@ -572,13 +581,26 @@ class MirrorRun:
             self.record.step_s += seconds
 
 
+def tuned_exit(target: Transformer, head: str, exit_layer: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """None for the logit lens; else the translator of ``exit_layer`` from a tuned-exit folder."""
+    if head == "lens":
+        return None
+    if head == "tuned":
+        raise OptionError("exit_head", "tuned needs the target's zoo name to find its shipped exit (the API "
+                          "resolves it); pass the folder from `mirrorsd train-exit` instead")
+    translators = ExitTranslators.load(head)
+    translators.check(exit_layer, target.config.hidden_size)
+    return partial(translators, layer=exit_layer)
+
+
 def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     check_draft(req.target, req.draft)
     exit_layer = resolve_exit_layer(opts.exit_layer, req.target.config.n_layers)
     if opts.kappa > req.target.config.vocab_size:
         raise OptionError("kappa", f"must be in 1..{req.target.config.vocab_size} (the vocabulary), got {opts.kappa}")
+    translate = tuned_exit(req.target, opts.exit_head, exit_layer)
     executor = make_executor(opts.backend, req.target.device, req.draft.device, opts.threads)
-    run = MirrorRun(req, opts, exit_layer, executor)
+    run = MirrorRun(req, opts, exit_layer, executor, translate)
     vocab, rejection = req.target.config.vocab_size, opts.acceptance == "rejection"
     if opts.draft_streams is None:
         fresh = ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,

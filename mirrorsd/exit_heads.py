@@ -1,0 +1,77 @@
+"""Tuned early exits: an affine translator per layer in front of the target's own final norm + LM head.
+
+Mirror-SD's early exit is the *logit lens*: the target's final norm and LM head applied to the layer-ℓe state
+(the paper's choice). On the middle layers of small models that state is far from the final one, so the
+target's correction is rarely among the exit's top-κ and Mirror-SD falls back to fresh rollouts. A *tuned lens*
+(Belrose et al. 2023) first maps the layer-ℓ state to an estimate of the final state; fitted in closed form by
+least squares (Din et al. 2023, "Jump to Conclusions"), it is one d×d matmul per row, next to a d×vocab head.
+
+The translator works on unit-RMS states (RMSNorm ignores scale, and Qwen's few huge residual features would
+otherwise dominate the fit): ``exit(h) = head(norm([h / rms(h), 1] @ A))`` with ``A`` of shape ``[d + 1, d]``.
+Exactness does not depend on it: the exit only chooses which branches the draft rolls out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CONFIG_FILE = "exit_head.json"
+WEIGHTS_FILE = "exit_head.safetensors"
+SHIPPED = Path(__file__).parent / "data" / "exit_heads"
+
+
+def unit_rms(hidden: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@dataclass
+class ExitTranslators:
+    """Per-layer translators ``layer -> A [d + 1, d]`` (the last row is the bias), and how they were made."""
+
+    layers: dict[int, torch.Tensor]
+    meta: dict[str, Any]
+
+    def __call__(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        """An estimate of the final layer's state (before the final norm) from a layer-``layer`` state."""
+        a = self.layers[layer]
+        a = a.to(device=hidden.device, dtype=hidden.dtype) if a.device != hidden.device or a.dtype != hidden.dtype \
+            else a
+        return unit_rms(hidden) @ a[:-1] + a[-1]
+
+    def check(self, layer: int, hidden_size: int) -> None:
+        if layer not in self.layers:
+            raise ValueError(f"the tuned exit has translators for layers {sorted(self.layers)}, not layer {layer}; "
+                             "pick one of those exit layers or fit it with `mirrorsd train-exit --layers`")
+        if self.layers[layer].shape != (hidden_size + 1, hidden_size):
+            raise ValueError(f"the tuned exit was fitted for hidden size {self.layers[layer].shape[1]}, the target "
+                             f"has {hidden_size}: it belongs to another model")
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        # bf16 halves the shipped size; the fit is not precise to more than 3 digits anyway
+        save_file({f"layer{i}": a.to(torch.bfloat16).contiguous() for i, a in self.layers.items()},
+                  str(folder / WEIGHTS_FILE))
+        (folder / CONFIG_FILE).write_text(json.dumps(self.meta, indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, folder: str | Path) -> ExitTranslators:
+        folder = Path(folder)
+        if not (folder / CONFIG_FILE).is_file():
+            raise ValueError(f"{folder} holds no tuned exit ({CONFIG_FILE} is missing); make one with "
+                             "`mirrorsd train-exit`")
+        tensors = load_file(str(folder / WEIGHTS_FILE))
+        layers = {int(k.removeprefix("layer")): v.float() for k, v in tensors.items()}
+        return cls(layers, json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8")))
+
+
+def shipped_exit(model_name: str) -> Path | None:
+    """The tuned exit shipped in the package for a zoo model, if any."""
+    folder = SHIPPED / model_name
+    return folder if (folder / CONFIG_FILE).is_file() else None

@@ -1,0 +1,150 @@
+"""``mirrorsd train-exit``: fit the tuned early exit (:mod:`mirrorsd.exit_heads`) of a model in closed form.
+
+The frozen model runs once over offline text. For every chosen layer ℓ the fit needs only two running sums,
+``XᵀX`` and ``XᵀY`` (X: unit-RMS layer-ℓ states with a bias column, Y: unit-RMS final states), so the
+states are never stored and the ridge solution ``A = (XᵀX + λI)⁻¹ (XᵀY + λA₀)`` is exact for any amount of
+data. The ridge pulls towards ``A₀ = [I; 0]``, the plain logit lens, so a strong λ falls back to the paper's
+exit rather than to nothing; λ is chosen on held-out windows.
+Held-out chunks measure what Mirror-SD needs: how often the target's own next token (the final layer's
+argmax) is among the exit's top-κ, for the plain logit lens and the tuned exit. The sums are additive, so
+the learning curve (held-out hit rate against training tokens) costs a solve per point, not a retraining.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .exit_heads import ExitTranslators, unit_rms
+from .model import Transformer
+from .train_streams import make_chunks
+
+KAPPAS = (1, 4, 8, 16)
+RIDGES = (1.0, 10.0, 100.0, 1000.0, 10000.0)
+
+
+def _states(model: Transformer, ids: torch.Tensor, layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Unit-RMS states ``[T, d]`` after each of ``layers`` and the final layer's raw state."""
+    positions = torch.arange(ids.shape[0], device=model.device)[None]
+    hidden, start, out = model.embed(ids[None].to(model.device)), 0, {}
+    for layer in [*layers, model.config.n_layers]:
+        hidden = model.run_layers(hidden, positions, None, None, start=start, end=layer)
+        start = layer
+        if layer < model.config.n_layers:
+            out[layer] = unit_rms(hidden[0]).double()
+    return out, hidden[0]
+
+
+def _with_bias(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
+
+
+def _hits(model: Transformer, hidden: torch.Tensor, want: torch.Tensor, kappas: tuple[int, ...]) -> dict[int, float]:
+    """Share of rows whose ``want`` token is among the top-κ of the head on ``hidden`` (rows in batches: the
+    logits of a 152k vocabulary are large)."""
+    hit = {k: 0 for k in kappas}
+    for i in range(0, hidden.shape[0], 256):
+        top = model.logits(hidden[None, i:i + 256].float())[0].topk(max(kappas), dim=-1).indices
+        for k in kappas:
+            hit[k] += int((top[:, :k] == want[i:i + 256, None]).any(-1).sum())
+    return {k: hit[k] / hidden.shape[0] for k in kappas}
+
+
+def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int], *, chunks: int = 64,
+             held_out: int = 8, seq_len: int = 256, ridges: tuple[float, ...] = RIDGES,
+             kappas: tuple[int, ...] = KAPPAS, seed: int = 0, progress: bool = True) -> ExitTranslators:
+    """Fit translators for ``layers`` on ``chunks`` windows of ``seq_len`` tokens of ``texts``; ``meta`` holds
+    the recipe, the held-out top-κ hit rates (lens and tuned) and the learning curve."""
+    n_layers = model.config.n_layers
+    bad = [layer for layer in layers if not 0 < layer < n_layers]
+    if bad:
+        raise ValueError(f"exit layers must be in 1..{n_layers - 1}, got {bad}")
+    windows = make_chunks(tokenizer, texts, seq_len, chunks + held_out, seed)
+    test, train = windows[:held_out], windows[held_out:]
+    d = model.config.hidden_size
+    start = time.perf_counter()
+    with torch.inference_mode():
+        test_x: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+        test_final = []
+        for w in tqdm(test, desc="held-out states", disable=not progress):
+            states, final = _states(model, w.ids, layers)
+            for layer in layers:
+                test_x[layer].append(states[layer])
+            test_final.append(final)
+        final = torch.cat(test_final)
+        want = torch.cat([model.logits(final[None, i:i + 1024])[0].argmax(-1) for i in range(0, len(final), 1024)])
+        held = {layer: torch.cat(xs) for layer, xs in test_x.items()}
+        # the logit lens on unit-RMS states is the lens itself: the final RMSNorm ignores scale
+        lens = {layer: _hits(model, held[layer].float(), want, kappas) for layer in layers}
+
+        gram = {layer: torch.zeros(d + 1, d + 1, dtype=torch.float64) for layer in layers}
+        cross = {layer: torch.zeros(d + 1, d, dtype=torch.float64) for layer in layers}
+        checkpoints = sorted({max(1, len(train) * f // 8) for f in (1, 2, 4, 8)})
+        curve: list[dict[str, Any]] = []
+        best: dict[int, tuple[float, float, torch.Tensor, dict[int, float]]] = {}
+        bar = tqdm(train, desc="fitting exits", disable=not progress)
+        for n, w in enumerate(bar, 1):
+            states, final = _states(model, w.ids, layers)
+            y = unit_rms(final).double()
+            for layer in layers:
+                x = _with_bias(states[layer])
+                gram[layer] += x.T @ x
+                cross[layer] += x.T @ y
+            if n not in checkpoints:
+                continue
+            point: dict[str, Any] = {"train_tokens": n * seq_len}
+            eye = torch.eye(d + 1, dtype=torch.float64)
+            identity = eye[:, :d]  # [I; 0]: the logit lens itself, which the ridge pulls towards
+            for layer in layers:
+                scored = []
+                for ridge in ridges:
+                    a = torch.linalg.solve(gram[layer] + ridge * eye, cross[layer] + ridge * identity).float()
+                    hits = _hits(model, _with_bias(held[layer]).float() @ a, want, kappas)
+                    scored.append((hits[8 if 8 in kappas else max(kappas)], ridge, a, hits))
+                top = max(scored, key=lambda s: s[0])
+                best[layer] = top
+                point[str(layer)] = {"ridge": top[1], **{f"top{k}": round(v, 4) for k, v in top[3].items()}}
+            curve.append(point)
+            bar.set_postfix_str(", ".join(f"ℓ{layer} top8 {best[layer][3].get(8, 0):.2f}" for layer in layers))
+    meta = {
+        "kind": "tuned-lens (affine, closed-form ridge on unit-RMS states)",
+        "hidden_size": d, "n_layers": n_layers, "layers": layers,
+        "recipe": {"chunks": chunks, "held_out": held_out, "seq_len": seq_len, "train_tokens": len(train) * seq_len,
+                   "ridges_tried": list(ridges), "seed": seed, "labels": "the model's own greedy next token"},
+        "held_out": {str(layer): {"lens": {f"top{k}": round(v, 4) for k, v in lens[layer].items()},
+                                  "tuned": {f"top{k}": round(v, 4) for k, v in best[layer][3].items()},
+                                  "ridge": best[layer][1]} for layer in layers},
+        "curve": curve,
+        "fit_s": round(time.perf_counter() - start, 1),
+    }
+    return ExitTranslators({layer: best[layer][2] for layer in layers}, meta)
+
+
+def plot_curve(meta: dict[str, Any], path: Path) -> None:
+    """Held-out top-8 hit rate against training tokens per layer, the lens as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for i, layer in enumerate(meta["layers"]):
+        colour = f"C{i}"
+        xs = [p["train_tokens"] for p in meta["curve"]]
+        ax.plot(xs, [p[str(layer)]["top8"] for p in meta["curve"]], "o-", color=colour,
+                label=f"tuned, layer {layer}/{meta['n_layers']}")
+        ax.axhline(meta["held_out"][str(layer)]["lens"]["top8"], color=colour, ls="--", lw=1,
+                   label=f"logit lens, layer {layer}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out: next token in the exit's top-8")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

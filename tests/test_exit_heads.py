@@ -1,0 +1,113 @@
+"""The tuned early exit (issue 17): the closed-form fit, its files, and Mirror-SD with it (still lossless)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mirrorsd
+from mirrorsd.decoding.mirror import early_exit, tuned_exit
+from mirrorsd.exit_heads import ExitTranslators, shipped_exit, unit_rms
+from mirrorsd.sampling import SamplingParams
+from mirrorsd.train_exit import fit_exit, plot_curve
+from mirrorsd.train_streams import corpus_texts
+
+from .conftest import requires_smollm2
+
+
+def test_identity_translator_is_the_logit_lens(tiny_pair):
+    """A = [I; 0] reproduces the plain lens: the final RMSNorm ignores the unit-RMS rescaling."""
+    target, _ = tiny_pair
+    d = target.config.hidden_size
+    identity = ExitTranslators({2: torch.cat([torch.eye(d), torch.zeros(1, d)])}, {})
+    hidden = torch.randn(1, 5, d) * 7
+    lens = target.logits(hidden)
+    tuned = target.logits(identity(hidden, 2))
+    torch.testing.assert_close(tuned, lens, rtol=1e-4, atol=1e-4)
+    assert unit_rms(hidden).pow(2).mean(-1).sub(1).abs().max() < 1e-4
+
+
+def test_files_round_trip_and_clear_errors(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    d = target.config.hidden_size
+    a = torch.randn(d + 1, d)
+    ExitTranslators({1: a}, {"layers": [1]}).save(tmp_path / "exit")
+    loaded = ExitTranslators.load(tmp_path / "exit")
+    assert loaded.meta == {"layers": [1]} and torch.allclose(loaded.layers[1], a, rtol=1e-2, atol=1e-2)  # bf16
+    with pytest.raises(ValueError, match="layers \\[1\\], not layer 2"):
+        tuned_exit(target, str(tmp_path / "exit"), 2)
+    with pytest.raises(ValueError, match="no tuned exit"):
+        tuned_exit(target, str(tmp_path), 1)
+    with pytest.raises(ValueError, match="zoo name"):
+        tuned_exit(target, "tuned", 1)
+    assert tuned_exit(target, "lens", 1) is None
+    ExitTranslators({1: torch.randn(d + 2, d + 1)}, {}).save(tmp_path / "other")
+    with pytest.raises(ValueError, match="another model"):
+        tuned_exit(target, str(tmp_path / "other"), 1)
+
+
+def test_mirror_with_a_tuned_exit_equals_ar(tiny_pair, tmp_path):
+    """Any translator only changes which branches the draft rolls out, never the tokens."""
+    target, draft = tiny_pair
+    d = target.config.hidden_size
+    torch.manual_seed(0)
+    ExitTranslators({2: torch.randn(d + 1, d) * 0.3}, {}).save(tmp_path / "exit")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for sampling in ({}, {"temperature": 0.9, "seed": 4}):
+        want = mirrorsd.generate(target, prompt, method="ar", max_new_tokens=24, **sampling)
+        got = mirrorsd.generate(target, prompt, draft=draft, method="mirror", exit_layer=2,
+                                exit_head=str(tmp_path / "exit"), max_new_tokens=24, **sampling)
+        assert got.token_ids == want.token_ids
+    message = early_exit(target, torch.randn(1, 3, d), 4, SamplingParams(),
+                         tuned_exit(target, str(tmp_path / "exit"), 2))
+    assert len(message.ids) == 3 and all(len(row) == 4 for row in message.ids)
+
+
+def test_probe_reads_tuned_exits_next_to_the_lens(tiny_pair):
+    """The acceptance probe (Fig. 7's fallback grid) adds a "<depth> tuned" row per translated depth; an identity
+    translator is the lens, so its row equals the lens row."""
+    from mirrorsd.api import LoadedModel
+    from mirrorsd.bench.probe import run_probe
+
+    target, draft = tiny_pair
+    d = target.config.hidden_size
+    tuned = ExitTranslators({2: torch.cat([torch.eye(d), torch.zeros(1, d)])}, {})
+    probe = run_probe(LoadedModel(target), LoadedModel(draft), [("g", [1, 2, 3, 4])], 12, gamma=3,
+                      exits={"1/2": 0.5}, progress=False, tuned=tuned)
+    fallback = probe.fallback()
+    assert set(fallback) == {"1/2", "1/2 tuned"} and fallback["1/2 tuned"] == fallback["1/2"]
+
+
+def test_unresolvable_tuned_exit_is_a_clear_error(tiny_pair):
+    target, draft = tiny_pair
+    with pytest.raises(ValueError, match="no shipped tuned exit"):
+        mirrorsd.generate(target, [1, 2, 3], draft=draft, method="mirror", exit_head="tuned", max_new_tokens=4)
+
+
+@requires_smollm2
+def test_fit_on_smollm2_beats_or_matches_the_lens_and_decodes_losslessly(tmp_path):
+    loaded = mirrorsd.load_model("smollm2-135m", progress=False)
+    translators = fit_exit(loaded.model, loaded.tokenizer, corpus_texts(["pydoc-topics"]), [15], chunks=8,
+                           held_out=2, seq_len=64, progress=False)
+    held = translators.meta["held_out"]["15"]
+    assert held["tuned"]["top8"] >= held["lens"]["top8"] - 0.02  # λ is chosen on held-out, lens is its limit
+    assert [p["train_tokens"] for p in translators.meta["curve"]] == [64, 128, 256, 512]
+    translators.save(tmp_path / "exit")
+    plot_curve(translators.meta, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+    prompt = "Write a haiku about the sea."
+    want = mirrorsd.generate(loaded, prompt, method="ar", max_new_tokens=24)
+    got = mirrorsd.generate(loaded, prompt, draft=loaded.model.prefix_model(10), method="mirror", exit_layer=15,
+                            exit_head=str(tmp_path / "exit"), max_new_tokens=24)
+    assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_zoo_models_ship_tuned_exits_at_quarter_half_three_quarters(name):
+    folder = shipped_exit(name)
+    assert folder is not None, f"no tuned exit shipped for {name}"
+    translators = ExitTranslators.load(folder)
+    n = translators.meta["n_layers"]
+    assert sorted(translators.layers) == sorted({round(f * n) for f in (0.25, 0.5, 0.75)})
+    for layer, row in translators.meta["held_out"].items():
+        assert row["tuned"]["top8"] >= row["lens"]["top8"], (name, layer)
