@@ -294,15 +294,16 @@ def _cmd_train_exit(args: argparse.Namespace) -> int:
 
     import mirrorsd
     from mirrorsd.decoding.mirror import resolve_exit_layer
-    from mirrorsd.train_exit import fit_exit, plot_curve
+    from mirrorsd.train_exit import fit_exit, plot_curve, self_distilled
     from mirrorsd.train_streams import corpus_texts
 
     layers_asked = [_number(x) for x in _csv(args.layers)]
     loaded = mirrorsd.load_model(args.model, weights=args.weights, activations=args.activations)
     _say_loaded("model", loaded, args)
     layers = sorted({resolve_exit_layer(x, loaded.config.n_layers) for x in layers_asked})
+    transcripts = self_distilled(loaded, args.self_distill, args.distill_tokens) if args.self_distill else []
     translators = fit_exit(loaded.model, loaded.tokenizer, corpus_texts(args.data), layers, chunks=args.chunks,
-                           held_out=args.held_out, seq_len=args.seq_len, seed=args.seed)
+                           held_out=args.held_out, seq_len=args.seq_len, seed=args.seed, transcripts=transcripts)
     translators.meta["recipe"].update(
         command="mirrorsd train-exit " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []), model=args.model,
         data=args.data, weights=loaded.weights, activations=loaded.activations)
@@ -737,8 +738,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text files or folders, or corpus names: stdlib, pydoc-topics (as train-streams)")
     te.add_argument("--out", required=True, help="folder for exit_head.safetensors + exit_head.json")
     te.add_argument("--layers", default="0.25,0.5,0.75", help="exit layers: indices or fractions of the depth")
-    te.add_argument("--chunks", type=int, default=64, help="training windows")
-    te.add_argument("--held-out", type=int, default=8, help="windows kept out to measure the hit rates")
+    te.add_argument("--chunks", type=int, default=64, help="windows of the corpus text")
+    te.add_argument("--self-distill", type=int, default=0, metavar="N",
+                    help="also fit on N chat transcripts of the model's own greedy answers to prompts about stdlib "
+                         "modules (the text Mirror-SD decodes; none is a benchmark question); at most 84")
+    te.add_argument("--distill-tokens", type=int, default=128, help="tokens per self-distilled answer")
+    te.add_argument("--held-out", type=int, default=8, help="windows (of all) kept out to measure the hit rates")
     te.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     te.add_argument("--seed", type=int, default=0, help="data order")
     te.add_argument("--weights", choices=WEIGHT_FORMATS, help="the format decoding will use (default: as generate)")

@@ -12,6 +12,7 @@ the learning curve (held-out hit rate against training tokens) costs a solve per
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,32 @@ from .train_streams import make_chunks
 
 KAPPAS = (1, 4, 8, 16)
 RIDGES = (1.0, 10.0, 100.0, 1000.0, 10000.0)
+# Chat prompts for self-distillation: about stdlib modules, so no benchmark question is among them.
+TOPICS = ("itertools", "functools", "collections", "pathlib", "json", "re", "datetime", "asyncio", "subprocess",
+          "argparse", "logging", "dataclasses", "typing", "unittest", "sqlite3", "csv", "random", "statistics",
+          "heapq", "bisect", "contextlib", "threading", "socket", "hashlib", "shutil", "tempfile", "textwrap", "enum")
+TEMPLATES = ("Explain what Python's `{}` module is for, with a short example.",
+             "Write a small Python program that uses the `{}` module, and explain how it works.",
+             "What are common mistakes people make with Python's `{}` module, and how do you avoid them?")
+
+
+def distill_prompts(count: int) -> list[str]:
+    prompts = [t.format(m) for t in TEMPLATES for m in TOPICS]
+    if count > len(prompts):
+        raise ValueError(f"at most {len(prompts)} self-distillation prompts, got {count}")
+    return prompts[:count]
+
+
+def self_distilled(loaded: Any, count: int, max_new_tokens: int, progress: bool = True) -> list[torch.Tensor]:
+    """Chat transcripts (template, prompt and the model's own greedy answer) for ``count`` prompts: the text
+    Mirror-SD's exit reads when it decodes chat, which stdlib source and reference prose are not."""
+    from .api import generate
+
+    out = []
+    for prompt in tqdm(distill_prompts(count), desc="self-distilling", disable=not progress):
+        g = generate(loaded, prompt, method="ar", max_new_tokens=max_new_tokens)
+        out.append(torch.tensor(g.prompt_ids + g.token_ids))
+    return out
 
 
 def _states(model: Transformer, ids: torch.Tensor, layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
@@ -56,14 +83,17 @@ def _hits(model: Transformer, hidden: torch.Tensor, want: torch.Tensor, kappas: 
 
 def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int], *, chunks: int = 64,
              held_out: int = 8, seq_len: int = 256, ridges: tuple[float, ...] = RIDGES,
-             kappas: tuple[int, ...] = KAPPAS, seed: int = 0, progress: bool = True) -> ExitTranslators:
-    """Fit translators for ``layers`` on ``chunks`` windows of ``seq_len`` tokens of ``texts``; ``meta`` holds
+             kappas: tuple[int, ...] = KAPPAS, seed: int = 0, progress: bool = True,
+             transcripts: list[torch.Tensor] = ()) -> ExitTranslators:
+    """Fit translators for ``layers`` on ``chunks`` windows of ``seq_len`` tokens of ``texts`` plus whole
+    ``transcripts`` (:func:`self_distilled`), ``held_out`` of the shuffled windows kept out; ``meta`` holds
     the recipe, the held-out top-κ hit rates (lens and tuned) and the learning curve."""
     n_layers = model.config.n_layers
     bad = [layer for layer in layers if not 0 < layer < n_layers]
     if bad:
         raise ValueError(f"exit layers must be in 1..{n_layers - 1}, got {bad}")
-    windows = make_chunks(tokenizer, texts, seq_len, chunks + held_out, seed)
+    windows = [c.ids for c in make_chunks(tokenizer, texts, seq_len, chunks + held_out, seed)] + list(transcripts)
+    random.Random(seed).shuffle(windows)
     test, train = windows[:held_out], windows[held_out:]
     d = model.config.hidden_size
     start = time.perf_counter()
@@ -71,7 +101,7 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
         test_x: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
         test_final = []
         for w in tqdm(test, desc="held-out states", disable=not progress):
-            states, final = _states(model, w.ids, layers)
+            states, final = _states(model, w, layers)
             for layer in layers:
                 test_x[layer].append(states[layer])
             test_final.append(final)
@@ -84,11 +114,13 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
         gram = {layer: torch.zeros(d + 1, d + 1, dtype=torch.float64) for layer in layers}
         cross = {layer: torch.zeros(d + 1, d, dtype=torch.float64) for layer in layers}
         checkpoints = sorted({max(1, len(train) * f // 8) for f in (1, 2, 4, 8)})
+        seen = 0
         curve: list[dict[str, Any]] = []
         best: dict[int, tuple[float, float, torch.Tensor, dict[int, float]]] = {}
         bar = tqdm(train, desc="fitting exits", disable=not progress)
         for n, w in enumerate(bar, 1):
-            states, final = _states(model, w.ids, layers)
+            states, final = _states(model, w, layers)
+            seen += len(w)
             y = unit_rms(final).double()
             for layer in layers:
                 x = _with_bias(states[layer])
@@ -96,7 +128,7 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
                 cross[layer] += x.T @ y
             if n not in checkpoints:
                 continue
-            point: dict[str, Any] = {"train_tokens": n * seq_len}
+            point: dict[str, Any] = {"train_tokens": seen}
             eye = torch.eye(d + 1, dtype=torch.float64)
             identity = eye[:, :d]  # [I; 0]: the logit lens itself, which the ridge pulls towards
             for layer in layers:
@@ -113,7 +145,9 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
     meta = {
         "kind": "tuned-lens (affine, closed-form ridge on unit-RMS states)",
         "hidden_size": d, "n_layers": n_layers, "layers": layers,
-        "recipe": {"chunks": chunks, "held_out": held_out, "seq_len": seq_len, "train_tokens": len(train) * seq_len,
+        "recipe": {"chunks": chunks, "held_out": held_out, "seq_len": seq_len, "train_tokens": seen,
+                   "held_out_tokens": len(want),
+                   "self_distilled_transcripts": len(transcripts),
                    "ridges_tried": list(ridges), "seed": seed, "labels": "the model's own greedy next token"},
         "held_out": {str(layer): {"lens": {f"top{k}": round(v, 4) for k, v in lens[layer].items()},
                                   "tuned": {f"top{k}": round(v, 4) for k, v in best[layer][3].items()},

@@ -102,6 +102,24 @@ def test_fit_on_smollm2_beats_or_matches_the_lens_and_decodes_losslessly(tmp_pat
     assert got.token_ids == want.token_ids
 
 
+@requires_smollm2
+def test_self_distilled_transcripts_join_the_fit():
+    from mirrorsd.train_exit import distill_prompts, self_distilled
+
+    loaded = mirrorsd.load_model("smollm2-135m", progress=False)
+    transcripts = self_distilled(loaded, 2, 12, progress=False)
+    assert len(transcripts) == 2
+    want = mirrorsd.generate(loaded, distill_prompts(2)[1], method="ar", max_new_tokens=12)
+    assert transcripts[1].tolist() == want.prompt_ids + want.token_ids  # template, prompt, the model's own answer
+    translators = fit_exit(loaded.model, loaded.tokenizer, corpus_texts(["pydoc-topics"]), [15], chunks=4,
+                           held_out=2, seq_len=64, progress=False, transcripts=transcripts)
+    recipe = translators.meta["recipe"]
+    assert recipe["self_distilled_transcripts"] == 2
+    assert recipe["train_tokens"] + recipe["held_out_tokens"] == 6 * 64 + sum(len(t) for t in transcripts)
+    with pytest.raises(ValueError, match="at most 84"):
+        distill_prompts(85)
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
 def test_zoo_models_ship_tuned_exits_at_quarter_half_three_quarters(name):
     folder = shipped_exit(name)

@@ -365,3 +365,25 @@ def test_graceful_shutdown_finishes_running_requests(models):
     assert received[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in received if line.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want.text
+
+
+def test_shutdown_cancels_what_outlives_the_timeout(models):
+    target, _ = models
+    app = create_app(target, None, ServerConfig(MODEL, shutdown_timeout=0.5))
+    server = LiveServer(app, shutdown_timeout=0.5)
+    received: list[str] = []
+    start = time.perf_counter()
+    with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 2000,
+            "temperature": 0.9, "seed": 2, "stream": True}) as r:
+        lines = r.iter_lines()
+        received.append(next(lines))
+        server.server.should_exit = True
+        with pytest.raises(httpx.HTTPError):  # the server cuts the stream instead of decoding 2,000 tokens
+            received.extend(lines)
+    server.thread.join(60)
+    assert not server.thread.is_alive() and time.perf_counter() - start < 30
+    assert "data: [DONE]" not in received
+    engine = app.state.server.scheduler._thread
+    engine.join(10)
+    assert not engine.is_alive()  # the engine thread stopped too: nothing decodes for nobody
