@@ -5,10 +5,12 @@
 // does. A masked multi-query SDPA does not (its blocking and reductions depend on the query count), which is
 // why mirrorsd used to call SDPA once per query from Python: 8 x 28 calls for an 8-token window.
 //
-// Here every (row, head, query) is one independent work item whose arithmetic depends only on its own query
-// vector and the keys/values it sees, in position order: the dot products, the softmax sums and the value
-// accumulation run in a fixed order whatever the number of queries, rows or threads. So any grouping of tokens
-// into forwards, and any thread count, gives bit-identical outputs, and all queries run in one call.
+// Here a work item is a tile of up to kTile queries of one (row, kv head): a GQA group's heads times window
+// rows, sharing each key and value load. Tiling only shares loads: every query's arithmetic depends only on
+// its own query vector and the keys/values it sees, in position order (the dot products, the softmax sums and
+// the value accumulation run in a fixed order whatever the number of queries, tiles, rows or threads). So any
+// grouping of tokens into forwards, and any thread count, gives bit-identical outputs, and all queries run in
+// one call.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
