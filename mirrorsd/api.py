@@ -235,7 +235,7 @@ class GenerationStream:
         return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
 
     def __iter__(self) -> Iterator[str]:
-        return (d.text for d in self.deltas() if d.text)
+        return (d.text for d in self._run(segments=False) if d.text)
 
     def close(self) -> None:
         """Stop generating (a client went away); ``.result`` stays None unless the stream had finished."""
@@ -245,6 +245,10 @@ class GenerationStream:
 
     def deltas(self) -> Iterator[StreamDelta]:
         """One :class:`StreamDelta` per decoding step (and a last one with any held-back text)."""
+        return self._run(segments=True)
+
+    def _run(self, segments: bool) -> Iterator[StreamDelta]:
+        # segments cost a decode per drafted token, so plain text iteration (CLI, bench) skips them
         if self._steps is None:
             raise RuntimeError("a GenerationStream can be iterated only once")
         req, stats = self.request, self.request.stats
@@ -272,7 +276,8 @@ class GenerationStream:
                         break
                 if finish != "stop":
                     self._text = self._decode(self.token_ids)
-                self._mark_ends(kept, sources)
+                if segments:
+                    self._mark_ends(kept, sources)
                 yield self._delta(final=done, token_ids=kept, sources=sources)
                 if done:
                     break
@@ -297,6 +302,7 @@ class GenerationStream:
         begin = self._emitted
         text = self._pending_text(final)
         stop, position = begin + len(text), begin
+        self._ends = [e for e in self._ends if e[0] > begin]  # text already sent needs no source any more
         segments: list[tuple[str, str]] = []
         for end, source in self._ends:
             end = min(end, stop)

@@ -39,9 +39,7 @@ class ExitTranslators:
 
     def __call__(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
         """An estimate of the final layer's state (before the final norm) from a layer-``layer`` state."""
-        a = self.layers[layer]
-        a = a.to(device=hidden.device, dtype=hidden.dtype) if a.device != hidden.device or a.dtype != hidden.dtype \
-            else a
+        a = self.layers[layer].to(hidden)  # no copy when device and dtype already match
         return unit_rms(hidden) @ a[:-1] + a[-1]
 
     def check(self, layer: int, hidden_size: int) -> None:

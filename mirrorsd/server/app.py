@@ -99,7 +99,7 @@ class Server:
                            param="model", code="model_not_found")
 
     def prepare(self, req: SamplingFields, prompt_ids: list[int]) -> Prepared:
-        self.check_model(req.model)
+        """Everything but the model name, which the routes check before tokenizing."""
         req.unsupported()
         cfg = self.config
         ext = req.mirrorsd
