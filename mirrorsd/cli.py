@@ -315,6 +315,38 @@ def _cmd_train_exit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must list positive integers, got {text!r}")
+    return values
+
+
+def _cmd_bench_gpu(args: argparse.Namespace) -> int:
+    import torch
+
+    from mirrorsd.bench import gpu
+
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in gpu.TARGETS]
+    if not targets or unknown:
+        raise ValueError(f"--targets must name some of {', '.join(gpu.TARGETS)}, got {args.targets!r}")
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available here")
+    accepts = _positive_ints(args.accept, "--accept")
+    if max(accepts) >= args.gamma:
+        raise ValueError(f"--accept values must be below --gamma ({args.gamma}): a window of γ accepts at most γ")
+    report = gpu.run(Path(args.out), device=args.device, max_new=args.max_new_tokens, prompt_len=args.prompt_tokens,
+                     accepts=accepts, gamma=args.gamma, targets=targets, ks=_positive_ints(args.ks, "--ks"),
+                     tests=not args.no_tests)
+    print(gpu.summary(report))
+    print(f"report: {Path(args.out) / 'report.md'}")
+    return 0
+
+
 def _cmd_bench_forward(args: argparse.Namespace) -> int:
     from mirrorsd.bench import forward as bench
 
@@ -758,7 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
         "answer files, report.md and plots to --out. Subcommands: sweep, forward, perplexity, quality.")
     _bench_arguments(b, methods=True)
     b.set_defaults(func=_cmd_bench)
-    bsub = b.add_subparsers(dest="bench_command", required=False, metavar="{sweep,forward,perplexity,quality}")
+    bsub = b.add_subparsers(dest="bench_command", required=False, metavar="{sweep,forward,gpu,perplexity,quality}")
     bw = bsub.add_parser(
         "sweep", formatter_class=_HelpFormatter, help="Mirror-SD over γ × κ × ℓe × roots × backend × threads",
         description="Times ar, vanilla SD at every γ and Mirror-SD at every combination, interleaved as in "
@@ -794,6 +826,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="llama.cpp's llama-bench binary: also time llama.cpp on the same GGUF file")
     bf.add_argument("--json", action="store_true", help="print the report as JSON")
     bf.set_defaults(func=_cmd_bench_forward)
+    bg = bsub.add_parser(
+        "gpu", formatter_class=_HelpFormatter,
+        help="validate a CUDA machine: CUDA tests, every method on random weights of real shapes, Mirror-SD vs Eq. 10",
+        description="One command for a lent GPU machine. Makes random-weight models of real shapes on the device "
+        "(Qwen2.5-1.5B- and 7B-shaped targets, a 0.5B-shaped draft: nothing large has to travel), runs "
+        "tests/test_cuda.py, times the k-token forward curve, runs every method and checks its tokens against ar, "
+        "then forces acceptance lengths with an oracle draft (the real draft network runs; its tokens follow the "
+        "target's answer for A tokens, then miss) to compare Mirror-SD's step time with its Eq. 10 terms and with "
+        "vanilla SD at the same acceptance. Writes report.md, report.json and Chrome traces into --out. Without "
+        "CUDA it is a dry run on tiny shapes, to check the command itself.")
+    bg.add_argument("--out", required=True, help="folder for report.md, report.json and the traces")
+    bg.add_argument("--device", help="torch device (default: cuda if available, else a CPU dry run)")
+    bg.add_argument("--targets", default="qwen2.5-1.5b,qwen2.5-7b", help="target shapes to run")
+    bg.add_argument("--accept", default="1,3,5",
+                    help="forced accepted tokens per step (each also runs with every draft token accepted)")
+    bg.add_argument("--gamma", type=int, default=7, help="draft window γ of SD and Mirror-SD in the forced runs")
+    bg.add_argument("--max-new-tokens", type=int, help="tokens per generation (default: 128; 16 in a dry run)")
+    bg.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length (and forward context)")
+    bg.add_argument("--ks", default="1,2,4,8,16,32", help="window sizes of the forward curve")
+    bg.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda.py")
+    bg.set_defaults(func=_cmd_bench_gpu)
     bp = bsub.add_parser(
         "perplexity", formatter_class=_HelpFormatter,
         help="perplexity of a model in one or more weight formats on an offline corpus",

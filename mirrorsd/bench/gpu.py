@@ -1,0 +1,326 @@
+"""`mirrorsd bench gpu`: validate a CUDA machine in one command (issue 21).
+
+Only small files travel to a lent GPU machine, so the models are random weights of real shapes generated on the
+device (Qwen2.5-1.5B- and 7B-shaped targets, a 0.5B-shaped draft). The command
+
+1. runs the CUDA-gated tests (``tests/test_cuda.py``) when the repository's tests are at hand;
+2. times the k-token forward curve of each target;
+3. runs every method on the same weights and checks its tokens against ``ar`` (a divergence is reported with the
+   target's recomputed logit gap, never silently allowed);
+4. forces acceptance lengths with an oracle draft (:class:`OracleDraft`: the real draft network runs, so its cost
+   is real, but its tokens follow the target's greedy answer for ``A`` tokens and then miss) and measures
+   Mirror-SD's step time next to its Eq. 10 terms, the hidden-draft fraction and a Chrome trace, against
+   vanilla SD at the same acceptance.
+
+Without CUDA it is a dry run on tiny shapes (CPU, fp32): every step runs, the numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..api import generate
+from ..model import Transformer
+from ..runtime import write_chrome_trace
+from ..streams import StreamAdapters, StreamConfig
+from . import metrics
+from .forward import forward_costs
+from .runner import machine
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+
+
+REAL_SHAPES = {
+    "qwen2.5-0.5b": Shape(896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": Shape(1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-7b": Shape(3584, 18944, 28, 28, 4, 152064, False),
+}
+#: The dry run's stand-ins: the same roles, small enough for a CPU test.
+DRY_SHAPES = {
+    "qwen2.5-0.5b": Shape(64, 128, 2, 4, 2, 512, True),
+    "qwen2.5-1.5b": Shape(96, 192, 4, 4, 2, 512, True),
+    "qwen2.5-7b": Shape(128, 256, 4, 4, 2, 512, False),
+}
+DRAFT = "qwen2.5-0.5b"  # built with each target's vocabulary size (the 7B pads its embedding to 152,064 rows)
+TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b")
+#: Logit spread of the random LM heads: wide enough that greedy choices are rarely float near-ties.
+LOGIT_STD = 8.0
+#: A divergence whose recomputed logit gap is below this is float reordering (bf16 rounds a logit of ~10 by
+#: ~0.04; fp32's allowance is the benchmark runner's 1e-3).
+NEAR_TIE = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1e-3}
+
+
+def random_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int) -> Transformer:
+    """A Qwen2-architecture model with random weights made on ``device`` (nothing large crosses the wire)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                      num_key_value_heads=shape.kv_heads, max_position_embeddings=4096,
+                      tie_word_embeddings=shape.tied)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or p.dim() < 2:
+                continue
+            std = LOGIT_STD / math.sqrt(shape.hidden) if ("embed" in name or "lm_head" in name) \
+                else 1 / math.sqrt(p.shape[1])
+            p.normal_(0.0, std, generator=generator)
+    return Transformer.from_hf(hf, linear="dense")
+
+
+class OracleDraft(Transformer):
+    """A draft whose network runs for real but whose tokens follow a schedule: at generated position ``o`` it
+    proposes the target's greedy token unless ``o % (accept + 1) == accept``, where it proposes another one.
+    Every verification then accepts ``accept`` tokens (with a window of at least ``accept + 1``), which random
+    weights cannot give. Each output row of :meth:`run_layers` carries its row index in hidden channels 0-1
+    (base 256: exact even in bf16), so :meth:`logits` finds the row's position whichever rows a caller kept (SD's
+    last row, Mirror-SD's tree rollouts) without the methods knowing about the oracle."""
+
+    reference: list[int]
+    prompt_len: int
+    accept: int | None
+    _positions: torch.Tensor
+
+    @classmethod
+    def wrap(cls, draft: Transformer, prompt: list[int], reference: list[int], accept: int | None) -> OracleDraft:
+        oracle = cls.__new__(cls)
+        oracle.__dict__.update(draft.__dict__)  # shares the draft's modules, buffers and config
+        oracle.reference, oracle.prompt_len, oracle.accept = list(prompt) + list(reference), len(prompt), accept
+        return oracle
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super().run_layers(hidden, positions, *args, **kwargs).clone()
+        self._positions = positions.expand(out.shape[:-1]).reshape(-1)
+        index = torch.arange(self._positions.numel(), device=out.device).view(out.shape[:-1])
+        out[..., 0], out[..., 1] = (index % 256).to(out.dtype), (index // 256).to(out.dtype)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        index = hidden[..., 0].float().round().long() + 256 * hidden[..., 1].float().round().long()
+        wanted = self._positions[index] + 1  # each row predicts the next position's token
+        ref = torch.tensor(self.reference, device=hidden.device)
+        token = ref[wanted.clamp(max=len(ref) - 1)]
+        offset = wanted - self.prompt_len
+        miss = wanted >= len(ref)
+        if self.accept is not None:
+            miss |= offset % (self.accept + 1) == self.accept
+        token = torch.where(miss, (token + 1) % self.config.vocab_size, token)
+        logits = torch.full((*token.shape, self.config.vocab_size), -30.0, device=hidden.device)
+        return logits.scatter_(-1, token.unsqueeze(-1), 30.0)
+
+
+@dataclass
+class MethodRun:
+    target: str
+    method: str
+    label: str
+    tok_s: float
+    mean_accepted: float
+    equal_to_ar: bool
+    divergence: dict[str, Any] | None
+    mirror: dict[str, Any] | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(target: Transformer, prompt: list[int], max_new: int, **kwargs: Any) -> tuple[Any, float]:
+    _sync(target.device)
+    start = time.perf_counter()
+    out = generate(target, prompt, max_new_tokens=max_new, temperature=0.0, **kwargs)
+    _sync(target.device)
+    return out, time.perf_counter() - start
+
+
+def divergence(target: Transformer, prompt: list[int], got: list[int], want: list[int]) -> dict[str, Any] | None:
+    pos = metrics.first_divergence(want, got)
+    if pos is None:
+        return None
+    if pos >= min(len(got), len(want)):
+        return {"position": pos, "verdict": "length differs"}
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + want[:pos]], device=target.device)
+        logits = target(ids, cache=target.new_cache(capacity=ids.shape[1] + 1), last=1)[0, -1].float()
+    gap = float(logits[want[pos]] - logits[got[pos]])
+    verdict = "float near-tie" if abs(gap) < NEAR_TIE.get(target.dtype, 1e-3) else "mismatch"
+    return {"position": pos, "ar_token": want[pos], "method_token": got[pos], "logit_gap": gap, "verdict": verdict}
+
+
+def _methods(device: torch.device, draft: Transformer, streams: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """(method, label, options) of every method on random weights."""
+    overlap = "cuda-streams" if device.type == "cuda" else "threads"
+    runs = [("sd", "sd", {"draft": draft}), ("suffix", "suffix", {}),
+            ("mirror", "mirror serial", {"draft": draft, "backend": "serial"}),
+            ("ss", "ss (untrained streams)", {"streams": streams})]
+    if device.type == "cuda" or torch.get_num_threads() > 1:
+        runs.append(("mirror", f"mirror {overlap}", {"draft": draft, "backend": overlap}))
+    return runs
+
+
+def run_cuda_tests(repo: Path) -> dict[str, Any]:
+    tests = repo / "tests" / "test_cuda.py"
+    if not tests.is_file():
+        return {"ran": False, "why": f"{tests} not found (run from the repository root)"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+                          cwd=repo, capture_output=True, text=True)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    return {"ran": True, "returncode": proc.returncode, "summary": tail[0]}
+
+
+def run(out: Path, *, device: str | None = None, max_new: int | None = None, prompt_len: int = 128,
+        accepts: tuple[int, ...] = (1, 3, 5), gamma: int = 7, targets: tuple[str, ...] = TARGETS,
+        ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), tests: bool = True, repo: Path | None = None,
+        progress: bool = True) -> dict[str, Any]:
+    """Run the whole validation and write ``report.json``, ``report.md`` and Mirror-SD traces into ``out``."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dry = dev.type != "cuda"
+    dtype = torch.float32 if dry else torch.bfloat16
+    shapes = DRY_SHAPES if dry else REAL_SHAPES
+    max_new = max_new or (16 if dry else 128)
+    say = print if progress else (lambda *a, **k: None)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"machine": machine(), "device": str(dev), "dry_run": dry, "dtype": str(dtype),
+                              "shapes": {k: asdict(v) for k, v in shapes.items()}, "max_new_tokens": max_new,
+                              "prompt_tokens": prompt_len, "gamma": gamma}
+    if tests:
+        say("CUDA-gated tests…", flush=True)
+        report["cuda_tests"] = run_cuda_tests(repo or Path.cwd())
+    report["forward_ms"], report["methods"], report["forced"] = {}, [], []
+    for i, name in enumerate(targets):
+        say(f"{name}-shaped target: forward curve…", flush=True)
+        target = random_model(shapes[name], dev, dtype, seed=1 + i)
+        draft = random_model(replace(shapes[DRAFT], vocab=shapes[name].vocab), dev, dtype, seed=0)
+        report["forward_ms"][name] = forward_costs(target, ks, context=prompt_len, rounds=5)
+        prompt = torch.randint(0, shapes[name].vocab, (prompt_len,), generator=torch.Generator().manual_seed(i))
+        prompt = prompt.tolist()
+        ar, ar_s = _timed(target, prompt, max_new, method="ar")
+        reference = ar.token_ids
+        report["methods"].append(asdict(MethodRun(name, "ar", "ar", len(reference) / ar_s, 1.0, True, None)))
+        cfg = target.config
+        streams = StreamAdapters(target, StreamConfig(streams=3, layers=2, hidden_size=cfg.hidden_size,
+                                                      n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+        streams = streams.to(device=dev, dtype=dtype).eval()
+        for method, label, options in _methods(dev, draft, streams):
+            say(f"  {label}…", flush=True)
+            res, secs = _timed(target, prompt, max_new, method=method, **options)
+            report["methods"].append(asdict(MethodRun(
+                name, method, label, len(res.token_ids) / secs, res.stats.mean_accepted_length,
+                res.token_ids == reference, divergence(target, prompt, res.token_ids, reference),
+                _mirror(res, out / f"trace_{name}_{label.replace(' ', '_')}.json"))))
+        report["forced"].extend(_forced(name, target, draft, prompt, reference, accepts, gamma, dev, max_new, out,
+                                        say))
+        del target, draft
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(markdown(report))
+    return report
+
+
+def _mirror(result: Any, trace: Path) -> dict[str, Any] | None:
+    stats = result.stats.extra.get("mirror")
+    if stats is None:
+        return None
+    info = stats.to_dict()
+    if result.stats.spans:
+        write_chrome_trace(result.stats.spans, trace, metadata={"method": "mirror", "backend": info["backend"]})
+        info["trace"] = trace.name
+    return info
+
+
+def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int], reference: list[int],
+            accepts: tuple[int, ...], gamma: int, dev: torch.device, max_new: int, out: Path,
+            say: Any) -> list[dict[str, Any]]:
+    """SD and Mirror-SD at forced acceptance lengths (the oracle draft's schedule), same window γ."""
+    backend = "cuda-streams" if dev.type == "cuda" else "serial"
+    rows = []
+    for accept in (*accepts, None):
+        oracle = OracleDraft.wrap(draft, prompt, reference, accept)
+        label = "all" if accept is None else str(accept)
+        say(f"  forced acceptance {label}…", flush=True)
+        row: dict[str, Any] = {"target": name, "accept": label}
+        sd, sd_s = _timed(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
+                          suffix_match=0)
+        mirror, mirror_s = _timed(target, prompt, max_new, method="mirror", draft=oracle, gamma=gamma,
+                                  backend=backend)
+        row["sd"] = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
+                     "equal_to_ar": sd.token_ids == reference}
+        info = _mirror(mirror, out / f"trace_{name}_forced_{label}.json") or {}
+        step = info.get("mean_ms", {})
+        row["mirror"] = {"tok_s": len(mirror.token_ids) / mirror_s, "backend": backend,
+                         "mean_accepted": mirror.stats.mean_accepted_length,
+                         "equal_to_ar": mirror.token_ids == reference, "step_ms": step.get("step_s"),
+                         "eq10_ms": step.get("eq10_s"), "terms_ms": step,
+                         "step_over_eq10": step["step_s"] / step["eq10_s"] if step.get("eq10_s") else None,
+                         "fallback_frequency": info.get("fallback_frequency"),
+                         "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace")}
+        row["mirror_over_sd"] = row["mirror"]["tok_s"] / row["sd"]["tok_s"]
+        rows.append(row)
+    return rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    dry = " (DRY RUN on CPU: tiny shapes, numbers mean nothing)" if report["dry_run"] else ""
+    lines = [f"# mirrorsd GPU validation{dry}", "", f"Device `{report['device']}`, {report['dtype']}, "
+             f"{report['prompt_tokens']}-token prompt, {report['max_new_tokens']} new tokens, γ = {report['gamma']}; "
+             f"machine: {json.dumps(report['machine'])}", ""]
+    if "cuda_tests" in report:
+        lines += [f"CUDA-gated tests: {json.dumps(report['cuda_tests'])}", ""]
+    ks = list(next(iter(report["forward_ms"].values())))
+    lines += ["## k-token forward (ms)", "", "| target | " + " | ".join(f"k={k}" for k in ks) + " |",
+              "|---|" + "---|" * len(ks)]
+    for name, curve in report["forward_ms"].items():
+        base = curve[min(curve)]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f} ({v / base:.2f}×)" for v in curve.values()) + " |")
+    lines += ["", "## Every method on random weights (greedy)", "",
+              "| target | method | tok/s | tokens/step | equal to ar | divergence |", "|---|---|---|---|---|---|"]
+    for m in report["methods"]:
+        divergence = json.dumps(m["divergence"]) if m["divergence"] else ""
+        lines.append(f"| {m['target']} | {m['label']} | {m['tok_s']:.1f} | {m['mean_accepted']:.2f} | "
+                     f"{'yes' if m['equal_to_ar'] else 'NO'} | {divergence} |")
+    lines += ["", "## Forced acceptance (oracle draft): Mirror-SD vs vanilla SD", "",
+              "| target | forced A | tokens/step SD / Mirror | SD tok/s | Mirror tok/s | Mirror/SD | step ms | "
+              "Eq. 10 ms | step/Eq. 10 | fallback | hidden draft | lossless |", "|---" * 12 + "|"]
+    for r in report["forced"]:
+        m, s = r["mirror"], r["sd"]
+        fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)  # noqa: E731
+        lossless = "yes" if s["equal_to_ar"] and m["equal_to_ar"] else "NO"
+        lines.append(f"| {r['target']} | {r['accept']} | {s['mean_accepted']:.2f} / {m['mean_accepted']:.2f} | "
+                     f"{s['tok_s']:.1f} | {m['tok_s']:.1f} | {r['mirror_over_sd']:.2f}× | {fmt(m['step_ms'])} | "
+                     f"{fmt(m['eq10_ms'])} | {fmt(m['step_over_eq10'])} | {fmt(m['fallback_frequency'])} | "
+                     f"{fmt(m['hidden_draft_fraction'])} | {lossless} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(report: dict[str, Any]) -> str:
+    bad = [m["label"] for m in report["methods"] if not m["equal_to_ar"]
+           and (m["divergence"] or {}).get("verdict") != "float near-tie"]
+    bad += [f"forced {r['accept']}" for r in report["forced"]
+            if not (r["sd"]["equal_to_ar"] and r["mirror"]["equal_to_ar"])]
+    ratios = [r["mirror_over_sd"] for r in report["forced"]]
+    where = "dry run" if report["dry_run"] else report["device"]
+    equal = "all equal to ar" if not bad else "NOT equal to ar: " + ", ".join(bad)
+    ratio = f"; Mirror/SD at forced acceptance, median {statistics.median(ratios):.2f}×" if ratios else ""
+    return f"{where}: {len(report['methods'])} method runs, {equal}{ratio}"

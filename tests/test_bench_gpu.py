@@ -1,0 +1,81 @@
+"""`mirrorsd bench gpu` as a CPU dry run (tiny shapes): the command, its report and the oracle draft's schedule.
+
+The GPU figures themselves come from running the command on a CUDA machine (docs/gpu.md); here every step runs
+on stand-in shapes so the command cannot rot while no GPU is lent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mirrorsd import generate
+from mirrorsd.bench import gpu
+from mirrorsd.cli import main
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _pair():
+    shape = gpu.DRY_SHAPES["qwen2.5-1.5b"]
+    target = gpu.random_model(shape, torch.device("cpu"), torch.float32, seed=1)
+    draft = gpu.random_model(gpu.DRY_SHAPES[gpu.DRAFT], torch.device("cpu"), torch.float32, seed=0)
+    return target, draft
+
+
+@pytest.mark.parametrize("accept", [1, 3, None])
+def test_oracle_draft_forces_its_acceptance_schedule(accept):
+    """Every verification accepts exactly `accept` draft tokens (all of them with None), for SD's chain and
+    Mirror-SD's rollouts alike, and the answer is still the target's own."""
+    target, draft = _pair()
+    prompt = list(range(5, 45))
+    reference = generate(target, prompt, method="ar", max_new_tokens=24, temperature=0.0).token_ids
+    oracle = gpu.OracleDraft.wrap(draft, prompt, reference, accept)
+    gamma = 5
+    sd = generate(target, prompt, method="sd", draft=oracle, gamma=gamma, confidence=0.0, suffix_match=0,
+                  max_new_tokens=24, temperature=0.0)
+    assert sd.token_ids == reference
+    want = gamma if accept is None else accept
+    assert sd.stats.accepted[:-1] == [want] * (len(sd.stats.accepted) - 1)  # the last window may be cut short
+    mirror = generate(target, prompt, method="mirror", draft=oracle, gamma=gamma, max_new_tokens=24,
+                      temperature=0.0)
+    assert mirror.token_ids == reference
+    assert mirror.stats.accepted[:-1] == [want] * (len(mirror.stats.accepted) - 1)
+
+
+def test_dry_run_report(tmp_path):
+    """The whole command on tiny shapes: every method equal to ar, Eq. 10 terms and traces written."""
+    assert main(["bench", "gpu", "--out", str(tmp_path), "--targets", "qwen2.5-1.5b", "--accept", "2",
+                 "--max-new-tokens", "12", "--ks", "1,2", "--no-tests"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["dry_run"] and report["device"] == "cpu"
+    assert set(report["forward_ms"]["qwen2.5-1.5b"]) == {"1", "2"}
+    labels = {m["label"] for m in report["methods"]}
+    assert {"ar", "sd", "suffix", "mirror serial", "ss (untrained streams)"} <= labels
+    assert all(m["equal_to_ar"] for m in report["methods"])
+    assert [r["accept"] for r in report["forced"]] == ["2", "all"]
+    for row in report["forced"]:
+        assert row["sd"]["equal_to_ar"] and row["mirror"]["equal_to_ar"]
+        assert row["mirror"]["eq10_ms"] > 0 and row["mirror"]["step_ms"] > 0
+        trace = json.loads((tmp_path / row["mirror"]["trace"]).read_text())
+        assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"target", "draft"}
+    assert report["forced"][0]["sd"]["mean_accepted"] == pytest.approx(3.0, abs=0.5)  # A accepted + the correction
+    assert "DRY RUN" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--accept", "7"], "below --gamma"),
+    (["--accept", "0"], "positive integers"),
+    (["--targets", "llama-70b"], "--targets must name"),
+    (["--ks", "1,x"], "comma-separated integers"),
+])
+def test_bad_arguments_are_clear_errors(tmp_path, capsys, argv, message):
+    assert main(["bench", "gpu", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,109 @@
+"""CUDA-gated tests: every path that only a GPU exercises (issue 21). Skipped without CUDA; `mirrorsd bench gpu`
+runs this file first on a lent GPU machine.
+
+Models are random weights of small shapes made on the device (`mirrorsd.bench.gpu.random_model`). GPU GEMMs
+are not batch-invariant, so a k-token forward and a 1-token forward may order two almost equal logits
+differently: a divergence passes only as a near-tie of the target's recomputed logit gap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mirrorsd import generate
+from mirrorsd.bench import gpu
+from mirrorsd.bench.forward import forward_costs
+from mirrorsd.linear import DenseLinear, make_linear
+from mirrorsd.quant import GroupQuant, quantize_q8
+from mirrorsd.streams import StreamAdapters, StreamConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+PROMPT = list(range(7, 71))
+
+
+def _pair(dtype: torch.dtype, draft_device: torch.device = CUDA):
+    target = gpu.random_model(gpu.DRY_SHAPES["qwen2.5-1.5b"], CUDA, dtype, seed=1)
+    draft = gpu.random_model(gpu.DRY_SHAPES[gpu.DRAFT], draft_device,
+                             dtype if draft_device.type == "cuda" else torch.float32, seed=0)
+    return target, draft
+
+
+def _assert_lossless(target, got: list[int], want: list[int]) -> None:
+    found = gpu.divergence(target, PROMPT, got, want)
+    assert found is None or found["verdict"] == "float near-tie", found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method, options", [
+    ("sd", {}), ("suffix", {}), ("mirror", {"backend": "serial"}), ("mirror", {"backend": "cuda-streams"}),
+    ("mirror", {"backend": "cuda-streams", "roots": "budget"}),
+])
+def test_methods_on_cuda_equal_ar(dtype, method, options):
+    target, draft = _pair(dtype)
+    assert target.device.type == "cuda" and target.dtype == dtype
+    want = generate(target, PROMPT, method="ar", max_new_tokens=32, temperature=0.0).token_ids
+    kwargs = {"draft": draft} if method in ("sd", "mirror") else {}
+    got = generate(target, PROMPT, method=method, max_new_tokens=32, temperature=0.0, **kwargs, **options)
+    _assert_lossless(target, got.token_ids, want)
+
+
+def test_seeded_sampling_on_cuda_equals_ar():
+    target, draft = _pair(torch.float32)
+    want = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.8, seed=5).token_ids
+    got = generate(target, PROMPT, method="sd", draft=draft, max_new_tokens=24, temperature=0.8, seed=5).token_ids
+    _assert_lossless(target, got, want)
+
+
+def test_ss_streams_on_cuda():
+    target, _ = _pair(torch.bfloat16)
+    cfg = target.config
+    adapters = StreamAdapters(target, StreamConfig(streams=3, layers=2, hidden_size=cfg.hidden_size,
+                                                   n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+    adapters = adapters.to(device=CUDA, dtype=torch.bfloat16).eval()
+    want = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0).token_ids
+    got = generate(target, PROMPT, method="ss", streams=adapters, max_new_tokens=24, temperature=0.0).token_ids
+    _assert_lossless(target, got, want)
+
+
+def test_devices_backend_with_the_draft_on_the_cpu():
+    """Target on the GPU, draft on the host: only token ids cross between them."""
+    target, draft = _pair(torch.float32, draft_device=torch.device("cpu"))
+    want = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0).token_ids
+    got = generate(target, PROMPT, method="mirror", draft=draft, backend="devices", max_new_tokens=24,
+                   temperature=0.0)
+    _assert_lossless(target, got.token_ids, want)
+    assert got.stats.extra["mirror"].backend == "devices"
+
+
+def test_cuda_streams_overlap_the_draft():
+    """The rollout runs on its own stream while the target finishes: some draft time is hidden."""
+    target, draft = _pair(torch.bfloat16)
+    got = generate(target, PROMPT, method="mirror", draft=draft, backend="cuda-streams", max_new_tokens=48,
+                   temperature=0.0)
+    stats = got.stats.extra["mirror"].to_dict()
+    assert stats["hidden_draft_fraction"] is not None and stats["hidden_draft_fraction"] > 0
+
+
+def test_quantized_weights_on_cuda_become_dense():
+    q = quantize_q8(torch.randn(64, 96))
+    layer = make_linear(GroupQuant(q.codes.to(CUDA), q.scales.to(CUDA), q.offsets.to(CUDA), q.group, q.bits))
+    assert isinstance(layer, DenseLinear) and layer.weight.device.type == "cuda"
+
+
+def test_forward_costs_synchronize():
+    target, _ = _pair(torch.bfloat16)
+    costs = forward_costs(target, (1, 8), context=32, rounds=2)
+    assert set(costs) == {1, 8} and all(ms > 0 for ms in costs.values())
+
+
+def test_bench_gpu_on_cuda(tmp_path, monkeypatch):
+    """The validation command itself on the device, at small shapes."""
+    monkeypatch.setattr(gpu, "REAL_SHAPES", gpu.DRY_SHAPES)
+    report = gpu.run(tmp_path, device="cuda", tests=False, targets=("qwen2.5-1.5b",), accepts=(2,), max_new=16,
+                     ks=(1, 2), progress=False)
+    assert not report["dry_run"] and report["dtype"] == "torch.bfloat16"
+    for m in report["methods"]:
+        assert m["equal_to_ar"] or m["divergence"]["verdict"] == "float near-tie", m
+    assert all(r["mirror"]["backend"] == "cuda-streams" for r in report["forced"])
