@@ -153,11 +153,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import mirrorsd
     from mirrorsd.api import default_method
     from mirrorsd.decoding import get_method
+    from mirrorsd.runtime.processes import launched_rank
 
     err = Console(stderr=True)
     method = args.method or default_method(args.draft or DEFAULT_DRAFT)
     options = _checked_options(args, method)
     needs_draft = method == "auto" or get_method(method).needs_draft  # auto: the plan is keyed by the draft too
+    if options.get("backend") == "processes" and launched_rank() not in (None, 0):
+        return _serve_draft_rank(args, err)
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
@@ -201,6 +204,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft, "method": method,
                                                         "options": {k: str(v) for k, v in options.items()}})
         err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)", style="dim", highlight=False)
+    return 0
+
+
+def _serve_draft_rank(args: argparse.Namespace, err) -> int:
+    """Rank 1 of ``torchrun ... mirrorsd generate --backend processes``: load the draft and serve rank 0."""
+    import mirrorsd
+    from mirrorsd.decoding.mirror_remote import serve_launched
+
+    target = None
+    if (args.draft or "").startswith("self:"):  # the self-draft is the target's first layers
+        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
+                                     activations=args.activations)
+    draft = _load_draft(args, target, err)
+    serve_launched(draft.model)
     return 0
 
 

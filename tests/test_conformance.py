@@ -40,6 +40,9 @@ METHODS = [m.name for m in methods()]
 REJECTION = [m.name for m in methods() if m.rejection]
 SHAPE = ModelShape(n_layers=4, vocab_size=64)  # the row-exact target below
 NEEDS_ACCELERATOR = {"cuda-streams", "devices"}  # backends this CPU suite cannot run
+# Spawns a draft process per draft model, and a sampled tiny channel_timeout would respawn it per example:
+# tests/test_mirror_processes.py covers it (equal to ar and serial, greedy and seeded; dead and hung drafts).
+OWN_SUITE = {"processes"}
 ADAPTER_OPTIONS = {"streams": ("target", True), "draft_streams": ("draft", False)}  # name -> (model, required)
 # Frequency tables ship for real tokenizers only; tests/test_draft_vocab.py runs reduced vocabularies on these
 # models with a table of their own.
@@ -124,7 +127,7 @@ def option_values(opt: Option, method: Method) -> st.SearchStrategy:
         adapters = st.builds(RandomAdapter, st.just(of), st.integers(1, 3), st.integers(0, 2))
         return adapters if required else st.one_of(st.none(), adapters)
     if opt.choices is not None:
-        values = [c for c in opt.choices if c not in NEEDS_ACCELERATOR]
+        values = [c for c in opt.choices if c not in NEEDS_ACCELERATOR | OWN_SUITE]
     elif opt.parse is bool or isinstance(opt.default, bool):
         values = [False, True]
     elif opt.parse is int:

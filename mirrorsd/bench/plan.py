@@ -92,8 +92,9 @@ class Costs:
         return interpolate(self.exit_head_ms, rows)
 
     def for_backend(self, backend: str) -> Costs:
-        """Costs for a backend: split-thread tables for ``threads`` when measured, else these."""
-        if backend != "threads" or not self.split:
+        """Costs for a backend: split-thread tables for ``threads`` and ``processes`` (the same core split) when
+        measured, else these."""
+        if backend not in ("threads", "processes") or not self.split:
             return self
         s = self.split
         return Costs(self.context, self.threads, s["target_ms"], s["prefix_ms"], self.exit_head_ms, s["draft_ms"])

@@ -82,8 +82,11 @@ class MirrorOptions(MethodOptions):
     budget: int | None = option(None, "with --roots budget: a fixed number of roots instead of fitting Δ", parse=int,
                                 check=at_least(1), default_text="fit Δ")
     backend: str = option("serial", "where the draft runs while the target finishes: serial (no overlap, the "
-                          "reference), threads (CPU core split), cuda-streams (one GPU), devices (--draft-device)",
+                          "reference), threads (CPU core split), cuda-streams (one GPU), devices (--draft-device), "
+                          "processes (the draft in its own process, a torch.distributed token channel)",
                           choices=BACKENDS)
+    channel_timeout: float = option(60.0, "with --backend processes: seconds to wait for the draft process before "
+                                    "going on without it", check=(lambda v: v > 0, "must be > 0"))
     threads: tuple[int, int] | None = option(None, "with --backend threads: TARGET,DRAFT intra-op threads while "
                                              "they overlap", default_text="the larger half to the target",
                                              parse=thread_split, check=(lambda v: len(v) == 2 and min(v) >= 1,
@@ -107,8 +110,11 @@ class MirrorOptions(MethodOptions):
             raise OptionError("budget", "takes a number of roots with roots='budget'")
         if self.draft_vocab and self.draft_streams is not None:
             raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams")
-        if self.threads is not None and self.backend not in ("threads", "devices"):
-            raise OptionError("threads", "applies to backend='threads' (or 'devices')")
+        if self.threads is not None and self.backend not in ("threads", "devices", "processes"):
+            raise OptionError("threads", "applies to backend='threads' (or 'devices', 'processes')")
+        if self.backend == "processes" and self.acceptance == "rejection":
+            raise OptionError("acceptance", "rejection needs the draft's distributions; backend='processes' carries "
+                              "token ids only (use acceptance='match')")
         if isinstance(self.exit_layer, float) and not self.exit_layer.is_integer() and not 0 < self.exit_layer < 1:
             raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {self.exit_layer}")
         if shape is not None:
@@ -295,16 +301,19 @@ class BranchProposer:
         if self.lookup is not None:
             window = self.lookup.propose(state, self.min_match)
             self.source = "suffix" if window.tokens else "model"
-        if not window.tokens and not self.failed and min(self.fresh.gamma, state.room) > 0:
+        if not window.tokens and not self.failed and min(self.run.opts.gamma, state.room) > 0:
             try:
-                with self.run.tracer.span("draft", "fresh rollout"):
-                    window = self.fresh.propose(state)
+                window = self.fresh_rollout(state)
                 self.run.stats.fresh_tokens += len(window.tokens)
                 self.run.stats.fresh_forwards += window.forwards
             except Exception as error:  # noqa: BLE001 - any draft failure degrades to target-only decoding
                 self.fail(error)
         self.run.fresh_done(time.perf_counter() - start)
         return window
+
+    def fresh_rollout(self, state: RequestState) -> Draft:
+        with self.run.tracer.span("draft", "fresh rollout"):
+            return self.fresh.propose(state)
 
     def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
         # What the draft cache lacks of the spine (the committed text and the window): the window's last token
@@ -406,6 +415,9 @@ class BranchProposer:
         probs = tree.q[branch, :window] if tree.q is not None and window else None
         return Draft(tree.tokens[branch][:window], probs=probs)
 
+    def close(self) -> None:
+        """The request is over (the draft here needs nothing released)."""
+
     def fail(self, error: BaseException) -> None:
         self.failed, self.ready = True, None
         self.run.stats.draft_failed = f"{type(error).__name__}: {error}"
@@ -498,6 +510,7 @@ class MirrorStats:
     draft_streams: bool = False
     fresh_tokens: int = 0
     fresh_forwards: int = 0
+    channel_s: dict[str, list[float]] = field(default_factory=dict)  # processes backend: message -> latencies
 
     def to_dict(self) -> dict[str, Any]:
         steps = self.steps
@@ -519,6 +532,8 @@ class MirrorStats:
             # η̄: draft tokens per draft forward in fresh rollouts (1 for an AR draft, more with SS streams)
             "fresh_tokens_per_draft_forward": round(self.fresh_tokens / self.fresh_forwards, 4)
             if self.fresh_forwards else None,
+            # processes backend: send -> the draft process has it, per message (median ms)
+            "channel_ms": {name: round(1e3 * sorted(v)[len(v) // 2], 3) for name, v in self.channel_s.items() if v},
         }
 
 
@@ -593,6 +608,17 @@ def tuned_exit(target: Transformer, head: str, exit_layer: int) -> Callable[[tor
     return partial(translators, layer=exit_layer)
 
 
+def fresh_proposer(draft: Transformer, target_vocab: int, sampling: SamplingParams,
+                   opts: MirrorOptions) -> ModelProposer:
+    """The draft's own proposer (vanilla SD's): fresh rollouts, and the sampler every tree rollout uses."""
+    rejection = opts.acceptance == "rejection"
+    if opts.draft_streams is None:
+        return ModelProposer(draft, target_vocab, sampling, opts.gamma, confidence=opts.confidence,
+                             rejection=rejection, vocab=opts.draft_vocab)
+    return StreamProposer(draft, load_adapters(draft, opts.draft_streams), target_vocab, sampling, opts.gamma,
+                          confidence=opts.confidence, rejection=rejection)
+
+
 def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     check_draft(req.target, req.draft)
     exit_layer = resolve_exit_layer(opts.exit_layer, req.target.config.n_layers)
@@ -601,16 +627,17 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     translate = tuned_exit(req.target, opts.exit_head, exit_layer)
     executor = make_executor(opts.backend, req.target.device, req.draft.device, opts.threads)
     run = MirrorRun(req, opts, exit_layer, executor, translate)
-    vocab, rejection = req.target.config.vocab_size, opts.acceptance == "rejection"
-    if opts.draft_streams is None:
-        fresh = ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,
-                              rejection=rejection, vocab=opts.draft_vocab)
-    else:
-        fresh = StreamProposer(req.draft, load_adapters(req.draft, opts.draft_streams), vocab, req.sampling,
-                               opts.gamma, confidence=opts.confidence, rejection=rejection)
+    rejection = opts.acceptance == "rejection"
     run.stats.draft_streams = opts.draft_streams is not None
     lookup = suffix_proposer(req, SuffixOptions(), gamma=opts.gamma, rejection=rejection) if opts.suffix_match else None
-    proposer = BranchProposer(run, fresh, lookup, opts.suffix_match)
+    proposer: BranchProposer
+    if opts.backend == "processes":
+        from .mirror_remote import RemoteBranchProposer  # the draft's process runs this module's BranchProposer
+
+        proposer = RemoteBranchProposer(run, req, lookup, opts.suffix_match)
+    else:
+        proposer = BranchProposer(run, fresh_proposer(req.draft, req.target.config.vocab_size, req.sampling, opts),
+                                  lookup, opts.suffix_match)
     scorer = EarlyExitScorer(run, req.target, proposer)
     verify = VERIFIERS[opts.acceptance]
 
@@ -625,6 +652,7 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
                 "source": proposer.source}
 
     def close() -> None:
+        proposer.close()
         executor.close()
         if lookup is not None:
             lookup.close()

@@ -10,6 +10,8 @@ result is read with ``future.result()``. One small interface, four placements:
 * ``cuda-streams``: one GPU; the worker issues the draft's kernels on its own CUDA stream.
 * ``devices``: target and draft on two devices (``cuda:0``/``cuda:1``, ``cuda``/``cpu``); the worker runs the
   draft on its own device. Only token ids cross between them.
+* ``processes``: the draft in its own OS process, a torch.distributed token channel between them
+  (:mod:`mirrorsd.runtime.processes`); the method talks to it through that channel instead of :meth:`submit`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 T = TypeVar("T")
 
-BACKENDS = ("serial", "threads", "cuda-streams", "devices")
+BACKENDS = ("serial", "threads", "cuda-streams", "devices", "processes")
 
 
 class Executor:
@@ -140,6 +142,10 @@ def make_executor(backend: str, target_device: torch.device, draft_device: torch
         if total > (os.cpu_count() or total):
             raise ValueError(f"thread split {target_threads}+{draft_threads} exceeds the {os.cpu_count()} cores")
         return WorkerExecutor("threads", draft_device, draft_threads, target_threads)
+    if backend == "processes":
+        from .processes import ProcessesExecutor
+
+        return ProcessesExecutor(split)
     if backend == "cuda-streams":
         if target_device.type != "cuda" or not same:
             raise ValueError("backend 'cuda-streams' needs target and draft on the same CUDA device")

@@ -1,0 +1,308 @@
+"""Mirror-SD with ``--backend processes``: the draft rank in its own process, the token channel between them.
+
+The target's process keeps :class:`RemoteBranchProposer`, which has :class:`~.mirror.BranchProposer`'s interface
+and forwards each call as one fused int64 message. The draft's process runs :func:`serve_draft`, which holds the
+real ``BranchProposer``, the draft's KV cache and a replica of the committed text. The target's process remains
+the only source of committed tokens: every message carries the tokens committed since the last one. Per step:
+
+* ``LAUNCH`` at the early exit: the new tokens, the window, the roots and the rollout depth. No reply is awaited,
+  and the draft process rolls out while the target runs its upper layers.
+* ``VERDICT`` at the final rendezvous: the new tokens (accepted length and correction). The reply says hit or miss
+  and, on a hit, carries the kept branch (the next window), with the rollout's timestamps.
+* ``FRESH`` after a miss: a fresh rollout, answered with its window.
+
+Every wait has the ``channel_timeout``. If the draft process dies, hangs or errors, it is killed, the request goes
+on with the target alone (``stats.extra["mirror"].draft_failed`` says why), and no verified token is lost or
+repeated. The channel carries token ids only, so acceptance is ``match`` (greedy, or sample-and-match with the
+request's seed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import kernels
+from ..model import Transformer
+from ..runtime import Executor, Span
+from ..runtime.processes import (
+    ChannelError,
+    LaunchedPeer,
+    Worker,
+    decode_text,
+    encode_text,
+    launched_channel,
+    launched_rank,
+    now_ns,
+)
+from ..sampling import SamplingParams
+from ..verify import Verdict
+from .engine import DecodeRequest, Draft, GenerationStats, RequestState, Scores
+from .mirror import BranchProposer, MirrorOptions, MirrorRun, fresh_proposer
+from .proposers import ModelProposer
+from .suffix import SuffixProposer
+
+START, FRESH, LAUNCH, VERDICT, END = 1, 2, 3, 4, 5  # message kinds (0 ends the worker, see runtime.processes)
+NO_TREE = -1  # VERDICT reply: no rollout was launched this step
+
+
+# -- the draft's process ------------------------------------------------------------------------------------
+
+
+class _Session:
+    """One request on the draft rank: the real BranchProposer over a replica of the committed text."""
+
+    def __init__(self, draft: Transformer, config: dict[str, Any]) -> None:
+        sampling = SamplingParams(**config["sampling"])
+        opts = MirrorOptions(**config["options"])
+        prompt = config["prompt"]
+        req = DecodeRequest(target=None, prompt_ids=prompt, max_new_tokens=config["max_new_tokens"],  # type: ignore[arg-type]
+                            sampling=sampling, stats=GenerationStats("mirror"), draft=draft, options=opts)
+        run = MirrorRun(req, opts, exit_layer=0, executor=Executor())
+        self.proposer = BranchProposer(run, fresh_proposer(draft, config["target_vocab"], sampling, opts))
+        capacity = len(prompt) + req.max_new_tokens + 2
+        self.state = RequestState(req, list(prompt), None, draft.new_cache(capacity=capacity),  # type: ignore[arg-type]
+                                  list(prompt))
+        self.prompt_len = len(prompt)
+        self.tree: Any = None
+        self.launch_recv = 0
+
+    def sync(self, data: list[int]) -> list[int]:
+        """Append the tokens the target committed since the last message; return the rest of the payload."""
+        count = data[0]
+        self.state.tokens.extend(data[1 : 1 + count])
+        self.state.produced = len(self.state.tokens) - self.prompt_len
+        return data[1 + count :]
+
+    def fresh(self, data: list[int]) -> list[int]:
+        self.sync(data)
+        start = now_ns()
+        window = self.proposer.fresh.propose(self.state)
+        return [len(window.tokens), *window.tokens, window.forwards, start, now_ns()]
+
+    def launch(self, data: list[int], received: int) -> None:
+        rest = self.sync(data)
+        n_window = rest[0]
+        window, rest = rest[1 : 1 + n_window], rest[1 + n_window :]
+        n_roots = rest[0]
+        flat = rest[1 : 1 + 2 * n_roots]
+        roots, steps = [(flat[2 * i], flat[2 * i + 1]) for i in range(n_roots)], rest[1 + 2 * n_roots]
+        state = self.state
+        spine = [*state.tokens, *window][len(state.draft_cache):]
+        self.launch_recv = received
+        self.tree = self.proposer.rollout(len(state.tokens), window, spine, roots, steps, state)
+
+    def verdict(self, data: list[int], received: int) -> list[int]:
+        accepted, correction = self.sync(data)
+        tree, self.tree = self.tree, None
+        state = self.state
+        if tree is None:
+            ModelProposer.rollback(state, accepted)
+            return [NO_TREE, 0, 0, 0, 0, 0, 0, received]
+        start = now_ns()
+        branch = tree.branch(accepted, correction)
+        tokens: list[int] = []
+        if branch is not None:
+            tokens = self.proposer.keep_branch(state, tree, branch).tokens
+        else:
+            ModelProposer.rollback(state, accepted)
+        select = now_ns() - start
+        span = tree.span
+        return [int(branch is not None), len(tokens), *tokens, tree.forwards, int(span.start * 1e9),
+                int(span.end * 1e9), select, self.launch_recv, received]
+
+
+def serve_draft(channel: Any, draft: Transformer) -> None:
+    """The draft rank's loop: one request at a time until the caller says stop (or its end of the group closes)."""
+    kernels.available()  # a quantized draft needs this process to load the CPU kernels too
+    session: _Session | None = None
+    with torch.inference_mode():
+        while True:
+            try:
+                kind, data = channel.recv()
+            except ChannelError:
+                return  # the caller is gone
+            received = now_ns()
+            if kind == 0:
+                return
+            try:
+                payload = data.tolist()
+                if kind == START:
+                    session = _Session(draft, json.loads(decode_text(data)))
+                elif kind == END:
+                    session = None
+                elif session is None:
+                    raise RuntimeError(f"message {kind} outside a request")
+                elif kind == FRESH:
+                    channel.send(FRESH, session.fresh(payload))
+                elif kind == LAUNCH:
+                    session.launch(payload, received)
+                elif kind == VERDICT:
+                    channel.send(VERDICT, session.verdict(payload, received))
+            except Exception as error:  # noqa: BLE001 - reported to the target, which goes on alone
+                session = None
+                channel.send_error(error)
+
+
+# -- the target's process ------------------------------------------------------------------------------------
+
+_workers: dict[tuple[int, int | None], Worker | LaunchedPeer] = {}
+
+
+def draft_worker(draft: Transformer, threads: int | None) -> Worker | LaunchedPeer:
+    """The draft rank for this draft model: spawned on first use and kept for later requests, or, under
+    ``torchrun``, rank 1 of the launcher's world (then ``serve_launched`` runs there)."""
+    if launched_rank() is not None:
+        key = (0, None)
+        if key not in _workers:
+            _workers[key] = LaunchedPeer(launched_channel())
+        if not _workers[key].alive():
+            raise ChannelError(f"the draft rank is unusable ({_workers[key].broken})")
+        return _workers[key]
+    key = (id(draft), threads)
+    worker = _workers.get(key)
+    if worker is None or not worker.alive():
+        if worker is not None:
+            worker.close()
+        worker = _workers[key] = Worker(serve_draft, (draft,), threads=threads)
+    return worker
+
+
+def serve_launched(draft: Transformer) -> None:
+    """Rank 1 of a ``torchrun`` world: serve the target (rank 0) until it says stop."""
+    serve_draft(launched_channel(), draft)
+
+
+def close_workers() -> None:
+    """Stop every draft rank this process spawned (they are also stopped at exit)."""
+    while _workers:
+        _workers.popitem()[1].close()
+
+
+@dataclass
+class _RemoteTree:
+    """What MirrorRun.joined reads of a rollout: its span (the draft process's clock is this one) and forwards."""
+
+    span: Span
+    forwards: int
+
+
+class RemoteBranchProposer(BranchProposer):
+    """:class:`~.mirror.BranchProposer` with the draft in another process (the module docstring): the window
+    logic (a kept branch, the suffix hybrid, then a fresh rollout) is inherited; what touches the draft model
+    (fresh rollouts, tree rollouts, branch selection) goes over the channel instead. No local draft proposer."""
+
+    def __init__(self, run: MirrorRun, req: DecodeRequest, lookup: SuffixProposer | None = None,
+                 min_match: int = 0) -> None:
+        # Not BranchProposer.__init__: that one builds on a draft proposer in this process.
+        self.run, self.req, self.opts = run, req, run.opts
+        self.lookup, self.min_match = lookup, min_match
+        self.worker: Worker | LaunchedPeer | None = None
+        self.ready: Draft | None = None
+        self.failed = False
+        self.source = "model"
+        self.synced = 0  # committed tokens the draft rank has been sent
+        self.launched: int | None = None  # perf_counter_ns when this step's LAUNCH left, if one did
+        self.channel_s: dict[str, list[float]] = run.stats.channel_s
+
+    # -- the channel
+
+    def _new_tokens(self, state: RequestState) -> list[int]:
+        new = state.tokens[self.synced:]
+        self.synced = len(state.tokens)
+        return [len(new), *new]
+
+    def _send(self, kind: int, payload: list[int]) -> None:
+        assert self.worker is not None
+        self.worker.channel.send(kind, payload)
+
+    def _reply(self, kind: int) -> list[int]:
+        assert self.worker is not None
+        got, data = self.worker.channel.recv()
+        if got != kind:
+            raise ChannelError(f"expected reply {kind}, got {got}")
+        return data.tolist()
+
+    # -- the role
+
+    def start(self, state: RequestState) -> None:
+        if self.lookup is not None:
+            self.lookup.start(state)
+        opts, req = self.opts, self.req
+        config = {"sampling": vars(req.sampling), "max_new_tokens": req.max_new_tokens, "prompt": state.tokens,
+                  "target_vocab": req.target.config.vocab_size,
+                  "options": {"gamma": opts.gamma, "confidence": opts.confidence, "draft_vocab": opts.draft_vocab,
+                              "draft_streams": opts.draft_streams, "acceptance": opts.acceptance}}
+        try:
+            self.worker = draft_worker(req.draft, self.run.executor.draft_threads)
+            self.worker.channel.timeout = opts.channel_timeout
+            self._send(START, encode_text(json.dumps(config)))
+            self.synced = len(state.tokens)
+        except Exception as error:  # noqa: BLE001 - no draft rank: the target decodes alone
+            self.fail(error)
+
+    def fresh_rollout(self, state: RequestState) -> Draft:
+        self._send(FRESH, self._new_tokens(state))
+        reply = self._reply(FRESH)
+        n = reply[0]
+        forwards, begin, end = reply[1 + n :]
+        self.run.tracer.spans.append(Span("draft", "fresh rollout", begin / 1e9, end / 1e9))
+        return Draft(reply[1 : 1 + n], forwards=forwards)
+
+    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+        try:
+            self.launched = now_ns()
+            self._send(LAUNCH, [*self._new_tokens(state), len(window), *window, len(roots),
+                                *(x for root in roots for x in root), steps])
+        except ChannelError as error:
+            self.fail(error)
+
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        """The final rendezvous: the verdict goes over, the kept branch (or a miss) comes back."""
+        if self.lookup is not None:
+            self.lookup.feedback(state, scores, verdict)
+        launched, self.launched = self.launched, None
+        if self.failed:
+            self.run.joined(None)
+            return
+        try:
+            sent = now_ns()
+            self._send(VERDICT, [*self._new_tokens(state), verdict.accepted, verdict.next_token])
+            reply = self._reply(VERDICT)
+        except ChannelError as error:
+            self.fail(error)
+            self.run.joined(None)
+            return
+        hit, n = reply[0], reply[1]
+        tokens = reply[2 : 2 + n]
+        forwards, begin, end, select, launch_recv, verdict_recv = reply[2 + n :]
+        # The draft process reads the verdict once its rollout is done: the channel's own part starts then.
+        self.channel_s.setdefault("final", []).append((verdict_recv - max(sent, end)) / 1e9)
+        if hit == NO_TREE:
+            self.run.joined(None)
+            return
+        if launched is not None:
+            self.channel_s.setdefault("early_exit", []).append((launch_recv - launched) / 1e9)
+        span = Span("draft", "rollout", begin / 1e9, end / 1e9)
+        self.run.tracer.spans.append(span)
+        state.stats.draft_forwards += forwards
+        self.run.joined(_RemoteTree(span, forwards))
+        self.run.selected(select / 1e9, bool(hit))
+        if hit:
+            self.ready = Draft(tokens)
+
+    def fail(self, error: BaseException) -> None:
+        if self.worker is not None:
+            self.worker.abandon(f"{type(error).__name__}: {error}")
+        super().fail(error)
+
+    def close(self) -> None:
+        """The request is over: the draft rank drops its session and waits for the next one."""
+        if self.worker is not None and not self.failed:
+            try:
+                self._send(END, [])
+            except ChannelError as error:
+                self.worker.abandon(str(error))

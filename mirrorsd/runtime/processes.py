@@ -1,0 +1,203 @@
+"""The ``processes`` backend's transport: the draft in its own OS process, joined to the caller by a dedicated
+two-rank gloo process group (torch.distributed) that carries the token channel.
+
+Spawned by mirrorsd (one machine), the group is built directly on a ``TCPStore`` rather than through
+``init_process_group``, so it never touches the caller's default group (a user of torch.distributed keeps theirs).
+Started by ``torchrun`` (rank 0 the target, rank 1 the draft, on one machine or two), the ranks join the launcher's
+world and the channel is a ``new_group`` of the two. Messages are fused int64 tensors: a
+two-element header (kind, length) and the payload. Every receive on the caller's side has a timeout, and a worker
+that dies, hangs or errors is killed and reported, never waited on forever.
+
+Both processes time with ``time.perf_counter`` (``CLOCK_MONOTONIC`` on Linux, one clock for the whole machine),
+so spans recorded by the draft process line up with the caller's in a trace.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .executors import Executor, _Threads, split_threads
+
+SHUTDOWN = 0  # message kind that ends a worker's loop
+ERROR = -1  # reply kind: the payload is the worker's error message (UTF-8 bytes)
+
+
+class ChannelError(RuntimeError):
+    """The other process timed out, died or reported an error."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group(rank: int, port: int, setup_timeout: float) -> dist.ProcessGroup:
+    """The two-rank group. Its own timeout is long (a worker waits idle between requests); the caller bounds
+    every receive with its own timeout instead."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=setup_timeout))
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(days=1))
+
+
+class Channel:
+    """One end of the two-rank group: send and receive (kind, int64 payload) messages. ``timeout`` bounds every
+    wait (None: wait as long as it takes, as the idle draft rank does)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, timeout: float | None = None) -> None:
+        self.group, self.rank, self.peer, self.timeout = group, rank, 1 - rank, timeout
+
+    def send(self, kind: int, payload: list[int] | torch.Tensor = ()) -> None:
+        data = torch.as_tensor(payload, dtype=torch.long).reshape(-1)
+        self._wait(self.group.send([torch.tensor([kind, data.numel()])], self.peer, 0), self.timeout)
+        if data.numel():
+            self._wait(self.group.send([data], self.peer, 1), self.timeout)
+
+    def recv(self, timeout: float | None = None) -> tuple[int, torch.Tensor]:
+        """The next message, waiting ``timeout`` seconds at most (default: the channel's)."""
+        timeout = self.timeout if timeout is None else timeout
+        header = torch.empty(2, dtype=torch.long)
+        self._wait(self.group.recv([header], self.peer, 0), timeout)
+        kind, length = int(header[0]), int(header[1])
+        data = torch.empty(length, dtype=torch.long)
+        if length:
+            self._wait(self.group.recv([data], self.peer, 1), timeout)
+        if kind == ERROR:
+            raise ChannelError(f"the other process failed: {bytes(data.tolist()).decode(errors='replace')}")
+        return kind, data
+
+    @staticmethod
+    def _wait(work: Any, timeout: float | None) -> None:
+        try:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as error:  # gloo: a timeout, or the peer's connection closed
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ChannelError(f"the channel to the other process failed ({reason[:200]})") from None
+
+    def send_error(self, error: BaseException) -> None:
+        self.send(ERROR, list(f"{type(error).__name__}: {error}".encode()))
+
+
+def encode_text(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def decode_text(data: torch.Tensor) -> str:
+    return bytes(data.tolist()).decode()
+
+
+def _child(port: int, timeout: float, threads: int | None, entry: Callable[..., None], args: tuple) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    channel = Channel(_group(1, port, timeout), 1)
+    entry(channel, *args)
+
+
+class Worker:
+    """A spawned process running ``entry(channel, *args)``; the caller holds the other end of the channel.
+    ``args`` cross by pickling (CPU tensors of a model go through shared memory, not copies)."""
+
+    def __init__(self, entry: Callable[..., None], args: tuple, threads: int | None = None,
+                 setup_timeout: float = 120.0) -> None:
+        port = _free_port()
+        self.process = mp.get_context("spawn").Process(target=_child, args=(port, setup_timeout, threads, entry, args),
+                                                       daemon=True, name="mirrorsd-draft-rank")
+        self.process.start()
+        self.channel = Channel(_group(0, port, setup_timeout), 0)
+        self.broken: str | None = None
+        atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return self.broken is None and self.process.is_alive()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask the worker to stop; kill it if it does not within ``timeout`` (a hung or broken one)."""
+        if self.process.is_alive() and self.broken is None:
+            with contextlib.suppress(Exception):  # a broken channel: fall through to the kill
+                self.channel.send(SHUTDOWN)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+        atexit.unregister(self.close)
+
+    def abandon(self, why: str) -> None:
+        """The channel cannot be trusted any more (a timeout, a death, an error): kill the worker now."""
+        self.broken = why
+        self.close(timeout=1.0)
+
+
+def launched_rank() -> int | None:
+    """This process's rank when a launcher (``torchrun``) started a world of several processes, else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def launched_channel() -> Channel:
+    """The channel of a ``torchrun`` world: ranks 0 (target) and 1 (draft) in a group of their own, created on
+    both (``new_group`` is collective). Joins the default gloo group from the launcher's environment first."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != 2:
+        raise ValueError(f"--backend processes under torchrun takes 2 ranks (target, draft), got WORLD_SIZE={world}")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(days=1))
+    return Channel(group, dist.get_rank())
+
+
+class LaunchedPeer:
+    """The draft rank of a ``torchrun`` world, seen from rank 0: :class:`Worker`'s interface, but the process
+    is the launcher's to start and stop (a broken one is only stopped being used)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.broken: str | None = None
+
+    def alive(self) -> bool:
+        return self.broken is None
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.broken is None:
+            with contextlib.suppress(Exception):
+                self.channel.send(SHUTDOWN)
+            self.broken = "closed"
+
+    def abandon(self, why: str) -> None:
+        self.broken = why
+
+
+class ProcessesExecutor(Executor):
+    """The ``processes`` backend as seen by the calling process: the draft's work runs in the worker (the method
+    talks to it through its channel); here only the thread split applies while the two overlap."""
+
+    name = "processes"
+
+    def __init__(self, split: tuple[int, int] | None = None) -> None:
+        self.total_threads = torch.get_num_threads()
+        self.split = split or split_threads(self.total_threads)
+
+    @property
+    def draft_threads(self) -> int | None:
+        return self.split[1] if self.split else None
+
+    def overlapping(self) -> AbstractContextManager[None]:
+        return _Threads(self.split[0], self.total_threads) if self.split else nullcontext()
+
+
+def now_ns() -> int:
+    return time.perf_counter_ns()

@@ -1,0 +1,145 @@
+"""Mirror-SD with ``--backend processes``: the draft rank in its own process, a gloo token channel (issue 20).
+
+The target's tokens are computed in the calling process exactly as on the serial backend, so answers must
+equal ``ar`` bit for bit on row-exact models, greedy and seeded; a draft process that dies or hangs is killed
+and the request finishes with the target alone, still equal to ``ar``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from mirrorsd import generate, stream
+from mirrorsd.decoding import OptionError, mirror_remote
+
+from .conftest import requires_smollm2, tiny_hf
+from .test_mirror import row_exact
+
+PROMPT = list(range(3, 40))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
+    yield target, draft
+    mirror_remote.close_workers()
+
+
+def _worker():
+    (worker,) = mirror_remote._workers.values()
+    return worker
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 7)])
+def test_processes_equal_ar_and_serial(pair, temperature, seed):
+    target, draft = pair
+    want = generate(target, PROMPT, method="ar", max_new_tokens=40, temperature=temperature, seed=seed)
+    serial = generate(target, PROMPT, method="mirror", draft=draft, max_new_tokens=40, temperature=temperature,
+                      seed=seed)
+    got = generate(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=40,
+                   temperature=temperature, seed=seed)
+    assert got.token_ids == want.token_ids == serial.token_ids
+    stats = got.stats.extra["mirror"]
+    assert stats.draft_failed is None and stats.backend == "processes"
+    assert got.stats.accepted == serial.stats.accepted  # the same draft, rolled out in another process
+    assert _worker().process.pid != os.getpid() and _worker().process.is_alive()
+    summary = stats.to_dict()
+    assert summary["channel_ms"]["early_exit"] >= 0 and summary["channel_ms"]["final"] >= 0
+    lanes = {s.lane for s in got.stats.spans}
+    assert lanes == {"target", "draft"}  # the draft lane's spans were timed in the draft's process
+
+
+def test_the_draft_rank_serves_request_after_request(pair):
+    target, draft = pair
+    generate(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=8)
+    first = _worker().process.pid
+    generate(target, PROMPT[:20], method="mirror", draft=draft, backend="processes", max_new_tokens=8)
+    assert _worker().process.pid == first
+
+
+def _decode_while(pair, act):
+    """Generate with the processes backend, calling ``act(worker)`` after the first step's tokens."""
+    target, draft = pair
+    want = generate(target, PROMPT, method="ar", max_new_tokens=40, temperature=0.0).token_ids
+    s = stream(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=40,
+               temperature=0.0, channel_timeout=3.0)
+    deltas = s.deltas()
+    next(deltas)
+    worker = _worker()
+    act(worker)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in deltas:
+            pass
+    assert s.result.token_ids == want  # nothing lost, nothing repeated
+    assert any("continuing with the target alone" in str(w.message) for w in caught)
+    worker.process.join(5)
+    assert not worker.process.is_alive()  # no orphan left behind
+    return s.result.stats.extra["mirror"]
+
+
+def test_a_killed_draft_rank_leaves_the_target_going_alone(pair):
+    stats = _decode_while(pair, lambda worker: worker.process.kill())
+    assert "ChannelError" in stats.draft_failed and "Timed out" not in stats.draft_failed, stats.draft_failed
+
+
+def test_a_hung_draft_rank_times_out(pair):
+    stats = _decode_while(pair, lambda worker: os.kill(worker.process.pid, signal.SIGSTOP))
+    assert "ChannelError" in stats.draft_failed and "Timed out" in stats.draft_failed, stats.draft_failed
+
+
+def test_a_new_draft_rank_replaces_a_failed_one(pair):
+    target, draft = pair
+    _worker().process.kill() if mirror_remote._workers else None
+    got = generate(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=16)
+    assert got.stats.extra["mirror"].draft_failed is None
+
+
+def test_rejection_sampling_is_refused_with_a_reason(pair):
+    target, draft = pair
+    with pytest.raises(OptionError, match="token ids only"):
+        generate(target, PROMPT, method="mirror", draft=draft, backend="processes", acceptance="rejection",
+                 temperature=0.8)
+
+
+def test_close_workers_stops_every_draft_rank(pair):
+    target, draft = pair
+    generate(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=4)
+    process = _worker().process
+    mirror_remote.close_workers()
+    assert not process.is_alive() and not mirror_remote._workers
+    assert torch.get_num_threads() >= 1
+
+
+def _cli_json(argv: list[str], launcher: list[str] | None = None) -> dict:
+    proc = subprocess.run([*(launcher or [sys.executable, "-m"]), "mirrorsd.cli", "generate", *argv, "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("{")]  # rank 1 prints nothing
+    return json.loads(line)
+
+
+@requires_smollm2
+def test_torchrun_world_of_target_and_draft_ranks():
+    """`torchrun --nproc-per-node 2 -m mirrorsd.cli generate --backend processes`: rank 0 decodes, rank 1 serves
+    the draft over the channel group, and the answer is ar's (the launcher's ranks could be on two machines)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--target", "smollm2-135m", "--prompt", "Name three colours.", "--max-new-tokens", "24"]
+    want = _cli_json([*args, "--method", "ar"])
+    got = _cli_json([*args, "--method", "mirror", "--draft", "self:0.5", "--backend", "processes"],
+                    launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m"])
+    assert got["token_ids"] == want["token_ids"]
+    mirror = got["stats"]["extra"]["mirror"] if "extra" in got["stats"] else got["stats"]["mirror"]
+    assert mirror["backend"] == "processes" and mirror["draft_failed"] is None
+    assert mirror["channel_ms"]["final"] >= 0
