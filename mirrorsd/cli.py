@@ -601,7 +601,8 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
         p.add_argument("--methods", default="ar,suffix,sd,mirror,ss,hf-assisted,hf-pld,llama-server",
                        help="comma-separated: ar, suffix, sd, mirror, ss, hf-ar, hf-assisted, hf-pld, llama-server, "
                             "llama-server-ar; options as KIND:key=value:key=value, a label as LABEL=KIND:... "
-                            "(e.g. mirror:roots=budget:backend=threads). References (ar, hf-ar, llama-server-ar) "
+                            "(e.g. mirror:roots=budget:backend=threads); auto runs what `mirrorsd plan` recommends "
+                            "for the pair (planned first if needed). References (ar, hf-ar, llama-server-ar) "
                             "are added as needed")
         p.add_argument("--llama-server", metavar="PATH",
                        help="llama.cpp's llama-server binary (default: $MIRRORSD_LLAMA_SERVER or PATH; skipped "

@@ -169,6 +169,9 @@ def test_parse_methods_options_labels_and_references():
         parse_methods("sd:gamma")
     with pytest.raises(ValueError, match="unique"):
         parse_methods("sd,sd")
+    assert [s.kind for s in parse_methods("auto")] == ["ar", "auto"]  # resolved when the models are loaded
+    with pytest.raises(ValueError, match="no options"):
+        parse_methods("auto:gamma=2")
 
 
 def test_suites(tmp_path):
@@ -319,6 +322,14 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
                "--prompt", "Say hi.", "--max-new-tokens", "8", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert rc == 0 and row["stats"]["method"] == "sd" and row["stats"]["gamma"] <= 3
+
+    rc = main(["bench", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--methods", "ar,auto", "--suite",
+               "specbench:1", "--max-new-tokens", "4", "--runs", "1", "--warmup", "0", "--no-probe", "--no-predict",
+               "--out", str(tmp_path / "auto")])
+    results = json.loads((tmp_path / "auto" / "results.json").read_text())
+    assert rc == 0 and results["summary"]["auto"]["kind"] == "sd"  # the plan's recommendation ran
+    assert results["summary"]["auto"]["options"] == {"gamma": 3, "confidence": 0.0}
+    assert any("`sd:gamma=3:confidence=0.0`" in note for note in results["notes"])
 
 
 def test_recommendation_needs_a_margin_over_ar():

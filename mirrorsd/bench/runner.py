@@ -41,12 +41,17 @@ PEER_KINDS = ("hf-ar", "hf-assisted", "hf-pld", "llama-server", "llama-server-ar
 PEERS_NEEDING_DRAFT = {"hf-assisted", "llama-server"}
 
 
+AUTO = "auto"  # --method auto: resolved to the plan's recommendation when the models are loaded
+
+
 def ours(kind: str) -> bool:
     """A registered mirrorsd method (not a peer)."""
     return kind not in PEER_KINDS
 
 
 def needs_draft(kind: str) -> bool:
+    if kind == AUTO:
+        return True  # the plan is keyed by the pair, and may pick a drafting method
     return kind in PEERS_NEEDING_DRAFT if not ours(kind) else get_method(kind).needs_draft
 
 
@@ -80,7 +85,7 @@ def parse_methods(text: str) -> list[MethodSpec]:
     """``ar,sd,mirror:roots=budget:backend=threads,fast=sd:gamma=4``: a kind with ``:key=value`` options,
     optionally labelled ``LABEL=``. Our methods' options are parsed and checked by their registered options
     class. References are added: ``ar`` always, ``hf-ar`` / ``llama-server-ar`` for their peers."""
-    kinds = [*(m.name for m in methods()), *PEER_KINDS]
+    kinds = [*(m.name for m in methods()), *PEER_KINDS, AUTO]
     specs: list[MethodSpec] = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
@@ -97,7 +102,11 @@ def parse_methods(text: str) -> list[MethodSpec]:
                 raise ValueError(f"method option {pair!r} in {item!r} must be key=value")
             key, value = pair.split("=", 1)
             raw[key.replace("-", "_")] = value
-        if ours(kind):
+        if kind == AUTO:
+            if raw:
+                raise ValueError("auto takes no options: it runs what `mirrorsd plan` recommended")
+            options = {}
+        elif ours(kind):
             try:
                 parsed = get_method(kind).options.parse(raw, kind)
             except OptionError as e:
@@ -184,6 +193,7 @@ class Bench:
         self.draft = mirrorsd.load_model(config.draft, **load) if drafting or config.probe else None
         if self.draft is not None:
             mirrorsd.api.check_tokenizers(self.target, self.draft)
+        config.methods = [self._resolve_auto(m) for m in config.methods]
         self.device = self.target.model.device
         self.hf = None
         if kinds & HF_METHODS:
@@ -195,6 +205,17 @@ class Bench:
         self.methods = [m for m in config.methods if m.kind not in LLAMA_METHODS or m.kind in self.servers]
         self.answers: list[Answer] = []
         self.timeline: dict[str, Any] | None = None
+
+    def _resolve_auto(self, spec: MethodSpec) -> MethodSpec:
+        """``auto`` runs the plan's recommendation for this pair (planned now if there is none yet)."""
+        if spec.kind != AUTO:
+            return spec
+        import mirrorsd
+
+        method, options, _ = mirrorsd.api.planned(self.target, self.draft, {})
+        chosen = ":".join([method, *(f"{k}={v}" for k, v in options.items())])
+        self.notes.append(f"`{spec.label}` ran the plan's recommendation for this pair: `{chosen}`.")
+        return MethodSpec(spec.label, method, options)
 
     def _start_llama(self, kinds: set[str]) -> None:
         binary = find_llama_server(self.config.llama_server)
