@@ -21,6 +21,7 @@ import torch
 
 from .. import kernels
 from ..model import Transformer
+from ..runtime import synchronize
 
 DEFAULT_KS = (1, 2, 4, 8, 16)
 
@@ -56,10 +57,6 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 @torch.inference_mode()
 def forward_costs(model: Transformer, ks: tuple[int, ...] = DEFAULT_KS, context: int = 128,
@@ -75,10 +72,10 @@ def forward_costs(model: Transformer, ks: tuple[int, ...] = DEFAULT_KS, context:
     times: dict[int, list[float]] = {k: [] for k in ks}
     for round_ in range(rounds + 1):  # round 0 warms up
         for k in ks:
-            _sync(model.device)
+            synchronize(model.device)
             start = time.perf_counter()
             model(windows[k], cache=cache)
-            _sync(model.device)  # CUDA runs asynchronously: time the work, not its launch
+            synchronize(model.device)  # CUDA runs asynchronously: time the work, not its launch
             elapsed = time.perf_counter() - start
             cache.truncate(context)
             if round_:
@@ -95,11 +92,11 @@ def ar_tokens_per_second(model: Transformer, tokens: int = 32, context: int = 12
     for _ in range(rounds):
         cache = model.new_cache(capacity=context + tokens + 1)
         token = model(prompt, cache=cache, last=1)[0, -1].argmax().view(1, 1)
-        _sync(model.device)
+        synchronize(model.device)
         start = time.perf_counter()
         for _ in range(tokens):
             token = model(token, cache=cache)[0, -1].argmax().view(1, 1)
-        _sync(model.device)
+        synchronize(model.device)
         rates.append(tokens / (time.perf_counter() - start))
     return statistics.median(rates)
 

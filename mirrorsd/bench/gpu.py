@@ -31,7 +31,7 @@ import torch
 
 from ..api import generate
 from ..model import Transformer
-from ..runtime import write_chrome_trace
+from ..runtime import synchronize, write_chrome_trace
 from ..streams import StreamAdapters, StreamConfig
 from . import metrics
 from .forward import forward_costs
@@ -98,7 +98,7 @@ class OracleDraft(Transformer):
     (base 256: exact even in bf16), so :meth:`logits` finds the row's position whichever rows a caller kept (SD's
     last row, Mirror-SD's tree rollouts) without the methods knowing about the oracle."""
 
-    reference: list[int]
+    reference: torch.Tensor  # prompt + the target's greedy answer, on the draft's device
     prompt_len: int
     accept: int | None
     _positions: torch.Tensor
@@ -107,7 +107,8 @@ class OracleDraft(Transformer):
     def wrap(cls, draft: Transformer, prompt: list[int], reference: list[int], accept: int | None) -> OracleDraft:
         oracle = cls.__new__(cls)
         oracle.__dict__.update(draft.__dict__)  # shares the draft's modules, buffers and config
-        oracle.reference, oracle.prompt_len, oracle.accept = list(prompt) + list(reference), len(prompt), accept
+        oracle.reference = torch.tensor([*prompt, *reference], device=draft.device)
+        oracle.prompt_len, oracle.accept = len(prompt), accept
         return oracle
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -120,7 +121,7 @@ class OracleDraft(Transformer):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         index = hidden[..., 0].float().round().long() + 256 * hidden[..., 1].float().round().long()
         wanted = self._positions[index] + 1  # each row predicts the next position's token
-        ref = torch.tensor(self.reference, device=hidden.device)
+        ref = self.reference
         token = ref[wanted.clamp(max=len(ref) - 1)]
         offset = wanted - self.prompt_len
         miss = wanted >= len(ref)
@@ -143,16 +144,12 @@ class MethodRun:
     mirror: dict[str, Any] | None = None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def _timed(target: Transformer, prompt: list[int], max_new: int, **kwargs: Any) -> tuple[Any, float]:
-    _sync(target.device)
+    synchronize(target.device)
     start = time.perf_counter()
     out = generate(target, prompt, max_new_tokens=max_new, temperature=0.0, **kwargs)
-    _sync(target.device)
+    synchronize(target.device)
     return out, time.perf_counter() - start
 
 

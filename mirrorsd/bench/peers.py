@@ -22,16 +22,13 @@ from typing import Any
 
 import torch
 
+from ..runtime import synchronize
 from .metrics import Turn
 
 HF_METHODS = {"hf-ar", "hf-assisted", "hf-pld"}
 LLAMA_METHODS = {"llama-server", "llama-server-ar"}
 PLD_TOKENS, PLD_NGRAM = 10, 3  # Spec-Bench's PLD settings (draft_num_candidate_tokens, matching window)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class HFPeers:
@@ -64,11 +61,11 @@ class HFPeers:
             kw |= {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         else:
             kw["do_sample"] = False
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
                                   eos_token_id=self.eos, pad_token_id=self.eos[0], **kw)
-        _sync(self.device)
+        synchronize(self.device)
         wall = time.perf_counter() - start
         new = out[0, len(ids):].tolist()
         for i, t in enumerate(new):  # like ours, the EOS id ends the output and is not counted

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..decoding import get_method, methods
 from ..decoding.suffix_index import clear_shared_indexes
 from ..errors import OptionError
+from ..runtime import synchronize
 from ..runtime.executors import split_threads
 from ..specbench import GROUPS, Question, load_suite
 from . import metrics, plan, probe
@@ -144,10 +145,6 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 @dataclass
 class BenchConfig:
@@ -256,11 +253,11 @@ class Bench:
         if spec.kind in LLAMA_METHODS:
             return self.servers[spec.kind].complete(ids, max_new, cfg.temperature, seed, self.target.eos_token_ids)
         draft = self.draft if get_method(spec.kind).needs_draft else None
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         g = mirrorsd.generate(self.target, ids, method=spec.kind, draft=draft, temperature=cfg.temperature,
                               seed=seed, max_new_tokens=max_new, **spec.options)
-        _sync(self.device)
+        synchronize(self.device)
         wall = time.perf_counter() - start
         st = g.stats
         turn = Turn(new_tokens=st.new_tokens, wall_s=wall, token_ids=g.token_ids, text=g.text,

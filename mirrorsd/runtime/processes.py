@@ -74,7 +74,7 @@ class Channel:
         if length:
             self._wait(self.group.recv([data], self.peer, 1), timeout)
         if kind == ERROR:
-            raise ChannelError(f"the other process failed: {bytes(data.tolist()).decode(errors='replace')}")
+            raise ChannelError(f"the other process failed: {decode_text(data)}")
         return kind, data
 
     @staticmethod
@@ -89,7 +89,7 @@ class Channel:
             raise ChannelError(f"the channel to the other process failed ({reason[:200]})") from None
 
     def send_error(self, error: BaseException) -> None:
-        self.send(ERROR, list(f"{type(error).__name__}: {error}".encode()))
+        self.send(ERROR, encode_text(f"{type(error).__name__}: {error}"))
 
 
 def encode_text(text: str) -> list[int]:
@@ -97,7 +97,7 @@ def encode_text(text: str) -> list[int]:
 
 
 def decode_text(data: torch.Tensor) -> str:
-    return bytes(data.tolist()).decode()
+    return bytes(data.tolist()).decode(errors="replace")
 
 
 def _child(port: int, timeout: float, threads: int | None, entry: Callable[..., None], args: tuple) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 @dataclass
 class Span:
@@ -43,6 +45,13 @@ class Tracer:
         finally:
             s.end = time.perf_counter()
             self.spans.append(s)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: CUDA runs asynchronously, so a timer must stop after the work, not its
+    launch (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def overlap(a: Span | None, b: Span | None) -> float:
