@@ -113,8 +113,21 @@ def _target_shape(name: str):
         return None
 
 
-def _checked_options(args: argparse.Namespace, method: str) -> dict:
-    """The method's options from the flags, validated before any model loads; errors name the flag."""
+def _auto_choice(args: argparse.Namespace) -> tuple[str, dict]:
+    """``--method auto``: the plan saved for this target and draft on this machine, resolved before any model loads
+    so that the flags are checked against the method it picked; ``("auto", {})`` when there is no plan yet (the
+    API then plans briefly after loading)."""
+    from mirrorsd.plans import saved_recommendation
+
+    draft = args.draft or DEFAULT_DRAFT
+    pick = None if draft.startswith("self:") else saved_recommendation(args.target, draft)
+    return ("auto", {}) if pick is None else (pick["method"], pick["options"])
+
+
+def _checked_options(args: argparse.Namespace, method: str, by_auto: bool = False) -> dict:
+    """The method's options from the flags, validated before any model loads; errors name the flag. ``by_auto``:
+    ``method`` is what ``--method auto`` chose, so a flag it does not take says so, and ``--draft`` only keys the
+    plan."""
     from mirrorsd.decoding import get_method
     from mirrorsd.errors import OptionError
     from mirrorsd.sampling import SamplingParams
@@ -125,22 +138,27 @@ def _checked_options(args: argparse.Namespace, method: str) -> dict:
         mine = [o for m, o in uses if m.name == method]
         if method != "auto" and not mine:
             users = ", ".join(m.name for m, _ in uses)
-            raise ValueError(f"{flag} does not apply to --method {method} (it is an option of: {users})")
+            chosen = (f", which --method auto chose from this machine's plan for the pair; name a method with "
+                      f"--method to use {flag}") if by_auto else ""
+            raise ValueError(f"{flag} does not apply to --method {method} (it is an option of: {users}){chosen}")
         name = mine[0].name if mine else uses[0][1].name
         values[name] = getattr(args, _flag_dest(flag))
-    to_flag = {o.name: f for f, uses in flags.items() for m, o in uses if m.name == method}
+    to_flag = {o.name: f for f, uses in flags.items() for m, o in uses if m.name == method or method == "auto"}
     to_flag.update(temperature="--temperature", top_k="--top-k", top_p="--top-p", max_new_tokens="--max-new-tokens")
     try:
         SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         if getattr(args, "max_new_tokens", 1) < 1:
             raise OptionError("max_new_tokens", f"must be >= 1, got {args.max_new_tokens}")
-        if method == "auto":
+        if method == "auto":  # no plan yet: each value checked by a method that takes it; the plan picks after
+            for uses in flags.values():
+                owner, opt = uses[0]
+                owner.options.parse({opt.name: values[opt.name]}, owner.name, _target_shape(args.target))
             return values
         spec = get_method(method)
         options = spec.options.parse(values, method, _target_shape(args.target))
     except OptionError as e:
         raise ValueError(f"{to_flag.get(e.option, e.option)} {e.message}") from None
-    if args.draft and not spec.needs_draft:
+    if args.draft and not spec.needs_draft and not by_auto:
         raise ValueError(f"--draft does not apply to --method {method} (it drafts without a draft model)")
     if args.draft_device and not spec.needs_draft:
         raise ValueError(f"--draft-device does not apply to --method {method} (it uses no draft model)")
@@ -151,13 +169,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import mirrorsd
-    from mirrorsd.api import default_method
     from mirrorsd.decoding import get_method
     from mirrorsd.runtime.processes import launched_rank
 
     err = Console(stderr=True)
-    method = args.method or default_method(args.draft or DEFAULT_DRAFT)
-    options = _checked_options(args, method)
+    method, options = args.method or "auto", {}
+    by_auto = method == "auto"
+    if by_auto:
+        method, options = _auto_choice(args)
+    options = {**options, **_checked_options(args, method, by_auto)}
+    if by_auto and method != "auto":
+        shown = " ".join(f"{k}={v}" for k, v in options.items())
+        err.print(f"mirrorsd: auto chose {method} {shown} (this machine's plan for the pair; `mirrorsd plan` "
+                  "re-plans)".replace("  ", " "), style="dim", highlight=False)
     needs_draft = method == "auto" or get_method(method).needs_draft  # auto: the plan is keyed by the draft too
     if options.get("backend") == "processes" and launched_rank() not in (None, 0):
         return _serve_draft_rank(args, err)
@@ -672,8 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"first N layers (or fraction F of them) (default: {DEFAULT_DRAFT})")
     g.add_argument("--method", choices=[*(m.name for m in methods()), "auto"],
                    help="; ".join(f"{m.name}: {m.summary}" for m in methods()) + "; auto: the configuration "
-                   "`mirrorsd plan` saved for this target and draft on this machine (default: sd, with --draft or "
-                   "its default; the API's default is the same: sd when a draft is given, else ar)")
+                   "`mirrorsd plan` saved for this target and draft on this machine, planned briefly (1-2 minutes) on "
+                   "first use; it falls back to ar when nothing pays (default: auto; the API's default is sd when a "
+                   "draft is given, else ar)")
     g.add_argument("--draft-device", help="device for the draft model (--backend devices), e.g. cuda:1 or cpu "
                                           "(default: --device)")
     g.add_argument("--trace", metavar="FILE",

@@ -34,6 +34,13 @@ def load_plan(target: str, draft: str | None) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def saved_recommendation(target: str, draft: str | None) -> dict[str, Any] | None:
+    """The saved plan's pick for this pair (method, options, label), or None when there is no plan yet: lets the
+    CLI resolve ``auto`` and check its flags before any model loads."""
+    path = plan_path(target, draft)
+    return json.loads(path.read_text())["recommended"] if path.is_file() else None
+
+
 def plan_for(target: Any, draft: Any) -> dict[str, Any]:
     """The saved plan for this pair, or, on first use, a quick one made now and saved (said on stderr)."""
     draft_name = draft.name if draft is not None else None

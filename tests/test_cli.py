@@ -183,3 +183,50 @@ def test_cli_and_api_default_to_the_same_method():
 
     assert default_method(None) == "ar" and default_method(DEFAULT_DRAFT) == "sd"
     assert main.__module__ == "mirrorsd.cli"  # the CLI resolves --method with default_method(--draft or default)
+
+
+@pytest.fixture
+def saved_plan(tmp_path, monkeypatch):
+    """A plan file for every pair, written by the test (the user's own plans are never read)."""
+    from mirrorsd import plans
+
+    path = tmp_path / "plan.json"
+    monkeypatch.setattr(plans, "plan_path", lambda target, draft: path)
+
+    def save(method: str, options: dict) -> None:
+        pick = {"method": method, "options": options, "label": method}
+        path.write_text(json.dumps({"recommended": pick, "ranked": [pick]}))
+    return save
+
+
+@requires_smollm2  # option checks read the prepared target's config.json
+@pytest.mark.parametrize(
+    ("plan", "extra", "message"),
+    [
+        (("suffix", {}), ["--confidence", "0.5"], "--confidence does not apply to --method suffix (it is an option"),
+        (("suffix", {}), ["--kappa", "4"], "which --method auto chose from this machine's plan for the pair"),
+        (("sd", {"gamma": 3}), ["--gamma", "0"], "--gamma must be >= 1, got 0"),
+        (None, ["--kappa", "0"], "--kappa must be >= 1"),  # no plan yet: checked by a method that takes it
+        (None, ["--exit-layer", "99"], "--exit-layer must be in 1..29"),
+    ],
+)
+def test_auto_is_the_default_and_its_flags_are_checked_before_loading(capsys, no_loading, saved_plan, plan, extra,
+                                                                       message):
+    if plan:
+        saved_plan(*plan)
+    rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--prompt", "hi", *extra)
+    assert rc == 2 and message in err, err
+    assert err.count("\n") == 1
+
+
+@requires_smollm2
+def test_default_method_runs_the_saved_plan_without_loading_an_unused_draft(capsys, saved_plan):
+    saved_plan("suffix", {"factor": 2.0})
+    rc, out, err = run(capsys, "generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--prompt",
+                       "Say hi.", "--max-new-tokens", "6", "--json")
+    row = json.loads(out)
+    assert rc == 0 and row["stats"]["method"] == "suffix" and "auto chose suffix factor=2.0" in err
+    assert "mirrorsd: draft" not in err  # suffix drafts without a model, so none was loaded
+    rc, out, _ = run(capsys, "generate", "--target", "smollm2-135m", "--method", "ar", "--prompt", "Say hi.",
+                     "--max-new-tokens", "6", "--json")
+    assert json.loads(out)["token_ids"] == row["token_ids"]
