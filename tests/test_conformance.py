@@ -276,6 +276,8 @@ def test_rejection_sampling_matches_target_distribution(small_vocab_pair, name):
     options = {"acceptance": "rejection"}
     if any(o.name == "gamma" for o in method.options.fields()):
         options["gamma"] = 3
+    if any(o.name == "model_gate" for o in method.options.fields()):
+        options["model_gate"] = "always"  # the gate starts suffix-only: no model window in a 4-token answer
     prompt, n = [5, 6], 1500
     exact = _exact_pair_distribution(target, prompt, 1.0).flatten()
     counts = torch.zeros(64)

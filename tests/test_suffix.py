@@ -8,7 +8,7 @@ import torch
 
 from mirrorsd import generate
 from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, RequestState, Scores
-from mirrorsd.decoding.suffix import AcceptanceModel, SuffixProposer, VerifyCost
+from mirrorsd.decoding.suffix import AcceptanceModel, ModelGate, SuffixProposer, VerifyCost
 from mirrorsd.decoding.suffix_index import MAX_MATCH, SuffixIndex
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.verify import Verdict
@@ -168,6 +168,38 @@ def test_sd_hybrid_logs_which_proposer_drafted(suffix_match):
     sources = [s["source"] for s in got.stats.step_log]
     assert sources[0] == "suffix"  # "3 4 1 2" occurred: a 4-token match
     assert set(sources) <= {"suffix", "model"}
+
+
+def test_model_gate_keeps_the_faster_kind_and_retries_the_other():
+    gate = ModelGate(measured=True)
+    kinds = []
+    for _ in range(30):  # the draft is rarely accepted: model steps commit 1 token in 60 ms, suffix steps in 42
+        kinds.append(gate.kind)
+        gate.observe(kinds[-1], 1, 0.060 if kinds[-1] == "model" else 0.042)
+    assert kinds[:ModelGate.FIRST_BACKOFF] == ["suffix"] * ModelGate.FIRST_BACKOFF  # no draft prefill up front
+    assert kinds.count("model") == 2 * ModelGate.PROBE_STEPS  # probed twice, the back-off doubling in between
+    assert gate.current == "suffix" and gate.backoff == 4 * ModelGate.FIRST_BACKOFF
+    for _ in range(gate.countdown + ModelGate.PROBE_STEPS):  # now it is accepted: 5 tokens in 130 ms
+        kind = gate.kind
+        gate.observe(kind, 5 if kind == "model" else 1, 0.130 if kind == "model" else 0.042)
+    assert gate.current == "model" and gate.switches == 1 and gate.backoff == ModelGate.FIRST_BACKOFF
+    always = ModelGate(measured=False)
+    always.observe("model", 1, 1.0)
+    assert always.kind == "model" and always.rates["model"].steps == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_sd_with_either_model_gate_equals_ar(temperature):
+    target = row_exact(tiny_hf(layers=4, seed=2))
+    draft = target.prefix_model(2)
+    prompt = [7, 1, 8, 2, 8, 1, 8, 2, 8]
+    kw = dict(max_new_tokens=40, temperature=temperature, seed=3)
+    want = generate(target, prompt, method="ar", **kw).token_ids
+    for gate in ("always", "measured"):
+        got = generate(target, prompt, method="sd", draft=draft, gamma=4, model_gate=gate, **kw)
+        assert got.token_ids == want
+        logged = {s.get("gate") for s in got.stats.step_log}
+        assert logged == {None} if gate == "always" else logged <= {None, "model", "suffix"}
 
 
 @pytest.mark.parametrize("backend", ["serial", "threads"])
