@@ -83,7 +83,7 @@ def test_rejection_sampling_with_a_reduced_draft_vocabulary_keeps_the_target_dis
     exact = _exact_pair_distribution(target, prompt, 1.0).flatten()
     counts = torch.zeros(64)
     windows = Counter()
-    options = {"kappa": 2, "confidence": 0.0} if method == "mirror" else {"confidence": 0.0}
+    options = {"kappa": 2, "confidence": 0.0} if method == "mirror" else {"confidence": 0.0, "model_gate": "always"}
     for seed in range(n):
         g = generate(target, prompt, method=method, draft=draft, gamma=3, acceptance="rejection", temperature=1.0,
                      seed=seed, max_new_tokens=4, draft_vocab=4, **options)

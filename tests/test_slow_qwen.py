@@ -40,10 +40,11 @@ def test_sd_equals_ar_and_hf_greedy(pair):
     del hf
     ref = [t for t in ref.tolist() if t not in target.eos_token_ids]
     assert_same_or_near_tie(target.model, ar.prompt_ids, ar.token_ids, ref)
-    for options in ({"gamma": 4, "confidence": 0}, {}):
+    for options in ({"gamma": 4, "confidence": 0, "model_gate": "always"}, {"model_gate": "always"}, {}):
         sd = mirrorsd.generate(target, PROMPT, method="sd", draft=draft, max_new_tokens=32, **options)
         assert_same_or_near_tie(target.model, ar.prompt_ids, sd.token_ids, ar.token_ids)
-        assert sd.stats.mean_accepted_length > 1.5
+        if options:  # the model drafts every window (the measured gate starts suffix-only)
+            assert sd.stats.mean_accepted_length > 1.5
 
 
 def test_seeded_sampling_equal(pair):
