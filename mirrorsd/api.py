@@ -376,6 +376,10 @@ def stream(
     if method == "mirror" and options.get("exit_head") == "tuned":
         options["exit_head"] = _shipped_exit(target)
     opts = spec.options.parse(options, method, ModelShape(target.config.n_layers, target.config.vocab_size))
+    if getattr(target.model, "tp_size", 1) > 1:
+        from .runtime.tensor_parallel import check_method
+
+        check_method(method, opts)
     ids = encode_prompt(target, prompt, raw=raw)
     context = target.config.context_length
     if draft_model is not None:

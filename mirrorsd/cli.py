@@ -183,12 +183,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         err.print(f"mirrorsd: auto chose {method} {shown} (this machine's plan for the pair; `mirrorsd plan` "
                   "re-plans)".replace("  ", " "), style="dim", highlight=False)
     needs_draft = method == "auto" or get_method(method).needs_draft  # auto: the plan is keyed by the draft too
-    if options.get("backend") == "processes" and launched_rank() not in (None, 0):
+    tp = _checked_target_tp(args)
+    rank = launched_rank()
+    if options.get("backend") == "processes" and rank == tp:
         return _serve_draft_rank(args, err)
+    if rank not in (None, 0):  # another rank of a sharded target: the same loop, silently
+        args.json, err = True, Console(stderr=True, quiet=True)
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
-                                     activations=args.activations)
+                                     activations=args.activations, **({"linear": "dense"} if tp > 1 else {}))
+    if tp > 1:
+        from mirrorsd.runtime.tensor_parallel import launched_world, shard_target
+
+        shard_target(target.model, launched_world(tp).tp_group)
     _say_loaded("target", target, args)
     draft = _load_draft(args, target, err) if needs_draft else None
     spans = []
@@ -202,6 +210,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         result = s.result
         spans.extend(result.stats.spans)
+        if rank not in (None, 0):
+            continue
         if args.json:
             print(json.dumps({"prompt": prompt, **result.to_dict()}, ensure_ascii=False), flush=True)
         else:
@@ -222,7 +232,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 line += (f", fallback {m['fallback_frequency']}, hidden draft {m['hidden_draft_fraction']}, "
                          f"step {m['mean_ms']['step_s']:.1f} ms vs Eq. 10 {m['mean_ms']['eq10_s']:.1f} ms")
             err.print(line, style="dim", highlight=False)
-    if args.trace:
+    if args.trace and tp > 1:
+        from mirrorsd.runtime.tensor_parallel import gather_spans, launched_world
+
+        spans = gather_spans(spans, launched_world(tp))  # one lane per rank
+    if args.trace and rank in (None, 0):
         from mirrorsd.runtime import write_chrome_trace
 
         write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft, "method": method,
@@ -231,8 +245,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_target_tp(args: argparse.Namespace) -> int:
+    """``--target-tp``: the target's ranks under torchrun; sharding splits dense weights only."""
+    from mirrorsd.runtime.processes import launched_rank
+
+    tp = args.target_tp
+    if tp < 1:
+        raise ValueError(f"--target-tp must be >= 1, got {tp}")
+    if tp > 1 and launched_rank() is None:
+        raise ValueError(f"--target-tp {tp} runs under torchrun: torchrun --nproc-per-node {tp} -m mirrorsd.cli "
+                         f"generate ... (or {tp + 1} with --backend processes)")
+    if tp > 1 and args.weights not in (None, "fp32"):
+        raise ValueError(f"--target-tp shards dense weights; --weights {args.weights} cannot be split (use fp32)")
+    if tp > 1:
+        args.weights = "fp32"
+    return tp
+
+
 def _serve_draft_rank(args: argparse.Namespace, err) -> int:
-    """Rank 1 of ``torchrun ... mirrorsd generate --backend processes``: load the draft and serve rank 0."""
+    """The last rank of ``torchrun ... mirrorsd generate --backend processes``: load the draft, serve rank 0."""
     import mirrorsd
     from mirrorsd.decoding.mirror_remote import serve_launched
 
@@ -241,7 +272,7 @@ def _serve_draft_rank(args: argparse.Namespace, err) -> int:
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
                                      activations=args.activations)
     draft = _load_draft(args, target, err)
-    serve_launched(draft.model)
+    serve_launched(draft.model, args.target_tp)
     return 0
 
 
@@ -732,6 +763,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation precision of quantized weights: int8 (per 32 features, fastest) or int8x2 (a "
                         "second int8 plane for the remainder, ~15 bits: what small models need on chat prompts) "
                         "(default: the zoo model's gate-picked one; int8x2 otherwise)")
+    g.add_argument("--target-tp", type=int, default=1, metavar="N",
+                   help="shard the target's projections over N ranks (tensor parallelism, DTensor) under torchrun: "
+                        "--nproc-per-node N, or N + 1 with --backend processes (the last rank serves the draft); "
+                        "dense weights (--weights fp32), methods ar, sd and mirror without timing-driven choices")
     g.set_defaults(func=_cmd_generate)
 
     sv = sub.add_parser(

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +144,45 @@ def test_torchrun_world_of_target_and_draft_ranks():
     mirror = got["stats"]["extra"]["mirror"] if "extra" in got["stats"] else got["stats"]["mirror"]
     assert mirror["backend"] == "processes" and mirror["draft_failed"] is None
     assert mirror["channel_ms"]["final"] >= 0
+
+
+def test_tensor_parallel_target_with_a_draft_rank(tmp_path):
+    """``--target-tp 2`` + a draft rank (3 gloo ranks): Mirror-SD over the channel equals the sharded target's own
+    ``ar``, greedy and seeded; both target ranks decode the same tokens; each holds half the heads."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), "-m", "tests.tp_world", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0.pop("trace_lanes") == ["draft rank 2", "target rank 0", "target rank 1"]  # one lane per rank
+    assert rank1.pop("trace_lanes") == []
+    assert rank0 == rank1  # the same loop on both target ranks
+    for label in ("greedy", "seeded"):
+        assert rank0[f"mirror_{label}"] == rank0[f"ar_{label}"] and len(rank0[f"ar_{label}"]) == 24
+        assert rank0[f"mirror_{label}_failed"] is None and rank0[f"mirror_{label}_steps"] < 24  # drafts accepted
+    assert rank0["ar_greedy"] == rank0["unsharded_ar"]  # a small model: the sharded sums did not flip a token
+    assert "suffix_match=0" in rank0["refused"]
+    assert rank0["local_heads"] == [2, 1]
+
+
+def test_target_tp_outside_torchrun_is_a_clear_error(capsys):
+    from mirrorsd.cli import main
+
+    rc = main(["generate", "--method", "ar", "--target-tp", "2", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--target-tp 2 runs under torchrun: torchrun --nproc-per-node 2" in err
+
+
+def test_a_connection_closed_at_the_call_is_a_channel_error_too():
+    """gloo raises a closed connection from ``send``/``recv`` themselves when the peer is already gone (the killed
+    draft test met it under load), not only from the wait."""
+    from mirrorsd.runtime.processes import ChannelError, wait_for
+
+    def closed():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:28576.")
+
+    with pytest.raises(ChannelError, match="Connection closed by peer"):
+        wait_for(closed, 1.0)

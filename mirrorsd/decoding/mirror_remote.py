@@ -29,15 +29,16 @@ from .. import kernels
 from ..model import Transformer
 from ..runtime import Executor, Span
 from ..runtime.processes import (
+    Channel,
     ChannelError,
     LaunchedPeer,
     Worker,
     decode_text,
     encode_text,
-    launched_channel,
     launched_rank,
     now_ns,
 )
+from ..runtime.tensor_parallel import RelayedChannel, launched_world
 from ..sampling import SamplingParams
 from ..verify import Verdict
 from .engine import DecodeRequest, Draft, GenerationStats, RequestState, Scores
@@ -152,16 +153,19 @@ def serve_draft(channel: Any, draft: Transformer) -> None:
 _workers: dict[tuple[int, int | None], Worker | LaunchedPeer] = {}
 
 
-def draft_worker(draft: Transformer, threads: int | None) -> Worker | LaunchedPeer:
+def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker | LaunchedPeer:
     """The draft rank for this draft model: spawned on first use and kept for later requests, or, under
-    ``torchrun``, rank 1 of the launcher's world (then ``serve_launched`` runs there)."""
+    ``torchrun``, the last rank of the launcher's world (then ``serve_launched`` runs there). ``tp``: the target's
+    tensor-parallel ranks; rank 0 relays the channel to the others."""
     if launched_rank() is not None:
         key = (0, None)
         if key not in _workers:
-            _workers[key] = LaunchedPeer(launched_channel())
+            _workers[key] = LaunchedPeer(_launched_channel(tp))
         if not _workers[key].alive():
             raise ChannelError(f"the draft rank is unusable ({_workers[key].broken})")
         return _workers[key]
+    if tp > 1:
+        raise ChannelError("a tensor-parallel target needs its draft rank from torchrun (WORLD_SIZE = tp + 1)")
     key = (id(draft), threads)
     worker = _workers.get(key)
     if worker is None or not worker.alive():
@@ -171,9 +175,21 @@ def draft_worker(draft: Transformer, threads: int | None) -> Worker | LaunchedPe
     return worker
 
 
-def serve_launched(draft: Transformer) -> None:
-    """Rank 1 of a ``torchrun`` world: serve the target (rank 0) until it says stop."""
-    serve_draft(launched_channel(), draft)
+def _launched_channel(tp: int) -> Channel | RelayedChannel:
+    world = launched_world(tp)
+    if world.draft_rank is None:
+        raise ChannelError(f"--backend processes under torchrun needs a draft rank: WORLD_SIZE = {tp + 1} "
+                           f"(--target-tp {tp} + 1), got {world.world}")
+    if world.rank == 0:
+        channel = Channel(world.channel_group, 0)
+        return RelayedChannel(world.tp_group, channel) if world.tp_group is not None else channel
+    return RelayedChannel(world.tp_group)
+
+
+def serve_launched(draft: Transformer, tp: int = 1) -> None:
+    """The last rank of a ``torchrun`` world: serve the target's rank 0 until it says stop."""
+    world = launched_world(tp)
+    serve_draft(Channel(world.channel_group, 1), draft)
 
 
 def close_workers() -> None:
@@ -237,7 +253,7 @@ class RemoteBranchProposer(BranchProposer):
                   "options": {"gamma": opts.gamma, "confidence": opts.confidence, "draft_vocab": opts.draft_vocab,
                               "draft_streams": opts.draft_streams, "acceptance": opts.acceptance}}
         try:
-            self.worker = draft_worker(req.draft, self.run.executor.draft_threads)
+            self.worker = draft_worker(req.draft, self.run.executor.draft_threads, getattr(req.target, "tp_size", 1))
             self.worker.channel.timeout = opts.channel_timeout
             self._send(START, encode_text(json.dumps(config)))
             self.synced = len(state.tokens)

@@ -3,8 +3,9 @@ two-rank gloo process group (torch.distributed) that carries the token channel.
 
 Spawned by mirrorsd (one machine), the group is built directly on a ``TCPStore`` rather than through
 ``init_process_group``, so it never touches the caller's default group (a user of torch.distributed keeps theirs).
-Started by ``torchrun`` (rank 0 the target, rank 1 the draft, on one machine or two), the ranks join the launcher's
-world and the channel is a ``new_group`` of the two. Messages are fused int64 tensors: a
+Started by ``torchrun`` (rank 0 the target, the last rank the draft, on one machine or several), the ranks join the
+launcher's world and the channel is a ``new_group`` of the two (:func:`~.tensor_parallel.launched_world`, which
+also groups the target's ranks under ``--target-tp``). Messages are fused int64 tensors: a
 two-element header (kind, length) and the payload. Every receive on the caller's side has a timeout, and a worker
 that dies, hangs or errors is killed and reported, never waited on forever.
 
@@ -60,36 +61,39 @@ class Channel:
 
     def send(self, kind: int, payload: list[int] | torch.Tensor = ()) -> None:
         data = torch.as_tensor(payload, dtype=torch.long).reshape(-1)
-        self._wait(self.group.send([torch.tensor([kind, data.numel()])], self.peer, 0), self.timeout)
+        wait_for(lambda: self.group.send([torch.tensor([kind, data.numel()])], self.peer, 0), self.timeout)
         if data.numel():
-            self._wait(self.group.send([data], self.peer, 1), self.timeout)
+            wait_for(lambda: self.group.send([data], self.peer, 1), self.timeout)
 
     def recv(self, timeout: float | None = None) -> tuple[int, torch.Tensor]:
         """The next message, waiting ``timeout`` seconds at most (default: the channel's)."""
         timeout = self.timeout if timeout is None else timeout
         header = torch.empty(2, dtype=torch.long)
-        self._wait(self.group.recv([header], self.peer, 0), timeout)
+        wait_for(lambda: self.group.recv([header], self.peer, 0), timeout)
         kind, length = int(header[0]), int(header[1])
         data = torch.empty(length, dtype=torch.long)
         if length:
-            self._wait(self.group.recv([data], self.peer, 1), timeout)
+            wait_for(lambda: self.group.recv([data], self.peer, 1), timeout)
         if kind == ERROR:
             raise ChannelError(f"the other process failed: {decode_text(data)}")
         return kind, data
 
-    @staticmethod
-    def _wait(work: Any, timeout: float | None) -> None:
-        try:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=timeout))
-        except RuntimeError as error:  # gloo: a timeout, or the peer's connection closed
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ChannelError(f"the channel to the other process failed ({reason[:200]})") from None
-
     def send_error(self, error: BaseException) -> None:
         self.send(ERROR, encode_text(f"{type(error).__name__}: {error}"))
+
+
+def wait_for(start: Callable[[], Any], timeout: float | None) -> None:
+    """Start a gloo send, receive or broadcast and wait for it, at most ``timeout`` seconds (None: as long as it
+    takes); a timeout or a closed connection, which gloo raises from either call, becomes a :class:`ChannelError`."""
+    try:
+        work = start()
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as error:  # gloo: a timeout, or the peer's connection closed
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ChannelError(f"the channel to the other process failed ({reason[:200]})") from None
 
 
 def encode_text(text: str) -> list[int]:
@@ -146,18 +150,6 @@ def launched_rank() -> int | None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         return int(os.environ["RANK"])
     return None
-
-
-def launched_channel() -> Channel:
-    """The channel of a ``torchrun`` world: ranks 0 (target) and 1 (draft) in a group of their own, created on
-    both (``new_group`` is collective). Joins the default gloo group from the launcher's environment first."""
-    world = int(os.environ["WORLD_SIZE"])
-    if world != 2:
-        raise ValueError(f"--backend processes under torchrun takes 2 ranks (target, draft), got WORLD_SIZE={world}")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
-    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(days=1))
-    return Channel(group, dist.get_rank())
 
 
 class LaunchedPeer:
