@@ -198,3 +198,37 @@ def test_sd_needs_a_matching_draft(tiny_pair):
     larger_vocab = Transformer.from_hf(tiny_hf(vocab=65))
     with pytest.raises(ValueError, match="vocabulary"):
         generate(target, [1, 2], method="sd", draft=larger_vocab)
+
+
+def test_a_context_limited_draft_keeps_its_cache_aligned_with_the_text(tiny_pair):
+    """``draft_context``: the draft's prefill reads the prompt's sink and last N tokens; after every verdict its
+    cache plus the skipped tokens plus ``pending`` is exactly the committed text, and it drafts what the draft model
+    gives on that shortened text."""
+    from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, RequestState
+    from mirrorsd.decoding.proposers import SINK_TOKENS, ModelProposer
+
+    target, draft = tiny_pair
+    prompt = [(7 * i) % 60 + 1 for i in range(40)]
+    request = DecodeRequest(target, prompt, 16, SamplingParams(), GenerationStats("sd"), draft)
+    state = RequestState(request, list(prompt), target.new_cache(), draft.new_cache(capacity=64), list(prompt))
+    proposer = ModelProposer(draft, target.config.vocab_size, SamplingParams(), gamma=3, context=8)
+    shortened = prompt[:SINK_TOKENS] + prompt[-8:]
+    drafted = proposer.propose(state).tokens
+    assert proposer.skipped == len(prompt) - SINK_TOKENS - 8
+    assert drafted == generate(draft, shortened, method="ar", max_new_tokens=3).token_ids
+    state.tokens += [drafted[0], 59]  # one accepted, then the target's own token
+    ModelProposer.rollback(state, 1, proposer.skipped)
+    assert len(state.draft_cache) + proposer.skipped + len(state.pending) == len(state.tokens)
+    assert state.pending == [59]
+    assert proposer.propose(state).tokens == generate(draft, [*shortened, drafted[0], 59], method="ar",
+                                                       max_new_tokens=3).token_ids
+
+
+def test_sd_with_a_context_limited_draft_equals_ar(tiny_pair):
+    target, draft = tiny_pair
+    prompt = [(5 * i) % 60 + 1 for i in range(30)]
+    for temperature in (0.0, 0.9):
+        kw = dict(max_new_tokens=24, temperature=temperature, seed=2)
+        want = generate(target, prompt, method="ar", **kw).token_ids
+        got = generate(target, prompt, method="sd", draft=draft, gamma=4, draft_context=6, model_gate="always", **kw)
+        assert got.token_ids == want and got.stats.draft_forwards > 0

@@ -34,6 +34,7 @@ from .registry import at_least, option
 from .streaming import DEFAULT_TREE_K, ss_pass
 
 SCHEDULES = ("constant", "heuristic")
+SINK_TOKENS = 4  # first prompt tokens a ``context``-limited draft always keeps (StreamingLLM's attention sinks)
 
 
 def draft_vocab_option() -> Any:
@@ -74,8 +75,10 @@ class ModelProposer:
 
     def __init__(self, draft: Transformer, target_vocab: int, params: SamplingParams, gamma: int, *,
                  confidence: float = 0.0, rejection: bool = False, schedule: str = "constant",
-                 vocab: int = 0) -> None:
+                 vocab: int = 0, context: int = 0) -> None:
         self.model, self.params, self.gamma, self.confidence, self.schedule = draft, params, gamma, confidence, schedule
+        self.context = context  # > 0: the draft reads SINK_TOKENS + the last ``context`` prompt tokens
+        self.skipped = 0  # prompt tokens the draft's cache leaves out (the cache's positions close the gap)
         self.head = subset_head(draft, vocab).full if vocab else None  # a reduced draft vocabulary (FR-Spec)
         self.rejection = rejection and not params.greedy
         self.noise = Noise.DRAFT if self.rejection else Noise.TARGET
@@ -96,7 +99,7 @@ class ModelProposer:
         q_rows: list[torch.Tensor] = []
         forwards = 0
         for i in range(window):
-            feed = state.pending if i == 0 else tokens[-1:]
+            feed = self.first_feed(state) if i == 0 else tokens[-1:]
             logits = model(draft_tokens(model, feed), cache=cache, last=1, head=self.head)[0]
             forwards += 1
             doubtful = False
@@ -112,24 +115,35 @@ class ModelProposer:
         self.last = Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)
         return self.last
 
+    def first_feed(self, state: RequestState) -> list[int]:
+        """``state.pending``, or, for the prompt prefill with ``context``, its first SINK_TOKENS and last ``context``
+        tokens (StreamingLLM's sink and window): a draft's prompt prefill is what makes it lose on long prompts,
+        and its next tokens depend mostly on the recent text."""
+        pending = state.pending
+        if not self.context or len(state.draft_cache) or len(pending) <= SINK_TOKENS + self.context:
+            return pending
+        self.skipped = len(pending) - SINK_TOKENS - self.context
+        return pending[:SINK_TOKENS] + pending[-self.context:]
+
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's distribution over the target's vocabulary (softmax when greedy: the confidence rule)."""
         q = probabilities(logits, self.params) if not self.params.greedy else logits.double().softmax(-1)
         return torch.nn.functional.pad(q, (0, self.pad)) if self.pad else q
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
-        self.rollback(state, verdict.accepted)
+        self.rollback(state, verdict.accepted, self.skipped)
         own = scores.draft is self.last  # a hybrid may have scored another proposer's draft
         if own and scores.draft.tokens and self.schedule == "heuristic":
             full = verdict.accepted == len(scores.draft.tokens)
             self.gamma = self.gamma + 2 if full else max(1, self.gamma - 1)
 
     @staticmethod
-    def rollback(state: RequestState, accepted: int) -> None:
-        """Keep what the draft cache saw of the committed text; the rest becomes ``pending``."""
+    def rollback(state: RequestState, accepted: int, skipped: int = 0) -> None:
+        """Keep what the draft cache saw of the committed text; the rest becomes ``pending``. ``skipped``: prompt
+        tokens the cache leaves out (``context``), so it holds ``len(cache) + skipped`` tokens' worth of text."""
         before = len(state.tokens) - accepted - 1  # committed length before the step
-        keep = min(len(state.draft_cache), before + accepted)
-        state.draft_cache.truncate(keep)
+        keep = min(len(state.draft_cache) + skipped, before + accepted)
+        state.draft_cache.truncate(keep - skipped)
         state.pending = state.tokens[keep:]
 
 
