@@ -277,7 +277,8 @@ class ModelGate:
             self.probe_left -= 1
             if not self.probe_left:
                 won = self.rates[kind].per_s > self.rates[self.current].per_s
-                self.current, self.switches = (kind, self.switches + 1) if won else (self.current, self.switches)
+                if won:
+                    self.current, self.switches = kind, self.switches + 1
                 self.backoff = self.FIRST_BACKOFF if won else min(2 * self.backoff, self.MAX_BACKOFF)
                 self.countdown = self.backoff
             return
@@ -307,16 +308,15 @@ class SuffixFirst:
 
     def propose(self, state: RequestState) -> Draft:
         self.proposed_at = time.perf_counter()
-        draft = self.lookup.propose(state, self.min_match)
+        draft = self.lookup.propose(state)  # one lookup: the match length decides, the suffix-only step reuses it
         self.timed = None
-        if not draft.tokens:
+        if self.lookup.last_match < self.min_match:  # no draft, or one from too short a match
             self.timed = self.gate.kind
             if self.timed == "model":
                 self.source = "model"
                 if state.draft_cache is not None and not len(state.draft_cache):
                     self.timed = None  # the draft's prompt prefill: paid once, whichever kind of step wins
                 return self.model.propose(state)
-            draft = self.lookup.propose(state)
         self.source = "suffix"
         if self.tree:
             draft.parents = list(range(-1, len(draft.tokens) - 1))
