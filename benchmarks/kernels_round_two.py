@@ -31,7 +31,8 @@ class Switch:
         self.fusable = [x for x in model.modules() if isinstance(x, Attention | RMSNorm)]
         if not all(x.fused for x in self.fusable):
             raise SystemExit("the new paths are off here (no fast kernels, or not a quantized model)")
-        self.symmetric = [x for x in model.modules() if isinstance(x, QuantLinear) and x.zero]
+        self.symmetric = [x for x in model.modules()  # one-level scales: fp16 offsets can stand in
+                          if isinstance(x, QuantLinear) and x.zero and x.super_scales is None]
         self.zeros = {x: x.zero for x in self.symmetric}
         self.offsets = {x: (x.scales.float() * -x.zero).half() for x in self.symmetric}
 

@@ -93,12 +93,10 @@ class QuantLinear(nn.Module):
         self.split_activations = False
         self.fast = kernels.available()
         if self.fast:
-            codes, planes, scales, offsets = kernels.pack_quant(weight, self.bits)
-            self.zero = kernels.symmetric_zero(weight)  # symmetric: offsets follow from the scales
-            self.register_buffer("codes", codes)
-            self.register_buffer("planes", planes)
-            self.register_buffer("scales", scales)
-            self.register_buffer("offsets", None if self.zero else offsets)
+            packed = kernels.pack_quant(weight, self.bits)
+            self.zero = packed.zero  # symmetric: offsets follow from the scales
+            for name in ("codes", "planes", "scales", "offsets", "super_scales", "super_offsets"):
+                self.register_buffer(name, getattr(packed, name))
         else:
             self.quant = weight
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
@@ -106,8 +104,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
         if self.fast:
-            y = kernels.linear_quant(rows, self.codes, self.planes, self.scales, self.offsets, self.bias,
-                                     self.out_features, self.bits, self.group, self.split_activations, self.zero)
+            y = torch.ops.mirrorsd.linear_quant(rows, self.codes, self.planes, self.scales, self.offsets,
+                                                self.super_scales, self.super_offsets, self.bias, self.out_features,
+                                                self.bits, self.group, self.split_activations, self.zero)
         else:
             y = kernels.linear_quant_reference(rows, self.quant, self.bias, split=self.split_activations)
         return y.view(*x.shape[:-1], self.out_features)

@@ -14,8 +14,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from mirrorsd import zoo
-from mirrorsd.gguf_weights import DECODERS, decode_tensor, describe_gguf, gguf_to_hf_name, load_gguf_weights
+from mirrorsd import kernels, zoo
+from mirrorsd.gguf_weights import (
+    DECODERS,
+    SUPER_FIELDS,
+    decode_tensor,
+    describe_gguf,
+    gguf_to_hf_name,
+    load_gguf_weights,
+)
 from mirrorsd.quant import GroupQuant
 
 from .conftest import requires_smollm2
@@ -69,6 +76,12 @@ def test_decoder_matches_gguf_reference(qtype: GGMLQuantizationType, n: int, blo
     assert gq.scales.dtype == gq.offsets.dtype == torch.float32
     assert gq.scales.shape == gq.offsets.shape == (n, k // group)
     assert int(gq.codes.max()) < 2**bits
+    if qtype in SUPER_FIELDS:  # K-quants keep d (and -dmin) per 256: the kernels store int8 sub-scales
+        assert gq.super_group == 256 and gq.super_scales.shape == (n, k // 256)
+        assert (gq.super_offsets is None) == (qtype == Q.Q6_K)
+        assert kernels.pack_quant(gq).scales.dtype == torch.int8  # raises unless scales == d * int8 exactly
+    else:
+        assert gq.super_scales is None and gq.super_group == 0
     want = reference(raw, qtype)
     got = gq.dequantize()
     assert torch.isfinite(want).all()

@@ -56,9 +56,9 @@ def test_quant_kernel_matches_reference(m, n, groups, layout, bias, seed):
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4  # uneven channel scales
     b = torch.randn(n, generator=g) if bias else None
-    codes, planes, scales, offsets = kernels.pack_quant(q, bits)
-    assert (planes is None) == (bits in (4, 8))
-    out = kernels.linear_quant(x, codes, planes, scales, offsets, b, n, bits, group)
+    packed = kernels.pack_quant(q, bits)
+    assert (packed.planes is None) == (bits in (4, 8))
+    out = kernels.linear_quant(x, packed, b, n, bits, group)
     ref = kernels.linear_quant_reference(x, q, b)
     assert out.shape == (m, n)
     assert (out - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
@@ -80,14 +80,14 @@ def test_split_activations_match_reference_and_stay_batch_invariant(m, n, groups
     x[0, 0] = 300.0  # an attention-sink-like outlier: int8 alone zeroes the rest of its group
     b = torch.randn(n, generator=g) if bias else None
     packed = kernels.pack_quant(q, bits)
-    out = kernels.linear_quant(x, *packed, b, n, bits, group, True)
+    out = kernels.linear_quant(x, packed, b, n, bits, group, True)
     ref = kernels.linear_quant_reference(x, q, b, split=True)
     assert (out - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
-    rows = torch.cat([kernels.linear_quant(x[i : i + 1].contiguous(), *packed, b, n, bits, group, True)
+    rows = torch.cat([kernels.linear_quant(x[i : i + 1].contiguous(), packed, b, n, bits, group, True)
                       for i in range(m)])
     assert torch.equal(rows, out)
     exact = F.linear(x.double(), q.dequantize().double(), None if b is None else b.double())
-    single = kernels.linear_quant(x, *packed, b, n, bits, group)
+    single = kernels.linear_quant(x, packed, b, n, bits, group)
     assert (out.double() - exact).norm() < 0.02 * (single.double() - exact).norm() + 1e-4 * exact.norm()
 
 
@@ -181,22 +181,25 @@ def test_tiny_activation_groups_quantize_to_zero_not_nan():
     assert torch.isfinite(codes).all() and torch.isfinite(scales).all() and codes.abs().sum() == 0
     if kernels.available():
         q = quantize_q8(torch.randn(16, 64))
-        out = kernels.linear_quant(x, *kernels.pack_quant(q), None, 16, 8, 32)  # codes, planes, scales, offsets
+        out = kernels.linear_quant(x, kernels.pack_quant(q), None, 16, 8, 32)
         assert torch.isfinite(out).all() and out.abs().max() == 0
 
 
 @requires_kernels
 def test_kernel_input_checks():
     q = quantize_q8(torch.randn(16, 64))
-    codes, planes, scales, offsets = kernels.pack_quant(q)
+    packed = kernels.pack_quant(q)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="bias must be"):
-        kernels.linear_quant(x, codes, planes, scales, offsets, torch.zeros(3), 16, 8, 32)
+        kernels.linear_quant(x, packed, torch.zeros(3), 16, 8, 32)
     with pytest.raises(RuntimeError, match="unsupported quantized layout"):
-        kernels.linear_quant(x, codes, planes, scales, offsets, None, 16, 4, 16)
+        kernels.linear_quant(x, packed, None, 16, 4, 16)
     with pytest.raises(RuntimeError, match="bit planes"):
         six = kernels.pack_quant(random_quant(16, 64, 6, 32, 0))
-        kernels.linear_quant(x, six[0], None, six[2], six[3], None, 16, 6, 32)
+        kernels.linear_quant(x, six._replace(planes=None), None, 16, 6, 32)
+    with pytest.raises(RuntimeError, match="two-level scales need a K-quant layout"):
+        kernels.linear_quant(x, packed._replace(scales=packed.scales.to(torch.int8),
+                                                super_scales=torch.ones(1, 1, 16).half()), None, 16, 8, 32)
     with pytest.raises(RuntimeError, match="x must be"):
         kernels.linear_f32(x.double(), kernels.pack_f32(torch.randn(16, 64)), None, 16)
     with pytest.raises(NotImplementedError):  # no kernel for other devices: the dispatcher says so
@@ -332,13 +335,69 @@ def test_symmetric_formats_drop_offsets_bit_for_bit(zero, bits, group):
     base = random_quant(48, 128, bits, group, 5)
     q = GroupQuant(base.codes, base.scales, -zero * base.scales, group, bits)
     assert kernels.symmetric_zero(q) == zero and kernels.symmetric_zero(base) == 0
-    codes, planes, scales, offsets = kernels.pack_quant(q)
+    dropped = kernels.pack_quant(q)
+    assert dropped.offsets is None and dropped.zero == zero
+    kept = dropped._replace(offsets=(dropped.scales.float() * -zero).half(), zero=0)
     width = kernels.packed_bits(q)
     x = torch.randn(5, 128)
-    kept = kernels.linear_quant(x, codes, planes, scales, offsets, None, 48, width, group)
-    dropped = kernels.linear_quant(x, codes, planes, scales, None, None, 48, width, group, zero=zero)
-    assert torch.equal(kept, dropped)
+    assert torch.equal(kernels.linear_quant(x, kept, None, 48, width, group),
+                       kernels.linear_quant(x, dropped, None, 48, width, group))
     layer = QuantLinear(q)
-    assert layer.offsets is None and torch.equal(layer(x), kept)
+    assert layer.offsets is None and torch.equal(layer(x), kernels.linear_quant(x, kept, None, 48, width, group))
     with pytest.raises(RuntimeError, match="symmetric format"):
-        kernels.linear_quant(x, codes, planes, scales, None, None, 48, width, group)
+        kernels.linear_quant(x, dropped._replace(zero=0), None, 48, width, group)
+
+
+def k_quant(n: int, k: int, bits: int, group: int, symmetric: bool, seed: int) -> GroupQuant:
+    """A K-quant-like weight: every group scale (offset) an integer times an fp16 value per 256 weights."""
+    g = torch.Generator().manual_seed(seed)
+    supers = k // 256
+    d = (torch.rand(n, supers, generator=g) * 1e-3).half().float()
+    sub = torch.randint(-128 if symmetric else 0, 128 if symmetric else 64, (n, k // group), generator=g).float()
+    scales = d.repeat_interleave(256 // group, 1) * sub
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    if symmetric:  # Q6_K: offset = -32 * scale
+        return GroupQuant(codes, scales, -32 * scales, group, bits, d, None, 256)
+    dmin = -(torch.rand(n, supers, generator=g) * 1e-3).half().float()
+    mins = torch.randint(0, 64, (n, k // group), generator=g).float()
+    return GroupQuant(codes, scales, dmin.repeat_interleave(256 // group, 1) * mins, group, bits, d, dmin, 256)
+
+
+@requires_kernels
+@pytest.mark.parametrize(("bits", "group", "symmetric"), [(4, 32, False), (5, 32, False), (6, 16, True)])
+def test_two_level_scales_match_reference_exactly_scaled(bits, group, symmetric):
+    """Q4_K/Q5_K/Q6_K keep int8 sub-scales times fp16 per-256 values: lighter than fp16 per group, equal to the
+    reference computed with the exact fp32 scales (not their fp16 roundings), and batch-invariant."""
+    n, k = 40, 512
+    q = k_quant(n, k, bits, group, symmetric, bits)
+    packed = kernels.pack_quant(q, bits)
+    one_level = kernels.pack_quant(q, bits, two_level=False)
+    assert packed.scales.dtype == torch.int8 and packed.super_scales.shape == (3, k // 256, 16)
+    assert (packed.offsets is None) == symmetric == (packed.zero == 32)
+
+    def nbytes(p: kernels.PackedQuant) -> int:
+        return sum(t.numel() * t.element_size() for t in p[:6] if t is not None)
+
+    assert nbytes(packed) < nbytes(one_level)
+    x = torch.randn(9, k) * torch.rand(1, k) * 4
+    out = kernels.linear_quant(x, packed, None, n, bits, group)
+    ref = kernels.linear_quant_reference(x, q)
+    assert (out - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
+    alone = torch.cat([kernels.linear_quant(x[i : i + 1], packed, None, n, bits, group) for i in range(9)])
+    assert torch.equal(alone, out)
+    layer = QuantLinear(q)
+    assert layer.scales.dtype == torch.int8 and torch.equal(layer(x), out)
+    plain = GroupQuant(q.codes, q.scales, q.offsets, group, bits)  # no super values: fp16 scales per group
+    assert not torch.equal(kernels.linear_quant(x, one_level, None, n, bits, group), out)
+    assert torch.equal(kernels.linear_quant(x, one_level, None, n, bits, group),
+                       kernels.linear_quant(x, kernels.pack_quant(plain, bits), None, n, bits, group))
+
+
+def test_two_level_scales_must_be_exact():
+    q = k_quant(16, 256, 4, 32, False, 0)
+    bad = GroupQuant(q.codes, q.scales * 1.0001, q.offsets, 32, 4, q.super_scales, q.super_offsets, 256)
+    with pytest.raises(ValueError, match="exactly"):
+        kernels.pack_quant(bad, 4)
+    rows = torch.tensor([3, 0, 7])
+    picked = q.select_rows(rows)
+    assert torch.equal(picked.super_scales, q.super_scales[rows]) and torch.equal(picked.codes, q.codes[rows])

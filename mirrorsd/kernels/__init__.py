@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -203,13 +204,48 @@ def packed_bits(q: GroupQuant) -> int:
     return next(b for b in (4, 5, 6, 8) if needed <= b and (b, q.group) in LAYOUTS)
 
 
-def pack_quant(q: GroupQuant, bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
-                                                                 torch.Tensor]:
-    """GroupQuant → (codes, bit planes or None, scales, offsets) in the kernel layout for ``bits``-bit codes
-    (default: :func:`packed_bits`).
+class PackedQuant(NamedTuple):
+    """A GroupQuant in the kernel layout (``cpu_linear.cpp``).
 
-    Scales/offsets become fp16 (halving their bytes): exact for Q8_0/Q5_0/Q4_0/Q4_1 and our q8, a relative
-    rounding of at most 2^-11 for Q4_K/Q6_K's products d·sc (measured in the perplexity benchmark)."""
+    ``scales``/``offsets`` ``[N/16, K/G, 16]``: fp16, or int8 sub-scales with fp16 ``super_scales``/``super_offsets``
+    ``[N/16, K/S, 16]`` (two-level, the K-quants). ``offsets`` None with ``zero`` Z > 0: a symmetric format whose
+    offsets the kernel forms as -Z·scale (see :func:`symmetric_zero`)."""
+
+    codes: torch.Tensor
+    planes: torch.Tensor | None
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    super_scales: torch.Tensor | None
+    super_offsets: torch.Tensor | None
+    zero: int
+
+
+#: (bits, group) layouts with two-level scales in the kernel: Q4_K, Q5_K, Q6_K.
+TWO_LEVEL_LAYOUTS = ((4, 32), (5, 32), (6, 16))
+
+
+def _sub_scales(values: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """int8 ``i`` with ``supers · i == values`` exactly in fp32 (supers fp16-exact): a K-quant's integer sub-scales."""
+    per_super = values.shape[1] // supers.shape[1]
+    expanded = supers.repeat_interleave(per_super, dim=1)
+    sub = torch.where(expanded != 0, values / torch.where(expanded != 0, expanded, 1), 0).round()
+    if not (torch.equal(supers.half().float(), supers) and bool(((sub >= -128) & (sub <= 127)).all())
+            and torch.equal(expanded * sub, values)):
+        raise ValueError("two-level scales must be fp16 super values times int8 integers, exactly")
+    return sub.to(torch.int8)
+
+
+def uses_two_level(q: GroupQuant, bits: int) -> bool:
+    """Whether ``q`` packed at ``bits`` keeps its two-level scales (the kernel then uses them exactly, not as fp16)."""
+    return q.super_scales is not None and (bits, q.group) in TWO_LEVEL_LAYOUTS
+
+
+def pack_quant(q: GroupQuant, bits: int | None = None, two_level: bool = True) -> PackedQuant:
+    """GroupQuant → :class:`PackedQuant` for ``bits``-bit codes (default: :func:`packed_bits`).
+
+    One-level scales/offsets become fp16 (halving their bytes): exact for Q8_0/Q5_0/Q4_0/Q4_1 and our q8. K-quants
+    (with ``two_level``) keep GGUF's own split, an int8 per group times an fp16 per 256 weights, which is both
+    lighter and exact; otherwise their products d·sc round to fp16 (relative 2^-11). Symmetric offsets are dropped."""
     bits = packed_bits(q) if bits is None else bits
     n, k = q.shape
     codes = _pad_rows(q.codes)
@@ -224,12 +260,19 @@ def pack_quant(q: GroupQuant, bits: int | None = None) -> tuple[torch.Tensor, to
         weights = torch.ones(BLOCK_N * 4, dtype=torch.int64) << torch.arange(BLOCK_N * 4)  # bit 63 wraps: fine
         extra = [((steps.long() >> (4 + b)) & 1) * weights for b in range(bits - 4)]
         planes = torch.stack([e.sum(-1) for e in extra], -1).contiguous() if extra else None
-    groups = k // q.group
+    def interleave(t: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        t = _pad_rows(t).to(dtype)
+        return t.view(blocks, BLOCK_N, t.shape[1]).transpose(1, 2).contiguous()
 
-    def interleave(t: torch.Tensor) -> torch.Tensor:
-        return _pad_rows(t).half().view(blocks, BLOCK_N, groups).transpose(1, 2).contiguous()
-
-    return packed.contiguous(), planes, interleave(q.scales), interleave(q.offsets)
+    zero = symmetric_zero(q)
+    if two_level and uses_two_level(q, bits):
+        if not zero and q.super_offsets is None:
+            raise ValueError("two-level scales with offsets need super_offsets")
+        return PackedQuant(packed.contiguous(), planes, interleave(_sub_scales(q.scales, q.super_scales), torch.int8),
+                           None if zero else interleave(_sub_scales(q.offsets, q.super_offsets), torch.int8),
+                           interleave(q.super_scales), None if zero else interleave(q.super_offsets), zero)
+    return PackedQuant(packed.contiguous(), planes, interleave(q.scales), None if zero else interleave(q.offsets),
+                       None, None, zero)
 
 
 #: Zero points of the symmetric formats (offset = -Z * scale): Q4_0, Q5_0, Q6_K, Q8_0 and our q8.
@@ -284,8 +327,9 @@ def linear_quant_reference(x: torch.Tensor, q: GroupQuant, bias: torch.Tensor | 
     xg = xq.view(rows, groups, q.group)
     xs_g = xs.repeat_interleave(ACT_GROUP // q.group, dim=1) if q.group < ACT_GROUP else xs
     xsum = xs_g * xg.sum(-1)
-    sw = q.scales.half().float()
-    ow = q.offsets.half().float()
+    two_level = uses_two_level(q, packed_bits(q))
+    sw = q.scales if two_level else q.scales.half().float()
+    ow = q.offsets if two_level else q.offsets.half().float()
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
@@ -304,11 +348,13 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.mirrorsd.linear_f32(x, packed, bias, n)
 
 
-def linear_quant(x: torch.Tensor, codes: torch.Tensor, planes: torch.Tensor | None, scales: torch.Tensor,
-                 offsets: torch.Tensor | None, bias: torch.Tensor | None, n: int, bits: int, group: int,
-                 split: bool = False, zero: int = 0) -> torch.Tensor:
-    """``offsets=None`` with ``zero=Z``: a symmetric format (see :func:`symmetric_zero`)."""
-    return torch.ops.mirrorsd.linear_quant(x, codes, planes, scales, offsets, bias, n, bits, group, split, zero)
+def linear_quant(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None, n: int, bits: int, group: int,
+                 split: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` for a weight packed by :func:`pack_quant` (int8 activations; two planes with
+    ``split``)."""
+    return torch.ops.mirrorsd.linear_quant(x, packed.codes, packed.planes, packed.scales, packed.offsets,
+                                           packed.super_scales, packed.super_offsets, bias, n, bits, group, split,
+                                           packed.zero)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

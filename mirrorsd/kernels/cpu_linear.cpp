@@ -94,6 +94,10 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const s
 // with Z a power of two) ship no offsets: the kernel forms -Z * scale from the fp16 scale, the very value the
 // fp16 offset held (a power-of-two product is exact), so results are unchanged and the weight stream is 0.125
 // (group 32) or 0.25 (group 16) bytes per weight lighter.
+// Two-level scales (the K-quants Q4_K, Q5_K, Q6_K): GGUF stores each group's scale as an integer sub-scale times
+// one fp16 scale per 256 weights, and so do we: scales/offsets [N/16, K/G, 16] int8 plus super_scales/super_offsets
+// [N/16, K/S, 16] fp16, 0.06 (group 32) or 0.05 (group 16) bytes per weight lighter than fp16 per group. The
+// kernel forms d * sub in fp32, which is exact (11 x 8 bits) and is GGUF's own value, not an fp16 rounding of it.
 // Activations are quantized to int8 per row and per 32 features (absmax / 127, round half to even), so the
 // inner product is an exact integer dot product (VNNI vpdpbusd: u8 codes x s8 activations).
 // split: each row becomes two int8 rows, its quantization and the quantization of what that left over (x - q*s),
@@ -160,10 +164,35 @@ constexpr int planes_for(int bits) { return bits == 5 ? 1 : bits == 6 ? 2 : 0; }
 constexpr int code_bits(int bits) { return bits == 8 ? 8 : 4; }  // bits per weight in the codes array
 
 // One block of 16 outputs for MT activation rows. BITS = 4, 5, 6 or 8; G = 16 or 32 (weight group).
-template <int MT, int BITS, int G>
+// Where a block's group scales live: one fp16 per group, or (TWO, two-level) an int8 sub-scale per group and an
+// fp16 scale per `per_super` groups.
+struct GroupScales {
+  const void* scales;
+  const void* offsets;  // nullptr: symmetric format, offset = neg_zero * scale
+  const uint16_t* super_scales;
+  const uint16_t* super_offsets;
+  int64_t per_super;
+  float neg_zero;
+};
+
+template <bool TWO>
+__m512 load_scales(const void* base, const uint16_t* super, int64_t g, int64_t per_super) {
+  if constexpr (TWO) {
+    const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + g * kBlockN))));
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + (g / per_super) * kBlockN)));
+    return _mm512_mul_ps(d, sub);
+  } else {
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + g * kBlockN)));
+  }
+}
+
+template <int MT, int BITS, int G, bool TWO>
 void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* codes,
-                const uint64_t* planes, const uint16_t* scales, const uint16_t* offsets, float neg_zero,
-                float* acc_out, bool prefetch) {
+                const uint64_t* planes, const GroupScales& gs, float* acc_out, bool prefetch) {
+  constexpr int64_t kScaleBytes = TWO ? 1 : 2;  // per group and output
   constexpr int P = planes_for(BITS);
   constexpr int CB = code_bits(BITS);
   constexpr int kSteps = G / 4;  // vpdpbusd steps (4 k each) per weight group
@@ -185,10 +214,18 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
       for (int line = 0; line < G * kBlockN * CB / 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       if constexpr (P > 0)  // kSteps * P * 8 bytes per group: at most one line
         _mm_prefetch(reinterpret_cast<const char*>(pl + kPrefetchBlocks * (K / 4) * P), _MM_HINT_T0);
-      if (g % 2 == 0) {  // 16 fp16 scales (32 bytes) per group: one line covers two groups
-        const int64_t scale_ahead = kPrefetchBlocks * groups * kBlockN;
-        _mm_prefetch(reinterpret_cast<const char*>(scales + g * kBlockN + scale_ahead), _MM_HINT_T0);
-        if (offsets) _mm_prefetch(reinterpret_cast<const char*>(offsets + g * kBlockN + scale_ahead), _MM_HINT_T0);
+      if ((g * kBlockN * kScaleBytes) % 64 == 0) {  // 16 scales per group: a line covers 2 (fp16) or 4 (int8)
+        const int64_t ahead_bytes = (kPrefetchBlocks * groups + g) * kBlockN * kScaleBytes;
+        _mm_prefetch(static_cast<const char*>(gs.scales) + ahead_bytes, _MM_HINT_T0);
+        if (gs.offsets) _mm_prefetch(static_cast<const char*>(gs.offsets) + ahead_bytes, _MM_HINT_T0);
+      }
+      if constexpr (TWO) {
+        const int64_t supers = (groups + gs.per_super - 1) / gs.per_super;
+        if (g % gs.per_super == 0 && (g / gs.per_super) % 2 == 0) {  // 32 bytes of fp16 per super-group
+          const int64_t ahead = (kPrefetchBlocks * supers + g / gs.per_super) * kBlockN;
+          _mm_prefetch(reinterpret_cast<const char*>(gs.super_scales + ahead), _MM_HINT_T0);
+          if (gs.offsets) _mm_prefetch(reinterpret_cast<const char*>(gs.super_offsets + ahead), _MM_HINT_T0);
+        }
       }
     }
 #pragma GCC unroll 8
@@ -208,9 +245,9 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
         acci[m][s % A] = _mm512_dpbusd_epi32(acci[m][s % A], wv, _mm512_set1_epi32(xv));
       }
     }
-    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN)));
-    const __m512 ow = offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + g * kBlockN)))
-                              : _mm512_mul_ps(sw, _mm512_set1_ps(neg_zero));
+    const __m512 sw = load_scales<TWO>(gs.scales, gs.super_scales, g, gs.per_super);
+    const __m512 ow = gs.offsets ? load_scales<TWO>(gs.offsets, gs.super_offsets, g, gs.per_super)
+                                 : _mm512_mul_ps(sw, _mm512_set1_ps(gs.neg_zero));
     const int64_t ag = k0 / kActGroup;
     for (int m = 0; m < MT; ++m) {
       __m512i total = acci[m][0];
@@ -224,21 +261,28 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
 }
 
 using QuantTile = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const uint64_t*,
-                           const uint16_t*, const uint16_t*, float, float*, bool);
+                           const GroupScales&, float*, bool);
 
-template <int BITS, int G>
+template <int BITS, int G, bool TWO>
 constexpr QuantTile kQuantTiles[kMaxTile + 1] = {
     nullptr,
-    quant_tile<1, BITS, G>, quant_tile<2, BITS, G>, quant_tile<3, BITS, G>, quant_tile<4, BITS, G>,
-    quant_tile<5, BITS, G>, quant_tile<6, BITS, G>, quant_tile<7, BITS, G>, quant_tile<8, BITS, G>};
+    quant_tile<1, BITS, G, TWO>, quant_tile<2, BITS, G, TWO>, quant_tile<3, BITS, G, TWO>, quant_tile<4, BITS, G, TWO>,
+    quant_tile<5, BITS, G, TWO>, quant_tile<6, BITS, G, TWO>, quant_tile<7, BITS, G, TWO>, quant_tile<8, BITS, G, TWO>};
 
-QuantTile pick_tile(int64_t bits, int64_t group, int64_t rows) {
-  if (bits == 4 && group == 32) return kQuantTiles<4, 32>[rows];
-  if (bits == 5 && group == 32) return kQuantTiles<5, 32>[rows];
-  if (bits == 6 && group == 16) return kQuantTiles<6, 16>[rows];
-  if (bits == 6 && group == 32) return kQuantTiles<6, 32>[rows];
-  if (bits == 8 && group == 32) return kQuantTiles<8, 32>[rows];
-  if (bits == 8 && group == 16) return kQuantTiles<8, 16>[rows];
+// Two-level scales exist for the K-quant layouts only: Q4_K (4/32), Q5_K (5/32), Q6_K (6/16).
+QuantTile pick_tile(int64_t bits, int64_t group, bool two_level, int64_t rows) {
+  if (two_level) {
+    if (bits == 4 && group == 32) return kQuantTiles<4, 32, true>[rows];
+    if (bits == 5 && group == 32) return kQuantTiles<5, 32, true>[rows];
+    if (bits == 6 && group == 16) return kQuantTiles<6, 16, true>[rows];
+    TORCH_CHECK(false, "two-level scales need a K-quant layout (bits/group 4/32, 5/32, 6/16), got ", bits, "/", group);
+  }
+  if (bits == 4 && group == 32) return kQuantTiles<4, 32, false>[rows];
+  if (bits == 5 && group == 32) return kQuantTiles<5, 32, false>[rows];
+  if (bits == 6 && group == 16) return kQuantTiles<6, 16, false>[rows];
+  if (bits == 6 && group == 32) return kQuantTiles<6, 32, false>[rows];
+  if (bits == 8 && group == 32) return kQuantTiles<8, 32, false>[rows];
+  if (bits == 8 && group == 16) return kQuantTiles<8, 16, false>[rows];
   TORCH_CHECK(false, "unsupported quantized layout: bits=", bits, " group=", group);
 }
 
@@ -248,8 +292,9 @@ bool supported_layout(int64_t bits, int64_t group) {
 
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
                            const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
-                           const std::optional<torch::Tensor>& bias, int64_t N, int64_t bits, int64_t group,
-                           bool split, int64_t zero) {
+                           const std::optional<torch::Tensor>& super_scales,
+                           const std::optional<torch::Tensor>& super_offsets, const std::optional<torch::Tensor>& bias,
+                           int64_t N, int64_t bits, int64_t group, bool split, int64_t zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
   check_bias(bias, N);
   const int64_t M = x.size(0), K = x.size(1);
@@ -265,10 +310,28 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
   TORCH_CHECK(n_planes == 0 || (planes && planes->scalar_type() == torch::kLong && planes->is_contiguous() &&
                                 planes->numel() == blocks * (K / 4) * n_planes),
               bits, "-bit codes need contiguous int64 bit planes [N/16, K/4, ", n_planes, "]");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && (!offsets || offsets->scalar_type() == torch::kHalf),
-              "scales must be fp16");
+  const bool two_level = super_scales.has_value();
+  const auto sub_type = two_level ? torch::kChar : torch::kHalf;
+  TORCH_CHECK(scales.scalar_type() == sub_type && (!offsets || offsets->scalar_type() == sub_type),
+              "scales/offsets must be fp16, or int8 sub-scales with super_scales");
   TORCH_CHECK(scales.numel() == blocks * (K / group) * kBlockN && (!offsets || offsets->numel() == scales.numel()),
               "scales/offsets must be [N/16, K/G, 16]");
+  TORCH_CHECK(!super_offsets || two_level, "super_offsets need super_scales");
+  TORCH_CHECK(!two_level || (offsets.has_value() == super_offsets.has_value()),
+              "two-level offsets need super_offsets (and super_offsets need offsets)");
+  int64_t per_super = 1;
+  if (two_level) {
+    TORCH_CHECK(super_scales->scalar_type() == torch::kHalf && super_scales->is_contiguous() &&
+                    super_scales->dim() == 3 && super_scales->size(0) == blocks && super_scales->size(2) == kBlockN &&
+                    super_scales->size(1) > 0 && (K / group) % super_scales->size(1) == 0,
+                "super_scales must be contiguous fp16 [N/16, K/S, 16] with S a multiple of the group size");
+    TORCH_CHECK(!super_offsets || (super_offsets->scalar_type() == torch::kHalf && super_offsets->is_contiguous() &&
+                                   super_offsets->sizes() == super_scales->sizes()),
+                "super_offsets must be contiguous fp16 shaped like super_scales");
+    per_super = (K / group) / super_scales->size(1);
+    TORCH_CHECK((bits == 4 || bits == 5) ? group == 32 : (bits == 6 && group == 16),
+                "two-level scales need a K-quant layout (bits/group 4/32, 5/32, 6/16), got ", bits, "/", group);
+  }
   TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
 
   const QuantActs acts = quantize_acts(x, split);
@@ -292,8 +355,15 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
   const float* sp = acts.scale.data_ptr<float>();
   const float* xsp = xsum.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* ofp = offsets ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr;
+  const int64_t scale_bytes = two_level ? 1 : 2;
+  const char* scp = static_cast<const char*>(scales.data_ptr());
+  const char* ofp = offsets ? static_cast<const char*>(offsets->data_ptr()) : nullptr;
+  const auto half_ptr = [](const std::optional<torch::Tensor>& t) {
+    return t ? reinterpret_cast<const uint16_t*>(t->data_ptr<at::Half>()) : nullptr;
+  };
+  const uint16_t* ssp = half_ptr(super_scales);
+  const uint16_t* sop = half_ptr(super_offsets);
+  const int64_t super_block = two_level ? super_scales->size(1) * kBlockN : 0;
   const float neg_zero = -static_cast<float>(zero);
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -308,10 +378,12 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
       for (int64_t m0 = 0; m0 < rows_q; m0 += kMaxTile) {  // kMaxTile is even: split pairs share a tile
         const int64_t rows = std::min<int64_t>(kMaxTile, rows_q - m0);
         const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && nb + kPrefetchBlocks < end;
-        pick_tile(bits, group, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
-                                     cp + nb * code_block, pp ? pp + nb * plane_block : nullptr,
-                                     scp + nb * scale_block, ofp ? ofp + nb * scale_block : nullptr, neg_zero, acc,
-                                     prefetch);
+        const GroupScales gs{scp + nb * scale_block * scale_bytes, ofp ? ofp + nb * scale_block * scale_bytes : nullptr,
+                             ssp ? ssp + nb * super_block : nullptr, sop ? sop + nb * super_block : nullptr,
+                             per_super, neg_zero};
+        pick_tile(bits, group, two_level, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
+                                                cp + nb * code_block, pp ? pp + nb * plane_block : nullptr, gs, acc,
+                                                prefetch);
         if (split) fold_pairs(acc, rows / 2);
         const int64_t out_rows = split ? rows / 2 : rows, out_m0 = split ? m0 / 2 : m0;
         store_block(acc, out_rows, yp + out_m0 * N, N, nb * kBlockN, bp);
@@ -327,8 +399,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
 // of a device pointer dereferenced on the host.
 TORCH_LIBRARY(mirrorsd, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
-  m.def("linear_quant(Tensor x, Tensor codes, Tensor? planes, Tensor scales, Tensor? offsets, Tensor? bias, int n, "
-        "int bits, int group, bool split=False, int zero=0) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor codes, Tensor? planes, Tensor scales, Tensor? offsets, Tensor? super_scales, "
+        "Tensor? super_offsets, Tensor? bias, int n, int bits, int group, bool split=False, int zero=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
