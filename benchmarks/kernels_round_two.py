@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also split k=1 and k=8 forwards into linears/other")
     args = parser.parse_args()
     model = Transformer.from_pretrained(resolve(args.model), weights=args.weights)
+    for block in model.layers:  # round two's paths: per-op Python blocks, not round three's block kernel
+        block.use_kernel = False
     switch = Switch(model)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size

@@ -445,6 +445,8 @@ def _cmd_bench_forward(args: argparse.Namespace) -> int:
         lc = report.llama_cpp
         print(f"  llama.cpp ({lc.get('build')}): AR {lc.get('ar_tok_s', float('nan')):.2f} tok/s; " + ", ".join(
             f"k={k}: {ms:.1f} ms" for k, ms in lc["forward_ms"].items()))
+        print(f"  ours / llama.cpp AR: {lc['ar_ratio_median']:.2f}x (median of {len(lc['ar_tok_s_rounds'])} "
+              "alternating rounds)")
     return 0
 
 

@@ -49,12 +49,18 @@ class KVCache:
         """Write a window ``[rows, heads, T, dim]`` after this layer's history; return views of all of it."""
         start = self.lengths[layer]
         end = start + key.shape[2]
-        if end > self.keys[layer].shape[2]:
-            self._grow(layer, end)
-        self.keys[layer][:, :, start:end] = key
-        self.values[layer][:, :, start:end] = value
+        keys, values = self.buffers(layer, end)
+        keys[:, :, start:end] = key
+        values[:, :, start:end] = value
         self.lengths[layer] = end
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        return keys[:, :, :end], values[:, :, :end]
+
+    def buffers(self, layer: int, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's whole key and value buffers, grown to hold at least ``needed`` positions (for a kernel that
+        writes a window itself; the caller then sets ``lengths[layer]``)."""
+        if needed > self.keys[layer].shape[2]:
+            self._grow(layer, needed)
+        return self.keys[layer], self.values[layer]
 
     def _grow(self, layer: int, needed: int) -> None:
         old_k, old_v = self.keys[layer], self.values[layer]

@@ -270,16 +270,60 @@ class MLP(nn.Module):
         return _project(streams, self.layer, "down_proj", self.down_proj, F.silu(gate) * up)
 
 
+#: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
+_PACKED_FIELDS = ("codes", "planes", "scales", "offsets", "super_scales", "super_offsets", "bias")
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: Weights, layer: int, linear: str) -> None:
         super().__init__()
         p = f"layers.{layer}."
+        self.layer = layer
         self.input_layernorm = RMSNorm(weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, weights, layer, linear)
         self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         self.mlp = MLP(weights, layer, linear)
+        self.use_kernel = False  # the whole block in one C++ call (bind_kernel)
+        self._kernel: torch.ScriptObject | None = None
+
+    def bind_kernel(self) -> None:
+        """Run this block as one C++ ``QuantBlock`` op (``cpu_block.cpp``) when every projection is a fast
+        QuantLinear and the fused norms/attention are on: a window without stream rows then costs one op call instead
+        of ~17 (the same kernels in the same order, so the same bits). The weights are bound at the next forward;
+        call again after swapping one."""
+        self._kernel = None
+        self.use_kernel = self.self_attn.fused and all(isinstance(x, QuantLinear) and x.fast for x in self._linears())
+
+    def _linears(self) -> tuple[nn.Module, ...]:
+        attn, mlp = self.self_attn, self.mlp
+        return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def _quant_block(self) -> torch.ScriptObject:
+        attn = self.self_attn
+        linears = self._linears()
+        tensors = [getattr(x, name) for x in linears for name in _PACKED_FIELDS]
+        tensors += [self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                    *(None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))]
+        ints = [v for x in linears for v in (x.out_features, x.bits, x.group, x.zero)]
+        ints += [attn.n_heads, attn.n_kv_heads, attn.head_dim]
+        return torch.classes.mirrorsd.QuantBlock(tensors, ints, self.input_layernorm.eps)
+
+    def __getstate__(self) -> dict:
+        """Pickling (the processes backend sends the draft model) drops the bound C++ object; the next forward
+        binds it again."""
+        return {**self.__dict__, "_kernel": None}
 
     def forward(self, x, cos, sin, cache, mask, streams: StreamRows | None = None) -> torch.Tensor:
+        if self.use_kernel and cache is not None and streams is None and self.self_attn.fused:
+            if self._kernel is None:
+                kernels.available()  # loads the extension (a fresh process may not have yet)
+                self._kernel = self._quant_block()
+            start = cache.lengths[self.layer]
+            keys, values = cache.buffers(self.layer, start + x.shape[1])
+            out = torch.ops.mirrorsd.block_forward(self._kernel, x, cos, sin, keys, values, start, mask,
+                                                   self.mlp.down_proj.split_activations)
+            cache.lengths[self.layer] = start + x.shape[1]
+            return out
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, streams)
         return x + self.mlp(self.post_attention_layernorm(x), streams)
 
@@ -316,6 +360,8 @@ class Transformer(nn.Module):
                 module.row_exact = self.row_exact
             if isinstance(module, Attention | RMSNorm):
                 module.fused = fused
+        for block in self.layers:
+            block.bind_kernel()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
         self.activations = "int8"

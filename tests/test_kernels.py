@@ -7,6 +7,7 @@ only in the order its fp32 group terms are added (relative 1e-5 of the output sc
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 
@@ -401,3 +402,54 @@ def test_two_level_scales_must_be_exact():
     rows = torch.tensor([3, 0, 7])
     picked = q.select_rows(rows)
     assert torch.equal(picked.super_scales, q.super_scales[rows]) and torch.equal(picked.codes, q.codes[rows])
+
+
+@requires_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+def test_block_kernel_gives_the_python_paths_bits(arch, activations):
+    """The whole-block C++ op (cpu_block.cpp) against the per-op Python path of the same quantized model: equal
+    logits and cache contents for a prompt (with cache growth), a tree-masked window and a single token; biases
+    (qwen2), q/k norms (qwen3) and split activations included."""
+    from mirrorsd.model import Transformer, _is_projection
+
+    from .conftest import tiny_hf
+
+    hf = tiny_hf(arch, layers=2, seed=3)
+    state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
+    state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
+    model = Transformer._build(hf.config, state).use_activations(activations)
+    assert all(block.use_kernel for block in model.layers)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    tree = torch.ones(1, 3, 12, dtype=torch.bool)  # nodes 1 and 2 are siblings: node 2 does not see node 1
+    tree[0, 2, 10] = False
+    tree[0, 0, 10:] = tree[0, 1, 11] = False
+
+    def run(kernel: bool) -> list[torch.Tensor]:
+        for block in model.layers:
+            block.use_kernel = kernel
+        cache = model.new_cache(capacity=4)
+        with torch.inference_mode():
+            out = [model(ids[:, :9], cache=cache),
+                   model(ids[:, 9:12], torch.tensor([9, 10, 10]), cache=cache, mask=tree)]
+            cache.truncate(10)
+            out.append(model(ids[:, 11:12], cache=cache))
+        return [*out, *(buffer[:, :, :11] for buffer in (*cache.keys, *cache.values))]
+
+    fused, python = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, python, strict=True))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # Mirror-SD's threads backend lowers the target's count while the draft runs
+    try:
+        one_thread = run(True)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(fused, one_thread, strict=True))
+    assert all(block._kernel is not None for block in model.layers)  # the op did run
+    clone = pickle.loads(pickle.dumps(model))  # the processes backend sends models to other processes
+    assert all(block.use_kernel and block._kernel is None for block in clone.layers)
+    for block in model.layers:
+        block.use_kernel = True
+    with torch.inference_mode():
+        assert torch.equal(clone(ids[:, :9], cache=clone.new_cache(capacity=16)),
+                           model(ids[:, :9], cache=model.new_cache(capacity=16)))

@@ -4,7 +4,8 @@ Speculative decoding pays only when verifying k tokens costs about one decode st
 matters is ``forward_ms[k] / forward_ms[1]`` measured on the real model at a realistic context length. All
 sizes are timed interleaved (round-robin) so drifting clocks or a busy neighbour hit them alike, and the
 median over rounds is reported. ``llama_bench`` optionally times llama.cpp on the same GGUF file in the same
-run, for a side-by-side AR figure.
+run, for a side-by-side AR figure: its runs alternate with ours round by round (on a shared VM the speed of
+either drifts by tens of percent within minutes), and the median of the per-round ratios is reported.
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ def ar_tokens_per_second(model: Transformer, tokens: int = 32, context: int = 12
     return statistics.median(rates)
 
 
-def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], tokens: int, threads: int) -> dict:
+def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], tokens: int, threads: int,
+                repetitions: int = 3) -> dict:
     """llama.cpp's own numbers on the same file: tg tok/s and ms per k-token prompt batch."""
-    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "3", "-o", "json",
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(repetitions), "-o", "json",
            "-p", ",".join(str(k) for k in ks), "-n", str(tokens), "-b", "2048", "-ub", "512"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(result.stdout)
@@ -126,15 +128,29 @@ def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, contex
     path = resolve(name)
     model = Transformer.from_pretrained(path, weights=weights, linear=linear, activations=activations)
     costs = forward_costs(model, ks, context, rounds)
+    threads = torch.get_num_threads()
+    ours: list[float] = []
+    theirs: list[dict] = []
+    for _ in range(rounds if llama_bench_path else 1):
+        ours.append(ar_tokens_per_second(model, ar_tokens, context, rounds=1 if llama_bench_path else 3))
+        if llama_bench_path:
+            theirs.append(llama_bench(llama_bench_path, Path(path) / "model.gguf", ks, ar_tokens, threads, 1))
     report = ForwardReport(
         model=name, weights=weights, activations=activations, linear=linear, context=context, rounds=rounds,
         forward_ms={str(k): round(v, 3) for k, v in costs.items()},
         relative={str(k): round(v / costs[min(ks)], 3) for k, v in costs.items()},
-        ar_tok_s=round(ar_tokens_per_second(model, ar_tokens, context), 3), ar_tokens=ar_tokens,
-        fast_kernels=kernels.available(), threads=torch.get_num_threads(), machine=_cpu_name(),
+        ar_tok_s=round(statistics.median(ours), 3), ar_tokens=ar_tokens,
+        fast_kernels=kernels.available(), threads=threads, machine=_cpu_name(),
     )
-    if llama_bench_path:
-        del model
-        report.llama_cpp = llama_bench(llama_bench_path, Path(path) / "model.gguf", ks, ar_tokens,
-                                       torch.get_num_threads())
+    if theirs:
+        report.llama_cpp = {
+            "command": theirs[0]["command"], "build": theirs[0].get("build"),
+            "forward_ms": {k: round(statistics.median(t["forward_ms"][k] for t in theirs), 3)
+                           for k in theirs[0]["forward_ms"]},
+            "ar_tok_s": round(statistics.median(t["ar_tok_s"] for t in theirs), 3),
+            "ar_tok_s_rounds": [round(t["ar_tok_s"], 2) for t in theirs],
+            "ours_ar_tok_s_rounds": [round(x, 2) for x in ours],
+            "ar_ratio_median": round(statistics.median(o / t["ar_tok_s"]
+                                                       for o, t in zip(ours, theirs, strict=True)), 3),
+        }
     return report

@@ -1,7 +1,8 @@
 """CPU kernels for small-M linears and batch-invariant attention: an AVX-512/VNNI C++ extension built on first use,
 with PyTorch fallbacks.
 
-The extension (``cpu_linear.cpp``, ``cpu_attention.cpp``, ``cpu_elementwise.cpp``) is compiled once into
+The extension (``cpu_linear.cpp``, ``cpu_attention.cpp``, ``cpu_elementwise.cpp``, and ``cpu_block.cpp``, which
+runs a quantized model's whole decoder block in one call) is compiled once into
 ``<cache>/kernels/<key>``, where the key hashes everything that makes the binary differ: the sources, the flags, the
 torch version and install path, the Python ABI and the compiler (path and ``--version``). Builds are serialised by
 an OS file lock, which the kernel drops when its holder dies (Ctrl-C, OOM, a closed terminal), so a killed build can
@@ -48,7 +49,9 @@ LAYOUTS = ((4, 32), (5, 32), (6, 32), (6, 16), (8, 32), (8, 16))
 #: How often a run waiting for another process's build says it is still waiting.
 WAIT_MESSAGE_EVERY_S = 15.0
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_attention.cpp",
-                                                              "cpu_elementwise.cpp"))
+                                                              "cpu_elementwise.cpp", "cpu_block.cpp"))
+#: Headers the sources include: part of the build key, not compiled on their own.
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 EXTENSION = "mirrorsd_cpu_linear"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 # -fopenmp: at::parallel_for is a header template that splits work with OpenMP pragmas; without the flag it
@@ -164,7 +167,7 @@ def build_extension(name: str, sources: Path | Sequence[Path], build: Path, cfla
 
 
 def build_dir() -> Path:
-    return cache_dir() / "kernels" / build_key(SOURCES, COMPILE_FLAGS, LINK_FLAGS)
+    return cache_dir() / "kernels" / build_key((*SOURCES, *HEADERS), COMPILE_FLAGS, LINK_FLAGS)
 
 
 @cache

@@ -17,6 +17,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "cpu_kernels.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -105,6 +107,11 @@ float softmax_seen(const float* scores, const uint8_t* seen, int64_t span, float
   *count = n;
   return 1.0f / _mm512_reduce_add_ps(sumv);
 }
+
+}  // namespace
+
+// Called from Python through the ops below, and by the fused decoder block (cpu_block.cpp) directly.
+namespace mirrorsd {
 
 // q [R, H, T, D]; k, v [R, Hkv, S, D] (strided views of the cache are fine: D must be contiguous);
 // mask: bool [R or 1, T, S] (True = attend) or none, meaning causal over a cache whose last T keys are the
@@ -206,10 +213,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   return out;
 }
 
-}  // namespace
+}  // namespace mirrorsd
 
 TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) { m.impl("attend", attend); }
+TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) { m.impl("attend", mirrorsd::attend); }

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "cpu_kernels.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -25,6 +27,11 @@ void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() >= 1, what,
               " must be contiguous fp32");
 }
+
+}  // namespace
+
+// Called from Python through the ops below, and by the fused decoder block (cpu_block.cpp) directly.
+namespace mirrorsd {
 
 // y = weight * x / sqrt(mean(x^2) + eps), per row of the last dimension.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -92,7 +99,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return y;
 }
 
-}  // namespace
+}  // namespace mirrorsd
 
 TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -100,6 +107,6 @@ TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
-  m.impl("rms_norm", rms_norm);
-  m.impl("rope", rope);
+  m.impl("rms_norm", mirrorsd::rms_norm);
+  m.impl("rope", mirrorsd::rope);
 }

@@ -14,6 +14,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "cpu_kernels.h"
+
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -290,6 +292,11 @@ bool supported_layout(int64_t bits, int64_t group) {
   return (group == 32 && (bits == 4 || bits == 5 || bits == 6 || bits == 8)) || (group == 16 && (bits == 6 || bits == 8));
 }
 
+}  // namespace
+
+// Called from Python through the ops below, and by the fused decoder block (cpu_block.cpp) directly.
+namespace mirrorsd {
+
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
                            const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
                            const std::optional<torch::Tensor>& super_scales,
@@ -393,7 +400,7 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
   return y;
 }
 
-}  // namespace
+}  // namespace mirrorsd
 
 // Registered for the CPU dispatch key only: a CUDA (or meta) tensor gets the dispatcher's clear error instead
 // of a device pointer dereferenced on the host.
@@ -405,5 +412,5 @@ TORCH_LIBRARY(mirrorsd, m) {
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
   m.impl("linear_f32", linear_f32);
-  m.impl("linear_quant", linear_quant);
+  m.impl("linear_quant", mirrorsd::linear_quant);
 }
