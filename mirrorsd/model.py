@@ -320,7 +320,7 @@ class Block(nn.Module):
                 self._kernel = self._quant_block()
             start = cache.lengths[self.layer]
             keys, values = cache.buffers(self.layer, start + x.shape[1])
-            out = torch.ops.mirrorsd.block_forward(self._kernel, x, cos, sin, keys, values, start, mask,
+            out = torch.ops.mirrorsd.block_forward.default(self._kernel, x, cos, sin, keys, values, start, mask,
                                                    self.mlp.down_proj.split_activations)
             cache.lengths[self.layer] = start + x.shape[1]
             return out
