@@ -446,6 +446,8 @@ def test_block_kernel_gives_the_python_paths_bits(arch, activations):
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(fused, one_thread, strict=True))
     assert all(block._kernel is not None for block in model.layers)  # the op did run
+    model.share_memory()  # moves every storage (the processes backend does this): a bound block must follow
+    assert all(torch.equal(a, b) for a, b in zip(run(True), python, strict=True))
     clone = pickle.loads(pickle.dumps(model))  # the processes backend sends models to other processes
     assert all(block.use_kernel and block._kernel is None for block in clone.layers)
     for block in model.layers:

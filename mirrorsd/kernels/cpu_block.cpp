@@ -4,13 +4,15 @@
 // linear calls of 13 arguments each, two norms, two rotary calls, a cache write, attention, SiLU, two residual
 // adds): ~4 ms of a ~38 ms token. Here the block's weights are bound once into a QuantBlock and one op runs the
 // block, calling the same kernel functions and ATen ops, in the same order, as mirrorsd.model's Python path, so
-// both give the same bits (tested) and every batch-invariance argument carries over.
+// both give the same bits (tested) and every batch-invariance argument carries over. q/k/v, and gate/up, read one
+// input: their activations are quantized once and one parallel region covers them (each output unchanged).
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -20,22 +22,32 @@ namespace {
 
 using OptTensor = std::optional<torch::Tensor>;
 
-// One QuantLinear's packed weight (mirrorsd.kernels.PackedQuant) and shape.
+// One QuantLinear's packed weight (mirrorsd.kernels.PackedQuant) and shape. Its raw pointers are taken at each call,
+// never cached: a storage can move under a tensor (share_memory_() when the processes backend sends the model).
 struct Linear {
   torch::Tensor codes, scales;
   OptTensor planes, offsets, super_scales, super_offsets, bias;
-  int64_t n = 0, bits = 0, group = 0, zero = 0;
+  int64_t k = 0, n = 0, bits = 0, group = 0, zero = 0;
 
-  // x [..., K] -> [..., n], as QuantLinear.forward does it.
-  torch::Tensor operator()(const torch::Tensor& x, bool split) const {
-    const torch::Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();
-    torch::Tensor y = mirrorsd::linear_quant(rows, codes, planes, scales, offsets, super_scales, super_offsets, bias, n,
-                                             bits, group, split, zero);
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = n;
-    return y.view(shape);
+  mirrorsd::QuantWeight view() const {
+    return mirrorsd::check_weight(k, codes, planes, scales, offsets, super_scales, super_offsets, bias, n, bits, group,
+                                  zero);
   }
 };
+
+// x [..., K] through linears that share it -> [..., n] each, as QuantLinear.forward computes each of them.
+std::vector<torch::Tensor> project(const torch::Tensor& x, std::initializer_list<const Linear*> linears, bool split) {
+  const torch::Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();
+  std::vector<mirrorsd::QuantWeight> views;
+  for (const Linear* linear : linears) views.push_back(linear->view());
+  std::vector<torch::Tensor> ys = mirrorsd::linear_quant_many(rows, views, split);
+  for (size_t i = 0; i < ys.size(); ++i) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = views[i].N;
+    ys[i] = ys[i].view(shape);
+  }
+  return ys;
+}
 
 constexpr int64_t kLinears = 7;           // q, k, v, o, gate, up, down
 constexpr int64_t kTensorsPerLinear = 7;  // codes, planes, scales, offsets, super_scales, super_offsets, bias
@@ -59,7 +71,8 @@ struct QuantBlock : torch::CustomClassHolder {
       const OptTensor* t = tensors.data() + i * kTensorsPerLinear;
       const int64_t* v = ints.data() + i * kIntsPerLinear;
       TORCH_CHECK(t[0] && t[2], "QuantBlock: linear ", i, " needs codes and scales");
-      linears.push_back(Linear{*t[0], *t[2], t[1], t[3], t[4], t[5], t[6], v[0], v[1], v[2], v[3]});
+      const int64_t k = t[0]->size(1) * (v[1] == 8 ? 4 : 8);  // codes [N/16, K/4 or K/8, 64]
+      linears.push_back(Linear{*t[0], *t[2], t[1], t[3], t[4], t[5], t[6], k, v[0], v[1], v[2], v[3]});
     }
     const OptTensor* norms = tensors.data() + kLinears * kTensorsPerLinear;
     TORCH_CHECK(norms[0] && norms[1], "QuantBlock: needs both layer norms");
@@ -92,9 +105,10 @@ torch::Tensor block_forward(const c10::intrusive_ptr<QuantBlock>& block, const t
   const Linear& down_proj = b.linears[6];
 
   const torch::Tensor h = mirrorsd::rms_norm(x.contiguous(), b.input_norm, b.eps);
-  torch::Tensor q = q_proj(h, split).view({rows, t, b.heads, b.head_dim});
-  torch::Tensor k = k_proj(h, split).view({rows, t, b.kv_heads, b.head_dim});
-  const torch::Tensor v = v_proj(h, split).view({rows, t, b.kv_heads, b.head_dim});
+  const std::vector<torch::Tensor> qkv = project(h, {&q_proj, &k_proj, &v_proj}, split);
+  torch::Tensor q = qkv[0].view({rows, t, b.heads, b.head_dim});
+  torch::Tensor k = qkv[1].view({rows, t, b.kv_heads, b.head_dim});
+  const torch::Tensor v = qkv[2].view({rows, t, b.kv_heads, b.head_dim});
   if (b.q_norm) {
     q = mirrorsd::rms_norm(q.contiguous(), *b.q_norm, b.eps);
     k = mirrorsd::rms_norm(k.contiguous(), *b.k_norm, b.eps);
@@ -106,9 +120,11 @@ torch::Tensor block_forward(const c10::intrusive_ptr<QuantBlock>& block, const t
   values.slice(2, start, end).copy_(v.transpose(1, 2));
   const OptTensor seen = mask ? OptTensor(mask->contiguous()) : std::nullopt;
   const torch::Tensor attended = mirrorsd::attend(q, keys.slice(2, 0, end), values.slice(2, 0, end), seen);
-  const torch::Tensor out = x + o_proj(attended.transpose(1, 2).reshape({rows, t, b.heads * b.head_dim}), split);
+  const torch::Tensor out =
+      x + project(attended.transpose(1, 2).reshape({rows, t, b.heads * b.head_dim}), {&o_proj}, split)[0];
   const torch::Tensor h2 = mirrorsd::rms_norm(out.contiguous(), b.post_norm, b.eps);
-  return out + down_proj(at::silu(gate_proj(h2, split)) * up_proj(h2, split), split);
+  const std::vector<torch::Tensor> gate_up = project(h2, {&gate_proj, &up_proj}, split);
+  return out + project(at::silu(gate_up[0]) * gate_up[1], {&down_proj}, split)[0];
 }
 
 }  // namespace

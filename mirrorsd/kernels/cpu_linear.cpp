@@ -297,14 +297,12 @@ bool supported_layout(int64_t bits, int64_t group) {
 // Called from Python through the ops below, and by the fused decoder block (cpu_block.cpp) directly.
 namespace mirrorsd {
 
-torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
-                           const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
-                           const std::optional<torch::Tensor>& super_scales,
-                           const std::optional<torch::Tensor>& super_offsets, const std::optional<torch::Tensor>& bias,
-                           int64_t N, int64_t bits, int64_t group, bool split, int64_t zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+QuantWeight check_weight(int64_t K, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
+                         const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
+                         const std::optional<torch::Tensor>& super_scales,
+                         const std::optional<torch::Tensor>& super_offsets, const std::optional<torch::Tensor>& bias,
+                         int64_t N, int64_t bits, int64_t group, int64_t zero) {
   check_bias(bias, N);
-  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(supported_layout(bits, group), "unsupported quantized layout: bits=", bits, " group=", group);
   const int64_t n_planes = bits == 5 ? 1 : bits == 6 ? 2 : 0;
   const int64_t cbits = bits == 8 ? 8 : 4;
@@ -340,64 +338,100 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
                 "two-level scales need a K-quant layout (bits/group 4/32, 5/32, 6/16), got ", bits, "/", group);
   }
   TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
-
-  const QuantActs acts = quantize_acts(x, split);
-  const int64_t rows_q = acts.q.size(0);  // quantized rows: M, or 2M with split
-  // Per weight group: sum of the dequantized activations, for the offset term.
-  const int64_t groups = K / group;
-  auto xsum = torch::empty({rows_q, groups}, x.options());
-  {
-    const int8_t* q = acts.q.data_ptr<int8_t>();
-    const float* s = acts.scale.data_ptr<float>();
-    float* out = xsum.data_ptr<float>();
-    for (int64_t m = 0; m < rows_q; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t total = 0;
-        for (int64_t i = 0; i < group; ++i) total += q[m * K + g * group + i];
-        out[m * groups + g] = s[m * (K / kActGroup) + g * group / kActGroup] * static_cast<float>(total);
-      }
-  }
-  auto y = torch::empty({M, N}, x.options());
-  const int8_t* qp = acts.q.data_ptr<int8_t>();
-  const float* sp = acts.scale.data_ptr<float>();
-  const float* xsp = xsum.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const int64_t scale_bytes = two_level ? 1 : 2;
-  const char* scp = static_cast<const char*>(scales.data_ptr());
-  const char* ofp = offsets ? static_cast<const char*>(offsets->data_ptr()) : nullptr;
   const auto half_ptr = [](const std::optional<torch::Tensor>& t) {
     return t ? reinterpret_cast<const uint16_t*>(t->data_ptr<at::Half>()) : nullptr;
   };
-  const uint16_t* ssp = half_ptr(super_scales);
-  const uint16_t* sop = half_ptr(super_offsets);
-  const int64_t super_block = two_level ? super_scales->size(1) * kBlockN : 0;
-  const float neg_zero = -static_cast<float>(zero);
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const uint64_t* pp = n_planes ? reinterpret_cast<const uint64_t*>(planes->data_ptr<int64_t>()) : nullptr;
-  const int64_t code_block = kBlockN * K * cbits / 8;
-  const int64_t plane_block = (K / 4) * n_planes;
-  const int64_t scale_block = groups * kBlockN;
+  QuantWeight w;
+  w.K = K;
+  w.N = N;
+  w.bits = bits;
+  w.group = group;
+  w.blocks = blocks;
+  w.two_level = two_level;
+  w.codes = codes.data_ptr<uint8_t>();
+  w.planes = n_planes ? reinterpret_cast<const uint64_t*>(planes->data_ptr<int64_t>()) : nullptr;
+  w.scales = static_cast<const char*>(scales.data_ptr());
+  w.offsets = offsets ? static_cast<const char*>(offsets->data_ptr()) : nullptr;
+  w.super_scales = half_ptr(super_scales);
+  w.super_offsets = half_ptr(super_offsets);
+  w.bias = bias ? bias->data_ptr<float>() : nullptr;
+  w.per_super = per_super;
+  w.neg_zero = -static_cast<float>(zero);
+  w.code_block = kBlockN * K * cbits / 8;
+  w.plane_block = (K / 4) * n_planes;
+  w.scale_block = (K / group) * kBlockN * (two_level ? 1 : 2);
+  w.super_block = two_level ? super_scales->size(1) * kBlockN : 0;
+  return w;
+}
+
+std::vector<torch::Tensor> linear_quant_many(const torch::Tensor& x, const std::vector<QuantWeight>& weights,
+                                             bool split) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  for (const QuantWeight& w : weights) TORCH_CHECK(w.K == K, "every weight must take x's ", K, " inputs");
+  const QuantActs acts = quantize_acts(x, split);
+  const int64_t rows_q = acts.q.size(0);  // quantized rows: M, or 2M with split
+  const int8_t* qp = acts.q.data_ptr<int8_t>();
+  const float* sp = acts.scale.data_ptr<float>();
+  // Per weight group (16 or 32): sum of the dequantized activations, for the offset term; once per group size.
+  std::vector<torch::Tensor> xsums(kActGroup + 1);
+  for (const QuantWeight& w : weights) {
+    if (xsums[w.group].defined()) continue;
+    const int64_t groups = K / w.group;
+    xsums[w.group] = torch::empty({rows_q, groups}, x.options());
+    float* out = xsums[w.group].data_ptr<float>();
+    for (int64_t m = 0; m < rows_q; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t total = 0;
+        for (int64_t i = 0; i < w.group; ++i) total += qp[m * K + g * w.group + i];
+        out[m * groups + g] = sp[m * (K / kActGroup) + g * w.group / kActGroup] * static_cast<float>(total);
+      }
+  }
+  std::vector<torch::Tensor> ys;
+  std::vector<int64_t> first{0};  // the weights' blocks, end to end: one parallel region covers them all
+  for (const QuantWeight& w : weights) {
+    ys.push_back(torch::empty({M, w.N}, x.options()));
+    first.push_back(first.back() + w.blocks);
+  }
   const int64_t act_groups = K / kActGroup;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxTile * kBlockN];
-    for (int64_t nb = begin; nb < end; ++nb) {
+    size_t wi = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      while (b >= first[wi + 1]) ++wi;
+      const QuantWeight& w = weights[wi];
+      const int64_t nb = b - first[wi], groups = K / w.group;
+      const float* xsp = xsums[w.group].data_ptr<float>();
+      float* yp = ys[wi].data_ptr<float>();
       for (int64_t m0 = 0; m0 < rows_q; m0 += kMaxTile) {  // kMaxTile is even: split pairs share a tile
         const int64_t rows = std::min<int64_t>(kMaxTile, rows_q - m0);
-        const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && nb + kPrefetchBlocks < end;
-        const GroupScales gs{scp + nb * scale_block * scale_bytes, ofp ? ofp + nb * scale_block * scale_bytes : nullptr,
-                             ssp ? ssp + nb * super_block : nullptr, sop ? sop + nb * super_block : nullptr,
-                             per_super, neg_zero};
-        pick_tile(bits, group, two_level, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
-                                                cp + nb * code_block, pp ? pp + nb * plane_block : nullptr, gs, acc,
-                                                prefetch);
+        const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && b + kPrefetchBlocks < std::min(end, first[wi + 1]);
+        const GroupScales gs{w.scales + nb * w.scale_block, w.offsets ? w.offsets + nb * w.scale_block : nullptr,
+                             w.super_scales ? w.super_scales + nb * w.super_block : nullptr,
+                             w.super_offsets ? w.super_offsets + nb * w.super_block : nullptr, w.per_super,
+                             w.neg_zero};
+        pick_tile(w.bits, w.group, w.two_level, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
+                                                      w.codes + nb * w.code_block,
+                                                      w.planes ? w.planes + nb * w.plane_block : nullptr, gs, acc,
+                                                      prefetch);
         if (split) fold_pairs(acc, rows / 2);
         const int64_t out_rows = split ? rows / 2 : rows, out_m0 = split ? m0 / 2 : m0;
-        store_block(acc, out_rows, yp + out_m0 * N, N, nb * kBlockN, bp);
+        store_block(acc, out_rows, yp + out_m0 * w.N, w.N, nb * kBlockN, w.bias);
       }
     }
   });
-  return y;
+  return ys;
+}
+
+torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
+                           const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
+                           const std::optional<torch::Tensor>& super_scales,
+                           const std::optional<torch::Tensor>& super_offsets, const std::optional<torch::Tensor>& bias,
+                           int64_t N, int64_t bits, int64_t group, bool split, int64_t zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  return linear_quant_many(
+      x, {check_weight(x.size(1), codes, planes, scales, offsets, super_scales, super_offsets, bias, N, bits, group, zero)},
+      split)[0];
 }
 
 }  // namespace mirrorsd
