@@ -65,7 +65,7 @@ class PruneAdapter(nn.Module):
         nn.init.zeros_(self.up.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.up(self.down(hidden))
+        return hidden + self.up(self.down(hidden.to(self.up.weight.dtype))).to(hidden.dtype)
 
 
 class StreamAdapters(nn.Module):
@@ -92,14 +92,17 @@ class StreamAdapters(nn.Module):
                     self.lora[f"{layer}_{name}"] = LoraLinear(getattr(parent, name), "default", config=lora_config,
                                                               r=config.rank, lora_alpha=config.alpha)
         self.prune = PruneAdapter(hidden, config.prune_rank).to(model.device)
-        for module in self.lora.values():  # the wrapped base layers stay frozen
-            module.base_layer.requires_grad_(False)
+        for module in self.lora.values():
+            module.base_layer.requires_grad_(False)  # the wrapped base layers stay frozen
+            module.lora_A.float()  # the trained parts stay fp32 whatever dtype the base runs in
+            module.lora_B.float()  # (AdamW on bf16 weights loses small updates)
 
     # -- what the model calls --------------------------------------------------------------------------
 
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
         lora = self.lora[f"{layer}_{name}"]
-        return lora.lora_B["default"](lora.lora_A["default"](x)) * lora.scaling["default"]
+        down = lora.lora_A["default"]
+        return lora.lora_B["default"](down(x.to(down.weight.dtype))) * lora.scaling["default"]
 
     def rows(self, count: int) -> StreamRows:
         return StreamRows(count, self)

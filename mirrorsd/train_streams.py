@@ -1,10 +1,17 @@
-"""``mirrorsd train-streams``: train Speculative Streaming adapters (lossless mode) on CPU in bounded time.
+"""``mirrorsd train-streams``: train Speculative Streaming adapters (lossless mode) on a CPU, at scale.
 
-Lossless mode freezes the whole base model and main rows use it alone, so the main stream's hidden states and
-the top layers' main keys/values do not depend on anything trained. They are computed once per chunk without
-gradients; a training step then runs only the stream rows through the top ``N_s`` layers (attending to the
-cached main keys) and the LM head. Loss: Σ_j CE(stream j at t, y_{t+1+j}) over completion tokens (α_j equal;
-α0 = 0 in lossless mode), plus the pruning adapter's next-token CE on layer ``N - N_s`` states.
+Lossless mode freezes the whole base model and main rows use it alone, so what the streams read from the main
+stream -- the layer ``N - N_s`` states and the top layers' main keys/values -- and what they must predict -- the
+model's own greedy tokens -- do not depend on anything trained. :func:`cache_states` therefore runs the model
+decoding will use (q4 on CPU) once over the corpus and stores them (~7 KB per token in bf16 on the 1.5B), and
+:func:`train` runs many epochs over that cache: a step pushes only the stream rows through the top ``N_s``
+layers (held in bf16, 3x faster than fp32 GEMMs on AVX-512 BF16) and a restricted-vocabulary LM head (the
+most frequent ids of the tokenizer's shipped table: the full 152k-way softmax would be most of a step).
+
+Loss: Σ_j CE(stream j at t, model's token at t+1+j) over completion tokens (α_j equal; α0 = 0 in lossless
+mode), plus the pruning adapter's next-token CE on layer ``N - N_s`` states. Labels are the model's own
+teacher-forced predictions, since verification rewards agreeing with the model, not with the corpus. Held-out
+accuracy is measured with the full vocabulary.
 """
 
 from __future__ import annotations
@@ -15,11 +22,13 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .draft_vocab import head_weight, load_table
 from .kv_cache import KVCache
 from .model import Transformer
 from .streams import StreamAdapters, StreamConfig, msa_mask
@@ -29,7 +38,9 @@ CORPORA = {
     "pydoc-topics": "the Python language reference topics shipped in pydoc_data (English technical prose)",
 }
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT, CURVE, CURVE_PLOT = "checkpoint.pt", "curve.json", "learning_curve.png"
+CACHE_META, HELD_OUT = "cache.json", "held-out.safetensors"
+SHARD_CHUNKS = 32  # chunks per cache shard: the unit of resuming
 
 
 def corpus_texts(sources: list[str]) -> list[str]:
@@ -91,75 +102,218 @@ def self_distill(model: Transformer, chunks: list[Chunk], prompt_len: int) -> li
     return out
 
 
-@dataclass
-class Frozen:
-    """What the frozen base gives a chunk once: layer N - N_s states and the top layers' main keys/values."""
+# -- the cache: what the frozen model gives each chunk, computed once --------------------------------------
 
-    hidden: torch.Tensor  # [1, T, h]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    chunk: Chunk
+
+@dataclass
+class Cached:
+    """One chunk as the frozen model sees it (views into a loaded shard)."""
+
+    hidden: torch.Tensor  # [T, h] layer N - N_s states
+    keys: torch.Tensor  # [N_s, kv_heads, T, head_dim] the top layers' main keys (rotary applied)
+    values: torch.Tensor  # [N_s, kv_heads, T, head_dim]
+    labels: torch.Tensor  # [T] the model's greedy next token after each position (teacher-forced)
+    loss_from: int  # first position whose token is a training target
 
 
 @torch.no_grad()
-def freeze_chunk(model: Transformer, first: int, chunk: Chunk) -> Frozen:
+def freeze(model: Transformer, first: int, chunk: Chunk) -> dict[str, torch.Tensor]:
+    """The cached tensors of one chunk, from the model decoding will use (so the states are the ones it sees)."""
     ids = chunk.ids[None].to(model.device)
-    positions = torch.arange(ids.shape[1], device=model.device)[None]
-    cache = model.new_cache(capacity=ids.shape[1])
-    hidden = model.run_layers(model.embed(ids), positions, cache, None, 0, first)
-    model.run_layers(hidden, positions, cache, None, first, None)
     n = ids.shape[1]
+    positions = torch.arange(n, device=model.device)[None]
+    cache = model.new_cache(capacity=n)
+    hidden = model.run_layers(model.embed(ids), positions, cache, None, 0, first)
+    final = model.run_layers(hidden, positions, cache, None, first, None)
     upper = range(first, model.config.n_layers)
-    return Frozen(hidden, [cache.keys[i][:, :, :n].clone() for i in upper],
-                  [cache.values[i][:, :, :n].clone() for i in upper], chunk)
+    return {"hidden": hidden[0].to(torch.bfloat16),
+            "keys": torch.stack([cache.keys[i][0, :, :n] for i in upper]).to(torch.bfloat16),
+            "values": torch.stack([cache.values[i][0, :, :n] for i in upper]).to(torch.bfloat16),
+            "labels": model.logits(final[0]).argmax(-1).to(torch.int32),
+            "ids": ids[0].to(torch.int32), "loss_from": torch.tensor(chunk.loss_from)}
 
 
-def stream_losses(model: Transformer, adapters: StreamAdapters, frozen: Frozen
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(stream CE, pruning CE, per-stream top-1 accuracy ``[γ]``) on one chunk."""
+def _save_shard(items: list[dict[str, torch.Tensor]], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(".tmp")  # a shard is complete or absent: an interrupted run redoes only the last one
+    save_file({k: torch.stack([x[k] for x in items]).cpu().contiguous() for k in items[0]}, str(tmp))
+    tmp.replace(path)
+
+
+def shard_paths(folder: Path, count: int, shard_size: int) -> list[Path]:
+    return [folder / f"shard-{i:05d}.safetensors" for i in range(-(-count // shard_size))]
+
+
+def check_cache(folder: Path, meta: dict[str, Any]) -> None:
+    """Record ``meta`` (model shape, data, seq_len, seed...) in a new cache; refuse one built with other settings
+    rather than mix them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / CACHE_META
+    if not path.exists():
+        path.write_text(json.dumps(meta, indent=1) + "\n")
+        return
+    old = json.loads(path.read_text())
+    if old != meta:
+        changed = sorted(k for k in meta.keys() | old.keys() if old.get(k) != meta.get(k))
+        raise ValueError(f"the state cache in {folder} was built with other settings ({', '.join(changed)}); "
+                         "give another --cache folder or delete this one")
+
+
+def cache_states(model: Transformer, first: int, train_chunks: list[Chunk], held_out: list[Chunk], folder: Path,
+                 *, shard_size: int = SHARD_CHUNKS, progress: bool = True) -> None:
+    """Write the shards of :func:`shard_paths` (training chunks) and ``held-out.safetensors`` that are missing:
+    an interrupted run resumes at its last shard."""
+    jobs = [(folder / HELD_OUT, held_out)]
+    jobs += [(path, train_chunks[i * shard_size:(i + 1) * shard_size])
+             for i, path in enumerate(shard_paths(folder, len(train_chunks), shard_size))]
+    todo = [(path, chunks) for path, chunks in jobs if not path.exists()]
+    bar = tqdm(total=sum(len(c) for _, c in todo), desc="caching frozen states", unit="chunk", disable=not progress)
+    for path, chunks in todo:
+        items = []
+        for chunk in chunks:
+            items.append(freeze(model, first, chunk))
+            bar.update()
+        _save_shard(items, path)
+    bar.close()
+
+
+def load_cache(paths: list[Path], device: torch.device | str) -> list[Cached]:
+    from safetensors.torch import load_file
+
+    out = []
+    for path in paths:
+        shard = load_file(str(path), device=str(device))
+        for i in range(shard["labels"].shape[0]):
+            out.append(Cached(shard["hidden"][i], shard["keys"][i], shard["values"][i], shard["labels"][i].long(),
+                              int(shard["loss_from"][i])))
+    return out
+
+
+# -- the loss ------------------------------------------------------------------------------------------------
+
+
+class TrainHead:
+    """The LM head on a vocabulary subset, for the training loss only (held-out accuracy reads the full head)."""
+
+    def __init__(self, model: Transformer, ids: torch.Tensor) -> None:
+        ids = ids.sort().values.to(model.device)
+        self.weight = head_weight(model.lm_head, model.embed_tokens.weight, model.config.tie_word_embeddings)[ids]
+        self.weight = self.weight.to(model.dtype)
+        self.index = torch.full((model.config.vocab_size,), -100, dtype=torch.long, device=model.device)
+        self.index[ids] = torch.arange(len(ids), device=model.device)
+        self.norm = model.norm
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden), self.weight).float()
+
+    def labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary labels (-100 = none) as subset indices; ids outside the subset are not trained on."""
+        return torch.where(labels >= 0, self.index[labels.clamp(min=0)], -100)
+
+
+def stream_targets(item: Cached, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, γ]`` labels (-100 = none) of stream j at t, the model's token at t+1+j, and ``[T]`` labels of the
+    pruning head at t (the model's next token), completion tokens only."""
+    n = item.labels.shape[0]
+    device = item.labels.device
+    t = torch.arange(n, device=device)
+    source = t.unsqueeze(1) + torch.arange(1, gamma + 1, device=device)  # labels[t + j] is token t + 1 + j
+    valid = (source < n) & (source + 1 >= item.loss_from)
+    streams = torch.where(valid, item.labels[source.clamp(max=n - 1)], -100)
+    prune = torch.where(t + 1 >= item.loss_from, item.labels, -100)
+    return streams, prune
+
+
+def stream_forward(model: Transformer, adapters: StreamAdapters, item: Cached) -> torch.Tensor:
+    """Final states ``[T, γ, h]`` of every stream row over the cached main keys/values."""
     gamma, first = adapters.config.streams, adapters.first_layer
-    hidden, ids = frozen.hidden, frozen.chunk.ids.to(model.device)
-    n = ids.shape[0]
+    n = item.labels.shape[0]
+    device = model.device
     cache = KVCache(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim, capacity=1,
-                    dtype=hidden.dtype, device=hidden.device)
-    for i, layer in enumerate(range(first, model.config.n_layers)):
-        cache.keys[layer], cache.values[layer], cache.lengths[layer] = frozen.keys[i], frozen.values[i], n
-    streams = adapters.insert(hidden)[:, n:]  # [1, n·γ, h]: stream (t, j) at t·γ + j - 1
-    positions = torch.arange(n, device=hidden.device).repeat_interleave(gamma)[None]
-    causal = torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril()
+                    dtype=model.dtype, device=device)
+    for i, layer in enumerate(range(first, model.config.n_layers)):  # fresh tensors: the cache is written to
+        cache.keys[layer] = item.keys[i][None].to(model.dtype, copy=True)
+        cache.values[layer] = item.values[i][None].to(model.dtype, copy=True)
+        cache.lengths[layer] = n
+    streams = adapters.insert(item.hidden[None].to(model.dtype))[:, n:]  # stream (t, j) at t·γ + j - 1
+    positions = torch.arange(n, device=device).repeat_interleave(gamma)[None]
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     mask = msa_mask(causal, 0, gamma)[:, n:]  # stream rows over [cached main keys | stream keys]
     out = model.run_layers(streams, positions, cache, mask, first, None, streams=adapters.rows(n * gamma))
-    logits = model.logits(out[0]).view(n, gamma, -1)
-    # Stream j at t predicts y_{t+1+j}; only completion tokens (index >= loss_from) are targets.
-    t = torch.arange(n, device=ids.device).unsqueeze(1)
-    target_index = t + 1 + torch.arange(1, gamma + 1, device=ids.device).unsqueeze(0)  # [n, γ]
-    valid = (target_index < n) & (target_index >= frozen.chunk.loss_from)
-    labels = torch.where(valid, ids[target_index.clamp(max=n - 1)], -100)
-    stream_ce = F.cross_entropy(logits.reshape(n * gamma, -1), labels.reshape(-1), ignore_index=-100)
-    with torch.no_grad():
-        hits = (logits.argmax(-1) == labels) & valid
-        accuracy = hits.sum(0).float() / valid.sum(0).clamp(min=1)
-    prune_logits = adapters.prune_logits(model, hidden[0, :-1])
-    next_ids = ids[1:]
-    prune_labels = torch.where(torch.arange(1, n, device=ids.device) >= frozen.chunk.loss_from, next_ids, -100)
-    prune_ce = F.cross_entropy(prune_logits, prune_labels, ignore_index=-100)
-    return stream_ce, prune_ce, accuracy
+    return out[0].view(n, gamma, -1)
 
 
-def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Frozen]) -> list[float]:
-    """Mean held-out top-1 accuracy of each stream."""
-    with torch.no_grad():
-        accs = torch.stack([stream_losses(model, adapters, f)[2] for f in held_out])
-    return [round(x, 4) for x in accs.mean(0).tolist()]
+def losses(model: Transformer, adapters: StreamAdapters, item: Cached, head: TrainHead
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stream CE, pruning CE) of one chunk on the restricted head."""
+    streams, prune = stream_targets(item, adapters.config.streams)
+    out = stream_forward(model, adapters, item)
+    stream_ce = F.cross_entropy(head.logits(out).flatten(0, 1), head.labels(streams).flatten(), ignore_index=-100)
+    hidden = item.hidden.to(model.dtype)
+    prune_ce = F.cross_entropy(head.logits(adapters.prune(hidden)), head.labels(prune), ignore_index=-100)
+    return stream_ce, prune_ce
 
 
-def train(model: Transformer, tokenizer, data: list[str], out: Path, *, streams: int = 3, layers: int = 4,
-          rank: int = 8, steps: int = 200, seq_len: int = 128, lr: float = 1e-3, held_out: int = 8,
-          distill: int = 0, distill_model: Transformer | None = None, save_every: int = 25, seed: int = 0,
+@torch.no_grad()
+def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Cached]) -> dict[str, Any]:
+    """Held-out top-1 agreement with the model's own tokens, full vocabulary: per stream, and of the pruning
+    head (the early exit that scores tree edges)."""
+    gamma = adapters.config.streams
+    hits, counts = torch.zeros(gamma), torch.zeros(gamma)
+    prune_hits = prune_count = 0
+    for item in held_out:
+        streams, prune = stream_targets(item, gamma)
+        predicted = model.logits(stream_forward(model, adapters, item)).argmax(-1)
+        valid = streams >= 0
+        hits += ((predicted == streams) & valid).sum(0).cpu()
+        counts += valid.sum(0).cpu()
+        exit_predicted = adapters.prune_logits(model, item.hidden.to(model.dtype)).argmax(-1)
+        prune_hits += int(((exit_predicted == prune) & (prune >= 0)).sum())
+        prune_count += int((prune >= 0).sum())
+    return {"stream_accuracy": [round(x, 4) for x in (hits / counts.clamp(min=1)).tolist()],
+            "prune_accuracy": round(prune_hits / max(1, prune_count), 4)}
+
+
+# -- training ------------------------------------------------------------------------------------------------
+
+
+def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Held-out top-1 of each stream (and the pruning exit) against training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    xs = [max(1, p["train_tokens"]) for p in curve]
+    for j in range(len(curve[0]["stream_accuracy"])):
+        ax.plot(xs, [p["stream_accuracy"][j] for p in curve], "o-", label=f"stream {j + 1} (token t+{j + 2})")
+    ax.plot(xs, [p["prune_accuracy"] for p in curve], "s--", color="grey", label="pruning exit (token t+1)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens (with repeats over epochs)")
+    ax.set_ylabel("held-out top-1 = the model's own token")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[str], out: Path, *,
+          cache: Path | None = None, streams: int = 3, layers: int = 4, rank: int = 8, steps: int = 200,
+          chunks: int | None = None, seq_len: int = 128, lr: float = 1e-3, held_out: int = 8, distill: int = 0,
+          vocab: int = 32768, eval_every: int = 50, save_every: int = 25, seed: int = 0,
           recipe: dict | None = None, progress: bool = True) -> dict:
-    """Train (or resume) adapters for ``model`` (fp32 with autograd-capable linears) and save them in ``out``.
+    """Train (or resume) adapters and save them in ``out``; returns a summary with the learning curve.
 
-    Returns a summary with held-out stream accuracy before and after training.
+    ``model`` holds the frozen weights the stream rows are trained through (dense, autograd-capable: bf16 on a
+    CPU with AVX-512 BF16); ``decode_model`` is the model decoding will run (it fills the state cache and
+    writes the self-distilled chunks). ``chunks`` training chunks (default: ``steps``) are cached once in
+    ``cache`` (default ``out/cache``) and visited in a fresh shuffled order each epoch. ``vocab`` restricts the
+    training head to that many most frequent ids (0: the full vocabulary).
     """
     torch.manual_seed(seed)
     model.requires_grad_(False)
@@ -167,66 +321,82 @@ def train(model: Transformer, tokenizer, data: list[str], out: Path, *, streams:
     config = StreamConfig(streams=streams, layers=layers, rank=rank, alpha=2 * rank, hidden_size=cfg.hidden_size,
                           n_layers=cfg.n_layers, vocab_size=cfg.vocab_size)
     adapters = StreamAdapters(model, config)
-    texts = corpus_texts(data)
-    n_train = min(steps, 10_000)
-    chunks = make_chunks(tokenizer, texts, seq_len, n_train + held_out, seed)
-    train_chunks, eval_chunks = chunks[held_out:], chunks[:held_out]
-    if distill:
-        prompt_len = min(32, seq_len // 2)
-        train_chunks = self_distill(distill_model or model, train_chunks[:distill], prompt_len) + train_chunks[distill:]
-    bar = tqdm(total=len(train_chunks) + len(eval_chunks), desc="frozen base (once)", unit="chunk",
-               disable=not progress)
-    frozen_train, frozen_eval = [], []
-    for chunk in train_chunks:
-        frozen_train.append(freeze_chunk(model, adapters.first_layer, chunk))
-        bar.update()
-    for chunk in eval_chunks:
-        frozen_eval.append(freeze_chunk(model, adapters.first_layer, chunk))
-        bar.update()
-    bar.close()
+    first = adapters.first_layer
+    cache = cache or out / "cache"
+    n_train = chunks or min(steps, 10_000)
+    meta = {"data": list(data), "seq_len": seq_len, "chunks": n_train, "held_out": held_out, "distill": distill,
+            "seed": seed, "first_layer": first, "n_layers": cfg.n_layers, "hidden_size": cfg.hidden_size}
+    check_cache(cache, meta)
+    shards = shard_paths(cache, n_train, SHARD_CHUNKS)
+    if not all(p.exists() for p in [*shards, cache / HELD_OUT]):
+        all_chunks = make_chunks(tokenizer, corpus_texts(data), seq_len, n_train + held_out, seed)
+        train_chunks, eval_chunks = all_chunks[held_out:], all_chunks[:held_out]
+        if distill:
+            prompt_len = min(32, seq_len // 2)
+            train_chunks = self_distill(decode_model, train_chunks[:distill], prompt_len) + train_chunks[distill:]
+        cache_states(decode_model, first, train_chunks, eval_chunks, cache, shard_size=SHARD_CHUNKS,
+                     progress=progress)
+    train_items, eval_items = load_cache(shards, model.device), load_cache([cache / HELD_OUT], model.device)
+    head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
     optimizer = torch.optim.AdamW(adapters.trainable(), lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
     out.mkdir(parents=True, exist_ok=True)
-    start_step, before = 0, None
+    start_step, curve, tokens = 0, [], 0
     checkpoint = out / CHECKPOINT
     if checkpoint.exists():
         state = torch.load(checkpoint, map_location=model.device, weights_only=False)
         adapters.load_adapter_state(state["adapter"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        start_step, before = state["step"], state["before"]
-    if before is None:
-        before = evaluate(model, adapters, frozen_eval)
+        start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
+    if not curve:
+        curve.append({"step": 0, "train_tokens": 0} | evaluate(model, adapters, eval_items))
 
     def save(step: int) -> None:
         torch.save({"step": step, "adapter": {k: v.detach() for k, v in adapters.adapter_state().items()},
-                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "before": before},
-                   checkpoint)
+                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "curve": curve,
+                    "train_tokens": tokens}, checkpoint)
+        (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
+
+    def order(epoch: int) -> list[int]:
+        index = list(range(len(train_items)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(index)
+        return index
 
     bar = tqdm(total=steps, initial=start_step, desc="train streams", unit="step", disable=not progress)
     started = time.perf_counter()
     for step in range(start_step, steps):
-        frozen = frozen_train[step % len(frozen_train)]
-        stream_ce, prune_ce, _ = stream_losses(model, adapters, frozen)
-        loss = stream_ce + prune_ce
+        epoch, position = divmod(step, len(train_items))
+        item = train_items[order(epoch)[position]]
+        stream_ce, prune_ce = losses(model, adapters, item, head)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (stream_ce + prune_ce).backward()
         torch.nn.utils.clip_grad_norm_(adapters.trainable(), 1.0)
         optimizer.step()
         schedule.step()
-        bar.set_postfix(stream_ce=f"{stream_ce.item():.3f}", prune_ce=f"{prune_ce.item():.3f}")
+        tokens += item.labels.shape[0] - item.loss_from + 1
+        bar.set_postfix(stream_ce=f"{stream_ce.item():.3f}", prune_ce=f"{prune_ce.item():.3f}", epoch=epoch)
         bar.update()
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            curve.append({"step": step + 1, "train_tokens": tokens} | evaluate(model, adapters, eval_items))
+            bar.write(f"step {step + 1}: held-out {curve[-1]}")
         if (step + 1) % save_every == 0 or step + 1 == steps:
             save(step + 1)
     bar.close()
-    after = evaluate(model, adapters, frozen_eval)
-    summary = {"held_out_stream_accuracy_before": before, "held_out_stream_accuracy_after": after,
+    summary = {"held_out_stream_accuracy_before": curve[0]["stream_accuracy"],
+               "held_out_stream_accuracy_after": curve[-1]["stream_accuracy"],
+               "held_out_prune_accuracy_before": curve[0]["prune_accuracy"],
+               "held_out_prune_accuracy_after": curve[-1]["prune_accuracy"],
+               "labels": "the model's own greedy tokens (teacher-forced)", "train_vocab": vocab or cfg.vocab_size,
                "train_seconds_this_run": round(time.perf_counter() - started, 1), "steps": steps,
-               "seq_len": seq_len, "train_chunks": len(train_chunks), "held_out_chunks": held_out,
-               "self_distilled_chunks": distill}
+               "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
+               "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
+               "self_distilled_chunks": distill, "dtype": str(model.dtype).removeprefix("torch.")}
     adapters.save(out, recipe=(recipe or {}) | summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_curve(curve, out / CURVE_PLOT, f"{recipe.get('model', '') if recipe else ''} streams: γ={streams}, "
+               f"N_s={layers}, rank {rank}, {len(train_items)} chunks × {seq_len} tokens")
     return summary

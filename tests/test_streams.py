@@ -313,8 +313,8 @@ def test_smollm2_q8_ss_seeded_sampling_and_greedy_equal_ar_exactly():
 
 
 @requires_smollm2
-def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smollm2):
-    from mirrorsd.train_streams import corpus_texts, evaluate, freeze_chunk, make_chunks
+def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smollm2, tmp_path):
+    from mirrorsd.train_streams import HELD_OUT, cache_states, corpus_texts, evaluate, load_cache, make_chunks
 
     ours, _ = smollm2
     folder = shipped_adapter("smollm2-135m")
@@ -326,24 +326,116 @@ def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smol
     held_out = make_chunks(ours.tokenizer, texts, recipe["seq_len"], total, 0)[:4]  # never trained on
     trained = load_adapters(ours.model, folder)
     untrained = StreamAdapters(ours.model, trained.config)
-    frozen = [freeze_chunk(ours.model, trained.first_layer, c) for c in held_out]
-    good, base = evaluate(ours.model, trained, frozen), evaluate(ours.model, untrained, frozen)
-    assert all(g > b + 0.02 for g, b in zip(good, base, strict=True)), (good, base)
+    cache_states(ours.model, trained.first_layer, [], held_out, tmp_path, progress=False)
+    items = load_cache([tmp_path / HELD_OUT], "cpu")
+    good, base = evaluate(ours.model, trained, items), evaluate(ours.model, untrained, items)
+    assert all(g > b + 0.02 for g, b in zip(good["stream_accuracy"], base["stream_accuracy"], strict=True)), (
+        good, base)
+
+
+# -- training on the state cache -------------------------------------------------------------------------------
+
+
+def test_stream_targets_are_the_models_own_tokens_j_places_ahead():
+    from mirrorsd.train_streams import Cached, stream_targets
+
+    labels = torch.arange(10, 18)  # labels[t]: the model's token after position t, i.e. token t + 1
+    item = Cached(torch.zeros(8, 4), torch.zeros(1, 1, 8, 2), torch.zeros(1, 1, 8, 2), labels, loss_from=3)
+    streams, prune = stream_targets(item, gamma=2)
+    assert streams.shape == (8, 2)
+    # Stream j at t predicts token t + 1 + j = labels[t + j]; a target must be a completion token (>= 3) and known.
+    assert streams[0].tolist() == [-100, 12] and streams[1].tolist() == [12, 13]
+    assert streams[5].tolist() == [16, 17] and streams[6].tolist() == [17, -100] and streams[7].tolist() == [-100] * 2
+    assert prune.tolist() == [-100, -100, 12, 13, 14, 15, 16, 17]
+
+
+def test_training_head_is_the_full_head_on_its_subset(dense_model):
+    from mirrorsd.train_streams import TrainHead
+
+    ids = torch.tensor([5, 1, 40, 7])
+    head = TrainHead(dense_model, ids)
+    hidden = torch.randn(3, dense_model.config.hidden_size)
+    full = dense_model.logits(hidden)
+    torch.testing.assert_close(head.logits(hidden), full[:, ids.sort().values])
+    assert head.labels(torch.tensor([7, 2, -100, 1])).tolist() == [2, -100, -100, 0]  # outside the subset: none
+
+
+def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tmp_path):
+    from mirrorsd.train_streams import HELD_OUT, Chunk, cache_states, check_cache, load_cache, shard_paths
+
+    gen = torch.Generator().manual_seed(0)
+    chunks = [Chunk(torch.randint(0, dense_model.config.vocab_size, (12,), generator=gen), 1) for _ in range(5)]
+    meta = {"seq_len": 12, "chunks": 5}
+    check_cache(tmp_path, meta)
+    cache_states(dense_model, 2, chunks[1:], chunks[:1], tmp_path, shard_size=2, progress=False)
+    shards = shard_paths(tmp_path, 4, 2)
+    assert [p.exists() for p in shards] == [True, True] and (tmp_path / HELD_OUT).exists()
+    first = load_cache(shards, "cpu")
+    assert len(first) == 4 and first[0].keys.shape == (2, dense_model.config.n_kv_heads, 12,
+                                                       dense_model.config.head_dim)
+    # The labels are the model's own greedy tokens.
+    logits = dense_model(chunks[1].ids[None])
+    assert first[0].labels.tolist() == logits[0].argmax(-1).tolist()
+    kept = shards[0].stat().st_mtime_ns
+    shards[1].unlink()  # an interrupted run: only the missing shard is computed again
+    cache_states(dense_model, 2, chunks[1:], chunks[:1], tmp_path, shard_size=2, progress=False)
+    assert shards[0].stat().st_mtime_ns == kept and shards[1].exists()
+    again = load_cache(shards, "cpu")
+    assert all(torch.equal(a.hidden, b.hidden) and torch.equal(a.labels, b.labels)
+               for a, b in zip(first, again, strict=True))
+    check_cache(tmp_path, meta)  # the same settings reuse it
+    with pytest.raises(ValueError, match="seq_len"):
+        check_cache(tmp_path, {"seq_len": 16, "chunks": 5})
+
+
+def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_path):
+    from mirrorsd.train_streams import HELD_OUT, Chunk, TrainHead, cache_states, load_cache, losses
+
+    model = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    tower = Transformer.from_hf(tiny_hf(layers=4, seed=1).to(torch.bfloat16))
+    tower.requires_grad_(False)
+    cfg = tower.config
+    adapters = StreamAdapters(tower, StreamConfig(streams=2, layers=2, hidden_size=cfg.hidden_size,
+                                                  n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+    assert all(p.dtype == torch.float32 for p in adapters.trainable())
+    ids = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
+    cache_states(model, adapters.first_layer, [], [Chunk(ids, 1)], tmp_path, progress=False)
+    item = load_cache([tmp_path / HELD_OUT], "cpu")[0]
+    head = TrainHead(tower, torch.arange(cfg.vocab_size))
+    optimizer = torch.optim.Adam(adapters.trainable(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        stream_ce, prune_ce = losses(tower, adapters, item, head)
+        first = first if first is not None else (stream_ce.item(), prune_ce.item())
+        optimizer.zero_grad()
+        (stream_ce + prune_ce).backward()
+        optimizer.step()
+    assert stream_ce.item() < 0.5 * first[0] and prune_ce.item() < 0.5 * first[1]
 
 
 @requires_smollm2
-def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path):
+def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, capsys):
     from mirrorsd.cli import main
 
     out = tmp_path / "adapter"
     args = ["train-streams", "--model", "smollm2-135m", "--data", "pydoc-topics", "--out", str(out),
-            "--seq-len", "32", "--held-out", "1", "--layers", "2", "--streams", "2"]
+            "--seq-len", "32", "--held-out", "1", "--layers", "2", "--streams", "2", "--chunks", "3",
+            "--eval-every", "2"]
     assert main([*args, "--steps", "2"]) == 0
     first = json.loads((out / "summary.json").read_text())
-    assert main([*args, "--steps", "4"]) == 0  # resumes from step 2
+    cached = sorted((out / "cache").glob("*.safetensors"))
+    assert len(cached) == 2  # one training shard and the held-out chunks
+    stamps = [p.stat().st_mtime_ns for p in cached]
+    assert main([*args, "--steps", "4"]) == 0  # resumes from step 2 and reuses the cache
+    assert [p.stat().st_mtime_ns for p in cached] == stamps
     state = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert state["step"] == 4 and state["before"] == first["held_out_stream_accuracy_before"]
+    assert state["step"] == 4 and state["curve"][0]["stream_accuracy"] == first["held_out_stream_accuracy_before"]
+    assert [p["step"] for p in state["curve"]] == [0, 2, 4]
+    assert (out / "learning_curve.png").stat().st_size > 0
+    assert json.loads((out / "summary.json").read_text())["epochs"] == round(4 / 3, 2)
     assert (out / "adapter.safetensors").stat().st_size < 2_000_000
+    assert main([("16" if a == "32" else a) for a in args] + ["--steps", "4"]) != 0  # refused, not mixed in
+    assert "built with other settings (seq_len)" in capsys.readouterr().err
     model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
     got = generate(model, "Hi there", method="ss", streams=str(out), max_new_tokens=12)
     assert got.token_ids == generate(model, "Hi there", method="ar", max_new_tokens=12).token_ids
