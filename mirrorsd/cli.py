@@ -358,7 +358,8 @@ def _cmd_train_streams(args: argparse.Namespace) -> int:
                     cache=Path(args.cache) if args.cache else None, streams=args.streams, layers=args.layers,
                     rank=args.rank, steps=args.steps, chunks=args.chunks, seq_len=args.seq_len, lr=args.lr,
                     held_out=args.held_out, distill=args.self_distill, vocab=args.vocab,
-                    eval_every=args.eval_every, seed=args.seed, recipe=recipe)
+                    eval_every=args.eval_every, seed=args.seed, init=Path(args.init) if args.init else None,
+                    recipe=recipe)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -850,6 +851,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="precision of the frozen weights the streams are trained through (the adapters stay fp32)")
     t.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    t.add_argument("--init", metavar="ADAPTER", help="start from this adapter folder (same --streams, --layers, "
+                                                     "--rank) to train it further, e.g. on more --chunks")
     t.add_argument("--seed", type=int, default=0, help="data order and initialisation")
     t.set_defaults(func=_cmd_train_streams)
 

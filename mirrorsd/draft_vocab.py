@@ -14,6 +14,7 @@ chat-templated conversations, plus the tokenizer's special tokens, which always 
 from __future__ import annotations
 
 import argparse
+import weakref
 from collections import Counter
 from importlib import resources
 from pathlib import Path
@@ -25,6 +26,7 @@ from .linear import DenseLinear, make_linear
 from .quant import quantize_q8
 
 SIZES = (8192, 16384, 32768)
+DEFAULT_SIZE = 32768  # what the early exit and the streams read by default (and the streams are trained on)
 
 
 def table_path(vocab_size: int) -> Path:
@@ -41,22 +43,45 @@ def load_table(vocab_size: int) -> torch.Tensor:
 
 
 class SubsetHead(nn.Module):
-    """The LM head on ``ids`` only; :meth:`full` scatters its logits into a full-vocabulary row (-inf elsewhere),
-    so sampling, its position-keyed noise and the confidence rule see the usual shapes."""
+    """The LM head on ``ids`` only: a restricted vocabulary reads (and computes) only its rows, never 152k logits
+    per row. Its logits come in subset order (``ids`` ascending: column ``c`` scores token ``ids[c]``, and ties
+    break towards the lower id as over the full row); :meth:`full` scatters them into a full-vocabulary row (-inf
+    elsewhere) for sampling, whose noise is keyed by token id."""
 
     def __init__(self, head: nn.Module, embedding: torch.Tensor, ids: torch.Tensor, tied: bool) -> None:
         super().__init__()
-        ids = ids.sort().values.to(embedding.device)
+        ids = ids.sort().values.long().to(embedding.device)
         rows = head_weight(head, embedding, tied)[ids].float()
         self.linear = make_linear(quantize_q8(rows) if rows.shape[1] % 32 == 0 else rows)
         self.register_buffer("ids", ids)
         self.vocab = embedding.shape[0]
+        index = torch.full((self.vocab,), -1, dtype=torch.long, device=ids.device)
+        index[ids] = torch.arange(len(ids), device=ids.device)
+        self.register_buffer("index", index)  # token id -> its column, -1 outside the subset
 
-    def full(self, hidden: torch.Tensor) -> torch.Tensor:
-        sub = self.linear(hidden).float()
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., len(ids)]`` of normed hidden states."""
+        return self.linear(normed).float()
+
+    def full(self, normed: torch.Tensor) -> torch.Tensor:
+        sub = self(normed)
         out = torch.full((*sub.shape[:-1], self.vocab), float("-inf"), device=sub.device)
         out[..., self.ids] = sub
         return out
+
+
+def head_logits(model, hidden: torch.Tensor, head: SubsetHead | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Final norm + LM head on raw hidden states, and what each column scores: with ``head=None`` the full
+    vocabulary (column = token id, ids ``None``), else ``head``'s subset (column ``c`` = ``ids[c]``)."""
+    if head is None:
+        return model.logits(hidden), None
+    return head(model.norm(hidden)), head.ids
+
+
+def top_tokens(logits: torch.Tensor, ids: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` log-probabilities of :func:`head_logits` rows and their token ids."""
+    top = logits.log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return top.values, top.indices if ids is None else ids[top.indices]
 
 
 @torch.inference_mode()
@@ -71,12 +96,31 @@ def head_weight(head: nn.Module, embedding: torch.Tensor, tied: bool) -> torch.T
     return head(torch.eye(head.in_features, device=embedding.device)).float().T
 
 
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(size, device): SubsetHead}
+
+
 def subset_head(model, size: int) -> SubsetHead:
-    """``model``'s head restricted to the ``size`` most frequent ids of its tokenizer's shipped table."""
-    table = load_table(model.config.vocab_size)
-    if size > len(table):
-        raise ValueError(f"the shipped table has {len(table)} ids; draft_vocab must be at most that")
-    return SubsetHead(model.lm_head, model.embed_tokens.weight, table[:size], model.config.tie_word_embeddings)
+    """``model``'s head restricted to the ``size`` most frequent ids of its tokenizer's shipped table; built once
+    per model (a q8 copy of those rows) and shared by every request and role that asks for that size."""
+    heads = _HEADS.setdefault(model, {})
+    key = (size, model.device)
+    if key not in heads:
+        table = load_table(model.config.vocab_size)
+        if size > len(table):
+            raise ValueError(f"the shipped table has {len(table)} ids; a restricted vocabulary must be at most that")
+        heads[key] = SubsetHead(model.lm_head, model.embed_tokens.weight, table[:size],
+                                model.config.tie_word_embeddings).eval()
+    return heads[key]
+
+
+def optional_head(model, size: int | None) -> SubsetHead | None:
+    """The head a vocabulary option asks for. ``0``: the full vocabulary (``None``). ``None`` (a default): the
+    :data:`DEFAULT_SIZE` most frequent ids where a table ships for the model's vocabulary and it is larger, else
+    the full one. ``N``: the N most frequent ids (an error where no table ships)."""
+    vocab = model.config.vocab_size
+    if size is None:
+        size = DEFAULT_SIZE if vocab > DEFAULT_SIZE and table_path(vocab).is_file() else 0
+    return subset_head(model, size) if 0 < size < vocab else None
 
 
 # -- building a table ----------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .draft_vocab import SubsetHead, head_logits, optional_head
 from .model import StreamRows, Transformer
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,9 +115,22 @@ class StreamAdapters(nn.Module):
         streams = (main.unsqueeze(2) + self.stream_embed.to(main.dtype)).reshape(rows, m * self.config.streams, h)
         return torch.cat([main, streams], dim=1)
 
-    def prune_logits(self, model: Transformer, hidden: torch.Tensor) -> torch.Tensor:
-        """Early-exit logits H(o_θ(M)) at the pruning layer (the layer where streams are inserted)."""
-        return model.logits(self.prune(hidden))
+    @property
+    def train_vocab(self) -> int:
+        """The restricted vocabulary the streams were trained on (0: the full one): ids outside it never got a
+        gradient, so decoding reads the streams and the pruning exit through the same subset by default."""
+        return int(self.config.recipe.get("train_vocab", 0))
+
+    def head(self, model: Transformer, vocab: int | None = None) -> SubsetHead | None:
+        """The head stream rows and the pruning exit are read through: ``vocab`` ids (0: all), by default the
+        training vocabulary."""
+        return optional_head(model, self.train_vocab if vocab is None else vocab)
+
+    def prune_logits(self, model: Transformer, hidden: torch.Tensor,
+                     head: SubsetHead | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Early-exit logits H(o_θ(M)) at the pruning layer (the layer where streams are inserted), with the
+        token each column scores (:func:`~mirrorsd.draft_vocab.head_logits`)."""
+        return head_logits(model, self.prune(hidden), head)
 
     # -- persistence -------------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from .draft_vocab import head_weight, load_table
 from .kv_cache import KVCache
 from .model import Transformer
-from .streams import StreamAdapters, StreamConfig, msa_mask
+from .streams import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, msa_mask
 
 CORPORA = {
     "stdlib": "Python standard library source (top-level *.py files of this interpreter)",
@@ -268,7 +268,7 @@ def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Cached
         valid = streams >= 0
         hits += ((predicted == streams) & valid).sum(0).cpu()
         counts += valid.sum(0).cpu()
-        exit_predicted = adapters.prune_logits(model, item.hidden.to(model.dtype)).argmax(-1)
+        exit_predicted = adapters.prune_logits(model, item.hidden.to(model.dtype))[0].argmax(-1)
         prune_hits += int(((exit_predicted == prune) & (prune >= 0)).sum())
         prune_count += int((prune >= 0).sum())
     return {"stream_accuracy": [round(x, 4) for x in (hits / counts.clamp(min=1)).tolist()],
@@ -302,18 +302,35 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def warm_start(model: Transformer, adapters: StreamAdapters, folder: Path) -> int:
+    """Load a saved adapter's weights into ``adapters`` (its γ, N_s and ranks must match); returns the training
+    tokens it had seen (its recipe's ``train_tokens``, 0 when it does not say)."""
+    from safetensors.torch import load_file
+
+    saved = StreamConfig(**json.loads((Path(folder) / CONFIG_FILE).read_text()))
+    ours = adapters.config
+    got, want = (saved.streams, saved.layers, saved.rank, saved.prune_rank), (ours.streams, ours.layers, ours.rank,
+                                                                              ours.prune_rank)
+    if got != want:
+        raise ValueError(f"--init adapter has streams/layers/rank/prune rank {got}, this run trains {want}")
+    saved.check(model)
+    adapters.load_adapter_state(load_file(str(Path(folder) / WEIGHTS_FILE), device=str(model.device)))
+    return int(saved.recipe.get("train_tokens", 0))
+
+
 def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[str], out: Path, *,
           cache: Path | None = None, streams: int = 3, layers: int = 4, rank: int = 8, steps: int = 200,
           chunks: int | None = None, seq_len: int = 128, lr: float = 1e-3, held_out: int = 8, distill: int = 0,
           vocab: int = 32768, eval_every: int = 50, save_every: int = 25, seed: int = 0,
-          recipe: dict | None = None, progress: bool = True) -> dict:
+          init: Path | None = None, recipe: dict | None = None, progress: bool = True) -> dict:
     """Train (or resume) adapters and save them in ``out``; returns a summary with the learning curve.
 
     ``model`` holds the frozen weights the stream rows are trained through (dense, autograd-capable: bf16 on a
     CPU with AVX-512 BF16); ``decode_model`` is the model decoding will run (it fills the state cache and
     writes the self-distilled chunks). ``chunks`` training chunks (default: ``steps``) are cached once in
     ``cache`` (default ``out/cache``) and visited in a fresh shuffled order each epoch. ``vocab`` restricts the
-    training head to that many most frequent ids (0: the full vocabulary).
+    training head to that many most frequent ids (0: the full vocabulary). ``init``: an adapter folder to start
+    from (same γ, N_s and rank) instead of a fresh initialisation; the curve then counts its training tokens too.
     """
     torch.manual_seed(seed)
     model.requires_grad_(False)
@@ -345,6 +362,8 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
     out.mkdir(parents=True, exist_ok=True)
     start_step, curve, tokens = 0, [], 0
+    if init is not None:
+        tokens = warm_start(model, adapters, init)
     checkpoint = out / CHECKPOINT
     if checkpoint.exists():
         state = torch.load(checkpoint, map_location=model.device, weights_only=False)
@@ -353,7 +372,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
         schedule.load_state_dict(state["schedule"])
         start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
     if not curve:
-        curve.append({"step": 0, "train_tokens": 0} | evaluate(model, adapters, eval_items))
+        curve.append({"step": 0, "train_tokens": tokens} | evaluate(model, adapters, eval_items))
 
     def save(step: int) -> None:
         torch.save({"step": step, "adapter": {k: v.detach() for k, v in adapters.adapter_state().items()},
@@ -395,6 +414,8 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
                "self_distilled_chunks": distill, "dtype": str(model.dtype).removeprefix("torch.")}
+    if init is not None:
+        summary["init"] = str(init)
     adapters.save(out, recipe=(recipe or {}) | summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_curve(curve, out / CURVE_PLOT, f"{recipe.get('model', '') if recipe else ''} streams: γ={streams}, "

@@ -46,7 +46,7 @@ OWN_SUITE = {"processes"}
 ADAPTER_OPTIONS = {"streams": ("target", True), "draft_streams": ("draft", False)}  # name -> (model, required)
 # Frequency tables ship for real tokenizers only; tests/test_draft_vocab.py runs reduced vocabularies on these
 # models with a table of their own.
-FIXED_OPTIONS = {"draft_vocab": 0}
+FIXED_OPTIONS = {"draft_vocab": 0, "exit_vocab": None, "stream_vocab": None}  # None: the full vocabulary here
 WHOLE_PROMPT = {"ar", "suffix"}  # methods whose scorer prefills the whole prompt (ChainScorer(whole_prompt=True))
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

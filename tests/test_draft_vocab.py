@@ -14,6 +14,7 @@ from mirrorsd import draft_vocab as dv
 from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, new_state
 from mirrorsd.decoding.proposers import ModelProposer
 from mirrorsd.sampling import SamplingParams
+from mirrorsd.verify import Verdict
 
 from .conftest import tiny_hf
 from .test_decoding import _exact_pair_distribution
@@ -97,3 +98,97 @@ def test_rejection_sampling_with_a_reduced_draft_vocabulary_keeps_the_target_dis
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     exp = torch.cat([exact[keep] * n, (exact[~keep] * n).sum()[None]])
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+
+
+# -- restricted heads beyond the draft: the early exit and the streams (compute only the rows they read) --------
+
+
+def test_subset_head_columns_map_back_to_token_ids(tables):
+    model = row_exact(tiny_hf(layers=2, seed=1))
+    head = dv.subset_head(model, 16)
+    assert dv.subset_head(model, 16) is head  # built once per model and size, shared by every request
+    normed = model.norm(torch.randn(3, model.config.hidden_size))
+    sub = head(normed)
+    assert sub.shape == (3, 16)  # only the subset's rows are computed
+    assert torch.equal(head.full(normed)[:, head.ids], sub)
+    assert torch.equal(head.index[head.ids], torch.arange(16)) and (head.index >= 0).sum() == 16
+    logprobs, ids = dv.top_tokens(sub, head.ids, 4)
+    want = head.full(normed).log_softmax(-1).topk(4, dim=-1)
+    assert torch.equal(ids, want.indices) and torch.allclose(logprobs, want.values)
+
+
+def test_optional_head_defaults_to_the_full_vocabulary_where_no_larger_table_ships(tables, monkeypatch):
+    model = row_exact(tiny_hf(layers=2, seed=1))  # vocabulary 64, smaller than the 32k default
+    assert dv.optional_head(model, None) is None and dv.optional_head(model, 0) is None
+    assert dv.optional_head(model, 64) is None and len(dv.optional_head(model, 16).ids) == 16
+    monkeypatch.setattr(dv, "DEFAULT_SIZE", 32)
+    assert len(dv.optional_head(model, None).ids) == 32
+    other = row_exact(tiny_hf(vocab=96, layers=1, seed=1))  # no table for a 96-token vocabulary
+    assert dv.optional_head(other, None) is None
+    with pytest.raises(FileNotFoundError, match="python -m mirrorsd.draft_vocab"):
+        dv.optional_head(other, 16)
+
+
+def test_greedy_reduced_drafts_propose_only_subset_ids(tables):
+    target = row_exact(tiny_hf(layers=4, seed=1))
+    draft = row_exact(tiny_hf(layers=2, seed=2))
+    request = DecodeRequest(target, [3, 1, 4, 1, 5], 8, SamplingParams(), GenerationStats("sd"), draft)
+    proposer = ModelProposer(draft, 64, SamplingParams(), 6, vocab=8)
+    window = proposer.propose(new_state(request))
+    allowed = set(dv.load_table(64)[:8].tolist())
+    assert len(window.tokens) == 6 and set(window.tokens) <= allowed
+    full = generate(draft, [3, 1, 4, 1, 5], method="ar", max_new_tokens=1).token_ids[0]
+    if full in allowed:  # the subset's argmax is the full row's argmax whenever the latter is in the subset
+        assert window.tokens[0] == full
+
+
+def test_mirror_with_a_restricted_exit_equals_ar_and_reads_subset_candidates(tables):
+    from mirrorsd.decoding.mirror import early_exit
+
+    target = row_exact(tiny_hf(layers=4, seed=1))
+    draft = row_exact(tiny_hf(layers=2, seed=2))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for sampling in ({}, {"temperature": 0.9, "seed": 4}):
+        want = generate(target, prompt, method="ar", max_new_tokens=24, **sampling).token_ids
+        for vocab in (0, 8, 32):
+            got = generate(target, prompt, method="mirror", draft=draft, max_new_tokens=24, kappa=4, gamma=3,
+                           exit_vocab=vocab, **sampling)
+            assert got.token_ids == want
+    message = early_exit(target, torch.randn(1, 3, target.config.hidden_size), 4, SamplingParams(),
+                         head=dv.subset_head(target, 8))
+    allowed = set(dv.load_table(64)[:8].tolist())
+    assert all(len(row) == 4 and set(row) <= allowed for row in message.ids)
+    with pytest.raises(ValueError, match="exit_vocab"):
+        generate(target, prompt, method="mirror", draft=draft, exit_vocab=-1)
+
+
+def test_ss_with_restricted_stream_heads_equals_ar_and_prunes_outside_tokens(tables):
+    from mirrorsd.decoding import streaming
+
+    from .test_streams import random_adapters
+
+    model = row_exact(tiny_hf(layers=4, seed=1))
+    adapters = random_adapters(model, layers=2)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for sampling in ({}, {"temperature": 0.9, "seed": 4}):
+        want = generate(model, prompt, method="ar", max_new_tokens=20, **sampling).token_ids
+        for vocab in (0, 8):
+            got = generate(model, prompt, method="ss", streams=adapters, max_new_tokens=20, tree_k=2,
+                           threshold=0.01, stream_vocab=vocab, **sampling)
+            assert got.token_ids == want
+    head = adapters.head(model, 8)
+    inside = head.ids.tolist()
+    outside = [t for t in range(64) if t not in inside]
+    with torch.inference_mode():
+        cache = model.new_cache()
+        model.prefill(torch.tensor([[1, 2, 3]]), cache)
+        tree = streaming.candidate_tree([[inside[0], outside[0]], [inside[1], outside[1]]])
+        kept = {}
+        for name, which in (("full", None), ("restricted", head)):
+            forward = streaming.fused_forward(model, adapters, cache, [4], tree, threshold=1e-6, head=which)
+            kept[name] = {tree.tokens[i - 1] for i in forward.kept[1:]}
+            cache.truncate(3)
+    assert outside[0] in kept["full"]
+    assert inside[0] in kept["restricted"] and kept["restricted"] <= set(inside)  # outside: probability 0
+    candidates = streaming.next_candidates(model, adapters, forward, Verdict(0, 0), 3, head)
+    assert all(len(row) == 3 and set(row) <= set(inside) for row in candidates)

@@ -436,6 +436,15 @@ def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, ca
     assert (out / "adapter.safetensors").stat().st_size < 2_000_000
     assert main([("16" if a == "32" else a) for a in args] + ["--steps", "4"]) != 0  # refused, not mixed in
     assert "built with other settings (seq_len)" in capsys.readouterr().err
+    trained = json.loads((out / "summary.json").read_text())
+    more = tmp_path / "more"  # a warm start: the curve begins where the first adapter ended
+    assert main([*args, "--out", str(more), "--cache", str(out / "cache"), "--init", str(out), "--steps", "2"]) == 0
+    curve = json.loads((more / "curve.json").read_text())
+    assert curve[0]["train_tokens"] == trained["train_tokens"] > 0
+    assert curve[0]["stream_accuracy"] == trained["held_out_stream_accuracy_after"]
+    assert json.loads((more / "summary.json").read_text())["train_tokens"] > trained["train_tokens"]
+    assert main([*args, "--out", str(tmp_path / "other"), "--init", str(out), "--rank", "4", "--steps", "2"]) != 0
+    assert "--init adapter has streams/layers/rank" in capsys.readouterr().err
     model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
     got = generate(model, "Hi there", method="ss", streams=str(out), max_new_tokens=12)
     assert got.token_ids == generate(model, "Hi there", method="ar", max_new_tokens=12).token_ids

@@ -34,15 +34,19 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..decoding import get_method, methods
+from ..decoding.mirror import DEFAULT_KAPPA, early_exit
+from ..draft_vocab import optional_head
 from ..model import Transformer
 from ..plans import plan_path
 from ..runtime.executors import split_threads
+from ..sampling import SamplingParams
 from .metrics import expected_accepted
 
 TARGET_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -133,6 +137,7 @@ def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], c
     cache = model.new_cache(capacity=context + max(ks) + 1)
     model.prefill(torch.randint(0, vocab, (1, context), generator=g).to(device), cache)
     full, prefix, head = {}, {e: {} for e in exit_layers}, {}
+    exit_vocab = optional_head(model, None) if heads else None  # the exit as mirror runs it by default
     for k in ks:
         x = torch.randint(0, vocab, (1, k), generator=g).to(device)
         positions = torch.arange(context, context + k, device=device)[None]
@@ -149,8 +154,8 @@ def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], c
 
             prefix[e][k] = _median_ms(pre, rounds)
         if heads:
-            hidden = model.embed(x)
-            head[k] = _median_ms(lambda hidden=hidden: model.logits(hidden)[0].topk(16, -1), rounds)
+            head[k] = _median_ms(partial(early_exit, model, model.embed(x), DEFAULT_KAPPA, SamplingParams(),
+                                         head=exit_vocab), rounds)
     return full, prefix, head
 
 

@@ -79,7 +79,12 @@ class ModelProposer:
         self.model, self.params, self.gamma, self.confidence, self.schedule = draft, params, gamma, confidence, schedule
         self.context = context  # > 0: the draft reads SINK_TOKENS + the last ``context`` prompt tokens
         self.skipped = 0  # prompt tokens the draft's cache leaves out (the cache's positions close the gap)
-        self.head = subset_head(draft, vocab).full if vocab else None  # a reduced draft vocabulary (FR-Spec)
+        # A reduced draft vocabulary (FR-Spec). Greedy drafts read its logits as they come (an argmax and a
+        # top probability need no full row); sampled ones scatter them into the full vocabulary, where the
+        # noise is keyed by token id.
+        self.subset = subset_head(draft, vocab) if vocab else None
+        self.subset_columns = self.subset is not None and params.greedy  # logits' column c is token subset.ids[c]
+        self.head = self.subset if self.subset_columns or self.subset is None else self.subset.full
         self.rejection = rejection and not params.greedy
         self.noise = Noise.DRAFT if self.rejection else Noise.TARGET
         self.need_probs = self.rejection or confidence > 0
@@ -113,11 +118,15 @@ class ModelProposer:
                 doubtful = self.top_probability(logits) < self.confidence
                 if doubtful and i == 0:
                     break
-            tokens.append(sample(logits, [position + i], params, self.noise)[0])
+            tokens += self.tokens_of(sample(logits, [position + i], params, self.noise))
             if doubtful:
                 break
         self.last = Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)
         return self.last
+
+    def tokens_of(self, drawn: list[int]) -> list[int]:
+        """Token ids of what :func:`sample` drew from this proposer's logits (subset columns map back)."""
+        return self.subset.ids[drawn].tolist() if self.subset_columns else drawn
 
     def first_feed(self, state: RequestState) -> list[int]:
         """``state.pending``, or, for the prompt prefill with ``context``, its first SINK_TOKENS and last ``context``
@@ -168,6 +177,7 @@ class StreamProposer(ModelProposer):
                  tree_k: int = DEFAULT_TREE_K) -> None:
         super().__init__(draft, target_vocab, params, gamma, confidence=confidence, rejection=rejection)
         self.adapters, self.tree_k = adapters, tree_k
+        self.stream_head = adapters.head(draft)  # the vocabulary the streams were trained on
 
     def propose(self, state: RequestState, window: int | None = None) -> Draft:
         window = min(self.gamma, state.room) if window is None else window
@@ -178,7 +188,7 @@ class StreamProposer(ModelProposer):
         while len(tokens) < window:
             depth = min(self.adapters.config.streams, window - len(tokens) - 1)
             result = ss_pass(self.model, self.adapters, cache, trunk, candidates[:depth], self.params,
-                             noise=self.noise, tree_k=self.tree_k)
+                             noise=self.noise, tree_k=self.tree_k, head=self.stream_head)
             forwards += 1
             new = [*result.accepted, result.next_token]
             tokens += new

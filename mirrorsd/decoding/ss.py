@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..draft_vocab import SubsetHead
 from ..model import Transformer
 from ..streams import StreamAdapters, load_adapters
 from ..verify import Verdict
@@ -34,6 +35,9 @@ class SSOptions(MethodOptions):
                                check=at_least(0), flag="--tree-depth")
     threshold: float = option(DEFAULT_THRESHOLD, "drop tree edges whose pruning-adapter probability is below this, "
                               "with their subtrees; 0 never prunes", check=probability(), flag="--prune-threshold")
+    stream_vocab: int | None = option(None, "read stream rows and the pruning exit through the N most frequent token "
+                                      "ids only (0: the full vocabulary)", parse=int, check=at_least(0),
+                                      default_text="the adapter's training vocabulary")
     suffix_match: int = suffix_match_option()
 
 
@@ -65,13 +69,14 @@ class TreeScores(Scores):
 class StreamTreeScorer(ChainScorer):
     """The fused pass over ``[last committed] + tree``; commit compacts the cache to the accepted path."""
 
-    def __init__(self, model: Transformer, adapters: StreamAdapters, threshold: float, stats: SSStats) -> None:
+    def __init__(self, model: Transformer, adapters: StreamAdapters, threshold: float, stats: SSStats,
+                 head: SubsetHead | None) -> None:
         super().__init__(model)
-        self.adapters, self.threshold, self.stats = adapters, threshold, stats
+        self.adapters, self.threshold, self.stats, self.head = adapters, threshold, stats, head
 
     def score(self, state: RequestState, draft: Draft) -> TreeScores:
         forward = fused_forward(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
-                                self.threshold)
+                                self.threshold, self.head)
         self.stats.tree_before.append(forward.nodes)
         self.stats.tree_after.append(len(forward.kept))
         return TreeScores(forward.main_logits, forward.draft, forward=forward)
@@ -84,8 +89,9 @@ class StreamTreeScorer(ChainScorer):
 class StreamCandidates:
     """Proposes the Cartesian tree of the last pass's stream candidates (the first pass has none)."""
 
-    def __init__(self, model: Transformer, adapters: StreamAdapters, depth: int, tree_k: int) -> None:
-        self.model, self.adapters, self.depth, self.tree_k = model, adapters, depth, tree_k
+    def __init__(self, model: Transformer, adapters: StreamAdapters, depth: int, tree_k: int,
+                 head: SubsetHead | None) -> None:
+        self.model, self.adapters, self.depth, self.tree_k, self.head = model, adapters, depth, tree_k, head
         self.candidates: list[list[int]] = []
 
     def start(self, state: RequestState) -> None:
@@ -95,7 +101,7 @@ class StreamCandidates:
         return candidate_tree(self.candidates[: max(0, min(self.depth, state.room))])
 
     def feedback(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
-        self.candidates = next_candidates(self.model, self.adapters, scores.forward, verdict, self.tree_k)
+        self.candidates = next_candidates(self.model, self.adapters, scores.forward, verdict, self.tree_k, self.head)
 
 
 def build(req: DecodeRequest, opts: SSOptions) -> Roles:
@@ -108,7 +114,8 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     req.stats.extra["ss"] = stats
     top_fraction = adapters.config.layers / req.target.config.n_layers
 
-    proposer: Any = StreamCandidates(req.target, adapters, depth, opts.tree_k)
+    head = adapters.head(req.target, opts.stream_vocab)
+    proposer: Any = StreamCandidates(req.target, adapters, depth, opts.tree_k, head)
     lookup, window = None, depth
     if opts.suffix_match:  # suffix windows are not bounded by the streams
         window = max(depth, SuffixOptions().gamma)
@@ -119,7 +126,7 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
         return {"tree": scores.forward.nodes, "kept": len(scores.forward.kept), "streams": streams,
                 "top_fraction": top_fraction, **(proposer.log(scores, verdict) if lookup else {})}
 
-    return Roles(proposer, StreamTreeScorer(req.target, adapters, opts.threshold, stats), match, gamma=window,
+    return Roles(proposer, StreamTreeScorer(req.target, adapters, opts.threshold, stats, head), match, gamma=window,
                  log=log, close=lookup.close if lookup else None)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..draft_vocab import SubsetHead, head_logits, top_tokens
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..sampling import Noise, SamplingParams
@@ -84,8 +85,9 @@ class TreeForward:
 
 
 def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Draft,
-                  threshold: float = 0.0) -> TreeForward:
-    """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows."""
+                  threshold: float = 0.0, head: SubsetHead | None = None) -> TreeForward:
+    """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows. ``head``: the
+    restricted vocabulary the pruning exit reads (a token outside it has probability 0)."""
     device = model.device
     past = len(cache)
     root = len(trunk) - 1
@@ -103,12 +105,17 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
 
     kept = list(range(n))
     if threshold > 0 and n > len(trunk):
-        heads = sorted({parents[i] for i in range(len(trunk), n)})
-        probs = adapters.prune_logits(model, hidden[0, heads]).softmax(-1)
-        row = {h: r for r, h in enumerate(heads)}
+        parent_nodes = sorted({parents[i] for i in range(len(trunk), n)})
+        logits, ids = adapters.prune_logits(model, hidden[0, parent_nodes], head)
+        row = {node: r for r, node in enumerate(parent_nodes)}
+        edges = range(len(trunk), n)
+        children = torch.tensor([tokens[i] for i in edges], device=device)
+        columns = children if ids is None else head.index[children]  # -1: outside the restricted vocabulary
+        probs = logits.softmax(-1)[[row[parents[i]] for i in edges], columns.clamp(min=0)]
+        edge_probs = probs.masked_fill(columns < 0, 0.0).tolist()
         alive = [True] * n
-        for i in range(len(trunk), n):
-            alive[i] = alive[parents[i]] and probs[row[parents[i]], tokens[i]].item() >= threshold
+        for i, p in zip(edges, edge_probs, strict=True):
+            alive[i] = alive[parents[i]] and p >= threshold
         kept = [i for i in range(n) if alive[i]]
 
     m, gamma = len(kept), adapters.config.streams
@@ -125,12 +132,12 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
 
 
 def next_candidates(model: Transformer, adapters: StreamAdapters, forward: TreeForward, verdict: Verdict,
-                    tree_k: int) -> list[list[int]]:
-    """Top-k of streams 1..γ at the last accepted node: the next tree."""
+                    tree_k: int, head: SubsetHead | None = None) -> list[list[int]]:
+    """Top-k of streams 1..γ at the last accepted node (over ``head``'s ids when given): the next tree."""
     gamma, m = adapters.config.streams, len(forward.kept)
     last = forward.trunk + verdict.nodes[-1] if verdict.accepted else forward.root_row
-    logits = model.logits(forward.out[0, m + last * gamma: m + (last + 1) * gamma])
-    return logits.topk(min(tree_k, logits.shape[-1]), dim=-1).indices.tolist()
+    logits, ids = head_logits(model, forward.out[0, m + last * gamma: m + (last + 1) * gamma], head)
+    return top_tokens(logits, ids, tree_k)[1].tolist()
 
 
 def compact(model: Transformer, adapters: StreamAdapters, cache: KVCache, forward: TreeForward,
@@ -154,13 +161,13 @@ class PassResult:
 
 def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int],
             candidates: list[list[int]], params: SamplingParams, *, noise: int = Noise.TARGET,
-            threshold: float = 0.0, tree_k: int = DEFAULT_TREE_K) -> PassResult:
+            threshold: float = 0.0, tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None) -> PassResult:
     """One self-verified pass: verify the tree under ``trunk[-1]``, draft the next one, compact."""
-    forward = fused_forward(model, adapters, cache, trunk, candidate_tree(candidates), threshold)
+    forward = fused_forward(model, adapters, cache, trunk, candidate_tree(candidates), threshold, head)
     verdict = verify_tree(forward.draft.tokens, forward.draft.parents, forward.main_logits,
                           forward.past + forward.trunk, params, noise)
     chose = [0, *(i + 1 for i in verdict.nodes)]
     result = PassResult([forward.draft.tokens[i] for i in verdict.nodes], verdict.next_token,
-                        next_candidates(model, adapters, forward, verdict, tree_k), forward.main_logits[chose])
+                        next_candidates(model, adapters, forward, verdict, tree_k, head), forward.main_logits[chose])
     compact(model, adapters, cache, forward, verdict)
     return result
