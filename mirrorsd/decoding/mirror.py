@@ -552,9 +552,10 @@ class MirrorRun:
     root budget and scorer, and the step record both halves fill in."""
 
     def __init__(self, req: DecodeRequest, opts: MirrorOptions, exit_layer: int, executor: Executor,
-                 translate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 translate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 exit_vocab: SubsetHead | None = None) -> None:
         self.opts, self.exit_layer, self.executor, self.translate = opts, exit_layer, executor, translate
-        self.exit_vocab = optional_head(req.target, opts.exit_vocab)
+        self.exit_vocab = exit_vocab
         self.tracer = Tracer()
         req.stats.spans = self.tracer.spans
         self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots)
@@ -634,7 +635,7 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
         raise OptionError("kappa", f"must be in 1..{req.target.config.vocab_size} (the vocabulary), got {opts.kappa}")
     translate = tuned_exit(req.target, opts.exit_head, exit_layer)
     executor = make_executor(opts.backend, req.target.device, req.draft.device, opts.threads)
-    run = MirrorRun(req, opts, exit_layer, executor, translate)
+    run = MirrorRun(req, opts, exit_layer, executor, translate, optional_head(req.target, opts.exit_vocab))
     rejection = opts.acceptance == "rejection"
     run.stats.draft_streams = opts.draft_streams is not None
     lookup = suffix_proposer(req, SuffixOptions(), gamma=opts.gamma, rejection=rejection) if opts.suffix_match else None
