@@ -120,6 +120,9 @@ def _as_loaded(m: LoadedModel | Transformer) -> LoadedModel:
     return m if isinstance(m, LoadedModel) else LoadedModel(m)
 
 
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]  # text, token ids or chat messages
+
+
 def encode_chat(target: LoadedModel, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of a conversation (``[{"role": "user", "content": ...}, ...]``) through the model's chat template,
     ending with the assistant's turn; a tokenizer without a template gets the turns' contents joined."""
@@ -132,10 +135,19 @@ def encode_chat(target: LoadedModel, messages: Sequence[dict[str, str]]) -> list
     return tok("\n\n".join(m["content"] for m in messages))["input_ids"]
 
 
-def encode_prompt(target: LoadedModel, prompt: str | Sequence[int], *, raw: bool = False) -> list[int]:
-    """Token ids for a prompt: ids pass through; text goes through the chat template unless ``raw``."""
+def encode_prompt(target: LoadedModel, prompt: Prompt, *, raw: bool = False) -> list[int]:
+    """Token ids for a prompt: ids pass through; text goes through the chat template unless ``raw``; chat
+    messages (``[{"role": ..., "content": ...}]``, as HF pipelines take them) through the template."""
     if not isinstance(prompt, str):
-        ids = [int(t) for t in prompt]
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            ids = encode_chat(target, items)
+        else:
+            try:
+                ids = [int(t) for t in items]
+            except (TypeError, ValueError):
+                raise ValueError("a prompt is text, token ids or chat messages ([{'role': 'user', 'content': ...}]); "
+                                 f"got a sequence of {type(items[0]).__name__}") from None
     elif raw:
         if target.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids instead of text")
@@ -349,7 +361,7 @@ class GenerationStream:
 
 def stream(
     target: LoadedModel | Transformer,
-    prompt: str | Sequence[int],
+    prompt: Prompt,
     *,
     draft: LoadedModel | Transformer | None = None,
     method: str | None = None,
@@ -407,7 +419,7 @@ def stream(
     return GenerationStream(target, ids, run(request, roles), request, stop)
 
 
-def generate(target: LoadedModel | Transformer, prompt: str | Sequence[int], **kwargs: Any) -> Generation:
+def generate(target: LoadedModel | Transformer, prompt: Prompt, **kwargs: Any) -> Generation:
     """Generate a completion.
 
     ``method``: a registered method (``mirrorsd methods`` lists them with their options: ``ar``, ``sd``,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import mirrorsd
 from mirrorsd import LoadedModel, Transformer, generate, stream
 
 from .conftest import requires_smollm2, tiny_hf
@@ -67,6 +68,18 @@ def test_bad_prompts(tiny):
         generate(tiny, [1, 10_000])
     with pytest.raises(ValueError, match="no tokenizer"):
         generate(tiny, "text needs a tokenizer")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        generate(tiny, [{"role": "user", "content": "chat needs one too"}])
+    with pytest.raises(ValueError, match="text, token ids or chat messages"):
+        generate(tiny, ["not", "ids"])
+
+
+@requires_smollm2
+def test_chat_messages_go_through_the_template_like_text():
+    model = mirrorsd.load_model("smollm2-135m", progress=False)
+    messages = [{"role": "user", "content": "List three colours."}]
+    got = generate(model, messages, max_new_tokens=8)
+    assert got.token_ids == generate(model, "List three colours.", max_new_tokens=8).token_ids
 
 
 class _Vocab:
