@@ -84,7 +84,7 @@ class ModelProposer:
         # noise is keyed by token id.
         self.subset = subset_head(draft, vocab) if vocab else None
         self.subset_columns = self.subset is not None and params.greedy  # logits' column c is token subset.ids[c]
-        self.head = self.subset if self.subset_columns or self.subset is None else self.subset.full
+        self.head = self.subset.full if self.subset is not None and not params.greedy else self.subset
         self.rejection = rejection and not params.greedy
         self.noise = Noise.DRAFT if self.rejection else Noise.TARGET
         self.need_probs = self.rejection or confidence > 0
