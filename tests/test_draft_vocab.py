@@ -191,4 +191,4 @@ def test_ss_with_restricted_stream_heads_equals_ar_and_prunes_outside_tokens(tab
     assert outside[0] in kept["full"]
     assert inside[0] in kept["restricted"] and kept["restricted"] <= set(inside)  # outside: probability 0
     candidates = streaming.next_candidates(model, adapters, forward, Verdict(0, 0), 3, head)
-    assert all(len(row) == 3 and set(row) <= set(inside) for row in candidates)
+    assert all(len(row) == 3 and set(row) <= set(inside) for row in candidates.tokens)

@@ -4,6 +4,7 @@ pruning, KV compaction, the SS draft inside Mirror-SD, training and the shipped 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -60,6 +61,23 @@ def test_tree_is_the_cartesian_product_with_ancestor_mask():
     # A trunk of committed tokens is a chain the tree hangs from.
     tokens, parents, depths = streaming.build_tree([4, 5, 6], [[1, 2]])
     assert tokens == [4, 5, 6, 1, 2] and parents == [-1, 0, 1, 2, 2] and depths == [0, 1, 2, 3, 3]
+
+
+def test_budget_tree_keeps_the_most_likely_nodes_parents_first():
+    lp = math.log
+    candidates = streaming.Candidates([[1, 2], [3, 4], [5, 6]], [[lp(0.6), lp(0.4)], [lp(0.9), lp(0.1)],
+                                                                  [lp(0.5), lp(0.5)]])
+    assert candidates.tree(3, 0) == streaming.candidate_tree(candidates.tokens)
+    assert candidates.tree(3, 14) == streaming.candidate_tree(candidates.tokens)  # the whole tree fits
+    assert candidates.tree(2, 0) == streaming.candidate_tree(candidates.tokens[:2])
+    # Path probabilities: 1 .6, 1-3 .54, 2 .4, 2-3 .36, 1-3-5 .27, 1-3-6 .27, 2-3-5 .18, ...
+    tree = candidates.tree(3, 5)
+    assert tree.tokens == [1, 3, 2, 3, 5] and tree.parents == [-1, 0, -1, 2, 1]
+    tree = candidates.tree(3, 4)
+    assert tree.tokens == [1, 3, 2, 3] and tree.parents == [-1, 0, -1, 2]
+    assert candidates.tree(1, 1) == Draft([1], [-1])
+    assert candidates.tree(0, 3) == Draft([], [])
+    assert streaming.Candidates().tree(3, 3).tokens == []
 
 
 def test_msa_mask_streams_see_their_node_ancestors_and_lower_streams_only():
@@ -132,21 +150,24 @@ def test_main_logits_identical_with_and_without_streams(which, exact_model, dens
     tree_k=st.integers(1, 4),
     depth=st.sampled_from([None, 0, 1, 2]),
     threshold=st.sampled_from([0.0, 0.02, 0.2]),
+    budget=st.sampled_from([0, 1, 3, 6]),
     temperature=st.sampled_from([0.0, 0.8, 1.5]),
     seed=st.integers(0, 2**31),
     prompt=st.lists(st.integers(0, 63), min_size=1, max_size=10),
     max_new=st.integers(1, 24),
     adapter_seed=st.integers(0, 3),
 )
-def test_ss_equals_ar_on_row_exact_models(exact_model, streams, layers, tree_k, depth, threshold, temperature,
-                                          seed, prompt, max_new, adapter_seed):
+def test_ss_equals_ar_on_row_exact_models(exact_model, streams, layers, tree_k, depth, threshold, budget,
+                                          temperature, seed, prompt, max_new, adapter_seed):
     adapters = random_adapters(exact_model, streams, layers, adapter_seed, std=0.1)
     kwargs = {"temperature": temperature, "seed": seed, "max_new_tokens": max_new}
     want = generate(exact_model, prompt, method="ar", **kwargs)
     got = generate(exact_model, prompt, method="ss", streams=adapters, tree_k=tree_k, depth=depth,
-                   threshold=threshold, **kwargs)
+                   threshold=threshold, tree_budget=budget, **kwargs)
     assert got.token_ids == want.token_ids
     x = got.stats.extra["ss"]
+    if budget:
+        assert max(x.tree_before) <= 1 + budget  # the root and at most ``budget`` nodes below it
     assert len(x.committed) == got.stats.target_forwards - (len(prompt) > 1)  # one forward per pass
     assert sum(x.committed) >= len(got.token_ids)
     assert all(after <= before for before, after in zip(x.tree_before, x.tree_after, strict=True))
@@ -178,7 +199,8 @@ def test_streams_that_predict_right_are_accepted_and_compaction_keeps_the_exact_
         done = 0
         candidates: list[list[int]] = []
         while done < 20:
-            result = streaming.ss_pass(model, adapters, cache, [seq[-1]], candidates, params, tree_k=2)
+            result = streaming.ss_pass(model, adapters, cache, [seq[-1]], streaming.candidate_tree(candidates),
+                                        params, tree_k=2)
             new = [*result.accepted, result.next_token]
             assert new == future[done:done + len(new)]
             if candidates:

@@ -31,7 +31,7 @@ from ..streams import StreamAdapters
 from ..verify import Verdict
 from .engine import Draft, RequestState, Scores, draft_tokens
 from .registry import at_least, option
-from .streaming import DEFAULT_TREE_K, ss_pass
+from .streaming import DEFAULT_TREE_BUDGET, DEFAULT_TREE_K, Candidates, ss_pass
 
 SCHEDULES = ("constant", "heuristic")
 SINK_TOKENS = 4  # first prompt tokens a ``context``-limited draft always keeps (StreamingLLM's attention sinks)
@@ -174,9 +174,9 @@ class StreamProposer(ModelProposer):
 
     def __init__(self, draft: Transformer, adapters: StreamAdapters, target_vocab: int, params: SamplingParams,
                  gamma: int, *, confidence: float = 0.0, rejection: bool = False,
-                 tree_k: int = DEFAULT_TREE_K) -> None:
+                 tree_k: int = DEFAULT_TREE_K, tree_budget: int = DEFAULT_TREE_BUDGET) -> None:
         super().__init__(draft, target_vocab, params, gamma, confidence=confidence, rejection=rejection)
-        self.adapters, self.tree_k = adapters, tree_k
+        self.adapters, self.tree_k, self.tree_budget = adapters, tree_k, tree_budget
         self.stream_head = adapters.head(draft)  # the vocabulary the streams were trained on
 
     def propose(self, state: RequestState, window: int | None = None) -> Draft:
@@ -184,11 +184,12 @@ class StreamProposer(ModelProposer):
         cache, position = state.draft_cache, len(state.tokens)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
-        trunk, candidates, forwards, end = list(state.pending), [], 0, window
+        trunk, candidates, forwards, end = list(state.pending), Candidates(), 0, window
         while len(tokens) < window:
             depth = min(self.adapters.config.streams, window - len(tokens) - 1)
-            result = ss_pass(self.model, self.adapters, cache, trunk, candidates[:depth], self.params,
-                             noise=self.noise, tree_k=self.tree_k, head=self.stream_head)
+            tree = candidates.tree(depth, self.tree_budget)
+            result = ss_pass(self.model, self.adapters, cache, trunk, tree, self.params, noise=self.noise,
+                             tree_k=self.tree_k, head=self.stream_head)
             forwards += 1
             new = [*result.accepted, result.next_token]
             tokens += new

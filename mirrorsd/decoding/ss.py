@@ -19,7 +19,15 @@ from ..streams import StreamAdapters, load_adapters
 from ..verify import Verdict
 from .engine import ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, match
 from .registry import MethodOptions, at_least, option, probability, register
-from .streaming import DEFAULT_TREE_K, TreeForward, candidate_tree, compact, fused_forward, next_candidates
+from .streaming import (
+    DEFAULT_TREE_BUDGET,
+    DEFAULT_TREE_K,
+    Candidates,
+    TreeForward,
+    compact,
+    fused_forward,
+    next_candidates,
+)
 from .suffix import SuffixFirst, SuffixOptions, suffix_match_option, suffix_proposer
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; at 0.05 the CR was unchanged and k=3 ran 1.5x faster
@@ -31,6 +39,8 @@ class SSOptions(MethodOptions):
                           "one", parse=str, metavar="ADAPTER", default_text="the target's shipped adapter")
     tree_k: int = option(DEFAULT_TREE_K, "top-k tokens per stream; the tree is their Cartesian product, 1+Σk^g nodes",
                          check=at_least(1))
+    tree_budget: int = option(DEFAULT_TREE_BUDGET, "run only the N most likely nodes of that tree (by the streams' "
+                              "path probability); 0 runs all of them, as the paper does", check=at_least(0))
     depth: int | None = option(None, "tree depth, at most the adapter's γ streams", parse=int, default_text="γ",
                                check=at_least(0), flag="--tree-depth")
     threshold: float = option(DEFAULT_THRESHOLD, "drop tree edges whose pruning-adapter probability is below this, "
@@ -87,18 +97,20 @@ class StreamTreeScorer(ChainScorer):
 
 
 class StreamCandidates:
-    """Proposes the Cartesian tree of the last pass's stream candidates (the first pass has none)."""
+    """Proposes the tree of the last pass's stream candidates, cut to its ``budget`` most likely nodes (the first pass
+    has none)."""
 
-    def __init__(self, model: Transformer, adapters: StreamAdapters, depth: int, tree_k: int,
+    def __init__(self, model: Transformer, adapters: StreamAdapters, depth: int, tree_k: int, budget: int,
                  head: SubsetHead | None) -> None:
         self.model, self.adapters, self.depth, self.tree_k, self.head = model, adapters, depth, tree_k, head
-        self.candidates: list[list[int]] = []
+        self.budget = budget
+        self.candidates = Candidates()
 
     def start(self, state: RequestState) -> None:
-        self.candidates = []
+        self.candidates = Candidates()
 
     def propose(self, state: RequestState) -> Draft:
-        return candidate_tree(self.candidates[: max(0, min(self.depth, state.room))])
+        return self.candidates.tree(min(self.depth, state.room), self.budget)
 
     def feedback(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
         self.candidates = next_candidates(self.model, self.adapters, scores.forward, verdict, self.tree_k, self.head)
@@ -115,7 +127,7 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     top_fraction = adapters.config.layers / req.target.config.n_layers
 
     head = adapters.head(req.target, opts.stream_vocab)
-    proposer: Any = StreamCandidates(req.target, adapters, depth, opts.tree_k, head)
+    proposer: Any = StreamCandidates(req.target, adapters, depth, opts.tree_k, opts.tree_budget, head)
     lookup, window = None, depth
     if opts.suffix_match:  # suffix windows are not bounded by the streams
         window = max(depth, SuffixOptions().gamma)

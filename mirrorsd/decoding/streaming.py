@@ -15,7 +15,8 @@ model's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +29,7 @@ from ..verify import Verdict, verify_tree
 from .engine import Draft, draft_tokens
 
 DEFAULT_TREE_K = 3  # PMLR: γ = 3, k = 3 (a 40-node tree)
+DEFAULT_TREE_BUDGET = 3  # the most likely nodes of that tree a pass runs (0: all); 2-4 measured alike, 6 slower
 
 
 def build_tree(trunk: list[int], candidates: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
@@ -51,6 +53,48 @@ def candidate_tree(candidates: list[list[int]]) -> Draft:
     """A draft tree (root = the last committed token) from per-depth candidates."""
     tokens, parents, _ = build_tree([0], candidates)
     return Draft(tokens[1:], [p - 1 for p in parents[1:]])
+
+
+def tree_size(widths: list[int]) -> int:
+    """Nodes below the root of the Cartesian tree with ``widths[g]`` options at depth ``g + 1``."""
+    total, level = 0, 1
+    for width in widths:
+        level *= width
+        total += level
+    return total
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The top-k tokens of streams 1..γ at the last accepted node, best first, with their log-probabilities."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+
+    def tree(self, depth: int, budget: int = 0) -> Draft:
+        """The draft tree over the first ``depth`` streams: the whole Cartesian product, or with ``budget > 0``
+        only its ``budget`` most likely nodes (path log-probability = the sum of its streams' log-probabilities).
+
+        Why a budget: every node runs the bottom ``N - N_s`` layers before the pruning exit can drop it, and on a
+        CPU a window's cost grows with its rows (the 40-node PMLR tree costs ~5x a one-token forward on the q4
+        1.5B), while the unlikely nodes it adds are rarely accepted. Best-first keeps parents before children,
+        since a child's path is never more likely than its parent's (EAGLE-2's dynamic tree, on stream scores)."""
+        levels = self.tokens[:max(depth, 0)]
+        if budget <= 0 or budget >= tree_size([len(level) for level in levels]):
+            return candidate_tree(levels)
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [(-lp, 0, i, -1) for i, lp in enumerate(self.logprobs[0][:len(levels[0])])] if levels else []
+        heapq.heapify(frontier)
+        while frontier and len(tokens) < budget:
+            cost, level, index, parent = heapq.heappop(frontier)
+            tokens.append(levels[level][index])
+            parents.append(parent)
+            if level + 1 < len(levels):
+                node = len(tokens) - 1
+                for i, lp in enumerate(self.logprobs[level + 1][:len(levels[level + 1])]):
+                    heapq.heappush(frontier, (cost - lp, level + 1, i, node))
+        return Draft(tokens, parents)
 
 
 def ancestors(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -132,12 +176,13 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
 
 
 def next_candidates(model: Transformer, adapters: StreamAdapters, forward: TreeForward, verdict: Verdict,
-                    tree_k: int, head: SubsetHead | None = None) -> list[list[int]]:
+                    tree_k: int, head: SubsetHead | None = None) -> Candidates:
     """Top-k of streams 1..γ at the last accepted node (over ``head``'s ids when given): the next tree."""
     gamma, m = adapters.config.streams, len(forward.kept)
     last = forward.trunk + verdict.nodes[-1] if verdict.accepted else forward.root_row
     logits, ids = head_logits(model, forward.out[0, m + last * gamma: m + (last + 1) * gamma], head)
-    return top_tokens(logits, ids, tree_k)[1].tolist()
+    logprobs, tokens = top_tokens(logits, ids, tree_k)
+    return Candidates(tokens.tolist(), logprobs.float().tolist())
 
 
 def compact(model: Transformer, adapters: StreamAdapters, cache: KVCache, forward: TreeForward,
@@ -155,15 +200,15 @@ def compact(model: Transformer, adapters: StreamAdapters, cache: KVCache, forwar
 class PassResult:
     accepted: list[int]  # tree tokens accepted after the root
     next_token: int  # the model's token after the last accepted node
-    candidates: list[list[int]]  # top-k of streams 1..γ at that node: the next tree
+    candidates: Candidates  # top-k of streams 1..γ at that node: the next tree
     path_logits: torch.Tensor  # [accepted + 1, vocab] main logits that chose accepted + next_token
 
 
-def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int],
-            candidates: list[list[int]], params: SamplingParams, *, noise: int = Noise.TARGET,
-            threshold: float = 0.0, tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None) -> PassResult:
-    """One self-verified pass: verify the tree under ``trunk[-1]``, draft the next one, compact."""
-    forward = fused_forward(model, adapters, cache, trunk, candidate_tree(candidates), threshold, head)
+def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Draft,
+            params: SamplingParams, *, noise: int = Noise.TARGET, threshold: float = 0.0,
+            tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None) -> PassResult:
+    """One self-verified pass: verify ``tree`` under ``trunk[-1]``, draft the next one, compact."""
+    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head)
     verdict = verify_tree(forward.draft.tokens, forward.draft.parents, forward.main_logits,
                           forward.past + forward.trunk, params, noise)
     chose = [0, *(i + 1 for i in verdict.nodes)]
