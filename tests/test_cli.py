@@ -160,7 +160,7 @@ def no_loading(monkeypatch):
         (["--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--method", "sd", "--confidence", "abc"], "--confidence must be a number, got 'abc'"),
         (["--method", "mirror", "--threads", "x"], "--threads must be TARGET,DRAFT thread counts"),
-        (["--method", "mirror", "--budget", "3"], "--budget takes a number of roots"),
+        (["--method", "mirror", "--roots", "paper", "--budget", "3"], "--budget takes a number of roots"),
         (["--method", "ar", "--gamma", "5"],
          "--gamma does not apply to --method ar (it is an option of: suffix, sd, mirror"),
         (["--method", "ar", "--confidence", "0.9"], "--confidence does not apply to --method ar"),

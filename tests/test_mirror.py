@@ -114,7 +114,8 @@ def test_identity_draft_hits_every_step(exact_pair):
     """The target as its own draft accepts every window, so the reusable root is the bonus token at the last
     position (full acceptance); with κ = the whole vocabulary it is always a candidate, so every step hits."""
     target, _ = exact_pair
-    m = generate(target, [1, 2, 3], method="mirror", draft=target, gamma=4, kappa=64, max_new_tokens=21)
+    m = generate(target, [1, 2, 3], method="mirror", draft=target, gamma=4, kappa=64, roots="paper",
+                 max_new_tokens=21)
     assert m.token_ids == generate(target, [1, 2, 3], method="ar", max_new_tokens=21).token_ids
     assert m.stats.accepted == [4, 4, 4, 4, 0]
     assert [s.hit for s in m.stats.extra["mirror"].steps] == [True, True, True, True, None]
@@ -185,7 +186,8 @@ def test_exit_layer_resolution_and_bad_options(tiny_pair):
             resolve_exit_layer(bad, 4)
     target, draft = tiny_pair
     for options, match in [({"kappa": 0}, "kappa"), ({"kappa": 65}, "kappa"), ({"gamma": 0}, "gamma"),
-                           ({"roots": "all"}, "roots"), ({"budget": 3}, "budget"), ({"backend": "mpi"}, "backend"),
+                           ({"roots": "all"}, "roots"), ({"roots": "paper", "budget": 3}, "budget"),
+                           ({"backend": "mpi"}, "backend"),
                            ({"backend": "cuda-streams"}, "CUDA"), ({"backend": "devices"}, "another device"),
                            ({"threads": "1"}, "threads"), ({"exit_layer": 9}, "exit_layer"),
                            ({"beam": 2}, "not an option"), ({"backend": "serial", "threads": "1,1"}, "threads")]:

@@ -108,8 +108,8 @@ def check_method(method: str, opts: Any) -> None:
         raise ValueError("a tensor-parallel target needs suffix_match=0 (--suffix-match 0): the suffix proposer's "
                          "windows depend on timings, which differ between ranks")
     if method == "mirror" and opts.roots == "budget" and opts.budget is None:
-        raise ValueError("roots='budget' fits its root count to timings, which differ between ranks; give a fixed "
-                         "budget (--budget N) on a tensor-parallel target")
+        raise ValueError("roots='budget' (the default) fits its root count to timings, which differ between ranks; "
+                         "give a fixed budget (--budget N) or roots='paper' on a tensor-parallel target")
 
 
 def gather_spans(spans: list[Span], world: LaunchedWorld) -> list[Span]:
