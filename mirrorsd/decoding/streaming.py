@@ -2,15 +2,15 @@
 and drafts) and :class:`~mirrorsd.decoding.proposers.StreamProposer` (a draft that self-verifies).
 
 One pass, with committed text ending in a *trunk* of tokens the cache lacks (its last one is the root) and
-candidate tokens from the previous pass's streams: the tree is the trunk plus the Cartesian product of the
-top-k tokens of streams 1..γ (stream ``g`` at depth ``g``, every node under every node of the depth above:
-``1 + Σ k^g`` nodes). All nodes run layers ``[0, N - N_s)`` under a tree mask (ancestors only). At layer
-``N - N_s`` the pruning adapter's early exit scores each parent→child edge and drops children (with their
-subtrees) whose probability is under the threshold; ``γ`` streams are inserted beside every surviving node and
-the top ``N_s`` layers run with the MSA mask. The main stream verifies (:func:`mirrorsd.verify.verify_tree`);
-the streams of the last accepted node give the next tree's candidates, and the cache is compacted to the
-accepted path. Main rows use the base weights only (:mod:`mirrorsd.streams`), so the committed tokens are the
-model's own.
+candidate tokens from the previous pass's streams: the tree is the trunk plus the Cartesian product of the top-k
+tokens of streams 1..γ (stream ``g`` at depth ``g``, every node under every node of the depth above: ``1 + Σ k^g``
+nodes), or that tree's most likely nodes under a budget (:meth:`Candidates.tree`). All nodes run layers
+``[0, N - N_s)`` under a tree mask (ancestors only). At layer ``N - N_s`` the pruning adapter's early exit scores each
+parent→child edge and drops children (with their subtrees) whose probability is under the threshold; ``γ`` streams
+are inserted beside every surviving node and the top ``N_s`` layers run with the MSA mask. The main stream verifies
+(:func:`mirrorsd.verify.verify_tree`); the streams of the last accepted node give the next tree's candidates, and
+the cache is compacted to the accepted path. Main rows use the base weights only (:mod:`mirrorsd.streams`), so the
+committed tokens are the model's own.
 """
 
 from __future__ import annotations
