@@ -67,8 +67,15 @@ def test_budget_tree_keeps_the_most_likely_nodes_parents_first():
     lp = math.log
     candidates = streaming.Candidates([[1, 2], [3, 4], [5, 6]], [[lp(0.6), lp(0.4)], [lp(0.9), lp(0.1)],
                                                                   [lp(0.5), lp(0.5)]])
+    def paths(draft: Draft) -> set[tuple[int, ...]]:
+        def path(node: int) -> tuple[int, ...]:
+            parent = draft.parents[node]
+            return (*(path(parent) if parent >= 0 else ()), draft.tokens[node])
+        return {path(node) for node in range(len(draft.tokens))}
+
     assert candidates.tree(3, 0) == streaming.candidate_tree(candidates.tokens)
-    assert candidates.tree(3, 14) == streaming.candidate_tree(candidates.tokens)  # the whole tree fits
+    whole = candidates.tree(3, 20)  # the whole tree fits: the same 14 nodes, most likely first
+    assert len(whole.tokens) == 14 and paths(whole) == paths(streaming.candidate_tree(candidates.tokens))
     assert candidates.tree(2, 0) == streaming.candidate_tree(candidates.tokens[:2])
     # Path probabilities: 1 .6, 1-3 .54, 2 .4, 2-3 .36, 1-3-5 .27, 1-3-6 .27, 2-3-5 .18, ...
     tree = candidates.tree(3, 5)

@@ -55,15 +55,6 @@ def candidate_tree(candidates: list[list[int]]) -> Draft:
     return Draft(tokens[1:], [p - 1 for p in parents[1:]])
 
 
-def tree_size(widths: list[int]) -> int:
-    """Nodes below the root of the Cartesian tree with ``widths[g]`` options at depth ``g + 1``."""
-    total, level = 0, 1
-    for width in widths:
-        level *= width
-        total += level
-    return total
-
-
 @dataclass(frozen=True)
 class Candidates:
     """The top-k tokens of streams 1..γ at the last accepted node, best first, with their log-probabilities."""
@@ -80,20 +71,23 @@ class Candidates:
         1.5B), while the unlikely nodes it adds are rarely accepted. Best-first keeps parents before children,
         since a child's path is never more likely than its parent's (EAGLE-2's dynamic tree, on stream scores)."""
         levels = self.tokens[:max(depth, 0)]
-        if budget <= 0 or budget >= tree_size([len(level) for level in levels]):
+        if budget <= 0:
             return candidate_tree(levels)
         tokens: list[int] = []
         parents: list[int] = []
-        frontier = [(-lp, 0, i, -1) for i, lp in enumerate(self.logprobs[0][:len(levels[0])])] if levels else []
-        heapq.heapify(frontier)
+        frontier: list[tuple[float, int, int, int]] = []  # (-path log-probability, depth - 1, option, parent node)
+
+        def push_children(cost: float, level: int, parent: int) -> None:
+            if level < len(levels):
+                for option, logprob in enumerate(self.logprobs[level]):
+                    heapq.heappush(frontier, (cost - logprob, level, option, parent))
+
+        push_children(0.0, 0, -1)
         while frontier and len(tokens) < budget:
-            cost, level, index, parent = heapq.heappop(frontier)
-            tokens.append(levels[level][index])
+            cost, level, option, parent = heapq.heappop(frontier)
+            tokens.append(levels[level][option])
             parents.append(parent)
-            if level + 1 < len(levels):
-                node = len(tokens) - 1
-                for i, lp in enumerate(self.logprobs[level + 1][:len(levels[level + 1])]):
-                    heapq.heappush(frontier, (cost - lp, level + 1, i, node))
+            push_children(cost, level + 1, len(tokens) - 1)
         return Draft(tokens, parents)
 
 
