@@ -242,6 +242,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft, "method": method,
                                                         "options": {k: str(v) for k, v in options.items()}})
         err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)", style="dim", highlight=False)
+    if rank is not None:
+        from mirrorsd.decoding.mirror_remote import leave_launched_world
+
+        leave_launched_world()
     return 0
 
 

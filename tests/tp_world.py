@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from mirrorsd import generate
-from mirrorsd.decoding.mirror_remote import serve_launched
+from mirrorsd.decoding.mirror_remote import leave_launched_world, serve_launched
 from mirrorsd.model import Transformer
 from mirrorsd.runtime.tensor_parallel import gather_spans, launched_world, shard_target
 
@@ -46,6 +46,7 @@ def main(out: Path) -> None:
         rows["refused"] = str(error)
     rows["local_heads"] = [target.layers[0].self_attn.n_heads, target.layers[0].self_attn.n_kv_heads]
     (out / f"rank{world.rank}.json").write_text(json.dumps(rows))
+    leave_launched_world()
 
 
 if __name__ == "__main__":

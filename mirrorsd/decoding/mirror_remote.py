@@ -19,6 +19,7 @@ request's seed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from .. import kernels
 from ..model import Transformer
 from ..runtime import Executor, Span
 from ..runtime.processes import (
+    SHUTDOWN,
     Channel,
     ChannelError,
     LaunchedPeer,
@@ -38,7 +40,7 @@ from ..runtime.processes import (
     launched_rank,
     now_ns,
 )
-from ..runtime.tensor_parallel import RelayedChannel, launched_world
+from ..runtime.tensor_parallel import RelayedChannel, current_world, launched_world, leave_world
 from ..sampling import SamplingParams
 from ..verify import Verdict
 from .engine import DecodeRequest, Draft, GenerationStats, RequestState, Scores
@@ -46,7 +48,7 @@ from .mirror import BranchProposer, MirrorOptions, MirrorRun, fresh_proposer
 from .proposers import ModelProposer
 from .suffix import SuffixProposer
 
-START, FRESH, LAUNCH, VERDICT, END = 1, 2, 3, 4, 5  # message kinds (0 ends the worker, see runtime.processes)
+START, FRESH, LAUNCH, VERDICT, END = 1, 2, 3, 4, 5  # message kinds (SHUTDOWN, 0, ends the worker)
 NO_TREE = -1  # VERDICT reply: no rollout was launched this step
 
 
@@ -127,7 +129,7 @@ def serve_draft(channel: Any, draft: Transformer) -> None:
             except ChannelError:
                 return  # the caller is gone
             received = now_ns()
-            if kind == 0:
+            if kind == SHUTDOWN:
                 return
             try:
                 payload = data.tolist()
@@ -187,9 +189,26 @@ def _launched_channel(tp: int) -> Channel | RelayedChannel:
 
 
 def serve_launched(draft: Transformer, tp: int = 1) -> None:
-    """The last rank of a ``torchrun`` world: serve the target's rank 0 until it says stop."""
+    """The last rank of a ``torchrun`` world: serve the target's rank 0 until it says stop, then leave the world
+    with the target's ranks (:func:`leave_launched_world`)."""
     world = launched_world(tp)
     serve_draft(Channel(world.channel_group, 1), draft)
+    leave_launched_world()
+
+
+def leave_launched_world(timeout: float = 60.0) -> None:
+    """End this rank's part of a ``torchrun`` world (every rank calls it last): rank 0 tells the draft rank to
+    stop, then all ranks meet and tear their groups down together. A rank that exits with its gloo groups up
+    while a peer is already gone can abort ("terminate called without an active exception")."""
+    world = current_world()
+    if world is None:
+        return
+    peer = _workers.pop((0, None), None)
+    healthy = peer is None or peer.alive()
+    if world.rank == 0 and world.draft_rank is not None and healthy:
+        with contextlib.suppress(ChannelError):  # a draft rank that already left: nothing to stop
+            Channel(world.channel_group, 0, timeout).send(SHUTDOWN)
+    leave_world(wait=healthy, timeout=timeout)
 
 
 def close_workers() -> None:

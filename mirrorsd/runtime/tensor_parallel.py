@@ -16,6 +16,7 @@ model's in the last bits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -44,6 +45,7 @@ class LaunchedWorld:
     world: int
     tp_group: Any = None  # the target's ranks (None when tp == 1)
     channel_group: Any = None  # rank 0 and the draft rank (None without a draft rank)
+    owns_default_group: bool = True  # launched_world initialised torch.distributed (else the caller did)
 
     @property
     def draft_rank(self) -> int | None:
@@ -65,13 +67,37 @@ def launched_world(tp: int = 1) -> LaunchedWorld:
     if world not in (tp, tp + 1):
         raise ValueError(f"--target-tp {tp} takes {tp} ranks, or {tp + 1} with a draft rank "
                          f"(--backend processes); got WORLD_SIZE={world}")
-    if not dist.is_initialized():
+    owns_default_group = not dist.is_initialized()
+    if owns_default_group:
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
     long = datetime.timedelta(days=1)  # an idle draft rank waits between requests; receives bound their own waits
     tp_group = dist.new_group(list(range(tp)), backend="gloo", timeout=long) if tp > 1 else None
     channel_group = dist.new_group([0, tp], backend="gloo", timeout=long) if world == tp + 1 else None
-    _world = LaunchedWorld(tp, dist.get_rank(), world, tp_group, channel_group)
+    _world = LaunchedWorld(tp, dist.get_rank(), world, tp_group, channel_group, owns_default_group)
     return _world
+
+
+def current_world() -> LaunchedWorld | None:
+    """The world this process joined with :func:`launched_world`, if it did."""
+    return _world
+
+
+def leave_world(wait: bool = True, timeout: float = 60.0) -> None:
+    """Tear down the groups :func:`launched_world` made, after every rank got here when ``wait`` (at most
+    ``timeout`` seconds; a rank that never comes is not waited for longer). The caller's own default group stays."""
+    global _world
+    if _world is None:
+        return
+    if wait:
+        with contextlib.suppress(RuntimeError):  # a rank that is gone: leave anyway
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
+    if _world.owns_default_group:
+        dist.destroy_process_group()
+    else:
+        for group in (_world.tp_group, _world.channel_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+    _world = None
 
 
 def shard_target(model: nn.Module, group: Any) -> nn.Module:
