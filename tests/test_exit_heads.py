@@ -9,7 +9,7 @@ import mirrorsd
 from mirrorsd.decoding.mirror import early_exit, tuned_exit
 from mirrorsd.exit_heads import ExitTranslators, shipped_exit, unit_rms
 from mirrorsd.sampling import SamplingParams
-from mirrorsd.train_exit import fit_exit, plot_curve
+from mirrorsd.train_exit import KLRefine, fit_exit, plot_curve, refine_kl
 from mirrorsd.train_streams import corpus_texts
 
 from .conftest import requires_smollm2
@@ -100,6 +100,40 @@ def test_fit_on_smollm2_beats_or_matches_the_lens_and_decodes_losslessly(tmp_pat
     got = mirrorsd.generate(loaded, prompt, draft=loaded.model.prefix_model(10), method="mirror", exit_layer=15,
                             exit_head=str(tmp_path / "exit"), max_new_tokens=24)
     assert got.token_ids == want.token_ids
+
+
+def test_kl_refine_lowers_the_kl_and_keeps_the_best_held_out_step(tiny_pair):
+    """The fine-tune moves the translator towards the final distribution, and what it returns is never worse on
+    held-out rows than where it started (step 0 is a candidate): a refinement that does not help is a no-op."""
+    target, _ = tiny_pair
+    d = target.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    states = unit_rms(torch.randn(512, d, generator=gen))
+    finals = states @ torch.randn(d, d, generator=gen) / d**0.5 + 0.1 * torch.randn(512, d, generator=gen)
+    start = torch.cat([torch.eye(d), torch.zeros(1, d)])  # the plain lens
+    want = target.logits(finals[None, 448:])[0].argmax(-1)
+    opts = KLRefine(steps=60, lr=1e-2, batch=64, vocab=0, checks=3)
+    a, hits, record = refine_kl(target, start, states[:448], finals[:448], states[448:], want, opts, progress=False)
+
+    def kl(translator):
+        target_lp = target.logits(finals[None, :448])[0].log_softmax(-1)
+        exit_lp = target.logits((torch.cat([states[:448], torch.ones(448, 1)], 1) @ translator)[None])[0]
+        return (target_lp.exp() * (target_lp - exit_lp.log_softmax(-1))).sum(-1).mean()
+
+    assert kl(a) < kl(start)
+    assert record["vocab"] == target.config.vocab_size and [p["step"] for p in record["curve"]] == [0, 20, 40, 60]
+    assert round(hits[8], 4) == max(p["top8"] for p in record["curve"]) >= record["curve"][0]["top8"]
+
+
+@requires_smollm2
+def test_kl_refined_fit_records_both_fits():
+    loaded = mirrorsd.load_model("smollm2-135m", progress=False)
+    translators = fit_exit(loaded.model, loaded.tokenizer, corpus_texts(["pydoc-topics"]), [15], chunks=4,
+                           held_out=2, seq_len=64, progress=False, refine=KLRefine(steps=4, checks=2))
+    held = translators.meta["held_out"]["15"]
+    assert held["tuned"]["top8"] >= held["ridge_fit"]["top8"]  # the best step, the ridge fit included
+    assert held["kl"]["vocab"] == 32768  # the restricted vocabulary the exit reads by default
+    assert translators.meta["recipe"]["kl"]["steps"] == 4 and "then KL" in translators.meta["kind"]
 
 
 @requires_smollm2
