@@ -255,7 +255,8 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
 
 
 def plot_curve(meta: dict[str, Any], path: Path) -> None:
-    """Held-out top-8 hit rate against training tokens per layer, the lens as a dashed line."""
+    """Held-out top-8 hit rate against training tokens per layer (ridge fits), the KL-refined exit as a star at
+    the full data, the lens as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,6 +268,9 @@ def plot_curve(meta: dict[str, Any], path: Path) -> None:
         xs = [p["train_tokens"] for p in meta["curve"]]
         ax.plot(xs, [p[str(layer)]["top8"] for p in meta["curve"]], "o-", color=colour,
                 label=f"tuned, layer {layer}/{meta['n_layers']}")
+        held = meta["held_out"][str(layer)]
+        if "kl" in held:
+            ax.plot([xs[-1]], [held["tuned"]["top8"]], "*", ms=12, color=colour, label=f"+ KL, layer {layer}")
         ax.axhline(meta["held_out"][str(layer)]["lens"]["top8"], color=colour, ls="--", lw=1,
                    label=f"logit lens, layer {layer}")
     ax.set_xscale("log")
