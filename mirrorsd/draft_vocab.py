@@ -119,8 +119,14 @@ def optional_head(model, size: int | None) -> SubsetHead | None:
     the full one. ``N``: the N most frequent ids (an error where no table ships)."""
     vocab = model.config.vocab_size
     if size is None:
-        size = DEFAULT_SIZE if vocab > DEFAULT_SIZE and table_path(vocab).is_file() else 0
+        size = default_size(vocab)
     return subset_head(model, size) if 0 < size < vocab else None
+
+
+def default_size(vocab_size: int) -> int:
+    """The restricted vocabulary read by default: :data:`DEFAULT_SIZE` ids where a table ships for this
+    vocabulary and it is larger, else 0 (the full one)."""
+    return DEFAULT_SIZE if vocab_size > DEFAULT_SIZE and table_path(vocab_size).is_file() else 0
 
 
 # -- building a table ----------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .draft_vocab import DEFAULT_SIZE, head_weight, load_table, table_path
+from .draft_vocab import default_size, head_weight, load_table
 from .exit_heads import ExitTranslators, unit_rms
 from .model import Transformer
 from .train_streams import make_chunks
@@ -77,6 +77,11 @@ def _with_bias(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
 
 
+def _selecting_kappa(kappas: tuple[int, ...]) -> int:
+    """The κ whose held-out hit rate picks the ridge λ and the best KL step: Mirror-SD's κ = 8 when measured."""
+    return 8 if 8 in kappas else max(kappas)
+
+
 def _rates(hits: dict[int, float]) -> dict[str, float]:
     return {f"top{k}": round(v, 4) for k, v in hits.items()}
 
@@ -111,7 +116,7 @@ class _RestrictedHead:
     def __init__(self, model: Transformer, vocab: int | None) -> None:
         size = model.config.vocab_size
         if vocab is None:
-            vocab = DEFAULT_SIZE if size > DEFAULT_SIZE and table_path(size).is_file() else 0
+            vocab = default_size(size)
         weight = head_weight(model.lm_head, model.embed_tokens.weight, model.config.tie_word_embeddings)
         if 0 < vocab < size:
             weight = weight[load_table(size)[:vocab].to(weight.device)]
@@ -134,7 +139,7 @@ def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, fin
     gen = torch.Generator().manual_seed(seed)
     a = start.clone().requires_grad_()
     optimiser = torch.optim.Adam([a], lr=opts.lr)
-    top8 = 8 if 8 in kappas else max(kappas)
+    kappa = _selecting_kappa(kappas)
     best = (_hits(model, _with_bias(held) @ start, want, kappas), 0, start)
     curve = [{"step": 0, **_rates(best[0])}]
     every = max(1, opts.steps // opts.checks)
@@ -152,9 +157,9 @@ def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, fin
             with torch.no_grad():
                 hits = _hits(model, _with_bias(held) @ a, want, kappas)
             curve.append({"step": step, "kl": round(loss.item(), 4), **_rates(hits)})
-            if hits[top8] > best[0][top8]:
+            if hits[kappa] > best[0][kappa]:
                 best = (hits, step, a.detach().clone())
-            bar.set_postfix_str(f"KL {loss.item():.3f}, top8 {hits[top8]:.3f} (best {best[0][top8]:.3f})")
+            bar.set_postfix_str(f"KL {loss.item():.3f}, top{kappa} {hits[kappa]:.3f} (best {best[0][kappa]:.3f})")
     return best[2], best[0], {"vocab": head.vocab, "best_step": best[1], "curve": curve}
 
 
@@ -219,7 +224,7 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
                 for ridge in ridges:
                     a = torch.linalg.solve(gram[layer] + ridge * eye, cross[layer] + ridge * identity).float()
                     hits = _hits(model, _with_bias(held[layer]).float() @ a, want, kappas)
-                    scored.append((hits[8 if 8 in kappas else max(kappas)], ridge, a, hits))
+                    scored.append((hits[_selecting_kappa(kappas)], ridge, a, hits))
                 top = max(scored, key=lambda s: s[0])
                 best[layer] = top
                 point[str(layer)] = {"ridge": top[1], **_rates(top[3])}
