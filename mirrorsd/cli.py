@@ -470,7 +470,8 @@ def _bench_config(args: argparse.Namespace, methods) -> object:
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                        runs=args.runs, warmup=args.warmup, weights=args.weights, device=args.device, dtype=args.dtype,
                        llama_server=getattr(args, "llama_server", None), probe=not args.no_probe,
-                       predict=not args.no_predict, threads_split=split)
+                       probe_exit_head=getattr(args, "probe_exit_head", None), predict=not args.no_predict,
+                       threads_split=split)
 
 
 def _run_bench(config, out: Path) -> int:
@@ -689,6 +690,9 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
     p.add_argument("--threads-split", metavar="T,D", help="target,draft threads the planner times for the threads "
                                                          "backend (default: half each)")
     p.add_argument("--no-probe", action="store_true", help="skip the untimed acceptance / early-exit probe")
+    p.add_argument("--probe-exit-head", metavar="FOLDER", help="the tuned exit the probe reads next to the lens "
+                   "(a `mirrorsd train-exit` folder), to compare exits on the same rollouts (default: the target's "
+                   "shipped one)")
     p.add_argument("--no-predict", action="store_true", help="skip the forward-cost measurement and predictions")
     p.add_argument("--out", default="bench_out/run", help="output folder")
 

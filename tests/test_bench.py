@@ -7,15 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import mirrorsd
-from mirrorsd import plans
+from mirrorsd import plans, zoo
 from mirrorsd.bench import metrics, plan
 from mirrorsd.bench.metrics import Answer, Turn
 from mirrorsd.bench.report import render, write_report
-from mirrorsd.bench.runner import MethodSpec, parse_methods
+from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, parse_methods
 from mirrorsd.cli import main
 from mirrorsd.decoding import get_method
+from mirrorsd.exit_heads import ExitTranslators
 from mirrorsd.specbench import GROUPS, load_suite
 
 from .conftest import requires_smollm2
@@ -366,3 +368,24 @@ def test_assist_suite_is_shipped():
     assert len(questions) == 12
     assert {q.group for q in questions} == {"editing", "refactoring", "from_context"}
     assert all(len(q.turns) == 1 and len(q.turns[0]) > 200 for q in questions)  # each carries its context
+
+
+@requires_smollm2
+def test_probe_reads_the_exit_head_it_is_given(tmp_path):
+    """`--probe-exit-head FOLDER` compares an exit on the probe's own rollouts: an identity translator at N/2 is the
+    plain lens, so its "1/2 tuned" row equals the lens row (the shipped, fitted exit's would not)."""
+    config = json.loads((zoo.prepare("smollm2-135m") / "config.json").read_text())
+    d, half = config["hidden_size"], round(0.5 * config["num_hidden_layers"])
+    ExitTranslators({half: torch.cat([torch.eye(d), torch.zeros(1, d)])}, {}).save(tmp_path / "identity")
+    out = tmp_path / "probe"
+    rc = main(["bench", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--methods", "ar", "--suite",
+               "specbench:1", "--max-new-tokens", "8", "--runs", "1", "--warmup", "0", "--no-predict",
+               "--probe-exit-head", str(tmp_path / "identity"), "--out", str(out)])
+    fallback = json.loads((out / "results.json").read_text())["probe"]["fallback"]["all"]
+    assert rc == 0 and set(fallback) == {"1/4", "1/2", "3/4", "1/2 tuned"}
+    assert fallback["1/2 tuned"] == fallback["1/2"]
+
+
+def test_a_wrong_probe_exit_head_fails_before_any_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="holds no tuned exit"):
+        Bench(BenchConfig("no-such-model", "no-such-draft", [], probe_exit_head=str(tmp_path)), progress=False)

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..decoding import get_method, methods
 from ..decoding.suffix_index import clear_shared_indexes
 from ..errors import OptionError
+from ..exit_heads import ExitTranslators
 from ..runtime import synchronize
 from ..runtime.executors import split_threads
 from ..specbench import GROUPS, Question, load_suite
@@ -162,6 +163,7 @@ class BenchConfig:
     dtype: str = "float32"
     llama_server: str | None = None
     probe: bool = True
+    probe_exit_head: str | None = None  # a tuned-exit folder for the probe (None: the target's shipped one)
     predict: bool = True
     threads_split: tuple[int, int] | None = None
 
@@ -185,8 +187,15 @@ class Bench:
         drafting = sorted(k for k in kinds if needs_draft(k))
         if (drafting or config.probe) and not config.draft:
             raise ValueError(f"methods {', '.join(drafting) or 'and the probe'} need --draft")
+        if config.probe_exit_head and not config.probe:
+            raise ValueError("--probe-exit-head is read by the probe; drop --no-probe or the exit head")
+        # read before the models load, so a wrong folder fails in seconds
+        self.probe_exit = ExitTranslators.load(config.probe_exit_head) if config.probe_exit_head else None
         load = dict(device=config.device, dtype=config.dtype, weights=config.weights, progress=progress)
         self.target = mirrorsd.load_model(config.target, **load)
+        if self.probe_exit is not None:
+            for layer in self.probe_exit.layers:
+                self.probe_exit.check(layer, self.target.config.hidden_size)
         self.draft = mirrorsd.load_model(config.draft, **load) if drafting or config.probe else None
         if self.draft is not None:
             mirrorsd.api.check_tokenizers(self.target, self.draft)
@@ -376,15 +385,15 @@ class Bench:
         probe_result = None
         if cfg.probe and self.draft is not None:
             from ..api import encode_chat
-            from ..exit_heads import ExitTranslators, shipped_exit
+            from ..exit_heads import shipped_exit
 
             prompts = [(q.group, encode_chat(self.target, [{"role": "user", "content": q.turns[0]}]))
                        for q in self.questions]
-            tuned_folder = shipped_exit(self.target.name or "")  # the probe reads the tuned exit too, if shipped
+            tuned = self.probe_exit  # the probe reads a tuned exit next to the lens: this one, else the shipped one
+            if tuned is None and (shipped := shipped_exit(self.target.name or "")):
+                tuned = ExitTranslators.load(shipped)
             probe_result = probe.run_probe(self.target, self.draft, prompts, cfg.max_new_tokens,
-                                           progress=self.progress,
-                                           tuned=ExitTranslators.load(tuned_folder) if tuned_folder else None
-                                           ).to_dict()
+                                           progress=self.progress, tuned=tuned).to_dict()
         return self.results(costs, probe_result)
 
     def _exit_layer(self, spec: MethodSpec) -> int:
