@@ -194,14 +194,15 @@ def _shipped_streams(model: LoadedModel) -> Path:
     return folder
 
 
-def _shipped_exit(model: LoadedModel) -> str:
-    """The tuned early exit shipped for a zoo target (``exit_head=FOLDER`` overrides it)."""
+def _shipped_exit(model: LoadedModel, option: str = "exit_head") -> str:
+    """The tuned early exit shipped for a zoo target (``option=FOLDER`` overrides it)."""
     from .exit_heads import shipped_exit
 
     folder = shipped_exit(model.name or "")
     if folder is None:
-        raise ValueError(f"no shipped tuned exit for {model.name or 'this model'}; pass exit_head=FOLDER (or "
-                         "--exit-head FOLDER) with one from `mirrorsd train-exit`")
+        flag = "--" + option.replace("_", "-")
+        raise ValueError(f"no shipped tuned exit for {model.name or 'this model'}; pass {option}=FOLDER (or "
+                         f"{flag} FOLDER) with one from `mirrorsd train-exit`")
     return str(folder)
 
 
@@ -398,6 +399,8 @@ def stream(
         options["draft_streams"] = _shipped_streams(draft)
     if method == "mirror" and options.get("exit_head") == "tuned":
         options["exit_head"] = _shipped_exit(target)
+    if method == "ss" and options.get("prune_exit") == "tuned":
+        options["prune_exit"] = _shipped_exit(target, "prune_exit")
     opts = spec.options.parse(options, method, ModelShape(target.config.n_layers, target.config.vocab_size))
     if getattr(target.model, "tp_size", 1) > 1:
         from .runtime.tensor_parallel import check_method

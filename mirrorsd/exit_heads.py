@@ -14,12 +14,19 @@ Exactness does not depend on it: the exit only chooses which branches the draft 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from .errors import OptionError
+
+if TYPE_CHECKING:
+    from .model import Transformer
 
 CONFIG_FILE = "exit_head.json"
 WEIGHTS_FILE = "exit_head.safetensors"
@@ -73,3 +80,14 @@ def shipped_exit(model_name: str) -> Path | None:
     """The tuned exit shipped in the package for a zoo model, if any."""
     folder = SHIPPED / model_name
     return folder if (folder / CONFIG_FILE).is_file() else None
+
+
+def tuned_exit(target: Transformer, head: str, layer: int, option: str = "exit_head"
+               ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The translator of ``layer`` from a tuned-exit folder (``option`` names the method option that gave it)."""
+    if head == "tuned":
+        raise OptionError(option, "tuned needs the target's zoo name to find its shipped exit (the API resolves "
+                          "it); pass the folder from `mirrorsd train-exit` instead")
+    translators = ExitTranslators.load(head)
+    translators.check(layer, target.config.hidden_size)
+    return partial(translators, layer=layer)

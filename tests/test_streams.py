@@ -16,6 +16,7 @@ from mirrorsd import Transformer, generate
 from mirrorsd.decoding import streaming
 from mirrorsd.decoding.engine import DecodeRequest, Draft, GenerationStats, RequestState
 from mirrorsd.decoding.proposers import ModelProposer, StreamProposer
+from mirrorsd.exit_heads import ExitTranslators, tuned_exit
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.streams import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
 
@@ -235,6 +236,37 @@ def test_zero_threshold_never_prunes_and_a_high_one_keeps_the_root(exact_model):
             kept = len(forward.kept)
             assert (kept == 13) is expect_all and kept >= 1
             assert len(forward.draft.tokens) == kept - 1 == forward.main_logits.shape[0] - 1
+
+
+def test_a_tuned_prune_exit_scores_the_edges_and_keeps_ss_equal_to_ar(exact_model, tmp_path):
+    """``prune_exit=FOLDER``: the tuned exit's translator at layer N - N_s scores tree edges instead of the
+    pruning adapter. A translator with zero weights sends every state to its bias, so every parent has the same
+    exit distribution and a threshold between two tokens' probabilities keeps exactly the likelier one."""
+    adapters = random_adapters(exact_model)
+    d, layer = exact_model.config.hidden_size, adapters.first_layer
+    bias = torch.randn(d, generator=torch.Generator().manual_seed(5))
+    ExitTranslators({layer: torch.cat([torch.zeros(d, d), bias[None]])}, {}).save(tmp_path / "exit")
+    probs = exact_model.logits(bias[None]).softmax(-1)[0]
+    likely, unlikely = int(probs.argmax()), int(probs.argmin())
+    translate = tuned_exit(exact_model, str(tmp_path / "exit"), layer, "prune_exit")
+    with torch.inference_mode():
+        cache = exact_model.new_cache()
+        exact_model.prefill(torch.tensor([[1, 2, 3]]), cache)
+        tree = streaming.candidate_tree([[unlikely, likely]])
+        threshold = float(probs[likely] + probs[unlikely]) / 2
+        forward = streaming.fused_forward(exact_model, adapters, cache, [4], tree, threshold, prune_exit=translate)
+    assert [tree.tokens[i - 1] for i in forward.kept[1:]] == [likely]
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for sampling in ({}, {"temperature": 0.9, "seed": 4}):
+        want = generate(exact_model, prompt, method="ar", max_new_tokens=20, **sampling).token_ids
+        got = generate(exact_model, prompt, method="ss", streams=adapters, max_new_tokens=20, tree_k=2,
+                       threshold=0.01, prune_exit=str(tmp_path / "exit"), **sampling)
+        assert got.token_ids == want
+    with pytest.raises(ValueError, match="not layer"):  # a translator for another layer
+        ExitTranslators({1: torch.cat([torch.eye(d), torch.zeros(1, d)])}, {}).save(tmp_path / "other")
+        generate(exact_model, prompt, method="ss", streams=adapters, prune_exit=str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="prune_exit=FOLDER"):  # no zoo name, so no shipped exit
+        generate(exact_model, prompt, method="ss", streams=adapters, prune_exit="tuned")
 
 
 def test_ss_bad_options_and_missing_adapters(exact_model, tmp_path):

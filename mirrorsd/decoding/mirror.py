@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..draft_vocab import SubsetHead, head_logits, optional_head, top_tokens
-from ..exit_heads import ExitTranslators
+from ..exit_heads import tuned_exit
 from ..model import Transformer
 from ..runtime import BACKENDS, Executor, Span, Tracer, make_executor
 from ..runtime.trace import overlap
@@ -606,18 +606,6 @@ class MirrorRun:
             self.record.step_s += seconds
 
 
-def tuned_exit(target: Transformer, head: str, exit_layer: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """None for the logit lens; else the translator of ``exit_layer`` from a tuned-exit folder."""
-    if head == "lens":
-        return None
-    if head == "tuned":
-        raise OptionError("exit_head", "tuned needs the target's zoo name to find its shipped exit (the API "
-                          "resolves it); pass the folder from `mirrorsd train-exit` instead")
-    translators = ExitTranslators.load(head)
-    translators.check(exit_layer, target.config.hidden_size)
-    return partial(translators, layer=exit_layer)
-
-
 def fresh_proposer(draft: Transformer, target_vocab: int, sampling: SamplingParams,
                    opts: MirrorOptions) -> ModelProposer:
     """The draft's own proposer (vanilla SD's): fresh rollouts, and the sampler every tree rollout uses."""
@@ -634,7 +622,7 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     exit_layer = resolve_exit_layer(opts.exit_layer, req.target.config.n_layers)
     if opts.kappa > req.target.config.vocab_size:
         raise OptionError("kappa", f"must be in 1..{req.target.config.vocab_size} (the vocabulary), got {opts.kappa}")
-    translate = tuned_exit(req.target, opts.exit_head, exit_layer)
+    translate = None if opts.exit_head == "lens" else tuned_exit(req.target, opts.exit_head, exit_layer)
     executor = make_executor(opts.backend, req.target.device, req.draft.device, opts.threads)
     run = MirrorRun(req, opts, exit_layer, executor, translate, optional_head(req.target, opts.exit_vocab))
     rejection = opts.acceptance == "rejection"

@@ -10,10 +10,14 @@ one-branch tree (:class:`~mirrorsd.decoding.suffix.SuffixFirst`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..draft_vocab import SubsetHead
+from ..exit_heads import tuned_exit
 from ..model import Transformer
 from ..streams import StreamAdapters, load_adapters
 from ..verify import Verdict
@@ -45,6 +49,10 @@ class SSOptions(MethodOptions):
                                check=at_least(0), flag="--tree-depth")
     threshold: float = option(DEFAULT_THRESHOLD, "drop tree edges whose pruning-adapter probability is below this, "
                               "with their subtrees; 0 never prunes", check=probability(), flag="--prune-threshold")
+    prune_exit: str = option("adapter", "what scores tree edges at layer N - N_s: adapter (the pruning adapter o_θ "
+                             "trained with the streams, the paper's) or tuned (a tuned exit's translator, "
+                             "`mirrorsd train-exit --layers N-N_s`: the target's shipped one, or give its folder)",
+                             parse=str, metavar="EXIT")
     stream_vocab: int | None = option(None, "read stream rows and the pruning exit through the N most frequent token "
                                       "ids only (0: the full vocabulary)", parse=int, check=at_least(0),
                                       default_text="the adapter's training vocabulary")
@@ -80,13 +88,14 @@ class StreamTreeScorer(ChainScorer):
     """The fused pass over ``[last committed] + tree``; commit compacts the cache to the accepted path."""
 
     def __init__(self, model: Transformer, adapters: StreamAdapters, threshold: float, stats: SSStats,
-                 head: SubsetHead | None) -> None:
+                 head: SubsetHead | None, prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__(model)
         self.adapters, self.threshold, self.stats, self.head = adapters, threshold, stats, head
+        self.prune_exit = prune_exit
 
     def score(self, state: RequestState, draft: Draft) -> TreeScores:
         forward = fused_forward(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
-                                self.threshold, self.head)
+                                self.threshold, self.head, self.prune_exit)
         self.stats.tree_before.append(forward.nodes)
         self.stats.tree_after.append(len(forward.kept))
         return TreeScores(forward.main_logits, forward.draft, forward=forward)
@@ -127,6 +136,9 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     top_fraction = adapters.config.layers / req.target.config.n_layers
 
     head = adapters.head(req.target, opts.stream_vocab)
+    prune_exit = None
+    if opts.prune_exit != "adapter":
+        prune_exit = tuned_exit(req.target, opts.prune_exit, adapters.first_layer, "prune_exit")
     proposer: Any = StreamCandidates(req.target, adapters, depth, opts.tree_k, opts.tree_budget, head)
     lookup, window = None, depth
     if opts.suffix_match:  # suffix windows are not bounded by the streams
@@ -138,7 +150,8 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
         return {"tree": scores.forward.nodes, "kept": len(scores.forward.kept), "streams": streams,
                 "top_fraction": top_fraction, **(proposer.log(scores, verdict) if lookup else {})}
 
-    return Roles(proposer, StreamTreeScorer(req.target, adapters, opts.threshold, stats, head), match, gamma=window,
+    scorer = StreamTreeScorer(req.target, adapters, opts.threshold, stats, head, prune_exit)
+    return Roles(proposer, scorer, match, gamma=window,
                  log=log, close=lookup.close if lookup else None)
 
 

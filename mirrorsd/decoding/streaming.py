@@ -16,6 +16,7 @@ committed tokens are the model's own.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -123,9 +124,11 @@ class TreeForward:
 
 
 def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Draft,
-                  threshold: float = 0.0, head: SubsetHead | None = None) -> TreeForward:
+                  threshold: float = 0.0, head: SubsetHead | None = None,
+                  prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TreeForward:
     """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows. ``head``: the
-    restricted vocabulary the pruning exit reads (a token outside it has probability 0)."""
+    restricted vocabulary the pruning exit reads (a token outside it has probability 0). ``prune_exit``: a tuned
+    exit's translator for layer ``N - N_s`` to score edges with instead of the adapter's o_θ."""
     device = model.device
     past = len(cache)
     root = len(trunk) - 1
@@ -144,7 +147,11 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
     kept = list(range(n))
     if threshold > 0 and n > len(trunk):
         parent_nodes = sorted({parents[i] for i in range(len(trunk), n)})
-        logits, ids = adapters.prune_logits(model, hidden[0, parent_nodes], head)
+        states = hidden[0, parent_nodes]
+        if prune_exit is None:
+            logits, ids = adapters.prune_logits(model, states, head)
+        else:
+            logits, ids = head_logits(model, prune_exit(states), head)
         row = {node: r for r, node in enumerate(parent_nodes)}
         edges = range(len(trunk), n)
         children = torch.tensor([tokens[i] for i in edges], device=device)
