@@ -47,7 +47,7 @@ class SSOptions(MethodOptions):
                               "path probability); 0 runs all of them, as the paper does", check=at_least(0))
     depth: int | None = option(None, "tree depth, at most the adapter's γ streams", parse=int, default_text="γ",
                                check=at_least(0), flag="--tree-depth")
-    threshold: float = option(DEFAULT_THRESHOLD, "drop tree edges whose pruning-adapter probability is below this, "
+    threshold: float = option(DEFAULT_THRESHOLD, "drop tree edges whose pruning-exit probability is below this, "
                               "with their subtrees; 0 never prunes", check=probability(), flag="--prune-threshold")
     prune_exit: str = option("adapter", "what scores tree edges at layer N - N_s: adapter (the pruning adapter o_θ "
                              "trained with the streams, the paper's) or tuned (a tuned exit's translator, "
