@@ -267,6 +267,8 @@ def test_a_tuned_prune_exit_scores_the_edges_and_keeps_ss_equal_to_ar(exact_mode
         generate(exact_model, prompt, method="ss", streams=adapters, prune_exit=str(tmp_path / "other"))
     with pytest.raises(ValueError, match="prune_exit=FOLDER"):  # no zoo name, so no shipped exit
         generate(exact_model, prompt, method="ss", streams=adapters, prune_exit="tuned")
+    with pytest.raises(ValueError, match="threshold 0 never prunes"):  # the exit would never be read
+        generate(exact_model, prompt, method="ss", streams=adapters, prune_exit=str(tmp_path / "exit"), threshold=0)
 
 
 def test_ss_bad_options_and_missing_adapters(exact_model, tmp_path):

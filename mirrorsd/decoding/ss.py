@@ -22,7 +22,7 @@ from ..model import Transformer
 from ..streams import StreamAdapters, load_adapters
 from ..verify import Verdict
 from .engine import ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, match
-from .registry import MethodOptions, at_least, option, probability, register
+from .registry import MethodOptions, ModelShape, OptionError, at_least, option, probability, register
 from .streaming import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_K,
@@ -57,6 +57,11 @@ class SSOptions(MethodOptions):
                                       "ids only (0: the full vocabulary)", parse=int, check=at_least(0),
                                       default_text="the adapter's training vocabulary")
     suffix_match: int = suffix_match_option()
+
+    def check(self, shape: ModelShape | None) -> None:
+        if self.prune_exit != "adapter" and self.threshold == 0:
+            raise OptionError("prune_exit", "scores edges for pruning, and threshold 0 never prunes: give a "
+                              "threshold above 0 (--prune-threshold), or leave prune_exit at 'adapter'")
 
 
 @dataclass
