@@ -668,7 +668,9 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
     if methods:
         p.add_argument("--methods", default="ar,suffix,sd,mirror,ss,hf-assisted,hf-pld,llama-server",
                        help="comma-separated: ar, suffix, sd, mirror, ss, hf-ar, hf-assisted, hf-pld, llama-server, "
-                            "llama-server-ar; options as KIND:key=value:key=value, a label as LABEL=KIND:... "
+                            "llama-server-ar, llama-server-ngram (llama.cpp's draft-free n-gram speculation; its "
+                            "options are llama-server flags, default spec-type=ngram-simple); options as "
+                            "KIND:key=value:key=value, a label as LABEL=KIND:... "
                             "(e.g. mirror:roots=budget:backend=threads); auto runs what `mirrorsd plan` recommends "
                             "for the pair (planned first if needed). References (ar, hf-ar, llama-server-ar) "
                             "are added as needed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ import mirrorsd
 from mirrorsd import plans, zoo
 from mirrorsd.bench import metrics, plan
 from mirrorsd.bench.metrics import Answer, Turn
+from mirrorsd.bench.peers import server_flags
 from mirrorsd.bench.report import render, write_report
-from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, parse_methods
+from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, needs_draft, parse_methods
 from mirrorsd.cli import main
 from mirrorsd.decoding import get_method
 from mirrorsd.exit_heads import ExitTranslators
@@ -155,6 +157,34 @@ def test_planner_ranks_by_predicted_speed():
 
 
 # -- methods, suites -------------------------------------------------------------------------------------------
+
+
+def test_llama_ngram_methods_become_one_server_each_with_their_flags(monkeypatch, tmp_path):
+    """``llama-server-ngram``: draft-free, its options are llama-server flags (spec-type defaults to ngram-simple),
+    one server per labelled configuration plus the draft-less reference; no draft GGUF is needed."""
+    specs = parse_methods("llama-server-ngram,mod=llama-server-ngram:spec-type=ngram-mod:spec-draft-n-max=16")
+    assert [s.label for s in specs] == ["ar", "llama-server-ar", "llama-server-ngram", "mod"]
+    assert all(s.reference == "llama-server-ar" for s in specs[2:]) and not needs_draft("llama-server-ngram")
+    assert server_flags(specs[3].options) == ["--spec-type", "ngram-mod", "--spec-draft-n-max", "16"]
+    assert server_flags({}) == ["--spec-type", "ngram-simple"]
+    started = {}
+
+    class FakeServer:
+        def __init__(self, binary, model, draft, threads, context, extra_args=None, log=None):
+            started[len(started)] = (draft, extra_args)
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    monkeypatch.setattr("mirrorsd.bench.runner.LlamaServer", FakeServer)
+    monkeypatch.setattr("mirrorsd.bench.runner.find_llama_server", lambda path=None: "/bin/true")
+    bench = Bench.__new__(Bench)
+    bench.config, bench.notes, bench.servers = BenchConfig("t", None, specs), [], {}
+    bench.target = SimpleNamespace(path=tmp_path, config=SimpleNamespace(context_length=4096))
+    bench.draft = None  # a draft-free peer needs no draft GGUF
+    bench._start_llama([s for s in specs if s.kind != "ar"])
+    assert set(bench.servers) == {"llama-server-ar", "llama-server-ngram", "mod"}
+    assert list(started.values()) == [(None, None), (None, ["--spec-type", "ngram-simple"]),
+                                      (None, ["--spec-type", "ngram-mod", "--spec-draft-n-max", "16"])]
 
 
 def test_parse_methods_options_labels_and_references():

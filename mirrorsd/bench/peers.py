@@ -4,7 +4,10 @@
   ``prompt_lookup_num_tokens=`` (``hf-pld``, Spec-Bench's settings: 10 candidate tokens, 3-gram match), on the
   fp32 checkpoint the zoo converted from the GGUF file (transformers cannot run GGUF codes directly).
 * llama.cpp's ``llama-server`` on the very GGUF files our q4 format computes from: one server without a draft
-  (``llama-server-ar``) and one with ``--model-draft`` (``llama-server``), over loopback HTTP, prompt cache off.
+  (``llama-server-ar``), one with ``--model-draft`` (``llama-server``) and, for ``llama-server-ngram``, one per
+  configuration with a draft-free n-gram ``--spec-type`` (default ``ngram-simple``; every option of the method is
+  a llama-server flag: ``llama-server-ngram:spec-type=ngram-mod:spec-draft-n-max=16``), over loopback HTTP, prompt
+  cache off.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from ..runtime import synchronize
 from .metrics import Turn
 
 HF_METHODS = {"hf-ar", "hf-assisted", "hf-pld"}
-LLAMA_METHODS = {"llama-server", "llama-server-ar"}
+LLAMA_METHODS = {"llama-server", "llama-server-ar", "llama-server-ngram"}
+NGRAM_SPEC_TYPE = "ngram-simple"  # llama.cpp's first n-gram map type (docs/speculative.md)
 PLD_TOKENS, PLD_NGRAM = 10, 3  # Spec-Bench's PLD settings (draft_num_candidate_tokens, matching window)
 
 
@@ -84,6 +88,12 @@ def find_llama_server(path: str | None = None) -> str | None:
     """``path``, else ``$MIRRORSD_LLAMA_SERVER``, else ``llama-server`` on PATH."""
     candidate = path or os.environ.get("MIRRORSD_LLAMA_SERVER") or shutil.which("llama-server")
     return candidate if candidate and Path(candidate).is_file() else None
+
+
+def server_flags(options: dict[str, Any]) -> list[str]:
+    """A ``llama-server-ngram`` method's options as llama-server flags (``spec_type`` -> ``--spec-type``)."""
+    flags = {"spec_type": NGRAM_SPEC_TYPE, **options}
+    return [arg for key, value in flags.items() for arg in ("--" + key.replace("_", "-"), str(value))]
 
 
 def _free_port() -> int:

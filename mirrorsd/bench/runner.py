@@ -34,12 +34,12 @@ from ..specbench import GROUPS, Question, load_suite
 from . import metrics, plan, probe
 from .forward import _cpu_name
 from .metrics import Answer, Turn
-from .peers import HF_METHODS, LLAMA_METHODS, HFPeers, LlamaServer, find_llama_server
+from .peers import HF_METHODS, LLAMA_METHODS, HFPeers, LlamaServer, find_llama_server, server_flags
 
 NEAR_TIE = 1e-3  # logit units: a divergence with a smaller gap is float reordering, not a bug
 REFERENCE = {"hf-assisted": "hf-ar", "hf-pld": "hf-ar", "hf-ar": "hf-ar", "llama-server": "llama-server-ar",
-             "llama-server-ar": "llama-server-ar"}
-PEER_KINDS = ("hf-ar", "hf-assisted", "hf-pld", "llama-server", "llama-server-ar")
+             "llama-server-ar": "llama-server-ar", "llama-server-ngram": "llama-server-ar"}
+PEER_KINDS = ("hf-ar", "hf-assisted", "hf-pld", "llama-server", "llama-server-ar", "llama-server-ngram")
 PEERS_NEEDING_DRAFT = {"hf-assisted", "llama-server"}
 
 
@@ -207,8 +207,8 @@ class Bench:
                               self.target.model.dtype)
         self.servers: dict[str, LlamaServer] = {}
         if kinds & LLAMA_METHODS:
-            self._start_llama(kinds)
-        self.methods = [m for m in config.methods if m.kind not in LLAMA_METHODS or m.kind in self.servers]
+            self._start_llama([m for m in config.methods if m.kind in LLAMA_METHODS])
+        self.methods = [m for m in config.methods if m.kind not in LLAMA_METHODS or m.label in self.servers]
         self.answers: list[Answer] = []
         self.timeline: dict[str, Any] | None = None
 
@@ -223,7 +223,8 @@ class Bench:
         self.notes.append(f"`{spec.label}` ran the plan's recommendation for this pair: `{chosen}`.")
         return MethodSpec(spec.label, method, options)
 
-    def _start_llama(self, kinds: set[str]) -> None:
+    def _start_llama(self, specs: list[MethodSpec]) -> None:
+        """One llama-server per llama.cpp method, keyed by its label."""
         binary = find_llama_server(self.config.llama_server)
         gguf = lambda m: m.path / "model.gguf" if m is not None and m.path is not None else None  # noqa: E731
         t_gguf, d_gguf = gguf(self.target), gguf(self.draft)
@@ -231,16 +232,20 @@ class Bench:
             self.notes.append("llama-server skipped: no binary (put llama-server on PATH, set "
                               "MIRRORSD_LLAMA_SERVER or pass --llama-server PATH)")
             return
-        if t_gguf is None or not t_gguf.is_file() or d_gguf is None or not d_gguf.is_file():
+        drafting = any(spec.kind == "llama-server" for spec in specs)
+        if t_gguf is None or not t_gguf.is_file() or drafting and (d_gguf is None or not d_gguf.is_file()):
             self.notes.append("llama-server skipped: the models are not zoo models with a GGUF file")
             return
-        context = self.target.config.context_length
-        ctx = min(context, 8192)
-        self.servers["llama-server-ar"] = LlamaServer(binary, t_gguf, None, torch.get_num_threads(), ctx)
-        if "llama-server" in kinds:
-            self.servers["llama-server"] = LlamaServer(binary, t_gguf, d_gguf, torch.get_num_threads(), ctx)
-        self.notes.append(f"llama-server: {binary} on the same GGUF files, {torch.get_num_threads()} threads, "
-                          "its default speculative settings, prompt cache off")
+        ctx = min(self.target.config.context_length, 8192)
+        threads = torch.get_num_threads()
+        for spec in specs:
+            draft = d_gguf if spec.kind == "llama-server" else None
+            flags = server_flags(spec.options) if spec.kind == "llama-server-ngram" else None
+            self.servers[spec.label] = LlamaServer(binary, t_gguf, draft, threads, ctx, flags)
+            if flags:
+                self.notes.append(f"`{spec.label}`: llama-server {' '.join(flags)}")
+        self.notes.append(f"llama-server: {binary} on the same GGUF files, {threads} threads, its default "
+                          "speculative settings unless noted, prompt cache off")
 
     def close(self) -> None:
         for server in self.servers.values():
@@ -260,7 +265,7 @@ class Bench:
             turn.text = self.target.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
             return turn
         if spec.kind in LLAMA_METHODS:
-            return self.servers[spec.kind].complete(ids, max_new, cfg.temperature, seed, self.target.eos_token_ids)
+            return self.servers[spec.label].complete(ids, max_new, cfg.temperature, seed, self.target.eos_token_ids)
         draft = self.draft if get_method(spec.kind).needs_draft else None
         synchronize(self.device)
         start = time.perf_counter()
