@@ -167,6 +167,7 @@ def test_llama_ngram_methods_become_one_server_each_with_their_flags(monkeypatch
     assert all(s.reference == "llama-server-ar" for s in specs[2:]) and not needs_draft("llama-server-ngram")
     assert server_flags(specs[3].options) == ["--spec-type", "ngram-mod", "--spec-draft-n-max", "16"]
     assert server_flags({}) == ["--spec-type", "ngram-simple"]
+    assert server_flags({"no_mmap": True, "verbose": False}) == ["--spec-type", "ngram-simple", "--no-mmap"]
     started = {}
 
     class FakeServer:
@@ -185,6 +186,23 @@ def test_llama_ngram_methods_become_one_server_each_with_their_flags(monkeypatch
     assert set(bench.servers) == {"llama-server-ar", "llama-server-ngram", "mod"}
     assert list(started.values()) == [(None, None), (None, ["--spec-type", "ngram-simple"]),
                                       (None, ["--spec-type", "ngram-mod", "--spec-draft-n-max", "16"])]
+
+    closed = []
+
+    class FailingServer(FakeServer):
+        def __init__(self, *args, **kwargs):
+            if len(started) == 4:
+                raise RuntimeError("llama-server exited with code 1")
+            super().__init__(*args, **kwargs)
+
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr("mirrorsd.bench.runner.LlamaServer", FailingServer)
+    bench.servers = {}
+    with pytest.raises(RuntimeError, match="exited"):  # the first server is stopped, not orphaned
+        bench._start_llama([s for s in specs if s.kind != "ar"])
+    assert len(closed) == 1
 
 
 def test_parse_methods_options_labels_and_references():

@@ -91,9 +91,14 @@ def find_llama_server(path: str | None = None) -> str | None:
 
 
 def server_flags(options: dict[str, Any]) -> list[str]:
-    """A ``llama-server-ngram`` method's options as llama-server flags (``spec_type`` -> ``--spec-type``)."""
-    flags = {"spec_type": NGRAM_SPEC_TYPE, **options}
-    return [arg for key, value in flags.items() for arg in ("--" + key.replace("_", "-"), str(value))]
+    """A ``llama-server-ngram`` method's options as llama-server flags (``spec_type`` -> ``--spec-type``); a switch
+    is ``key=true`` (given alone) or ``key=false`` (left out)."""
+    flags: list[str] = []
+    for key, value in {"spec_type": NGRAM_SPEC_TYPE, **options}.items():
+        if value is False:
+            continue
+        flags += ["--" + key.replace("_", "-"), *([] if value is True else [str(value)])]
+    return flags
 
 
 def _free_port() -> int:

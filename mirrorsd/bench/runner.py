@@ -241,7 +241,11 @@ class Bench:
         for spec in specs:
             draft = d_gguf if spec.kind == "llama-server" else None
             flags = server_flags(spec.options) if spec.kind == "llama-server-ngram" else None
-            self.servers[spec.label] = LlamaServer(binary, t_gguf, draft, threads, ctx, flags)
+            try:
+                self.servers[spec.label] = LlamaServer(binary, t_gguf, draft, threads, ctx, flags)
+            except RuntimeError:
+                self.close()  # no server outlives a failed start (a bad flag, a port, a crash)
+                raise
             if flags:
                 self.notes.append(f"`{spec.label}`: llama-server {' '.join(flags)}")
         self.notes.append(f"llama-server: {binary} on the same GGUF files, {threads} threads, its default "
