@@ -27,7 +27,15 @@ def tables(tmp_path, monkeypatch):
     for vocab in (8, 64):
         torch.save(torch.randperm(vocab, generator=torch.Generator().manual_seed(vocab)).int(),
                    tmp_path / f"vocab{vocab}.pt")
-    monkeypatch.setattr(dv, "table_path", lambda vocab: tmp_path / f"vocab{vocab}.pt")
+    monkeypatch.setattr(dv, "table_path", lambda vocab, kind="corpus": tmp_path / dv.TABLE_FILES[kind].format(vocab))
+    return tmp_path
+
+
+@pytest.fixture
+def draft_tables(tables):
+    """Draft tables next to the corpus ones, ranked differently (the reversed corpus ranking)."""
+    for vocab in (8, 64):
+        torch.save(dv.load_table(vocab).flip(0), tables / f"draft{vocab}.pt")
 
 
 def test_subset_head_scores_only_its_ids(tables):
@@ -44,9 +52,55 @@ def test_subset_head_scores_only_its_ids(tables):
 
 
 def test_missing_table_says_how_to_build_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(dv, "table_path", lambda vocab: tmp_path / "none.pt")
+    monkeypatch.setattr(dv, "table_path", lambda vocab, kind="corpus": tmp_path / "none.pt")
     with pytest.raises(FileNotFoundError, match="python -m mirrorsd.draft_vocab"):
         dv.load_table(64)
+    with pytest.raises(FileNotFoundError, match="--answers-of"):
+        dv.load_table(64, "draft")
+
+
+def test_drafts_read_the_draft_table_where_one_ships(draft_tables):
+    """A reduced draft takes its ids from the draft table (ranked by the target's answers); the exits and streams
+    keep the corpus table they were trained on."""
+    target = row_exact(tiny_hf(layers=4, seed=1))
+    draft = row_exact(tiny_hf(layers=2, seed=2))
+    assert dv.draft_table_kind(64) == "draft" and dv.draft_table_kind(96) == "corpus"
+    proposer = ModelProposer(draft, 64, SamplingParams(), 6, vocab=8)
+    assert set(proposer.subset.ids.tolist()) == set(dv.load_table(64, "draft")[:8].tolist())
+    assert set(dv.optional_head(target, 8).ids.tolist()) == set(dv.load_table(64)[:8].tolist())
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = generate(target, prompt, method="ar", max_new_tokens=24).token_ids
+    assert generate(target, prompt, method="sd", draft=draft, max_new_tokens=24, draft_vocab=8).token_ids == want
+
+
+def test_answers_rank_the_draft_table(monkeypatch):
+    """Tokens the target says rise above corpus-frequent ones it never says; special tokens stay first."""
+
+    class Tokenizer:
+        all_special_ids = [7]
+
+    corpus = Counter({0: 100, 1: 90, 2: 80, 3: 5})
+    table = dv.ranked(dv.merged_counts(corpus, [[3, 3, 4], [3]], weight=1.0), Tokenizer(), 8)
+    # the answers (4 tokens) weigh as much as the corpus (275): each said token counts 275 / 4
+    assert table.tolist() == [7, 3, 0, 1, 2, 4, 5, 6]
+    assert dv.ranked(corpus, Tokenizer(), 8).tolist() == [7, 0, 1, 2, 3, 4, 5, 6]
+
+
+def test_shipped_draft_table_keeps_everyday_words_the_corpus_table_drops():
+    """The zoo's draft table (corpus + English word frequencies + the 1.5B's answers) holds the prose tokens chat
+    answers use, which the library-source corpus table ranks below 32k."""
+    words = [3607, 3220, 2932, 7589, 19828]  # Qwen2.5's ids of ' food', ' money', ' She', ' Tuesday', ' flour'
+    corpus, draft = (set(dv.load_table(151936, kind)[:32768].tolist()) for kind in ("corpus", "draft"))
+    assert not set(words) <= corpus and set(words) <= draft
+
+
+def test_shipped_prompts_are_ours_not_spec_bench():
+    from mirrorsd.specbench import load_questions
+
+    ours = dv.prompts()
+    assert len(ours) >= 100 and all(p["prompt"] and p["category"] for p in ours)
+    theirs = {turn for q in load_questions() for turn in q.turns}
+    assert not theirs & {p["prompt"] for p in ours}
 
 
 @pytest.mark.parametrize("method", ["sd", "mirror"])

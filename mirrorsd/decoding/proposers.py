@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..draft_vocab import subset_head
+from ..draft_vocab import DEFAULT_SIZE, draft_table_kind, subset_head
 from ..model import Transformer
 from ..sampling import Noise, SamplingParams, probabilities, sample
 from ..streams import StreamAdapters
@@ -37,11 +37,23 @@ SCHEDULES = ("constant", "heuristic")
 SINK_TOKENS = 4  # first prompt tokens a ``context``-limited draft always keeps (StreamingLLM's attention sinks)
 
 
-def draft_vocab_option() -> Any:
-    """The reduced-vocabulary option, shared by the methods that draft with a model."""
-    return option(0, "restrict the draft model's LM head to the N most frequent token ids of the shipped table "
-                  "(FR-Spec; lossless: the target verifies with its full vocabulary); 0: the full vocabulary",
-                  check=at_least(0))
+def draft_vocab_option(default: int | None = 0) -> Any:
+    """The reduced-vocabulary option, shared by the methods that draft with a model (``None``: the measured
+    default, :func:`draft_vocab_size`)."""
+    return option(default, "restrict the draft model's LM head to the N most frequent token ids of the shipped "
+                  "draft table (FR-Spec; lossless: the target verifies with its full vocabulary); 0: the full "
+                  "vocabulary", parse=int, check=at_least(0),
+                  default_text="32768 where a draft table ships" if default is None else None)
+
+
+def draft_vocab_size(option: int | None, draft: Transformer) -> int:
+    """The draft vocabulary an option asks for: ``None`` is :data:`~mirrorsd.draft_vocab.DEFAULT_SIZE` where a
+    draft table (ranked by the target's answers) ships for the draft's vocabulary and it is larger, else the full
+    one (measured on Spec-Bench: docs/drafting.md)."""
+    if option is not None:
+        return option
+    vocab = draft.config.vocab_size
+    return DEFAULT_SIZE if vocab > DEFAULT_SIZE and draft_table_kind(vocab) == "draft" else 0
 
 
 def check_draft(target: Transformer, draft: Transformer | None) -> None:
@@ -82,7 +94,7 @@ class ModelProposer:
         # A reduced draft vocabulary (FR-Spec). Greedy drafts read its logits as they come (an argmax and a
         # top probability need no full row); sampled ones scatter them into the full vocabulary, where the
         # noise is keyed by token id.
-        self.subset = subset_head(draft, vocab) if vocab else None
+        self.subset = subset_head(draft, vocab, draft_table_kind(draft.config.vocab_size)) if vocab else None
         self.subset_columns = self.subset is not None and params.greedy  # logits' column c is token subset.ids[c]
         self.head = self.subset.full if self.subset is not None and not params.greedy else self.subset
         self.rejection = rejection and not params.greedy
