@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 
 from mirrorsd import Transformer, generate
 from mirrorsd import draft_vocab as dv
+from mirrorsd import vocab_tables as vt
 from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, new_state
 from mirrorsd.decoding.proposers import ModelProposer
 from mirrorsd.sampling import SamplingParams
@@ -53,7 +54,7 @@ def test_subset_head_scores_only_its_ids(tables):
 
 def test_missing_table_says_how_to_build_one(tmp_path, monkeypatch):
     monkeypatch.setattr(dv, "table_path", lambda vocab, kind="corpus": tmp_path / "none.pt")
-    with pytest.raises(FileNotFoundError, match="python -m mirrorsd.draft_vocab"):
+    with pytest.raises(FileNotFoundError, match="python -m mirrorsd.vocab_tables"):
         dv.load_table(64)
     with pytest.raises(FileNotFoundError, match="--answers-of"):
         dv.load_table(64, "draft")
@@ -80,10 +81,10 @@ def test_answers_rank_the_draft_table(monkeypatch):
         all_special_ids = [7]
 
     corpus = Counter({0: 100, 1: 90, 2: 80, 3: 5})
-    table = dv.ranked(dv.merged_counts(corpus, [[3, 3, 4], [3]], weight=1.0), Tokenizer(), 8)
+    table = vt.ranked(vt.merged_counts(corpus, [[3, 3, 4], [3]], weight=1.0), Tokenizer(), 8)
     # the answers (4 tokens) weigh as much as the corpus (275): each said token counts 275 / 4
     assert table.tolist() == [7, 3, 0, 1, 2, 4, 5, 6]
-    assert dv.ranked(corpus, Tokenizer(), 8).tolist() == [7, 0, 1, 2, 3, 4, 5, 6]
+    assert vt.ranked(corpus, Tokenizer(), 8).tolist() == [7, 0, 1, 2, 3, 4, 5, 6]
 
 
 def test_shipped_draft_table_keeps_everyday_words_the_corpus_table_drops():
@@ -97,7 +98,7 @@ def test_shipped_draft_table_keeps_everyday_words_the_corpus_table_drops():
 def test_shipped_prompts_are_ours_not_spec_bench():
     from mirrorsd.specbench import load_questions
 
-    ours = dv.prompts()
+    ours = vt.prompts()
     assert len(ours) >= 100 and all(p["prompt"] and p["category"] for p in ours)
     theirs = {turn for q in load_questions() for turn in q.turns}
     assert not theirs & {p["prompt"] for p in ours}
@@ -179,7 +180,7 @@ def test_optional_head_defaults_to_the_full_vocabulary_where_no_larger_table_shi
     assert len(dv.optional_head(model, None).ids) == 32
     other = row_exact(tiny_hf(vocab=96, layers=1, seed=1))  # no table for a 96-token vocabulary
     assert dv.optional_head(other, None) is None
-    with pytest.raises(FileNotFoundError, match="python -m mirrorsd.draft_vocab"):
+    with pytest.raises(FileNotFoundError, match="python -m mirrorsd.vocab_tables"):
         dv.optional_head(other, 16)
 
 

@@ -15,7 +15,7 @@ LAYERS = [
      "verify", "runtime", "draft_vocab", "exit_heads"},  # the model, its kernels and the executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api"},  # loading models and the HF-like API
-    {"perplexity", "quality", "train_streams", "train_exit"},  # tools on the API
+    {"perplexity", "quality", "train_streams", "train_exit", "vocab_tables"},  # tools on the API
     {"bench"},  # benchmarks and the planner
     {"server"},  # mirrorsd serve: the OpenAI-compatible HTTP server
     {"cli", "__init__", "__main__"},  # the command line and the package's public names
