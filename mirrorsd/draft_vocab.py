@@ -11,9 +11,9 @@ frequent first, the unseen ones after them by id -- BPE's merge order):
 * ``corpus`` (``vocab{V}.pt``): counted over offline corpora -- the Python standard library's source, its
   documentation (``pydoc_data``) and chat-templated conversations, plus the tokenizer's special tokens, which
   always stay in. The early exits and the stream adapters were trained on its first 32,768 ids, so it stays as it is.
-* ``draft`` (``draft{V}.pt``): the corpus counts re-ranked by the target's own greedy answers to chat prompts of
-  ours (``prompts.jsonl``): a draft is rewarded for proposing what the target says, and chat answers use Markdown
-  and prose tokens that rank low in library source. Reduced-vocabulary drafts read it where it ships.
+* ``draft`` (``draft{V}.pt``): the corpus counts plus English word frequencies, re-ranked by the target's own greedy
+  answers to chat prompts of ours (``prompts.jsonl``): a draft is rewarded for proposing what the target says, and
+  chat answers use prose tokens that rank low in library source. Reduced-vocabulary drafts read it where it ships.
 
 :mod:`mirrorsd.vocab_tables` builds both (``python -m mirrorsd.vocab_tables FOLDER [--answers-of TARGET]``).
 """
