@@ -79,7 +79,7 @@ def ranked(counts: Counter[int] | dict[int, float], tokenizer, vocab: int) -> to
     counts = Counter(counts)
     for token_id in tokenizer.all_special_ids:
         counts[token_id] += 10**12
-    order = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t < vocab]  # ties by id
+    order = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t < vocab]
     seen = set(order)
     order += [t for t in range(vocab) if t not in seen]
     return torch.tensor(order, dtype=torch.int32)
