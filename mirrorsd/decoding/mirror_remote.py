@@ -331,6 +331,10 @@ class RemoteBranchProposer(BranchProposer):
 
     def fail(self, error: BaseException) -> None:
         if self.worker is not None:
+            # A dead rank is named as one: gloo may report a dead peer as a closed connection or, when the send
+            # went into the socket buffer first, as a timed-out receive, which alone would read like a hang.
+            code = self.worker.process.exitcode
+            error = error if code is None else ChannelError(f"the draft rank exited with code {code}: {error}")
             self.worker.abandon(f"{type(error).__name__}: {error}")
         super().fail(error)
 
