@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import torch
 
 import mirrorsd
 from mirrorsd import plans, zoo
+from mirrorsd.api import encode_chat
 from mirrorsd.bench import metrics, plan
 from mirrorsd.bench.metrics import Answer, Turn
 from mirrorsd.bench.peers import server_flags
@@ -154,6 +156,25 @@ def test_planner_ranks_by_predicted_speed():
                      key=lambda c: -c.tokens_per_s)
     assert useless[0].method == "ar"  # a costly draft that is never right loses to ar
     assert plan.Costs.from_dict(json.loads(json.dumps(costs().to_dict()))) == costs()
+
+
+def test_a_reduced_draft_head_is_priced_with_its_own_table():
+    c = dataclasses.replace(costs(), default_draft_vocab=32768, draft_vocab_ms={32768: {1: 1.5, 64: 24.0}})
+    sd, mirror = get_method("sd"), get_method("mirror")
+    step = {"drafted": 4}
+    assert sd.step_cost(c, step, sd.options.parse({}, "sd")) == pytest.approx(4 * 1.5 + 14.0)  # the default head
+    full = sd.options.parse({"draft_vocab": 0}, "sd")
+    assert sd.step_cost(c, step, full) == pytest.approx(4 * 2.0 + 14.0)
+    unmeasured = sd.options.parse({"draft_vocab": 8192}, "sd")  # no table: the full head, an upper bound
+    assert sd.step_cost(c, step, unmeasured) == pytest.approx(4 * 2.0 + 14.0)
+    miss = {"drafted": 1, "gamma": 1, "roots": 64, "exit_layer": 4, "hit": False}
+    serial_exit = 5.5 + 0.5 + 1 / 15 + 5.5  # w = 2: P + EE + Δ, then the rollout and the miss's fresh one
+    assert mirror.step_cost(c, miss, mirror.options.parse({}, "mirror")) == pytest.approx(serial_exit + 32 + 2.0)
+    reduced = mirror.options.parse({"draft_vocab": 32768}, "mirror")
+    assert mirror.step_cost(c, miss, reduced) == pytest.approx(serial_exit + 24.0 + 1.5)
+    assert plan.Costs.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    saved_before = {k: v for k, v in costs().to_dict().items() if k not in ("default_draft_vocab", "draft_vocab_ms")}
+    assert plan.Costs.from_dict(json.loads(json.dumps(saved_before))).draft(1, None) == 2.0  # an older plan's file
 
 
 # -- methods, suites -------------------------------------------------------------------------------------------
@@ -359,6 +380,7 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     assert speeds == sorted(speeds, reverse=True)
     assert {r["method"] for r in stored["ranked"]} >= {"ar", "suffix", "sd", "mirror", "ss"}
     assert any(r["method"] == "sd" and "suffix_match" in r["options"] for r in stored["ranked"])  # the hybrid
+    assert any(r["method"] == "sd" and r["options"] == {} for r in stored["ranked"])  # sd as it ships, by a run
     ar = next(r for r in stored["ranked"] if r["method"] == "ar")
     best = stored["ranked"][0]
     margin_faster = best["predicted_tokens_per_s"] >= plan.MARGIN * ar["predicted_tokens_per_s"]
@@ -380,6 +402,14 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     assert rc == 0 and results["summary"]["auto"]["kind"] == "sd"  # the plan's recommendation ran
     assert results["summary"]["auto"]["options"] == {"gamma": 3, "confidence": 0.0}
     assert any("`sd:gamma=3:confidence=0.0`" in note for note in results["notes"])
+
+
+@requires_smollm2
+def test_a_calibration_run_never_copies_an_earlier_one():
+    target = mirrorsd.load_model("smollm2-135m")
+    ids = [encode_chat(target, [{"role": "user", "content": "Name three colours."}])]
+    first, again = (plan.calibrated(target, target, ids, 12, costs(), "sd", {}) for _ in range(2))
+    assert again.tokens_per_step == first.tokens_per_step  # the second run found no copy of the first's answer
 
 
 def test_recommendation_needs_a_margin_over_ar():

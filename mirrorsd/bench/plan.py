@@ -7,14 +7,17 @@ the early-exit head with top-κ ``EE(k)``, and the draft's k-row forward ``D(k)`
 one forward). Per decoding step (``w`` = window + 1 tokens verified, γ draft steps, ``R`` rollout roots):
 
 * ``ar``: ``T(1)`` per token.
-* ``sd``: ``γ·D(1) + T(γ+1)`` (draft, then verify: the two are serial).
+* ``sd``: ``γ·D(1) + T(γ+1)`` (draft, then verify: the two are serial). ``D`` is timed with the draft's full LM
+  head and with the reduced one ``sd`` drafts with by default (``draft_vocab``); each method reads the one its
+  options ask for.
 * ``mirror``: ``P_ℓ(w) + EE(w) + max(Δ, γ·D(R)) + f·γ·D(1)`` with ``Δ = T(w) − P_ℓ(w)`` — Eq. 10 with the
   rendezvous folded into EE — plus the exposed fresh rollout after a miss (fallback frequency ``f``), which
   Eq. 10 leaves out. The ``serial`` backend adds Δ and the rollout instead of overlapping them; ``threads``
   uses costs measured with the cores split between target and draft (each alone: contention for memory
   bandwidth while both run is not in the model, so this is an upper bound).
-* ``suffix`` and the ``sd`` hybrid (``suffix_match``): acceptance depends on how much the text repeats, so
-  these are priced by running them briefly on the calibration prompts and adding up their recorded steps with
+* ``suffix``, the ``sd`` hybrid (``suffix_match``) and ``sd`` as it ships (hybrid, model gate, reduced head):
+  acceptance depends on how much the text repeats, and the gate on measured speed, so these are priced by running
+  them briefly on the calibration prompts and adding up their recorded steps with
   the method's cost model (a suffix window costs its verification ``T(w)`` only).
 * ``ss``: a pass runs the whole tree (``n`` nodes) through the bottom layers, and the ``m`` nodes kept by pruning
   with their ``m·γ_s`` stream rows through the top ``N_s``: ``(1 − N_s/N)·T(n) + (N_s/N)·T(m·(1 + γ_s))``.
@@ -39,10 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..decoding import get_method, methods
 from ..decoding.mirror import DEFAULT_KAPPA, early_exit
-from ..draft_vocab import optional_head
+from ..decoding.proposers import draft_vocab_size
+from ..decoding.suffix_index import clear_shared_indexes
+from ..draft_vocab import draft_table_kind, optional_head, subset_head
 from ..model import Transformer
 from ..plans import plan_path
 from ..runtime.executors import split_threads
@@ -67,6 +73,10 @@ class Costs:
     exit_head_ms: dict[int, float]
     draft_ms: dict[int, float]
     split: dict[str, Any] | None = None  # the same tables measured with (target, draft) threads split
+    # The draft's forwards with the reduced LM head a ``draft_vocab`` option of None picks (sd's default): a
+    # 32k head makes the 0.5B's forward ~25% cheaper, which the full-head table would hide from the ranking.
+    default_draft_vocab: int = 0
+    draft_vocab_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # vocabulary size -> k -> ms
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,14 +90,18 @@ class Costs:
                      "prefix_ms": {int(e): ints(t) for e, t in split["prefix_ms"].items()}}
         return cls(d["context"], d["threads"], ints(d["target_ms"]),
                    {int(e): ints(t) for e, t in d["prefix_ms"].items()}, ints(d["exit_head_ms"]),
-                   ints(d["draft_ms"]), split)
+                   ints(d["draft_ms"]), split, d.get("default_draft_vocab", 0),  # plans saved before: full head
+                   {int(v): ints(t) for v, t in d.get("draft_vocab_ms", {}).items()})
 
     # What a method's cost model reads (mirrorsd.decoding.registry.CostTable), in ms.
     def target(self, rows: float) -> float:
         return interpolate(self.target_ms, rows)
 
-    def draft(self, rows: float) -> float:
-        return interpolate(self.draft_ms, rows)
+    def draft(self, rows: float, vocab: int | None = 0) -> float:
+        """The draft's forward over ``rows`` with the head a ``draft_vocab`` option asks for (None: the default);
+        a vocabulary without a measured table is priced with the full head (an upper bound)."""
+        size = self.default_draft_vocab if vocab is None else vocab
+        return interpolate(self.draft_vocab_ms.get(size, self.draft_ms), rows)
 
     def prefix(self, exit_layer: int, rows: float) -> float:
         return interpolate(self.prefix_ms[exit_layer], rows)
@@ -131,7 +145,7 @@ def _median_ms(fn, rounds: int) -> float:
 
 @torch.inference_mode()
 def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], context: int, rounds: int,
-            heads: bool) -> tuple[dict, dict, dict]:
+            heads: bool, lm_head: nn.Module | None = None) -> tuple[dict, dict, dict]:
     g = torch.Generator().manual_seed(0)
     vocab, device = model.config.vocab_size, model.device
     cache = model.new_cache(capacity=context + max(ks) + 1)
@@ -143,7 +157,7 @@ def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], c
         positions = torch.arange(context, context + k, device=device)[None]
 
         def forward(x=x):
-            model(x, cache=cache)
+            model(x, cache=cache, head=lm_head)
             cache.truncate(context)
 
         full[k] = _median_ms(forward, rounds)
@@ -167,6 +181,10 @@ def measure_costs(target: Transformer, draft: Transformer | None, exit_layers: S
     threads = torch.get_num_threads()
     full, prefix, head = _tables(target, target_ks, exit_layers, context, rounds, heads=True)
     draft_ms = _tables(draft, draft_ks, (), context, rounds, heads=False)[0] if draft is not None else {}
+    vocab = draft_vocab_size(None, draft) if draft is not None else 0
+    draft_vocab_ms = {vocab: _tables(draft, draft_ks, (), context, rounds, heads=False,
+                                     lm_head=subset_head(draft, vocab, draft_table_kind(draft.config.vocab_size)))[0]
+                      } if vocab else {}
     split_tables = None
     if split and draft is not None:
         try:
@@ -177,7 +195,7 @@ def measure_costs(target: Transformer, draft: Transformer | None, exit_layers: S
         finally:
             torch.set_num_threads(threads)
         split_tables = {"threads": list(split), "target_ms": s_full, "prefix_ms": s_prefix, "draft_ms": s_draft}
-    return Costs(context, threads, full, prefix, head, draft_ms, split_tables)
+    return Costs(context, threads, full, prefix, head, draft_ms, split_tables, vocab, draft_vocab_ms)
 
 
 # -- the latency law ------------------------------------------------------------------------------------------
@@ -252,7 +270,8 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
 def calibrated(target, draft, prompts: Sequence[list[int]], max_new: int, costs: Costs, kind: str,
                options: dict[str, Any]) -> Candidate:
     """A candidate priced from its own short runs: tokens per step as measured, step time from its cost model
-    over the recorded steps (``suffix`` looks at each prompt alone: no flattering repeats of earlier runs)."""
+    over the recorded steps. Each prompt runs alone: the process's index of earlier outputs is cleared first, or
+    a method with a suffix lookup would copy its answer from an earlier calibration run of the same prompt."""
     import mirrorsd
 
     method = get_method(kind)
@@ -260,9 +279,9 @@ def calibrated(target, draft, prompts: Sequence[list[int]], max_new: int, costs:
     steps: list[dict[str, Any]] = []
     tokens = 0
     for ids in prompts:
-        shared = {"shared": "none"} if kind == "suffix" else {}
+        clear_shared_indexes()
         g = mirrorsd.generate(target, ids, method=kind, draft=draft if method.needs_draft else None,
-                              max_new_tokens=max_new, **options, **shared)
+                              max_new_tokens=max_new, **options)
         steps += g.stats.step_log
         tokens += g.stats.new_tokens
     ms = sum(method.step_cost(costs, step, opts) for step in steps)
@@ -345,8 +364,10 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     found = candidates(costs, per_position, fallback, ss=ss)
     ids = [i for _, i in prompts]
     found += [calibrated(target, None, ids, max_new, costs, "suffix", dict(o)) for o in SUFFIX_CONFIGS]
-    sd = max((c for c in found if c.method == "sd"), key=lambda c: c.tokens_per_s, default=None)
-    if sd is not None and not quick:
+    if draft is not None:  # sd as it ships (suffix first, the model gate, the reduced head): not an analytic case
+        found.append(calibrated(target, draft, ids, max_new, costs, "sd", {}))
+    sd = max((c for c in found if c.method == "sd" and c.options), key=lambda c: c.tokens_per_s, default=None)
+    if sd is not None and not quick:  # the best analytic window with the suffix lookup in front
         found += [calibrated(target, draft, ids, max_new, costs, "sd", {**sd.options, "suffix_match": m})
                   for m in HYBRID_MATCHES]
     ranked = sorted(found, key=lambda c: -c.tokens_per_s)

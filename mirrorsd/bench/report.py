@@ -155,6 +155,8 @@ def _costs(results: dict[str, Any]) -> list[str]:
     line = ", ".join(f"T({n}) {t[str(n)]:.1f}" for n in (1, 2, 4, 8, 16) if str(n) in t)
     if d:
         line += "; draft " + ", ".join(f"D({n}) {d[str(n)]:.1f}" for n in (1, 8, 32, 64) if str(n) in d)
+    for vocab, table in c.get("draft_vocab_ms", {}).items():
+        line += f"; draft with a {vocab}-id head D(1) {table['1']:.1f}" if "1" in table else ""
     return ["## Measured forward costs (ms, after " + f"{c['context']} cached tokens) for the latency law", "",
             line + ".", "Predicted tok/s applies the law (mirrorsd/bench/plan.py) to each method's own recorded "
             "steps (windows, roots, hits, tree sizes) and measured prefill, run 1.", ""]

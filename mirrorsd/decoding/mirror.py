@@ -666,10 +666,10 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     w, gamma, roots = step["drafted"] + 1, step["gamma"], step["roots"]
     pre = c.prefix(step["exit_layer"], w)
     delta = c.target(w) - pre
-    rollout = gamma * c.draft(roots) if roots else 0.0
+    rollout = gamma * c.draft(roots, opts.draft_vocab) if roots else 0.0
     core = max(delta, rollout) if backend != "serial" else delta + rollout
     fresh = float(step["hit"] is False and step.get("source", "model") == "model")  # a suffix draft is free
-    return pre + c.exit_head(w) + core + fresh * gamma * c.draft(1)
+    return pre + c.exit_head(w) + core + fresh * gamma * c.draft(1, opts.draft_vocab)
 
 
 register("mirror", "Mirror-SD: early-exit token channel, draft rollouts overlapped with the target's upper layers",

@@ -127,7 +127,7 @@ class CostTable(Protocol):
 
     def target(self, rows: float) -> float: ...  # ms of a target forward over ``rows`` tokens
 
-    def draft(self, rows: float) -> float: ...
+    def draft(self, rows: float, vocab: int | None = 0) -> float: ...  # draft_vocab as the option gives it
 
     def prefix(self, exit_layer: int, rows: float) -> float: ...  # target layers [0, ℓe)
 

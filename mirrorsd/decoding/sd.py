@@ -55,8 +55,9 @@ def build(req: DecodeRequest, opts: SDOptions) -> Roles:
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: SDOptions) -> float:
-    """Serial draft then verification (a step with nothing drafted is one AR forward; a suffix draft is free)."""
-    drafting = 0.0 if step.get("source") == "suffix" else step["drafted"] * costs.draft(1)
+    """Serial draft then verification (a step with nothing drafted is one AR forward; a suffix draft is free); the
+    draft's forward is priced with the head ``draft_vocab`` asks for."""
+    drafting = 0.0 if step.get("source") == "suffix" else step["drafted"] * costs.draft(1, opts.draft_vocab)
     return drafting + costs.target(step["drafted"] + 1)
 
 
