@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .linear import DenseLinear, make_linear
+from .linear import DenseLinear, make_linear, on_huge_pages
 from .quant import quantize_q8
 
 SIZES = (8192, 16384, 32768)
@@ -67,6 +67,7 @@ class SubsetHead(nn.Module):
         ids = ids.sort().values.long().to(embedding.device)
         rows = head_weight(head, embedding, tied)[ids].float()
         self.linear = make_linear(quantize_q8(rows) if rows.shape[1] % 32 == 0 else rows)
+        on_huge_pages(self.linear)
         self.register_buffer("ids", ids)
         self.vocab = embedding.shape[0]
         index = torch.full((self.vocab,), -1, dtype=torch.long, device=ids.device)

@@ -95,7 +95,7 @@ class QuantLinear(nn.Module):
         if self.fast:
             packed = kernels.pack_quant(weight, self.bits)
             self.zero = packed.zero  # symmetric: offsets follow from the scales
-            for name in ("codes", "planes", "scales", "offsets", "super_scales", "super_offsets"):
+            for name in PACKED_BUFFERS:
                 self.register_buffer(name, getattr(packed, name))
         else:
             self.quant = weight
@@ -114,6 +114,52 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         acts = "int8x2" if self.split_activations else "int8"
         return f"in={self.in_features}, out={self.out_features}, q{self.bits}/g{self.group}, {acts}, fast={self.fast}"
+
+
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
+PACKED_BUFFERS = ("codes", "planes", "scales", "offsets", "super_scales", "super_offsets")
+
+
+def on_huge_pages(module: nn.Module) -> None:
+    """Move the packed weights of ``module``'s fast quantized linears into one anonymous mapping advised for
+    transparent huge pages (Linux ``MADV_HUGEPAGE``; where the kernel's setting is ``madvise``, as here, torch's own
+    allocations get 4 KB pages). A decoding step streams every weight once: on 4 KB pages the hardware prefetcher
+    stops at each page and every page costs a TLB walk. Same bytes, so the same results; the 1.5B's one-token forward
+    lost ~2 ms (~5%) on a 2-core Xeon VM. Does nothing where the OS offers no such advice."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    owners = [(m, name) for m in module.modules() if isinstance(m, QuantLinear) and m.fast
+              for name in PACKED_BUFFERS if getattr(m, name) is not None]
+    sizes = [-(-getattr(m, name).nbytes // 64) * 64 for m, name in owners]  # each tensor 64-byte aligned
+    if sum(sizes) < HUGE_PAGE:
+        return
+    arena = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages
+        return
+    raw = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the mapping alive as long as a tensor uses it
+    offset = -raw.data_ptr() % HUGE_PAGE
+    for (m, name), size in zip(owners, sizes, strict=True):
+        old = getattr(m, name)
+        new = raw[offset : offset + old.nbytes].view(old.dtype).view(old.shape)
+        new.copy_(old)
+        setattr(m, name, new)  # a registered buffer: the module keeps it
+        offset += size
+
+
+def release_freed_heap() -> None:
+    """Hand the freed heap back to the OS (glibc's ``malloc_trim``): what loading a model converted and dropped,
+    and the copies :func:`on_huge_pages` left behind, stay in the process otherwise (the q4 1.5B loaded at 3.0 GB
+    RSS, 2.3 GB after this)."""
+    import contextlib
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: a C library without it (not glibc)
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def make_linear(weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None,

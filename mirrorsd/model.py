@@ -24,7 +24,7 @@ from torch import nn
 
 from . import kernels
 from .kv_cache import KVCache
-from .linear import PackedLinear, QuantLinear, make_linear
+from .linear import PackedLinear, QuantLinear, make_linear, on_huge_pages, release_freed_heap
 from .quant import GroupQuant, quantize_q8
 
 #: Weight formats :meth:`Transformer.from_pretrained` can load (``--weights`` on the CLI).
@@ -360,6 +360,7 @@ class Transformer(nn.Module):
                 module.row_exact = self.row_exact
             if isinstance(module, Attention | RMSNorm):
                 module.fused = fused
+        on_huge_pages(self)
         for block in self.layers:
             block.bind_kernel()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -397,7 +398,9 @@ class Transformer(nn.Module):
         implementation (:data:`~mirrorsd.linear.LINEAR_IMPLS`): ``auto`` by format and device (our CPU kernels
         where they apply), ``dense`` PyTorch's stock GEMMs.
         """
-        return cls._load(path, device, dtype, weights, linear).use_activations(activations)
+        model = cls._load(path, device, dtype, weights, linear).use_activations(activations)
+        release_freed_heap()  # the checkpoint's tensors, converted and dropped
+        return model
 
     @classmethod
     def _load(cls, path: str | Path, device: str | torch.device, dtype: torch.dtype, weights: str,

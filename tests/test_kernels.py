@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mirrorsd import kernels
-from mirrorsd.linear import DenseLinear, PackedLinear, QuantLinear, make_linear
+from mirrorsd.linear import DenseLinear, PackedLinear, QuantLinear, make_linear, on_huge_pages
 from mirrorsd.quant import GroupQuant, quantize_q8
 
 requires_kernels = pytest.mark.skipif(not kernels.available(), reason="fast CPU kernels unavailable here")
@@ -137,6 +137,21 @@ def test_kernels_are_batch_invariant(make):
         assert torch.equal(layer(x[:rows]), together[:rows])
     alone = torch.cat([layer(x[i : i + 1]) for i in range(16)])
     assert torch.equal(alone, together)
+
+
+@requires_kernels
+def test_weights_moved_onto_huge_pages_give_the_same_bits():
+    layers = torch.nn.Sequential(QuantLinear(random_quant(1024, 1024, 4, 32, 3)),
+                                 QuantLinear(quantize_q8(torch.randn(1024, 2048))))  # > 2 MB of packed weights
+    x = torch.randn(3, 1024)
+    before = [layers[0](x), layers[1](torch.randn(3, 2048, generator=torch.Generator().manual_seed(1)))]
+    on_huge_pages(layers)
+    after = [layers[0](x), layers[1](torch.randn(3, 2048, generator=torch.Generator().manual_seed(1)))]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    storages = {layer.codes.untyped_storage().data_ptr() for layer in layers}
+    assert len(storages) == 1 and all(layer.codes.data_ptr() % 64 == 0 for layer in layers)  # one arena, aligned
+    assert layers[0].codes.data_ptr() % (2 << 20) == 0  # the arena starts on a huge-page boundary
+    assert pickle.loads(pickle.dumps(layers))[1](x.new_ones(1, 2048)).shape == (1, 1024)
 
 
 def test_quantize_q8_roundtrip():
