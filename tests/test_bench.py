@@ -130,6 +130,9 @@ def test_latency_law_terms():
     assert step_ms("ar", {"drafted": 0}) == 10.0
     assert step_ms("sd", {"drafted": 7}) == pytest.approx(7 * 2.0 + 17.0)
     assert step_ms("sd", {"drafted": 0}) == 10.0
+    # the draft's first forward read the prompt (64 tokens): D(64) + D(1), not 2·D(1); a suffix window is free
+    assert step_ms("sd", {"drafted": 2, "draft_forwards": 2, "fed": 64}) == pytest.approx(32.0 + 2.0 + 12.0)
+    assert step_ms("sd", {"drafted": 2, "source": "suffix"}) == pytest.approx(12.0)
     # w = 8: P = 8.5, Δ = 8.5, EE = 0.5 + 1.0 * 7/15, rollout = 7 * D(64) = 7 * 32 = 224
     ee = 0.5 + 7 / 15
     step = {"drafted": 7, "gamma": 7, "roots": 64, "exit_layer": 4, "hit": True}
@@ -169,8 +172,9 @@ def test_a_reduced_draft_head_is_priced_with_its_own_table():
     assert sd.step_cost(c, step, unmeasured) == pytest.approx(4 * 2.0 + 14.0)
     miss = {"drafted": 1, "gamma": 1, "roots": 64, "exit_layer": 4, "hit": False}
     serial_exit = 5.5 + 0.5 + 1 / 15 + 5.5  # w = 2: P + EE + Δ, then the rollout and the miss's fresh one
-    assert mirror.step_cost(c, miss, mirror.options.parse({}, "mirror")) == pytest.approx(serial_exit + 32 + 2.0)
-    reduced = mirror.options.parse({"draft_vocab": 32768}, "mirror")
+    full = mirror.options.parse({"draft_vocab": 0}, "mirror")
+    assert mirror.step_cost(c, miss, full) == pytest.approx(serial_exit + 32 + 2.0)
+    reduced = mirror.options.parse({}, "mirror")  # its default, as sd's
     assert mirror.step_cost(c, miss, reduced) == pytest.approx(serial_exit + 24.0 + 1.5)
     assert plan.Costs.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     saved_before = {k: v for k, v in costs().to_dict().items() if k not in ("default_draft_vocab", "draft_vocab_ms")}

@@ -41,6 +41,7 @@ class Draft:
     parents: list[int] | None = None
     probs: torch.Tensor | None = None  # [len(tokens), vocab] distributions the tokens were drawn from (rejection)
     forwards: int = 0  # draft forwards it took
+    fed: int = 0  # tokens the draft model read in the first of them (its catch-up; the prompt on the first step)
 
     @property
     def depth(self) -> int:
@@ -358,6 +359,8 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
                 with timed(stats, "draft_s"):
                     proposer.feedback(state, scores, verdict)
                 detail = roles.log(scores, verdict) if roles.log is not None else {}
+                if scores.draft.forwards:  # what a draft model's forwards read, for the planner's cost model
+                    detail.update(draft_forwards=scores.draft.forwards, fed=scores.draft.fed)
                 stats.record_step(scores.draft.depth, verdict.accepted, **detail)
             yield new
     finally:

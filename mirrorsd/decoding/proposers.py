@@ -114,9 +114,10 @@ class ModelProposer:
         position = len(state.tokens)  # of the first drafted token
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
-        forwards = 0
+        forwards = fed = 0
         for i in range(window):
             feed = self.first_feed(state) if i == 0 else tokens[-1:]
+            fed = fed or len(feed)
             logits = model(draft_tokens(model, feed), cache=cache, last=1, head=self.head)[0]
             forwards += 1
             doubtful = False
@@ -133,7 +134,8 @@ class ModelProposer:
             tokens += self.tokens_of(sample(logits, [position + i], params, self.noise))
             if doubtful:
                 break
-        self.last = Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards)
+        self.last = Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards,
+                          fed=fed)
         return self.last
 
     def tokens_of(self, drawn: list[int]) -> list[int]:

@@ -11,6 +11,7 @@ what is committed. ``confidence=0`` with ``schedule="constant"`` is textbook fix
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..verify import ACCEPTANCE_RULES
@@ -56,8 +57,15 @@ def build(req: DecodeRequest, opts: SDOptions) -> Roles:
 
 def step_cost(costs: Any, step: dict[str, Any], opts: SDOptions) -> float:
     """Serial draft then verification (a step with nothing drafted is one AR forward; a suffix draft is free); the
-    draft's forward is priced with the head ``draft_vocab`` asks for."""
-    drafting = 0.0 if step.get("source") == "suffix" else step["drafted"] * costs.draft(1, opts.draft_vocab)
+    draft's forwards are priced with the head ``draft_vocab`` asks for, the first one over what it read (the
+    prompt, on the draft's first step: up to ``draft_context`` tokens a one-token price would hide)."""
+    if step.get("source") == "suffix":
+        drafting = 0.0
+    elif "draft_forwards" in step:
+        d = partial(costs.draft, vocab=opts.draft_vocab)
+        drafting = d(max(step["fed"], 1)) + (step["draft_forwards"] - 1) * d(1) if step["draft_forwards"] else 0.0
+    else:  # a step recorded without them
+        drafting = step["drafted"] * costs.draft(1, opts.draft_vocab)
     return drafting + costs.target(step["drafted"] + 1)
 
 
