@@ -46,7 +46,7 @@ from torch import nn
 
 from ..decoding import get_method, methods
 from ..decoding.mirror import DEFAULT_KAPPA, early_exit
-from ..decoding.proposers import draft_vocab_size
+from ..decoding.proposers import SINK_TOKENS, draft_vocab_size
 from ..decoding.suffix_index import clear_shared_indexes
 from ..draft_vocab import draft_table_kind, optional_head, subset_head
 from ..model import Transformer
@@ -235,9 +235,12 @@ class Candidate:
 def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, dict[int, float]],
                gammas: Sequence[int] = range(1, 9), kappas: Sequence[int] = (1, 2, 4, 8),
                backends: Sequence[str] = ("serial", "threads"),
-               ss: dict[str, float] | None = None) -> list[Candidate]:
+               ss: dict[str, float] | None = None, prefill: dict[str, float] | None = None) -> list[Candidate]:
     """Every configuration the methods' cost models can price; ``fallback[ℓe][κ]`` from the probe, ``ss`` =
-    measured call reduction, mean tree nodes, streams and top-layer fraction of a short SS run."""
+    measured call reduction, mean tree nodes, streams and top-layer fraction of a short SS run. ``prefill``: per
+    drafting method, ms per committed token that the draft's prompt prefill adds (the per-step law leaves it out,
+    and a draft that reads the prompt pays it once per request)."""
+    prefill = prefill or {}
     def cost(kind: str, step: dict[str, Any], c: Costs = costs, **options: Any) -> float:
         method = get_method(kind)
         return method.step_cost(c, step, method.options.parse(options, kind))
@@ -247,7 +250,8 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
         for g in gammas:
             tokens = expected_accepted(per_position, g) + 1
             options = {"gamma": g, "confidence": 0.0, "suffix_match": 0}  # the probe measured the draft alone
-            out.append(Candidate("sd", options, tokens, cost("sd", {"drafted": g}, **options)))
+            out.append(Candidate("sd", options, tokens,
+                                 cost("sd", {"drafted": g}, **options) + tokens * prefill.get("sd", 0.0)))
             for e, by_kappa in fallback.items():
                 for k in kappas:
                     if k not in by_kappa:
@@ -259,7 +263,8 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
                         step = {"drafted": g, "gamma": g, "roots": (g + 1) * k, "exit_layer": e}
                         miss, f = cost("mirror", {**step, "hit": False}, **options), by_kappa[k]
                         hit = cost("mirror", {**step, "hit": True}, **options)
-                        out.append(Candidate("mirror", options, tokens, f * miss + (1 - f) * hit))
+                        out.append(Candidate("mirror", options, tokens,
+                                             f * miss + (1 - f) * hit + tokens * prefill.get("mirror", 0.0)))
     if ss:
         step = {"tree": ss["tree"], "kept": ss["kept"], "streams": int(ss["streams"]),
                 "top_fraction": ss["top_fraction"]}
@@ -361,7 +366,12 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     if progress:
         print("calibrating Speculative Streaming and suffix decoding…", flush=True)
     ss = _ss_calibration(target, [ids for _, ids in prompts[:2]], min(32, max_new))
-    found = candidates(costs, per_position, fallback, ss=ss)
+    prefill = None
+    if draft is not None:  # sd's draft reads the prompt's edges (draft_context), mirror's the whole prompt
+        edges = SINK_TOKENS + get_method("sd").options.parse({}, "sd").draft_context
+        per_token = lambda n: statistics.fmean(costs.draft(n(len(i)), None) for _, i in prompts) / max_new  # noqa: E731
+        prefill = {"sd": per_token(lambda n: min(n, edges)), "mirror": per_token(lambda n: n)}
+    found = candidates(costs, per_position, fallback, ss=ss, prefill=prefill)
     ids = [i for _, i in prompts]
     found += [calibrated(target, None, ids, max_new, costs, "suffix", dict(o)) for o in SUFFIX_CONFIGS]
     if draft is not None:  # sd as it ships (suffix first, the model gate, the reduced head): not an analytic case
