@@ -124,8 +124,9 @@ def on_huge_pages(module: nn.Module) -> None:
     """Move the packed weights of ``module``'s fast quantized linears into one anonymous mapping advised for
     transparent huge pages (Linux ``MADV_HUGEPAGE``; where the kernel's setting is ``madvise``, as here, torch's own
     allocations get 4 KB pages). A decoding step streams every weight once: on 4 KB pages the hardware prefetcher
-    stops at each page and every page costs a TLB walk. Same bytes, so the same results; the 1.5B's one-token forward
-    lost ~2 ms (~5%) on a 2-core Xeon VM. Does nothing where the OS offers no such advice."""
+    stops at each page and every page costs a TLB walk. Same bytes, so the same results; with the kernel's L2
+    prefetch it took ~4 ms (~10%) off the 1.5B's one-token body on a 2-core Xeon VM (docs/benchmarks.md). Does
+    nothing where the OS offers no such advice."""
     import mmap
 
     if not hasattr(mmap, "MADV_HUGEPAGE"):

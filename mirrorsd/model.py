@@ -24,7 +24,7 @@ from torch import nn
 
 from . import kernels
 from .kv_cache import KVCache
-from .linear import PackedLinear, QuantLinear, make_linear, on_huge_pages, release_freed_heap
+from .linear import PACKED_BUFFERS, PackedLinear, QuantLinear, make_linear, on_huge_pages, release_freed_heap
 from .quant import GroupQuant, quantize_q8
 
 #: Weight formats :meth:`Transformer.from_pretrained` can load (``--weights`` on the CLI).
@@ -271,7 +271,7 @@ class MLP(nn.Module):
 
 
 #: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
-_PACKED_FIELDS = ("codes", "planes", "scales", "offsets", "super_scales", "super_offsets", "bias")
+_PACKED_FIELDS = (*PACKED_BUFFERS, "bias")
 
 
 class Block(nn.Module):

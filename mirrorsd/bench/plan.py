@@ -346,6 +346,17 @@ def _ss_calibration(target, prompts: Sequence[list[int]], max_new: int) -> dict[
             "top_fraction": cfg["layers"] / target.config.n_layers}
 
 
+def _draft_prefill(costs: Costs, prompts: Sequence[list[int]], max_new: int) -> dict[str, float]:
+    """Ms per committed token of the draft's prompt prefill, spread over ``max_new`` tokens: ``sd``'s draft reads
+    the prompt's edges (``draft_context``), ``mirror``'s all of it."""
+    edges = SINK_TOKENS + get_method("sd").options.parse({}, "sd").draft_context
+
+    def per_token(read: int | None) -> float:
+        return statistics.fmean(costs.draft(min(len(ids), read or len(ids)), None) for ids in prompts) / max_new
+
+    return {"sd": per_token(edges), "mirror": per_token(None)}
+
+
 def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int = 48,
               progress: bool = True, quick: bool = False) -> Plan:
     """Measure costs, probe acceptance on ``prompts`` ((group, ids) pairs), rank every candidate. ``quick``:
@@ -366,11 +377,7 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     if progress:
         print("calibrating Speculative Streaming and suffix decoding…", flush=True)
     ss = _ss_calibration(target, [ids for _, ids in prompts[:2]], min(32, max_new))
-    prefill = None
-    if draft is not None:  # sd's draft reads the prompt's edges (draft_context), mirror's the whole prompt
-        edges = SINK_TOKENS + get_method("sd").options.parse({}, "sd").draft_context
-        per_token = lambda n: statistics.fmean(costs.draft(n(len(i)), None) for _, i in prompts) / max_new  # noqa: E731
-        prefill = {"sd": per_token(lambda n: min(n, edges)), "mirror": per_token(lambda n: n)}
+    prefill = _draft_prefill(costs, [ids for _, ids in prompts], max_new) if draft is not None else None
     found = candidates(costs, per_position, fallback, ss=ss, prefill=prefill)
     ids = [i for _, i in prompts]
     found += [calibrated(target, None, ids, max_new, costs, "suffix", dict(o)) for o in SUFFIX_CONFIGS]
