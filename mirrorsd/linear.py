@@ -154,7 +154,7 @@ def on_huge_pages(module: nn.Module) -> None:
 def release_freed_heap() -> None:
     """Hand the freed heap back to the OS (glibc's ``malloc_trim``): what loading a model converted and dropped,
     and the copies :func:`on_huge_pages` left behind, stay in the process otherwise (the q4 1.5B loaded at 3.0 GB
-    RSS, 2.3 GB after this)."""
+    RSS, 2.4 GB after this)."""
     import contextlib
     import ctypes
     import ctypes.util
