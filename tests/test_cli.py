@@ -121,6 +121,23 @@ print(json.dumps([{{"n_prompt": 1, "n_gen": 0, "avg_ts": 100.0, "build_commit": 
 
 
 @requires_smollm2
+def test_bench_forward_names_a_crashed_llama_bench(capsys, tmp_path):
+    """A llama-bench that dies (SIGILL from AMX code on a host whose tiles fault, here) is reported in one line
+    with its signal and last stderr lines, not as a traceback."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"""#!{sys.executable}
+import os, signal, sys
+print("load_tensors: AMX model buffer", file=sys.stderr, flush=True)
+os.kill(os.getpid(), signal.SIGILL)
+""")
+    fake.chmod(0o755)
+    rc, _, err = run(capsys, "bench", "forward", "--model", "smollm2-135m", "--weights", "q4", "--ks", "1",
+                     "--rounds", "1", "--ar-tokens", "2", "--context", "8", "--llama-bench", str(fake))
+    assert rc == 2 and "llama-bench was killed by SIGILL" in err and "AMX model buffer" in err
+    assert "Traceback" not in err
+
+
+@requires_smollm2
 def test_bench_perplexity_json(capsys):
     rc, out, _ = run(capsys, "bench", "perplexity", "--model", "smollm2-135m", "--weights", "fp32,q4",
                      "--tokens", "64", "--window", "32", "--json")

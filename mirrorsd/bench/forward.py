@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import platform
+import signal
 import statistics
 import subprocess
 import time
@@ -107,7 +108,14 @@ def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], token
     """llama.cpp's own numbers on the same file: tg tok/s and ms per k-token prompt batch."""
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(repetitions), "-o", "json",
            "-p", ",".join(str(k) for k in ks), "-n", str(tokens), "-b", "2048", "-ub", "512"]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:  # a crash is the binary's, not ours: say which and what it printed, no traceback
+        how = (f"was killed by {signal.Signals(-result.returncode).name}" if result.returncode < 0
+               else f"exited with code {result.returncode}")
+        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        hint = (" (SIGILL: built for instructions this CPU lacks or faults on, e.g. AMX; rebuild without "
+                "-DGGML_NATIVE=ON or with -mno-amx-tile)" if result.returncode == -signal.SIGILL else "")
+        raise ValueError(f"llama-bench {how}{hint}: {' '.join(cmd)}\n{tail}")
     rows = json.loads(result.stdout)
     out: dict = {"command": " ".join(cmd), "forward_ms": {}}
     for row in rows:
