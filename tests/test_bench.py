@@ -21,6 +21,7 @@ from mirrorsd.bench.report import render, write_report
 from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, needs_draft, parse_methods
 from mirrorsd.cli import main
 from mirrorsd.decoding import get_method
+from mirrorsd.decoding.suffix_index import isolated_shared_indexes, shared_index
 from mirrorsd.exit_heads import ExitTranslators
 from mirrorsd.specbench import GROUPS, load_suite
 
@@ -412,8 +413,15 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
 def test_a_calibration_run_never_copies_an_earlier_one():
     target = mirrorsd.load_model("smollm2-135m")
     ids = [encode_chat(target, [{"role": "user", "content": "Name three colours."}])]
-    first, again = (plan.calibrated(target, target, ids, 12, costs(), "sd", {}) for _ in range(2))
-    assert again.tokens_per_step == first.tokens_per_step  # the second run found no copy of the first's answer
+    key = f"vocab{target.config.vocab_size}"
+    with isolated_shared_indexes():  # this test's own "process" index, not the test session's
+        process = shared_index(key)
+        process.add([1, 2, 3, 4])  # what the process's own requests gathered before a first-use plan
+        before = dict(process.docs)
+        first, again = (plan.calibrated(target, target, ids, 12, costs(), "sd", {}) for _ in range(2))
+        assert again.tokens_per_step == first.tokens_per_step  # the second run found no copy of the first's answer
+        # ... and the process's index is neither wiped nor filled with calibration answers
+        assert shared_index(key) is process and process.docs == before
 
 
 def test_recommendation_needs_a_margin_over_ar():

@@ -47,7 +47,7 @@ from torch import nn
 from ..decoding import get_method, methods
 from ..decoding.mirror import DEFAULT_KAPPA, early_exit
 from ..decoding.proposers import SINK_TOKENS, draft_vocab_size
-from ..decoding.suffix_index import clear_shared_indexes
+from ..decoding.suffix_index import isolated_shared_indexes
 from ..draft_vocab import draft_table_kind, optional_head, subset_head
 from ..model import Transformer
 from ..plans import plan_path
@@ -275,8 +275,9 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
 def calibrated(target, draft, prompts: Sequence[list[int]], max_new: int, costs: Costs, kind: str,
                options: dict[str, Any]) -> Candidate:
     """A candidate priced from its own short runs: tokens per step as measured, step time from its cost model
-    over the recorded steps. Each prompt runs alone: the process's index of earlier outputs is cleared first, or
-    a method with a suffix lookup would copy its answer from an earlier calibration run of the same prompt."""
+    over the recorded steps. Each prompt runs alone, with empty indexes of earlier outputs: a method with a suffix
+    lookup would otherwise copy its answer from an earlier calibration run of the same prompt (and a first-use
+    ``auto`` plan would leave its answers in, or wipe, the index the process's requests built)."""
     import mirrorsd
 
     method = get_method(kind)
@@ -284,9 +285,9 @@ def calibrated(target, draft, prompts: Sequence[list[int]], max_new: int, costs:
     steps: list[dict[str, Any]] = []
     tokens = 0
     for ids in prompts:
-        clear_shared_indexes()
-        g = mirrorsd.generate(target, ids, method=kind, draft=draft if method.needs_draft else None,
-                              max_new_tokens=max_new, **options)
+        with isolated_shared_indexes():
+            g = mirrorsd.generate(target, ids, method=kind, draft=draft if method.needs_draft else None,
+                                  max_new_tokens=max_new, **options)
         steps += g.stats.step_log
         tokens += g.stats.new_tokens
     ms = sum(method.step_cost(costs, step, opts) for step in steps)

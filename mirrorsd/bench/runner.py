@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding import get_method, methods
-from ..decoding.suffix_index import clear_shared_indexes
+from ..decoding.suffix_index import isolated_shared_indexes
 from ..errors import OptionError
 from ..exit_heads import ExitTranslators
 from ..runtime import synchronize
@@ -305,17 +305,18 @@ class Bench:
         turns = []
         # Every method answers every question in every run: an index of earlier outputs would hold this very
         # answer (another method's, or an earlier run's), so each answer starts from an empty one.
-        clear_shared_indexes()
-        for text in question.turns:
-            messages.append({"role": "user", "content": text})
-            ids = encode_chat(self.target, messages)
-            limit = min(max_new, self.target.config.context_length - len(ids))
-            if limit < 1:
-                raise ValueError(f"question {question.question_id}: the prompt ({len(ids)} tokens) fills the context")
-            turn = self._generate(spec, ids, self._seed(question), limit)
-            turn.prompt_ids = ids
-            turns.append(turn)
-            messages.append({"role": "assistant", "content": turn.text})
+        with isolated_shared_indexes():
+            for text in question.turns:
+                messages.append({"role": "user", "content": text})
+                ids = encode_chat(self.target, messages)
+                limit = min(max_new, self.target.config.context_length - len(ids))
+                if limit < 1:
+                    raise ValueError(f"question {question.question_id}: the prompt ({len(ids)} tokens) fills the "
+                                     "context")
+                turn = self._generate(spec, ids, self._seed(question), limit)
+                turn.prompt_ids = ids
+                turns.append(turn)
+                messages.append({"role": "assistant", "content": turn.text})
         return Answer(run, spec.label, question.question_id, question.category, question.group, turns)
 
     # -- the lossless check -------------------------------------------------------------------------------

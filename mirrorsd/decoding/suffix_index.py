@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,7 +170,16 @@ def shared_index(tokenizer_key: str, max_tokens: int = SHARED_TOKENS) -> SuffixI
         return index
 
 
-def clear_shared_indexes() -> None:
-    """Forget every earlier output (benchmarks: no answer may be looked up in a copy of itself)."""
+@contextmanager
+def isolated_shared_indexes() -> Iterator[None]:
+    """Run the block with empty shared indexes, then give the process its own back: a benchmark answer or a
+    planner calibration run must not be looked up in a copy of itself, and must neither wipe nor pollute what the
+    process's real requests gathered. (Requests running at the same time in other threads share the empty ones.)"""
+    global _shared
     with _shared_lock:
-        _shared.clear()
+        saved, _shared = _shared, {}
+    try:
+        yield
+    finally:
+        with _shared_lock:
+            _shared = saved
