@@ -34,9 +34,9 @@ class SDOptions(MethodOptions):
                              "or only while model-drafted steps measure more tokens/s than suffix-only ones on this "
                              "request (re-tried with back-off)", choices=GATES)  # measured 0.97x ar vs 0.94x always
     draft_vocab: int | None = draft_vocab_option(None)  # measured: 1.26x ar vs 1.20x full (docs/drafting.md)
-    draft_context: int = option(256, "the draft model reads only the prompt's first 4 and last N tokens "
+    draft_context: int = option(128, "the draft model reads only the prompt's first 4 and last N tokens "
                                 "(StreamingLLM's sink and window; its prompt prefill is what makes a draft lose on "
-                                "long prompts); 0: the whole prompt", check=at_least(0))  # 1.01x ar vs 0.98x with 0
+                                "long prompts); 0: the whole prompt", check=at_least(0))  # 1.22x ar vs 1.20x at 256
     acceptance: str = option("match", "match: greedy / sample-and-match (the target's own tokens, as ar); "
                              "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
 
