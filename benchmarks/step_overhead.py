@@ -18,7 +18,7 @@ import time
 import torch
 
 from mirrorsd import api
-from mirrorsd.decoding.suffix_index import clear_shared_indexes
+from mirrorsd.decoding.suffix_index import isolated_shared_indexes
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome, with a docstring and tests."
 
@@ -41,11 +41,11 @@ def timed_forwards(model: torch.nn.Module) -> list[float]:
 
 def one(target, draft, method: str, tokens: int, spent: list[list[float]], options: dict) -> tuple[float, float, int]:
     """(wall s, forward s, steps) of one generation."""
-    clear_shared_indexes()
     before = sum(s[0] for s in spent)
-    start = time.perf_counter()
-    result = api.generate(target, PROMPT, draft=draft, method=method, max_new_tokens=tokens, **options)
-    wall = time.perf_counter() - start
+    with isolated_shared_indexes():  # no run may copy an earlier run's answer
+        start = time.perf_counter()
+        result = api.generate(target, PROMPT, draft=draft, method=method, max_new_tokens=tokens, **options)
+        wall = time.perf_counter() - start
     if len(result.token_ids) != tokens:
         raise SystemExit(f"{method} stopped after {len(result.token_ids)} tokens; use a prompt that runs longer")
     return wall, sum(s[0] for s in spent) - before, result.stats.steps
