@@ -358,7 +358,7 @@ def _cmd_train_streams(args: argparse.Namespace) -> int:
                                 progress=False)
     recipe = {"command": "mirrorsd train-streams " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
               "model": args.model, "data": args.data}
-    summary = train(tower.model, decode.model, decode.tokenizer, args.data, Path(args.out),
+    summary = train(tower.model, decode.model, decode.tokenizer, args.data, Path(args.out), model_name=args.model,
                     cache=Path(args.cache) if args.cache else None, streams=args.streams, layers=args.layers,
                     rank=args.rank, steps=args.steps, chunks=args.chunks, seq_len=args.seq_len, lr=args.lr,
                     held_out=args.held_out, distill=args.self_distill, vocab=args.vocab,
@@ -383,7 +383,8 @@ def _cmd_train_exit(args: argparse.Namespace) -> int:
     _say_loaded("model", loaded, args)
     layers = sorted({resolve_exit_layer(x, loaded.config.n_layers) for x in layers_asked})
     transcripts = self_distilled(loaded, args.self_distill, args.distill_tokens) if args.self_distill else []
-    translators = fit_exit(loaded.model, loaded.tokenizer, corpus_texts(args.data), layers, chunks=args.chunks,
+    texts = corpus_texts(args.data, args.model, loaded.tokenizer)
+    translators = fit_exit(loaded.model, loaded.tokenizer, texts, layers, chunks=args.chunks,
                            held_out=args.held_out, seq_len=args.seq_len, seed=args.seed, transcripts=transcripts,
                            refine=KLRefine(args.kl_steps, args.kl_lr) if args.kl_steps else None)
     translators.meta["recipe"].update(
@@ -841,7 +842,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", required=True, help="zoo model name or local HF folder")
     t.add_argument("--data", nargs="+", required=True,
                    help="text files or folders (*.py/*.txt/*.md/*.rst), or corpus names: stdlib (this Python's "
-                        "standard library source), pydoc-topics (the language reference)")
+                        "standard library source), pydoc-topics (the language reference), chat-answers (the model's "
+                        "own greedy answers to mirrorsd's shipped chat prompts, through its chat template)")
     t.add_argument("--out", required=True, help="folder for stream_config.json + adapter.safetensors")
     t.add_argument("--cache", help="state cache folder (default: OUT/cache); reused by later runs with the same "
                                    "model, data, --seq-len, --chunks, --held-out, --self-distill, --layers, --seed")
@@ -879,7 +881,8 @@ def build_parser() -> argparse.ArgumentParser:
         "exit, and saves a learning curve. Minutes on a CPU.")
     te.add_argument("--model", required=True, help="zoo model name or local HF folder")
     te.add_argument("--data", nargs="+", default=["stdlib", "pydoc-topics"],
-                    help="text files or folders, or corpus names: stdlib, pydoc-topics (as train-streams)")
+                    help="text files or folders, or corpus names: stdlib, pydoc-topics, chat-answers (as "
+                         "train-streams)")
     te.add_argument("--out", required=True, help="folder for exit_head.safetensors + exit_head.json")
     te.add_argument("--layers", default="0.25,0.5,0.75", help="exit layers: indices or fractions of the depth")
     te.add_argument("--chunks", type=int, default=64, help="windows of the corpus text")

@@ -36,17 +36,41 @@ from .streams import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, ms
 CORPORA = {
     "stdlib": "Python standard library source (top-level *.py files of this interpreter)",
     "pydoc-topics": "the Python language reference topics shipped in pydoc_data (English technical prose)",
+    "chat-answers": "the model's own greedy answers (128 tokens) to mirrorsd's shipped chat prompts (never "
+                    "Spec-Bench's), each through its chat template, in 8 texts of ~16 conversations",
 }
+CHAT_TEXTS = 8  # chat-answers: conversations are joined into this many texts, so 256-token windows fill up
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 CHECKPOINT, CURVE, CURVE_PLOT = "checkpoint.pt", "curve.json", "learning_curve.png"
 CACHE_META, HELD_OUT = "cache.json", "held-out.safetensors"
 SHARD_CHUNKS = 32  # chunks per cache shard: the unit of resuming
 
 
-def corpus_texts(sources: list[str]) -> list[str]:
-    """Texts from named offline corpora (:data:`CORPORA`), files, or folders (their *.py/*.txt/*.md/*.rst)."""
+def chat_answer_texts(model: str, tokenizer) -> list[str]:
+    """``chat-answers``: ``model``'s greedy answers to the shipped chat prompts (generated once and cached by
+    :func:`mirrorsd.vocab_tables.answers_of`), each conversation through the chat template, joined into
+    :data:`CHAT_TEXTS` texts (conversation i in text i mod 8). Streams trained on code and reference prose read
+    chat answers poorly; these are the text decoding actually asks them for."""
+    from .vocab_tables import answers_of, prompts
+
+    conversations = []
+    for p, ids in zip(prompts(), answers_of(model), strict=True):
+        answer = tokenizer.decode(ids, skip_special_tokens=True)
+        messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": answer}]
+        conversations.append(tokenizer.apply_chat_template(messages, tokenize=False))
+    return ["\n".join(conversations[j::CHAT_TEXTS]) for j in range(CHAT_TEXTS)]
+
+
+def corpus_texts(sources: list[str], model: str | None = None, tokenizer=None) -> list[str]:
+    """Texts from named offline corpora (:data:`CORPORA`), files, or folders (their *.py/*.txt/*.md/*.rst).
+    ``chat-answers`` needs the ``model`` name and its ``tokenizer``."""
     texts: list[str] = []
     for source in sources:
+        if source == "chat-answers":
+            if model is None or tokenizer is None:
+                raise ValueError("the chat-answers corpus needs the model whose answers it holds (and its tokenizer)")
+            texts.extend(chat_answer_texts(model, tokenizer))
+            continue
         if source == "stdlib":
             files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         elif source == "pydoc-topics":
@@ -319,9 +343,9 @@ def warm_start(model: Transformer, adapters: StreamAdapters, folder: Path) -> in
 
 
 def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[str], out: Path, *,
-          cache: Path | None = None, streams: int = 3, layers: int = 4, rank: int = 8, steps: int = 200,
-          chunks: int | None = None, seq_len: int = 128, lr: float = 1e-3, held_out: int = 8, distill: int = 0,
-          vocab: int = 32768, eval_every: int = 50, save_every: int = 25, seed: int = 0,
+          model_name: str | None = None, cache: Path | None = None, streams: int = 3, layers: int = 4, rank: int = 8,
+          steps: int = 200, chunks: int | None = None, seq_len: int = 128, lr: float = 1e-3, held_out: int = 8,
+          distill: int = 0, vocab: int = 32768, eval_every: int = 50, save_every: int = 25, seed: int = 0,
           init: Path | None = None, recipe: dict | None = None, progress: bool = True) -> dict:
     """Train (or resume) adapters and save them in ``out``; returns a summary with the learning curve.
 
@@ -331,6 +355,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     ``cache`` (default ``out/cache``) and visited in a fresh shuffled order each epoch. ``vocab`` restricts the
     training head to that many most frequent ids (0: the full vocabulary). ``init``: an adapter folder to start
     from (same γ, N_s and rank) instead of a fresh initialisation; the curve then counts its training tokens too.
+    ``model_name``: the model whose own chat answers the ``chat-answers`` corpus holds.
     """
     torch.manual_seed(seed)
     model.requires_grad_(False)
@@ -346,7 +371,8 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     check_cache(cache, meta)
     shards = shard_paths(cache, n_train, SHARD_CHUNKS)
     if not all(p.exists() for p in [*shards, cache / HELD_OUT]):
-        all_chunks = make_chunks(tokenizer, corpus_texts(data), seq_len, n_train + held_out, seed)
+        texts = corpus_texts(data, model_name, tokenizer)
+        all_chunks = make_chunks(tokenizer, texts, seq_len, n_train + held_out, seed)
         train_chunks, eval_chunks = all_chunks[held_out:], all_chunks[:held_out]
         if distill:
             prompt_len = min(32, seq_len // 2)

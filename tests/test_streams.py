@@ -396,6 +396,35 @@ def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smol
         good, base)
 
 
+def test_the_chat_answers_corpus_needs_the_model_it_quotes():
+    from mirrorsd.train_streams import corpus_texts
+
+    with pytest.raises(ValueError, match="chat-answers corpus needs the model"):
+        corpus_texts(["chat-answers"])
+
+
+@requires_smollm2
+def test_the_chat_answers_corpus_is_the_models_own_answers_through_its_chat_template(smollm2, monkeypatch):
+    """Each shipped prompt with the model's own answer, rendered by the model's chat template; conversation i in
+    text i mod CHAT_TEXTS, so that training windows span several conversations."""
+    from mirrorsd import vocab_tables
+    from mirrorsd.train_streams import CHAT_TEXTS, corpus_texts
+
+    tokenizer = smollm2[0].tokenizer
+    asked = [{"category": "qa", "prompt": f"Question {i}?"} for i in range(10)]
+    answers = [tokenizer(f"Answer {i}.", add_special_tokens=False)["input_ids"] for i in range(10)]
+    monkeypatch.setattr(vocab_tables, "prompts", lambda: asked)
+    monkeypatch.setattr(vocab_tables, "answers_of", lambda model: answers)
+    texts = corpus_texts(["chat-answers"], "smollm2-135m", tokenizer)
+
+    def rendered(i: int) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": f"Question {i}?"},
+                                              {"role": "assistant", "content": f"Answer {i}."}], tokenize=False)
+
+    assert len(texts) == CHAT_TEXTS
+    assert texts[0] == rendered(0) + "\n" + rendered(8) and texts[7] == rendered(7)
+
+
 # -- training on the state cache -------------------------------------------------------------------------------
 
 
