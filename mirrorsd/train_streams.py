@@ -49,7 +49,7 @@ SHARD_CHUNKS = 32  # chunks per cache shard: the unit of resuming
 def chat_answer_texts(model: str, tokenizer) -> list[str]:
     """``chat-answers``: ``model``'s greedy answers to the shipped chat prompts (generated once and cached by
     :func:`mirrorsd.vocab_tables.answers_of`), each conversation through the chat template, joined into
-    :data:`CHAT_TEXTS` texts (conversation i in text i mod 8). Streams trained on code and reference prose read
+    :data:`CHAT_TEXTS` texts (conversation i in text i mod CHAT_TEXTS). Streams trained on code and reference prose read
     chat answers poorly; these are the text decoding actually asks them for."""
     from .vocab_tables import answers_of, prompts
 
