@@ -36,8 +36,8 @@ from .streams import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, ms
 CORPORA = {
     "stdlib": "Python standard library source (top-level *.py files of this interpreter)",
     "pydoc-topics": "the Python language reference topics shipped in pydoc_data (English technical prose)",
-    "chat-answers": "the model's own greedy answers (128 tokens) to mirrorsd's shipped chat prompts (never "
-                    "Spec-Bench's), each through its chat template, in 8 texts of ~16 conversations",
+    "chat-answers": "the model's own greedy answers (128 tokens) to mirrorsd's 448 shipped chat prompts (never "
+                    "Spec-Bench's), each through its chat template, in 8 texts of ~56 conversations",
 }
 CHAT_TEXTS = 8  # chat-answers: conversations are joined into this many texts, so 256-token windows fill up
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -47,17 +47,19 @@ SHARD_CHUNKS = 32  # chunks per cache shard: the unit of resuming
 
 
 def chat_answer_texts(model: str, tokenizer) -> list[str]:
-    """``chat-answers``: ``model``'s greedy answers to the shipped chat prompts (generated once and cached by
-    :func:`mirrorsd.vocab_tables.answers_of`), each conversation through the chat template, joined into
-    :data:`CHAT_TEXTS` texts (conversation i in text i mod CHAT_TEXTS). Streams trained on code and reference prose read
-    chat answers poorly; these are the text decoding actually asks them for."""
-    from .vocab_tables import answers_of, prompts
+    """``chat-answers``: ``model``'s greedy answers to every shipped chat prompt set
+    (:data:`mirrorsd.vocab_tables.PROMPT_SETS`; generated once and cached by :func:`mirrorsd.vocab_tables.answers_of`),
+    each conversation through the chat template, joined into :data:`CHAT_TEXTS` texts (conversation i in text
+    i mod CHAT_TEXTS). Streams trained on code and reference prose read chat answers poorly; these are the text
+    decoding actually asks them for."""
+    from .vocab_tables import PROMPT_SETS, answers_of, prompts
 
     conversations = []
-    for p, ids in zip(prompts(), answers_of(model), strict=True):
-        answer = tokenizer.decode(ids, skip_special_tokens=True)
-        messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": answer}]
-        conversations.append(tokenizer.apply_chat_template(messages, tokenize=False))
+    for prompt_set in PROMPT_SETS:
+        for p, ids in zip(prompts(prompt_set), answers_of(model, prompt_set=prompt_set), strict=True):
+            answer = tokenizer.decode(ids, skip_special_tokens=True)
+            messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": answer}]
+            conversations.append(tokenizer.apply_chat_template(messages, tokenize=False))
     return ["\n".join(conversations[j::CHAT_TEXTS]) for j in range(CHAT_TEXTS)]
 
 

@@ -18,7 +18,10 @@ import torch
 
 from .draft_vocab import TABLE_FILES
 
-PROMPTS = "prompts.jsonl"  # chat prompts of ours whose answers rank the draft table (never Spec-Bench's)
+PROMPT_SETS = {  # chat prompts of ours (never Spec-Bench's): package-relative files under mirrorsd/data
+    "draft_vocab": "draft_vocab/prompts.jsonl",  # their answers rank the draft table
+    "streams": "streams/chat_prompts.jsonl",  # more, for the chat-answers corpus (scripts/make_stream_prompts.py)
+}
 ANSWER_WEIGHT = 1.0  # the answers' total count, as a multiple of the corpus total, when both are merged
 
 
@@ -112,15 +115,16 @@ def build_table(model_dir: Path, limit_chars: int = 30_000_000) -> torch.Tensor:
     return ranked(corpus_counts(tokenizer, limit_chars), tokenizer, AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
-def prompts() -> list[dict[str, str]]:
-    """The shipped chat prompts (``category``, ``prompt``)."""
-    text = resources.files("mirrorsd.data.draft_vocab").joinpath(PROMPTS).read_text(encoding="utf-8")
+def prompts(prompt_set: str = "draft_vocab") -> list[dict[str, str]]:
+    """One of the shipped chat prompt sets (:data:`PROMPT_SETS`): rows of ``category`` and ``prompt``."""
+    text = resources.files("mirrorsd.data").joinpath(PROMPT_SETS[prompt_set]).read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def answers_of(model_name: str, max_new_tokens: int = 128) -> list[list[int]]:
-    """``model_name``'s greedy answers (token ids) to :func:`prompts`, generated once and kept in the cache
-    (``draft_vocab/answers-NAME-N.jsonl``, one line per answer, so an interrupted run resumes where it stopped)."""
+def answers_of(model_name: str, max_new_tokens: int = 128, prompt_set: str = "draft_vocab") -> list[list[int]]:
+    """``model_name``'s greedy answers (token ids) to ``prompts(prompt_set)``, generated once and kept in the cache
+    (``draft_vocab/answers-NAME-N.jsonl``, one line per answer keyed by its prompt, so an interrupted run resumes
+    where it stopped and the prompt sets share one file)."""
     from tqdm.auto import tqdm
 
     from .api import generate, load_model
@@ -133,7 +137,8 @@ def answers_of(model_name: str, max_new_tokens: int = 128) -> list[list[int]]:
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             done[row["prompt"]] = row["answer_ids"]
-    todo = [p for p in prompts() if p["prompt"] not in done]
+    rows = prompts(prompt_set)
+    todo = [p for p in rows if p["prompt"] not in done]
     if todo:
         model = load_model(model_name)
         with path.open("a", encoding="utf-8") as out:
@@ -143,7 +148,7 @@ def answers_of(model_name: str, max_new_tokens: int = 128) -> list[list[int]]:
                 done[p["prompt"]] = ids
                 out.write(json.dumps({**p, "answer_ids": ids}) + "\n")
                 out.flush()
-    return [done[p["prompt"]] for p in prompts()]
+    return [done[p["prompt"]] for p in rows]
 
 
 def main() -> None:

@@ -95,13 +95,17 @@ def test_shipped_draft_table_keeps_everyday_words_the_corpus_table_drops():
     assert not set(words) <= corpus and set(words) <= draft
 
 
-def test_shipped_prompts_are_ours_not_spec_bench():
+def test_shipped_prompts_are_ours_not_spec_bench_and_no_prompt_is_in_two_sets():
     from mirrorsd.specbench import load_questions
 
-    ours = vt.prompts()
-    assert len(ours) >= 100 and all(p["prompt"] and p["category"] for p in ours)
     theirs = {turn for q in load_questions() for turn in q.turns}
-    assert not theirs & {p["prompt"] for p in ours}
+    seen: set[str] = set()
+    for prompt_set in vt.PROMPT_SETS:
+        ours = vt.prompts(prompt_set)
+        assert len(ours) >= 100 and all(p["prompt"] and p["category"] for p in ours)
+        texts = {p["prompt"] for p in ours}
+        assert len(texts) == len(ours) and not theirs & texts and not seen & texts
+        seen |= texts
 
 
 @pytest.mark.parametrize("method", ["sd", "mirror"])

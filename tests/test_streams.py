@@ -405,16 +405,19 @@ def test_the_chat_answers_corpus_needs_the_model_it_quotes():
 
 @requires_smollm2
 def test_the_chat_answers_corpus_is_the_models_own_answers_through_its_chat_template(smollm2, monkeypatch):
-    """Each shipped prompt with the model's own answer, rendered by the model's chat template; conversation i in
-    text i mod CHAT_TEXTS, so that training windows span several conversations."""
+    """Each shipped prompt of every set with the model's own answer, rendered by the model's chat template;
+    conversation i in text i mod CHAT_TEXTS, so that training windows span several conversations."""
     from mirrorsd import vocab_tables
     from mirrorsd.train_streams import CHAT_TEXTS, corpus_texts
 
     tokenizer = smollm2[0].tokenizer
-    asked = [{"category": "qa", "prompt": f"Question {i}?"} for i in range(10)]
-    answers = [tokenizer(f"Answer {i}.", add_special_tokens=False)["input_ids"] for i in range(10)]
-    monkeypatch.setattr(vocab_tables, "prompts", lambda: asked)
-    monkeypatch.setattr(vocab_tables, "answers_of", lambda model: answers)
+    sets = {"draft_vocab": range(6), "streams": range(6, 10)}
+    asked = {name: [{"category": "qa", "prompt": f"Question {i}?"} for i in ids] for name, ids in sets.items()}
+    answers = {name: [tokenizer(f"Answer {i}.", add_special_tokens=False)["input_ids"] for i in ids]
+               for name, ids in sets.items()}
+    monkeypatch.setattr(vocab_tables, "PROMPT_SETS", dict.fromkeys(sets, "unused"))
+    monkeypatch.setattr(vocab_tables, "prompts", lambda prompt_set: asked[prompt_set])
+    monkeypatch.setattr(vocab_tables, "answers_of", lambda model, prompt_set: answers[prompt_set])
     texts = corpus_texts(["chat-answers"], "smollm2-135m", tokenizer)
 
     def rendered(i: int) -> str:
