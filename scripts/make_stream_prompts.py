@@ -204,7 +204,7 @@ def _prose_passages(limit: int) -> list[tuple[str, str]]:
     return out
 
 
-def prompts() -> list[dict[str, str]]:
+def stream_prompts() -> list[dict[str, str]]:
     rng = random.Random(2026)
     rows: list[tuple[str, str]] = []
     topics = TOPICS[:]
@@ -234,9 +234,10 @@ def prompts() -> list[dict[str, str]]:
 
 
 def main() -> None:
-    rows = prompts()
-    draft_vocab_prompts = OUT.parent.parent / "draft_vocab" / "prompts.jsonl"
-    taken = {json.loads(line)["prompt"] for line in draft_vocab_prompts.read_text(encoding="utf-8").splitlines()}
+    from mirrorsd.vocab_tables import prompts as shipped_prompts
+
+    rows = stream_prompts()
+    taken = {p["prompt"] for p in shipped_prompts("draft_vocab")}
     repeated = [r["prompt"] for r in rows if r["prompt"] in taken]
     if repeated or len({r["prompt"] for r in rows}) != len(rows):
         raise SystemExit(f"prompts repeated from the draft-vocabulary set or within this one: {repeated}")
