@@ -424,7 +424,7 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
         raise ValueError(f"--accept values must be below --gamma ({args.gamma}): a window of γ accepts at most γ")
     report = gpu.run(Path(args.out), device=args.device, max_new=args.max_new_tokens, prompt_len=args.prompt_tokens,
                      accepts=accepts, gamma=args.gamma, targets=targets, ks=_positive_ints(args.ks, "--ks"),
-                     tests=not args.no_tests)
+                     tests=not args.no_tests, dtype=getattr(torch, args.dtype) if args.dtype else None)
     print(gpu.summary(report))
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0
@@ -964,6 +964,9 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--max-new-tokens", type=int, help="tokens per generation (default: 128; 16 in a dry run)")
     bg.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length (and forward context)")
     bg.add_argument("--ks", default="1,2,4,8,16,32", help="window sizes of the forward curve")
+    bg.add_argument("--dtype", choices=("bfloat16", "float32"),
+                    help="model dtype (default: bfloat16 on CUDA, float32 in a dry run); float32 GEMMs are nearly "
+                         "batch-invariant, so every answer must equal ar's exactly")
     bg.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda.py")
     bg.set_defaults(func=_cmd_bench_gpu)
     bp = bsub.add_parser(

@@ -65,8 +65,12 @@ class SubsetHead(nn.Module):
     def __init__(self, head: nn.Module, embedding: torch.Tensor, ids: torch.Tensor, tied: bool) -> None:
         super().__init__()
         ids = ids.sort().values.long().to(embedding.device)
-        rows = head_weight(head, embedding, tied)[ids].float()
-        self.linear = make_linear(quantize_q8(rows) if rows.shape[1] % 32 == 0 else rows)
+        rows = head_weight(head, embedding, tied)[ids]
+        if embedding.device.type == "cpu" and embedding.dtype == torch.float32:  # our int8 CPU kernel
+            rows = rows.float()
+            self.linear = make_linear(quantize_q8(rows) if rows.shape[1] % 32 == 0 else rows)
+        else:  # a GPU or a bf16 model: the rows as they are, in the model's dtype (cuBLAS on CUDA)
+            self.linear = make_linear(rows.to(embedding.dtype))
         on_huge_pages(self.linear)
         self.register_buffer("ids", ids)
         self.vocab = embedding.shape[0]

@@ -363,7 +363,7 @@ class Transformer(nn.Module):
         on_huge_pages(self)
         for block in self.layers:
             block.bind_kernel()
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("inv_freq", inv_freq.float().to(dense_embed.device), persistent=False)
         self.rope_scale = rope_scale
         self.activations = "int8"
 

@@ -281,6 +281,17 @@ def losses(model: Transformer, adapters: StreamAdapters, item: Cached, head: Tra
     return stream_ce, prune_ce
 
 
+def train_step(model: Transformer, adapters: StreamAdapters, item: Cached, head: TrainHead,
+               optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on one cached chunk; returns its (stream CE, pruning CE)."""
+    stream_ce, prune_ce = losses(model, adapters, item, head)
+    optimizer.zero_grad(set_to_none=True)
+    (stream_ce + prune_ce).backward()
+    torch.nn.utils.clip_grad_norm_(adapters.trainable(), 1.0)
+    optimizer.step()
+    return stream_ce.detach(), prune_ce.detach()
+
+
 @torch.no_grad()
 def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Cached]) -> dict[str, Any]:
     """Held-out top-1 agreement with the model's own tokens, full vocabulary: per stream, and of the pruning
@@ -418,11 +429,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     for step in range(start_step, steps):
         epoch, position = divmod(step, len(train_items))
         item = train_items[order(epoch)[position]]
-        stream_ce, prune_ce = losses(model, adapters, item, head)
-        optimizer.zero_grad(set_to_none=True)
-        (stream_ce + prune_ce).backward()
-        torch.nn.utils.clip_grad_norm_(adapters.trainable(), 1.0)
-        optimizer.step()
+        stream_ce, prune_ce = train_step(model, adapters, item, head, optimizer)
         schedule.step()
         tokens += item.labels.shape[0] - item.loss_from + 1
         bar.set_postfix(stream_ce=f"{stream_ce.item():.3f}", prune_ce=f"{prune_ce.item():.3f}", epoch=epoch)

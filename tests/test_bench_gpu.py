@@ -50,6 +50,26 @@ def test_oracle_draft_forces_its_acceptance_schedule(accept):
     assert mirror.stats.accepted[:-1] == [want] * (len(mirror.stats.accepted) - 1)
 
 
+def test_real_vocabulary_in_bf16_runs_every_method_and_forces_acceptance(tmp_path):
+    """What the tiny dry-run shapes miss and the first H200 run hit: with Qwen's 151,936-token vocabulary the
+    drafts read a shipped reduced-vocabulary head, which must run in a bf16 model's dtype, and the forced runs
+    must bypass it (it would read the oracle's states without the oracle's logits)."""
+    shape = gpu.Shape(64, 128, 2, 4, 2, 151936, True)
+    target = gpu.random_model(shape, torch.device("cpu"), torch.bfloat16, seed=1)
+    draft = gpu.random_model(gpu.Shape(64, 128, 1, 4, 2, 151936, True), torch.device("cpu"), torch.bfloat16, seed=0)
+    prompt = list(range(5, 45))
+    reference = generate(target, prompt, method="ar", max_new_tokens=12, temperature=0.0).token_ids
+    for method in ("sd", "mirror"):
+        got = generate(target, prompt, method=method, draft=draft, max_new_tokens=12, temperature=0.0)
+        assert got.token_ids == reference
+    rows = gpu._forced("qwen2.5-1.5b", target, draft, prompt, reference, (2,), 5, torch.device("cpu"), 12,
+                       tmp_path, lambda *a, **k: None)
+    for row in rows:
+        want = 3.0 if row["accept"] == "2" else 6.0  # 12 tokens: 4 windows of 2 + 1, or 2 of all 5 + 1
+        assert row["sd"]["equal_to_ar"] and row["mirror"]["equal_to_ar"]
+        assert row["sd"]["mean_accepted"] == row["mirror"]["mean_accepted"] == want
+
+
 def test_dry_run_report(tmp_path):
     """The whole command on tiny shapes: every method equal to ar, Eq. 10 terms and traces written."""
     assert main(["bench", "gpu", "--out", str(tmp_path), "--targets", "qwen2.5-1.5b", "--accept", "2",

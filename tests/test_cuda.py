@@ -101,9 +101,51 @@ def test_forward_costs_synchronize():
 def test_bench_gpu_on_cuda(tmp_path, monkeypatch):
     """The validation command itself on the device, at small shapes."""
     monkeypatch.setattr(gpu, "REAL_SHAPES", gpu.DRY_SHAPES)
+    monkeypatch.setattr(gpu, "TRAIN_RECIPE", gpu.TRAIN_RECIPE | gpu.DRY_TRAIN_RECIPE)
     report = gpu.run(tmp_path, device="cuda", tests=False, targets=("qwen2.5-1.5b",), accepts=(2,), max_new=16,
                      ks=(1, 2), progress=False)
     assert not report["dry_run"] and report["dtype"] == "torch.bfloat16"
     for m in report["methods"]:
         assert m["equal_to_ar"] or m["divergence"]["verdict"] == "float near-tie", m
     assert all(r["mirror"]["backend"] == "cuda-streams" for r in report["forced"])
+    assert report["train"]["qwen2.5-1.5b"]["step_ms"] > 0
+
+
+class _CharTokenizer:
+    """All that `train()` asks of a tokenizer (`tokenizer(text, add_special_tokens=False)["input_ids"]`), for a
+    512-token random model: no tokenizer files travel to a lent GPU machine."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) % 512 for c in text]}
+
+
+def train_streams_on(device: torch.device, tmp_path) -> None:
+    """`train-streams`' `train()` unchanged on ``device``: caches states, trains, resumes, saves an adapter that
+    `ss` loads onto the same device and decodes with, equal to `ar`."""
+    import json
+
+    from mirrorsd.train_streams import train
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = gpu.random_model(gpu.DRY_SHAPES["qwen2.5-1.5b"], device, dtype, seed=1)
+    out = tmp_path / "adapter"
+    options = {"streams": 2, "layers": 2, "rank": 4, "chunks": 3, "seq_len": 32, "held_out": 1, "vocab": 0,
+               "eval_every": 2, "save_every": 1, "progress": False}
+    train(model, model, _CharTokenizer(), ["pydoc-topics"], out, steps=2, **options)
+    summary = train(model, model, _CharTokenizer(), ["pydoc-topics"], out, steps=4, **options)  # resumes at 2
+    assert summary["steps"] == 4 and summary["dtype"] == str(dtype).removeprefix("torch.")
+    assert [point["step"] for point in json.loads((out / "curve.json").read_text())] == [0, 2, 4]
+    assert all(p.device.type == device.type for p in model.parameters())
+    want = generate(model, PROMPT, method="ar", max_new_tokens=24, temperature=0.0).token_ids
+    got = generate(model, PROMPT, method="ss", streams=str(out), max_new_tokens=24, temperature=0.0).token_ids
+    _assert_lossless(model, got, want)
+
+
+def test_train_streams_runs_unchanged_on_cuda(tmp_path):
+    train_streams_on(CUDA, tmp_path)
+
+
+def test_train_costs_on_cuda():
+    target, _ = _pair(torch.bfloat16)
+    costs = gpu.train_costs(target, steps=2, chunks=2, recipe=gpu.DRY_TRAIN_RECIPE)
+    assert costs["step_ms"] > 0 and costs["cache_ms_per_chunk"] > 0 and costs["train_tokens_per_s"] > 0

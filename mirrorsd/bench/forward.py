@@ -67,10 +67,10 @@ def forward_costs(model: Transformer, ks: tuple[int, ...] = DEFAULT_KS, context:
     ``context`` cached tokens."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, context), generator=generator, device=model.device)
+    prompt = torch.randint(0, vocab, (1, context), generator=generator).to(model.device)  # a CPU generator
     cache = model.new_cache(capacity=context + max(ks) + 1)
     model(prompt, cache=cache, last=1)
-    windows = {k: torch.randint(0, vocab, (1, k), generator=generator, device=model.device) for k in ks}
+    windows = {k: torch.randint(0, vocab, (1, k), generator=generator).to(model.device) for k in ks}
     times: dict[int, list[float]] = {k: [] for k in ks}
     for round_ in range(rounds + 1):  # round 0 warms up
         for k in ks:
@@ -89,7 +89,7 @@ def forward_costs(model: Transformer, ks: tuple[int, ...] = DEFAULT_KS, context:
 def ar_tokens_per_second(model: Transformer, tokens: int = 32, context: int = 128, rounds: int = 3) -> float:
     """Greedy one-token decoding speed after a ``context``-token prompt (median over rounds)."""
     generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=generator, device=model.device)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=generator).to(model.device)
     rates = []
     for _ in range(rounds):
         cache = model.new_cache(capacity=context + tokens + 1)

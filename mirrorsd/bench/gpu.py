@@ -164,7 +164,11 @@ def divergence(target: Transformer, prompt: list[int], got: list[int], want: lis
         logits = target(ids, cache=target.new_cache(capacity=ids.shape[1] + 1), last=1)[0, -1].float()
     gap = float(logits[want[pos]] - logits[got[pos]])
     verdict = "float near-tie" if abs(gap) < NEAR_TIE.get(target.dtype, 1e-3) else "mismatch"
-    return {"position": pos, "ar_token": want[pos], "method_token": got[pos], "logit_gap": gap, "verdict": verdict}
+    # The spacing of the model dtype's numbers at this logit: a gap of an ulp or two is the rounding of a GEMM
+    # that orders its sums differently for k rows than for one (reported, not allowed).
+    ulp = float(torch.finfo(target.dtype).eps) * 2.0 ** math.floor(math.log2(max(abs(float(logits[want[pos]])), 1e-30)))
+    return {"position": pos, "ar_token": want[pos], "method_token": got[pos], "logit_gap": gap,
+            "logit": float(logits[want[pos]]), "dtype_ulp_at_logit": ulp, "verdict": verdict}
 
 
 def _methods(device: torch.device, draft: Transformer, streams: Any) -> list[tuple[str, str, dict[str, Any]]]:
@@ -176,6 +180,57 @@ def _methods(device: torch.device, draft: Transformer, streams: Any) -> list[tup
     if device.type == "cuda" or torch.get_num_threads() > 1:
         runs.append(("mirror", f"mirror {overlap}", {"draft": draft, "backend": overlap}))
     return runs
+
+
+#: `mirrorsd train-streams`'s recipe of the shipped 1.5B adapter: γ = 3 streams, N_s = 4 layers, rank 16, a
+#: 32k-id training head, 256-token chunks.
+TRAIN_RECIPE = {"streams": 3, "layers": 4, "rank": 16, "vocab": 32768, "seq_len": 256}
+#: The data budget `docs/speculative_streaming.md` estimates for stream-1 top-1 ≈ 0.6 on the 1.5B (~50× the
+#: shipped adapter's 81k chat tokens), for the time-to-train column.
+CEILING_TOKENS = 4_000_000
+DRY_TRAIN_RECIPE = {"layers": 2, "rank": 4, "vocab": 256, "seq_len": 32}
+
+
+def train_costs(target: Transformer, *, steps: int = 8, chunks: int = 4, recipe: dict[str, int] | None = None
+                ) -> dict[str, Any]:
+    """Speculative Streaming training on this device, through `train-streams`' own functions: ms to cache one
+    chunk's frozen states (:func:`~mirrorsd.train_streams.freeze`) and ms per optimizer step
+    (:func:`~mirrorsd.train_streams.train_step`), median over ``steps`` after two warm-up steps."""
+    from ..train_streams import Cached, Chunk, TrainHead, freeze, train_step
+
+    recipe = TRAIN_RECIPE | (recipe or {})
+    cfg, seq_len = target.config, recipe["seq_len"]
+    generator = torch.Generator().manual_seed(0)
+    texts = [Chunk(torch.randint(0, cfg.vocab_size, (seq_len,), generator=generator), 1) for _ in range(chunks)]
+    target.requires_grad_(False)
+    adapters = StreamAdapters(target, StreamConfig(streams=recipe["streams"], layers=recipe["layers"],
+                                                   rank=recipe["rank"], alpha=2 * recipe["rank"],
+                                                   hidden_size=cfg.hidden_size, n_layers=cfg.n_layers,
+                                                   vocab_size=cfg.vocab_size))
+    cache_ms, items = [], []
+    for chunk in texts:
+        synchronize(target.device)
+        start = time.perf_counter()
+        frozen = freeze(target, adapters.first_layer, chunk)
+        synchronize(target.device)
+        cache_ms.append((time.perf_counter() - start) * 1e3)
+        items.append(Cached(frozen["hidden"], frozen["keys"], frozen["values"], frozen["labels"].long(), 1))
+    head = TrainHead(target, torch.arange(min(recipe["vocab"], cfg.vocab_size)))
+    optimizer = torch.optim.AdamW(adapters.trainable(), lr=1e-4)
+    step_ms = []
+    for step in range(steps + 2):  # two warm-up steps
+        synchronize(target.device)
+        start = time.perf_counter()
+        train_step(target, adapters, items[step % chunks], head, optimizer)
+        synchronize(target.device)
+        if step >= 2:
+            step_ms.append((time.perf_counter() - start) * 1e3)
+    step = statistics.median(step_ms)
+    tokens_s = (seq_len - 1) / step * 1e3
+    return {**recipe, "dtype": str(target.dtype).removeprefix("torch."), "steps_timed": steps,
+            "cache_ms_per_chunk": statistics.median(cache_ms[1:] or cache_ms), "step_ms": step,
+            "train_tokens_per_s": tokens_s, "ceiling_tokens": CEILING_TOKENS,
+            "minutes_per_epoch_of_ceiling": CEILING_TOKENS / tokens_s / 60}
 
 
 def run_cuda_tests(repo: Path) -> dict[str, Any]:
@@ -191,11 +246,13 @@ def run_cuda_tests(repo: Path) -> dict[str, Any]:
 def run(out: Path, *, device: str | None = None, max_new: int | None = None, prompt_len: int = 128,
         accepts: tuple[int, ...] = (1, 3, 5), gamma: int = 7, targets: tuple[str, ...] = TARGETS,
         ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), tests: bool = True, repo: Path | None = None,
-        progress: bool = True) -> dict[str, Any]:
-    """Run the whole validation and write ``report.json``, ``report.md`` and Mirror-SD traces into ``out``."""
+        progress: bool = True, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Run the whole validation and write ``report.json``, ``report.md`` and Mirror-SD traces into ``out``.
+    ``dtype``: the models' (default bf16 on CUDA; fp32 makes GEMMs nearly batch-invariant, for a strict
+    lossless check)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dry = dev.type != "cuda"
-    dtype = torch.float32 if dry else torch.bfloat16
+    dtype = dtype or (torch.float32 if dry else torch.bfloat16)
     shapes = DRY_SHAPES if dry else REAL_SHAPES
     max_new = max_new or (16 if dry else 128)
     say = print if progress else (lambda *a, **k: None)
@@ -206,12 +263,15 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
     if tests:
         say("CUDA-gated tests…", flush=True)
         report["cuda_tests"] = run_cuda_tests(repo or Path.cwd())
-    report["forward_ms"], report["methods"], report["forced"] = {}, [], []
+    report["forward_ms"], report["methods"], report["forced"], report["train"] = {}, [], [], {}
     for i, name in enumerate(targets):
         say(f"{name}-shaped target: forward curve…", flush=True)
         target = random_model(shapes[name], dev, dtype, seed=1 + i)
         draft = random_model(replace(shapes[DRAFT], vocab=shapes[name].vocab), dev, dtype, seed=0)
         report["forward_ms"][name] = forward_costs(target, ks, context=prompt_len, rounds=5)
+        say("  train-streams step…", flush=True)
+        report["train"][name] = train_costs(target, recipe=DRY_TRAIN_RECIPE if dry else None)
+        _write(out, report)
         prompt = torch.randint(0, shapes[name].vocab, (prompt_len,), generator=torch.Generator().manual_seed(i))
         prompt = prompt.tolist()
         ar, ar_s = _timed(target, prompt, max_new, method="ar")
@@ -228,12 +288,18 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
                 name, method, label, len(res.token_ids) / secs, res.stats.mean_accepted_length,
                 res.token_ids == reference, divergence(target, prompt, res.token_ids, reference),
                 _mirror(res, out / f"trace_{name}_{label.replace(' ', '_')}.json"))))
+            _write(out, report)
         report["forced"].extend(_forced(name, target, draft, prompt, reference, accepts, gamma, dev, max_new, out,
                                         say))
+        _write(out, report)
         del target, draft
+    return report
+
+
+def _write(out: Path, report: dict[str, Any]) -> None:
+    """(Re)write the report after each stage: a run stopped at a time limit keeps what it measured."""
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report))
-    return report
 
 
 def _mirror(result: Any, trace: Path) -> dict[str, Any] | None:
@@ -258,10 +324,11 @@ def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int
         label = "all" if accept is None else str(accept)
         say(f"  forced acceptance {label}…", flush=True)
         row: dict[str, Any] = {"target": name, "accept": label}
+        # draft_vocab=0: a reduced-vocabulary head would read the draft's states without the oracle's logits.
         sd, sd_s = _timed(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
-                          suffix_match=0)
+                          suffix_match=0, draft_vocab=0)
         mirror, mirror_s = _timed(target, prompt, max_new, method="mirror", draft=oracle, gamma=gamma,
-                                  backend=backend)
+                                  backend=backend, draft_vocab=0)
         row["sd"] = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
                      "equal_to_ar": sd.token_ids == reference}
         info = _mirror(mirror, out / f"trace_{name}_forced_{label}.json") or {}
@@ -308,6 +375,14 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{s['tok_s']:.1f} | {m['tok_s']:.1f} | {r['mirror_over_sd']:.2f}× | {fmt(m['step_ms'])} | "
                      f"{fmt(m['eq10_ms'])} | {fmt(m['step_over_eq10'])} | {fmt(m['fallback_frequency'])} | "
                      f"{fmt(m['hidden_draft_fraction'])} | {lossless} |")
+    if report.get("train"):
+        lines += ["", "## Speculative Streaming training (`train-streams`' step on the target's shape)", "",
+                  "| target | recipe | cache ms / chunk | ms / step | train tokens/s | minutes per "
+                  f"{CEILING_TOKENS / 1e6:g}M tokens |", "|---|---|---|---|---|---|"]
+        for name, t in report["train"].items():
+            recipe = f"γ={t['streams']}, N_s={t['layers']}, rank {t['rank']}, {t['vocab']} ids, {t['seq_len']} tok"
+            lines.append(f"| {name} | {recipe} | {t['cache_ms_per_chunk']:.1f} | {t['step_ms']:.1f} | "
+                         f"{t['train_tokens_per_s']:.0f} | {t['minutes_per_epoch_of_ceiling']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
