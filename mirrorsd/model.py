@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from . import kernels
 from .kv_cache import KVCache
@@ -199,8 +200,8 @@ class Attention(nn.Module):
             out = torch.cat([main, stream], 2)
         elif self.row_exact:
             out = self._attend_exact(q, k, v, mask)
-        else:
-            attn_mask = None if mask is None else mask.unsqueeze(1)
+        else:  # a CausalBias (a plain causal window on CUDA, bf16) goes as it is: flash attention, no mask
+            attn_mask = mask if isinstance(mask, CausalBias) or mask is None else mask.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.gqa)
         out = out.transpose(1, 2).reshape(rows, t, self.n_heads * self.head_dim)
         return _project(streams, self.layer, "o_proj", self.o_proj, out)
@@ -524,7 +525,10 @@ class Transformer(nn.Module):
         t = hidden.shape[1]
         if mask is None and t > 1:
             past = cache.lengths[start] if cache is not None else 0
-            mask = causal_mask(past, t, hidden.device)
+            # On CUDA in half precision a CausalBias: flash attention aligns it lower right itself, with no mask
+            # tensor (fp32 has no flash kernel; CausalBias would then build its mask in every layer).
+            flash = hidden.device.type == "cuda" and hidden.dtype in (torch.float16, torch.bfloat16)
+            mask = causal_lower_right(t, past + t) if flash else causal_mask(past, t, hidden.device)
         cos, sin = self.rope(positions)
         with _attention_backends(hidden.device):
             for block in self.layers[start:end]:

@@ -149,3 +149,23 @@ def test_train_costs_on_cuda():
     target, _ = _pair(torch.bfloat16)
     costs = gpu.train_costs(target, steps=2, chunks=2, recipe=gpu.DRY_TRAIN_RECIPE)
     assert costs["step_ms"] > 0 and costs["cache_ms_per_chunk"] > 0 and costs["train_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_window_on_cuda_attends_as_the_explicit_causal_mask(dtype):
+    """A k-token window without a mask runs flash attention through a lower-right CausalBias on CUDA in bf16 (the
+    explicit mask in fp32); it must attend exactly where the explicit boolean mask (the CPU path) does."""
+    from mirrorsd.model import causal_mask
+
+    target, _ = _pair(dtype)
+    prompt = torch.tensor([PROMPT], device=CUDA)
+    window = torch.tensor([[5, 9, 13, 2, 7, 11]], device=CUDA)
+    logits = []
+    for explicit in (False, True):
+        cache = target.new_cache(capacity=80)
+        target(prompt, cache=cache, last=1)
+        mask = causal_mask(len(PROMPT), window.shape[1], CUDA) if explicit else None
+        logits.append(target(window, cache=cache, mask=mask).float())
+    # fp32: the same sums up to reordering. bf16: a few ulps of logits ~±30 (a wrong mask moves them by units).
+    tolerance = 1e-4 if dtype == torch.float32 else 1.0
+    assert torch.allclose(logits[0], logits[1], atol=tolerance, rtol=0), (logits[0] - logits[1]).abs().max()
