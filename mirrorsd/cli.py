@@ -961,7 +961,7 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--accept", default="1,3,5",
                     help="forced accepted tokens per step (each also runs with every draft token accepted)")
     bg.add_argument("--gamma", type=int, default=7, help="draft window γ of SD and Mirror-SD in the forced runs")
-    bg.add_argument("--max-new-tokens", type=int, help="tokens per generation (default: 128; 16 in a dry run)")
+    bg.add_argument("--max-new-tokens", type=int, help="tokens per generation (default: 48; 16 in a dry run)")
     bg.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length (and forward context)")
     bg.add_argument("--ks", default="1,2,4,8,16,32", help="window sizes of the forward curve")
     bg.add_argument("--dtype", choices=("bfloat16", "float32"),

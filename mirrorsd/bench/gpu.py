@@ -62,6 +62,9 @@ DRY_SHAPES = {
 }
 DRAFT = "qwen2.5-0.5b"  # built with each target's vocabulary size (the 7B pads its embedding to 152,064 rows)
 TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b")
+#: Tokens per generation on a GPU: the whole command (tests included) then fits one 10-minute call of a lent H200;
+#: at 128 it ran past 7 minutes, Mirror-SD's host-bound steps (~0.25 s each) being most of it.
+GPU_MAX_NEW = 48
 #: Logit spread of the random LM heads: wide enough that greedy choices are rarely float near-ties.
 LOGIT_STD = 8.0
 #: A divergence whose recomputed logit gap is below this is float reordering (bf16 rounds a logit of ~10 by
@@ -254,7 +257,7 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
     dry = dev.type != "cuda"
     dtype = dtype or (torch.float32 if dry else torch.bfloat16)
     shapes = DRY_SHAPES if dry else REAL_SHAPES
-    max_new = max_new or (16 if dry else 128)
+    max_new = max_new or (16 if dry else GPU_MAX_NEW)
     say = print if progress else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"machine": machine(), "device": str(dev), "dry_run": dry, "dtype": str(dtype),
