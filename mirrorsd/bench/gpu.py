@@ -204,14 +204,14 @@ def train_costs(target: Transformer, *, steps: int = 8, chunks: int = 4, recipe:
     recipe = TRAIN_RECIPE | (recipe or {})
     cfg, seq_len = target.config, recipe["seq_len"]
     generator = torch.Generator().manual_seed(0)
-    texts = [Chunk(torch.randint(0, cfg.vocab_size, (seq_len,), generator=generator), 1) for _ in range(chunks)]
+    windows = [Chunk(torch.randint(0, cfg.vocab_size, (seq_len,), generator=generator), 1) for _ in range(chunks)]
     target.requires_grad_(False)
     adapters = StreamAdapters(target, StreamConfig(streams=recipe["streams"], layers=recipe["layers"],
                                                    rank=recipe["rank"], alpha=2 * recipe["rank"],
                                                    hidden_size=cfg.hidden_size, n_layers=cfg.n_layers,
                                                    vocab_size=cfg.vocab_size))
     cache_ms, items = [], []
-    for chunk in texts:
+    for chunk in windows:
         synchronize(target.device)
         start = time.perf_counter()
         frozen = freeze(target, adapters.first_layer, chunk)
