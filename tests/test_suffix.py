@@ -3,10 +3,13 @@ window rule, and the sd hybrid (losslessness of both is in the conformance suite
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from mirrorsd import generate
+from mirrorsd.decoding import suffix_index
 from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, RequestState, Scores
 from mirrorsd.decoding.suffix import AcceptanceModel, ModelGate, SuffixProposer, VerifyCost
 from mirrorsd.decoding.suffix_index import MAX_MATCH, SuffixIndex
@@ -154,6 +157,24 @@ def test_suffix_equals_ar_with_and_without_earlier_outputs():
     want = generate(target, prompt, method="ar", max_new_tokens=24).token_ids
     for shared in ("process", "process", "none"):
         assert generate(target, prompt, method="suffix", max_new_tokens=24, shared=shared).token_ids == want
+
+
+def test_isolated_requests_neither_read_nor_write_the_persisted_index(tmp_path, monkeypatch):
+    """A benchmark answer or a calibration run (isolated_shared_indexes) with shared="persist" must not find the
+    saved outputs of earlier runs, nor replace the saved file with its own."""
+    monkeypatch.setenv("MIRRORSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(suffix_index, "_shared", {})  # this test's own process-wide indexes
+    target = row_exact(tiny_hf(layers=2, seed=1))
+    prompt = [3, 1, 4, 1, 5]
+    generate(target, prompt, method="suffix", max_new_tokens=12, shared="persist")
+    saved = tmp_path / "suffix" / f"vocab{target.config.vocab_size}.json"
+    before = saved.read_text()
+    assert len(json.loads(before)) == 1  # a real request persisted its output
+    with suffix_index.isolated_shared_indexes():
+        generate(target, [2, 7, 1, 8], method="suffix", max_new_tokens=12, shared="persist")
+        isolated = suffix_index.shared_index(f"vocab{target.config.vocab_size}")
+        assert len(isolated.docs) == 1  # its own output only: the saved one was not loaded
+    assert saved.read_text() == before
 
 
 @pytest.mark.parametrize("suffix_match", [1, 3])

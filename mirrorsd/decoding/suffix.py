@@ -30,7 +30,7 @@ from ..cache import cache_dir
 from ..verify import Verdict
 from .engine import ChainScorer, DecodeRequest, Draft, Proposer, RequestState, Roles, Scores, match
 from .registry import MethodOptions, at_least, option, probability, register
-from .suffix_index import SuffixIndex, shared_index
+from .suffix_index import SuffixIndex, persisting_allowed, shared_index
 
 
 @dataclass(frozen=True)
@@ -339,7 +339,7 @@ def suffix_proposer(req: DecodeRequest, opts: Any, *, gamma: int, rejection: boo
     if opts.shared != "none":
         key = f"vocab{req.target.config.vocab_size}"
         shared = shared_index(key)
-        if opts.shared == "persist":
+        if opts.shared == "persist" and persisting_allowed():
             persist = cache_dir() / "suffix" / f"{key}.json"
             with shared.lock:
                 if not shared.docs and persist.exists():

@@ -170,16 +170,28 @@ def shared_index(tokenizer_key: str, max_tokens: int = SHARED_TOKENS) -> SuffixI
         return index
 
 
+_isolated = 0  # how many isolated_shared_indexes blocks are open
+
+
+def persisting_allowed() -> bool:
+    """False inside :func:`isolated_shared_indexes`: the persisted index is neither read (a benchmark answer
+    could find a saved copy of itself) nor written (it would be replaced by the isolated index's contents)."""
+    return _isolated == 0
+
+
 @contextmanager
 def isolated_shared_indexes() -> Iterator[None]:
-    """Run the block with empty shared indexes, then give the process its own back: a benchmark answer or a
-    planner calibration run must not be looked up in a copy of itself, and must neither wipe nor pollute what the
-    process's real requests gathered. (Requests running at the same time in other threads share the empty ones.)"""
-    global _shared
+    """Run the block with empty shared indexes and no persisted one, then give the process its own back: a
+    benchmark answer or a planner calibration run must not be looked up in a copy of itself, and must neither
+    wipe nor pollute what the process's real requests gathered, in memory or on disk. (Requests running at the
+    same time in other threads share the empty ones.)"""
+    global _shared, _isolated
     with _shared_lock:
         saved, _shared = _shared, {}
+        _isolated += 1
     try:
         yield
     finally:
         with _shared_lock:
             _shared = saved
+            _isolated -= 1
