@@ -395,8 +395,12 @@ def stream(
         raise ValueError(f"method {method!r} does not use a draft model")
     if method == "ss" and options.get("streams") is None:
         options["streams"] = _shipped_streams(target)
-    if method == "mirror" and options.get("draft_streams") in (True, "auto"):
-        options["draft_streams"] = _shipped_streams(draft)
+    if method == "mirror" and "draft_streams" in options:  # also as written in a method spec: "true", "false"
+        flag = str(options["draft_streams"]).lower()
+        if flag in ("true", "auto"):
+            options["draft_streams"] = _shipped_streams(draft)
+        elif flag in ("false", "none"):
+            options["draft_streams"] = None
     if method == "mirror" and options.get("exit_head") == "tuned":
         options["exit_head"] = _shipped_exit(target)
     if method == "ss" and options.get("prune_exit") == "tuned":

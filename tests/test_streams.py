@@ -376,6 +376,21 @@ def test_smollm2_q8_ss_seeded_sampling_and_greedy_equal_ar_exactly():
 
 
 @requires_smollm2
+@pytest.mark.parametrize("draft_streams", [True, "true", "auto"])
+def test_mirror_draft_streams_flag_takes_the_drafts_shipped_adapter(draft_streams):
+    """`draft_streams=True` in the API, `mirror:draft_streams=true` in a bench method spec (as the docs write it)
+    and `--draft-streams` alone (auto) all mean the draft's shipped adapter."""
+    model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
+    want = generate(model, "Name three colours.", method="ar", max_new_tokens=12)
+    got = generate(model, "Name three colours.", method="mirror", draft=model, draft_streams=draft_streams,
+                   max_new_tokens=12)
+    assert got.token_ids == want.token_ids and got.stats.extra["mirror"].draft_streams
+    plain = generate(model, "Name three colours.", method="mirror", draft=model, draft_streams="false",
+                     max_new_tokens=12)
+    assert plain.token_ids == want.token_ids and not plain.stats.extra["mirror"].draft_streams
+
+
+@requires_smollm2
 def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smollm2, tmp_path):
     from mirrorsd.train_streams import HELD_OUT, cache_states, corpus_texts, evaluate, load_cache, make_chunks
 
