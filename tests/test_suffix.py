@@ -177,6 +177,33 @@ def test_isolated_requests_neither_read_nor_write_the_persisted_index(tmp_path, 
     assert saved.read_text() == before
 
 
+def test_isolation_is_the_calling_threads_only(monkeypatch):
+    """A first-use plan or a benchmark in one thread isolates its own requests, not a server's in another."""
+    import threading
+
+    monkeypatch.setattr(suffix_index, "_shared", {})
+    process = suffix_index.shared_index("vocab64")
+    process.add([1, 2, 3, 4])
+    seen: dict[str, object] = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        inside.wait()
+        seen["index"], seen["persist"] = suffix_index.shared_index("vocab64"), suffix_index.persisting_allowed()
+        done.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with suffix_index.isolated_shared_indexes():
+        isolated = suffix_index.shared_index("vocab64")
+        assert isolated is not process and not isolated.docs and not suffix_index.persisting_allowed()
+        inside.set()
+        assert done.wait(10)
+    worker.join()
+    assert seen == {"index": process, "persist": True}
+    assert suffix_index.shared_index("vocab64") is process and suffix_index.persisting_allowed()
+
+
 @pytest.mark.parametrize("suffix_match", [1, 3])
 def test_sd_hybrid_logs_which_proposer_drafted(suffix_match):
     target = row_exact(tiny_hf(layers=4, seed=1))

@@ -159,39 +159,35 @@ class SuffixIndex:
 SHARED_TOKENS = 1 << 18  # token budget of a process's shared index (262k tokens, some 60 MB of Python objects)
 _shared: dict[str, SuffixIndex] = {}
 _shared_lock = threading.Lock()
+_isolation = threading.local()  # .indexes: this thread's own while it runs isolated_shared_indexes
 
 
 def shared_index(tokenizer_key: str, max_tokens: int = SHARED_TOKENS) -> SuffixIndex:
     """The process-wide index of earlier outputs for one tokenizer (token ids mean nothing across them)."""
     with _shared_lock:
-        index = _shared.get(tokenizer_key)
+        indexes = getattr(_isolation, "indexes", None)
+        indexes = _shared if indexes is None else indexes
+        index = indexes.get(tokenizer_key)
         if index is None:
-            index = _shared[tokenizer_key] = SuffixIndex(max_tokens=max_tokens)
+            index = indexes[tokenizer_key] = SuffixIndex(max_tokens=max_tokens)
         return index
-
-
-_isolated = 0  # how many isolated_shared_indexes blocks are open
 
 
 def persisting_allowed() -> bool:
     """False inside :func:`isolated_shared_indexes`: the persisted index is neither read (a benchmark answer
     could find a saved copy of itself) nor written (it would be replaced by the isolated index's contents)."""
-    return _isolated == 0
+    return getattr(_isolation, "indexes", None) is None
 
 
 @contextmanager
 def isolated_shared_indexes() -> Iterator[None]:
-    """Run the block with empty shared indexes and no persisted one, then give the process its own back: a
-    benchmark answer or a planner calibration run must not be looked up in a copy of itself, and must neither
-    wipe nor pollute what the process's real requests gathered, in memory or on disk. (Requests running at the
-    same time in other threads share the empty ones.)"""
-    global _shared, _isolated
-    with _shared_lock:
-        saved, _shared = _shared, {}
-        _isolated += 1
+    """Run the block with empty shared indexes and no persisted one: a benchmark answer or a planner calibration
+    run must not be looked up in a copy of itself, and must neither wipe nor pollute what the process's real
+    requests gathered, in memory or on disk. The isolation is this thread's: requests that other threads run
+    meanwhile (a server's) keep using the process's indexes."""
+    saved = getattr(_isolation, "indexes", None)
+    _isolation.indexes = {}
     try:
         yield
     finally:
-        with _shared_lock:
-            _shared = saved
-            _isolated -= 1
+        _isolation.indexes = saved
