@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -479,3 +481,39 @@ def test_probe_reads_the_exit_head_it_is_given(tmp_path):
 def test_a_wrong_probe_exit_head_fails_before_any_model_loads(tmp_path):
     with pytest.raises(ValueError, match="holds no tuned exit"):
         Bench(BenchConfig("no-such-model", "no-such-draft", [], probe_exit_head=str(tmp_path)), progress=False)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux /proc")
+def test_a_busy_machine_is_reported_and_our_own_work_is_not():
+    """Timings next to another heavy job mean little (on 2 cores, ~4× slower each): the bench warns."""
+    import subprocess
+    import sys
+    import threading
+
+    from mirrorsd.bench.runner import BUSY_SHARE, busy_warning, others_cpu_share
+
+    assert busy_warning(None) is None and busy_warning(BUSY_SHARE / 2) is None
+    assert "40% of the" in busy_warning(0.4)
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()  # this process spinning a core is not another job
+    try:
+        assert others_cpu_share() < BUSY_SHARE
+    finally:
+        stop.set()
+        spinner.join()
+    cores = os.cpu_count() or 1
+    if cores <= 8:  # another process busy on every core is
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+        try:
+            time.sleep(0.3)
+            assert others_cpu_share() > BUSY_SHARE
+        finally:
+            for proc in busy:
+                proc.kill()
+                proc.wait()
