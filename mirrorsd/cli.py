@@ -55,6 +55,14 @@ def _load_draft(args: argparse.Namespace, target, console):
     return draft
 
 
+def _warn_if_busy(what: str) -> None:
+    """Say so on stderr when other processes keep the cores busy: training slows and timings mislead."""
+    from mirrorsd.runtime.load import busy_warning, others_cpu_share
+
+    if (warning := busy_warning(others_cpu_share(), what)) is not None:
+        print(f"mirrorsd: warning: {warning}", file=sys.stderr, flush=True)
+
+
 def _say_loaded(role: str, model, args: argparse.Namespace) -> None:
     """Which format a model loaded with, and whether that was the default (the zoo's gate-picked one)."""
     chosen = "as asked" if args.weights or args.activations else "default"
@@ -351,6 +359,7 @@ def _cmd_train_streams(args: argparse.Namespace) -> int:
     import mirrorsd
     from mirrorsd.train_streams import train
 
+    _warn_if_busy("train-streams")
     decode = mirrorsd.load_model(args.model, device=args.device)  # the model decoding will run (q4 on CPU)
     print(f"mirrorsd: the state cache comes from {decode.name} {decode.format}", file=sys.stderr, flush=True)
     # The stream rows are trained through dense, autograd-capable copies of the frozen weights.
@@ -379,6 +388,7 @@ def _cmd_train_exit(args: argparse.Namespace) -> int:
     if args.kl_steps < 0 or args.kl_lr <= 0:
         raise ValueError(f"--kl-steps must be >= 0 and --kl-lr > 0, got {args.kl_steps} and {args.kl_lr}")
     layers_asked = [_number(x) for x in _csv(args.layers)]
+    _warn_if_busy("train-exit")
     loaded = mirrorsd.load_model(args.model, weights=args.weights, activations=args.activations)
     _say_loaded("model", loaded, args)
     layers = sorted({resolve_exit_layer(x, loaded.config.n_layers) for x in layers_asked})
@@ -441,6 +451,7 @@ def _cmd_bench_forward(args: argparse.Namespace) -> int:
         raise ValueError("--ks must be positive")
     if args.rounds < 1 or args.ar_tokens < 1 or args.context < 1:
         raise ValueError("--rounds, --ar-tokens and --context must be positive")
+    _warn_if_busy("bench forward")
     report = bench.run(args.model, args.weights, ks, args.context, args.rounds, args.ar_tokens, args.llama_bench,
                        args.linear, args.activations)
     if args.json:
@@ -539,6 +550,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from mirrorsd.bench.plan import make_plan
     from mirrorsd.specbench import load_suite
 
+    _warn_if_busy("the plan")
     target = mirrorsd.load_model(args.target, weights=args.weights)
     draft = mirrorsd.load_model(args.draft, weights=args.weights)
     prompts = [(q.group, encode_chat(target, [{"role": "user", "content": q.turns[0]}]))

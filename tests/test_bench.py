@@ -490,7 +490,7 @@ def test_a_busy_machine_is_reported_and_our_own_work_is_not():
     import sys
     import threading
 
-    from mirrorsd.bench.runner import BUSY_SHARE, busy_warning, others_cpu_share
+    from mirrorsd.runtime.load import BUSY_SHARE, busy_warning, others_cpu_share
 
     assert busy_warning(None) is None and busy_warning(BUSY_SHARE / 2) is None
     assert "40% of the" in busy_warning(0.4)
@@ -517,3 +517,15 @@ def test_a_busy_machine_is_reported_and_our_own_work_is_not():
             for proc in busy:
                 proc.kill()
                 proc.wait()
+
+
+def test_cli_commands_warn_on_a_busy_machine(monkeypatch, capsys):
+    from mirrorsd import cli
+    from mirrorsd.runtime import load
+
+    monkeypatch.setattr(load, "others_cpu_share", lambda interval=0.5: 0.9)
+    cli._warn_if_busy("train-streams")
+    assert "90% of the" in capsys.readouterr().err
+    monkeypatch.setattr(load, "others_cpu_share", lambda interval=0.5: 0.0)
+    cli._warn_if_busy("train-streams")
+    assert capsys.readouterr().err == ""

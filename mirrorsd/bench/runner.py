@@ -31,6 +31,7 @@ from ..errors import OptionError
 from ..exit_heads import ExitTranslators
 from ..runtime import synchronize
 from ..runtime.executors import split_threads
+from ..runtime.load import busy_warning, others_cpu_share
 from ..specbench import GROUPS, Question, load_suite
 from . import metrics, plan, probe
 from .forward import _cpu_name
@@ -146,37 +147,6 @@ def machine() -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name()
     return info
 
-
-
-#: Other processes' share of all cores above which a benchmark warns: on the 2-core VM two 2-thread jobs at once
-#: made each ~4× slower, so timings taken next to another heavy job say little.
-BUSY_SHARE = 0.25
-
-
-def others_cpu_share(interval: float = 0.5) -> float | None:
-    """The share of all cores' time that other processes used over ``interval`` seconds (Linux ``/proc``; None
-    elsewhere): this process's own time is subtracted, so loading the models just before does not count."""
-    def sample() -> tuple[int, int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        return sum(fields[:8]), idle, int(own[11]) + int(own[12])  # utime + stime, the same clock ticks
-
-    try:
-        total0, idle0, own0 = sample()
-        time.sleep(interval)
-        total1, idle1, own1 = sample()
-    except (OSError, IndexError, ValueError):
-        return None
-    elapsed = total1 - total0
-    return max(0.0, (elapsed - (idle1 - idle0) - (own1 - own0)) / elapsed) if elapsed > 0 else None
-
-
-def busy_warning(share: float | None) -> str | None:
-    if share is None or share <= BUSY_SHARE:
-        return None
-    return (f"other processes were using {share:.0%} of the {os.cpu_count()} cores when the benchmark started: "
-            "timings taken next to another heavy job are slow and noisy; rerun on an idle machine")
 
 
 @dataclass
