@@ -3,6 +3,7 @@ window rule, and the sd hybrid (losslessness of both is in the conformance suite
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -157,6 +158,62 @@ def test_suffix_equals_ar_with_and_without_earlier_outputs():
     want = generate(target, prompt, method="ar", max_new_tokens=24).token_ids
     for shared in ("process", "process", "none"):
         assert generate(target, prompt, method="suffix", max_new_tokens=24, shared=shared).token_ids == want
+
+
+def _write_store(path, docs) -> str:
+    path.write_bytes(gzip.compress(json.dumps({"docs": docs}).encode()))
+    return str(path)
+
+
+def test_datastore_is_found_by_tokenizer_and_checked(tmp_path):
+    assert suffix_index.datastore("none", "vocab151936", 151936) is None
+    assert suffix_index.datastore("auto", "vocab512", 512) is None  # nothing shipped for this tokenizer
+    shipped = suffix_index.datastore("auto", "vocab151936", 151936)  # the default pair's, in the package
+    assert shipped is not None and len(shipped) > 10_000
+    assert suffix_index.datastore("auto", "vocab151936", 151936) is shipped  # loaded once per process
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        suffix_index.datastore(str(tmp_path / "missing.json.gz"), "vocab64", 64)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        suffix_index.datastore(_write_store(tmp_path / "big.json.gz", [[1, 99]]), "vocab64", 64)
+
+
+def test_datastore_drafts_only_when_it_matches_longer():
+    fixed = SuffixIndex()
+    fixed.add([5, 6, 7, 8, 9, 10, 11])
+    proposer = SuffixProposer(16, fixed=fixed, factor=4.0)
+    state = _state([1, 2, 6, 7, 8])
+    proposer.start(state)
+    assert proposer.propose(state).tokens == [9, 10, 11] and proposer.last_fixed  # a 3-token match there
+    # the request's own 3-token match of "6 7 8" ties with the datastore's: the request's continuation wins
+    state = _state([6, 7, 8, 4, 4, 6, 7, 8])
+    proposer = SuffixProposer(16, fixed=fixed, factor=4.0)
+    proposer.start(state)
+    assert proposer.propose(state).tokens[0] == 4 and not proposer.last_fixed
+
+
+def test_datastore_drafts_learn_their_own_acceptance():
+    fixed = SuffixIndex()
+    fixed.add([5, 6, 7, 8, 9, 10, 11])
+    proposer = SuffixProposer(16, fixed=fixed, factor=4.0)
+    state = _state([1, 2, 6, 7, 8])
+    proposer.start(state)
+    window = proposer.propose(state)
+    state.tokens += [12]
+    proposer.feedback(state, Scores(torch.zeros(4, 64), window), Verdict(0, 12))
+    assert proposer.fixed_acceptance.first_token(3) < AcceptanceModel.FIRST_PRIOR[3]
+    assert proposer.acceptance.first_token(3) == AcceptanceModel.FIRST_PRIOR[3]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_suffix_with_a_datastore_equals_ar(tmp_path, temperature):
+    target = row_exact(tiny_hf(layers=2, seed=1))
+    prompt = [3, 1, 4, 1, 5]
+    want = generate(target, prompt, method="ar", max_new_tokens=24, temperature=temperature, seed=3).token_ids
+    # a datastore holding the answer itself and a wrong continuation of the same prompt
+    store = _write_store(tmp_path / "s.json.gz", [prompt + want, prompt + [(t + 1) % 512 for t in want]])
+    got = generate(target, prompt, method="suffix", max_new_tokens=24, temperature=temperature, seed=3,
+                   datastore=store)
+    assert got.token_ids == want
 
 
 def test_isolated_requests_neither_read_nor_write_the_persisted_index(tmp_path, monkeypatch):

@@ -8,18 +8,23 @@ trade for Python, where a pointer-based suffix tree walks one object per token.
 
 A request's own text (prompt and output) is one growing document; the process keeps a second, *shared*
 index of earlier outputs (:func:`shared_index`), bounded by a token budget and evicting the oldest document
-first. :meth:`SuffixIndex.continuations` merges the occurrences of the longest match into a frequency trie,
-from which the proposer follows the most frequent continuation (a chain; trees are not drafted yet).
+first. A third, fixed one (:func:`datastore`) holds a model family's own answers to chat prompts of ours, shipped
+with the package: REST's datastore (arXiv 2311.08252), which gives a new process's first requests the phrasing
+its model keeps repeating. :meth:`SuffixIndex.continuations` merges the occurrences of the longest match into a
+frequency trie, from which the proposer follows the most frequent continuation (a chain; trees are not drafted
+yet).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 MAX_MATCH = 64  # longest match length measured (SuffixDecoding's tree depth)
@@ -191,3 +196,39 @@ def isolated_shared_indexes() -> Iterator[None]:
         yield
     finally:
         _isolation.indexes = saved
+
+
+_datastores: dict[str, SuffixIndex] = {}
+
+
+def datastore(spec: str, tokenizer_key: str, vocab_size: int) -> SuffixIndex | None:
+    """The fixed index ``spec`` names: ``auto``, the one shipped for this tokenizer (``mirrorsd/data/suffix/
+    <tokenizer_key>.json.gz``; None when there is none), ``none``, or a path to such a file. Loaded once per
+    process and never written, so requests read it without a lock. Benchmarks keep it: it holds answers to our
+    own prompts (``scripts/make_suffix_datastore.py``), never to a benchmark's."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        source = resources.files("mirrorsd.data").joinpath("suffix", f"{tokenizer_key}.json.gz")
+        if not source.is_file():
+            return None
+        name = f"package:{tokenizer_key}"
+    else:
+        source = Path(spec).expanduser()
+        if not source.is_file():
+            raise FileNotFoundError(f"suffix datastore {spec!r}: no such file (give auto, none, or a .json.gz "
+                                    "written by scripts/make_suffix_datastore.py)")
+        name = str(source.resolve())
+    with _shared_lock:
+        index = _datastores.get(name)
+        if index is None:
+            docs = json.loads(gzip.decompress(source.read_bytes()))["docs"]
+            top = max((max(doc) for doc in docs if doc), default=-1)
+            if top >= vocab_size:
+                raise ValueError(f"suffix datastore {spec!r} holds token id {top}, beyond the target's vocabulary "
+                                 f"({vocab_size}): it was written for another tokenizer")
+            index = SuffixIndex()
+            for doc in docs:
+                index.add(doc)
+            _datastores[name] = index
+        return index
