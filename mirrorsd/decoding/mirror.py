@@ -45,7 +45,7 @@ from ..verify import ACCEPTANCE_RULES, Verdict
 from .engine import VERIFIERS, ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, draft_tokens
 from .proposers import ModelProposer, StreamProposer, check_draft, draft_vocab_option, draft_vocab_size, window_end
 from .registry import MethodOptions, ModelShape, OptionError, at_least, option, probability, register
-from .suffix import SuffixOptions, SuffixProposer, suffix_match_option, suffix_proposer
+from .suffix import HYBRID_LOOKUP, SuffixProposer, suffix_match_option, suffix_proposer
 
 DEFAULT_GAMMA = 7  # the paper's window
 DEFAULT_KAPPA = 8  # the paper's top-κ at batch size 1
@@ -627,7 +627,7 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     run = MirrorRun(req, opts, exit_layer, executor, translate, optional_head(req.target, opts.exit_vocab))
     rejection = opts.acceptance == "rejection"
     run.stats.draft_streams = opts.draft_streams is not None
-    lookup = suffix_proposer(req, SuffixOptions(), gamma=opts.gamma, rejection=rejection) if opts.suffix_match else None
+    lookup = suffix_proposer(req, HYBRID_LOOKUP, gamma=opts.gamma, rejection=rejection) if opts.suffix_match else None
     proposer: BranchProposer
     if opts.backend == "processes":
         from .mirror_remote import RemoteBranchProposer  # the draft's process runs this module's BranchProposer

@@ -18,7 +18,7 @@ from ..verify import ACCEPTANCE_RULES
 from .engine import VERIFIERS, ChainScorer, DecodeRequest, Roles
 from .proposers import SCHEDULES, ModelProposer, check_draft, draft_vocab_option, draft_vocab_size
 from .registry import MethodOptions, at_least, option, probability, register
-from .suffix import GATES, ModelGate, SuffixFirst, SuffixOptions, suffix_match_option, suffix_proposer
+from .suffix import GATES, HYBRID_LOOKUP, ModelGate, SuffixFirst, suffix_match_option, suffix_proposer
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def build(req: DecodeRequest, opts: SDOptions) -> Roles:
                              vocab=draft_vocab_size(opts.draft_vocab, req.draft), context=opts.draft_context)
     if not opts.suffix_match:
         return Roles(proposer, ChainScorer(req.target), VERIFIERS[opts.acceptance], gamma=opts.gamma)
-    lookup = suffix_proposer(req, SuffixOptions(), gamma=opts.gamma, rejection=rejection)
+    lookup = suffix_proposer(req, HYBRID_LOOKUP, gamma=opts.gamma, rejection=rejection)
     hybrid = SuffixFirst(lookup, proposer, opts.suffix_match, gate=ModelGate(opts.model_gate == "measured"))
     return Roles(hybrid, ChainScorer(req.target), VERIFIERS[opts.acceptance], gamma=opts.gamma,
                  close=lookup.close, log=hybrid.log)

@@ -32,7 +32,7 @@ from .streaming import (
     fused_forward,
     next_candidates,
 )
-from .suffix import SuffixFirst, SuffixOptions, suffix_match_option, suffix_proposer
+from .suffix import HYBRID_LOOKUP, SuffixFirst, suffix_match_option, suffix_proposer
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; at 0.05 the CR was unchanged and k=3 ran 1.5x faster
 
@@ -147,8 +147,8 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     proposer: Any = StreamCandidates(req.target, adapters, depth, opts.tree_k, opts.tree_budget, head)
     lookup, window = None, depth
     if opts.suffix_match:  # suffix windows are not bounded by the streams
-        window = max(depth, SuffixOptions().gamma)
-        lookup = suffix_proposer(req, SuffixOptions(), gamma=window)
+        window = max(depth, HYBRID_LOOKUP.gamma)
+        lookup = suffix_proposer(req, HYBRID_LOOKUP, gamma=window)
         proposer = SuffixFirst(lookup, proposer, opts.suffix_match, tree=True)
 
     def log(scores: TreeScores, verdict: Verdict) -> dict[str, Any]:

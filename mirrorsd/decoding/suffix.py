@@ -115,6 +115,11 @@ class VerifyCost:
         return min(1.0, self.per_token / self.base)
 
 
+#: The lookup in front of a draft model (the hybrids): ``suffix``'s defaults, less the datastore, whose matches were
+#: measured against no draft at all, not against a draft model's own guesses.
+HYBRID_LOOKUP = SuffixOptions(datastore="none")
+
+
 def suffix_match_option(default: int = 0) -> Any:
     """The hybrid's option, shared by the model-drafting methods (on by default where it measured faster)."""
     return option(default, "hybrid: draft from a suffix match (as method suffix) when it matched at least this "
