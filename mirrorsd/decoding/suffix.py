@@ -130,9 +130,10 @@ class SuffixProposer:
     """Drafts the most frequent continuation of the longest earlier occurrence of the text's suffix.
 
     ``fixed``: the datastore, consulted only when it matches strictly longer than the request's own text and
-    the shared index, since a continuation seen in this very request is the better guess at equal length (on
-    ``specbench:2`` answers, merging equal-length matches lost 1% on ``assist`` where this rule gained 1%). Its
-    drafts keep acceptance statistics of their own: a match in other answers is weaker evidence than one here.
+    the shared index, since a continuation seen in this very request is the better guess at equal length
+    (replaying the proposer over ``assist``'s answers, merging equal-length matches lost 0.6% where this rule
+    gained 1.4%; docs/drafting.md). Its drafts keep acceptance statistics of their own: a match in other answers
+    is weaker evidence than one here.
 
     ``target_vocab`` with ``rejection``: drafts carry one-hot distributions (a deterministic guess is a draw
     from a point mass), so a rejection-sampling verifier can take them next to a model's draws.
