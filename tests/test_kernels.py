@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mirrorsd import kernels
@@ -49,6 +49,7 @@ def test_f32_kernel_matches_linear(m, n, k, bias, seed):
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 20), n=st.integers(1, 70), groups=st.integers(1, 8),
        layout=st.sampled_from(kernels.LAYOUTS), bias=st.booleans(), seed=st.integers(0, 99))
+@example(m=15, n=1, groups=1, layout=(4, 32), bias=False, seed=81)  # row 12 scales to a tie, 70.5 (found by CI)
 def test_quant_kernel_matches_reference(m, n, groups, layout, bias, seed):
     """Every packed width (4; 5 and 6 as nibbles + bit planes; 8) and group size against the reference."""
     bits, group = layout

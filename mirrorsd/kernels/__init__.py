@@ -299,7 +299,10 @@ def symmetric_zero(q: GroupQuant) -> int:
 
 def _quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = groups.abs().amax(-1)
-    inv = torch.where(amax >= FLT_MIN, 127.0 / amax, torch.zeros_like(amax))  # 127/subnormal would be inf
+    # A tensor divided by a tensor: ``127.0 / amax`` is ATen's ``amax.reciprocal() * 127``, which rounds differently
+    # from the kernel's 127 / amax and can move a product off a half-way tie (one int8 step). 127 / subnormal: inf,
+    # hence the guard.
+    inv = torch.where(amax >= FLT_MIN, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return torch.round(groups * inv[..., None]), amax / 127.0
 
 
