@@ -177,26 +177,25 @@ def test_datastore_is_found_by_tokenizer_and_checked(tmp_path):
         suffix_index.datastore(_write_store(tmp_path / "big.json.gz", [[1, 99]]), "vocab64", 64)
 
 
-def test_datastore_drafts_only_when_it_matches_longer():
+def _with_datastore(tokens: list[int]) -> tuple[SuffixProposer, RequestState]:
+    """A proposer over a datastore holding 5..11, started on ``tokens``."""
     fixed = SuffixIndex()
     fixed.add([5, 6, 7, 8, 9, 10, 11])
-    proposer = SuffixProposer(16, fixed=fixed, factor=4.0)
-    state = _state([1, 2, 6, 7, 8])
+    proposer, state = SuffixProposer(16, fixed=fixed, factor=4.0), _state(tokens)
     proposer.start(state)
+    return proposer, state
+
+
+def test_datastore_drafts_only_when_it_matches_longer():
+    proposer, state = _with_datastore([1, 2, 6, 7, 8])
     assert proposer.propose(state).tokens == [9, 10, 11] and proposer.last_fixed  # a 3-token match there
     # the request's own 3-token match of "6 7 8" ties with the datastore's: the request's continuation wins
-    state = _state([6, 7, 8, 4, 4, 6, 7, 8])
-    proposer = SuffixProposer(16, fixed=fixed, factor=4.0)
-    proposer.start(state)
+    proposer, state = _with_datastore([6, 7, 8, 4, 4, 6, 7, 8])
     assert proposer.propose(state).tokens[0] == 4 and not proposer.last_fixed
 
 
 def test_datastore_drafts_learn_their_own_acceptance():
-    fixed = SuffixIndex()
-    fixed.add([5, 6, 7, 8, 9, 10, 11])
-    proposer = SuffixProposer(16, fixed=fixed, factor=4.0)
-    state = _state([1, 2, 6, 7, 8])
-    proposer.start(state)
+    proposer, state = _with_datastore([1, 2, 6, 7, 8])
     window = proposer.propose(state)
     state.tokens += [12]
     proposer.feedback(state, Scores(torch.zeros(4, 64), window), Verdict(0, 12))
