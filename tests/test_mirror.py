@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import Transformer, generate
+from mirrorsd.decoding.engine import Draft
 from mirrorsd.decoding.mirror import (
     ChannelMessage,
     RootBudget,
@@ -60,22 +61,23 @@ def exact_pair() -> tuple[Transformer, Transformer]:
     max_new=st.integers(1, 24),
     self_draft=st.booleans(),
     confidence=st.sampled_from([0.0, 0.5]),
+    candidates=st.sampled_from(["exit", "draft"]),
 )
 def test_mirror_equals_ar(tiny_pair, gamma, kappa, exit_layer, roots, backend, temperature, seed, prompt, max_new,
-                          self_draft, confidence):
+                          self_draft, confidence, candidates):
     target, other = tiny_pair
     draft = target.prefix_model(2) if self_draft else other
     kw = dict(temperature=temperature, seed=seed, max_new_tokens=max_new)
     ar = generate(target, prompt, method="ar", **kw)
     m = generate(target, prompt, method="mirror", draft=draft, gamma=gamma, kappa=kappa, exit_layer=exit_layer,
-                 roots=roots, backend=backend, confidence=confidence, **kw)
+                 roots=roots, backend=backend, confidence=confidence, candidates=candidates, **kw)
     assert m.token_ids == ar.token_ids
     stats = m.stats
     assert sum(a + 1 for a in stats.accepted) == max_new
     assert stats.target_forwards == (len(prompt) > 1) + stats.steps
     steps = stats.extra["mirror"].steps
     assert len(steps) == stats.steps
-    if roots == "paper":
+    if roots == "paper" and candidates == "exit":
         assert all(s.roots == (s.drafted + 1) * kappa for s in steps if s.hit is not None)
 
 
@@ -90,9 +92,10 @@ def test_mirror_equals_ar(tiny_pair, gamma, kappa, exit_layer, roots, backend, t
     self_draft=st.booleans(),
     confidence=st.sampled_from([0.0, 0.6]),
     backend=st.sampled_from(["serial", "threads"]),
+    candidates=st.sampled_from(["exit", "draft"]),
 )
 def test_accepted_lengths_equal_vanilla_sd(exact_pair, gamma, kappa, temperature, acceptance, seed, max_new,
-                                          self_draft, confidence, backend):
+                                          self_draft, confidence, backend, candidates):
     """The paper's parity claim (App. B): the window a hit reuses is exactly what vanilla SD's draft proposes
     after that step, so every step accepts the same number of tokens -- and with rejection sampling even the
     drawn tokens agree, since both methods key the noise by position."""
@@ -101,7 +104,8 @@ def test_accepted_lengths_equal_vanilla_sd(exact_pair, gamma, kappa, temperature
     kw = dict(temperature=temperature, seed=seed, max_new_tokens=max_new, acceptance=acceptance,
               confidence=confidence, gamma=gamma)
     sd = generate(target, [5, 9, 2, 7], method="sd", draft=draft, suffix_match=0, **kw)  # mirror has no suffix
-    m = generate(target, [5, 9, 2, 7], method="mirror", draft=draft, kappa=kappa, backend=backend, **kw)
+    m = generate(target, [5, 9, 2, 7], method="mirror", draft=draft, kappa=kappa, backend=backend,
+                 candidates=candidates, **kw)
     assert m.token_ids == sd.token_ids
     assert m.stats.accepted == sd.stats.accepted
     assert m.stats.drafted == sd.stats.drafted
@@ -143,6 +147,45 @@ def test_reuse_hit_rules():
     assert roots[tree.branch(2, 9)] == (2, 9)
     budget = Tree(roots=[(0, 3), (2, 9)], tokens=[[1], [2]], top_probs=None, q=None, base=10, forwards=1)
     assert budget.branch(2, 9) == 1 and budget.branch(0, 3) == 0 and budget.branch(1, 5) is None
+
+
+def test_draft_candidates_replace_the_exit_at_drafted_positions_only():
+    """candidates=draft: a drafted position's candidates are the draft's runner-ups (its own token left out, κ
+    kept); the bonus slot keeps the exit's. Paper roots then roll out exactly those."""
+    draft = Draft([7, 8], alternatives=[[7, 2, 3, 4], [1, 8, 5, 6]])
+    msg = _message().with_draft(draft, kappa=3)
+    assert msg.runner_ups == [[2, 3, 4], [1, 5, 6]]
+    assert msg.candidates([7, 8], 0) == [2, 3, 4] and msg.candidates([7, 8], 1) == [1, 5, 6]
+    assert msg.candidates([7, 8], 2) == [9, 1, 2]  # the bonus slot: the exit's top-κ
+    assert select_roots(msg, [7, 8], "paper") == [(0, 2), (0, 3), (0, 4), (1, 1), (1, 5), (1, 6), (2, 9), (2, 1),
+                                                  (2, 2)]
+    assert _message().with_draft(Draft([7, 8]), kappa=3) == _message()  # a suffix window has no runner-ups
+
+
+def test_draft_runner_ups_are_read_where_the_window_was_drafted(exact_pair, monkeypatch):
+    """Greedy: the first of a position's likeliest tokens is the drafted token itself, in fresh rollouts and in
+    the branches a hit keeps (which would catch runner-ups shifted by a position); κ = the vocabulary covers
+    every correction, so every step with a tree hits."""
+    target, draft = exact_pair
+    seen: list[tuple[list[int], list[list[int]] | None]] = []
+    original = ChannelMessage.with_draft
+
+    def record(self, window, kappa):
+        seen.append((list(window.tokens), window.alternatives))
+        return original(self, window, kappa)
+
+    monkeypatch.setattr(ChannelMessage, "with_draft", record)
+    vocab = target.config.vocab_size
+    m = generate(target, [3, 1, 4, 1, 5], method="mirror", draft=draft, gamma=4, kappa=vocab, roots="paper",
+                 candidates="draft", max_new_tokens=40)
+    assert m.token_ids == generate(target, [3, 1, 4, 1, 5], method="ar", max_new_tokens=40).token_ids
+    hits = [s.hit for s in m.stats.extra["mirror"].steps if s.hit is not None]
+    assert hits and all(hits)
+    assert len(seen) >= 2
+    for tokens, alternatives in seen:
+        assert alternatives is not None and len(alternatives) == len(tokens)
+        assert [alt[0] for alt in alternatives] == tokens
+        assert all(len(alt) == vocab for alt in alternatives)  # κ + 1 ids, capped by the vocabulary
 
 
 def test_paper_roots_are_all_candidates_of_all_positions():

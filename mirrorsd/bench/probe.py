@@ -7,6 +7,8 @@ which Mirror-SD shares with vanilla SD (its parity property), so this one pass g
 frequency of the ``paper`` reuse rule for every κ × ℓe without rolling anything out (the paper's Fig. 7). Since
 acceptance of the first γ' tokens of a window does not depend on the tokens after them, the same steps give
 E[A_t] for every γ' ≤ γ as the mean of min(A, γ') (Fig. 3b), and the per-position acceptance the planner uses.
+The same steps give the fallback of ``mirror``'s ``candidates=draft``: the draft's own runner-ups at the slots it
+drafted, the N/2 exit's top-κ (tuned where given) at the bonus slot.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Probe:
     kappas: tuple[int, ...]
     accepted: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # per group, full windows
     ranks: dict[str, dict[str, list[int]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    draft_ranks: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # candidates=draft
 
     def groups(self) -> list[str]:
         return [*self.accepted, "all"]
@@ -73,11 +76,17 @@ class Probe:
                 out[name] = {k: sum(r >= k for r in ranks) / len(ranks) for k in self.kappas}
         return out
 
+    def draft_fallback(self, group: str = "all") -> dict[int, float]:
+        """Per κ: the share of steps whose correction is not among ``candidates=draft``'s κ candidates."""
+        ranks = [r for rs in self.draft_ranks.values() for r in rs] if group == "all" else self.draft_ranks[group]
+        return {k: sum(r >= k for r in ranks) / len(ranks) for k in self.kappas} if ranks else {}
+
     def to_dict(self) -> dict:
         return {"gamma": self.gamma, "exit_layers": self.exit_layers, "steps": len(self._accepted("all")),
                 "expected_accepted": {g: self.expected_accepted(g) for g in self.groups()},
                 "per_position_acceptance": self.per_position(),
-                "fallback": {g: self.fallback(g) for g in self.groups()}}
+                "fallback": {g: self.fallback(g) for g in self.groups()},
+                "draft_fallback": {g: self.draft_fallback(g) for g in self.groups()}}
 
 
 class ExitReader(ChainScorer):
@@ -117,10 +126,13 @@ def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     if tuned is not None:
         exit_layers.update({name + TUNED: layer for name, layer in list(exit_layers.items()) if layer in tuned.layers})
     probe = Probe(gamma, exit_layers, tuple(kappas))
+    bonus_exit = "1/2" + TUNED if "1/2" + TUNED in exit_layers else "1/2"
     params = SamplingParams()
     for group, ids in tqdm(prompts, desc="acceptance probe", unit="prompt", disable=not progress):
         scorer = ExitReader(model, exit_layers, max(kappas), tuned)
-        roles = Roles(ModelProposer(dmodel, model.config.vocab_size, params, gamma), scorer, match)
+        proposer = ModelProposer(dmodel, model.config.vocab_size, params, gamma)
+        proposer.runner_ups = max(kappas) + 1
+        roles = Roles(proposer, scorer, match)
         # Room for full windows up to the last step (the loop keeps windows inside max_new_tokens).
         request = DecodeRequest(model, list(ids), max_new + gamma + 1, params, GenerationStats("probe"), dmodel)
         produced = 0
@@ -130,6 +142,11 @@ def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
                 probe.accepted[group].append(a)
             for name, rows in scorer.exit_ids.items():
                 probe.ranks[group][name].append(rows[a].index(c) if c in rows[a] else max(kappas))
+            window = proposer.last
+            if bonus_exit in scorer.exit_ids:
+                row = (window.alternatives[a] if a < len(window.tokens) else scorer.exit_ids[bonus_exit][a])
+                row = [v for v in row if a >= len(window.tokens) or v != window.tokens[a]]
+                probe.draft_ranks[group].append(row.index(c) if c in row[:max(kappas)] else max(kappas))
             produced += len(new)
             if produced >= max_new or c in target.eos_token_ids:
                 break

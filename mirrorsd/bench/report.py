@@ -143,6 +143,10 @@ def _probe(results: dict[str, Any]) -> list[str]:
         layer = p["exit_layers"][name]
         out.append(f"| {name} (layer {layer}) | " + " | ".join(f"{row[str(k)]:.2f}"
                                                              for k in kappas) + " |")
+    draft = p.get("draft_fallback", {}).get("all")
+    if draft:  # mirror's candidates=draft
+        out.append("| draft's runner-ups (`candidates=draft`) | " + " | ".join(f"{draft[str(k)]:.2f}"
+                                                                           for k in kappas) + " |")
     return [*out, ""]
 
 

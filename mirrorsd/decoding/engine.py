@@ -42,6 +42,7 @@ class Draft:
     probs: torch.Tensor | None = None  # [len(tokens), vocab] distributions the tokens were drawn from (rejection)
     forwards: int = 0  # draft forwards it took
     fed: int = 0  # tokens the draft model read in the first of them (its catch-up; the prompt on the first step)
+    alternatives: list[list[int]] | None = None  # [len(tokens)][k]: the draft's k likeliest tokens at each position
 
     @property
     def depth(self) -> int:

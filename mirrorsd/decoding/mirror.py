@@ -28,7 +28,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -51,6 +51,7 @@ DEFAULT_GAMMA = 7  # the paper's window
 DEFAULT_KAPPA = 8  # the paper's top-κ at batch size 1
 DEFAULT_EXIT = 0.5  # ℓe = N/2
 ROOT_MODES = ("paper", "budget")
+CANDIDATE_SOURCES = ("exit", "draft")
 
 
 def layer_or_fraction(text: str) -> int | float:
@@ -78,6 +79,9 @@ class MirrorOptions(MethodOptions):
     kappa: int = option(DEFAULT_KAPPA, "top-κ early-exit candidates per window position", check=at_least(1))
     exit_layer: int | float = option(DEFAULT_EXIT, "early-exit layer ℓe: an index 1..N-1 or a fraction of the "
                                      "target's depth", parse=layer_or_fraction, check=(lambda v: v > 0, "must be > 0"))
+    candidates: str = option("exit", "where a window position's κ candidate corrections come from: exit (the "
+                             "target's early-exit top-κ, the paper) or draft (the draft's own next κ likeliest tokens "
+                             "at the positions it drafted, the exit's at the bonus slot)", choices=CANDIDATE_SOURCES)
     roots: str = option("budget", "budget: roll out only the candidates most likely to be the correction, as many "
                         "as fit in the target's suffix time; paper: all (γ+1)·κ of them, as the paper does",
                         choices=ROOT_MODES)  # Spec-Bench, serial: 0.60x ar vs 0.17x with paper (docs/mirror_sd.md)
@@ -118,6 +122,9 @@ class MirrorOptions(MethodOptions):
             raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams")
         if self.threads is not None and self.backend not in ("threads", "devices", "processes"):
             raise OptionError("threads", "applies to backend='threads' (or 'devices', 'processes')")
+        if self.candidates == "draft" and (self.backend == "processes" or self.draft_streams is not None):
+            raise OptionError("candidates", "draft reads an AR draft's logits in this process; use candidates='exit' "
+                              "with backend='processes' or draft_streams")
         if self.backend == "processes" and self.acceptance == "rejection":
             raise OptionError("acceptance", "rejection needs the draft's distributions; backend='processes' carries "
                               "token ids only (use acceptance='match')")
@@ -152,11 +159,28 @@ class ChannelMessage:
 
     ids: list[list[int]]  # [w+1][κ]: row j holds the candidates for slot j+1 (after a, d_1..d_j), best first
     logprobs: list[list[float]]  # [w+1][κ]
+    runner_ups: list[list[int]] | None = None  # candidates=draft: [w][≤κ] the draft's own, its token left out
+
+    def row(self, j: int) -> list[int]:
+        """Position j's κ candidates: the draft's runner-ups where it has them, else the early exit's."""
+        return self.runner_ups[j] if self.runner_ups is not None and j < len(self.runner_ups) else self.ids[j]
 
     def candidates(self, window: list[int], j: int) -> list[int]:
         """Position j's candidates that can be a correction: a correction never equals the draft token it
         replaces (at j = w, the bonus slot, all of them can)."""
-        return [v for v in self.ids[j] if j >= len(window) or v != window[j]]
+        return [v for v in self.row(j) if j >= len(window) or v != window[j]]
+
+    def with_draft(self, draft: Draft, kappa: int) -> ChannelMessage:
+        """The same message, with candidates from the draft's own distributions at the positions it drafted.
+
+        On the Qwen pair, teacher-forced over the 1.5B's chat answers, the 0.5B's next 8 likeliest tokens hold the
+        target's correction at 87% of its wrong guesses; the tuned exit's top-8 at N/2 at 34% (docs/mirror_sd.md).
+        """
+        if draft.alternatives is None:
+            return self
+        runner_ups = [[v for v in alt if v != token][:kappa] for alt, token in zip(draft.alternatives, draft.tokens,
+                                                                                    strict=True)]
+        return replace(self, runner_ups=runner_ups)
 
 
 def early_exit(target: Transformer, hidden: torch.Tensor, kappa: int, params: SamplingParams,
@@ -177,7 +201,7 @@ def select_roots(msg: ChannelMessage, window: list[int], mode: str, scorer: Root
     """Roots ``(position j, candidate v)`` to roll out: ``paper``, all ``(w+1)·κ`` top-κ candidates;
     ``budget``, the ``budget`` roots the scorer rates most likely to be this step's correction."""
     if mode == "paper":
-        return [(j, v) for j, ids in enumerate(msg.ids) for v in ids]
+        return [(j, v) for j in range(len(msg.ids)) for v in msg.row(j)]
     assert scorer is not None
     return scorer.select(msg, window, budget)
 
@@ -273,6 +297,7 @@ class Tree:
     base: int  # cache index of the first branch entry; branch r's step-s input sits at base + s·R + r
     forwards: int
     span: Span | None = None
+    alternatives: list[list[list[int]]] | None = None  # [R][γ][κ+1] the draft's likeliest tokens (candidates=draft)
 
     def branch(self, accepted: int, correction: int) -> int | None:
         for r, root in enumerate(self.roots):
@@ -359,6 +384,7 @@ class BranchProposer:
         tokens: list[list[int]] = [[] for _ in roots]
         top_probs: list[list[float]] | None = [[] for _ in roots] if self.confidence > 0 else None
         q_steps: list[torch.Tensor] = []
+        alternatives: list[list[list[int]]] | None = [[] for _ in roots] if self.fresh.runner_ups else None
         for step in range(steps):
             lead = len(spine_feed) if step == 0 else 0
             total = base + (step + 1) * n_roots
@@ -384,9 +410,12 @@ class BranchProposer:
             drawn = self.fresh.tokens_of(sample(logits, (root_pos + step + 1).tolist(), params, self.fresh.noise))
             for r, token in enumerate(drawn):
                 tokens[r].append(token)
+            if alternatives is not None:
+                for r, likeliest in enumerate(self.fresh.likeliest(logits)):
+                    alternatives[r].append(likeliest)
             feed = drawn
         q = torch.stack(q_steps, 1) if q_steps else None
-        return Tree(roots, tokens, top_probs, q, base, steps)
+        return Tree(roots, tokens, top_probs, q, base, steps, alternatives=alternatives)
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         """The final rendezvous: wait for the rollout, keep the branch the correction selects, or fall back."""
@@ -421,7 +450,8 @@ class BranchProposer:
         n = len(tree.roots)
         state.draft_cache.keep(list(range(before)) + [tree.base + s * n + branch for s in range(max(window, 1))])
         probs = tree.q[branch, :window] if tree.q is not None and window else None
-        return Draft(tree.tokens[branch][:window], probs=probs)
+        alternatives = tree.alternatives[branch][:window] if tree.alternatives is not None else None
+        return Draft(tree.tokens[branch][:window], probs=probs, alternatives=alternatives)
 
     def close(self) -> None:
         """The request is over (the draft here needs nothing released)."""
@@ -462,6 +492,8 @@ class EarlyExitScorer(ChainScorer):
         if not self.draft.failed and steps > 0:
             with run.tracer.span("target", "early exit") as ee:
                 message = early_exit(target, exit_hidden, opts.kappa, state.params, run.translate, run.exit_vocab)
+                if opts.candidates == "draft":
+                    message = message.with_draft(draft, opts.kappa)
             t_ee = ee.seconds
             budget = run.budget.current if run.budget else 0
             roots = select_roots(message, draft.tokens, opts.roots, run.root_scorer, budget)
@@ -513,6 +545,7 @@ class MirrorStats:
     exit_layer: int
     kappa: int
     roots_mode: str
+    candidates: str = "exit"
     steps: list[MirrorStep] = field(default_factory=list)
     draft_failed: str | None = None
     draft_streams: bool = False
@@ -528,6 +561,7 @@ class MirrorStats:
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
         return {
             "backend": self.backend, "exit_layer": self.exit_layer, "kappa": self.kappa, "roots": self.roots_mode,
+            "candidates": self.candidates,
             "steps": len(steps),
             "fallback_frequency": round(misses / len(with_tree), 4) if with_tree else None,
             "mean_roots": round(mean([s.roots for s in with_tree]), 2),
@@ -559,7 +593,7 @@ class MirrorRun:
         self.exit_vocab = exit_vocab
         self.tracer = Tracer()
         req.stats.spans = self.tracer.spans
-        self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots)
+        self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots, opts.candidates)
         req.stats.extra["mirror"] = self.stats
         most = (opts.gamma + 1) * opts.kappa
         self.budget = RootBudget(opts.budget or opts.kappa, most) if opts.roots == "budget" else None
@@ -634,8 +668,9 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
 
         proposer = RemoteBranchProposer(run, req, lookup, opts.suffix_match)
     else:
-        proposer = BranchProposer(run, fresh_proposer(req.draft, req.target.config.vocab_size, req.sampling, opts),
-                                  lookup, opts.suffix_match)
+        fresh = fresh_proposer(req.draft, req.target.config.vocab_size, req.sampling, opts)
+        fresh.runner_ups = opts.kappa + 1 if opts.candidates == "draft" else 0  # the drafted token is one of them
+        proposer = BranchProposer(run, fresh, lookup, opts.suffix_match)
     scorer = EarlyExitScorer(run, req.target, proposer)
     verify = VERIFIERS[opts.acceptance]
 

@@ -102,6 +102,7 @@ class ModelProposer:
         self.need_probs = self.rejection or confidence > 0
         self.pad = target_vocab - draft.config.vocab_size
         self.last: Draft | None = None  # the last draft proposed
+        self.runner_ups = 0  # > 0: drafts also carry this many likeliest tokens per position (Mirror-SD's roots)
 
     def start(self, state: RequestState) -> None:
         pass
@@ -114,6 +115,7 @@ class ModelProposer:
         position = len(state.tokens)  # of the first drafted token
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
+        alternatives: list[list[int]] = []
         forwards = fed = 0
         for i in range(window):
             feed = self.first_feed(state) if i == 0 else tokens[-1:]
@@ -132,15 +134,22 @@ class ModelProposer:
                 if doubtful and i == 0:
                     break
             tokens += self.tokens_of(sample(logits, [position + i], params, self.noise))
+            if self.runner_ups:
+                alternatives += self.likeliest(logits)
             if doubtful:
                 break
         self.last = Draft(tokens, probs=torch.stack(q_rows) if self.rejection and q_rows else None, forwards=forwards,
-                          fed=fed)
+                          fed=fed, alternatives=alternatives if self.runner_ups else None)
         return self.last
 
     def tokens_of(self, drawn: list[int]) -> list[int]:
         """Token ids of what :func:`sample` drew from this proposer's logits (subset columns map back)."""
         return self.subset.ids[drawn].tolist() if self.subset_columns else drawn
+
+    def likeliest(self, logits: torch.Tensor) -> list[list[int]]:
+        """Per row of ``logits``, the ``runner_ups`` likeliest token ids, best first."""
+        top = logits.topk(min(self.runner_ups, logits.shape[-1]), dim=-1).indices
+        return [self.tokens_of(row) for row in top.tolist()]
 
     def first_feed(self, state: RequestState) -> list[int]:
         """``state.pending``, or, for the prompt prefill with ``context``, its first SINK_TOKENS and last ``context``
