@@ -106,11 +106,13 @@ def test_a_new_draft_rank_replaces_a_failed_one(pair):
     assert got.stats.extra["mirror"].draft_failed is None
 
 
-def test_rejection_sampling_is_refused_with_a_reason(pair):
+def test_rejection_sampling_and_draft_candidates_are_refused_with_a_reason(pair):
     target, draft = pair
     with pytest.raises(OptionError, match="token ids only"):
         generate(target, PROMPT, method="mirror", draft=draft, backend="processes", acceptance="rejection",
                  temperature=0.8)
+    with pytest.raises(OptionError, match="candidates='exit'"):
+        generate(target, PROMPT, method="mirror", draft=draft, backend="processes", candidates="draft")
 
 
 def test_close_workers_stops_every_draft_rank(pair):

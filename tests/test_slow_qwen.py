@@ -55,17 +55,21 @@ def test_seeded_sampling_equal(pair):
     assert sd.token_ids == ar.token_ids
 
 
-@pytest.mark.parametrize("backend", ["serial", "threads"])
-def test_mirror_equals_ar_greedy_and_seeded(pair, backend):
+@pytest.mark.parametrize(("backend", "candidates", "roots"), [("serial", "exit", "budget"),
+                                                               ("threads", "exit", "budget"),
+                                                               ("serial", "draft", "paper"),
+                                                               ("threads", "draft", "budget")])
+def test_mirror_equals_ar_greedy_and_seeded(pair, backend, candidates, roots):
     """On the q4 pair; ``threads`` lowers the target's thread count while the draft runs, which must not change
     a bit (it once did, through CPU SDPA: a 0.07 logit gap at token 10 of this prompt)."""
     target, draft = pair
     prompt = "Implement binary search in Python."
     for kw in ({}, {"temperature": 0.8, "seed": 7}):
         ar = mirrorsd.generate(target, prompt, method="ar", max_new_tokens=32, **kw)
-        m = mirrorsd.generate(target, prompt, method="mirror", draft=draft, max_new_tokens=32, roots="budget",
-                              backend=backend, **kw)
+        m = mirrorsd.generate(target, prompt, method="mirror", draft=draft, max_new_tokens=32, roots=roots,
+                              backend=backend, candidates=candidates, **kw)
         assert m.token_ids == ar.token_ids, kw
+        assert m.stats.to_dict()["mirror"]["candidates"] == candidates
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
