@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -523,19 +524,17 @@ def _cmd_bench_sweep(args: argparse.Namespace) -> int:
     specs = [MethodSpec("ar", "ar")]
     for gamma in _csv(args.gammas, int):
         specs.append(MethodSpec(f"sd γ={gamma}", "sd", {"gamma": gamma, "confidence": 0.0}))
-        for exit_layer in _csv(args.exit_layers, _number):
-            for kappa in _csv(args.kappas, int):
-                for roots in _csv(args.roots):
-                    for backend in _csv(args.backends):
-                        splits = args.thread_splits if backend == "threads" else [None]
-                        for split in splits:
-                            options = {"gamma": gamma, "kappa": kappa, "exit_layer": exit_layer, "roots": roots,
-                                       "backend": backend}
-                            label = f"mirror γ={gamma} κ={kappa} ℓe={exit_layer} {roots} {backend}"
-                            if split:
-                                options["threads"] = split
-                                label += f" {split}"
-                            specs.append(MethodSpec(label, "mirror", options))
+        grid = itertools.product(_csv(args.exit_layers, _number), _csv(args.kappas, int), _csv(args.roots),
+                                 _csv(args.candidates), _csv(args.backends))
+        for exit_layer, kappa, roots, candidates, backend in grid:
+            for split in args.thread_splits if backend == "threads" else [None]:
+                options = {"gamma": gamma, "kappa": kappa, "exit_layer": exit_layer, "roots": roots,
+                           "candidates": candidates, "backend": backend}
+                label = f"mirror γ={gamma} κ={kappa} ℓe={exit_layer} {roots} {candidates} {backend}"
+                if split:
+                    options["threads"] = split
+                    label += f" {split}"
+                specs.append(MethodSpec(label, "mirror", options))
     from mirrorsd.decoding import get_method
 
     for spec in specs:  # every configuration is checked before the models load
@@ -923,7 +922,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_bench)
     bsub = b.add_subparsers(dest="bench_command", required=False, metavar="{sweep,forward,gpu,perplexity,quality}")
     bw = bsub.add_parser(
-        "sweep", formatter_class=_HelpFormatter, help="Mirror-SD over γ × κ × ℓe × roots × backend × threads",
+        "sweep", formatter_class=_HelpFormatter,
+        help="Mirror-SD over γ × κ × ℓe × roots × candidates × backend × threads",
         description="Times ar, vanilla SD at every γ and Mirror-SD at every combination, interleaved as in "
         "`mirrorsd bench`, with predicted (latency law) next to measured speed, fallback and hidden-draft "
         "fraction per configuration.")
@@ -932,6 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--kappas", default="1,2,4,8", help="comma-separated κ values")
     bw.add_argument("--exit-layers", default="0.25,0.5,0.75", help="comma-separated ℓe (indices or fractions)")
     bw.add_argument("--roots", default="paper", help="comma-separated root modes (paper, budget)")
+    bw.add_argument("--candidates", default="exit", help="comma-separated candidate sources (exit: the paper's "
+                    "early exit; draft: the draft's runner-ups)")
     bw.add_argument("--backends", default="serial", help="comma-separated backends (serial, threads, ...)")
     bw.add_argument("--thread-splits", nargs="+", default=["1,1"], metavar="T,D",
                     help="target,draft thread splits tried with the threads backend")

@@ -368,12 +368,15 @@ def test_lossless_check_reports_the_logit_gap_at_a_divergence(smollm2):
 def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     out = tmp_path / "sweep"
     rc = main(["bench", "sweep", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", "specbench:1",
-               "--gammas", "2", "--kappas", "1", "--exit-layers", "0.5", "--max-new-tokens", "4", "--runs", "1",
-               "--warmup", "0", "--no-probe", "--no-predict", "--out", str(out)])
+               "--gammas", "2", "--kappas", "1", "--exit-layers", "0.5", "--candidates", "exit,draft",
+               "--max-new-tokens", "4", "--runs", "1", "--warmup", "0", "--no-probe", "--no-predict",
+               "--out", str(out)])
     assert rc == 0
     summary = json.loads((out / "results.json").read_text())["summary"]
-    assert list(summary) == ["ar", "sd γ=2", "mirror γ=2 κ=1 ℓe=0.5 paper serial"]
-    assert summary["mirror γ=2 κ=1 ℓe=0.5 paper serial"]["options"]["kappa"] == 1
+    assert list(summary) == ["ar", "sd γ=2", "mirror γ=2 κ=1 ℓe=0.5 paper exit serial",
+                             "mirror γ=2 κ=1 ℓe=0.5 paper draft serial"]
+    assert summary["mirror γ=2 κ=1 ℓe=0.5 paper exit serial"]["options"]["kappa"] == 1
+    assert summary["mirror γ=2 κ=1 ℓe=0.5 paper draft serial"]["options"]["candidates"] == "draft"
     capsys.readouterr()
 
     saved = tmp_path / "plan.json"
