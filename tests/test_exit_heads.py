@@ -77,6 +77,25 @@ def test_probe_reads_tuned_exits_next_to_the_lens(tiny_pair):
     assert set(fallback) == {"1/2", "1/2 tuned"} and fallback["1/2 tuned"] == fallback["1/2"]
 
 
+def test_probe_measures_the_draft_runner_ups(tiny_pair):
+    """candidates=draft's fallback: with κ = the vocabulary every correction is a candidate (the draft's other
+    tokens at a drafted position, the exit's whole row at the bonus slot), so nothing falls back; with fewer it
+    can only fall back more."""
+    from mirrorsd.api import LoadedModel
+    from mirrorsd.bench.probe import run_probe
+
+    target, draft = tiny_pair
+    vocab = target.config.vocab_size
+    probe = run_probe(LoadedModel(target), LoadedModel(draft), [("g", [1, 2, 3, 4])], 16, gamma=3,
+                      kappas=(1, 2, vocab), exits={"1/2": 0.5}, progress=False)
+    steps = len(probe.draft_ranks["g"])
+    assert steps == len(probe.ranks["g"]["1/2"]) > 0
+    fallback = probe.draft_fallback()
+    assert fallback[vocab] == 0.0 and fallback[1] >= fallback[2] >= fallback[vocab]
+    assert fallback[1] > 0  # two random models disagree
+    assert probe.to_dict()["draft_fallback"]["g"] == fallback
+
+
 def test_unresolvable_tuned_exit_is_a_clear_error(tiny_pair):
     target, draft = tiny_pair
     with pytest.raises(ValueError, match="no shipped tuned exit"):

@@ -145,8 +145,8 @@ def _probe(results: dict[str, Any]) -> list[str]:
                                                              for k in kappas) + " |")
     draft = p.get("draft_fallback", {}).get("all")
     if draft:  # mirror's candidates=draft
-        out.append("| draft's runner-ups (`candidates=draft`) | " + " | ".join(f"{draft[str(k)]:.2f}"
-                                                                           for k in kappas) + " |")
+        label = "draft's runner-ups, full vocabulary, N/2 exit at the bonus slot (`candidates=draft:draft_vocab=0`)"
+        out.append(f"| {label} | " + " | ".join(f"{draft[str(k)]:.2f}" for k in kappas) + " |")
     return [*out, ""]
 
 
