@@ -174,7 +174,7 @@ class ChannelMessage:
         """The same message, with candidates from the draft's own distributions at the positions it drafted.
 
         On the Qwen pair, teacher-forced over the 1.5B's chat answers, the 0.5B's next 8 likeliest tokens hold the
-        target's correction at 87% of its wrong guesses; the tuned exit's top-8 at N/2 at 34% (docs/mirror_sd.md).
+        target's correction at 87% of its wrong guesses; the tuned exit's top-8 at N/2 at 33% (docs/mirror_sd.md).
         """
         if draft.alternatives is None:
             return self
