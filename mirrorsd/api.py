@@ -10,7 +10,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +204,17 @@ def _shipped_exit(model: LoadedModel, option: str = "exit_head") -> str:
         raise ValueError(f"no shipped tuned exit for {model.name or 'this model'}; pass {option}=FOLDER (or "
                          f"{flag} FOLDER) with one from `mirrorsd train-exit`")
     return str(folder)
+
+
+def _default_exit(model: LoadedModel, exit_layer: int | float) -> str:
+    """``exit_head="auto"``: the zoo target's shipped tuned exit where it has a translator for ℓe, else the lens.
+    The tuned exit holds the correction among the top-8 about twice as often at N/2 (docs/mirror_sd.md) and costs
+    one d×d matmul per window row."""
+    from .decoding.mirror import resolve_exit_layer
+    from .exit_heads import shipped_exit
+
+    folder = shipped_exit(model.name or "", resolve_exit_layer(exit_layer, model.config.n_layers))
+    return "lens" if folder is None else str(folder)
 
 
 def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
@@ -406,6 +417,8 @@ def stream(
     if method == "ss" and options.get("prune_exit") == "tuned":
         options["prune_exit"] = _shipped_exit(target, "prune_exit")
     opts = spec.options.parse(options, method, ModelShape(target.config.n_layers, target.config.vocab_size))
+    if method == "mirror" and opts.exit_head == "auto":
+        opts = replace(opts, exit_head=_default_exit(target, opts.exit_layer))
     if getattr(target.model, "tp_size", 1) > 1:
         from .runtime.tensor_parallel import check_method
 

@@ -76,10 +76,14 @@ class ExitTranslators:
         return cls(layers, json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8")))
 
 
-def shipped_exit(model_name: str) -> Path | None:
-    """The tuned exit shipped in the package for a zoo model, if any."""
+def shipped_exit(model_name: str, layer: int | None = None) -> Path | None:
+    """The tuned exit shipped in the package for a zoo model (one with a translator for ``layer``, if given)."""
     folder = SHIPPED / model_name
-    return folder if (folder / CONFIG_FILE).is_file() else None
+    if not (folder / CONFIG_FILE).is_file():
+        return None
+    if layer is not None and layer not in json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))["layers"]:
+        return None
+    return folder
 
 
 def tuned_exit(target: Transformer, head: str, layer: int, option: str = "exit_head"

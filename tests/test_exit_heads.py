@@ -103,6 +103,31 @@ def test_unresolvable_tuned_exit_is_a_clear_error(tiny_pair):
 
 
 @requires_smollm2
+def test_mirror_reads_the_shipped_tuned_exit_by_default(monkeypatch):
+    """``exit_head="auto"`` (the default) resolves to the zoo target's shipped exit where it has a translator for
+    ℓe, and to the lens elsewhere; either way the tokens are ``ar``'s."""
+    import mirrorsd.decoding.mirror as mirror_module
+
+    loaded = mirrorsd.load_model("smollm2-135m", progress=False)
+    read = []
+
+    def recording(target, head, layer, option="exit_head"):
+        read.append((head, layer))
+        return tuned_exit(target, head, layer, option)
+
+    monkeypatch.setattr(mirror_module, "tuned_exit", recording)
+    prompt = "Write a haiku about the sea."
+    want = mirrorsd.generate(loaded, prompt, method="ar", max_new_tokens=16)
+    draft = loaded.model.prefix_model(10)
+    got = mirrorsd.generate(loaded, prompt, draft=draft, method="mirror", max_new_tokens=16)
+    assert got.token_ids == want.token_ids
+    assert read == [(str(shipped_exit("smollm2-135m")), 15)]  # N/2 of 30 layers
+    got = mirrorsd.generate(loaded, prompt, draft=draft, method="mirror", exit_layer=16, max_new_tokens=16)
+    assert got.token_ids == want.token_ids and len(read) == 1  # no translator for layer 16: the lens
+    assert shipped_exit("smollm2-135m", 16) is None and shipped_exit("smollm2-135m", 22) is not None
+
+
+@requires_smollm2
 def test_fit_on_smollm2_beats_or_matches_the_lens_and_decodes_losslessly(tmp_path):
     loaded = mirrorsd.load_model("smollm2-135m", progress=False)
     translators = fit_exit(loaded.model, loaded.tokenizer, corpus_texts(["pydoc-topics"]), [15], chunks=8,

@@ -108,9 +108,10 @@ class MirrorOptions(MethodOptions):
                                     "correction is rarely outside them, and 32k of 152k ids read a fifth of the "
                                     "head); 0: the full vocabulary, as the paper", parse=int, check=at_least(0),
                                     default_text="32768 where a frequency table ships")
-    exit_head: str = option("lens", "early-exit head: lens (the target's final norm + LM head on the layer-ℓe "
-                            "state: the paper's choice) or tuned (an affine translator per layer first, fitted by "
-                            "`mirrorsd train-exit`: the target's shipped one, or give its folder)", parse=str,
+    exit_head: str = option("auto", "early-exit head: lens (the target's final norm + LM head on the layer-ℓe "
+                            "state: the paper's choice), tuned (an affine translator per layer first, fitted by "
+                            "`mirrorsd train-exit`: the target's shipped one, or give its folder), or auto (the "
+                            "shipped tuned exit where the target has one for ℓe, else the lens)", parse=str,
                             metavar="HEAD")
     suffix_match: int = suffix_match_option()
     draft_vocab: int | None = draft_vocab_option(None)  # measured: 0.69x ar vs 0.62x full (docs/drafting.md)
@@ -656,7 +657,8 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     exit_layer = resolve_exit_layer(opts.exit_layer, req.target.config.n_layers)
     if opts.kappa > req.target.config.vocab_size:
         raise OptionError("kappa", f"must be in 1..{req.target.config.vocab_size} (the vocabulary), got {opts.kappa}")
-    translate = None if opts.exit_head == "lens" else tuned_exit(req.target, opts.exit_head, exit_layer)
+    # "auto" reaches here unresolved only for a model without a zoo name (the API resolves it), so: the lens
+    translate = None if opts.exit_head in ("lens", "auto") else tuned_exit(req.target, opts.exit_head, exit_layer)
     executor = make_executor(opts.backend, req.target.device, req.draft.device, opts.threads)
     run = MirrorRun(req, opts, exit_layer, executor, translate, optional_head(req.target, opts.exit_vocab))
     rejection = opts.acceptance == "rejection"

@@ -116,8 +116,9 @@ class Server:
         if fixed:
             raise APIError(400, f"mirrorsd.{fixed[0]} is set by the server's command line, not per request",
                            param=f"mirrorsd.{fixed[0]}")
-        if asked.get("exit_head", "lens") not in ("lens", "tuned"):  # a folder is the command line's to name
-            raise APIError(400, "mirrorsd.exit_head must be lens or tuned per request", param="mirrorsd.exit_head")
+        if asked.get("exit_head", "auto") not in ("lens", "tuned", "auto"):  # a folder is the command line's to name
+            raise APIError(400, "mirrorsd.exit_head must be lens, tuned or auto per request",
+                           param="mirrorsd.exit_head")
         options = {**(cfg.options if method == cfg.method else {}), **asked}
         shape = ModelShape(self.target.config.n_layers, self.target.config.vocab_size)
         try:
