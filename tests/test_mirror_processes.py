@@ -106,13 +106,27 @@ def test_a_new_draft_rank_replaces_a_failed_one(pair):
     assert got.stats.extra["mirror"].draft_failed is None
 
 
-def test_rejection_sampling_and_draft_candidates_are_refused_with_a_reason(pair):
+def test_rejection_sampling_is_refused_with_a_reason(pair):
     target, draft = pair
     with pytest.raises(OptionError, match="token ids only"):
         generate(target, PROMPT, method="mirror", draft=draft, backend="processes", acceptance="rejection",
                  temperature=0.8)
-    with pytest.raises(OptionError, match="candidates='exit'"):
-        generate(target, PROMPT, method="mirror", draft=draft, backend="processes", candidates="draft")
+
+
+def test_draft_candidates_cross_the_channel(pair):
+    """candidates=draft: the draft rank sends its likeliest tokens with every window, so the target's process
+    picks the same roots and hits the same branches as on the serial backend (paper roots: no timing involved)."""
+    target, draft = pair
+    want = generate(target, PROMPT, method="ar", max_new_tokens=40)
+    runs = {}
+    for backend, candidates in (("serial", "exit"), ("serial", "draft"), ("processes", "draft")):
+        got = generate(target, PROMPT, method="mirror", draft=draft, backend=backend, candidates=candidates,
+                       roots="paper", kappa=2, max_new_tokens=40)
+        assert got.token_ids == want.token_ids
+        runs[backend, candidates] = [step.hit for step in got.stats.extra["mirror"].steps]
+    assert runs["serial", "draft"] != runs["serial", "exit"]  # else this prompt could not tell them apart
+    assert runs["processes", "draft"] == runs["serial", "draft"]
+    assert _worker().process.is_alive()
 
 
 def test_close_workers_stops_every_draft_rank(pair):

@@ -123,9 +123,9 @@ class MirrorOptions(MethodOptions):
             raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams")
         if self.threads is not None and self.backend not in ("threads", "devices", "processes"):
             raise OptionError("threads", "applies to backend='threads' (or 'devices', 'processes')")
-        if self.candidates == "draft" and (self.backend == "processes" or self.draft_streams is not None):
-            raise OptionError("candidates", "draft reads an AR draft's logits in this process; use candidates='exit' "
-                              "with backend='processes' or draft_streams")
+        if self.candidates == "draft" and self.draft_streams is not None:
+            raise OptionError("candidates", "draft reads an AR draft's logits; use candidates='exit' with "
+                              "draft_streams")
         if self.backend == "processes" and self.acceptance == "rejection":
             raise OptionError("acceptance", "rejection needs the draft's distributions; backend='processes' carries "
                               "token ids only (use acceptance='match')")

@@ -11,6 +11,9 @@ the only source of committed tokens: every message carries the tokens committed 
   and, on a hit, carries the kept branch (the next window), with the rollout's timestamps.
 * ``FRESH`` after a miss: a fresh rollout, answered with its window.
 
+With ``candidates="draft"`` each window sent back also carries the draft's likeliest tokens at its positions
+(:func:`pack_window`), from which the target's process draws the next step's candidates.
+
 Every wait has the ``channel_timeout``. If the draft process dies, hangs or errors, it is killed, the request goes
 on with the target alone (``stats.extra["mirror"].draft_failed`` says why), and no verified token is lost or
 repeated. The channel carries token ids only, so acceptance is ``match`` (greedy, or sample-and-match with the
@@ -52,6 +55,23 @@ START, FRESH, LAUNCH, VERDICT, END = 1, 2, 3, 4, 5  # message kinds (SHUTDOWN, 0
 NO_TREE = -1  # VERDICT reply: no rollout was launched this step
 
 
+def pack_window(draft: Draft) -> list[int]:
+    """A window for the channel: its tokens, then the draft's likeliest tokens per position (``candidates="draft"``;
+    a width of 0 when it has none)."""
+    alternatives = draft.alternatives or []
+    width = len(alternatives[0]) if alternatives else 0
+    return [len(draft.tokens), *draft.tokens, width, *(v for row in alternatives for v in row)]
+
+
+def unpack_window(data: list[int]) -> tuple[list[int], list[list[int]] | None, list[int]]:
+    """:func:`pack_window`'s inverse: the tokens, the per-position likeliest tokens (or None) and what follows."""
+    n = data[0]
+    tokens, width = data[1 : 1 + n], data[1 + n]
+    flat, rest = data[2 + n : 2 + n + n * width], data[2 + n + n * width :]
+    alternatives = [flat[i * width : (i + 1) * width] for i in range(n)] if width else None
+    return tokens, alternatives, rest
+
+
 # -- the draft's process ------------------------------------------------------------------------------------
 
 
@@ -65,7 +85,9 @@ class _Session:
         req = DecodeRequest(target=None, prompt_ids=prompt, max_new_tokens=config["max_new_tokens"],  # type: ignore[arg-type]
                             sampling=sampling, stats=GenerationStats("mirror"), draft=draft, options=opts)
         run = MirrorRun(req, opts, exit_layer=0, executor=Executor())
-        self.proposer = BranchProposer(run, fresh_proposer(draft, config["target_vocab"], sampling, opts))
+        fresh = fresh_proposer(draft, config["target_vocab"], sampling, opts)
+        fresh.runner_ups = opts.kappa + 1 if opts.candidates == "draft" else 0  # as mirror.build does
+        self.proposer = BranchProposer(run, fresh)
         capacity = len(prompt) + req.max_new_tokens + 2
         self.state = RequestState(req, list(prompt), None, draft.new_cache(capacity=capacity),  # type: ignore[arg-type]
                                   list(prompt))
@@ -84,7 +106,7 @@ class _Session:
         self.sync(data)
         start = now_ns()
         window = self.proposer.fresh.propose(self.state)
-        return [len(window.tokens), *window.tokens, window.forwards, start, now_ns()]
+        return [*pack_window(window), window.forwards, start, now_ns()]
 
     def launch(self, data: list[int], received: int) -> None:
         rest = self.sync(data)
@@ -104,17 +126,17 @@ class _Session:
         state = self.state
         if tree is None:
             ModelProposer.rollback(state, accepted)
-            return [NO_TREE, 0, 0, 0, 0, 0, 0, received]
+            return [NO_TREE, *pack_window(Draft()), 0, 0, 0, 0, 0, received]
         start = now_ns()
         branch = tree.branch(accepted, correction)
-        tokens: list[int] = []
+        kept = Draft()
         if branch is not None:
-            tokens = self.proposer.keep_branch(state, tree, branch).tokens
+            kept = self.proposer.keep_branch(state, tree, branch)
         else:
             ModelProposer.rollback(state, accepted)
         select = now_ns() - start
         span = tree.span
-        return [int(branch is not None), len(tokens), *tokens, tree.forwards, int(span.start * 1e9),
+        return [int(branch is not None), *pack_window(kept), tree.forwards, int(span.start * 1e9),
                 int(span.end * 1e9), select, self.launch_recv, received]
 
 
@@ -270,7 +292,8 @@ class RemoteBranchProposer(BranchProposer):
         config = {"sampling": vars(req.sampling), "max_new_tokens": req.max_new_tokens, "prompt": state.tokens,
                   "target_vocab": req.target.config.vocab_size,
                   "options": {"gamma": opts.gamma, "confidence": opts.confidence, "draft_vocab": opts.draft_vocab,
-                              "draft_streams": opts.draft_streams, "acceptance": opts.acceptance}}
+                              "draft_streams": opts.draft_streams, "acceptance": opts.acceptance,
+                              "kappa": opts.kappa, "candidates": opts.candidates}}
         try:
             self.worker = draft_worker(req.draft, self.run.executor.draft_threads, getattr(req.target, "tp_size", 1))
             self.worker.channel.timeout = opts.channel_timeout
@@ -281,11 +304,9 @@ class RemoteBranchProposer(BranchProposer):
 
     def fresh_rollout(self, state: RequestState) -> Draft:
         self._send(FRESH, self._new_tokens(state))
-        reply = self._reply(FRESH)
-        n = reply[0]
-        forwards, begin, end = reply[1 + n :]
+        tokens, alternatives, (forwards, begin, end) = unpack_window(self._reply(FRESH))
         self.run.tracer.spans.append(Span("draft", "fresh rollout", begin / 1e9, end / 1e9))
-        return Draft(reply[1 : 1 + n], forwards=forwards)
+        return Draft(tokens, forwards=forwards, alternatives=alternatives)
 
     def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
         try:
@@ -311,9 +332,8 @@ class RemoteBranchProposer(BranchProposer):
             self.fail(error)
             self.run.joined(None)
             return
-        hit, n = reply[0], reply[1]
-        tokens = reply[2 : 2 + n]
-        forwards, begin, end, select, launch_recv, verdict_recv = reply[2 + n :]
+        hit = reply[0]
+        tokens, alternatives, (forwards, begin, end, select, launch_recv, verdict_recv) = unpack_window(reply[1:])
         # The draft process reads the verdict once its rollout is done: the channel's own part starts then.
         self.channel_s.setdefault("final", []).append((verdict_recv - max(sent, end)) / 1e9)
         if hit == NO_TREE:
@@ -327,7 +347,7 @@ class RemoteBranchProposer(BranchProposer):
         self.run.joined(_RemoteTree(span, forwards))
         self.run.selected(select / 1e9, bool(hit))
         if hit:
-            self.ready = Draft(tokens)
+            self.ready = Draft(tokens, alternatives=alternatives)
 
     def fail(self, error: BaseException) -> None:
         if self.worker is not None:
