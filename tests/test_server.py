@@ -210,6 +210,9 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, words
      400, "mirrorsd.gamma", "not an option of method 'ar'"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"backend": "threads"}}, 400,
      "mirrorsd.backend", "command line"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"method": "mirror",
+                                                                                  "exit_head": "/tmp"}}, 400,
+     "mirrorsd.exit_head", "lens, tuned or auto"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages", "at most 512"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 404, None, ""),  # a completions body sent to the chat route
 ])
