@@ -233,7 +233,8 @@ def test_exit_layer_resolution_and_bad_options(tiny_pair):
                            ({"backend": "mpi"}, "backend"),
                            ({"backend": "cuda-streams"}, "CUDA"), ({"backend": "devices"}, "another device"),
                            ({"threads": "1"}, "threads"), ({"exit_layer": 9}, "exit_layer"),
-                           ({"beam": 2}, "not an option"), ({"backend": "serial", "threads": "1,1"}, "threads")]:
+                           ({"beam": 2}, "not an option"), ({"backend": "serial", "threads": "1,1"}, "threads"),
+                           ({"candidates": "draft", "draft_streams": "ADAPTER"}, "candidates")]:
         with pytest.raises(ValueError, match=match):
             generate(target, [1, 2], method="mirror", draft=draft, max_new_tokens=4, **options)
 
