@@ -11,10 +11,15 @@ Which module a weight becomes depends on its format and device, never on the dec
 
 The fast modules are batch-invariant (row m's sum runs in the same order whatever M is; PackedLinear hands
 prefills of more than PACKED_MAX_ROWS rows to a batched GEMM unless its model is quantized), so a
-verification window and one-token decoding see bit-identical projections.
+verification window and one-token decoding see bit-identical projections. On CUDA, DenseLinear gets the same
+property from :func:`in_fixed_rows`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +34,47 @@ LINEAR_IMPLS = ("auto", "dense")
 PACKED_MAX_ROWS = 32
 
 
+#: Rows of every GEMM and norm call on CUDA (:func:`in_fixed_rows`).
+FIXED_ROWS = 64
+
+
+_INVARIANT = ContextVar("mirrorsd_batch_invariant", default=True)
+
+
+def fixed_shapes(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device needs :func:`in_fixed_rows` for batch invariance: CUDA. cuBLAS picks its kernel
+    (tiles, split-K, so the order of a row's sums) by the product's shape, and PyTorch its reduction layout by the
+    number of rows: a 1-row and an 8-row bf16 product round a row differently, and on a 7B-shaped model that
+    turned a verification window's tokens away from one-token decoding's."""
+    return x.is_cuda and _INVARIANT.get()
+
+
+@contextmanager
+def batch_invariance(enabled: bool) -> Iterator[None]:
+    """``batch_invariance(False)``: natural shapes and batched attention on CUDA, for work whose results never
+    meet one-token decoding's (training's state caches and stream rows), where they are what is fast."""
+    token = _INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
+
+
+def in_fixed_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (row-wise) over ``x``'s rows in slabs of exactly :data:`FIXED_ROWS`, zero-padded in a fresh buffer:
+    every call then has one shape, layout and alignment, so a row's result cannot depend on how many rows came
+    with it or where it sat among them."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    slabs = -(-n // FIXED_ROWS)
+    padded = rows.new_zeros(slabs * FIXED_ROWS, rows.shape[1])
+    padded[:n] = rows
+    out = fn(padded) if slabs == 1 else torch.cat([fn(slab) for slab in padded.split(FIXED_ROWS)])
+    return out[:n].reshape(*x.shape[:-1], out.shape[-1])
+
+
 class DenseLinear(nn.Module):
-    """Plain dense weights: ``y = x @ W.T + b`` through PyTorch's stock GEMM."""
+    """Plain dense weights: ``y = x @ W.T + b`` through PyTorch's stock GEMM (at fixed shapes on CUDA)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -46,6 +90,8 @@ class DenseLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fixed_shapes(x):
+            return in_fixed_rows(lambda rows: F.linear(rows, self.weight, self.bias), x)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -26,7 +26,16 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from . import kernels
 from .kv_cache import KVCache
-from .linear import PACKED_BUFFERS, PackedLinear, QuantLinear, make_linear, on_huge_pages, release_freed_heap
+from .linear import (
+    PACKED_BUFFERS,
+    PackedLinear,
+    QuantLinear,
+    fixed_shapes,
+    in_fixed_rows,
+    make_linear,
+    on_huge_pages,
+    release_freed_heap,
+)
 from .quant import GroupQuant, quantize_q8
 
 #: Weight formats :meth:`Transformer.from_pretrained` can load (``--weights`` on the CLI).
@@ -135,6 +144,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return kernels.rms_norm(x, self.weight, self.eps)
+        if fixed_shapes(x):  # PyTorch lays out a row's mean by how many rows there are
+            return in_fixed_rows(self._norm, x)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -190,15 +204,16 @@ class Attention(nn.Module):
             if s:  # stream keys/values follow the cached ones for this forward only
                 main_k, main_v = torch.cat([main_k, k[:, :, t - s :]], 2), torch.cat([main_v, v[:, :, t - s :]], 2)
             k, v = main_k, main_v
+        exact = self.row_exact or fixed_shapes(q)  # CUDA: SDPA's kernels and splits also depend on the query count
         if self.fused:
             out = kernels.attend(q, k, v, mask)  # batch-invariant in one call: main and stream rows alike
-        elif self.row_exact and s:
+        elif exact and s:
             # Main rows exactly as decoding computes them; stream rows only shape proposals, so one batched call.
             main = self._attend_exact(q[:, :, : t - s], k, v, None if mask is None else mask[:, : t - s])
             stream = F.scaled_dot_product_attention(q[:, :, t - s :], k, v, attn_mask=mask[:, t - s :].unsqueeze(1),
                                                     enable_gqa=self.gqa)
             out = torch.cat([main, stream], 2)
-        elif self.row_exact:
+        elif exact:
             out = self._attend_exact(q, k, v, mask)
         else:  # a CausalBias (a plain causal window on CUDA, bf16) goes as it is: flash attention, no mask
             attn_mask = mask if isinstance(mask, CausalBias) or mask is None else mask.unsqueeze(1)
@@ -208,7 +223,7 @@ class Attention(nn.Module):
 
     def _attend_exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
-        with _one_thread():  # CPU SDPA splits its work by thread count, and so its rounding
+        with nullcontext() if q.is_cuda else _one_thread():  # CPU SDPA splits its work by thread count
             if q.shape[2] > 1:
                 return self._attend_row_by_row(q, k, v, mask)
             if mask is not None and not bool(mask.all()):  # one query that skips keys (a tree node)
@@ -227,14 +242,15 @@ class Attention(nn.Module):
         rows, _, t, _ = q.shape
         total = k.shape[2]
         out = torch.empty_like(q)
+        host_mask = None if mask is None else mask.cpu()  # one device sync per call, not two per row
         for r in range(rows):
             for i in range(t):
-                seen = None if mask is None else mask[r if mask.shape[0] > 1 else 0, i]
+                seen = None if host_mask is None else host_mask[r if host_mask.shape[0] > 1 else 0, i]
                 count = total - t + i + 1 if seen is None else int(seen.sum())
                 if seen is None or bool(seen[:count].all()):  # a prefix of the cache: slice, no copy
                     keys, values = k[r : r + 1, :, :count], v[r : r + 1, :, :count]
                 else:
-                    index = seen.nonzero().squeeze(1)
+                    index = seen.nonzero().squeeze(1).to(k.device)
                     keys, values = k[r : r + 1].index_select(2, index), v[r : r + 1].index_select(2, index)
                 out[r : r + 1, :, i : i + 1] = F.scaled_dot_product_attention(
                     q[r : r + 1, :, i : i + 1], keys, values, enable_gqa=self.gqa)
@@ -523,11 +539,11 @@ class Transformer(nn.Module):
             raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
         t = hidden.shape[1]
-        if mask is None and t > 1:
+        if mask is None and t > 1 and not fixed_shapes(hidden):  # (batch-invariant CUDA attends row by row)
             past = cache.lengths[start] if cache is not None else 0
             # On CUDA in half precision a CausalBias: flash attention aligns it lower right itself, with no mask
             # tensor (fp32 has no flash kernel; CausalBias would then build its mask in every layer).
-            flash = hidden.device.type == "cuda" and hidden.dtype in (torch.float16, torch.bfloat16)
+            flash = hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
             mask = causal_lower_right(t, past + t) if flash else causal_mask(past, t, hidden.device)
         cos, sin = self.rope(positions)
         with _attention_backends(hidden.device):

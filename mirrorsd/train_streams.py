@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from .draft_vocab import head_weight, load_table
 from .kv_cache import KVCache
+from .linear import batch_invariance
 from .model import Transformer
 from .streams import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, msa_mask
 
@@ -143,6 +144,7 @@ class Cached:
 
 
 @torch.no_grad()
+@batch_invariance(False)
 def freeze(model: Transformer, first: int, chunk: Chunk) -> dict[str, torch.Tensor]:
     """The cached tensors of one chunk, from the model decoding will use (so the states are the ones it sees)."""
     ids = chunk.ids[None].to(model.device)
@@ -251,6 +253,7 @@ def stream_targets(item: Cached, gamma: int) -> tuple[torch.Tensor, torch.Tensor
     return streams, prune
 
 
+@batch_invariance(False)
 def stream_forward(model: Transformer, adapters: StreamAdapters, item: Cached) -> torch.Tensor:
     """Final states ``[T, γ, h]`` of every stream row over the cached main keys/values."""
     gamma, first = adapters.config.streams, adapters.first_layer

@@ -97,6 +97,46 @@ def test_tree_mask_equals_separate_branches():
     assert (out[2:] - ref_b).abs().max().item() < TOL
 
 
+def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list[int]) -> None:
+    """After ``prompt``, a 3-token window and a two-branch tree give exactly one-token decoding's logits."""
+    device, past = model.device, len(prompt)
+    a, b = [10, 11, 12], [20, 21]
+
+    def prefilled():
+        cache = model.new_cache(capacity=past + 8)
+        model(torch.tensor([prompt], device=device), cache=cache, last=1)
+        return cache
+
+    with torch.no_grad():
+        decoded = []
+        for branch in (a, b):
+            cache = prefilled()
+            decoded.append(torch.cat([model(torch.tensor([[t]], device=device), cache=cache)[0] for t in branch]))
+        cache = prefilled()
+        window = model(torch.tensor([a], device=device), cache=cache)[0]
+        cache.truncate(past)
+        mask = torch.zeros(1, 5, past + 5, dtype=torch.bool, device=device)
+        mask[..., :past] = True
+        for i, j in [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 3), (4, 3), (4, 4)]:
+            mask[0, i, past + j] = True
+        positions = torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device)
+        tree = model(torch.tensor([a + b], device=device), positions, cache, mask)[0]
+    assert torch.equal(window, decoded[0]), (window - decoded[0]).abs().max()
+    assert torch.equal(tree[:3], decoded[0]) and torch.equal(tree[3:], decoded[1])
+
+
+def test_fixed_shapes_give_one_token_decodings_bits(monkeypatch):
+    """The CUDA path (GEMMs and norms in fixed-row slabs, attention row by row), forced on the CPU: after a
+    70-token prefill (two slabs) a window and a tree give exactly the logits of one-token decoding."""
+    import mirrorsd.linear
+    import mirrorsd.model
+
+    for module in (mirrorsd.linear, mirrorsd.model):
+        monkeypatch.setattr(module, "fixed_shapes", lambda x: True)
+    model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1), linear="dense")
+    assert_windows_and_trees_decode_bit_for_bit(model, torch.randint(0, 100, (70,)).tolist())
+
+
 def test_rows_are_independent_sequences():
     ours = Transformer.from_hf(tiny_hf(vocab=100, std=0.1))
     ids = torch.randint(0, 100, (3, 10))
