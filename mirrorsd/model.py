@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from . import kernels
+from .kernels import cuda_attention
 from .kv_cache import KVCache
 from .linear import (
     PACKED_BUFFERS,
@@ -223,6 +224,9 @@ class Attention(nn.Module):
 
     def _attend_exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
+        if cuda_attention.applies(q):  # one batch-invariant launch for every row (else one SDPA call per row)
+            index, count = cuda_attention.visible_keys(mask, q.shape[2], k.shape[2], q.device)
+            return cuda_attention.attend(q, k, v, index, count)
         with nullcontext() if q.is_cuda else _one_thread():  # CPU SDPA splits its work by thread count
             if q.shape[2] > 1:
                 return self._attend_row_by_row(q, k, v, mask)

@@ -2,8 +2,8 @@
 runs this file first on a lent GPU machine.
 
 Models are random weights of small shapes made on the device (`mirrorsd.bench.gpu.random_model`). On CUDA the
-model runs its GEMMs and norms at fixed shapes and attends row by row, so a k-token forward reproduces 1-token
-forwards bit for bit and every method must equal `ar` exactly, in bf16 too."""
+model runs its GEMMs and norms at fixed shapes and attends through a batch-invariant kernel, so a k-token forward
+reproduces 1-token forwards bit for bit and every method must equal `ar` exactly, in bf16 too."""
 
 from __future__ import annotations
 
@@ -155,8 +155,8 @@ def test_train_costs_on_cuda():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_windows_and_trees_on_cuda_give_one_token_decodings_bits(dtype):
     """What every lossless check above rests on, at a shape where cuBLAS's 1-row and k-row products round
-    differently: GEMMs and norms run in fixed-row slabs and attention row by row, so a verification window or tree
-    reproduces one-token decoding bit for bit."""
+    differently: GEMMs and norms run in fixed-row slabs and attention through the batch-invariant Triton kernel,
+    so a verification window or tree reproduces one-token decoding bit for bit."""
     model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, dtype, seed=3)
     assert_windows_and_trees_decode_bit_for_bit(model, PROMPT)
 

@@ -126,8 +126,8 @@ def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list
 
 
 def test_fixed_shapes_give_one_token_decodings_bits(monkeypatch):
-    """The CUDA path (GEMMs and norms in fixed-row slabs, attention row by row), forced on the CPU: after a
-    70-token prefill (two slabs) a window and a tree give exactly the logits of one-token decoding."""
+    """The CUDA path without Triton (GEMMs and norms in fixed-row slabs, one SDPA call per query), forced on the
+    CPU: after a 70-token prefill (two slabs) a window and a tree give exactly one-token decoding's logits."""
     import mirrorsd.linear
     import mirrorsd.model
 

@@ -1,0 +1,112 @@
+"""Batch-invariant attention for CUDA (Triton): one launch per layer for a whole prompt, window or tree, and every
+query computed exactly as one-token decoding computes it.
+
+Why not SDPA: its flash kernels pick tiles and KV splits by the query count, so a query in an 8-token window and
+the same query decoded alone round differently, and a tree row's visible keys sit at other places than in the
+cache one-token decoding builds. Here each program is one (row, query, head): it walks that query's visible keys,
+gathered through an index list in position order, in blocks of :data:`BLOCK_KEYS`, with an fp32 online softmax.
+The partition into blocks, the order of every sum and the compiled binary are the same whatever the query count,
+so the result is too. Integer arguments are never specialised: Triton would otherwise compile a separate kernel
+for a query count of 1 or for strides divisible by 16, whose reductions it may lay out differently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from functools import cache
+
+import torch
+
+#: Keys per block of the online softmax.
+BLOCK_KEYS = 64
+
+
+@cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def applies(q: torch.Tensor) -> bool:
+    """Whether :func:`attend` serves these queries: CUDA, Triton installed, a power-of-two head size."""
+    dim = q.shape[-1]
+    return q.is_cuda and dim & (dim - 1) == 0 and _triton_installed()
+
+
+@cache
+def _kernel():  # noqa: ANN202 - a Triton JITFunction
+    import triton
+    import triton.language as tl
+
+    runtime = ["rows_t", "heads", "group", "sq_r", "sq_h", "sq_t", "sk_r", "sk_h", "sk_l", "sv_r", "sv_h", "sv_l",
+               "so_r", "so_h", "so_t", "si_r", "si_t", "sn_r"]
+
+    @triton.jit(do_not_specialize=runtime)
+    def attend(q_ptr, k_ptr, v_ptr, o_ptr, index_ptr, count_ptr, rows_t, heads, group,
+               sq_r, sq_h, sq_t, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, so_r, so_h, so_t, si_r, si_t, sn_r, scale,
+               D: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        h = pid % heads
+        i = (pid // heads) % rows_t
+        r = pid // heads // rows_t
+        kv = h // group
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + r * sq_r + h * sq_h + i * sq_t + d).to(tl.float32)
+        n = tl.load(count_ptr + r * sn_r + i)
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        for start in range(0, n, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            valid = j < n
+            key = tl.load(index_ptr + r * si_r + i * si_t + j, mask=valid, other=0)
+            keys = tl.load(k_ptr + r * sk_r + kv * sk_h + key[:, None] * sk_l + d[None, :], mask=valid[:, None],
+                           other=0.0).to(tl.float32)
+            s = tl.where(valid, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            values = tl.load(v_ptr + r * sv_r + kv * sv_h + key[:, None] * sv_l + d[None, :], mask=valid[:, None],
+                             other=0.0).to(tl.float32)
+            total = total * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
+            m = m_new
+        tl.store(o_ptr + r * so_r + h * so_h + i * so_t + d, (acc / total).to(o_ptr.dtype.element_ty))
+
+    return attend
+
+
+def visible_keys(mask: torch.Tensor | None, t: int, total: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, count): per (row, query), the positions of the keys it sees in order, and how many. ``mask=None``
+    is a causal window over the cache: one shared ``arange`` (zero strides) and counts ``total - t + i + 1``."""
+    if mask is None:
+        index = torch.arange(total, device=device, dtype=torch.int32).expand(1, t, total)
+        count = torch.arange(total - t + 1, total + 1, device=device, dtype=torch.int32).unsqueeze(0)
+        return index, count
+    hidden = (~mask).to(torch.int8)  # a stable sort puts the visible keys first, in position order
+    index = torch.argsort(hidden, dim=-1, stable=True).to(torch.int32)
+    return index, mask.sum(-1, dtype=torch.int32)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, count: torch.Tensor,
+           scale: float | None = None) -> torch.Tensor:
+    """``q [rows, H, t, D]`` over ``k``/``v [rows, KV, total, D]`` (grouped-query heads: ``H % KV == 0``), each
+    query seeing ``k[index[r, i, :count[r, i]]]`` (``index``/``count`` with one row broadcast to all)."""
+    rows, heads, t, dim = q.shape
+    if dim & (dim - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("attention needs a power-of-two head size and contiguous head vectors")
+    out = torch.empty_like(q)
+    index = index.expand(rows if index.shape[0] > 1 else 1, t, index.shape[-1])
+    count = count.expand(rows if count.shape[0] > 1 else 1, t).contiguous()
+
+    def stride(x: torch.Tensor, dim: int) -> int:
+        return x.stride(dim) if x.shape[dim] > 1 else 0
+
+    _kernel()[(rows * t * heads,)](
+        q, k, v, out, index, count, t, heads, heads // k.shape[1],
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        stride(index, 0), stride(index, 1), stride(count, 0),
+        1.0 / math.sqrt(dim) if scale is None else scale, D=dim, BLOCK=BLOCK_KEYS)
+    return out
