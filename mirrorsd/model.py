@@ -543,7 +543,7 @@ class Transformer(nn.Module):
             raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
         t = hidden.shape[1]
-        if mask is None and t > 1 and not fixed_shapes(hidden):  # (batch-invariant CUDA attends row by row)
+        if mask is None and t > 1 and not fixed_shapes(hidden):  # (batch-invariant CUDA attention needs no mask)
             past = cache.lengths[start] if cache is not None else 0
             # On CUDA in half precision a CausalBias: flash attention aligns it lower right itself, with no mask
             # tensor (fp32 has no flash kernel; CausalBias would then build its mask in every layer).
