@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -81,16 +81,24 @@ def visible_keys(mask: torch.Tensor | None, t: int, total: int, device: torch.de
     """(index, count): per (row, query), the positions of the keys it sees in order, and how many. ``mask=None``
     is a causal window over the cache: one shared ``arange`` (zero strides) and counts ``total - t + i + 1``."""
     if mask is None:
-        index = torch.arange(total, device=device, dtype=torch.int32).expand(1, t, total)
-        count = torch.arange(total - t + 1, total + 1, device=device, dtype=torch.int32).unsqueeze(0)
-        return index, count
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        return _causal_keys(t, total, device, stream)
     hidden = (~mask).to(torch.int8)  # a stable sort puts the visible keys first, in position order
     index = torch.argsort(hidden, dim=-1, stable=True).to(torch.int32)
     return index, mask.sum(-1, dtype=torch.int32)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, count: torch.Tensor,
-           scale: float | None = None) -> torch.Tensor:
+@lru_cache(maxsize=8)
+def _causal_keys(t: int, total: int, device: torch.device, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Made once per forward, not once per layer (every layer sees the same window); keyed by the CUDA stream too,
+    so a draft on another stream never reads tensors still being written on this one."""
+    index = torch.arange(total, device=device, dtype=torch.int32).expand(1, t, total)
+    count = torch.arange(total - t + 1, total + 1, device=device, dtype=torch.int32).unsqueeze(0)
+    return index, count
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, count: torch.Tensor
+           ) -> torch.Tensor:
     """``q [rows, H, t, D]`` over ``k``/``v [rows, KV, total, D]`` (grouped-query heads: ``H % KV == 0``), each
     query seeing ``k[index[r, i, :count[r, i]]]`` (``index``/``count`` with one row broadcast to all)."""
     rows, heads, t, dim = q.shape
@@ -108,5 +116,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         stride(index, 0), stride(index, 1), stride(count, 0),
-        1.0 / math.sqrt(dim) if scale is None else scale, D=dim, BLOCK=BLOCK_KEYS)
+        1.0 / math.sqrt(dim), D=dim, BLOCK=BLOCK_KEYS)
     return out
