@@ -368,8 +368,10 @@ def test_rope_kernel_matches_torch_and_is_row_local(rows, t, heads, dim, shared_
 
 @requires_kernels
 @pytest.mark.parametrize(("zero", "bits", "group"), [(128, 8, 32), (32, 6, 16), (16, 5, 32), (8, 4, 32)])
-def test_symmetric_formats_drop_offsets_bit_for_bit(zero, bits, group):
-    """Q8_0/Q6_K/Q5_0/Q4_0-style weights (offset = -Z·scale) run without their offsets, changing no bit."""
+def test_symmetric_formats_drop_offsets_and_dot_exactly(zero, bits, group):
+    """Q8_0/Q6_K/Q5_0/Q4_0-style weights (offset = -Z·scale) run without their offsets: the zero point is taken in
+    the integer dot, sum((code - Z)·a), so only the scales are rounded in fp32. That is closer to the exact product
+    of the quantized operands than the two float terms of an explicit offset, and stays batch-invariant."""
     base = random_quant(48, 128, bits, group, 5)
     q = GroupQuant(base.codes, base.scales, -zero * base.scales, group, bits)
     assert kernels.symmetric_zero(q) == zero and kernels.symmetric_zero(base) == 0
@@ -377,11 +379,20 @@ def test_symmetric_formats_drop_offsets_bit_for_bit(zero, bits, group):
     assert dropped.offsets is None and dropped.zero == zero
     kept = dropped._replace(offsets=(dropped.scales.float() * -zero).half(), zero=0)
     width = kernels.packed_bits(q)
-    x = torch.randn(5, 128)
-    assert torch.equal(kernels.linear_quant(x, kept, None, 48, width, group),
-                       kernels.linear_quant(x, dropped, None, 48, width, group))
+    x = torch.randn(5, 128) * torch.rand(1, 128) * 4
+    folded = kernels.linear_quant(x, dropped, None, 48, width, group)
+    offset = kernels.linear_quant(x, kept, None, 48, width, group)
+    xq, xs = kernels.quantize_activations(x, False)
+    dots = torch.einsum("mgk,ngk->mng", xq.double().view(5, -1, group),
+                        (q.codes.double() - zero).view(48, -1, group))
+    scales = q.scales.half().double()  # the fp16 scales the packed weight holds
+    exact = (dots * scales * xs.double().repeat_interleave(32 // group, 1)[:, None]).sum(-1)
+    assert (folded.double() - exact).norm() <= (offset.double() - exact).norm()
+    assert (folded - offset).abs().max().item() <= 1e-5 * (1 + offset.abs().max().item())
+    alone = torch.cat([kernels.linear_quant(x[i : i + 1], dropped, None, 48, width, group) for i in range(5)])
+    assert torch.equal(alone, folded)
     layer = QuantLinear(q)
-    assert layer.offsets is None and torch.equal(layer(x), kernels.linear_quant(x, kept, None, 48, width, group))
+    assert layer.offsets is None and torch.equal(layer(x), folded)
     with pytest.raises(RuntimeError, match="symmetric format"):
         kernels.linear_quant(x, dropped._replace(zero=0), None, 48, width, group)
 

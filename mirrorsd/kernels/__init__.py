@@ -211,8 +211,8 @@ class PackedQuant(NamedTuple):
     """A GroupQuant in the kernel layout (``cpu_linear.cpp``).
 
     ``scales``/``offsets`` ``[N/16, K/G, 16]``: fp16, or int8 sub-scales with fp16 ``super_scales``/``super_offsets``
-    ``[N/16, K/S, 16]`` (two-level, the K-quants). ``offsets`` None with ``zero`` Z > 0: a symmetric format whose
-    offsets the kernel forms as -Z·scale (see :func:`symmetric_zero`)."""
+    ``[N/16, K/S, 16]`` (two-level, the K-quants). ``offsets`` None with ``zero`` Z > 0: a symmetric format
+    (offset = -Z·scale, see :func:`symmetric_zero`), whose zero point the kernel takes in the integer dot."""
 
     codes: torch.Tensor
     planes: torch.Tensor | None

@@ -17,11 +17,11 @@ struct QuantWeight {
   const uint8_t* codes = nullptr;
   const uint64_t* planes = nullptr;
   const char* scales = nullptr;
-  const char* offsets = nullptr;  // nullptr: symmetric, offset = neg_zero * scale
+  const char* offsets = nullptr;  // nullptr: symmetric, W = scale * (code - zero)
   const uint16_t* super_scales = nullptr;
   const uint16_t* super_offsets = nullptr;
   const float* bias = nullptr;
-  float neg_zero = 0.f;
+  int64_t zero = 0;
   int64_t code_block = 0, plane_block = 0, scale_block = 0, super_block = 0;  // per 16-output block (scale: bytes)
 };
 

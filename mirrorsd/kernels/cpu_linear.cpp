@@ -16,6 +16,7 @@
 
 #include "cpu_kernels.h"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -93,9 +94,9 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const s
 // [N/16, K/4, P] uint64 — bit j of plane b is bit 4+b of byte j of that k-step's 64-byte code vector; a
 // masked byte add puts it back in registers. 5/6 bits cost 0.625/0.75 bytes per weight instead of 1.
 // scales/offsets: [N/16, K/G, 16] fp16. Symmetric formats (Q8_0, Q6_K, Q5_0, Q4_0 and our q8: offset = -Z * scale
-// with Z a power of two) ship no offsets: the kernel forms -Z * scale from the fp16 scale, the very value the
-// fp16 offset held (a power-of-two product is exact), so results are unchanged and the weight stream is 0.125
-// (group 32) or 0.25 (group 16) bytes per weight lighter.
+// with Z a power of two) ship no offsets: the kernel takes the zero point in the integer dot, sum((code - Z) * a),
+// which is exact, saves the offset term's float work per row and group (see quant_tile), and makes the weight
+// stream 0.125 (group 32) or 0.25 (group 16) bytes per weight lighter.
 // Two-level scales (the K-quants Q4_K, Q5_K, Q6_K): GGUF stores each group's scale as an integer sub-scale times
 // one fp16 scale per 256 weights, and so do we: scales/offsets [N/16, K/G, 16] int8 plus super_scales/super_offsets
 // [N/16, K/S, 16] fp16, 0.06 (group 32) or 0.05 (group 16) bytes per weight lighter than fp16 per group. The
@@ -188,11 +189,10 @@ constexpr int code_bits(int bits) { return bits == 8 ? 8 : 4; }  // bits per wei
 // fp16 scale per `per_super` groups.
 struct GroupScales {
   const void* scales;
-  const void* offsets;  // nullptr: symmetric format, offset = neg_zero * scale
+  const void* offsets;  // nullptr: symmetric format (zero point folded into the integer dot, see quant_tile)
   const uint16_t* super_scales;
   const uint16_t* super_offsets;
   int64_t per_super;
-  float neg_zero;
 };
 
 template <bool TWO>
@@ -209,17 +209,25 @@ __m512 load_scales(const void* base, const uint16_t* super, int64_t g, int64_t s
   }
 }
 
-template <int MT, int BITS, int G, bool TWO>
-void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* codes,
-                const uint64_t* planes, const GroupScales& gs, float* acc_out, bool prefetch) {
+// Symmetric formats (SYM: no offsets, W = scale * (code - Z)) take the zero point in integers: each row's chain
+// starts at -Z * (the group's activation code sum), so the dot product is sum((code - Z) * a), exact, and the
+// offset term needs no float work. With 16-weight groups (Q6_K) the two groups of one 32-wide activation group are
+// combined with their weight scales first and multiply the activation scale once. Per row and 32 weights that is
+// 5 float ops instead of 8 (Q6_K) or 3 instead of 4 (G = 32): the epilogue is what bounds an 8-row tile.
+template <int MT, int BITS, int G, bool TWO, bool SYM>
+void quant_tile(const int8_t* xq, const float* xs, const float* xsum, const int32_t* zsum, int64_t K,
+                const uint8_t* codes, const uint64_t* planes, const GroupScales& gs, float* acc_out, bool prefetch) {
+  static_assert(!SYM || G == kActGroup || 2 * G == kActGroup, "a symmetric group is 16 or 32 wide");
   constexpr int64_t kScaleBytes = TWO ? 1 : 2;  // per group and output
   constexpr int P = planes_for(BITS);
   constexpr int CB = code_bits(BITS);
   constexpr int kSteps = G / 4;  // vpdpbusd steps (4 k each) per weight group
   constexpr int A = chains_for(MT, kSteps);
+  constexpr bool kPairs = SYM && 2 * G == kActGroup;  // two weight groups per activation scale
   const int64_t groups = K / G;
   const int64_t act_groups = K / kActGroup;
   __m512 accf[MT];
+  __m512 half[kPairs ? MT : 1];  // kPairs: the even group's scaled dot, until the odd group completes it
   for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // Two-level scales: group g's super-group and its place in it, counted instead of divided out per group (a
@@ -229,7 +237,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acci[MT][A];
     for (int m = 0; m < MT; ++m)
-      for (int a = 0; a < A; ++a) acci[m][a] = _mm512_setzero_si512();
+      for (int a = 0; a < A; ++a)
+        acci[m][a] = SYM && a == 0 ? _mm512_set1_epi32(zsum[m * groups + g]) : _mm512_setzero_si512();
     const int64_t k0 = g * G;
     const uint8_t* c = codes + g * G * kBlockN * CB / 8;
     const uint64_t* pl = planes + g * kSteps * P;
@@ -271,15 +280,23 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
       }
     }
     const __m512 sw = load_scales<TWO>(gs.scales, gs.super_scales, g, sup);
-    const __m512 ow = gs.offsets ? load_scales<TWO>(gs.offsets, gs.super_offsets, g, sup)
-                                 : _mm512_mul_ps(sw, _mm512_set1_ps(gs.neg_zero));
+    const __m512 ow = SYM ? sw : load_scales<TWO>(gs.offsets, gs.super_offsets, g, sup);
     const int64_t ag = k0 / kActGroup;
     for (int m = 0; m < MT; ++m) {
       __m512i total = acci[m][0];
       for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, acci[m][a]);
-      const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(xs[m * act_groups + ag]));
-      accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, accf[m]);
-      accf[m] = _mm512_fmadd_ps(ow, _mm512_set1_ps(xsum[m * groups + g]), accf[m]);
+      const __m512 dot = _mm512_cvtepi32_ps(total);
+      if constexpr (kPairs) {
+        if (g % 2 == 0) {
+          half[m] = _mm512_mul_ps(dot, sw);
+        } else {
+          accf[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(dot, sw, half[m]), _mm512_set1_ps(xs[m * act_groups + ag]), accf[m]);
+        }
+      } else {
+        const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(xs[m * act_groups + ag]));
+        accf[m] = _mm512_fmadd_ps(dot, scale, accf[m]);
+        if constexpr (!SYM) accf[m] = _mm512_fmadd_ps(ow, _mm512_set1_ps(xsum[m * groups + g]), accf[m]);
+      }
     }
     if (TWO && ++in_sup == gs.per_super) {
       in_sup = 0;
@@ -289,30 +306,36 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, int64_t K,
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(acc_out + m * kBlockN, accf[m]);
 }
 
-using QuantTile = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const uint64_t*,
-                           const GroupScales&, float*, bool);
+using QuantTile = void (*)(const int8_t*, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
+                           const uint64_t*, const GroupScales&, float*, bool);
 
-template <int BITS, int G, bool TWO>
+template <int BITS, int G, bool TWO, bool SYM>
 constexpr QuantTile kQuantTiles[kMaxTile + 1] = {
     nullptr,
-    quant_tile<1, BITS, G, TWO>, quant_tile<2, BITS, G, TWO>, quant_tile<3, BITS, G, TWO>, quant_tile<4, BITS, G, TWO>,
-    quant_tile<5, BITS, G, TWO>, quant_tile<6, BITS, G, TWO>, quant_tile<7, BITS, G, TWO>, quant_tile<8, BITS, G, TWO>};
+    quant_tile<1, BITS, G, TWO, SYM>, quant_tile<2, BITS, G, TWO, SYM>, quant_tile<3, BITS, G, TWO, SYM>,
+    quant_tile<4, BITS, G, TWO, SYM>, quant_tile<5, BITS, G, TWO, SYM>, quant_tile<6, BITS, G, TWO, SYM>,
+    quant_tile<7, BITS, G, TWO, SYM>, quant_tile<8, BITS, G, TWO, SYM>};
 
-// Two-level scales exist for the K-quant layouts only: Q4_K (4/32), Q5_K (5/32), Q6_K (6/16).
-QuantTile pick_tile(int64_t bits, int64_t group, bool two_level, int64_t rows) {
+template <bool SYM>
+QuantTile pick_layout(int64_t bits, int64_t group, bool two_level, int64_t rows) {
   if (two_level) {
-    if (bits == 4 && group == 32) return kQuantTiles<4, 32, true>[rows];
-    if (bits == 5 && group == 32) return kQuantTiles<5, 32, true>[rows];
-    if (bits == 6 && group == 16) return kQuantTiles<6, 16, true>[rows];
+    if (bits == 4 && group == 32) return kQuantTiles<4, 32, true, SYM>[rows];
+    if (bits == 5 && group == 32) return kQuantTiles<5, 32, true, SYM>[rows];
+    if (bits == 6 && group == 16) return kQuantTiles<6, 16, true, SYM>[rows];
     TORCH_CHECK(false, "two-level scales need a K-quant layout (bits/group 4/32, 5/32, 6/16), got ", bits, "/", group);
   }
-  if (bits == 4 && group == 32) return kQuantTiles<4, 32, false>[rows];
-  if (bits == 5 && group == 32) return kQuantTiles<5, 32, false>[rows];
-  if (bits == 6 && group == 16) return kQuantTiles<6, 16, false>[rows];
-  if (bits == 6 && group == 32) return kQuantTiles<6, 32, false>[rows];
-  if (bits == 8 && group == 32) return kQuantTiles<8, 32, false>[rows];
-  if (bits == 8 && group == 16) return kQuantTiles<8, 16, false>[rows];
+  if (bits == 4 && group == 32) return kQuantTiles<4, 32, false, SYM>[rows];
+  if (bits == 5 && group == 32) return kQuantTiles<5, 32, false, SYM>[rows];
+  if (bits == 6 && group == 16) return kQuantTiles<6, 16, false, SYM>[rows];
+  if (bits == 6 && group == 32) return kQuantTiles<6, 32, false, SYM>[rows];
+  if (bits == 8 && group == 32) return kQuantTiles<8, 32, false, SYM>[rows];
+  if (bits == 8 && group == 16) return kQuantTiles<8, 16, false, SYM>[rows];
   TORCH_CHECK(false, "unsupported quantized layout: bits=", bits, " group=", group);
+}
+
+// Two-level scales exist for the K-quant layouts only: Q4_K (4/32), Q5_K (5/32), Q6_K (6/16).
+QuantTile pick_tile(int64_t bits, int64_t group, bool two_level, bool symmetric, int64_t rows) {
+  return symmetric ? pick_layout<true>(bits, group, two_level, rows) : pick_layout<false>(bits, group, two_level, rows);
 }
 
 bool supported_layout(int64_t bits, int64_t group) {
@@ -383,7 +406,7 @@ QuantWeight check_weight(int64_t K, const torch::Tensor& codes, const std::optio
   w.super_offsets = half_ptr(super_offsets);
   w.bias = bias ? bias->data_ptr<float>() : nullptr;
   w.per_super = per_super;
-  w.neg_zero = -static_cast<float>(zero);
+  w.zero = zero;
   w.code_block = kBlockN * K * cbits / 8;
   w.plane_block = (K / 4) * n_planes;
   w.scale_block = (K / group) * kBlockN * (two_level ? 1 : 2);
@@ -400,21 +423,34 @@ std::vector<torch::Tensor> linear_quant_many(const torch::Tensor& x, const std::
   const int64_t rows_q = acts.q.size(0);  // quantized rows: M, or 2M with split
   const int8_t* qp = acts.q.data_ptr<int8_t>();
   const float* sp = acts.scale.data_ptr<float>();
-  // Per weight group (16 or 32): sum of the dequantized activations, for the offset term; once per group size.
-  std::vector<torch::Tensor> xsums(kActGroup + 1);
+  // Per row and weight group, from the 16-code sums: for asymmetric weights the dequantized activations' sum (their
+  // offset term; fp32, made once per group size), for symmetric ones -zero times the code sum, where their integer
+  // dots start (int32, once per group size and zero point). Then each weight's pointer to its table.
+  const int32_t* sums = acts.sum16.data_ptr<int32_t>();
+  std::vector<std::pair<std::pair<int64_t, int64_t>, torch::Tensor>> tables;  // (group, zero or 0) -> table
+  std::vector<const void*> term;  // per weight
   for (const QuantWeight& w : weights) {
-    if (xsums[w.group].defined()) continue;
-    const int64_t groups = K / w.group;
-    xsums[w.group] = torch::empty({rows_q, groups}, x.options());
-    float* out = xsums[w.group].data_ptr<float>();
-    const int32_t* sums = acts.sum16.data_ptr<int32_t>();
-    const int64_t halves = w.group / 16;  // 16-code sums per weight group
-    for (int64_t m = 0; m < rows_q; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t total = 0;
-        for (int64_t h = 0; h < halves; ++h) total += sums[m * (K / 16) + g * halves + h];
-        out[m * groups + g] = sp[m * (K / kActGroup) + g * w.group / kActGroup] * static_cast<float>(total);
-      }
+    const bool symmetric = w.offsets == nullptr;
+    const std::pair<int64_t, int64_t> key{w.group, symmetric ? w.zero : 0};
+    auto found = std::find_if(tables.begin(), tables.end(), [&](const auto& e) { return e.first == key; });
+    if (found == tables.end()) {
+      const int64_t groups = K / w.group, halves = w.group / 16;  // 16-code sums per weight group
+      torch::Tensor t = torch::empty({rows_q, groups}, x.options().dtype(symmetric ? torch::kInt : torch::kFloat));
+      int32_t* zp = symmetric ? t.data_ptr<int32_t>() : nullptr;
+      float* fp = symmetric ? nullptr : t.data_ptr<float>();
+      for (int64_t m = 0; m < rows_q; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t total = 0;
+          for (int64_t h = 0; h < halves; ++h) total += sums[m * (K / 16) + g * halves + h];
+          if (symmetric)
+            zp[m * groups + g] = static_cast<int32_t>(-w.zero * total);
+          else
+            fp[m * groups + g] = sp[m * (K / kActGroup) + g * w.group / kActGroup] * static_cast<float>(total);
+        }
+      tables.emplace_back(key, t);
+      found = tables.end() - 1;
+    }
+    term.push_back(found->second.data_ptr());
   }
   std::vector<torch::Tensor> ys;
   std::vector<int64_t> first{0};  // the weights' blocks, end to end: one parallel region covers them all
@@ -430,19 +466,20 @@ std::vector<torch::Tensor> linear_quant_many(const torch::Tensor& x, const std::
       while (b >= first[wi + 1]) ++wi;
       const QuantWeight& w = weights[wi];
       const int64_t nb = b - first[wi], groups = K / w.group;
-      const float* xsp = xsums[w.group].data_ptr<float>();
+      const bool symmetric = w.offsets == nullptr;
+      const float* xsp = symmetric ? nullptr : static_cast<const float*>(term[wi]);
+      const int32_t* zsp = symmetric ? static_cast<const int32_t*>(term[wi]) : nullptr;
       float* yp = ys[wi].data_ptr<float>();
       for (int64_t m0 = 0; m0 < rows_q; m0 += kMaxTile) {  // kMaxTile is even: split pairs share a tile
         const int64_t rows = std::min<int64_t>(kMaxTile, rows_q - m0);
         const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && b + kPrefetchBlocks < std::min(end, first[wi + 1]);
         const GroupScales gs{w.scales + nb * w.scale_block, w.offsets ? w.offsets + nb * w.scale_block : nullptr,
                              w.super_scales ? w.super_scales + nb * w.super_block : nullptr,
-                             w.super_offsets ? w.super_offsets + nb * w.super_block : nullptr, w.per_super,
-                             w.neg_zero};
-        pick_tile(w.bits, w.group, w.two_level, rows)(qp + m0 * K, sp + m0 * act_groups, xsp + m0 * groups, K,
-                                                      w.codes + nb * w.code_block,
-                                                      w.planes ? w.planes + nb * w.plane_block : nullptr, gs, acc,
-                                                      prefetch);
+                             w.super_offsets ? w.super_offsets + nb * w.super_block : nullptr, w.per_super};
+        pick_tile(w.bits, w.group, w.two_level, symmetric, rows)(
+            qp + m0 * K, sp + m0 * act_groups, symmetric ? nullptr : xsp + m0 * groups,
+            symmetric ? zsp + m0 * groups : nullptr, K, w.codes + nb * w.code_block,
+            w.planes ? w.planes + nb * w.plane_block : nullptr, gs, acc, prefetch);
         if (split) fold_pairs(acc, rows / 2);
         const int64_t out_rows = split ? rows / 2 : rows, out_m0 = split ? m0 / 2 : m0;
         store_block(acc, out_rows, yp + out_m0 * w.N, w.N, nb * kBlockN, w.bias);
