@@ -391,6 +391,11 @@ def test_symmetric_formats_drop_offsets_and_dot_exactly(zero, bits, group):
     assert (folded - offset).abs().max().item() <= 1e-5 * (1 + offset.abs().max().item())
     alone = torch.cat([kernels.linear_quant(x[i : i + 1], dropped, None, 48, width, group) for i in range(5)])
     assert torch.equal(alone, folded)
+    split = kernels.linear_quant(x, dropped, None, 48, width, group, True)  # int8x2: the remainder rows fold too
+    assert (split - kernels.linear_quant(x, kept, None, 48, width, group, True)).abs().max().item() <= \
+        1e-5 * (1 + offset.abs().max().item())
+    assert torch.equal(split, torch.cat([kernels.linear_quant(x[i : i + 1], dropped, None, 48, width, group, True)
+                                         for i in range(5)]))
     layer = QuantLinear(q)
     assert layer.offsets is None and torch.equal(layer(x), folded)
     with pytest.raises(RuntimeError, match="symmetric format"):
