@@ -4,10 +4,13 @@ so the API never imports the benchmark layer: the package installs the planner w
 from __future__ import annotations
 
 import json
+import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .cache import cache_dir
 
@@ -18,6 +21,26 @@ _planner: Planner | None = None
 def plan_path(target: str, draft: str | None) -> Path:
     safe = lambda s: "".join(c if c.isalnum() or c in "._-" else "_" for c in s)  # noqa: E731
     return cache_dir() / "plans" / f"{safe(target)}__{safe(draft or 'none')}.json"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_label() -> str:
+    """What a plan's costs were measured on: the CPU and the thread count. A plan made elsewhere (a cache folder
+    copied to another machine, a VM moved to another host type) prices the methods for that machine, not this one."""
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+
+
+def _made_here(plan: dict[str, Any]) -> bool:
+    return plan.get("machine") == machine_label()
 
 
 def set_planner(planner: Planner | None) -> None:
@@ -35,19 +58,29 @@ def load_plan(target: str, draft: str | None) -> dict[str, Any]:
 
 
 def saved_recommendation(target: str, draft: str | None) -> dict[str, Any] | None:
-    """The saved plan's pick for this pair (method, options, label), or None when there is no plan yet: lets the
-    CLI resolve ``auto`` and check its flags before any model loads."""
+    """The saved plan's pick for this pair (method, options, label), or None when there is no plan made on this
+    machine yet: lets the CLI resolve ``auto`` and check its flags before any model loads."""
     path = plan_path(target, draft)
-    return json.loads(path.read_text())["recommended"] if path.is_file() else None
+    if not path.is_file():
+        return None
+    plan = json.loads(path.read_text())
+    return plan["recommended"] if _made_here(plan) else None
 
 
 def plan_for(target: Any, draft: Any) -> dict[str, Any]:
-    """The saved plan for this pair, or, on first use, a quick one made now and saved (said on stderr)."""
+    """The saved plan for this pair, or, on first use on this machine, a quick one made now and saved (said on
+    stderr)."""
     draft_name = draft.name if draft is not None else None
     path = plan_path(target.name, draft_name)
-    if path.is_file() or _planner is None:
+    if _planner is None:
         return load_plan(target.name, draft_name)
-    print(f"mirrorsd: no plan for {target.name} + {draft_name or 'no draft'} on this machine yet: planning "
-          f"briefly (1-2 minutes) and saving it to {path}; `mirrorsd plan` plans more thoroughly",
-          file=sys.stderr, flush=True)
+    if path.is_file():
+        plan = load_plan(target.name, draft_name)
+        if _made_here(plan):
+            return plan
+        why = f"the saved plan was made on {plan.get('machine', 'an unnamed machine')}, this is {machine_label()}"
+    else:
+        why = "no plan on this machine yet"
+    print(f"mirrorsd: {target.name} + {draft_name or 'no draft'}: {why}: planning briefly (1-2 minutes) and saving "
+          f"it to {path}; `mirrorsd plan` plans more thoroughly", file=sys.stderr, flush=True)
     return _planner(target, draft)

@@ -452,6 +452,25 @@ def test_generate_auto_plans_on_first_use(tmp_path, monkeypatch, capsys):
     assert "planning" not in capsys.readouterr().err  # the saved plan is used from now on
 
 
+def test_a_plan_made_on_another_machine_is_made_again(tmp_path, monkeypatch, capsys):
+    """A plan prices the methods on the machine it measured: one from another CPU or thread count (a copied cache
+    folder, a VM moved to another host type) is not this machine's pick, so `auto` plans again and says why."""
+    saved = tmp_path / "plan.json"
+    monkeypatch.setattr(plans, "plan_path", lambda target, draft: saved)
+    made = []
+    monkeypatch.setattr(plans, "_planner", lambda target, draft: made.append(target.name) or {"fresh": True})
+    pair = SimpleNamespace(name="t"), SimpleNamespace(name="d")
+    pick = {"method": "suffix", "options": {}, "label": "suffix"}
+    saved.write_text(json.dumps({"machine": plans.machine_label(), "recommended": pick}))
+    assert plans.saved_recommendation("t", "d") == pick
+    assert plans.plan_for(*pair)["recommended"] == pick and not made
+    saved.write_text(json.dumps({"machine": "Another CPU, 64 threads", "recommended": pick}))
+    assert plans.saved_recommendation("t", "d") is None  # the CLI then resolves `auto` after loading
+    assert plans.plan_for(*pair) == {"fresh": True} and made == ["t"]
+    err = capsys.readouterr().err
+    assert "made on Another CPU, 64 threads" in err and plans.machine_label() in err
+
+
 def test_generate_auto_without_a_plan_says_what_to_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plans, "plan_path", lambda target, draft: Path(tmp_path / "none.json"))
     with pytest.raises(FileNotFoundError, match="mirrorsd plan --target t"):

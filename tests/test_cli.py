@@ -235,7 +235,7 @@ def saved_plan(tmp_path, monkeypatch):
 
     def save(method: str, options: dict) -> None:
         pick = {"method": method, "options": options, "label": method}
-        path.write_text(json.dumps({"recommended": pick, "ranked": [pick]}))
+        path.write_text(json.dumps({"machine": plans.machine_label(), "recommended": pick, "ranked": [pick]}))
     return save
 
 

@@ -11,7 +11,6 @@ either drifts by tens of percent within minutes), and the median of the per-roun
 from __future__ import annotations
 
 import json
-import platform
 import signal
 import statistics
 import subprocess
@@ -23,6 +22,7 @@ import torch
 
 from .. import kernels
 from ..model import Transformer
+from ..plans import cpu_name
 from ..runtime import synchronize
 
 DEFAULT_KS = (1, 2, 4, 8, 16)
@@ -47,16 +47,6 @@ class ForwardReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 
@@ -148,7 +138,7 @@ def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, contex
         forward_ms={str(k): round(v, 3) for k, v in costs.items()},
         relative={str(k): round(v / costs[min(ks)], 3) for k, v in costs.items()},
         ar_tok_s=round(statistics.median(ours), 3), ar_tokens=ar_tokens,
-        fast_kernels=kernels.available(), threads=threads, machine=_cpu_name(),
+        fast_kernels=kernels.available(), threads=threads, machine=cpu_name(),
     )
     if theirs:
         report.llama_cpp = {

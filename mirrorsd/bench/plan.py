@@ -50,7 +50,7 @@ from ..decoding.proposers import SINK_TOKENS, draft_vocab_size
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..draft_vocab import draft_table_kind, optional_head, subset_head
 from ..model import Transformer
-from ..plans import plan_path
+from ..plans import machine_label, plan_path
 from ..runtime.executors import split_threads
 from ..sampling import SamplingParams
 from .metrics import expected_accepted
@@ -363,8 +363,6 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     """Measure costs, probe acceptance on ``prompts`` ((group, ids) pairs), rank every candidate. ``quick``:
     fewer window sizes and rounds, no split-thread tables and no hybrid runs (``method="auto"``'s first use)."""
     from .probe import EXITS, run_probe
-    from .runner import machine
-
     n = target.config.n_layers
     exits = {name: min(n - 1, max(1, round(f * n))) for name, f in EXITS.items()}
     if progress:
@@ -392,8 +390,7 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     row = lambda c: {"method": c.method, "options": c.options, "label": c.label(),  # noqa: E731
                      "predicted_tokens_per_s": round(c.tokens_per_s, 3),
                      "tokens_per_step": round(c.tokens_per_step, 3), "step_ms": round(c.step_ms, 3)}
-    m = machine()
-    return Plan(target.name, draft.name if draft else None, f"{m['cpu']}, {m['torch_threads']} threads",
+    return Plan(target.name, draft.name if draft else None, machine_label(),
                 costs, {**(probe.to_dict() if probe else {}), "ss": ss}, [row(c) for c in ranked],
                 row(recommend(ranked)))
 

@@ -29,12 +29,12 @@ from ..decoding import get_method, methods
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..errors import OptionError
 from ..exit_heads import ExitTranslators
+from ..plans import cpu_name
 from ..runtime import synchronize
 from ..runtime.executors import split_threads
 from ..runtime.load import busy_warning, others_cpu_share
 from ..specbench import GROUPS, Question, load_suite
 from . import metrics, plan, probe
-from .forward import _cpu_name
 from .metrics import Answer, Turn
 from .peers import HF_METHODS, LLAMA_METHODS, HFPeers, LlamaServer, find_llama_server, server_flags
 
@@ -132,7 +132,7 @@ def parse_methods(text: str) -> list[MethodSpec]:
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "torch": torch.__version__, "python": platform.python_version(),
                             "date": time.strftime("%Y-%m-%d %H:%M")}
     try:
