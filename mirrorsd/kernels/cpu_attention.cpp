@@ -28,7 +28,7 @@ namespace {
 constexpr int64_t kLanes = 16;    // fp32 lanes in a zmm register
 constexpr int64_t kMaxDim = 256;  // head_dim limit: the output accumulators live in registers (16 zmm)
 constexpr int kTile = 6;          // queries of one kv head sharing each key load (a GQA group, window rows)
-constexpr int kValueTile = 2;     // queries sharing each value load (their accumulators fill the registers)
+constexpr int kWideValueTile = 3;  // queries sharing each value load at head_dim 128
 
 // exp on 16 lanes, ~1.5 ulp (the polynomial of ggml's ggml_v_expf, MIT licence). Elementwise: a lane's value
 // does not depend on its neighbours, so where a score sits in a vector cannot change its weight.
@@ -51,25 +51,57 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mask_blend_ps(big, res, alt);
 }
 
-// Scores of up to kTile queries against one key: each query keeps its own accumulator over head_dim in order,
-// then a fixed horizontal reduction, so a query's score does not depend on which queries share its tile.
-template <int NQ>
-inline void dots(const float* const* q, const float* k, int64_t dim, float scale, float* const* out, int64_t j) {
-  __m512 acc[NQ];
-  for (int t = 0; t < NQ; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim; d += kLanes) {
-    const __m512 kv = _mm512_loadu_ps(k + d);
-    for (int t = 0; t < NQ; ++t) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q[t] + d), kv, acc[t]);
-  }
-  for (int t = 0; t < NQ; ++t) out[t][j] = _mm512_reduce_add_ps(acc[t]) * scale;
+// Sixteen dot products summed at once: lane L of the result is the sum of acc[L]'s lanes. Every accumulator goes
+// through the same tree ((a_i + a_i+8) + (a_i+4 + a_i+12), then pairs), so a score does not depend on which slot
+// of which block it took: where a key or query sits in a tile cannot change its value. Slot L must hold what
+// lane kSlot[L] reports (the shuffles leave the sums in this order; kSlot is its own inverse).
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int p = 0; p < 8; ++p)  // [a_p: lane i + lane i+8 (8 lanes) | a_p+8: the same]
+    b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[p], a[p + 8], 0x44), _mm512_shuffle_f32x4(a[p], a[p + 8], 0xEE));
+  for (int p = 0; p < 4; ++p)  // four lanes each of a_p, a_p+8, a_p+4, a_p+12
+    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[p], b[p + 4], 0x88), _mm512_shuffle_f32x4(b[p], b[p + 4], 0xDD));
+  for (int p = 0; p < 2; ++p)  // two lanes each, per 128-bit block: c_p's accumulator, then c_p+2's
+    d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[p], c[p + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[p], c[p + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Weighted values for up to kValueTile queries: each query adds its seen keys' p * v in position order.
+// Scores of NQ queries (1 or 2) against 16 / NQ keys: each (query, key) pair accumulates over head_dim in order
+// in its own accumulator, then sum16. Two queries share each key load, one query shares its loads over 16 keys.
 template <int NQ>
+inline void dots(const float* const* q, const float* const* keys, int64_t dim, float scale, float* const* out) {
+  constexpr int kKeys = 16 / NQ;
+  __m512 acc[16];
+  for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    __m512 qv[NQ];
+    for (int t = 0; t < NQ; ++t) qv[t] = _mm512_loadu_ps(q[t] + d);
+    for (int j = 0; j < kKeys; ++j) {
+      const __m512 kv = _mm512_loadu_ps(keys[j] + d);
+      for (int t = 0; t < NQ; ++t) acc[kSlot[t * kKeys + j]] = _mm512_fmadd_ps(qv[t], kv, acc[kSlot[t * kKeys + j]]);
+    }
+  }
+  const __m512 sums = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+  if constexpr (NQ == 1) {
+    _mm512_storeu_ps(out[0], sums);
+  } else {
+    _mm256_storeu_ps(out[0], _mm512_castps512_ps256(sums));
+    _mm256_storeu_ps(out[1], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)));
+  }
+}
+
+// Weighted values for NQ queries: each query adds its seen keys' p * v in position order. VECS = head_dim / 16
+// when known at compile time (the accumulators then stay in registers), 0 for any other head_dim.
+template <int NQ, int VECS>
 void weigh_values(const float* vbase, int64_t vstride, int64_t span, int64_t dim, const uint8_t* const* seen,
                   const float* const* probs, float* const* out) {
-  __m512 acc[NQ][kMaxDim / kLanes];
-  const int64_t vecs = dim / kLanes;
+  constexpr int64_t kVecs = VECS ? VECS : kMaxDim / kLanes;
+  const int64_t vecs = VECS ? VECS : dim / kLanes;
+  __m512 acc[NQ][kVecs];
   int64_t next[NQ];
   for (int t = 0; t < NQ; ++t) {
     next[t] = 0;
@@ -77,6 +109,17 @@ void weigh_values(const float* vbase, int64_t vstride, int64_t span, int64_t dim
   }
   for (int64_t j = 0; j < span; ++j) {
     const float* v = vbase + j * vstride;
+    bool all = true;
+    for (int t = 0; t < NQ; ++t) all = all && seen[t][j];
+    if (all) {  // the usual case (causal rows): one load of each value chunk for every query
+      __m512 p[NQ];
+      for (int t = 0; t < NQ; ++t) p[t] = _mm512_set1_ps(probs[t][next[t]++]);
+      for (int64_t d = 0; d < vecs; ++d) {
+        const __m512 vv = _mm512_loadu_ps(v + d * kLanes);
+        for (int t = 0; t < NQ; ++t) acc[t][d] = _mm512_fmadd_ps(p[t], vv, acc[t][d]);
+      }
+      continue;
+    }
     for (int t = 0; t < NQ; ++t) {
       if (!seen[t][j]) continue;
       const __m512 p = _mm512_set1_ps(probs[t][next[t]++]);
@@ -85,6 +128,17 @@ void weigh_values(const float* vbase, int64_t vstride, int64_t span, int64_t dim
   }
   for (int t = 0; t < NQ; ++t)
     for (int64_t d = 0; d < vecs; ++d) _mm512_storeu_ps(out[t] + d * kLanes, acc[t][d]);
+}
+
+// The values of a tile's queries, as many at a time as keep their accumulators in registers.
+template <int VECS>
+void weigh_tile(const float* vbase, int64_t vstride, int64_t span, int64_t dim, int nq, const uint8_t* const* seen,
+                const float* const* probs, float* const* out) {
+  constexpr int kMany = VECS == 0 ? 1 : VECS >= 16 ? 1 : VECS >= 8 ? kWideValueTile : 24 / VECS;
+  int t = 0;
+  for (; t + kMany <= nq; t += kMany)
+    weigh_values<kMany, VECS>(vbase, vstride, span, dim, seen + t, probs + t, out + t);
+  for (; t < nq; ++t) weigh_values<1, VECS>(vbase, vstride, span, dim, seen + t, probs + t, out + t);
 }
 
 // softmax over one query's seen scores, compacted in position order into probs; returns 1 / their sum.
@@ -146,9 +200,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // Work items: (row, kv head, tile of up to kTile of the group * T queries that read that head's keys).
   const int64_t per_head = group * T, tiles = (per_head + kTile - 1) / kTile;
+  const int64_t padded = (S + kLanes - 1) / kLanes * kLanes;  // score rows in whole blocks of 16 keys
   at::parallel_for(0, R * Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kTile * S), probs(kTile * S);
-    std::vector<uint8_t> seen(kTile * S);
+    std::vector<float> scores(kTile * padded), probs(kTile * padded);
+    std::vector<uint8_t> seen(kTile * padded);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = item % tiles, kvh = (item / tiles) % Hkv, r = item / (tiles * Hkv);
       const int64_t first = tile * kTile;
@@ -163,9 +218,9 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
         const int64_t h = kvh * group + (first + t) / T, i = (first + t) % T;
         qrow[t] = qp + r * q.stride(0) + h * q.stride(1) + i * q.stride(2);
         orow[t] = op + ((r * H + h) * T + i) * D;
-        srow[t] = scores.data() + t * S;
-        prow[t] = probs.data() + t * S;
-        uint8_t* flags = seen.data() + t * S;
+        srow[t] = scores.data() + t * padded;
+        prow[t] = probs.data() + t * padded;
+        uint8_t* flags = seen.data() + t * padded;
         vis[t] = flags;
         int64_t last = 0;  // one past the last key this query sees
         if (mp) {
@@ -176,20 +231,27 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
           last = S - T + i + 1;
           std::fill(flags, flags + last, uint8_t{1});
         }
-        std::fill(flags + last, flags + S, uint8_t{0});
+        std::fill(flags + last, flags + padded, uint8_t{0});
         span = std::max(span, last);
       }
       const float* kb = kp + r * k.stride(0) + kvh * k.stride(1);
       const float* vb = vp + r * v.stride(0) + kvh * v.stride(1);
-      for (int64_t j = 0; j < span; ++j) {  // scores of keys a query does not see are computed, never read
-        const float* key = kb + j * k.stride(2);
-        switch (nq) {
-          case 1: dots<1>(qrow, key, D, scale, srow, j); break;
-          case 2: dots<2>(qrow, key, D, scale, srow, j); break;
-          case 3: dots<3>(qrow, key, D, scale, srow, j); break;
-          case 4: dots<4>(qrow, key, D, scale, srow, j); break;
-          case 5: dots<5>(qrow, key, D, scale, srow, j); break;
-          default: dots<kTile>(qrow, key, D, scale, srow, j); break;
+      // Scores in blocks of 16 keys; keys of the last block past the cache repeat its last key, and scores of
+      // keys a query does not see are computed, never read.
+      for (int64_t j = 0; j < span; j += kLanes) {
+        const float* keys[kLanes];
+        for (int64_t u = 0; u < kLanes; ++u) keys[u] = kb + std::min(j + u, S - 1) * k.stride(2);
+        int t = 0;
+        for (; t + 2 <= nq; t += 2) {
+          float* half[2] = {srow[t] + j, srow[t + 1] + j};
+          dots<2>(qrow + t, keys, D, scale, half);
+          half[0] += kLanes / 2;
+          half[1] += kLanes / 2;
+          dots<2>(qrow + t, keys + kLanes / 2, D, scale, half);
+        }
+        if (t < nq) {
+          float* whole[1] = {srow[t] + j};
+          dots<1>(qrow + t, keys, D, scale, whole);
         }
       }
       float inv[kTile];
@@ -198,11 +260,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
         inv[t] = softmax_seen(srow[t], vis[t], span, prow[t], &n);
         if (n == 0) inv[t] = 0.0f;  // no key to attend to: zeros (SDPA would give NaN; callers never ask)
       }
-      for (int t = 0; t < nq; t += kValueTile) {
-        if (nq - t >= kValueTile)
-          weigh_values<kValueTile>(vb, v.stride(2), span, D, vis + t, prow + t, orow + t);
-        else
-          weigh_values<1>(vb, v.stride(2), span, D, vis + t, prow + t, orow + t);
+      switch (D / kLanes) {
+        case 4: weigh_tile<4>(vb, v.stride(2), span, D, nq, vis, prow, orow); break;
+        case 8: weigh_tile<8>(vb, v.stride(2), span, D, nq, vis, prow, orow); break;
+        default: weigh_tile<0>(vb, v.stride(2), span, D, nq, vis, prow, orow); break;
       }
       for (int t = 0; t < nq; ++t) {
         const __m512 iv = _mm512_set1_ps(inv[t]);
