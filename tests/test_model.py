@@ -186,3 +186,31 @@ def test_smollm2_logits_match_hf(smollm2, linear):
         inc = torch.cat([model(ids[:, :5], cache=cache), model(ids[:, 5:], cache=cache)], 1)
     assert (full - ref).abs().max().item() < tol
     assert (inc - ref).abs().max().item() < tol
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+def test_a_long_prompt_in_pieces_gives_the_same_bits(monkeypatch):
+    """On the batch-invariant path a long window runs PREFILL_CHUNK tokens at a time: the cache and the logits
+    it keeps are those of one forward over the whole window, bit for bit."""
+    import mirrorsd.model
+    from mirrorsd.model import _is_projection
+    from mirrorsd.quant import quantize_q8
+
+    hf = tiny_hf("qwen2", layers=2, vocab=100, seed=4)
+    state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
+    model = Transformer._build(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
+    assert model.fused and model.prefix_model(1).fused
+    ids = torch.randint(0, 100, (2, 45), generator=torch.Generator().manual_seed(0))
+
+    def run(chunk: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(mirrorsd.model, "PREFILL_CHUNK", chunk)
+        prefilled, scored = model.new_cache(rows=2, capacity=8), model.new_cache(rows=2, capacity=8)
+        with torch.inference_mode():
+            model.prefill(ids[:, :40], prefilled)
+            out = [model(ids[:, 40:], cache=prefilled), model(ids, cache=scored),
+                   model(ids, cache=model.new_cache(rows=2, capacity=8), last=7)]
+        return [*out, *(b[:, :, :45] for cache in (prefilled, scored) for b in (*cache.keys, *cache.values))]
+
+    whole = run(1000)
+    for chunk in (16, 7):  # 8 and 3 tokens per row: pieces that do not divide the window
+        assert all(torch.equal(a, b) for a, b in zip(run(chunk), whole, strict=True))
