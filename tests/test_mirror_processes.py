@@ -204,3 +204,31 @@ def test_a_connection_closed_at_the_call_is_a_channel_error_too():
 
     with pytest.raises(ChannelError, match="Connection closed by peer"):
         wait_for(closed, 1.0)
+
+
+UNGUARDED_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from mirrorsd import generate
+from tests.conftest import tiny_hf
+from tests.test_mirror import row_exact
+
+target, draft = row_exact(tiny_hf(layers=2, seed=1)), row_exact(tiny_hf(layers=1, seed=2))
+out = generate(target, list(range(3, 20)), method="mirror", draft=draft, backend="processes", max_new_tokens=8)
+print("ANSWER", out.token_ids == generate(target, list(range(3, 20)), method="ar", max_new_tokens=8).token_ids)
+print("FAILED", out.stats.extra["mirror"].draft_failed)
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_at_once(tmp_path):
+    """A script that starts the backend at import time: the spawned draft process imports it again and stops
+    there (its generation never runs twice), and the caller, told at once rather than after the setup timeout,
+    answers with the target alone and names the fix."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("ANSWER") == 1 and "ANSWER True" in done.stdout
+    failed = done.stdout.split("FAILED", 1)[1]
+    assert "exited (code 1) before it connected" in failed and 'if __name__ == "__main__":' in failed
+    assert "a draft process was asked for another draft process" in done.stderr

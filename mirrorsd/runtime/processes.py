@@ -33,6 +33,9 @@ from .executors import Executor, _Threads, split_threads
 
 SHUTDOWN = 0  # message kind that ends a worker's loop
 ERROR = -1  # reply kind: the payload is the worker's error message (UTF-8 bytes)
+_JOINED = "mirrorsd-worker-joined"  # the store key a worker sets once it is up
+_MAIN_GUARD = ("a script that starts backend='processes' at import time: the draft process is spawned and imports "
+               "the script's main module again, so start it under `if __name__ == \"__main__\":`")
 
 
 class ChannelError(RuntimeError):
@@ -45,11 +48,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _group(rank: int, port: int, setup_timeout: float) -> dist.ProcessGroup:
+def _group(rank: int, port: int, setup_timeout: float, peer: mp.Process | None = None) -> dist.ProcessGroup:
     """The two-rank group. Its own timeout is long (a worker waits idle between requests); the caller bounds
-    every receive with its own timeout instead."""
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=setup_timeout))
+    every receive with its own timeout instead. Rank 0 watches ``peer`` while it waits for it to join, so a
+    worker that dies starting up is reported at once, not after ``setup_timeout``."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=setup_timeout),
+                          wait_for_workers=False)
+    if rank == 1:
+        store.set(_JOINED, "1")
+    else:
+        _await_join(store, peer, setup_timeout)
     return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(days=1))
+
+
+def _await_join(store: dist.TCPStore, peer: mp.Process | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not store.check([_JOINED]):
+        if peer is not None and not peer.is_alive():
+            raise ChannelError(
+                f"the draft process exited (code {peer.exitcode}) before it connected; its error is printed above. "
+                f"The usual cause: {_MAIN_GUARD}")
+        if time.monotonic() > deadline:
+            raise ChannelError(f"the draft process did not connect within {timeout:.0f} s")
+        time.sleep(0.02)
 
 
 class Channel:
@@ -117,11 +138,21 @@ class Worker:
 
     def __init__(self, entry: Callable[..., None], args: tuple, threads: int | None = None,
                  setup_timeout: float = 120.0) -> None:
+        if getattr(mp.current_process(), "_inheriting", False):
+            # We are a draft process of ours, importing the caller's main module: its script starts this backend
+            # at import time. Stop now, before that script's work runs a second time in this process; the caller
+            # sees this process exit and says why.
+            raise SystemExit(f"mirrorsd: a draft process was asked for another draft process while it imported "
+                             f"the main module. The cause: {_MAIN_GUARD}")
         port = _free_port()
         self.process = mp.get_context("spawn").Process(target=_child, args=(port, setup_timeout, threads, entry, args),
                                                        daemon=True, name="mirrorsd-draft-rank")
         self.process.start()
-        self.channel = Channel(_group(0, port, setup_timeout), 0)
+        try:
+            self.channel = Channel(_group(0, port, setup_timeout, self.process), 0)
+        except ChannelError:
+            self.process.kill()
+            raise
         self.broken: str | None = None
         atexit.register(self.close)
 
