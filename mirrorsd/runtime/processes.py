@@ -125,16 +125,18 @@ def decode_text(data: torch.Tensor) -> str:
     return bytes(data.tolist()).decode(errors="replace")
 
 
-def _child(port: int, timeout: float, threads: int | None, entry: Callable[..., None], args: tuple) -> None:
+def _child(port: int, timeout: float, threads: int | None, entry: Callable[..., None], inbox: Any) -> None:
     if threads:
         torch.set_num_threads(threads)
     channel = Channel(_group(1, port, timeout), 1)
-    entry(channel, *args)
+    entry(channel, *inbox.get())
 
 
 class Worker:
     """A spawned process running ``entry(channel, *args)``; the caller holds the other end of the channel.
-    ``args`` cross by pickling (CPU tensors of a model go through shared memory, not copies)."""
+    ``args`` cross by pickling (CPU tensors of a model go through shared memory, not copies), through a queue once
+    the process has joined: a model's pickle (~10 MB for the 0.5B) in the spawn payload itself would block
+    ``start()`` until the child read it, and forever if the child died first."""
 
     def __init__(self, entry: Callable[..., None], args: tuple, threads: int | None = None,
                  setup_timeout: float = 120.0) -> None:
@@ -145,14 +147,18 @@ class Worker:
             raise SystemExit(f"mirrorsd: a draft process was asked for another draft process while it imported "
                              f"the main module. The cause: {_MAIN_GUARD}")
         port = _free_port()
-        self.process = mp.get_context("spawn").Process(target=_child, args=(port, setup_timeout, threads, entry, args),
-                                                       daemon=True, name="mirrorsd-draft-rank")
+        context = mp.get_context("spawn")
+        inbox = context.Queue()
+        inbox.cancel_join_thread()  # a worker that dies before reading must not hold up this process's exit
+        self.process = context.Process(target=_child, args=(port, setup_timeout, threads, entry, inbox),
+                                       daemon=True, name="mirrorsd-draft-rank")
         self.process.start()
         try:
             self.channel = Channel(_group(0, port, setup_timeout, self.process), 0)
         except ChannelError:
             self.process.kill()
             raise
+        inbox.put(args)
         self.broken: str | None = None
         atexit.register(self.close)
 
