@@ -28,7 +28,7 @@ namespace {
 constexpr int64_t kLanes = 16;    // fp32 lanes in a zmm register
 constexpr int64_t kMaxDim = 256;  // head_dim limit: the output accumulators live in registers (16 zmm)
 constexpr int kTile = 6;          // queries of one kv head sharing each key load (a GQA group, window rows)
-constexpr int kWideValueTile = 3;  // queries sharing each value load at head_dim 128
+constexpr int kValueRegisters = 24;  // zmm registers for a value tile's accumulators (the rest: loads)
 
 // exp on 16 lanes, ~1.5 ulp (the polynomial of ggml's ggml_v_expf, MIT licence). Elementwise: a lane's value
 // does not depend on its neighbours, so where a score sits in a vector cannot change its weight.
@@ -134,7 +134,7 @@ void weigh_values(const float* vbase, int64_t vstride, int64_t span, int64_t dim
 template <int VECS>
 void weigh_tile(const float* vbase, int64_t vstride, int64_t span, int64_t dim, int nq, const uint8_t* const* seen,
                 const float* const* probs, float* const* out) {
-  constexpr int kMany = VECS == 0 ? 1 : VECS >= 16 ? 1 : VECS >= 8 ? kWideValueTile : 24 / VECS;
+  constexpr int kMany = VECS ? kValueRegisters / VECS : 1;  // 3 queries at head_dim 128, 6 at 64
   int t = 0;
   for (; t + kMany <= nq; t += kMany)
     weigh_values<kMany, VECS>(vbase, vstride, span, dim, seen + t, probs + t, out + t);
