@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .decoding import DecodeRequest, GenerationStats, ModelShape, get_method
+from .decoding import DecodeRequest, GenerationStats, ModelShape, get_method, methods
+from .decoding.bridge import TokenBridge
 from .decoding.engine import run
 from .errors import OptionError
 from .model import ACTIVATION_FORMATS, Transformer
@@ -168,19 +169,34 @@ def encode_prompt(target: LoadedModel, prompt: Prompt, *, raw: bool = False) -> 
 _MATCHING_VOCABS: weakref.WeakKeyDictionary[Any, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
-def check_tokenizers(target: LoadedModel, draft: LoadedModel) -> None:
+def shares_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
     a, b = target.tokenizer, draft.tokenizer
     if a is None or b is None or a is b:
-        return
+        return True
     known = _MATCHING_VOCABS.setdefault(a, weakref.WeakSet())
     if b in known:
-        return
+        return True
     if a.get_vocab() != b.get_vocab():
-        raise ValueError(
-            f"tokenizer mismatch: draft {draft.name or '(draft)'} does not share the vocabulary of target "
-            f"{target.name or '(target)'}; speculative decoding needs identical token ids"
-        )
+        return False
     known.add(b)
+    return True
+
+
+def draft_bridge(method: str, target: LoadedModel, draft: LoadedModel) -> TokenBridge | None:
+    """None when the draft shares the target's token ids; a :class:`~mirrorsd.decoding.bridge.TokenBridge` when it
+    does not and ``method`` drafts through text (``sd``); otherwise the mismatch, as a ValueError."""
+    if shares_tokenizer(target, draft):
+        return None
+    mismatch = (f"tokenizer mismatch: draft {draft.name or '(draft)'} does not share the vocabulary of target "
+                f"{target.name or '(target)'}")
+    if not get_method(method).bridged:
+        takes = ", ".join(m.name for m in methods() if m.bridged)
+        raise ValueError(f"{mismatch}; method {method!r} needs identical token ids (with another tokenizer, use "
+                         f"{takes}: it drafts through text)")
+    try:
+        return TokenBridge(target.tokenizer, draft.tokenizer)
+    except ValueError as e:
+        raise ValueError(f"{mismatch}, and it cannot draft through text: {e}") from None
 
 
 def _shipped_streams(model: LoadedModel) -> Path:
@@ -395,12 +411,12 @@ def stream(
     spec = get_method(method)
     if max_new_tokens < 1:
         raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
-    draft_model = None
+    draft_model = bridge = None
     if spec.needs_draft:
         if draft is None:
             raise ValueError(f"method {method!r} needs a draft model (draft=... / --draft)")
         draft = _as_loaded(draft)
-        check_tokenizers(target, draft)
+        bridge = draft_bridge(method, target, draft)
         draft_model = draft.model
     elif draft is not None:
         raise ValueError(f"method {method!r} does not use a draft model")
@@ -434,7 +450,7 @@ def stream(
         seed = secrets.randbits(63)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))
     stats = GenerationStats(method, seed=params.seed)
-    request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts)
+    request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge)
     roles = spec.build(request, opts)  # checks the models against the options now, not at the first token
     return GenerationStream(target, ids, run(request, roles), request, stop)
 

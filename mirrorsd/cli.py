@@ -1030,7 +1030,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "options with defaults and help (the flags `mirrorsd generate` takes for it and the keys "
                         "`mirrorsd bench --methods KIND:key=value` takes).")
     me.add_argument("--json", action="store_true",
-                    help="a JSON list of {name, summary, needs_draft, rejection_sampling, options}")
+                    help="a JSON list of {name, summary, needs_draft, rejection_sampling, any_draft_tokenizer, "
+                    "options}")
     me.set_defaults(func=_cmd_methods)
 
     m = sub.add_parser("models", help="the offline model zoo", description="List and prepare zoo models.")

@@ -199,8 +199,12 @@ class Bench:
             for layer in self.probe_exit.layers:
                 self.probe_exit.check(layer, self.target.config.hidden_size)
         self.draft = mirrorsd.load_model(config.draft, **load) if drafting or config.probe else None
-        if self.draft is not None:
-            mirrorsd.api.check_tokenizers(self.target, self.draft)
+        if self.draft is not None and not mirrorsd.api.shares_tokenizer(self.target, self.draft):
+            cannot = [k for k in drafting if k == AUTO or not ours(k) or not get_method(k).bridged]
+            if cannot or config.probe:
+                takes = ", ".join(m.name for m in methods() if m.bridged)
+                raise ValueError(f"draft {config.draft} has a tokenizer of its own, which only {takes} can draft with "
+                                 f"(through text); not {', '.join(cannot or ['the probe (--no-probe)'])}")
         config.methods = [self._resolve_auto(m) for m in config.methods]
         self.device = self.target.model.device
         self.hf = None

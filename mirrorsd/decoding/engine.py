@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -28,6 +28,9 @@ from ..model import Transformer
 from ..runtime.trace import Span
 from ..sampling import SamplingParams
 from ..verify import Verdict, verify_match, verify_rejection, verify_tree
+
+if TYPE_CHECKING:
+    from .bridge import TokenBridge
 
 # -- what crosses between the roles -------------------------------------------------------------------------
 
@@ -155,6 +158,7 @@ class DecodeRequest:
     stats: GenerationStats
     draft: Transformer | None = None
     options: Any = None  # the method's options (a MethodOptions)
+    bridge: TokenBridge | None = None  # the draft has a tokenizer of its own (methods registered ``bridged``)
 
 
 @dataclass

@@ -145,7 +145,8 @@ class Method:
 
     ``build(request, options)`` returns the engine roles for one request. ``step_cost`` is the planner's cost
     model: milliseconds of one recorded step (a dict from ``GenerationStats.step_log``). ``rejection`` says
-    whether the method supports ``acceptance="rejection"`` (the conformance suite tests its distribution).
+    whether the method supports ``acceptance="rejection"`` (the conformance suite tests its distribution);
+    ``bridged`` whether it takes a draft with a tokenizer of its own (:mod:`mirrorsd.decoding.bridge`).
     """
 
     name: str
@@ -155,10 +156,11 @@ class Method:
     build: Callable[[Any, Any], Roles]
     step_cost: StepCost | None = None
     rejection: bool = False
+    bridged: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "summary": self.summary, "needs_draft": self.needs_draft,
-                "rejection_sampling": self.rejection,
+                "rejection_sampling": self.rejection, "any_draft_tokenizer": self.bridged,
                 "options": [{"name": o.name, "flag": o.flag, "default": _jsonable(o.default),
                              "default_text": o.shown_default, "help": o.help,
                              "choices": list(o.choices) if o.choices else None} for o in self.options.fields()]}
@@ -193,8 +195,8 @@ class Registry:
 
 def register(name: str, summary: str, *, needs_draft: bool, options: type[MethodOptions],
              build: Callable[[Any, Any], Roles], step_cost: StepCost | None = None,
-             rejection: bool = False) -> Method:
-    return Registry.add(Method(name, summary, needs_draft, options, build, step_cost, rejection))
+             rejection: bool = False, bridged: bool = False) -> Method:
+    return Registry.add(Method(name, summary, needs_draft, options, build, step_cost, rejection, bridged))
 
 
 def methods() -> list[Method]:

@@ -5,7 +5,8 @@ One step: the draft feeds the committed tokens its cache lacks and proposes up t
 forward; the verifier accepts ``A`` tokens and gives the target's own next token; both caches roll back to
 what is committed. ``confidence=0`` with ``schedule="constant"`` is textbook fixed-γ SD (the papers' baseline).
 ``suffix_match`` puts the suffix proposer in front (:class:`~mirrorsd.decoding.suffix.SuffixFirst`);
-``draft_vocab`` restricts the draft's LM head (:mod:`mirrorsd.draft_vocab`).
+``draft_vocab`` restricts the draft's LM head (:mod:`mirrorsd.draft_vocab`). A draft with a tokenizer of its own
+drafts through text (:class:`~mirrorsd.decoding.bridge.BridgedProposer`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from functools import partial
 from typing import Any
 
 from ..verify import ACCEPTANCE_RULES
-from .engine import VERIFIERS, ChainScorer, DecodeRequest, Roles
+from .bridge import BridgedProposer
+from .engine import VERIFIERS, ChainScorer, DecodeRequest, Proposer, Roles
 from .proposers import SCHEDULES, ModelProposer, check_draft, draft_vocab_option, draft_vocab_size
-from .registry import MethodOptions, at_least, option, probability, register
+from .registry import MethodOptions, OptionError, at_least, option, probability, register
 from .suffix import GATES, HYBRID_LOOKUP, ModelGate, SuffixFirst, suffix_match_option, suffix_proposer
 
 
@@ -41,12 +43,24 @@ class SDOptions(MethodOptions):
                              "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
 
 
-def build(req: DecodeRequest, opts: SDOptions) -> Roles:
-    check_draft(req.target, req.draft)
-    rejection = opts.acceptance == "rejection"
-    proposer = ModelProposer(req.draft, req.target.config.vocab_size, req.sampling, opts.gamma,
-                             confidence=opts.confidence, rejection=rejection, schedule=opts.schedule,
+def model_proposer(req: DecodeRequest, opts: SDOptions, rejection: bool) -> Proposer:
+    vocab = req.target.config.vocab_size
+    if req.bridge is None:
+        check_draft(req.target, req.draft)
+        return ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,
+                             rejection=rejection, schedule=opts.schedule,
                              vocab=draft_vocab_size(opts.draft_vocab, req.draft), context=opts.draft_context)
+    if opts.draft_vocab:
+        raise OptionError("draft_vocab", "restricts a draft that shares the target's tokenizer; this draft has its own")
+    if opts.schedule != "constant":
+        raise OptionError("schedule", "a draft with a tokenizer of its own keeps a constant window limit")
+    return BridgedProposer(req.draft, req.bridge, vocab, opts.gamma, confidence=opts.confidence,
+                           rejection=rejection and not req.sampling.greedy, context=opts.draft_context)
+
+
+def build(req: DecodeRequest, opts: SDOptions) -> Roles:
+    rejection = opts.acceptance == "rejection"
+    proposer = model_proposer(req, opts, rejection)
     if not opts.suffix_match:
         return Roles(proposer, ChainScorer(req.target), VERIFIERS[opts.acceptance], gamma=opts.gamma)
     lookup = suffix_proposer(req, HYBRID_LOOKUP, gamma=opts.gamma, rejection=rejection)
@@ -70,4 +84,4 @@ def step_cost(costs: Any, step: dict[str, Any], opts: SDOptions) -> float:
 
 
 register("sd", "vanilla speculative decoding: a draft model proposes, the target verifies", needs_draft=True,
-         options=SDOptions, build=build, step_cost=step_cost, rejection=True)
+         options=SDOptions, build=build, step_cost=step_cost, rejection=True, bridged=True)
