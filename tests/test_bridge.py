@@ -163,3 +163,13 @@ def test_rejection_sampling_through_the_bridge_keeps_the_target_distribution(toy
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     exp = torch.cat([exact[keep] * n, (exact[~keep] * n).sum()[None]])
     assert keep.sum() >= 5 and chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+
+
+def test_a_prompt_ending_inside_a_character_waits_for_its_last_bytes(smol, toy_draft):
+    """A prompt of one byte of a 3-byte character has no text the draft could read yet: the first step drafts
+    nothing, and decoding goes on as ``ar``."""
+    lead = ByteTokenizer(smol.tokenizer).bytes.index("你".encode()[:1])
+    want = mirrorsd.generate(smol, [lead], method="ar", max_new_tokens=6)
+    got = mirrorsd.generate(smol, [lead], method="sd", draft=toy_draft, max_new_tokens=6, suffix_match=0)
+    assert got.stats.drafted[0] == 0
+    assert_same_or_near_tie(smol.model, want.prompt_ids, got.token_ids, want.token_ids)

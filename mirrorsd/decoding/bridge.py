@@ -180,6 +180,8 @@ class BridgedProposer:
         if window <= 0:
             return self.last
         feed = self._sync(state)
+        if not feed:  # (no whole character of text yet)
+            return self.last
         cache = state.draft_cache
         drafted: list[int] = []
         proposal: list[int] = []
