@@ -24,7 +24,7 @@ import torch
 
 from ..model import Transformer
 from ..verify import Verdict
-from .engine import Draft, RequestState, Scores
+from .engine import Draft, RequestState, Scores, point_masses
 from .proposers import SINK_TOKENS
 
 RETOKENIZE = 2  # trailing draft tokens re-tokenized with new text (a BPE merge can reach back over them)
@@ -201,16 +201,9 @@ class BridgedProposer:
             feed = [token]
         self.cached = self.cached[: len(cache) + self.skipped]  # the last drafted token was never fed
         tokens = list(takewhile(lambda t: t < self.target_vocab, proposal[:window]))
-        self.last = Draft(tokens, probs=self._point_masses(tokens), forwards=forwards, fed=fed)
+        probs = point_masses(tokens, self.target_vocab) if self.rejection and tokens else None
+        self.last = Draft(tokens, probs=probs, forwards=forwards, fed=fed)
         return self.last
-
-    def _point_masses(self, tokens: list[int]) -> torch.Tensor | None:
-        """A deterministic guess as the distribution it was drawn from (what rejection sampling needs)."""
-        if not self.rejection or not tokens:
-            return None
-        q = torch.zeros(len(tokens), self.target_vocab, dtype=torch.float64)
-        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return q
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         pass  # the next proposal re-tokenizes what was committed and keeps the cache where it agrees

@@ -200,6 +200,14 @@ class RequestState:
         return new
 
 
+def point_masses(tokens: list[int], vocab: int) -> torch.Tensor:
+    """Deterministic guesses (a suffix match's, a draft's through text) as the distributions they were drawn from,
+    ``q = δ_x`` per token: what rejection sampling needs to take them like a model's draws."""
+    q = torch.zeros(len(tokens), vocab, dtype=torch.float64)
+    q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return q
+
+
 def draft_tokens(model: Transformer, tokens: list[int]) -> torch.Tensor:
     """``[1, T]`` ids for a draft model; ids past a smaller draft vocabulary (the target's padding rows) become 0,
     which can only change what the draft proposes, never what is committed."""

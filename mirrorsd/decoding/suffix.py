@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..cache import cache_dir
 from ..verify import Verdict
-from .engine import ChainScorer, DecodeRequest, Draft, Proposer, RequestState, Roles, Scores, match
+from .engine import ChainScorer, DecodeRequest, Draft, Proposer, RequestState, Roles, Scores, match, point_masses
 from .registry import MethodOptions, at_least, option, probability, register
 from .suffix_index import SuffixIndex, datastore, persisting_allowed, shared_index
 
@@ -187,7 +185,7 @@ class SuffixProposer:
         tokens = self.chain(found.root, min(window, math.ceil(self.factor * found.length)),
                             acceptance.first_token(found.length), acceptance)
         self.last_match = found.length if tokens else 0
-        self.last = Draft(tokens, probs=self.point_masses(tokens))
+        self.last = Draft(tokens, probs=point_masses(tokens, self.target_vocab) if self.rejection and tokens else None)
         return self.last
 
     def chain(self, node: Any, limit: int, first: float, acceptance: AcceptanceModel) -> list[int]:
@@ -208,13 +206,6 @@ class SuffixProposer:
             expected += p
             node = child
         return out
-
-    def point_masses(self, tokens: list[int]) -> torch.Tensor | None:
-        if not self.rejection or not tokens:
-            return None
-        q = torch.zeros(len(tokens), self.target_vocab, dtype=torch.float64)
-        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return q
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         self.index.extend(self.doc, state.tokens[len(self.index.docs[self.doc]):])
