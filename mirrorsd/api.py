@@ -164,22 +164,19 @@ def encode_prompt(target: LoadedModel, prompt: Prompt, *, raw: bool = False) -> 
     return ids
 
 
-#: Target tokenizer → draft tokenizers already found to share its vocabulary (comparing two 152k-entry vocabularies
-#: costs ~0.2 s, which every request paid).
-_MATCHING_VOCABS: weakref.WeakKeyDictionary[Any, weakref.WeakSet] = weakref.WeakKeyDictionary()
+#: Target tokenizer → draft tokenizer → whether they share a vocabulary (comparing two 152k-entry vocabularies costs
+#: ~0.2 s, which every request paid, and a server with a draft of another tokenizer asks twice per request).
+_SHARED_VOCABS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, bool]] = weakref.WeakKeyDictionary()
 
 
 def shares_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
     a, b = target.tokenizer, draft.tokenizer
     if a is None or b is None or a is b:
         return True
-    known = _MATCHING_VOCABS.setdefault(a, weakref.WeakSet())
-    if b in known:
-        return True
-    if a.get_vocab() != b.get_vocab():
-        return False
-    known.add(b)
-    return True
+    known = _SHARED_VOCABS.setdefault(a, weakref.WeakKeyDictionary())
+    if b not in known:
+        known[b] = a.get_vocab() == b.get_vocab()
+    return known[b]
 
 
 def draft_bridge(method: str, target: LoadedModel, draft: LoadedModel) -> TokenBridge | None:

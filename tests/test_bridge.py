@@ -173,3 +173,27 @@ def test_a_prompt_ending_inside_a_character_waits_for_its_last_bytes(smol, toy_d
     got = mirrorsd.generate(smol, [lead], method="sd", draft=toy_draft, max_new_tokens=6, suffix_match=0)
     assert got.stats.drafted[0] == 0
     assert_same_or_near_tie(smol.model, want.prompt_ids, got.token_ids, want.token_ids)
+
+
+def test_a_server_with_a_draft_of_another_tokenizer(smol, toy_draft):
+    """`mirrorsd serve --draft` with such a draft answers ``sd`` requests as ``generate`` does, and refuses the
+    methods that need the target's token ids with a 400, not a failed stream."""
+    import openai
+
+    from mirrorsd.server import ServerConfig, create_app
+
+    from .test_server import LiveServer
+
+    server = LiveServer(create_app(smol, toy_draft, ServerConfig("smollm2-135m", method="sd")))
+    try:
+        messages = [{"role": "user", "content": "Name two planets."}]
+        want = mirrorsd.generate(smol, messages, method="sd", draft=toy_draft, max_new_tokens=16)
+        got = server.client().chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=16,
+                                                      temperature=0)
+        assert got.choices[0].message.content == want.text
+        assert got.usage.model_extra["drafted_tokens"] > 0
+        with pytest.raises(openai.BadRequestError, match="tokenizer mismatch.*use sd"):
+            server.client().chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=4,
+                                                    extra_body={"mirrorsd": {"method": "mirror"}})
+    finally:
+        server.stop()
