@@ -356,7 +356,7 @@ class Block(nn.Module):
             start = cache.lengths[self.layer]
             keys, values = cache.buffers(self.layer, start + x.shape[1])
             # With __torch_function__ dispatch on, the op looks the attribute up on the C++ block object, which
-            # throws and catches a C++ exception per call: ~15 us of a SmolLM2 block's ~105 us.
+            # throws and catches a C++ exception per call (SmolLM2's 1-token forward: 6.18 ms with it, 5.88 without).
             with torch._C.DisableTorchFunction():
                 out = torch.ops.mirrorsd.block_forward.default(self._kernel, x, cos, sin, keys, values, start, mask,
                                                                self.mlp.down_proj.split_activations)

@@ -16,11 +16,12 @@ sampling). A re-tokenization that splits text differently from the target only c
 from __future__ import annotations
 
 import weakref
-from functools import lru_cache
 from itertools import takewhile
 from typing import Any
 
 import torch
+from tokenizers.decoders import ByteLevel
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ..model import Transformer
 from ..verify import Verdict
@@ -30,23 +31,8 @@ from .proposers import SINK_TOKENS
 RETOKENIZE = 2  # trailing draft tokens re-tokenized with new text (a BPE merge can reach back over them)
 
 
-@lru_cache(maxsize=1)
-def _unicode_to_byte() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character standing for each byte in a byte-level vocabulary."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
 def byte_level(tokenizer: Any) -> bool:
     """Whether a (fast) HF tokenizer is GPT-2-style byte-level BPE, whose tokens are exact byte strings."""
-    from tokenizers.decoders import ByteLevel
-
     return isinstance(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None), ByteLevel)
 
 
@@ -71,7 +57,8 @@ class ByteTokenizer:
                              "tokenizer than the target's needs both to be byte-level (GPT-2 style: Qwen, Llama 3, "
                              "SmolLM2)")
         self.backend = tokenizer.backend_tokenizer
-        to_bytes = {ord(c): b for c, b in _unicode_to_byte().items()}  # str.translate: then latin-1 is the bytes
+        # GPT-2's alphabet: the printable character standing for each byte (str.translate, then latin-1 is the bytes)
+        to_bytes = {ord(c): b for b, c in bytes_to_unicode().items()}
         added = tokenizer.get_added_vocab()
         vocab = tokenizer.get_vocab()
         self.bytes: list[bytes] = [b""] * (max(vocab.values()) + 1)
@@ -201,7 +188,7 @@ class BridgedProposer:
             feed = [token]
         self.cached = self.cached[: len(cache) + self.skipped]  # the last drafted token was never fed
         tokens = list(takewhile(lambda t: t < self.target_vocab, proposal[:window]))
-        probs = point_masses(tokens, self.target_vocab) if self.rejection and tokens else None
+        probs = point_masses(tokens, self.target_vocab) if self.rejection else None
         self.last = Draft(tokens, probs=probs, forwards=forwards, fed=fed)
         return self.last
 

@@ -200,9 +200,11 @@ class RequestState:
         return new
 
 
-def point_masses(tokens: list[int], vocab: int) -> torch.Tensor:
+def point_masses(tokens: list[int], vocab: int) -> torch.Tensor | None:
     """Deterministic guesses (a suffix match's, a draft's through text) as the distributions they were drawn from,
-    ``q = δ_x`` per token: what rejection sampling needs to take them like a model's draws."""
+    ``q = δ_x`` per token: what rejection sampling needs to take them like a model's draws (None: no guess)."""
+    if not tokens:
+        return None
     q = torch.zeros(len(tokens), vocab, dtype=torch.float64)
     q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
     return q

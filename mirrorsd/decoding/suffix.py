@@ -185,7 +185,7 @@ class SuffixProposer:
         tokens = self.chain(found.root, min(window, math.ceil(self.factor * found.length)),
                             acceptance.first_token(found.length), acceptance)
         self.last_match = found.length if tokens else 0
-        self.last = Draft(tokens, probs=point_masses(tokens, self.target_vocab) if self.rejection and tokens else None)
+        self.last = Draft(tokens, probs=point_masses(tokens, self.target_vocab) if self.rejection else None)
         return self.last
 
     def chain(self, node: Any, limit: int, first: float, acceptance: AcceptanceModel) -> list[int]:
