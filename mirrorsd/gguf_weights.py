@@ -36,7 +36,7 @@ from gguf.quants import dequantize as _gguf_dequantize
 
 from .quant import GroupQuant
 
-__all__ = ["DECODERS", "decode_tensor", "describe_gguf", "gguf_to_hf_name", "load_gguf_weights"]
+__all__ = ["DECODERS", "decode_tensor", "describe_gguf", "gguf_to_hf_name", "load_gguf_weights", "open_gguf"]
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,28 @@ def _cfg(config: Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
+class _PlainViewReader(GGUFReader):
+    """gguf's reader over a plain ndarray view of its memmap (the same mapped bytes).
+
+    The reader parses every metadata value, the tokenizer's ~300k strings included, with a slice of ``data`` per
+    value; slicing an ``np.memmap`` builds a memmap object each time (``__array_finalize__``), which made the parse
+    of a Qwen GGUF take ~7 s. On a plain view the same parse takes ~2 s."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._mapped = mapped  # keeps the mapping open
+        self._plain = mapped.view(np.ndarray)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """A read-only :class:`GGUFReader` of ``path`` (tensor data stays memory-mapped)."""
+    return _PlainViewReader(os.fspath(path), "r")
+
+
 def _field(reader: GGUFReader, key: str) -> Any:
     f = reader.fields.get(key)
     return None if f is None else f.contents()
@@ -263,7 +285,7 @@ def load_gguf_weights(path: str | os.PathLike | GGUFReader, config: Any) -> dict
     An open ``GGUFReader`` may be passed instead of a path: parsing the metadata (the tokenizer's vocabulary
     and merges) is most of the load time of a small model.
     """
-    reader = path if isinstance(path, GGUFReader) else GGUFReader(os.fspath(path), "r")
+    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
     arch = _field(reader, "general.architecture")
     tied = bool(_cfg(config, "tie_word_embeddings", False))
     n_head = _cfg(config, "num_attention_heads") or _field(reader, f"{arch}.attention.head_count")
@@ -290,5 +312,5 @@ def load_gguf_weights(path: str | os.PathLike | GGUFReader, config: Any) -> dict
 
 def describe_gguf(path: str | os.PathLike | GGUFReader) -> dict[str, int]:
     """Number of tensors per GGML type (e.g. ``{"Q4_K": 169, "Q6_K": 29, "F32": 141}``), most common first."""
-    reader = path if isinstance(path, GGUFReader) else GGUFReader(os.fspath(path), "r")
+    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
     return dict(Counter(Q(t.tensor_type).name for t in reader.tensors).most_common())

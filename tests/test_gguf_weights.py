@@ -22,6 +22,7 @@ from mirrorsd.gguf_weights import (
     describe_gguf,
     gguf_to_hf_name,
     load_gguf_weights,
+    open_gguf,
 )
 from mirrorsd.quant import GroupQuant
 
@@ -154,9 +155,22 @@ def _assert_matches_checkpoint(name: str, reader: GGUFReader, *, tied: bool) -> 
 
 @pytest.fixture(scope="module")
 def smollm2_reader() -> GGUFReader:
-    """One parse of the SmolLM2 GGUF for the module: GGUFReader spends seconds on the tokenizer metadata."""
+    """One parse of the SmolLM2 GGUF for the module: the reader spends a second on the tokenizer metadata."""
     zoo.prepare("smollm2-135m", progress=False)
-    return GGUFReader(zoo.gguf_path("smollm2-135m"), "r")
+    return open_gguf(zoo.gguf_path("smollm2-135m"))
+
+
+@requires_smollm2
+def test_open_gguf_reads_what_gguf_reads(smollm2_reader: GGUFReader):
+    """The faster reader (a plain view of the same mapping) parses the same fields and tensors as gguf's own."""
+    plain = GGUFReader(zoo.gguf_path("smollm2-135m"), "r")
+    assert list(smollm2_reader.fields) == list(plain.fields)
+    for key in ("general.architecture", "llama.block_count", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        assert smollm2_reader.fields[key].contents() == plain.fields[key].contents(), key
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in smollm2_reader.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in plain.tensors]
+    for fast, reference in zip(smollm2_reader.tensors[:3], plain.tensors[:3], strict=True):
+        assert np.array_equal(fast.data, reference.data)
 
 
 @requires_smollm2
@@ -185,6 +199,6 @@ def test_qwen_0_5b_gguf_equals_converted_checkpoint():
     name = "qwen2.5-coder-0.5b"
     if not (zoo.gguf_path(name).exists() and (zoo.model_dir(name) / "model.safetensors").exists()):
         pytest.skip(f"{name} is not prepared (mirrorsd models prepare {name})")
-    reader = GGUFReader(zoo.gguf_path(name), "r")
+    reader = open_gguf(zoo.gguf_path(name))
     assert set(describe_gguf(reader)) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K", "F32"}
     _assert_matches_checkpoint(name, reader, tied=False)

@@ -250,6 +250,17 @@ def test_packed_bits_picks_the_narrowest_width():
         assert kernels.packed_bits(q) == expected
 
 
+@pytest.mark.parametrize("bits", [5, 6])
+def test_bit_planes_hold_each_codes_high_bits(bits):
+    """Plane b of a step of 64 codes holds bit 4 + b of code i at bit i (bit 63 is the int64's sign bit)."""
+    codes = torch.randint(0, 2**bits, (3, 7, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    planes = kernels._bit_planes(codes, bits)
+    assert planes.shape == (3, 7, bits - 4) and planes.dtype == torch.int64
+    for b in range(bits - 4):
+        want = sum(((codes[..., i].long() >> (4 + b)) & 1) << i for i in range(64))
+        assert torch.equal(planes[..., b], want)
+
+
 def test_unsupported_quant_layout_falls_back_to_dense():
     q = GroupQuant(torch.randint(0, 16, (16, 64), dtype=torch.uint8), torch.rand(16, 4), torch.rand(16, 4), 16, 4)
     layer = make_linear(q)

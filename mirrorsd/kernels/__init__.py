@@ -32,6 +32,7 @@ from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..cache import CacheDirError, cache_dir, ensure_cache_dir
@@ -243,6 +244,15 @@ def uses_two_level(q: GroupQuant, bits: int) -> bool:
     return q.super_scales is not None and (bits, q.group) in TWO_LEVEL_LAYOUTS
 
 
+def _bit_planes(steps: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[..., 64]`` → int64 ``[..., bits - 4]``: plane ``b`` holds bit ``4 + b`` of code ``i`` at bit
+    ``i``. Packed a byte at a time (numpy's packbits, little-endian), so no int64 copy of the codes is made: a
+    151,936 × 1,536 Q6_K head would otherwise allocate 1.9 GB per plane and take seconds to load."""
+    high = (steps >> 4).numpy()
+    planes = [np.packbits((high >> b) & 1, axis=-1, bitorder="little").view(np.int64) for b in range(bits - 4)]
+    return torch.from_numpy(np.concatenate(planes, axis=-1))
+
+
 def pack_quant(q: GroupQuant, bits: int | None = None, two_level: bool = True) -> PackedQuant:
     """GroupQuant → :class:`PackedQuant` for ``bits``-bit codes (default: :func:`packed_bits`).
 
@@ -260,9 +270,7 @@ def pack_quant(q: GroupQuant, bits: int | None = None, two_level: bool = True) -
     else:  # low nibbles of step pairs share a byte; bits 4.. go to 64-bit planes, one bit per code byte
         pairs = (steps & 0x0F).reshape(blocks, k // 8, 2, BLOCK_N * 4)
         packed = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
-        weights = torch.ones(BLOCK_N * 4, dtype=torch.int64) << torch.arange(BLOCK_N * 4)  # bit 63 wraps: fine
-        extra = [((steps.long() >> (4 + b)) & 1) * weights for b in range(bits - 4)]
-        planes = torch.stack([e.sum(-1) for e in extra], -1).contiguous() if extra else None
+        planes = _bit_planes(steps, bits) if bits > 4 else None
     def interleave(t: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         t = _pad_rows(t).to(dtype)
         return t.view(blocks, BLOCK_N, t.shape[1]).transpose(1, 2).contiguous()
