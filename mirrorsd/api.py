@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .collector import paused_collector
 from .decoding import DecodeRequest, GenerationStats, ModelShape, get_method, methods
 from .decoding.bridge import TokenBridge
 from .decoding.engine import run
@@ -92,9 +93,10 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     default_weights, default_acts = default_format(name_or_path, path, device, dtype)
     weights = weights or default_weights
     activations = "int8" if weights == "fp32" else activations or default_acts  # fp32 has no quantized layer
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, linear=linear,
-                                        activations=activations).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with paused_collector():
+        model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, linear=linear,
+                                            activations=activations).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     eos: set[int] = set()
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

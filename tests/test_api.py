@@ -202,3 +202,25 @@ def test_stats_gamma_is_the_configured_window_and_max_drafted_the_largest_drafte
 def test_default_method_is_sd_with_a_draft_else_ar(tiny):
     assert generate(tiny, [1, 2], max_new_tokens=3).stats.method == "ar"
     assert generate(tiny, [1, 2], draft=tiny.prefix_model(1), max_new_tokens=3).stats.method == "sd"
+
+
+@requires_smollm2
+def test_loading_pauses_the_collector_and_restores_it(monkeypatch):
+    """Loading builds hundreds of thousands of long-lived objects with the cyclic collector paused (full passes
+    would walk them all for nothing), and leaves the collector as the caller had it, also after a failure."""
+    import gc
+
+    from mirrorsd.collector import paused_collector
+
+    seen = []
+    monkeypatch.setattr(Transformer, "from_pretrained", lambda *a, **k: seen.append(gc.isenabled()) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        mirrorsd.load_model("smollm2-135m", progress=False)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        with paused_collector():
+            pass
+        assert not gc.isenabled()  # the caller's own choice stays
+    finally:
+        gc.enable()

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from ..collector import paused_collector
+
 MAX_MATCH = 64  # longest match length measured (SuffixDecoding's tree depth)
 KEY_LEN = 4  # longest indexed n-gram
 
@@ -228,7 +230,8 @@ def datastore(spec: str, tokenizer_key: str, vocab_size: int) -> SuffixIndex | N
                 raise ValueError(f"suffix datastore {spec!r} holds token id {top}, beyond the target's vocabulary "
                                  f"({vocab_size}): it was written for another tokenizer")
             index = SuffixIndex()
-            for doc in docs:
-                index.add(doc)
+            with paused_collector():
+                for doc in docs:
+                    index.add(doc)
             _datastores[name] = index
         return index
