@@ -469,6 +469,44 @@ def test_two_level_scales_must_be_exact():
 
 
 @requires_kernels
+def test_blocks_in_one_op_call_give_the_per_block_bits():
+    """run_layers sends all bound blocks of a range to one op call (blocks_forward); with one block unbound it runs
+    them one by one, and a range split in two (Mirror-SD's exit) continues the same cache: the same bits each way."""
+    from mirrorsd.model import Transformer, _is_projection
+
+    from .conftest import tiny_hf
+
+    hf = tiny_hf("qwen2", layers=3, seed=4)
+    state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
+    model = Transformer._build(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = torch.ops.mirrorsd.blocks_forward.default
+
+    def run(split_at: int | None, unbound: int | None) -> list[torch.Tensor]:
+        for i, block in enumerate(model.layers):
+            block.use_kernel = i != unbound
+        cache = model.new_cache(capacity=4)
+        with torch.inference_mode():
+            model.prefill(ids[:, :7], cache)
+            positions = torch.arange(7, 10).unsqueeze(0)
+            hidden = model.embed(ids[:, 7:10])
+            for start, end in ((0, split_at), (split_at, 3)) if split_at else ((0, 3),):
+                hidden = model.run_layers(hidden, positions, cache, start=start, end=end)
+        assert cache.lengths == [10, 10, 10]
+        return [hidden, *(buffer[:, :, :10] for buffer in (*cache.keys, *cache.values))]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.ops.mirrorsd.blocks_forward, "default",
+                      lambda blocks, *args: calls.append(len(blocks)) or real(blocks, *args))
+        whole, split, one_unbound = run(None, None), run(1, None), run(None, 1)
+    # per run, the prefill then the window: whole [3], [3]; split [3], [1, 2]; one unbound: blocks 0 and 2 alone
+    assert calls == [3, 3, 3, 1, 2, 1, 1, 1, 1]
+    for other in (split, one_unbound):
+        assert all(torch.equal(a, b) for a, b in zip(whole, other, strict=True))
+
+
+@requires_kernels
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
 def test_block_kernel_gives_the_python_paths_bits(arch, activations):
