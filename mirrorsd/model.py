@@ -298,11 +298,13 @@ class MLP(nn.Module):
         self.gate_proj = make_linear(weights[p + "gate_proj.weight"], linear=linear)
         self.up_proj = make_linear(weights[p + "up_proj.weight"], linear=linear)
         self.down_proj = make_linear(weights[p + "down_proj.weight"], linear=linear)
+        self.fused = False  # set by Transformer: the C++ SiLU the fused block uses (the same bits)
 
     def forward(self, x: torch.Tensor, streams: StreamRows | None = None) -> torch.Tensor:
         gate = _project(streams, self.layer, "gate_proj", self.gate_proj, x)
         up = _project(streams, self.layer, "up_proj", self.up_proj, x)
-        return _project(streams, self.layer, "down_proj", self.down_proj, F.silu(gate) * up)
+        act = kernels.silu_mul(gate, up) if self.fused else F.silu(gate) * up
+        return _project(streams, self.layer, "down_proj", self.down_proj, act)
 
 
 #: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
@@ -411,7 +413,7 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention | PackedLinear):
                 module.row_exact = self.row_exact
-            if isinstance(module, Attention | RMSNorm):
+            if isinstance(module, Attention | RMSNorm | MLP):
                 module.fused = fused
         on_huge_pages(self)
         for block in self.layers:

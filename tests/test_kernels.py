@@ -358,6 +358,24 @@ def test_rms_norm_kernel_matches_torch_and_is_row_local(rows, k, seed):
 
 @requires_kernels
 @settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 70), scale=st.sampled_from([1.0, 10.0, 100.0]), seed=st.integers(0, 99))
+def test_silu_mul_kernel_matches_torch_and_is_position_free(n, scale, seed):
+    """silu(gate) * up with our exp (shared by the fused block and the Python MLP): within float rounding of
+    PyTorch's, finite for large gates, and an element's value does not depend on where it sits in the vector."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(2, n, generator=g) * scale, torch.randn(2, n, generator=g)
+    out = kernels.silu_mul(gate, up)
+    ref = torch.nn.functional.silu(gate.double()) * up.double()
+    assert torch.isfinite(out).all() and torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-30)
+    for i in range(n):
+        assert torch.equal(kernels.silu_mul(gate[:, i : i + 1], up[:, i : i + 1]), out[:, i : i + 1])
+    assert torch.equal(kernels.silu_mul(gate.t().contiguous().t(), up), out)  # any strides: computed contiguously
+    with pytest.raises(RuntimeError, match="same shape"):
+        kernels.silu_mul(gate, up[:1])
+
+
+@requires_kernels
+@settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 3), t=st.integers(1, 9), heads=st.integers(1, 4), dim=st.sampled_from([8, 16, 64, 128]),
        shared_angles=st.booleans(), seed=st.integers(0, 99))
 def test_rope_kernel_matches_torch_and_is_row_local(rows, t, heads, dim, shared_angles, seed):
@@ -511,8 +529,8 @@ def test_blocks_in_one_op_call_give_the_per_block_bits():
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
 def test_block_kernel_gives_the_python_paths_bits(arch, activations):
     """The whole-block C++ op (cpu_block.cpp) against the per-op Python path of the same quantized model: equal
-    logits and cache contents for a prompt (with cache growth), a tree-masked window and a single token; biases
-    (qwen2), q/k norms (qwen3) and split activations included."""
+    logits and cache contents for a prompt (with cache growth), a tree-masked window, a single token and a two-row
+    batch with per-row positions and masks; biases (qwen2), q/k norms (qwen3) and split activations included."""
     from mirrorsd.model import Transformer, _is_projection
 
     from .conftest import tiny_hf
@@ -526,6 +544,9 @@ def test_block_kernel_gives_the_python_paths_bits(arch, activations):
     tree = torch.ones(1, 3, 12, dtype=torch.bool)  # nodes 1 and 2 are siblings: node 2 does not see node 1
     tree[0, 2, 10] = False
     tree[0, 0, 10:] = tree[0, 1, 11] = False
+    pair = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    pair_mask = torch.ones(2, 2, 11, dtype=torch.bool).tril(9)
+    pair_mask[1, :, 3] = False
 
     def run(kernel: bool) -> list[torch.Tensor]:
         for block in model.layers:
@@ -536,7 +557,12 @@ def test_block_kernel_gives_the_python_paths_bits(arch, activations):
                    model(ids[:, 9:12], torch.tensor([9, 10, 10]), cache=cache, mask=tree)]
             cache.truncate(10)
             out.append(model(ids[:, 11:12], cache=cache))
-        return [*out, *(buffer[:, :, :11] for buffer in (*cache.keys, *cache.values))]
+            # two rows: per-row positions (cos/sin not shared) and a per-row mask
+            pair_cache = model.new_cache(rows=2, capacity=4)
+            out.append(model(pair[:, :9], cache=pair_cache))
+            out.append(model(pair[:, 9:11], torch.tensor([[9, 10], [12, 13]]), cache=pair_cache, mask=pair_mask))
+        return [*out, *(buffer[:, :, :11] for buffer in (*cache.keys, *cache.values, *pair_cache.keys,
+                                                         *pair_cache.values))]
 
     fused, python = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(fused, python, strict=True))

@@ -384,6 +384,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.mirrorsd.rms_norm(x.contiguous(), weight, eps)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in one call (``cpu_elementwise.cpp``), with the fused block's exp: the same bits."""
+    return torch.ops.mirrorsd.silu_mul(gate, up)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` ``[rows, T, heads, dim]`` with ``cos``/``sin`` ``[rows or 1, T, dim]``, returned
     as ``[rows, heads, T, dim]`` (attention's layout) in one call."""

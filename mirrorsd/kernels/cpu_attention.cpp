@@ -30,26 +30,7 @@ constexpr int64_t kMaxDim = 256;  // head_dim limit: the output accumulators liv
 constexpr int kTile = 6;          // queries of one kv head sharing each key load (a GQA group, window rows)
 constexpr int kValueRegisters = 24;  // zmm registers for a value tile's accumulators (the rest: loads)
 
-// exp on 16 lanes, ~1.5 ulp (the polynomial of ggml's ggml_v_expf, MIT licence). Elementwise: a lane's value
-// does not depend on its neighbours, so where a score sits in a vector cannot change its weight.
-inline __m512 exp16(__m512 x) {
-  const __m512 r = _mm512_set1_ps(0x1.8p23f);
-  const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r);
-  const __m512 n = _mm512_sub_ps(z, r);
-  const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
-  const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
-  const __m512 u = _mm512_mul_ps(b, b);
-  const __m512 j = _mm512_fmadd_ps(
-      _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
-                      _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
-      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
-  const __m512 res = _mm512_scalef_ps(j, n);
-  if (_mm512_kortestz(big, big)) return res;
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512 alt = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, zero, _CMP_LE_OQ), _mm512_set1_ps(INFINITY), zero);
-  return _mm512_mask_blend_ps(big, res, alt);
-}
+using mirrorsd::exp16;
 
 // Sixteen dot products summed at once: lane L of the result is the sum of acc[L]'s lanes. Every accumulator goes
 // through the same tree ((a_i + a_i+8) + (a_i+4 + a_i+12), then pairs), so a score does not depend on which slot
@@ -164,8 +145,95 @@ float softmax_seen(const float* scores, const uint8_t* seen, int64_t span, float
 
 }  // namespace
 
-// Called from Python through the ops below, and by the fused decoder block (cpu_block.cpp) directly.
+// Called from Python through the op below, and by the fused decoder block (cpu_block.cpp) directly.
 namespace mirrorsd {
+
+void attend_into(Heads q, Heads k, Heads v, int64_t R, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
+                 const bool* mask, int64_t mask_row_stride, Heads out) {
+  const int64_t group = H / Hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // Work items: (row, kv head, tile of up to kTile of the group * T queries that read that head's keys).
+  const int64_t per_head = group * T, tiles = (per_head + kTile - 1) / kTile;
+  const int64_t padded = (S + kLanes - 1) / kLanes * kLanes;  // score rows in whole blocks of 16 keys
+  at::parallel_for(0, R * Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kTile * padded), probs(kTile * padded);
+    std::vector<uint8_t> seen(kTile * padded);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item % tiles, kvh = (item / tiles) % Hkv, r = item / (tiles * Hkv);
+      const int64_t first = tile * kTile;
+      const int nq = static_cast<int>(std::min<int64_t>(kTile, per_head - first));
+      const float* qrow[kTile];
+      float* orow[kTile];
+      float* srow[kTile];
+      float* prow[kTile];
+      const uint8_t* vis[kTile];
+      int64_t span = 0;
+      for (int t = 0; t < nq; ++t) {
+        const int64_t h = kvh * group + (first + t) / T, i = (first + t) % T;
+        qrow[t] = q.data + r * q.row + h * q.head + i * q.pos;
+        orow[t] = out.data + r * out.row + h * out.head + i * out.pos;
+        srow[t] = scores.data() + t * padded;
+        prow[t] = probs.data() + t * padded;
+        uint8_t* flags = seen.data() + t * padded;
+        vis[t] = flags;
+        int64_t last = 0;  // one past the last key this query sees
+        if (mask) {
+          const bool* row = mask + r * mask_row_stride + i * S;
+          for (int64_t j = 0; j < S; ++j)
+            if ((flags[j] = row[j])) last = j + 1;
+        } else {
+          last = S - T + i + 1;
+          std::fill(flags, flags + last, uint8_t{1});
+        }
+        std::fill(flags + last, flags + padded, uint8_t{0});
+        span = std::max(span, last);
+      }
+      const float* kb = k.data + r * k.row + kvh * k.head;
+      const float* vb = v.data + r * v.row + kvh * v.head;
+      // Scores in blocks of 16 keys; keys of the last block past the cache repeat its last key, and scores of
+      // keys a query does not see are computed, never read.
+      for (int64_t j = 0; j < span; j += kLanes) {
+        const float* keys[kLanes];
+        for (int64_t u = 0; u < kLanes; ++u) keys[u] = kb + std::min(j + u, S - 1) * k.pos;
+        int t = 0;
+        for (; t + 2 <= nq; t += 2) {
+          float* half[2] = {srow[t] + j, srow[t + 1] + j};
+          dots<2>(qrow + t, keys, D, scale, half);
+          half[0] += kLanes / 2;
+          half[1] += kLanes / 2;
+          dots<2>(qrow + t, keys + kLanes / 2, D, scale, half);
+        }
+        if (t < nq) {
+          float* whole[1] = {srow[t] + j};
+          dots<1>(qrow + t, keys, D, scale, whole);
+        }
+      }
+      float inv[kTile];
+      for (int t = 0; t < nq; ++t) {
+        int64_t n = 0;
+        inv[t] = softmax_seen(srow[t], vis[t], span, prow[t], &n);
+        if (n == 0) inv[t] = 0.0f;  // no key to attend to: zeros (SDPA would give NaN; callers never ask)
+      }
+      switch (D / kLanes) {
+        case 4: weigh_tile<4>(vb, v.pos, span, D, nq, vis, prow, orow); break;
+        case 8: weigh_tile<8>(vb, v.pos, span, D, nq, vis, prow, orow); break;
+        default: weigh_tile<0>(vb, v.pos, span, D, nq, vis, prow, orow); break;
+      }
+      for (int t = 0; t < nq; ++t) {
+        const __m512 iv = _mm512_set1_ps(inv[t]);
+        for (int64_t d = 0; d < D; d += kLanes) _mm512_storeu_ps(orow[t] + d, _mm512_mul_ps(_mm512_loadu_ps(orow[t] + d), iv));
+      }
+    }
+  });
+}
+
+}  // namespace mirrorsd
+
+namespace {
+
+mirrorsd::Heads heads(const torch::Tensor& x) {
+  return mirrorsd::Heads{x.data_ptr<float>(), x.stride(0), x.stride(1), x.stride(2)};
+}
 
 // q [R, H, T, D]; k, v [R, Hkv, S, D] (strided views of the cache are fine: D must be contiguous);
 // mask: bool [R or 1, T, S] (True = attend) or none, meaning causal over a cache whose last T keys are the
@@ -192,92 +260,14 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
     mask_row_stride = mask->size(0) == 1 ? 0 : T * S;
   }
   auto out = torch::empty({R, H, T, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = H / Hkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // Work items: (row, kv head, tile of up to kTile of the group * T queries that read that head's keys).
-  const int64_t per_head = group * T, tiles = (per_head + kTile - 1) / kTile;
-  const int64_t padded = (S + kLanes - 1) / kLanes * kLanes;  // score rows in whole blocks of 16 keys
-  at::parallel_for(0, R * Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kTile * padded), probs(kTile * padded);
-    std::vector<uint8_t> seen(kTile * padded);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t tile = item % tiles, kvh = (item / tiles) % Hkv, r = item / (tiles * Hkv);
-      const int64_t first = tile * kTile;
-      const int nq = static_cast<int>(std::min<int64_t>(kTile, per_head - first));
-      const float* qrow[kTile];
-      float* orow[kTile];
-      float* srow[kTile];
-      float* prow[kTile];
-      const uint8_t* vis[kTile];
-      int64_t span = 0;
-      for (int t = 0; t < nq; ++t) {
-        const int64_t h = kvh * group + (first + t) / T, i = (first + t) % T;
-        qrow[t] = qp + r * q.stride(0) + h * q.stride(1) + i * q.stride(2);
-        orow[t] = op + ((r * H + h) * T + i) * D;
-        srow[t] = scores.data() + t * padded;
-        prow[t] = probs.data() + t * padded;
-        uint8_t* flags = seen.data() + t * padded;
-        vis[t] = flags;
-        int64_t last = 0;  // one past the last key this query sees
-        if (mp) {
-          const bool* row = mp + r * mask_row_stride + i * S;
-          for (int64_t j = 0; j < S; ++j)
-            if ((flags[j] = row[j])) last = j + 1;
-        } else {
-          last = S - T + i + 1;
-          std::fill(flags, flags + last, uint8_t{1});
-        }
-        std::fill(flags + last, flags + padded, uint8_t{0});
-        span = std::max(span, last);
-      }
-      const float* kb = kp + r * k.stride(0) + kvh * k.stride(1);
-      const float* vb = vp + r * v.stride(0) + kvh * v.stride(1);
-      // Scores in blocks of 16 keys; keys of the last block past the cache repeat its last key, and scores of
-      // keys a query does not see are computed, never read.
-      for (int64_t j = 0; j < span; j += kLanes) {
-        const float* keys[kLanes];
-        for (int64_t u = 0; u < kLanes; ++u) keys[u] = kb + std::min(j + u, S - 1) * k.stride(2);
-        int t = 0;
-        for (; t + 2 <= nq; t += 2) {
-          float* half[2] = {srow[t] + j, srow[t + 1] + j};
-          dots<2>(qrow + t, keys, D, scale, half);
-          half[0] += kLanes / 2;
-          half[1] += kLanes / 2;
-          dots<2>(qrow + t, keys + kLanes / 2, D, scale, half);
-        }
-        if (t < nq) {
-          float* whole[1] = {srow[t] + j};
-          dots<1>(qrow + t, keys, D, scale, whole);
-        }
-      }
-      float inv[kTile];
-      for (int t = 0; t < nq; ++t) {
-        int64_t n = 0;
-        inv[t] = softmax_seen(srow[t], vis[t], span, prow[t], &n);
-        if (n == 0) inv[t] = 0.0f;  // no key to attend to: zeros (SDPA would give NaN; callers never ask)
-      }
-      switch (D / kLanes) {
-        case 4: weigh_tile<4>(vb, v.stride(2), span, D, nq, vis, prow, orow); break;
-        case 8: weigh_tile<8>(vb, v.stride(2), span, D, nq, vis, prow, orow); break;
-        default: weigh_tile<0>(vb, v.stride(2), span, D, nq, vis, prow, orow); break;
-      }
-      for (int t = 0; t < nq; ++t) {
-        const __m512 iv = _mm512_set1_ps(inv[t]);
-        for (int64_t d = 0; d < D; d += kLanes) _mm512_storeu_ps(orow[t] + d, _mm512_mul_ps(_mm512_loadu_ps(orow[t] + d), iv));
-      }
-    }
-  });
+  mirrorsd::attend_into(heads(q), heads(k), heads(v), R, H, Hkv, T, S, D, mp, mask_row_stride, heads(out));
   return out;
 }
 
-}  // namespace mirrorsd
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) { m.impl("attend", mirrorsd::attend); }
+TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) { m.impl("attend", attend); }

@@ -1,18 +1,22 @@
-// A whole decoder block of a quantized model in one call (issue 18, item 5: overhead outside the kernels).
+// A quantized model's decoder blocks in one call (issue 18, items 1 and 5: overhead outside the kernels).
 //
-// At one token per forward a Qwen2.5-1.5B block does ~35 us of Python and op dispatch around its kernels (seven
-// linear calls of 13 arguments each, two norms, two rotary calls, a cache write, attention, SiLU, two residual
-// adds): ~4 ms of a ~38 ms token. Here the block's weights are bound once into a QuantBlock and one op runs the
-// block, calling the same kernel functions and ATen ops, in the same order, as mirrorsd.model's Python path, so
-// both give the same bits (tested) and every batch-invariance argument carries over. q/k/v, and gate/up, read one
-// input: their activations are quantized once and one parallel region covers them (each output unchanged).
+// At one token per forward, what surrounds a block's kernels runs on one core while the other waits: Python and op
+// dispatch for seven linears, two norms, two rotary calls, a cache write, attention, SiLU and two residual adds, and,
+// once the block ran as one op, still ~25 ATen calls and ~33 allocations per block (perf: ~3.8 ms of a ~31 ms
+// Qwen2.5-1.5B token on the main thread outside the kernels; 1.4 ms after this file's raw-pointer path). Here the block's weights are bound once into a QuantBlock, one
+// op runs every block of a range, and a block runs on raw pointers: its intermediates live in scratch memory the
+// thread reuses, the residual stream is updated in place, and the rotated keys and the values are written straight
+// into the cache. It calls the very kernel functions mirrorsd.model's Python path calls through the ops, in the same
+// order, so both give the same bits (tested) and every batch-invariance argument carries over. q/k/v, and gate/up,
+// read one input: their activations are quantized once and one parallel region covers them (each output unchanged).
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
-#include <initializer_list>
+#include <cstring>
+#include <immintrin.h>
 #include <optional>
 #include <vector>
 
@@ -22,32 +26,27 @@ namespace {
 
 using OptTensor = std::optional<torch::Tensor>;
 
-// One QuantLinear's packed weight (mirrorsd.kernels.PackedQuant) and shape. Its raw pointers are taken at each call,
-// never cached: a storage can move under a tensor (share_memory_() when the processes backend sends the model).
+// One QuantLinear's packed weight (mirrorsd.kernels.PackedQuant), checked once when the block is bound. Its raw
+// pointers are taken again at each call, never kept: a storage can move under a tensor (share_memory_() when the
+// processes backend sends the model).
 struct Linear {
   torch::Tensor codes, scales;
   OptTensor planes, offsets, super_scales, super_offsets, bias;
-  int64_t k = 0, n = 0, bits = 0, group = 0, zero = 0;
+  mirrorsd::QuantWeight checked;
 
   mirrorsd::QuantWeight view() const {
-    return mirrorsd::check_weight(k, codes, planes, scales, offsets, super_scales, super_offsets, bias, n, bits, group,
-                                  zero);
+    mirrorsd::QuantWeight w = checked;
+    const auto data = [](const OptTensor& t) { return t ? t->data_ptr() : nullptr; };
+    w.codes = static_cast<const uint8_t*>(codes.data_ptr());
+    w.planes = static_cast<const uint64_t*>(data(planes));
+    w.scales = static_cast<const char*>(scales.data_ptr());
+    w.offsets = static_cast<const char*>(data(offsets));
+    w.super_scales = static_cast<const uint16_t*>(data(super_scales));
+    w.super_offsets = static_cast<const uint16_t*>(data(super_offsets));
+    w.bias = static_cast<const float*>(data(bias));
+    return w;
   }
 };
-
-// x [..., K] through linears that share it -> [..., n] each, as QuantLinear.forward computes each of them.
-std::vector<torch::Tensor> project(const torch::Tensor& x, std::initializer_list<const Linear*> linears, bool split) {
-  const torch::Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();
-  std::vector<mirrorsd::QuantWeight> views;
-  for (const Linear* linear : linears) views.push_back(linear->view());
-  std::vector<torch::Tensor> ys = mirrorsd::linear_quant_many(rows, views, split);
-  for (size_t i = 0; i < ys.size(); ++i) {
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = views[i].N;
-    ys[i] = ys[i].view(shape);
-  }
-  return ys;
-}
 
 constexpr int64_t kLinears = 7;           // q, k, v, o, gate, up, down
 constexpr int64_t kTensorsPerLinear = 7;  // codes, planes, scales, offsets, super_scales, super_offsets, bias
@@ -57,7 +56,7 @@ struct QuantBlock : torch::CustomClassHolder {
   std::vector<Linear> linears;
   torch::Tensor input_norm, post_norm;
   OptTensor q_norm, k_norm;
-  int64_t heads, kv_heads, head_dim;
+  int64_t heads, kv_heads, head_dim, hidden;
   double eps;
 
   // tensors: 7 per linear (q, k, v, o, gate, up, down), then input_norm, post_attention_norm, q_norm, k_norm;
@@ -72,7 +71,9 @@ struct QuantBlock : torch::CustomClassHolder {
       const int64_t* v = ints.data() + i * kIntsPerLinear;
       TORCH_CHECK(t[0] && t[2], "QuantBlock: linear ", i, " needs codes and scales");
       const int64_t k = t[0]->size(1) * (v[1] == 8 ? 4 : 8);  // codes [N/16, K/4 or K/8, 64]
-      linears.push_back(Linear{*t[0], *t[2], t[1], t[3], t[4], t[5], t[6], k, v[0], v[1], v[2], v[3]});
+      linears.push_back(Linear{*t[0], *t[2], t[1], t[3], t[4], t[5], t[6],
+                               mirrorsd::check_weight(k, *t[0], t[1], *t[2], t[3], t[4], t[5], t[6], v[0], v[1], v[2],
+                                                      v[3])});
     }
     const OptTensor* norms = tensors.data() + kLinears * kTensorsPerLinear;
     TORCH_CHECK(norms[0] && norms[1], "QuantBlock: needs both layer norms");
@@ -84,52 +85,111 @@ struct QuantBlock : torch::CustomClassHolder {
     heads = dims[0];
     kv_heads = dims[1];
     head_dim = dims[2];
+    hidden = input_norm.numel();
+    const auto is_fp32 = [](const torch::Tensor& t, int64_t n) {
+      return t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == n;
+    };
+    TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 256 && kv_heads > 0 && heads % kv_heads == 0,
+                "QuantBlock: head_dim must be a multiple of 16 (at most 256) and heads a multiple of kv_heads");
+    TORCH_CHECK(is_fp32(input_norm, hidden) && is_fp32(post_norm, hidden) &&
+                    (!q_norm || is_fp32(*q_norm, head_dim)) && (!k_norm || is_fp32(*k_norm, head_dim)) &&
+                    q_norm.has_value() == k_norm.has_value(),
+                "QuantBlock: norm weights must be contiguous fp32 (q and k norms of head_dim, both or neither)");
+    const int64_t q_out = heads * head_dim, kv_out = kv_heads * head_dim, inner = linears[4].checked.N;
+    const int64_t ins[kLinears] = {hidden, hidden, hidden, q_out, hidden, hidden, inner};
+    const int64_t outs[kLinears] = {q_out, kv_out, kv_out, hidden, inner, inner, hidden};
+    for (int64_t i = 0; i < kLinears; ++i)
+      TORCH_CHECK(linears[i].checked.K == ins[i] && linears[i].checked.N == outs[i], "QuantBlock: linear ", i,
+                  " is [", linears[i].checked.N, ", ", linears[i].checked.K, "], expected [", outs[i], ", ", ins[i], "]");
   }
 };
 
-// x [rows, T, hidden] -> the block's output. keys/values: this layer's whole cache buffers [rows, kv_heads, cap, D]
-// with room for positions start .. start + T (the caller grows the cache and advances its length).
-torch::Tensor block_forward(const c10::intrusive_ptr<QuantBlock>& block, const torch::Tensor& x,
-                            const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& keys,
-                            const torch::Tensor& values, int64_t start, const OptTensor& mask, bool split) {
-  TORCH_CHECK(x.dim() == 3, "block_forward: x must be [rows, T, hidden]");
-  const int64_t rows = x.size(0), t = x.size(1), end = start + t;
-  TORCH_CHECK(start >= 0 && end <= keys.size(2) && end <= values.size(2), "block_forward: the cache has no room");
-  const QuantBlock& b = *block;
-  const Linear& q_proj = b.linears[0];
-  const Linear& k_proj = b.linears[1];
-  const Linear& v_proj = b.linears[2];
-  const Linear& o_proj = b.linears[3];
-  const Linear& gate_proj = b.linears[4];
-  const Linear& up_proj = b.linears[5];
-  const Linear& down_proj = b.linears[6];
-
-  const torch::Tensor h = mirrorsd::rms_norm(x.contiguous(), b.input_norm, b.eps);
-  const std::vector<torch::Tensor> qkv = project(h, {&q_proj, &k_proj, &v_proj}, split);
-  torch::Tensor q = qkv[0].view({rows, t, b.heads, b.head_dim});
-  torch::Tensor k = qkv[1].view({rows, t, b.kv_heads, b.head_dim});
-  const torch::Tensor v = qkv[2].view({rows, t, b.kv_heads, b.head_dim});
-  if (b.q_norm) {
-    q = mirrorsd::rms_norm(q.contiguous(), *b.q_norm, b.eps);
-    k = mirrorsd::rms_norm(k.contiguous(), *b.k_norm, b.eps);
-  }
-  const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
-  q = mirrorsd::rope(q.contiguous(), c, s);
-  k = mirrorsd::rope(k.contiguous(), c, s);
-  keys.slice(2, start, end).copy_(k);
-  values.slice(2, start, end).copy_(v.transpose(1, 2));
-  const OptTensor seen = mask ? OptTensor(mask->contiguous()) : std::nullopt;
-  const torch::Tensor attended = mirrorsd::attend(q, keys.slice(2, 0, end), values.slice(2, 0, end), seen);
-  const torch::Tensor out =
-      x + project(attended.transpose(1, 2).reshape({rows, t, b.heads * b.head_dim}), {&o_proj}, split)[0];
-  const torch::Tensor h2 = mirrorsd::rms_norm(out.contiguous(), b.post_norm, b.eps);
-  const std::vector<torch::Tensor> gate_up = project(h2, {&gate_proj, &up_proj}, split);
-  return out + project(at::silu(gate_up[0]) * gate_up[1], {&down_proj}, split)[0];
+// hidden += delta, elementwise (a residual connection: the same sum as x + y in ATen).
+void add_into(float* hidden, const float* delta, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(hidden + i, _mm512_add_ps(_mm512_loadu_ps(hidden + i), _mm512_loadu_ps(delta + i)));
+  for (; i < n; ++i) hidden[i] += delta[i];
 }
 
-// Blocks in turn, each as block_forward, in one op call: a 28-block model's one-token forward spent ~1.8 ms in Python
-// between 28 calls of one block each, while the other core waited. keys[i]/values[i]/starts[i] are block i's cache
-// buffers and length.
+// One layer's cache buffers [rows, kv_heads, capacity, head_dim] and how many positions they hold.
+struct LayerCache {
+  float* keys;
+  float* values;
+  int64_t capacity, start;
+};
+
+// The window's cos/sin [rows or 1, T, head_dim] and mask [rows or 1, T, start + T] (nullptr: causal).
+struct Window {
+  int64_t rows, t;
+  const float* cos;
+  const float* sin;
+  bool shared_angles;
+  const bool* mask;
+  int64_t mask_row_stride;
+};
+
+// One block on hidden [rows, T, hidden] in place, writing the window's keys and values into the cache at start.
+// Every intermediate lives in this thread's scratch: no tensor is made, no ATen op is dispatched.
+void block_forward(const QuantBlock& b, float* hidden, const Window& w, const LayerCache& cache, bool split) {
+  static thread_local mirrorsd::Scratch scratch;
+  scratch.rewind();
+  const int64_t rows = w.rows, t = w.t, m = rows * t, end = cache.start + t;
+  const int64_t H = b.heads, Hkv = b.kv_heads, D = b.head_dim, inner = b.linears[4].checked.N;
+  float* h = scratch.take<float>(m * b.hidden);
+  float* q = scratch.take<float>(m * H * D);
+  float* k = scratch.take<float>(m * Hkv * D);
+  float* v = scratch.take<float>(m * Hkv * D);
+  float* q_rot = scratch.take<float>(m * H * D);
+  float* attended = scratch.take<float>(m * H * D);
+  float* delta = scratch.take<float>(m * b.hidden);
+  float* gate = scratch.take<float>(m * inner);
+  float* up = scratch.take<float>(m * inner);
+
+  mirrorsd::rms_norm_rows(hidden, b.input_norm.data_ptr<float>(), h, m, b.hidden, b.eps);
+  const mirrorsd::QuantWeight qkv[3] = {b.linears[0].view(), b.linears[1].view(), b.linears[2].view()};
+  float* const qkv_out[3] = {q, k, v};
+  mirrorsd::linear_quant_into(h, m, b.hidden, qkv, 3, qkv_out, split);
+  if (b.q_norm) {
+    mirrorsd::rms_norm_rows(q, b.q_norm->data_ptr<float>(), q, m * H, D, b.eps);
+    mirrorsd::rms_norm_rows(k, b.k_norm->data_ptr<float>(), k, m * Hkv, D, b.eps);
+  }
+  // Rotated queries in attention's layout [rows, H, T, D]; rotated keys and the values straight into the cache.
+  const int64_t cache_row = Hkv * cache.capacity * D, cache_head = cache.capacity * D;
+  mirrorsd::rope_rows(q, rows, t, H, D, w.cos, w.sin, w.shared_angles, mirrorsd::Heads{q_rot, H * t * D, t * D, D});
+  mirrorsd::rope_rows(k, rows, t, Hkv, D, w.cos, w.sin, w.shared_angles,
+                      mirrorsd::Heads{cache.keys + cache.start * D, cache_row, cache_head, D});
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+        std::memcpy(cache.values + r * cache_row + kvh * cache_head + (cache.start + i) * D,
+                    v + ((r * t + i) * Hkv + kvh) * D, D * sizeof(float));
+  // The output in [rows, T, H, D], which is o_proj's input [rows * T, H * D] as it is.
+  mirrorsd::attend_into(mirrorsd::Heads{q_rot, H * t * D, t * D, D}, mirrorsd::Heads{cache.keys, cache_row, cache_head, D},
+                        mirrorsd::Heads{cache.values, cache_row, cache_head, D}, rows, H, Hkv, t, end, D, w.mask,
+                        w.mask_row_stride, mirrorsd::Heads{attended, t * H * D, D, H * D});
+  const mirrorsd::QuantWeight o_proj = b.linears[3].view();
+  mirrorsd::linear_quant_into(attended, m, H * D, &o_proj, 1, &delta, split);
+  add_into(hidden, delta, m * b.hidden);
+
+  mirrorsd::rms_norm_rows(hidden, b.post_norm.data_ptr<float>(), h, m, b.hidden, b.eps);
+  const mirrorsd::QuantWeight gate_up[2] = {b.linears[4].view(), b.linears[5].view()};
+  float* const gate_up_out[2] = {gate, up};
+  mirrorsd::linear_quant_into(h, m, b.hidden, gate_up, 2, gate_up_out, split);
+  mirrorsd::silu_mul_rows(gate, up, gate, m * inner);
+  const mirrorsd::QuantWeight down_proj = b.linears[6].view();
+  mirrorsd::linear_quant_into(gate, m, inner, &down_proj, 1, &delta, split);
+  add_into(hidden, delta, m * b.hidden);
+}
+
+void check_fp32(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous(), "blocks_forward: ", what, " must be contiguous fp32");
+}
+
+// Blocks in turn on x [rows, T, hidden], in one op call: the residual stream is one tensor updated in place, and the
+// Python between per-block calls (~1.8 ms of a 28-block one-token forward, while the other core waited) is gone.
+// keys[i]/values[i] are block i's whole cache buffers [rows, kv_heads, capacity, head_dim] with room for positions
+// starts[i] .. starts[i] + T (the caller grows the cache and advances its lengths).
 torch::Tensor blocks_forward(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks, const torch::Tensor& x,
                              const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
                              const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
@@ -137,9 +197,36 @@ torch::Tensor blocks_forward(const c10::List<c10::intrusive_ptr<QuantBlock>>& bl
   const size_t n = blocks.size();
   TORCH_CHECK(keys.size() == n && values.size() == n && starts.size() == n,
               "blocks_forward: one cache buffer pair and start per block");
-  torch::Tensor h = x;
-  for (size_t i = 0; i < n; ++i) h = block_forward(blocks.get(i), h, cos, sin, keys[i], values[i], starts[i], mask, split);
-  return h;
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat, "blocks_forward: x must be fp32 [rows, T, hidden]");
+  const int64_t rows = x.size(0), t = x.size(1);
+  const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
+  check_fp32(c, "cos");
+  check_fp32(s, "sin");
+  TORCH_CHECK(c.dim() == 3 && c.sizes() == s.sizes() && (c.size(0) == 1 || c.size(0) == rows) && c.size(1) == t,
+              "blocks_forward: cos/sin must be [rows or 1, T, head_dim]");
+  const OptTensor seen = mask ? OptTensor(mask->contiguous()) : std::nullopt;
+  if (seen)
+    TORCH_CHECK(seen->scalar_type() == torch::kBool && seen->dim() == 3 && (seen->size(0) == 1 || seen->size(0) == rows) &&
+                    seen->size(1) == t,
+                "blocks_forward: mask must be bool [rows or 1, T, S]");
+  const Window window{rows, t, c.data_ptr<float>(), s.data_ptr<float>(), c.size(0) == 1,
+                      seen ? seen->data_ptr<bool>() : nullptr, seen && seen->size(0) > 1 ? seen->size(1) * seen->size(2) : 0};
+  torch::Tensor out = x.clone(at::MemoryFormat::Contiguous);  // the residual stream
+  for (size_t i = 0; i < n; ++i) {
+    const QuantBlock& b = *blocks.get(i);
+    const torch::Tensor &k = keys[i], &v = values[i];
+    const int64_t start = starts[i], end = start + t;
+    check_fp32(k, "keys");
+    check_fp32(v, "values");
+    TORCH_CHECK(x.size(2) == b.hidden && c.size(2) == b.head_dim, "blocks_forward: x or cos/sin do not fit block ", i);
+    TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == rows && k.size(1) == b.kv_heads &&
+                    k.size(3) == b.head_dim && start >= 0 && end <= k.size(2),
+                "blocks_forward: block ", i, "'s cache buffers must be [rows, kv_heads, capacity >= ", end, ", head_dim]");
+    TORCH_CHECK(!seen || seen->size(2) == end, "blocks_forward: the mask must cover ", end, " keys at block ", i);
+    block_forward(b, out.data_ptr<float>(), window, LayerCache{k.data_ptr<float>(), v.data_ptr<float>(), k.size(2), start},
+                  split);
+  }
+  return out;
 }
 
 }  // namespace

@@ -2,8 +2,9 @@
 //
 // At one token per forward, a Qwen2.5-1.5B layer spends more time dispatching its small PyTorch ops than
 // computing them: RMSNorm is pow, mean, add, rsqrt, mul, mul and two casts; rotary embedding is slices, neg,
-// cat, two muls, an add and a transpose, for q and for k. Each function here is one call and row-local: a row's result depends only on that row, in a fixed order, so a k-token
-// forward still reproduces one-token decoding bit for bit.
+// cat, two muls, an add and a transpose, for q and for k. Each function here is one call and row-local (a row's
+// result depends only on that row, in a fixed order), so a k-token forward still reproduces one-token decoding bit
+// for bit. SiLU is here too, with our own exp, so that the fused block (cpu_block.cpp) and the Python path share it.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -33,18 +34,9 @@ void check_rows(const torch::Tensor& x, const char* what) {
 // Called from Python through the ops below, and by the fused decoder block (cpu_block.cpp) directly.
 namespace mirrorsd {
 
-// y = weight * x / sqrt(mean(x^2) + eps), per row of the last dimension.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm: x");
-  check_rows(weight, "rms_norm: weight");
-  const int64_t K = x.size(-1), M = x.numel() / K;
-  TORCH_CHECK(weight.numel() == K, "rms_norm: weight must have ", K, " elements");
-  auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void rms_norm_rows(const float* x, const float* weight, float* y, int64_t M, int64_t K, double eps) {
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
+    const float* row = x + m * K;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += kLanes) {
       const __m512 v = _mm512_maskz_loadu_ps(tail_mask(K - k), row + k);
@@ -55,9 +47,58 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
     for (int64_t k = 0; k < K; k += kLanes) {
       const __mmask16 mask = tail_mask(K - k);
       const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + k), invv);
-      _mm512_mask_storeu_ps(yp + m * K + k, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, wp + k), v));
+      _mm512_mask_storeu_ps(y + m * K + k, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, weight + k), v));
     }
   }
+}
+
+void rope_rows(const float* x, int64_t R, int64_t T, int64_t H, int64_t D, const float* cos, const float* sin,
+               bool shared, Heads out) {
+  const int64_t half = D / 2, angle_rows = shared ? 0 : T * D;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cos + r * angle_rows + t * D;
+      const float* s = sin + r * angle_rows + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* in = x + ((r * T + t) * H + h) * D;
+        float* o = out.data + r * out.row + h * out.head + t * out.pos;
+        for (int64_t d = 0; d < half; d += kLanes) {  // out = x * cos + rotate_half(x) * sin
+          const __mmask16 mask = tail_mask(half - d);
+          const __m512 lo = _mm512_maskz_loadu_ps(mask, in + d), hi = _mm512_maskz_loadu_ps(mask, in + half + d);
+          const __m512 lo_out = _mm512_sub_ps(_mm512_mul_ps(lo, _mm512_maskz_loadu_ps(mask, c + d)),
+                                              _mm512_mul_ps(hi, _mm512_maskz_loadu_ps(mask, s + d)));
+          const __m512 hi_out = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_maskz_loadu_ps(mask, c + half + d)),
+                                              _mm512_mul_ps(lo, _mm512_maskz_loadu_ps(mask, s + half + d)));
+          _mm512_mask_storeu_ps(o + d, mask, lo_out);
+          _mm512_mask_storeu_ps(o + half + d, mask, hi_out);
+        }
+      }
+    }
+}
+
+void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = tail_mask(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
+    const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    _mm512_mask_storeu_ps(y + i, mask, _mm512_div_ps(_mm512_mul_ps(g, _mm512_maskz_loadu_ps(mask, up + i)),
+                                                     denominator));
+  }
+}
+
+}  // namespace mirrorsd
+
+namespace {
+
+// y = weight * x / sqrt(mean(x^2) + eps), per row of the last dimension.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm: x");
+  check_rows(weight, "rms_norm: weight");
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  TORCH_CHECK(weight.numel() == K, "rms_norm: weight must have ", K, " elements");
+  auto y = torch::empty_like(x);
+  mirrorsd::rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, eps);
   return y;
 }
 
@@ -68,45 +109,36 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   check_rows(cos, "rope: cos");
   check_rows(sin, "rope: sin");
   TORCH_CHECK(x.dim() == 4, "rope: x must be [rows, T, heads, dim]");
-  const int64_t R = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t R = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 3 && cos.sizes() == sin.sizes() && (cos.size(0) == 1 || cos.size(0) == R) &&
               cos.size(1) == T && cos.size(2) == D, "rope: cos/sin must be [rows or 1, T, dim]");
   auto y = torch::empty({R, H, T, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t angle_rows = cos.size(0) == 1 ? 0 : T * D;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* c = cp + r * angle_rows + t * D;
-      const float* s = sp + r * angle_rows + t * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* in = xp + ((r * T + t) * H + h) * D;
-        float* out = yp + ((r * H + h) * T + t) * D;
-        for (int64_t d = 0; d < half; d += kLanes) {  // out = x * cos + rotate_half(x) * sin
-          const __mmask16 mask = tail_mask(half - d);
-          const __m512 lo = _mm512_maskz_loadu_ps(mask, in + d), hi = _mm512_maskz_loadu_ps(mask, in + half + d);
-          const __m512 lo_out = _mm512_sub_ps(_mm512_mul_ps(lo, _mm512_maskz_loadu_ps(mask, c + d)),
-                                              _mm512_mul_ps(hi, _mm512_maskz_loadu_ps(mask, s + d)));
-          const __m512 hi_out = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_maskz_loadu_ps(mask, c + half + d)),
-                                              _mm512_mul_ps(lo, _mm512_maskz_loadu_ps(mask, s + half + d)));
-          _mm512_mask_storeu_ps(out + d, mask, lo_out);
-          _mm512_mask_storeu_ps(out + half + d, mask, hi_out);
-        }
-      }
-    }
+  mirrorsd::rope_rows(x.data_ptr<float>(), R, T, H, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                      cos.size(0) == 1, mirrorsd::Heads{y.data_ptr<float>(), H * T * D, T * D, D});
   return y;
 }
 
-}  // namespace mirrorsd
+// silu(gate) * up, elementwise (the MLP's activation): one call, and the same bits as the fused block's.
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up must have the same shape");
+  const torch::Tensor g = gate.contiguous(), u = up.contiguous();
+  check_rows(g, "silu_mul: gate");
+  check_rows(u, "silu_mul: up");
+  auto y = torch::empty_like(g);
+  mirrorsd::silu_mul_rows(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel());
+  return y;
+}
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
-  m.impl("rms_norm", mirrorsd::rms_norm);
-  m.impl("rope", mirrorsd::rope);
+  m.impl("rms_norm", rms_norm);
+  m.impl("rope", rope);
+  m.impl("silu_mul", silu_mul);
 }

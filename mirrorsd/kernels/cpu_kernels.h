@@ -1,9 +1,16 @@
-// The kernels one C++ file calls in another: the fused decoder block (cpu_block.cpp) runs the very functions the
-// Python ops run, so both paths give the same bits.
+// The kernels one C++ file calls in another, on raw pointers: the fused decoder block (cpu_block.cpp) runs the very
+// functions the Python ops wrap, so both paths give the same bits, and a one-token block makes no tensor at all.
+
 #pragma once
 
+#include <immintrin.h>
 #include <torch/types.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -31,21 +38,95 @@ QuantWeight check_weight(int64_t K, const torch::Tensor& codes, const std::optio
                          const std::optional<torch::Tensor>& super_offsets, const std::optional<torch::Tensor>& bias,
                          int64_t N, int64_t bits, int64_t group, int64_t zero);
 
-// x [M, K] times several weights that read it (q/k/v; gate/up): the activations are quantized once and one parallel
-// region covers every weight's blocks. Each output is computed exactly as a call of its own computes it.
-std::vector<torch::Tensor> linear_quant_many(const torch::Tensor& x, const std::vector<QuantWeight>& weights, bool split);
+// Memory a thread reuses from call to call, so a one-token forward allocates nothing: take() hands out 64-byte
+// aligned pieces and rewind() frees them all at once. Pieces never move (a full chunk is followed by another), so a
+// pointer stays valid until the next rewind.
+class Scratch {
+ public:
+  template <typename T>
+  T* take(int64_t count) {
+    const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + 63) & ~size_t{63};
+    while (chunk_ < chunks_.size() && used_ + bytes > chunks_[chunk_].size) {
+      ++chunk_;
+      used_ = 0;
+    }
+    if (chunk_ == chunks_.size()) {
+      const size_t size = std::max(bytes, kMinChunk);
+      void* data = std::aligned_alloc(64, size);
+      TORCH_CHECK(data, "out of memory: ", size, " bytes of kernel scratch");
+      chunks_.push_back(Chunk{std::unique_ptr<char, Free>(static_cast<char*>(data)), size});
+      used_ = 0;
+    }
+    char* piece = chunks_[chunk_].data.get() + used_;
+    used_ += bytes;
+    return reinterpret_cast<T*>(piece);
+  }
+  void rewind() {
+    chunk_ = 0;
+    used_ = 0;
+  }
 
-torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
-                           const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
-                           const std::optional<torch::Tensor>& super_scales,
-                           const std::optional<torch::Tensor>& super_offsets, const std::optional<torch::Tensor>& bias,
-                           int64_t N, int64_t bits, int64_t group, bool split, int64_t zero);
+ private:
+  static constexpr size_t kMinChunk = size_t{1} << 20;
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  struct Chunk {
+    std::unique_ptr<char, Free> data;
+    size_t size;
+  };
+  std::vector<Chunk> chunks_;
+  size_t chunk_ = 0, used_ = 0;
+};
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// x [M, K] (contiguous) times `count` weights that read it (q/k/v; gate/up) into outs[i] [M, weights[i].N]: the
+// activations are quantized once and one parallel region covers every weight's blocks. Each output is computed
+// exactly as a call of its own computes it.
+constexpr int64_t kMaxSharedWeights = 4;
+void linear_quant_into(const float* x, int64_t M, int64_t K, const QuantWeight* weights, int64_t count,
+                       float* const* outs, bool split);
 
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+// y [M, K] = weight * x / sqrt(mean(x^2) + eps) per row; y may be x.
+void rms_norm_rows(const float* x, const float* weight, float* y, int64_t M, int64_t K, double eps);
 
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                     const std::optional<torch::Tensor>& mask);
+// A [rows, heads, positions, dim] array with dim contiguous: its base and strides (in floats).
+struct Heads {
+  float* data;
+  int64_t row, head, pos;
+};
+
+// Rotary embedding (NeoX halves) of x [R, T, H, D] (contiguous) with cos/sin [R or 1 (shared), T, D] into out.
+void rope_rows(const float* x, int64_t R, int64_t T, int64_t H, int64_t D, const float* cos, const float* sin,
+               bool shared, Heads out);
+
+// Batch-invariant attention of q [R, H, T, D] over k/v [R, Hkv, S, D] into out [R, H, T, D]. mask: bool
+// [R or 1, T, S] (mask_row_stride 0 or T * S; True = attend), or nullptr for causal over a cache whose last T keys
+// are the queries' own.
+void attend_into(Heads q, Heads k, Heads v, int64_t R, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
+                 const bool* mask, int64_t mask_row_stride, Heads out);
+
+// y [n] = silu(gate) * up = gate * up / (1 + exp(-gate)); y may be gate.
+void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n);
+
+// exp on 16 lanes, ~1.5 ulp (the polynomial of ggml's ggml_v_expf, MIT licence). Elementwise: a lane's value does
+// not depend on its neighbours, so where an element sits in a vector cannot change its result.
+inline __m512 exp16(__m512 x) {
+  const __m512 r = _mm512_set1_ps(0x1.8p23f);
+  const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r);
+  const __m512 n = _mm512_sub_ps(z, r);
+  const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+  const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+  const __m512 u = _mm512_mul_ps(b, b);
+  const __m512 j = _mm512_fmadd_ps(
+      _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
+                      _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+  const __m512 res = _mm512_scalef_ps(j, n);
+  if (_mm512_kortestz(big, big)) return res;
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 alt = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, zero, _CMP_LE_OQ), _mm512_set1_ps(INFINITY), zero);
+  return _mm512_mask_blend_ps(big, res, alt);
+}
 
 }  // namespace mirrorsd

@@ -107,12 +107,6 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const s
 // and their products are added: ~15-bit activations at the cost of doubling M, which leaves M = 1 decoding
 // bandwidth-bound (the weights are still read once). Small models answering chat prompts need it (quality.py).
 
-struct QuantActs {
-  torch::Tensor q;      // int8 [M, K]
-  torch::Tensor scale;  // fp32 [M, K/32]
-  torch::Tensor sum16;  // int32 [M, K/16]: the sum of each 16 codes, for the offset terms
-};
-
 // One group of 32 activations to int8 codes (and the sums of its two halves); returns the scale (absmax / 127).
 // Vectorised, and exact: max, the product by 127 / absmax and round-half-to-even are the scalar operations.
 float quantize_group(const float* src, int8_t* q, int32_t* sums) {
@@ -129,21 +123,15 @@ float quantize_group(const float* src, int8_t* q, int32_t* sums) {
   return amax / 127.f;
 }
 
-// Rows [M, K] -> int8 codes and scales; with split, rows 2m and 2m+1 hold row m's codes and its remainder's.
-QuantActs quantize_acts(const torch::Tensor& x, bool split) {
-  const int64_t M = x.size(0), K = x.size(1), groups = K / kActGroup, per_row = split ? 2 : 1;
-  QuantActs out{torch::empty({M * per_row, K}, x.options().dtype(torch::kChar)),
-                torch::empty({M * per_row, groups}, x.options()),
-                torch::empty({M * per_row, K / 16}, x.options().dtype(torch::kInt))};
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = out.q.data_ptr<int8_t>();
-  float* sp = out.scale.data_ptr<float>();
-  int32_t* sums = out.sum16.data_ptr<int32_t>();
+// Rows x [M, K] to int8: codes q [M', K], scales [M', K/32] and the sums of each 16 codes [M', K/16] (for the offset
+// terms), with M' = M, or 2M with split, where rows 2m and 2m+1 hold row m's codes and its remainder's.
+void quantize_acts(const float* x, int64_t M, int64_t K, bool split, int8_t* qp, float* sp, int32_t* sums) {
+  const int64_t groups = K / kActGroup, per_row = split ? 2 : 1;
   float rest[kActGroup];
   for (int64_t m = 0; m < M; ++m) {
     const int64_t row = m * per_row;
     for (int64_t g = 0; g < groups; ++g) {
-      const float* src = xp + m * K + g * kActGroup;
+      const float* src = x + m * K + g * kActGroup;
       int8_t* q = qp + row * K + g * kActGroup;
       int32_t* sum = sums + row * (K / 16) + 2 * g;
       const float scale = sp[row * groups + g] = quantize_group(src, q, sum);
@@ -152,7 +140,6 @@ QuantActs quantize_acts(const torch::Tensor& x, bool split) {
       sp[(row + 1) * groups + g] = quantize_group(rest, q + K, sum + K / 16);
     }
   }
-  return out;
 }
 
 // Split rows: fold each pair of accumulator rows (a row's codes and its remainder's) into one.
@@ -414,30 +401,35 @@ QuantWeight check_weight(int64_t K, const torch::Tensor& codes, const std::optio
   return w;
 }
 
-std::vector<torch::Tensor> linear_quant_many(const torch::Tensor& x, const std::vector<QuantWeight>& weights,
-                                             bool split) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
-  for (const QuantWeight& w : weights) TORCH_CHECK(w.K == K, "every weight must take x's ", K, " inputs");
-  const QuantActs acts = quantize_acts(x, split);
-  const int64_t rows_q = acts.q.size(0);  // quantized rows: M, or 2M with split
-  const int8_t* qp = acts.q.data_ptr<int8_t>();
-  const float* sp = acts.scale.data_ptr<float>();
+void linear_quant_into(const float* x, int64_t M, int64_t K, const QuantWeight* weights, int64_t count,
+                       float* const* outs, bool split) {
+  TORCH_CHECK(count >= 1 && count <= kMaxSharedWeights, "linear_quant_into: 1 to ", kMaxSharedWeights, " weights");
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(weights[i].K == K, "every weight must take x's ", K, " inputs");
+  // The activations' codes and the tables below live in memory this thread reuses: a call allocates nothing.
+  static thread_local Scratch scratch;
+  scratch.rewind();
+  const int64_t rows_q = split ? 2 * M : M;  // quantized rows
+  int8_t* qp = scratch.take<int8_t>(rows_q * K);
+  float* sp = scratch.take<float>(rows_q * (K / kActGroup));
+  int32_t* sums = scratch.take<int32_t>(rows_q * (K / 16));
+  quantize_acts(x, M, K, split, qp, sp, sums);
   // Per row and weight group, from the 16-code sums: for asymmetric weights the dequantized activations' sum (their
   // offset term; fp32, made once per group size), for symmetric ones -zero times the code sum, where their integer
   // dots start (int32, once per group size and zero point). Then each weight's pointer to its table.
-  const int32_t* sums = acts.sum16.data_ptr<int32_t>();
-  std::vector<std::pair<std::pair<int64_t, int64_t>, torch::Tensor>> tables;  // (group, zero or 0) -> table
-  std::vector<const void*> term;  // per weight
-  for (const QuantWeight& w : weights) {
+  int64_t keys[kMaxSharedWeights][2];  // (group, zero or 0) of each table made
+  const void* tables[kMaxSharedWeights];
+  const void* term[kMaxSharedWeights];  // per weight
+  int64_t made = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const QuantWeight& w = weights[i];
     const bool symmetric = w.offsets == nullptr;
-    const std::pair<int64_t, int64_t> key{w.group, symmetric ? w.zero : 0};
-    auto found = std::find_if(tables.begin(), tables.end(), [&](const auto& e) { return e.first == key; });
-    if (found == tables.end()) {
+    const int64_t zero = symmetric ? w.zero : 0;
+    int64_t found = 0;
+    while (found < made && !(keys[found][0] == w.group && keys[found][1] == zero)) ++found;
+    if (found == made) {
       const int64_t groups = K / w.group, halves = w.group / 16;  // 16-code sums per weight group
-      torch::Tensor t = torch::empty({rows_q, groups}, x.options().dtype(symmetric ? torch::kInt : torch::kFloat));
-      int32_t* zp = symmetric ? t.data_ptr<int32_t>() : nullptr;
-      float* fp = symmetric ? nullptr : t.data_ptr<float>();
+      int32_t* zp = symmetric ? scratch.take<int32_t>(rows_q * groups) : nullptr;
+      float* fp = symmetric ? nullptr : scratch.take<float>(rows_q * groups);
       for (int64_t m = 0; m < rows_q; ++m)
         for (int64_t g = 0; g < groups; ++g) {
           int32_t total = 0;
@@ -447,21 +439,18 @@ std::vector<torch::Tensor> linear_quant_many(const torch::Tensor& x, const std::
           else
             fp[m * groups + g] = sp[m * (K / kActGroup) + g * w.group / kActGroup] * static_cast<float>(total);
         }
-      tables.emplace_back(key, t);
-      found = tables.end() - 1;
+      keys[made][0] = w.group;
+      keys[made][1] = zero;
+      tables[made++] = symmetric ? static_cast<const void*>(zp) : static_cast<const void*>(fp);
     }
-    term.push_back(found->second.data_ptr());
+    term[i] = tables[found];
   }
-  std::vector<torch::Tensor> ys;
-  std::vector<int64_t> first{0};  // the weights' blocks, end to end: one parallel region covers them all
-  for (const QuantWeight& w : weights) {
-    ys.push_back(torch::empty({M, w.N}, x.options()));
-    first.push_back(first.back() + w.blocks);
-  }
+  int64_t first[kMaxSharedWeights + 1] = {0};  // the weights' blocks end to end: one parallel region covers them all
+  for (int64_t i = 0; i < count; ++i) first[i + 1] = first[i] + weights[i].blocks;
   const int64_t act_groups = K / kActGroup;
-  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first[count], 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxTile * kBlockN];
-    size_t wi = 0;
+    int64_t wi = 0;
     for (int64_t b = begin; b < end; ++b) {
       while (b >= first[wi + 1]) ++wi;
       const QuantWeight& w = weights[wi];
@@ -469,7 +458,7 @@ std::vector<torch::Tensor> linear_quant_many(const torch::Tensor& x, const std::
       const bool symmetric = w.offsets == nullptr;
       const float* xsp = symmetric ? nullptr : static_cast<const float*>(term[wi]);
       const int32_t* zsp = symmetric ? static_cast<const int32_t*>(term[wi]) : nullptr;
-      float* yp = ys[wi].data_ptr<float>();
+      float* yp = outs[wi];
       for (int64_t m0 = 0; m0 < rows_q; m0 += kMaxTile) {  // kMaxTile is even: split pairs share a tile
         const int64_t rows = std::min<int64_t>(kMaxTile, rows_q - m0);
         const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && b + kPrefetchBlocks < std::min(end, first[wi + 1]);
@@ -486,8 +475,11 @@ std::vector<torch::Tensor> linear_quant_many(const torch::Tensor& x, const std::
       }
     }
   });
-  return ys;
 }
+
+}  // namespace mirrorsd
+
+namespace {
 
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
                            const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
@@ -495,12 +487,15 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
                            const std::optional<torch::Tensor>& super_offsets, const std::optional<torch::Tensor>& bias,
                            int64_t N, int64_t bits, int64_t group, bool split, int64_t zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
-  return linear_quant_many(
-      x, {check_weight(x.size(1), codes, planes, scales, offsets, super_scales, super_offsets, bias, N, bits, group, zero)},
-      split)[0];
+  const mirrorsd::QuantWeight w = mirrorsd::check_weight(x.size(1), codes, planes, scales, offsets, super_scales,
+                                                         super_offsets, bias, N, bits, group, zero);
+  auto y = torch::empty({x.size(0), N}, x.options());
+  float* out = y.data_ptr<float>();
+  mirrorsd::linear_quant_into(x.data_ptr<float>(), x.size(0), x.size(1), &w, 1, &out, split);
+  return y;
 }
 
-}  // namespace mirrorsd
+}  // namespace
 
 // Registered for the CPU dispatch key only: a CUDA (or meta) tensor gets the dispatcher's clear error instead
 // of a device pointer dereferenced on the host.
@@ -512,5 +507,5 @@ TORCH_LIBRARY(mirrorsd, m) {
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
   m.impl("linear_f32", linear_f32);
-  m.impl("linear_quant", mirrorsd::linear_quant);
+  m.impl("linear_quant", linear_quant);
 }
