@@ -1,4 +1,4 @@
-"""Per-step time outside the model forwards, for ``ar`` and ``sd`` (issue 18, item 5): the loop, proposers,
+"""Per-step time outside the model forwards, for ``ar``, ``sd`` and ``suffix`` (issue 18, item 5): the loop, proposers,
 verification, cache bookkeeping, detokenizing and stop checks: everything a step does besides its forwards.
 
 Each method generates the same greedy answer twice, ``--short`` and ``--long`` new tokens; the differences in wall
@@ -6,6 +6,7 @@ time, forward time and steps cancel the prompt's prefill, so ``(Δwall - Δforwa
 one decoding step. Medians over ``--runs``. Prints JSON.
 
     python benchmarks/step_overhead.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b] [--runs 5]
+        [--methods ar,sd,suffix]
 """
 
 from __future__ import annotations
@@ -58,10 +59,15 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=80)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--methods", default="ar,sd,suffix", help="comma-separated, from ar, sd and suffix")
     args = parser.parse_args()
     target, draft = api.load_model(args.target), api.load_model(args.draft)
     spent = [timed_forwards(target.model), timed_forwards(draft.model)]
-    methods = {"ar": (None, {}), "sd": (draft, {"model_gate": "always"})}  # sd: the model drafts every step
+    known = {"ar": (None, {}), "sd": (draft, {"model_gate": "always"}), "suffix": (None, {})}  # sd drafts every step
+    unknown = set(args.methods.split(",")) - set(known)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}; pick from {sorted(known)}")
+    methods = {m: known[m] for m in args.methods.split(",")}
     samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     for run in range(args.runs + 1):  # run 0 warms up
         for method, (draft_model, options) in methods.items():
