@@ -16,7 +16,6 @@
 #include <torch/types.h>
 
 #include <cstring>
-#include <immintrin.h>
 #include <optional>
 #include <vector>
 
@@ -104,14 +103,6 @@ struct QuantBlock : torch::CustomClassHolder {
   }
 };
 
-// hidden += delta, elementwise (a residual connection: the same sum as x + y in ATen).
-void add_into(float* hidden, const float* delta, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(hidden + i, _mm512_add_ps(_mm512_loadu_ps(hidden + i), _mm512_loadu_ps(delta + i)));
-  for (; i < n; ++i) hidden[i] += delta[i];
-}
-
 // One layer's cache buffers [rows, kv_heads, capacity, head_dim] and how many positions they hold.
 struct LayerCache {
   float* keys;
@@ -170,7 +161,7 @@ void block_forward(const QuantBlock& b, float* hidden, const Window& w, const La
                         w.mask_row_stride, mirrorsd::Heads{attended, t * H * D, D, H * D});
   const mirrorsd::QuantWeight o_proj = b.linears[3].view();
   mirrorsd::linear_quant_into(attended, m, H * D, &o_proj, 1, &delta, split);
-  add_into(hidden, delta, m * b.hidden);
+  mirrorsd::add_into(hidden, delta, m * b.hidden);
 
   mirrorsd::rms_norm_rows(hidden, b.post_norm.data_ptr<float>(), h, m, b.hidden, b.eps);
   const mirrorsd::QuantWeight gate_up[2] = {b.linears[4].view(), b.linears[5].view()};
@@ -179,7 +170,7 @@ void block_forward(const QuantBlock& b, float* hidden, const Window& w, const La
   mirrorsd::silu_mul_rows(gate, up, gate, m * inner);
   const mirrorsd::QuantWeight down_proj = b.linears[6].view();
   mirrorsd::linear_quant_into(gate, m, inner, &down_proj, 1, &delta, split);
-  add_into(hidden, delta, m * b.hidden);
+  mirrorsd::add_into(hidden, delta, m * b.hidden);
 }
 
 void check_fp32(const torch::Tensor& t, const char* what) {

@@ -13,6 +13,7 @@
 
 #include "cpu_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -35,21 +36,23 @@ void check_rows(const torch::Tensor& x, const char* what) {
 namespace mirrorsd {
 
 void rms_norm_rows(const float* x, const float* weight, float* y, int64_t M, int64_t K, double eps) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += kLanes) {
-      const __m512 v = _mm512_maskz_loadu_ps(tail_mask(K - k), row + k);
-      acc = _mm512_fmadd_ps(v, v, acc);
+  parallel_rows(M, std::max<int64_t>(1, kParallelGrain / K), [=](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += kLanes) {
+        const __m512 v = _mm512_maskz_loadu_ps(tail_mask(K - k), row + k);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(K) + static_cast<float>(eps));
+      const __m512 invv = _mm512_set1_ps(inv);
+      for (int64_t k = 0; k < K; k += kLanes) {
+        const __mmask16 mask = tail_mask(K - k);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + k), invv);
+        _mm512_mask_storeu_ps(y + m * K + k, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, weight + k), v));
+      }
     }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(K) + static_cast<float>(eps));
-    const __m512 invv = _mm512_set1_ps(inv);
-    for (int64_t k = 0; k < K; k += kLanes) {
-      const __mmask16 mask = tail_mask(K - k);
-      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + k), invv);
-      _mm512_mask_storeu_ps(y + m * K + k, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, weight + k), v));
-    }
-  }
+  });
 }
 
 void rope_rows(const float* x, int64_t R, int64_t T, int64_t H, int64_t D, const float* cos, const float* sin,
@@ -78,13 +81,25 @@ void rope_rows(const float* x, int64_t R, int64_t T, int64_t H, int64_t D, const
 
 void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __mmask16 mask = tail_mask(n - i);
-    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
-    const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    _mm512_mask_storeu_ps(y + i, mask, _mm512_div_ps(_mm512_mul_ps(g, _mm512_maskz_loadu_ps(mask, up + i)),
-                                                     denominator));
-  }
+  parallel_rows((n + kLanes - 1) / kLanes, kParallelGrain / kLanes, [=](int64_t begin, int64_t end) {
+    for (int64_t i = begin * kLanes; i < std::min(end * kLanes, n); i += kLanes) {
+      const __mmask16 mask = tail_mask(n - i);
+      const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
+      const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+      _mm512_mask_storeu_ps(y + i, mask, _mm512_div_ps(_mm512_mul_ps(g, _mm512_maskz_loadu_ps(mask, up + i)),
+                                                       denominator));
+    }
+  });
+}
+
+void add_into(float* x, const float* delta, int64_t n) {
+  parallel_rows((n + kLanes - 1) / kLanes, kParallelGrain / kLanes, [=](int64_t begin, int64_t end) {
+    for (int64_t i = begin * kLanes; i < std::min(end * kLanes, n); i += kLanes) {
+      const __mmask16 mask = tail_mask(n - i);
+      _mm512_mask_storeu_ps(x + i, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, x + i),
+                                                       _mm512_maskz_loadu_ps(mask, delta + i)));
+    }
+  });
 }
 
 }  // namespace mirrorsd

@@ -3,6 +3,7 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/types.h>
 
@@ -79,6 +80,20 @@ class Scratch {
   size_t chunk_ = 0, used_ = 0;
 };
 
+// Elementwise and row-local loops split over threads from this many elements (ATen's grain): a prompt's rows share
+// the cores, a decoding step's few rows run on the calling thread. Row-local, so the bits never change.
+constexpr int64_t kParallelGrain = 32768;
+
+// f(begin, end) over [0, n), split over threads only above `grain` items. Below it f runs directly: at::parallel_for's
+// own inline path costs ~0.5 us of bookkeeping a call, and a one-token forward makes ~9 such calls a layer.
+template <typename F>
+inline void parallel_rows(int64_t n, int64_t grain, const F& f) {
+  if (n > grain)
+    at::parallel_for(0, n, grain, f);
+  else if (n > 0)
+    f(0, n);
+}
+
 // x [M, K] (contiguous) times `count` weights that read it (q/k/v; gate/up) into outs[i] [M, weights[i].N]: the
 // activations are quantized once and one parallel region covers every weight's blocks. Each output is computed
 // exactly as a call of its own computes it.
@@ -107,6 +122,9 @@ void attend_into(Heads q, Heads k, Heads v, int64_t R, int64_t H, int64_t Hkv, i
 
 // y [n] = silu(gate) * up = gate * up / (1 + exp(-gate)); y may be gate.
 void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n);
+
+// x [n] += delta (a residual connection: the same sums as ATen's x + delta).
+void add_into(float* x, const float* delta, int64_t n);
 
 // exp on 16 lanes, ~1.5 ulp (the polynomial of ggml's ggml_v_expf, MIT licence). Elementwise: a lane's value does
 // not depend on its neighbours, so where an element sits in a vector cannot change its result.

@@ -127,19 +127,21 @@ float quantize_group(const float* src, int8_t* q, int32_t* sums) {
 // terms), with M' = M, or 2M with split, where rows 2m and 2m+1 hold row m's codes and its remainder's.
 void quantize_acts(const float* x, int64_t M, int64_t K, bool split, int8_t* qp, float* sp, int32_t* sums) {
   const int64_t groups = K / kActGroup, per_row = split ? 2 : 1;
-  float rest[kActGroup];
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t row = m * per_row;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* src = x + m * K + g * kActGroup;
-      int8_t* q = qp + row * K + g * kActGroup;
-      int32_t* sum = sums + row * (K / 16) + 2 * g;
-      const float scale = sp[row * groups + g] = quantize_group(src, q, sum);
-      if (!split) continue;
-      for (int64_t i = 0; i < kActGroup; ++i) rest[i] = src[i] - static_cast<float>(q[i]) * scale;
-      sp[(row + 1) * groups + g] = quantize_group(rest, q + K, sum + K / 16);
+  mirrorsd::parallel_rows(M, std::max<int64_t>(1, mirrorsd::kParallelGrain / K), [&](int64_t begin, int64_t end) {
+    float rest[kActGroup];
+    for (int64_t m = begin; m < end; ++m) {
+      const int64_t row = m * per_row;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = x + m * K + g * kActGroup;
+        int8_t* q = qp + row * K + g * kActGroup;
+        int32_t* sum = sums + row * (K / 16) + 2 * g;
+        const float scale = sp[row * groups + g] = quantize_group(src, q, sum);
+        if (!split) continue;
+        for (int64_t i = 0; i < kActGroup; ++i) rest[i] = src[i] - static_cast<float>(q[i]) * scale;
+        sp[(row + 1) * groups + g] = quantize_group(rest, q + K, sum + K / 16);
+      }
     }
-  }
+  });
 }
 
 // Split rows: fold each pair of accumulator rows (a row's codes and its remainder's) into one.
