@@ -525,6 +525,40 @@ def test_blocks_in_one_op_call_give_the_per_block_bits():
 
 
 @requires_kernels
+def test_block_kernel_scratch_grows_without_changing_bits():
+    """The fused block keeps its intermediates in per-thread scratch memory that grows in chunks: one token, then a
+    prompt of several MB of intermediates (new chunks), then one token again give the Python path's bits, on two
+    threads (the prompt's norms, SiLU and adds split over them) and on one."""
+    from mirrorsd.model import Transformer, _is_projection
+
+    from .conftest import tiny_hf
+
+    hf = tiny_hf("qwen2", layers=2, seed=5)
+    state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
+    model = Transformer._build(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
+    ids = torch.randint(0, 64, (1, 700), generator=torch.Generator().manual_seed(2))
+
+    def run(kernel: bool) -> list[torch.Tensor]:
+        for block in model.layers:
+            block.use_kernel = kernel
+        with torch.inference_mode():
+            first = model(ids[:, :1], cache=model.new_cache(capacity=4))
+            cache = model.new_cache(capacity=8)
+            prompt = model(ids[:, :699], cache=cache, last=4)  # 512 + 187 tokens: ~2.5 KB of scratch a token
+            step = model(ids[:, 699:], cache=cache)
+        return [first, prompt, step, *cache.keys, *cache.values]
+
+    python = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(run(True), python, strict=True))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(run(True), python, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@requires_kernels
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
 def test_block_kernel_gives_the_python_paths_bits(arch, activations):
