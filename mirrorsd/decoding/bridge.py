@@ -23,6 +23,7 @@ import torch
 from tokenizers.decoders import ByteLevel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from ..draft_vocab import draft_table_kind, subset_head
 from ..model import Transformer
 from ..verify import Verdict
 from .engine import Draft, RequestState, Scores, point_masses
@@ -112,9 +113,11 @@ class BridgedProposer:
     """
 
     def __init__(self, draft: Transformer, bridge: TokenBridge, target_vocab: int, gamma: int, *,
-                 confidence: float = 0.0, rejection: bool = False, context: int = 0) -> None:
+                 confidence: float = 0.0, rejection: bool = False, context: int = 0, vocab: int = 0) -> None:
         self.model, self.bridge, self.target_vocab, self.gamma = draft, bridge, target_vocab, gamma
         self.confidence, self.rejection, self.context = confidence, rejection, context
+        # A reduced draft vocabulary (FR-Spec), the draft's own most frequent ids: logits' column c is subset.ids[c].
+        self.subset = subset_head(draft, vocab, draft_table_kind(draft.config.vocab_size)) if vocab else None
         self.text = bytearray()  # the committed text
         self.converted = 0  # committed target tokens already in ``text``
         self.ids: list[int] = []  # draft tokens of the committed text (up to its last whole character)
@@ -174,9 +177,11 @@ class BridgedProposer:
         proposal: list[int] = []
         forwards, fed = 0, len(feed)
         for _ in range(2 * window + 2):  # (a draft token holds at least half a target token in practice)
-            logits = self.model(torch.tensor([feed], device=self.model.device), cache=cache, last=1)[0, -1]
+            logits = self.model(torch.tensor([feed], device=self.model.device), cache=cache, last=1,
+                                head=self.subset)[0, -1]
             forwards += 1
-            token = int(logits.argmax())
+            best = int(logits.argmax())
+            token = best if self.subset is None else int(self.subset.ids[best])
             doubtful = bool(self.confidence) and (logits.max() - logits.logsumexp(-1)).exp().item() < self.confidence
             if doubtful and not drafted:
                 break

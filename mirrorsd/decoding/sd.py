@@ -50,12 +50,11 @@ def model_proposer(req: DecodeRequest, opts: SDOptions, rejection: bool) -> Prop
         return ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,
                              rejection=rejection, schedule=opts.schedule,
                              vocab=draft_vocab_size(opts.draft_vocab, req.draft), context=opts.draft_context)
-    if opts.draft_vocab:
-        raise OptionError("draft_vocab", "restricts a draft that shares the target's tokenizer; this draft has its own")
     if opts.schedule != "constant":
         raise OptionError("schedule", "a draft with a tokenizer of its own keeps a constant window limit")
     return BridgedProposer(req.draft, req.bridge, vocab, opts.gamma, confidence=opts.confidence,
-                           rejection=rejection and not req.sampling.greedy, context=opts.draft_context)
+                           rejection=rejection and not req.sampling.greedy, context=opts.draft_context,
+                           vocab=draft_vocab_size(opts.draft_vocab, req.draft))
 
 
 def build(req: DecodeRequest, opts: SDOptions) -> Roles:
