@@ -40,9 +40,9 @@ SINK_TOKENS = 4  # first prompt tokens a ``context``-limited draft always keeps 
 def draft_vocab_option(default: int | None = 0) -> Any:
     """The reduced-vocabulary option, shared by the methods that draft with a model (``None``: the measured
     default, :func:`draft_vocab_size`)."""
-    return option(default, "restrict the draft model's LM head to the N most frequent token ids of the shipped "
-                  "draft table (FR-Spec; lossless: the target verifies with its full vocabulary); 0: the full "
-                  "vocabulary", parse=int, check=at_least(0),
+    return option(default, "restrict the draft model's LM head to the N most frequent token ids of the table "
+                  "shipped for its tokenizer (the draft table, else the corpus table; FR-Spec; lossless: the target "
+                  "verifies with its full vocabulary); 0: the full vocabulary", parse=int, check=at_least(0),
                   default_text="32768 where a draft table ships" if default is None else None)
 
 
