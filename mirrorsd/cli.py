@@ -529,7 +529,7 @@ def _cmd_bench_sweep(args: argparse.Namespace) -> int:
         for exit_layer, kappa, roots, candidates, backend in grid:
             for split in args.thread_splits if backend == "threads" else [None]:
                 options = {"gamma": gamma, "kappa": kappa, "exit_layer": exit_layer, "roots": roots,
-                           "candidates": candidates, "backend": backend}
+                           "candidates": candidates, "backend": backend, "confidence": 0.0}
                 label = f"mirror γ={gamma} κ={kappa} ℓe={exit_layer} {roots} {candidates} {backend}"
                 if split:
                     options["threads"] = split

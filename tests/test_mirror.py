@@ -62,15 +62,17 @@ def exact_pair() -> tuple[Transformer, Transformer]:
     self_draft=st.booleans(),
     confidence=st.sampled_from([0.0, 0.5]),
     candidates=st.sampled_from(["exit", "draft"]),
+    budget=st.sampled_from([None, 3]),
 )
 def test_mirror_equals_ar(tiny_pair, gamma, kappa, exit_layer, roots, backend, temperature, seed, prompt, max_new,
-                          self_draft, confidence, candidates):
+                          self_draft, confidence, candidates, budget):
     target, other = tiny_pair
     draft = target.prefix_model(2) if self_draft else other
     kw = dict(temperature=temperature, seed=seed, max_new_tokens=max_new)
     ar = generate(target, prompt, method="ar", **kw)
+    fixed = {"budget": budget} if roots == "budget" and budget else {}
     m = generate(target, prompt, method="mirror", draft=draft, gamma=gamma, kappa=kappa, exit_layer=exit_layer,
-                 roots=roots, backend=backend, confidence=confidence, candidates=candidates, **kw)
+                 roots=roots, backend=backend, confidence=confidence, candidates=candidates, **fixed, **kw)
     assert m.token_ids == ar.token_ids
     stats = m.stats
     assert sum(a + 1 for a in stats.accepted) == max_new
@@ -93,9 +95,10 @@ def test_mirror_equals_ar(tiny_pair, gamma, kappa, exit_layer, roots, backend, t
     confidence=st.sampled_from([0.0, 0.6]),
     backend=st.sampled_from(["serial", "threads"]),
     candidates=st.sampled_from(["exit", "draft"]),
+    budget=st.sampled_from([{}, {"budget": 2}, {"roots": "paper"}]),
 )
 def test_accepted_lengths_equal_vanilla_sd(exact_pair, gamma, kappa, temperature, acceptance, seed, max_new,
-                                          self_draft, confidence, backend, candidates):
+                                          self_draft, confidence, backend, candidates, budget):
     """The paper's parity claim (App. B): the window a hit reuses is exactly what vanilla SD's draft proposes
     after that step, so every step accepts the same number of tokens -- and with rejection sampling even the
     drawn tokens agree, since both methods key the noise by position."""
@@ -105,7 +108,7 @@ def test_accepted_lengths_equal_vanilla_sd(exact_pair, gamma, kappa, temperature
               confidence=confidence, gamma=gamma)
     sd = generate(target, [5, 9, 2, 7], method="sd", draft=draft, suffix_match=0, **kw)  # mirror has no suffix
     m = generate(target, [5, 9, 2, 7], method="mirror", draft=draft, kappa=kappa, backend=backend,
-                 candidates=candidates, **kw)
+                 candidates=candidates, **budget, **kw)
     assert m.token_ids == sd.token_ids
     assert m.stats.accepted == sd.stats.accepted
     assert m.stats.drafted == sd.stats.drafted
@@ -119,7 +122,7 @@ def test_identity_draft_hits_every_step(exact_pair):
     position (full acceptance); with κ = the whole vocabulary it is always a candidate, so every step hits."""
     target, _ = exact_pair
     m = generate(target, [1, 2, 3], method="mirror", draft=target, gamma=4, kappa=64, roots="paper",
-                 max_new_tokens=21)
+                 confidence=0.0, max_new_tokens=21)
     assert m.token_ids == generate(target, [1, 2, 3], method="ar", max_new_tokens=21).token_ids
     assert m.stats.accepted == [4, 4, 4, 4, 0]
     assert [s.hit for s in m.stats.extra["mirror"].steps] == [True, True, True, True, None]
@@ -220,6 +223,24 @@ def test_root_budget_fits_rollouts_into_delta():
     roomy = RootBudget(start=8, most=16)
     roomy.observe(roots=8, steps=2, draft_s=0.002, delta_s=1.0)
     assert roomy.current == 16  # capped at (γ+1)·κ
+
+
+def test_serial_budget_rolls_out_nothing_unless_told(exact_pair):
+    """On the serial backend a rollout is never hidden, so the fitted budget is zero roots: no early exit, no
+    tree, a fresh rollout every step (vanilla SD's). ``budget=N`` still forces N roots there; threads fit Δ."""
+    target, draft = exact_pair
+    kw = dict(draft=draft, max_new_tokens=16, gamma=3)
+    fitted = generate(target, [5, 9, 2, 7], method="mirror", **kw)
+    stats = fitted.stats.extra["mirror"]
+    assert [s.roots for s in stats.steps] == [0] * fitted.stats.steps
+    assert all(s.hit is None and s.t_ee == 0.0 for s in stats.steps)
+    assert stats.to_dict()["fallback_frequency"] is None
+    sd = generate(target, [5, 9, 2, 7], method="sd", confidence=0.0, suffix_match=0, **kw)
+    assert fitted.token_ids == sd.token_ids and fitted.stats.accepted == sd.stats.accepted
+    forced = generate(target, [5, 9, 2, 7], method="mirror", budget=2, **kw).stats.extra["mirror"].steps
+    assert all(s.roots == 2 for s in forced if s.hit is not None) and any(s.hit is not None for s in forced)
+    threads = generate(target, [5, 9, 2, 7], method="mirror", backend="threads", **kw).stats.extra["mirror"].steps
+    assert all(s.roots >= 1 for s in threads if s.hit is not None) and any(s.hit is not None for s in threads)
 
 
 def test_exit_layer_resolution_and_bad_options(tiny_pair):
@@ -349,7 +370,8 @@ def test_smollm2_seeded_sampling_equals_ar_and_parity_on_q8():
         sd = generate(q8, PROMPTS[0], method="sd", draft=draft, gamma=5, confidence=0, suffix_match=0, **kw)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the draft must not fail
-            m = generate(q8, PROMPTS[0], method="mirror", draft=draft, gamma=5, kappa=2, backend="threads", **kw)
+            m = generate(q8, PROMPTS[0], method="mirror", draft=draft, gamma=5, kappa=2, backend="threads",
+                         confidence=0, **kw)
         assert m.token_ids == ar.token_ids == sd.token_ids
         assert m.stats.accepted == sd.stats.accepted
 

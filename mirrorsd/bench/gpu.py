@@ -331,7 +331,7 @@ def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int
         sd, sd_s = _timed(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
                           suffix_match=0, draft_vocab=0)
         mirror, mirror_s = _timed(target, prompt, max_new, method="mirror", draft=oracle, gamma=gamma,
-                                  backend=backend, draft_vocab=0)
+                                  confidence=0.0, backend=backend, draft_vocab=0)
         row["sd"] = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
                      "equal_to_ar": sd.token_ids == reference}
         info = _mirror(mirror, out / f"trace_{name}_forced_{label}.json") or {}

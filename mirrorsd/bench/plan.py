@@ -259,7 +259,8 @@ def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, 
                     for backend in backends:
                         if backend == "threads" and not costs.split:
                             continue
-                        options = {"gamma": g, "kappa": k, "exit_layer": e, "roots": "paper", "backend": backend}
+                        options = {"gamma": g, "kappa": k, "exit_layer": e, "roots": "paper", "backend": backend,
+                                   "confidence": 0.0}
                         step = {"drafted": g, "gamma": g, "roots": (g + 1) * k, "exit_layer": e}
                         miss, f = cost("mirror", {**step, "hit": False}, **options), by_kappa[k]
                         hit = cost("mirror", {**step, "hit": True}, **options)

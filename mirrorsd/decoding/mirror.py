@@ -83,9 +83,12 @@ class MirrorOptions(MethodOptions):
                              "target's early-exit top-κ, the paper) or draft (the draft's own next κ likeliest tokens "
                              "at the positions it drafted, the exit's at the bonus slot)", choices=CANDIDATE_SOURCES)
     roots: str = option("budget", "budget: roll out only the candidates most likely to be the correction, as many "
-                        "as fit in the target's suffix time; paper: all (γ+1)·κ of them, as the paper does",
+                        "as fit in the target's suffix time (none on the serial backend, where nothing overlaps: "
+                        "every rollout there is time the step waits for); paper: all (γ+1)·κ of them, as the "
+                        "paper does",
                         choices=ROOT_MODES)  # Spec-Bench, serial: 0.60x ar vs 0.17x with paper (docs/mirror_sd.md)
-    budget: int | None = option(None, "with --roots budget: a fixed number of roots instead of fitting Δ", parse=int,
+    budget: int | None = option(None, "with --roots budget: a fixed number of roots instead of fitting Δ (on the "
+                                "serial backend: roll out that many although nothing overlaps)", parse=int,
                                 check=at_least(1), default_text="fit Δ")
     backend: str = option("serial", "where the draft runs while the target finishes: serial (no overlap, the "
                           "reference), threads (CPU core split), cuda-streams (one GPU), devices (--draft-device), "
@@ -99,8 +102,9 @@ class MirrorOptions(MethodOptions):
                                                                         "must be two positive counts"))
     acceptance: str = option("match", "match: greedy / sample-and-match (the target's own tokens, as ar); "
                              "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
-    confidence: float = option(0.0, "end a draft window at the first position where the draft's top probability "
-                               "is below this; 0 always drafts γ tokens", check=probability())
+    confidence: float = option(0.6, "end a draft window at the first position where the draft's top probability "
+                               "is below this; 0 always drafts γ tokens (the paper)",
+                               check=probability())  # Spec-Bench, serial: 1.10x ar vs 0.92x at 0 (docs/mirror_sd.md)
     draft_streams: Any = option(None, "draft with Speculative Streaming: fresh rollouts take several tokens per "
                                 "draft forward (the same tokens). ADAPTER is a folder; alone, the draft's shipped "
                                 "adapter", parse=str, metavar="ADAPTER", const="auto", default_text="an AR draft")
@@ -490,7 +494,7 @@ class EarlyExitScorer(ChainScorer):
         # The next window can hold at most this many tokens; rollouts past it would be wasted.
         steps = min(opts.gamma, state.room - 1)
         message, roots, t_ee, submitted = None, [], 0.0, 0.0
-        if not self.draft.failed and steps > 0:
+        if not self.draft.failed and steps > 0 and run.rolls_out:
             with run.tracer.span("target", "early exit") as ee:
                 message = early_exit(target, exit_hidden, opts.kappa, state.params, run.translate, run.exit_vocab)
                 if opts.candidates == "draft":
@@ -597,9 +601,13 @@ class MirrorRun:
         self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots, opts.candidates)
         req.stats.extra["mirror"] = self.stats
         most = (opts.gamma + 1) * opts.kappa
+        self.overlapped = executor.name != "serial"  # serial runs the rollout after the suffix: no channel wait
+        # Where nothing overlaps, R roots cost γ R-row draft forwards for a hit that saves γ one-row ones at best:
+        # a budget never pays there, so the serial backend fits none (and skips the exit that would pick them).
+        fits = opts.roots == "budget" and opts.budget is None
+        self.rolls_out = opts.roots == "paper" or not fits or self.overlapped
         self.budget = RootBudget(opts.budget or opts.kappa, most) if opts.roots == "budget" else None
         self.root_scorer = RootScorer(opts.kappa) if opts.roots == "budget" else None
-        self.overlapped = executor.name != "serial"  # serial runs the rollout after the suffix: no channel wait
         self.record: MirrorStep | None = None
         self._step: tuple[float, float, Span, ChannelMessage | None, int] | None = None
 
@@ -705,7 +713,8 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     delta = c.target(w) - pre
     rollout = gamma * c.draft(roots, opts.draft_vocab) if roots else 0.0
     core = max(delta, rollout) if backend != "serial" else delta + rollout
-    fresh = float(step["hit"] is False and step.get("source", "model") == "model")  # a suffix draft is free
+    # a window no branch was kept for (a miss, or no rollout) is a fresh rollout; a suffix draft is free
+    fresh = float(step["hit"] is not True and step.get("source", "model") == "model")
     return pre + c.exit_head(w) + core + fresh * gamma * c.draft(1, opts.draft_vocab)
 
 
