@@ -238,8 +238,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          f"{x['mean_tree_before_pruning']:.1f} → {x['mean_tree_after_pruning']:.1f} after pruning")
             if "mirror" in st.extra:
                 m = st.extra["mirror"].to_dict()
-                line += (f", fallback {m['fallback_frequency']}, hidden draft {m['hidden_draft_fraction']}, "
-                         f"step {m['mean_ms']['step_s']:.1f} ms vs Eq. 10 {m['mean_ms']['eq10_s']:.1f} ms")
+                serial_budget = m["backend"] == "serial" and m["roots"] == "budget"
+                rollouts = (f"fallback {m['fallback_frequency']}, hidden draft {m['hidden_draft_fraction']}"
+                            if m["fallback_frequency"] is not None else "no branch rolled out"
+                            + (" (the serial backend's budget: nothing overlaps)" if serial_budget else ""))
+                line += (f", {rollouts}, step {m['mean_ms']['step_s']:.1f} ms vs Eq. 10 "
+                         f"{m['mean_ms']['eq10_s']:.1f} ms")
             err.print(line, style="dim", highlight=False)
     if args.trace and tp > 1:
         from mirrorsd.runtime.tensor_parallel import gather_spans, launched_world

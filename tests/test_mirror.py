@@ -334,6 +334,16 @@ def test_cli_generate_mirror_with_trace(tmp_path, capsys):
     assert {e["cat"] for e in events if e["ph"] == "X"} == {"target", "draft"}
 
 
+def test_cli_says_when_the_serial_budget_rolled_nothing_out(capsys):
+    from mirrorsd.cli import main
+
+    code = main(["generate", "--target", "smollm2-135m", "--draft", "self:0.25", "--method", "mirror",
+                 "--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "8"])
+    assert code == 0
+    said = " ".join(capsys.readouterr().err.split())  # (rich wraps the line)
+    assert "no branch rolled out (the serial backend's budget: nothing overlaps)" in said
+
+
 # -- real weights ---------------------------------------------------------------------------------------------
 
 
