@@ -178,7 +178,7 @@ def _methods(device: torch.device, draft: Transformer, streams: Any) -> list[tup
     """(method, label, options) of every method on random weights."""
     overlap = "cuda-streams" if device.type == "cuda" else "threads"
     runs = [("sd", "sd", {"draft": draft}), ("suffix", "suffix", {}),
-            ("mirror", "mirror serial", {"draft": draft, "backend": "serial"}),
+            ("mirror", "mirror serial", {"draft": draft, "backend": "serial", "budget": 2}),  # (0 roots unforced)
             ("ss", "ss (untrained streams)", {"streams": streams})]
     if device.type == "cuda" or torch.get_num_threads() > 1:
         runs.append(("mirror", f"mirror {overlap}", {"draft": draft, "backend": overlap}))
