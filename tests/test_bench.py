@@ -145,6 +145,9 @@ def test_latency_law_terms():
     short = {**step, "gamma": 1, "roots": 1}
     assert step_ms("mirror", short, backend="threads") == pytest.approx(8.5 + ee + 8.5)
     assert step_ms("mirror", {**short, "hit": False}, backend="threads") == pytest.approx(8.5 + ee + 8.5 + 2.0)
+    # the serial budget rolls out nothing: no exit, a fresh rollout for every window (vanilla SD's step)
+    none = {**step, "roots": 0, "hit": None}
+    assert step_ms("mirror", none) == pytest.approx(17.0 + 7 * 2.0) == step_ms("sd", {"drafted": 7})
     tree = {"tree": 16, "kept": 2, "streams": 3, "top_fraction": 0.25}
     assert step_ms("ss", tree) == pytest.approx(0.75 * 25.0 + 0.25 * 17.0)
     steps = [{"drafted": 7}, {"drafted": 0}]

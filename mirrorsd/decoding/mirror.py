@@ -86,7 +86,7 @@ class MirrorOptions(MethodOptions):
                         "as fit in the target's suffix time (none on the serial backend, where nothing overlaps: "
                         "every rollout there is time the step waits for); paper: all (γ+1)·κ of them, as the "
                         "paper does",
-                        choices=ROOT_MODES)  # Spec-Bench, serial: 0.60x ar vs 0.17x with paper (docs/mirror_sd.md)
+                        choices=ROOT_MODES)  # Spec-Bench, serial: 0.87x ar (no roots), 0.66x (one), 0.17x (paper)
     budget: int | None = option(None, "with --roots budget: a fixed number of roots instead of fitting Δ (on the "
                                 "serial backend: roll out that many although nothing overlaps)", parse=int,
                                 check=at_least(1), default_text="fit Δ")
@@ -604,8 +604,8 @@ class MirrorRun:
         self.overlapped = executor.name != "serial"  # serial runs the rollout after the suffix: no channel wait
         # Where nothing overlaps, R roots cost γ R-row draft forwards for a hit that saves γ one-row ones at best:
         # a budget never pays there, so the serial backend fits none (and skips the exit that would pick them).
-        fits = opts.roots == "budget" and opts.budget is None
-        self.rolls_out = opts.roots == "paper" or not fits or self.overlapped
+        fitted = opts.roots == "budget" and opts.budget is None
+        self.rolls_out = not fitted or self.overlapped
         self.budget = RootBudget(opts.budget or opts.kappa, most) if opts.roots == "budget" else None
         self.root_scorer = RootScorer(opts.kappa) if opts.roots == "budget" else None
         self.record: MirrorStep | None = None
@@ -715,7 +715,8 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     core = max(delta, rollout) if backend != "serial" else delta + rollout
     # a window no branch was kept for (a miss, or no rollout) is a fresh rollout; a suffix draft is free
     fresh = float(step["hit"] is not True and step.get("source", "model") == "model")
-    return pre + c.exit_head(w) + core + fresh * gamma * c.draft(1, opts.draft_vocab)
+    exit_head = c.exit_head(w) if roots else 0.0  # the exit only picks roots: none rolled out, none read
+    return pre + exit_head + core + fresh * gamma * c.draft(1, opts.draft_vocab)
 
 
 register("mirror", "Mirror-SD: early-exit token channel, draft rollouts overlapped with the target's upper layers",
