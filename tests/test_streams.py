@@ -294,6 +294,13 @@ def test_saved_adapter_round_trips(exact_model, tmp_path):
     loaded = load_adapters(exact_model, tmp_path)
     for key, value in adapters.adapter_state().items():
         torch.testing.assert_close(loaded.adapter_state()[key], value.half().float())  # stored as fp16
+    assert load_adapters(exact_model, str(tmp_path)) is loaded  # attached once per model and file
+    retrained = random_adapters(exact_model, seed=1)
+    retrained.save(tmp_path)  # a new file version is attached afresh
+    reloaded = load_adapters(exact_model, tmp_path)
+    assert reloaded is not loaded
+    for key, value in retrained.adapter_state().items():
+        torch.testing.assert_close(reloaded.adapter_state()[key], value.half().float())
 
 
 # -- the SS draft inside Mirror-SD ---------------------------------------------------------------------------------
