@@ -191,9 +191,10 @@ def resolve_adapter(source: str | Path, model_name: str | None = None) -> Path:
                             f"shipped adapter: {', '.join(sorted(p.name for p in SHIPPED.glob('*'))) or 'none'}")
 
 
-# Adapters attached per model, by folder and file version: building peft's modules and reading the file took ~24 ms
-# per request on the 1.5B (~20% of a short SmolLM2 answer). Decoding only reads them.
-_ATTACHED: weakref.WeakKeyDictionary[Transformer, dict[tuple[str, int], StreamAdapters]] = weakref.WeakKeyDictionary()
+# Adapters attached per model and folder, with the file version they were read from: building peft's modules and
+# reading the file took ~24 ms per request on the 1.5B (~20% of a short SmolLM2 answer). Decoding only reads them;
+# a re-saved file replaces its folder's entry, so checkpoints do not pile up.
+_ATTACHED: weakref.WeakKeyDictionary[Transformer, dict[str, tuple[int, StreamAdapters]]] = weakref.WeakKeyDictionary()
 
 
 def load_adapters(model: Transformer, source: str | Path | StreamAdapters,
@@ -206,14 +207,15 @@ def load_adapters(model: Transformer, source: str | Path | StreamAdapters,
         return source
     folder = resolve_adapter(source, model_name)
     weights = folder / WEIGHTS_FILE
-    key = (str(folder.resolve()), weights.stat().st_mtime_ns if weights.exists() else 0)
+    version = weights.stat().st_mtime_ns if weights.exists() else 0  # (a missing file fails in load_file below)
     attached = _ATTACHED.setdefault(model, {})
-    if key not in attached:
+    key = str(folder.resolve())
+    if key not in attached or attached[key][0] != version:
         config = StreamConfig(**json.loads((folder / CONFIG_FILE).read_text()))
         adapters = StreamAdapters(model, config)
         adapters.load_adapter_state(load_file(str(weights), device=str(model.device)))
-        attached[key] = adapters.eval()
-    return attached[key]
+        attached[key] = (version, adapters.eval())
+    return attached[key][1]
 
 
 def msa_mask(ancestors: torch.Tensor, past: int, streams: int) -> torch.Tensor:
