@@ -28,6 +28,8 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lengths = [0] * n_layers
+        self._graphs: dict = {}
+        self._graphs_over: tuple[int, ...] = ()
 
     @property
     def n_layers(self) -> int:
@@ -54,6 +56,23 @@ class KVCache:
         values[:, :, start:end] = value
         self.lengths[layer] = end
         return keys[:, :, :end], values[:, :, :end]
+
+    def write_at(self, layer: int, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one token's key and value at a device-side ``position`` and return the whole buffers: what a
+        captured CUDA graph does, since its shapes and offsets cannot follow the Python lengths (its caller
+        advances those)."""
+        self.keys[layer].index_copy_(2, position, key)
+        self.values[layer].index_copy_(2, position, value)
+        return self.keys[layer], self.values[layer]
+
+    def graphs(self) -> dict:
+        """One-token steps captured over the current buffers (:mod:`mirrorsd.cuda_graphs`): once the buffers
+        change (a growth), the graphs captured over the old ones are dropped."""
+        over = tuple(t.data_ptr() for t in (*self.keys, *self.values))
+        if over != self._graphs_over:
+            self._graphs, self._graphs_over = {}, over
+        return self._graphs
 
     def buffers(self, layer: int, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's whole key and value buffers, grown to hold at least ``needed`` positions (for a kernel that

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from . import kernels
+from . import cuda_graphs, kernels
 from .kernels import cuda_attention
 from .kv_cache import KVCache
 from .linear import (
@@ -204,7 +204,10 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         s = streams.count if streams is not None else 0
-        if cache is not None:
+        static = cuda_graphs.STATIC_STEP.get()
+        if cache is not None and static is not None:  # a step being captured: write where the graph says
+            k, v = cache.write_at(self.layer, k, v, static.position)
+        elif cache is not None:
             main_k, main_v = cache.append(self.layer, k[:, :, : t - s], v[:, :, : t - s])
             if s:  # stream keys/values follow the cached ones for this forward only
                 main_k, main_v = torch.cat([main_k, k[:, :, t - s :]], 2), torch.cat([main_v, v[:, :, t - s :]], 2)
@@ -229,7 +232,9 @@ class Attention(nn.Module):
     def _attend_exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
         if cuda_attention.applies(q):  # one batch-invariant launch for every row (else one SDPA call per row)
-            index, count = cuda_attention.visible_keys(mask, q.shape[2], k.shape[2], q.device)
+            static = cuda_graphs.STATIC_STEP.get()
+            index, count = (static.index, static.count) if static is not None else \
+                cuda_attention.visible_keys(mask, q.shape[2], k.shape[2], q.device)
             return cuda_attention.attend(q, k, v, index, count)
         with nullcontext() if q.is_cuda else _one_thread():  # CPU SDPA splits its work by thread count
             if q.shape[2] > 1:
@@ -612,6 +617,8 @@ class Transformer(nn.Module):
         """
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
+        if positions is None and mask is None and self._replays_step(tokens, cache):
+            return self._replayed_step(tokens, cache, head)
         if positions is None:
             past = cache.lengths[0] if cache is not None else 0
             positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
@@ -620,6 +627,32 @@ class Transformer(nn.Module):
         hidden = self._run_window(tokens, positions, cache, mask, tokens.shape[1] if last is None else last)
         hidden = hidden if last is None else hidden[:, -last:]
         return self.logits(hidden) if head is None else head(self.norm(hidden))
+
+    #: Whether one-token steps may be replayed as CUDA graphs (a subclass that changes what a forward computes
+    #: outside its tensors, as the GPU bench's oracle draft does, sets False).
+    replays_steps = True
+
+    def _replays_step(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
+        """A one-token step on the batch-invariant CUDA path over a cache every layer holds to one length (a
+        Mirror-SD split leaves lower layers ahead) with room for the token: replayed as a CUDA graph."""
+        return (tokens.shape[1] == 1 and cache is not None and self.replays_steps and cuda_graphs.enabled()
+                and fixed_shapes(tokens) and not torch.is_grad_enabled() and cache.rows == tokens.shape[0]
+                and cuda_attention.serves(tokens.device, self.config.head_dim)
+                and len(set(cache.lengths)) == 1 and cache.lengths[0] < cache.capacity)
+
+    def _replayed_step(self, tokens: torch.Tensor, cache: KVCache, head: Callable | None) -> torch.Tensor:
+        position, captured = cache.lengths[0], cache.graphs()
+        graph = captured.get(head)
+        if graph is None:
+            graph = captured[head] = cuda_graphs.StepGraph(cache.rows, cache.capacity, tokens.device)
+
+        def step() -> torch.Tensor:
+            hidden = self.run_layers(self.embed(graph.tokens), graph.positions(), cache)
+            return self.logits(hidden) if head is None else head(self.norm(hidden))
+
+        logits = graph(tokens, position, step)
+        cache.lengths = [position + 1] * cache.n_layers
+        return logits
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> None:
         """Fill the cache with a prompt's keys and values; no logits (the LM head is skipped entirely)."""

@@ -29,8 +29,12 @@ def _triton_installed() -> bool:
 
 def applies(q: torch.Tensor) -> bool:
     """Whether :func:`attend` serves these queries: CUDA, Triton installed, a power-of-two head size."""
-    dim = q.shape[-1]
-    return q.is_cuda and dim & (dim - 1) == 0 and _triton_installed()
+    return serves(q.device, q.shape[-1])
+
+
+def serves(device: torch.device, head_dim: int) -> bool:
+    """:func:`applies` for a device and head size."""
+    return device.type == "cuda" and head_dim & (head_dim - 1) == 0 and _triton_installed()
 
 
 @cache
