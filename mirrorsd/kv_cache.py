@@ -57,13 +57,13 @@ class KVCache:
         self.lengths[layer] = end
         return keys[:, :, :end], values[:, :, :end]
 
-    def write_at(self, layer: int, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor
+    def write_at(self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one token's key and value at a device-side ``position`` and return the whole buffers: what a
+        """Write a window's keys and values at device-side ``positions`` and return the whole buffers: what a
         captured CUDA graph does, since its shapes and offsets cannot follow the Python lengths (its caller
         advances those)."""
-        self.keys[layer].index_copy_(2, position, key)
-        self.values[layer].index_copy_(2, position, value)
+        self.keys[layer].index_copy_(2, positions, key)
+        self.values[layer].index_copy_(2, positions, value)
         return self.keys[layer], self.values[layer]
 
     def graphs(self) -> dict:

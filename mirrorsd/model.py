@@ -28,6 +28,7 @@ from . import cuda_graphs, kernels
 from .kernels import cuda_attention
 from .kv_cache import KVCache
 from .linear import (
+    FIXED_ROWS,
     PACKED_BUFFERS,
     PackedLinear,
     QuantLinear,
@@ -205,8 +206,8 @@ class Attention(nn.Module):
             k = k * cos + _rotate_half(k) * sin
         s = streams.count if streams is not None else 0
         static = cuda_graphs.STATIC_STEP.get()
-        if cache is not None and static is not None:  # a step being captured: write where the graph says
-            k, v = cache.write_at(self.layer, k, v, static.position)
+        if cache is not None and static is not None:  # a window through static inputs: write where they say
+            k, v = cache.write_at(self.layer, k, v, static.positions)
         elif cache is not None:
             main_k, main_v = cache.append(self.layer, k[:, :, : t - s], v[:, :, : t - s])
             if s:  # stream keys/values follow the cached ones for this forward only
@@ -617,8 +618,8 @@ class Transformer(nn.Module):
         """
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
-        if positions is None and mask is None and self._replays_step(tokens, cache):
-            return self._replayed_step(tokens, cache, head)
+        if positions is None and mask is None and self._replays_window(tokens, cache):
+            return self._replayed_window(tokens, cache, last, head)
         if positions is None:
             past = cache.lengths[0] if cache is not None else 0
             positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
@@ -628,30 +629,36 @@ class Transformer(nn.Module):
         hidden = hidden if last is None else hidden[:, -last:]
         return self.logits(hidden) if head is None else head(self.norm(hidden))
 
-    #: Whether one-token steps may be replayed as CUDA graphs (a subclass that changes what a forward computes
+    #: Whether causal windows may be replayed as CUDA graphs (a subclass that changes what a forward computes
     #: outside its tensors, as the GPU bench's oracle draft does, sets False).
     replays_steps = True
 
-    def _replays_step(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
-        """A one-token step on the batch-invariant CUDA path over a cache every layer holds to one length (a
-        Mirror-SD split leaves lower layers ahead) with room for the token: replayed as a CUDA graph."""
-        return (tokens.shape[1] == 1 and cache is not None and self.replays_steps and cuda_graphs.enabled()
-                and fixed_shapes(tokens) and not torch.is_grad_enabled() and cache.rows == tokens.shape[0]
+    def _replays_window(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
+        """A causal window of at most one fixed-row slab on the batch-invariant CUDA path, over a cache every
+        layer holds to one length (a Mirror-SD split leaves lower layers ahead) with room for it: replayed as a
+        CUDA graph."""
+        rows, t = tokens.shape
+        return (cache is not None and rows * t <= FIXED_ROWS and self.replays_steps and cuda_graphs.enabled()
+                and fixed_shapes(tokens) and not torch.is_grad_enabled() and cache.rows == rows
                 and cuda_attention.serves(tokens.device, self.config.head_dim)
-                and len(set(cache.lengths)) == 1 and cache.lengths[0] < cache.capacity)
+                and len(set(cache.lengths)) == 1 and cache.lengths[0] + t <= cache.capacity)
 
-    def _replayed_step(self, tokens: torch.Tensor, cache: KVCache, head: Callable | None) -> torch.Tensor:
+    def _replayed_window(self, tokens: torch.Tensor, cache: KVCache, last: int | None,
+                         head: Callable | None) -> torch.Tensor:
         position, captured = cache.lengths[0], cache.graphs()
-        graph = captured.get(head)
+        key = (tokens.shape[1], last, head)
+        graph = captured.get(key)
         if graph is None:
-            graph = captured[head] = cuda_graphs.StepGraph(cache.rows, cache.capacity, tokens.device)
+            pool = next((g.pool for g in captured.values()), None)
+            graph = captured[key] = cuda_graphs.StepGraph(*tokens.shape, cache.capacity, tokens.device, pool)
 
         def step() -> torch.Tensor:
             hidden = self.run_layers(self.embed(graph.tokens), graph.positions(), cache)
+            hidden = hidden if last is None else hidden[:, -last:]
             return self.logits(hidden) if head is None else head(self.norm(hidden))
 
         logits = graph(tokens, position, step)
-        cache.lengths = [position + 1] * cache.n_layers
+        cache.lengths = [position + tokens.shape[1]] * cache.n_layers
         return logits
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> None:

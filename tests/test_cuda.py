@@ -13,12 +13,11 @@ import torch
 from mirrorsd import generate
 from mirrorsd.bench import gpu
 from mirrorsd.bench.forward import forward_costs
-from mirrorsd.cuda_graphs import cuda_graphs
 from mirrorsd.linear import DenseLinear, make_linear
 from mirrorsd.quant import GroupQuant, quantize_q8
 from mirrorsd.streams import StreamAdapters, StreamConfig
 
-from .test_model import assert_windows_and_trees_decode_bit_for_bit
+from .test_model import assert_graphed_windows_decode_bit_for_bit, assert_windows_and_trees_decode_bit_for_bit
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -174,30 +173,8 @@ def test_training_opts_out_of_fixed_shapes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_steps_equal_eager_steps(dtype):
-    """One-token steps replayed as CUDA graphs give eager decoding's logits and cache bit for bit, through a
-    cache growth (new buffers: a new capture), and ``ar``'s and ``sd``'s answers are unchanged."""
+def test_cuda_graphs_replay_eager_windows_bit_for_bit(dtype):
+    """Windows replayed as CUDA graphs: eager decoding's logits and cache, and every answer (see
+    ``assert_graphed_windows_decode_bit_for_bit``), at the shape where 1-row and k-row products round apart."""
     model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, dtype, seed=3)
-    draft = model.prefix_model(1)
-
-    def decode(graphs: bool):
-        with cuda_graphs(graphs), torch.inference_mode():
-            cache = model.new_cache(capacity=len(PROMPT) + 2)
-            logits = [model(torch.tensor([PROMPT], device=CUDA), cache=cache, last=1)[0]]
-            for _ in range(6):
-                logits.append(model(logits[-1][-1:].argmax(-1, keepdim=True), cache=cache)[0])
-        return torch.cat(logits), cache
-
-    eager, eager_cache = decode(False)
-    graphed, graphed_cache = decode(True)
-    assert not eager_cache.graphs() and [g.graph is not None for g in graphed_cache.graphs().values()] == [True]
-    assert torch.equal(graphed, eager), (graphed - eager).abs().max()
-    n = len(PROMPT) + 6
-    assert graphed_cache.lengths == eager_cache.lengths == [n] * model.config.n_layers
-    for a, b in zip(graphed_cache.keys + graphed_cache.values, eager_cache.keys + eager_cache.values, strict=True):
-        assert torch.equal(a[:, :, :n], b[:, :, :n])
-    for method, options in [("ar", {}), ("sd", {"draft": draft})]:
-        with cuda_graphs(False):
-            want = generate(model, PROMPT, method=method, max_new_tokens=16, temperature=0.0, **options).token_ids
-        got = generate(model, PROMPT, method=method, max_new_tokens=16, temperature=0.0, **options).token_ids
-        _assert_lossless(model, got, want)
+    assert_graphed_windows_decode_bit_for_bit(model, PROMPT, model.prefix_model(1))

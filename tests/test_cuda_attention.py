@@ -80,43 +80,21 @@ def test_model_with_the_kernel_decodes_windows_and_trees_bit_for_bit():
 GRAPHED = """
 import torch
 import mirrorsd.linear, mirrorsd.model
-from mirrorsd import Transformer, generate
-from mirrorsd.cuda_graphs import cuda_graphs
+from mirrorsd import Transformer
 from mirrorsd.kernels import cuda_attention
 from tests.conftest import tiny_hf
+from tests.test_model import assert_graphed_windows_decode_bit_for_bit
 
 for module in (mirrorsd.linear, mirrorsd.model):
     module.fixed_shapes = lambda x: True
 cuda_attention.applies = lambda q: True
 cuda_attention.serves = lambda device, head_dim: True
 model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1), linear="dense")
-prompt = torch.randint(0, 100, (1, 62)).tolist()[0]
-
-def decode(graphs):
-    with cuda_graphs(graphs), torch.inference_mode():
-        cache = model.new_cache(capacity=64)  # grows at the third token: new buffers, a new step graph
-        logits = [model(torch.tensor([prompt]), cache=cache, last=1)[0]]
-        for _ in range(5):
-            logits.append(model(logits[-1][-1:].argmax(-1, keepdim=True), cache=cache)[0])
-    return torch.cat(logits), cache
-
-eager, eager_cache = decode(False)
-static, static_cache = decode(True)
-assert not eager_cache.graphs() and len(static_cache.graphs()) == 1
-assert torch.equal(static, eager), (static - eager).abs().max()
-assert static_cache.lengths == eager_cache.lengths == [67] * model.config.n_layers
-for a, b in zip(static_cache.keys + static_cache.values, eager_cache.keys + eager_cache.values, strict=True):
-    assert torch.equal(a[:, :, :67], b[:, :, :67])
-for method, options in [("ar", {}), ("sd", {"draft": model.prefix_model(1)})]:
-    with cuda_graphs(False):
-        want = generate(model, prompt, max_new_tokens=12, method=method, **options).token_ids
-    assert generate(model, prompt, max_new_tokens=12, method=method, **options).token_ids == want, method
+assert_graphed_windows_decode_bit_for_bit(model, torch.randint(0, 100, (62,)).tolist(), model.prefix_model(1))
 print("ok")
 """
 
 
-def test_steps_through_static_inputs_decode_bit_for_bit():
-    """What a captured CUDA graph runs (the key and value written at a device-side position, the key count read
-    from a tensor, one cache growth on the way), run eagerly on the CPU: one-token decoding's logits and cache,
-    bit for bit, and ``ar``/``sd`` answers unchanged."""
+def test_windows_through_static_inputs_decode_bit_for_bit():
+    """What a captured CUDA graph runs, run eagerly on the CPU (see ``assert_graphed_windows_decode_bit_for_bit``)."""
     _interpret(GRAPHED)

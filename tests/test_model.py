@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mirrorsd import Transformer, kernels
+from mirrorsd import Transformer, generate, kernels
+from mirrorsd.cuda_graphs import cuda_graphs
 from mirrorsd.model import causal_mask
 
 from .conftest import HF_CONFIGS, requires_smollm2, tiny_hf
@@ -123,6 +124,39 @@ def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list
         tree = model(torch.tensor([a + b], device=device), positions, cache, mask)[0]
     assert torch.equal(window, decoded[0]), (window - decoded[0]).abs().max()
     assert torch.equal(tree[:3], decoded[0]) and torch.equal(tree[3:], decoded[1])
+
+
+def assert_graphed_windows_decode_bit_for_bit(model: Transformer, prompt: list[int], draft: Transformer) -> None:
+    """Windows through CUDA graphs' static inputs (keys and values written at device-side positions, key counts
+    read from a tensor; replayed graphs on CUDA) give the eager path's logits and cache bit for bit: one-token
+    steps, a 3-token window decoded twice (captured on its second use), a cache growth on the way (new buffers,
+    new graphs); and ``ar``'s and ``sd``'s answers are unchanged."""
+    device = model.device
+
+    def decode(graphs: bool):
+        with cuda_graphs(graphs), torch.inference_mode():
+            cache = model.new_cache(capacity=len(prompt) + 2)  # grows at the third new token
+            logits = [model(torch.tensor([prompt], device=device), cache=cache, last=1)[0]]
+            for tokens in ([5], [6], [7], [8, 9, 10], [11], [12]):
+                logits.append(model(torch.tensor([tokens], device=device), cache=cache)[0])
+            cache.truncate(len(cache) - 4)
+            logits.append(model(torch.tensor([[8, 9, 10]], device=device), cache=cache)[0])
+            logits.append(model(torch.tensor([[13]], device=device), cache=cache)[0])
+        return torch.cat(logits), cache
+
+    eager, eager_cache = decode(False)
+    graphed, graphed_cache = decode(True)
+    assert not eager_cache.graphs() and len(graphed_cache.graphs()) == 2  # one-token steps and 3-token windows
+    assert torch.equal(graphed, eager), (graphed - eager).abs().max()
+    n = len(eager_cache)
+    assert graphed_cache.lengths == eager_cache.lengths == [n] * model.config.n_layers
+    for a, b in zip(graphed_cache.keys + graphed_cache.values, eager_cache.keys + eager_cache.values, strict=True):
+        assert torch.equal(a[:, :, :n], b[:, :, :n])
+    for method, options in [("ar", {}), ("sd", {"draft": draft}), ("suffix", {})]:
+        with cuda_graphs(False):
+            want = generate(model, prompt, max_new_tokens=16, method=method, temperature=0.0, **options).token_ids
+        got = generate(model, prompt, max_new_tokens=16, method=method, temperature=0.0, **options).token_ids
+        assert got == want, method
 
 
 def test_fixed_shapes_give_one_token_decodings_bits(monkeypatch):
