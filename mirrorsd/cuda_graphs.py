@@ -1,24 +1,27 @@
-"""Decoding steps replayed as CUDA graphs: what makes a GPU step cost the GPU's time, not the host's.
+"""The decoder's layers replayed as CUDA graphs: what makes a GPU step cost the GPU's time, not the host's.
 
-Why: on an H200 an eager one-token forward of the 1.5B shape issues ~1,200 kernels and takes ~39 ms of host time
-for ~3 ms of GPU work (``docs/gpu.md``), so ``ar``, every draft's rollout and every verification window run at the
-host's pace. A graph captured per cache and window shape replays all of them with one call (gpt-fast's
-``reduce-overhead`` idea, without ``torch.compile``).
+Why: on an H200 an eager one-token forward of the 1.5B shape issues ~1,200 kernels and takes ~25-39 ms of host
+time for ~3 ms of GPU work (``docs/gpu.md``), so ``ar``, every verification window, every draft rollout and both
+halves of Mirror-SD's target pass run at the host's pace. A graph captured per cache, layer range and window shape
+replays a whole layer range with one call (gpt-fast's ``reduce-overhead`` idea, without ``torch.compile``).
 
-Bit for bit the eager step: the same kernels on the same shapes (the batch-invariant path already pads every
-GEMM to 64 rows and attends through one Triton kernel whatever the key count). Only what moves from step to step
-moves to device tensors, which the captured graph reads at replay: the tokens, the cache positions where their keys
-and values are written (``index_copy_``), and how many keys each query sees. A cache that grows gets new buffers,
-and so new graphs.
+Bit for bit the eager layers: the same kernels on the same shapes (the batch-invariant path already pads every GEMM
+to 64 rows and attends through one Triton kernel, which takes each query's visible keys as a gather list and a
+count). What moves from call to call moves to device tensors that the graph reads at replay: the hidden states, the
+rotary positions, the cache slots where keys and values are written (``index_copy_``), and the gather lists and
+counts (a causal window's from its slots; a tree's from its mask, gathered eagerly). A cache that grows gets new
+buffers, and so new graphs.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -27,16 +30,18 @@ _ENABLED = ContextVar("mirrorsd_cuda_graphs", default=os.environ.get("MIRRORSD_C
 
 @dataclass(frozen=True)
 class StaticStep:
-    """The device-side inputs of a captured causal window (a graph cannot read Python ints)."""
+    """The device-side inputs of a captured window (a graph cannot read Python ints)."""
 
-    positions: torch.Tensor  # int64 [t]: where the window's keys and values go, and its rotary positions
-    index: torch.Tensor  # int32 [1, 1, capacity]: the keys in position order (the attention kernel's gather list)
-    count: torch.Tensor  # int32 [1, t]: how many of them each query sees (its position + 1)
+    positions: torch.Tensor  # int64 [rows, t]: rotary positions
+    slots: torch.Tensor  # int64 [t]: the cache slots the window's keys and values go to
+    index: torch.Tensor  # int32 [rows or 1, t, capacity]: each query's visible keys in order (a gather list)
+    count: torch.Tensor  # int32 [rows or 1, t]: how many of them each query sees
 
 
 #: Set while a window runs through static inputs: attention writes and reads the cache through it instead of the
 #: Python lengths.
 STATIC_STEP: ContextVar[StaticStep | None] = ContextVar("mirrorsd_static_step", default=None)
+_CAPTURING = threading.Lock()
 
 
 def enabled() -> bool:
@@ -45,7 +50,7 @@ def enabled() -> bool:
 
 @contextmanager
 def cuda_graphs(on: bool) -> Iterator[None]:
-    """``cuda_graphs(False)``: eager steps (``MIRRORSD_CUDA_GRAPHS=0`` sets the default), e.g. to time the
+    """``cuda_graphs(False)``: eager layers (``MIRRORSD_CUDA_GRAPHS=0`` sets the default), e.g. to time the
     host-bound path next to the replayed one."""
     token = _ENABLED.set(on)
     try:
@@ -54,53 +59,75 @@ def cuda_graphs(on: bool) -> Iterator[None]:
         _ENABLED.reset(token)
 
 
-class StepGraph:
-    """A causal window of ``t`` tokens over one cache's buffers, captured on its second use (a shape seen once,
-    such as a draft's catch-up, never pays for a capture). The graphs of one cache share a memory pool: they run
-    one after another and each output is copied out at once."""
+class LayerGraph:
+    """A layer range over one cache's buffers for windows of one shape, captured on its second use (a shape seen
+    once, such as a prompt or a draft's catch-up, never pays for a capture). The graphs of one cache share a
+    memory pool: they run one after another and each output is copied out at once."""
 
-    def __init__(self, rows: int, t: int, capacity: int, device: torch.device, pool: tuple | None) -> None:
-        self.tokens = torch.zeros(rows, t, dtype=torch.long, device=device)
+    def __init__(self, hidden: torch.Tensor, capacity: int, mask_rows: int | None, pool: tuple | None) -> None:
+        rows, t, _ = hidden.shape
+        device = hidden.device
+        self.hidden = torch.zeros_like(hidden)
         self.offsets = torch.arange(t, device=device)
-        self.static = StaticStep(positions=torch.zeros(t, dtype=torch.long, device=device),
-                                 index=torch.arange(capacity, dtype=torch.int32, device=device).view(1, 1, -1),
-                                 count=torch.ones(1, t, dtype=torch.int32, device=device))
-        self.pool = pool if pool is not None or not self.tokens.is_cuda else torch.cuda.graph_pool_handle()
+        index_rows = 1 if mask_rows is None else mask_rows
+        self.causal = mask_rows is None
+        self.static = StaticStep(positions=torch.zeros(rows, t, dtype=torch.long, device=device),
+                                 slots=torch.zeros(t, dtype=torch.long, device=device),
+                                 index=torch.arange(capacity, dtype=torch.int32, device=device)
+                                 .repeat(index_rows, t, 1),
+                                 count=torch.ones(index_rows, t, dtype=torch.int32, device=device))
+        self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
         self.uses = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
-    def positions(self) -> torch.Tensor:
-        """The window's positions ``[rows, t]``, read from the static inputs at replay."""
-        return self.static.positions.view(1, -1).expand(self.tokens.shape)
-
-    def __call__(self, tokens: torch.Tensor, position: int, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The output of ``tokens`` at ``position`` onwards; ``step`` runs the eager forward on :attr:`tokens` and
-        :meth:`positions` (eagerly on first use and off CUDA, where Triton's interpreter runs the tests, and
-        once more to capture)."""
-        self.tokens.copy_(tokens)
-        torch.add(self.offsets, position, out=self.static.positions)
-        self.static.count.copy_(self.static.positions + 1)
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, length: int,
+                 visible: tuple[torch.Tensor, torch.Tensor] | None, layers: Callable[[], torch.Tensor]
+                 ) -> torch.Tensor:
+        """The layers' output for ``hidden`` at ``positions``, written after ``length`` cached entries;
+        ``visible``: a masked window's (index, count), else the window is causal. ``layers`` runs the eager
+        layers on :attr:`hidden` and :attr:`static` (eagerly on first use and off CUDA, where Triton's interpreter
+        runs the tests, and once more to capture)."""
+        static = self.static
+        self.hidden.copy_(hidden)
+        static.positions.copy_(positions)
+        torch.add(self.offsets, length, out=static.slots)
+        if visible is None:
+            static.count.copy_(static.slots + 1)
+        else:
+            index, count = visible
+            static.index[..., : index.shape[-1]].copy_(index)
+            static.count.copy_(count)
         self.uses += 1
-        if self.uses == 1 or not self.tokens.is_cuda:
-            reset = STATIC_STEP.set(self.static)
+        if self.uses == 1 or self.hidden.device.type != "cuda":
+            reset = STATIC_STEP.set(static)
             try:
-                return step()
+                return layers()
             finally:
                 STATIC_STEP.reset(reset)
         if self.graph is None:
-            self._capture(step)
+            self._capture(layers)
         self.graph.replay()
         return self.out.clone()  # the next replay overwrites the static output
 
-    def _capture(self, step: Callable[[], torch.Tensor]) -> None:
+    def _capture(self, layers: Callable[[], torch.Tensor]) -> None:
+        device = self.hidden.device
         reset = STATIC_STEP.set(self.static)
         try:
             graph = torch.cuda.CUDAGraph()
-            # thread_local: Mirror-SD's cuda-streams backend runs the target on another thread meanwhile. (The
-            # first, eager use warmed up what capturing needs: cuBLAS handles, the Triton binary.)
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.out = step()
+            # On the model's own device and a capture stream of that device (PyTorch's default capture stream
+            # lives on whichever device captured first: a draft on a second GPU would not be captured at all).
+            # One capture at a time in the process (entering one synchronizes the device, which would invalidate
+            # another thread's), and thread_local: other threads' work may go on meanwhile. The first, eager use
+            # warmed up what capturing needs: cuBLAS handles, the Triton binary.
+            with _CAPTURING, torch.cuda.device(device), torch.cuda.graph(
+                    graph, pool=self.pool, stream=_capture_stream(device), capture_error_mode="thread_local"):
+                self.out = layers()
             self.graph = graph
         finally:
             STATIC_STEP.reset(reset)
+
+
+@cache
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)

@@ -207,7 +207,7 @@ class Attention(nn.Module):
         s = streams.count if streams is not None else 0
         static = cuda_graphs.STATIC_STEP.get()
         if cache is not None and static is not None:  # a window through static inputs: write where they say
-            k, v = cache.write_at(self.layer, k, v, static.positions)
+            k, v = cache.write_at(self.layer, k, v, static.slots)
         elif cache is not None:
             main_k, main_v = cache.append(self.layer, k[:, :, : t - s], v[:, :, : t - s])
             if s:  # stream keys/values follow the cached ones for this forward only
@@ -578,6 +578,8 @@ class Transformer(nn.Module):
             raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
         t = hidden.shape[1]
+        if streams is None and self._replays(hidden, cache, mask, start, end):
+            return self._replayed(hidden, positions, cache, mask, start, end)
         if mask is None and t > 1 and not fixed_shapes(hidden):  # (batch-invariant CUDA attention needs no mask)
             past = cache.lengths[start] if cache is not None else 0
             # On CUDA in half precision a CausalBias: flash attention aligns it lower right itself, with no mask
@@ -596,6 +598,42 @@ class Transformer(nn.Module):
             for block in blocks:
                 hidden = block(hidden, cos, sin, cache, mask, streams)
         return hidden
+
+    def _replays(self, hidden: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None, start: int,
+                 end: int) -> bool:
+        """Whether blocks ``[start, end)`` replay as a CUDA graph (:mod:`mirrorsd.cuda_graphs`): the
+        batch-invariant CUDA path, no grad, at most one fixed-row slab, those layers at one cache length with room
+        for the window, and a mask (if any) over exactly the cache and the window."""
+        rows, t, _ = hidden.shape
+        if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fixed_shapes(hidden) \
+                or torch.is_grad_enabled() or cache.rows != rows \
+                or not cuda_attention.serves(hidden.device, self.config.head_dim):
+            return False
+        lengths = set(cache.lengths[start:end])
+        length = lengths.pop() if len(lengths) == 1 else -1
+        return 0 <= length <= cache.capacity - t and (mask is None or (
+            mask.dtype == torch.bool and mask.shape[-2:] == (t, length + t) and mask.shape[0] in (1, rows)))
+
+    def _replayed(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                  start: int, end: int) -> torch.Tensor:
+        length, captured, t = cache.lengths[start], cache.graphs(), hidden.shape[1]
+        key = (start, end, t, None if mask is None else mask.shape[0])
+        graph = captured.get(key)
+        if graph is None:
+            pool = next((g.pool for g in captured.values()), None)
+            graph = captured[key] = cuda_graphs.LayerGraph(hidden, cache.capacity, key[-1], pool)
+        visible = None if mask is None else cuda_attention.visible_keys(mask, t, length + t, hidden.device)
+
+        def layers() -> torch.Tensor:
+            out, (cos, sin) = graph.hidden, self.rope(graph.static.positions)
+            with _attention_backends(out.device):
+                for block in list(self.layers)[start:end]:
+                    out = block(out, cos, sin, cache, None)
+            return out
+
+        out = graph(hidden, positions.expand(hidden.shape[:2]), length, visible, layers)
+        cache.lengths[start:end] = [length + t] * (end - start)
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on any layer's hidden states (this is also the early exit)."""
@@ -618,8 +656,6 @@ class Transformer(nn.Module):
         """
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
-        if positions is None and mask is None and self._replays_window(tokens, cache):
-            return self._replayed_window(tokens, cache, last, head)
         if positions is None:
             past = cache.lengths[0] if cache is not None else 0
             positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
@@ -628,38 +664,6 @@ class Transformer(nn.Module):
         hidden = self._run_window(tokens, positions, cache, mask, tokens.shape[1] if last is None else last)
         hidden = hidden if last is None else hidden[:, -last:]
         return self.logits(hidden) if head is None else head(self.norm(hidden))
-
-    #: Whether causal windows may be replayed as CUDA graphs (a subclass that changes what a forward computes
-    #: outside its tensors, as the GPU bench's oracle draft does, sets False).
-    replays_steps = True
-
-    def _replays_window(self, tokens: torch.Tensor, cache: KVCache | None) -> bool:
-        """A causal window of at most one fixed-row slab on the batch-invariant CUDA path, over a cache every
-        layer holds to one length (a Mirror-SD split leaves lower layers ahead) with room for it: replayed as a
-        CUDA graph."""
-        rows, t = tokens.shape
-        return (cache is not None and rows * t <= FIXED_ROWS and self.replays_steps and cuda_graphs.enabled()
-                and fixed_shapes(tokens) and not torch.is_grad_enabled() and cache.rows == rows
-                and cuda_attention.serves(tokens.device, self.config.head_dim)
-                and len(set(cache.lengths)) == 1 and cache.lengths[0] + t <= cache.capacity)
-
-    def _replayed_window(self, tokens: torch.Tensor, cache: KVCache, last: int | None,
-                         head: Callable | None) -> torch.Tensor:
-        position, captured = cache.lengths[0], cache.graphs()
-        key = (tokens.shape[1], last, head)
-        graph = captured.get(key)
-        if graph is None:
-            pool = next((g.pool for g in captured.values()), None)
-            graph = captured[key] = cuda_graphs.StepGraph(*tokens.shape, cache.capacity, tokens.device, pool)
-
-        def step() -> torch.Tensor:
-            hidden = self.run_layers(self.embed(graph.tokens), graph.positions(), cache)
-            hidden = hidden if last is None else hidden[:, -last:]
-            return self.logits(hidden) if head is None else head(self.norm(hidden))
-
-        logits = graph(tokens, position, step)
-        cache.lengths = [position + tokens.shape[1]] * cache.n_layers
-        return logits
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> None:
         """Fill the cache with a prompt's keys and values; no logits (the LM head is skipped entirely)."""

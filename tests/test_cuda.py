@@ -178,3 +178,15 @@ def test_cuda_graphs_replay_eager_windows_bit_for_bit(dtype):
     ``assert_graphed_windows_decode_bit_for_bit``), at the shape where 1-row and k-row products round apart."""
     model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, dtype, seed=3)
     assert_graphed_windows_decode_bit_for_bit(model, PROMPT, model.prefix_model(1))
+
+
+def test_mirror_on_cuda_streams_with_graphs_equals_ar():
+    """Mirror-SD's two threads on one GPU with CUDA graphs on (the target's thread captures and replays its
+    layers; both sides run eagerly while they overlap): at real-ish shapes a capture on one thread was once
+    invalidated by the other's work."""
+    model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, torch.bfloat16, seed=3)
+    draft = model.prefix_model(1)
+    want = generate(model, PROMPT, method="ar", max_new_tokens=48, temperature=0.0).token_ids
+    got = generate(model, PROMPT, method="mirror", draft=draft, backend="cuda-streams", budget=2, exit_layer=2,
+                   max_new_tokens=48, temperature=0.0).token_ids
+    _assert_lossless(model, got, want)

@@ -127,32 +127,50 @@ def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list
 
 
 def assert_graphed_windows_decode_bit_for_bit(model: Transformer, prompt: list[int], draft: Transformer) -> None:
-    """Windows through CUDA graphs' static inputs (keys and values written at device-side positions, key counts
-    read from a tensor; replayed graphs on CUDA) give the eager path's logits and cache bit for bit: one-token
-    steps, a 3-token window decoded twice (captured on its second use), a cache growth on the way (new buffers,
-    new graphs); and ``ar``'s and ``sd``'s answers are unchanged."""
+    """Layers through CUDA graphs' static inputs (keys and values written at device-side slots, each query's
+    visible keys and count read from tensors; replayed graphs on CUDA) give the eager path's logits and cache bit
+    for bit: one-token steps, a 3-token window decoded twice (captured on its second use), a cache growth on the
+    way (new buffers, new graphs), a two-branch tree twice and a pass split at layer 1 twice (Mirror-SD's draft
+    rollouts and target); and ``ar``'s, ``sd``'s, ``suffix``'s and ``mirror``'s answers are unchanged."""
     device = model.device
+    a, b = [10, 11, 12], [20, 21]
 
     def decode(graphs: bool):
         with cuda_graphs(graphs), torch.inference_mode():
             cache = model.new_cache(capacity=len(prompt) + 2)  # grows at the third new token
-            logits = [model(torch.tensor([prompt], device=device), cache=cache, last=1)[0]]
+            outs = [model(torch.tensor([prompt], device=device), cache=cache, last=1)[0]]
             for tokens in ([5], [6], [7], [8, 9, 10], [11], [12]):
-                logits.append(model(torch.tensor([tokens], device=device), cache=cache)[0])
+                outs.append(model(torch.tensor([tokens], device=device), cache=cache)[0])
             cache.truncate(len(cache) - 4)
-            logits.append(model(torch.tensor([[8, 9, 10]], device=device), cache=cache)[0])
-            logits.append(model(torch.tensor([[13]], device=device), cache=cache)[0])
-        return torch.cat(logits), cache
+            outs.append(model(torch.tensor([[8, 9, 10]], device=device), cache=cache)[0])
+            outs.append(model(torch.tensor([[13]], device=device), cache=cache)[0])
+            past = len(cache)
+            mask = torch.zeros(1, 5, past + 5, dtype=torch.bool, device=device)
+            mask[..., :past] = True
+            for i, j in [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 3), (4, 3), (4, 4)]:
+                mask[0, i, past + j] = True
+            positions = torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device)
+            window = torch.tensor([[14, 15]], device=device)
+            split = torch.arange(past, past + 2, device=device)[None]
+            for _ in range(2):
+                outs.append(model(torch.tensor([a + b], device=device), positions, cache, mask)[0])
+                cache.truncate(past)
+                low = model.run_layers(model.embed(window), split, cache, end=1)
+                outs.append(model.logits(model.run_layers(low, split, cache, start=1))[0])
+                cache.truncate(past)
+        return torch.cat(outs), cache
 
     eager, eager_cache = decode(False)
     graphed, graphed_cache = decode(True)
-    assert not eager_cache.graphs() and len(graphed_cache.graphs()) == 2  # one-token steps and 3-token windows
+    # one-token steps, 3-token windows, trees, and the two halves of the split pass
+    assert not eager_cache.graphs() and len(graphed_cache.graphs()) == 5
     assert torch.equal(graphed, eager), (graphed - eager).abs().max()
     n = len(eager_cache)
     assert graphed_cache.lengths == eager_cache.lengths == [n] * model.config.n_layers
-    for a, b in zip(graphed_cache.keys + graphed_cache.values, eager_cache.keys + eager_cache.values, strict=True):
-        assert torch.equal(a[:, :, :n], b[:, :, :n])
-    for method, options in [("ar", {}), ("sd", {"draft": draft}), ("suffix", {})]:
+    for x, y in zip(graphed_cache.keys + graphed_cache.values, eager_cache.keys + eager_cache.values, strict=True):
+        assert torch.equal(x[:, :, : n + 5], y[:, :, : n + 5])
+    for method, options in [("ar", {}), ("sd", {"draft": draft}), ("suffix", {}),
+                            ("mirror", {"draft": draft, "budget": 2, "exit_layer": 1})]:
         with cuda_graphs(False):
             want = generate(model, prompt, max_new_tokens=16, method=method, temperature=0.0, **options).token_ids
         got = generate(model, prompt, max_new_tokens=16, method=method, temperature=0.0, **options).token_ids

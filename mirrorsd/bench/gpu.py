@@ -106,7 +106,6 @@ class OracleDraft(Transformer):
     prompt_len: int
     accept: int | None
     _positions: torch.Tensor
-    replays_steps = False  # its run_layers keeps Python state that a replayed graph would not update
 
     @classmethod
     def wrap(cls, draft: Transformer, prompt: list[int], reference: list[int], accept: int | None) -> OracleDraft:

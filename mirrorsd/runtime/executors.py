@@ -19,10 +19,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import TypeVar
 
 import torch
+
+from ..cuda_graphs import cuda_graphs
 
 T = TypeVar("T")
 
@@ -88,7 +90,11 @@ class WorkerExecutor(Executor):
     def submit(self, job: Callable[[], T]) -> Future[T]:
         def run() -> T:
             # Grad and inference modes are thread-local: the worker must enter them itself.
-            with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.stream else nullcontext()):
+            # No CUDA graphs on either side while the two overlap: on an H200 a capture on one thread was
+            # invalidated by the other's work (both capture on one shared stream, and entering a capture
+            # synchronizes the device), so both run their layers eagerly then (see overlapping()).
+            with torch.inference_mode(), cuda_graphs(False), \
+                    (torch.cuda.stream(self.stream) if self.stream else nullcontext()):
                 out = job()
                 if self.stream is not None:
                     self.stream.synchronize()
@@ -97,7 +103,11 @@ class WorkerExecutor(Executor):
         return self.pool.submit(run)
 
     def overlapping(self) -> AbstractContextManager[None]:
-        return _Threads(self.target_threads, self.total_threads) if self.target_threads else nullcontext()
+        stack = ExitStack()
+        stack.enter_context(cuda_graphs(False))
+        if self.target_threads:
+            stack.enter_context(_Threads(self.target_threads, self.total_threads))
+        return stack
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
