@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -60,34 +61,37 @@ def cuda_graphs(on: bool) -> Iterator[None]:
 
 
 class LayerGraph:
-    """A layer range over one cache's buffers for windows of one shape, captured on its second use (a shape seen
-    once, such as a prompt or a draft's catch-up, never pays for a capture). The graphs of one cache share a
+    """A layer range over one cache's buffers for windows of one shape. Made on the shape's second sight (a shape
+    seen once, such as a prompt or a draft's catch-up, costs nothing), run through its static inputs eagerly
+    then (the warm-up a capture needs), captured on the third and replayed after. The graphs of one cache share a
     memory pool: they run one after another and each output is copied out at once."""
 
     def __init__(self, hidden: torch.Tensor, capacity: int, mask_rows: int | None, pool: tuple | None) -> None:
         rows, t, _ = hidden.shape
         device = hidden.device
-        self.hidden = torch.zeros_like(hidden)
-        self.offsets = torch.arange(t, device=device)
-        index_rows = 1 if mask_rows is None else mask_rows
-        self.causal = mask_rows is None
-        self.static = StaticStep(positions=torch.zeros(rows, t, dtype=torch.long, device=device),
-                                 slots=torch.zeros(t, dtype=torch.long, device=device),
-                                 index=torch.arange(capacity, dtype=torch.int32, device=device)
-                                 .repeat(index_rows, t, 1),
-                                 count=torch.ones(index_rows, t, dtype=torch.int32, device=device))
+        with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
+            self.hidden = torch.zeros_like(hidden)
+            self.offsets = torch.arange(t, device=device)
+            keys = torch.arange(capacity, dtype=torch.int32, device=device)
+            self.static = StaticStep(
+                positions=torch.zeros(rows, t, dtype=torch.long, device=device),
+                slots=torch.zeros(t, dtype=torch.long, device=device),
+                # a causal window's queries share one gather list, as the eager path's zero-stride one
+                index=keys.view(1, 1, -1) if mask_rows is None else keys.repeat(mask_rows, t, 1),
+                count=torch.ones(1 if mask_rows is None else mask_rows, t, dtype=torch.int32, device=device))
         self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
         self.uses = 0
+        self.failed = False  # a capture that raised: this shape stays eager
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, length: int,
                  visible: tuple[torch.Tensor, torch.Tensor] | None, layers: Callable[[], torch.Tensor]
                  ) -> torch.Tensor:
-        """The layers' output for ``hidden`` at ``positions``, written after ``length`` cached entries;
-        ``visible``: a masked window's (index, count), else the window is causal. ``layers`` runs the eager
-        layers on :attr:`hidden` and :attr:`static` (eagerly on first use and off CUDA, where Triton's interpreter
-        runs the tests, and once more to capture)."""
+        """The layers' output for ``hidden`` at ``positions``, written to the cache slots after ``length``;
+        ``visible``: a masked window's (index, count), else the window is causal. ``layers`` runs the eager layers
+        on :attr:`hidden` and :attr:`static`: as it is on first use, after a failed capture and off CUDA (where
+        Triton's interpreter runs the tests), and once more to capture."""
         static = self.static
         self.hidden.copy_(hidden)
         static.positions.copy_(positions)
@@ -99,14 +103,14 @@ class LayerGraph:
             static.index[..., : index.shape[-1]].copy_(index)
             static.count.copy_(count)
         self.uses += 1
-        if self.uses == 1 or self.hidden.device.type != "cuda":
+        if self.graph is None and not self.failed and self.uses > 1 and self.hidden.is_cuda:
+            self._capture(layers)
+        if self.graph is None:
             reset = STATIC_STEP.set(static)
             try:
                 return layers()
             finally:
                 STATIC_STEP.reset(reset)
-        if self.graph is None:
-            self._capture(layers)
         self.graph.replay()
         return self.out.clone()  # the next replay overwrites the static output
 
@@ -118,12 +122,15 @@ class LayerGraph:
             # On the model's own device and a capture stream of that device (PyTorch's default capture stream
             # lives on whichever device captured first: a draft on a second GPU would not be captured at all).
             # One capture at a time in the process (entering one synchronizes the device, which would invalidate
-            # another thread's), and thread_local: other threads' work may go on meanwhile. The first, eager use
-            # warmed up what capturing needs: cuBLAS handles, the Triton binary.
+            # another thread's), and thread_local: other threads' work may go on meanwhile.
             with _CAPTURING, torch.cuda.device(device), torch.cuda.graph(
                     graph, pool=self.pool, stream=_capture_stream(device), capture_error_mode="thread_local"):
                 self.out = layers()
             self.graph = graph
+        except Exception as error:  # noqa: BLE001 - a capture is an optimisation: run this shape eagerly instead
+            self.failed = True
+            warnings.warn(f"CUDA graph capture failed ({type(error).__name__}: {error}); this window shape runs "
+                          "eagerly", RuntimeWarning, stacklevel=4)
         finally:
             STATIC_STEP.reset(reset)
 

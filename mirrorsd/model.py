@@ -579,7 +579,9 @@ class Transformer(nn.Module):
         end = self.config.n_layers if end is None else end
         t = hidden.shape[1]
         if streams is None and self._replays(hidden, cache, mask, start, end):
-            return self._replayed(hidden, positions, cache, mask, start, end)
+            replayed = self._replayed(hidden, positions, cache, mask, start, end)
+            if replayed is not None:
+                return replayed
         if mask is None and t > 1 and not fixed_shapes(hidden):  # (batch-invariant CUDA attention needs no mask)
             past = cache.lengths[start] if cache is not None else 0
             # On CUDA in half precision a CausalBias: flash attention aligns it lower right itself, with no mask
@@ -601,27 +603,34 @@ class Transformer(nn.Module):
 
     def _replays(self, hidden: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None, start: int,
                  end: int) -> bool:
-        """Whether blocks ``[start, end)`` replay as a CUDA graph (:mod:`mirrorsd.cuda_graphs`): the
+        """Whether blocks ``[start, end)`` may replay as a CUDA graph (:mod:`mirrorsd.cuda_graphs`): the
         batch-invariant CUDA path, no grad, at most one fixed-row slab, those layers at one cache length with room
-        for the window, and a mask (if any) over exactly the cache and the window."""
+        for the window in each, and a mask (if any) over exactly the cache and the window."""
         rows, t, _ = hidden.shape
         if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fixed_shapes(hidden) \
-                or torch.is_grad_enabled() or cache.rows != rows \
+                or self.fused or torch.is_grad_enabled() or cache.rows != rows \
                 or not cuda_attention.serves(hidden.device, self.config.head_dim):
             return False
         lengths = set(cache.lengths[start:end])
         length = lengths.pop() if len(lengths) == 1 else -1
-        return 0 <= length <= cache.capacity - t and (mask is None or (
+        room = min(cache.keys[layer].shape[2] for layer in range(start, end)) - t  # layers grow one by one
+        return 0 <= length <= room and (mask is None or (
             mask.dtype == torch.bool and mask.shape[-2:] == (t, length + t) and mask.shape[0] in (1, rows)))
 
     def _replayed(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                  start: int, end: int) -> torch.Tensor:
+                  start: int, end: int) -> torch.Tensor | None:
+        """Blocks ``[start, end)`` through this shape's :class:`~mirrorsd.cuda_graphs.LayerGraph`; None the first
+        time the shape is seen (the caller runs it eagerly: a one-off costs no static buffers)."""
         length, captured, t = cache.lengths[start], cache.graphs(), hidden.shape[1]
-        key = (start, end, t, None if mask is None else mask.shape[0])
+        key = (self, start, end, t, None if mask is None else mask.shape[0])  # (weights are baked into a graph)
         graph = captured.get(key)
         if graph is None:
-            pool = next((g.pool for g in captured.values()), None)
-            graph = captured[key] = cuda_graphs.LayerGraph(hidden, cache.capacity, key[-1], pool)
+            captured[key] = False  # seen once
+            return None
+        if graph is False:
+            pool = next((g.pool for g in captured.values() if g), None)
+            capacity = min(cache.keys[layer].shape[2] for layer in range(start, end))
+            graph = captured[key] = cuda_graphs.LayerGraph(hidden, capacity, key[-1], pool)
         visible = None if mask is None else cuda_attention.visible_keys(mask, t, length + t, hidden.device)
 
         def layers() -> torch.Tensor:

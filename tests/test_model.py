@@ -128,42 +128,49 @@ def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list
 
 def assert_graphed_windows_decode_bit_for_bit(model: Transformer, prompt: list[int], draft: Transformer) -> None:
     """Layers through CUDA graphs' static inputs (keys and values written at device-side slots, each query's
-    visible keys and count read from tensors; replayed graphs on CUDA) give the eager path's logits and cache bit
-    for bit: one-token steps, a 3-token window decoded twice (captured on its second use), a cache growth on the
-    way (new buffers, new graphs), a two-branch tree twice and a pass split at layer 1 twice (Mirror-SD's draft
-    rollouts and target); and ``ar``'s, ``sd``'s, ``suffix``'s and ``mirror``'s answers are unchanged."""
+    visible keys and count read from tensors; captured and replayed on CUDA from a shape's third sight) give the
+    eager path's logits and cache bit for bit: passes split at layer 1, the first crossing the cache's capacity
+    (the layers grow one range at a time), then 3-token windows, one-token steps, a two-branch tree and a 2-token
+    split pass (Mirror-SD's rollouts and target), three times each; and ``ar``'s, ``sd``'s, ``suffix``'s
+    and ``mirror``'s answers are unchanged."""
     device = model.device
     a, b = [10, 11, 12], [20, 21]
 
+    def split_pass(tokens: list[int], cache) -> torch.Tensor:
+        positions = torch.arange(len(cache), len(cache) + len(tokens), device=device)[None]
+        low = model.run_layers(model.embed(torch.tensor([tokens], device=device)), positions, cache, end=1)
+        return model.logits(model.run_layers(low, positions, cache, start=1))[0]
+
     def decode(graphs: bool):
         with cuda_graphs(graphs), torch.inference_mode():
-            cache = model.new_cache(capacity=len(prompt) + 2)  # grows at the third new token
+            cache = model.new_cache(capacity=len(prompt) + 2)
             outs = [model(torch.tensor([prompt], device=device), cache=cache, last=1)[0]]
-            for tokens in ([5], [6], [7], [8, 9, 10], [11], [12]):
+            for tokens in ([5], [6]):  # the cache is full after these
                 outs.append(model(torch.tensor([tokens], device=device), cache=cache)[0])
-            cache.truncate(len(cache) - 4)
-            outs.append(model(torch.tensor([[8, 9, 10]], device=device), cache=cache)[0])
-            outs.append(model(torch.tensor([[13]], device=device), cache=cache)[0])
+            for tokens in ([7], [8], [9], [10]):  # the first grows layer 0, then the layers above
+                outs.append(split_pass(tokens, cache))
             past = len(cache)
             mask = torch.zeros(1, 5, past + 5, dtype=torch.bool, device=device)
             mask[..., :past] = True
             for i, j in [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 3), (4, 3), (4, 4)]:
                 mask[0, i, past + j] = True
-            positions = torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device)
-            window = torch.tensor([[14, 15]], device=device)
-            split = torch.arange(past, past + 2, device=device)[None]
-            for _ in range(2):
-                outs.append(model(torch.tensor([a + b], device=device), positions, cache, mask)[0])
+            tree_positions = torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device)
+            for _ in range(3):
+                outs.append(model(torch.tensor([[8, 9, 10]], device=device), cache=cache)[0])
+                outs.append(model(torch.tensor([[11]], device=device), cache=cache)[0])
                 cache.truncate(past)
-                low = model.run_layers(model.embed(window), split, cache, end=1)
-                outs.append(model.logits(model.run_layers(low, split, cache, start=1))[0])
+                outs.append(model(torch.tensor([a + b], device=device), tree_positions, cache, mask)[0])
+                cache.truncate(past)
+                outs.append(split_pass([14, 15], cache))
                 cache.truncate(past)
         return torch.cat(outs), cache
 
     eager, eager_cache = decode(False)
     graphed, graphed_cache = decode(True)
-    # one-token steps, 3-token windows, trees, and the two halves of the split pass
-    assert not eager_cache.graphs() and len(graphed_cache.graphs()) == 5
+    # since the growth: one-token steps, 3-token windows, trees, and both halves of 1- and 2-token split passes
+    graphs = graphed_cache.graphs()
+    assert not eager_cache.graphs() and len(graphs) == 7 and all(graphs.values())
+    assert all(g.graph is not None for g in graphs.values()) == (device.type == "cuda")
     assert torch.equal(graphed, eager), (graphed - eager).abs().max()
     n = len(eager_cache)
     assert graphed_cache.lengths == eager_cache.lengths == [n] * model.config.n_layers

@@ -274,7 +274,7 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
         target = random_model(shapes[name], dev, dtype, seed=1 + i)
         draft = random_model(replace(shapes[DRAFT], vocab=shapes[name].vocab), dev, dtype, seed=0)
         report["forward_ms"][name] = forward_costs(target, ks, context=prompt_len, rounds=5)
-        with cuda_graphs(False):  # the host-bound path, for comparison: k = 1 is where graphs replay
+        with cuda_graphs(False):  # the host-bound path, for comparison
             report["forward_ms_eager"][name] = forward_costs(target, ks, context=prompt_len, rounds=5)
         say("  train-streams step…", flush=True)
         report["train"][name] = train_costs(target, recipe=DRY_TRAIN_RECIPE if dry else None)
@@ -365,7 +365,7 @@ def markdown(report: dict[str, Any]) -> str:
     if "cuda_tests" in report:
         lines += [f"CUDA-gated tests: {json.dumps(report['cuda_tests'])}", ""]
     ks = list(next(iter(report["forward_ms"].values())))
-    lines += ["## k-token forward (ms; one-token steps replayed as CUDA graphs, and eager)", "",
+    lines += ["## k-token forward (ms; layers replayed as CUDA graphs, and eager)", "",
               "| target | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
     for key, how in (("forward_ms", ""), ("forward_ms_eager", " eager")):
         for name, curve in report.get(key, {}).items():

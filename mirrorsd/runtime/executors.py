@@ -17,9 +17,9 @@ result is read with ``future.result()``. One small interface, four placements:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TypeVar
 
 import torch
@@ -90,9 +90,9 @@ class WorkerExecutor(Executor):
     def submit(self, job: Callable[[], T]) -> Future[T]:
         def run() -> T:
             # Grad and inference modes are thread-local: the worker must enter them itself.
-            # No CUDA graphs on either side while the two overlap: on an H200 a capture on one thread was
-            # invalidated by the other's work (both capture on one shared stream, and entering a capture
-            # synchronizes the device), so both run their layers eagerly then (see overlapping()).
+            # The worker's layers run eagerly, as the target's do while they overlap (overlapping()): on an H200
+            # a CUDA-graph capture on one thread was invalidated by the other's work (cuda-streams), and neither
+            # the per-device capture streams nor the capture lock made since has run on a GPU yet.
             with torch.inference_mode(), cuda_graphs(False), \
                     (torch.cuda.stream(self.stream) if self.stream else nullcontext()):
                 out = job()
@@ -102,12 +102,11 @@ class WorkerExecutor(Executor):
 
         return self.pool.submit(run)
 
-    def overlapping(self) -> AbstractContextManager[None]:
-        stack = ExitStack()
-        stack.enter_context(cuda_graphs(False))
-        if self.target_threads:
-            stack.enter_context(_Threads(self.target_threads, self.total_threads))
-        return stack
+    @contextmanager
+    def overlapping(self) -> Iterator[None]:
+        with cuda_graphs(False), _Threads(self.target_threads, self.total_threads) if self.target_threads \
+                else nullcontext():
+            yield
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
