@@ -243,6 +243,18 @@ def test_serial_budget_rolls_out_nothing_unless_told(exact_pair):
     assert all(s.roots >= 1 for s in threads if s.hit is not None) and any(s.hit is not None for s in threads)
 
 
+def test_serial_budget_warns_about_rollout_options_it_ignores(exact_pair):
+    """κ, the candidate source and the exit shape rollouts the serial backend does not make by default: say so."""
+    target, draft = exact_pair
+    with pytest.warns(UserWarning, match="change nothing: kappa, candidates; give budget=N"):
+        generate(target, [5, 9, 2, 7], method="mirror", draft=draft, max_new_tokens=4, kappa=4, candidates="draft")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for told in ({"budget": 2}, {"roots": "paper"}, {"backend": "threads"}, {}):
+            generate(target, [5, 9, 2, 7], method="mirror", draft=draft, max_new_tokens=4,
+                     **({"kappa": 4} if told else {}), **told)
+
+
 def test_exit_layer_resolution_and_bad_options(tiny_pair):
     assert resolve_exit_layer(0.5, 24) == 12 and resolve_exit_layer(0.25, 28) == 7 and resolve_exit_layer(3, 4) == 3
     for bad in (0, 4, 1.5, -0.5):

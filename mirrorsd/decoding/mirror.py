@@ -135,6 +135,14 @@ class MirrorOptions(MethodOptions):
                               "token ids only (use acceptance='match')")
         if isinstance(self.exit_layer, float) and not self.exit_layer.is_integer() and not 0 < self.exit_layer < 1:
             raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {self.exit_layer}")
+        if self.backend == "serial" and self.roots == "budget" and self.budget is None:
+            unused = [name for name, default in (("kappa", DEFAULT_KAPPA), ("candidates", "exit"),
+                                                 ("exit_layer", DEFAULT_EXIT), ("exit_vocab", None))
+                      if getattr(self, name) != default]
+            if unused:
+                warnings.warn("mirror: the serial backend rolls out no branch unless told (nothing overlaps there, "
+                              f"so a rollout is never hidden), so these options change nothing: {', '.join(unused)}; "
+                              "give budget=N or roots='paper', or an overlapping backend", UserWarning, stacklevel=2)
         if shape is not None:
             resolve_exit_layer(self.exit_layer, shape.n_layers)
             if self.kappa > shape.vocab_size:
