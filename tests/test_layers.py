@@ -12,7 +12,7 @@ PACKAGE = Path(mirrorsd.__file__).parent
 # Bottom to top. A module may import its own layer and the ones below it.
 LAYERS = [
     {"errors", "cache", "collector", "quant", "sampling", "kv_cache", "kernels", "linear", "gguf_weights", "model",
-     "streams", "verify", "runtime", "draft_vocab", "exit_heads"},  # the model, its kernels and the executors
+     "cuda_graphs", "streams", "verify", "runtime", "draft_vocab", "exit_heads"},  # the model, kernels, executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api"},  # loading models and the HF-like API
     {"perplexity", "quality", "train_streams", "train_exit", "vocab_tables"},  # tools on the API
