@@ -40,7 +40,7 @@ def main() -> None:
                 rates, answers = [], []
                 with cuda_graphs(graphs):
                     for _ in range(args.runs):
-                        out, seconds = gpu._timed(target, prompt, args.tokens, method=method, **options)
+                        out, seconds = gpu.timed_generate(target, prompt, args.tokens, method=method, **options)
                         rates.append(len(out.token_ids) / seconds)
                         answers.append(out.token_ids)
                 reference = reference or answers[0]

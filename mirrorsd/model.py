@@ -578,10 +578,9 @@ class Transformer(nn.Module):
             raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
         t = hidden.shape[1]
-        if streams is None and self._replays(hidden, cache, mask, start, end):
-            replayed = self._replayed(hidden, positions, cache, mask, start, end)
-            if replayed is not None:
-                return replayed
+        replayed = None if streams is not None else self._replayed(hidden, positions, cache, mask, start, end)
+        if replayed is not None:
+            return replayed
         if mask is None and t > 1 and not fixed_shapes(hidden):  # (batch-invariant CUDA attention needs no mask)
             past = cache.lengths[start] if cache is not None else 0
             # On CUDA in half precision a CausalBias: flash attention aligns it lower right itself, with no mask
@@ -601,27 +600,25 @@ class Transformer(nn.Module):
                 hidden = block(hidden, cos, sin, cache, mask, streams)
         return hidden
 
-    def _replays(self, hidden: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None, start: int,
-                 end: int) -> bool:
-        """Whether blocks ``[start, end)`` may replay as a CUDA graph (:mod:`mirrorsd.cuda_graphs`): the
-        batch-invariant CUDA path, no grad, at most one fixed-row slab, those layers at one cache length with room
-        for the window in each, and a mask (if any) over exactly the cache and the window."""
+    def _replayed(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                  mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+        """Blocks ``[start, end)`` through this shape's :class:`~mirrorsd.cuda_graphs.LayerGraph`, where one
+        applies: the batch-invariant CUDA path, no grad, at most one fixed-row slab, those layers at one cache
+        length with room for the window in each, and a mask (if any) over exactly the cache and the window. None
+        otherwise, and the first time a shape is seen (a one-off costs no static buffers): the caller runs the
+        layers eagerly."""
         rows, t, _ = hidden.shape
         if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fixed_shapes(hidden) \
                 or self.fused or torch.is_grad_enabled() or cache.rows != rows \
                 or not cuda_attention.serves(hidden.device, self.config.head_dim):
-            return False
+            return None
         lengths = set(cache.lengths[start:end])
         length = lengths.pop() if len(lengths) == 1 else -1
-        room = min(cache.keys[layer].shape[2] for layer in range(start, end)) - t  # layers grow one by one
-        return 0 <= length <= room and (mask is None or (
-            mask.dtype == torch.bool and mask.shape[-2:] == (t, length + t) and mask.shape[0] in (1, rows)))
-
-    def _replayed(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                  start: int, end: int) -> torch.Tensor | None:
-        """Blocks ``[start, end)`` through this shape's :class:`~mirrorsd.cuda_graphs.LayerGraph`; None the first
-        time the shape is seen (the caller runs it eagerly: a one-off costs no static buffers)."""
-        length, captured, t = cache.lengths[start], cache.graphs(), hidden.shape[1]
+        capacity = min(cache.keys[layer].shape[2] for layer in range(start, end))  # layers grow one by one
+        if not 0 <= length <= capacity - t or (mask is not None and not (
+                mask.dtype == torch.bool and mask.shape[-2:] == (t, length + t) and mask.shape[0] in (1, rows))):
+            return None
+        captured = cache.graphs()
         key = (self, start, end, t, None if mask is None else mask.shape[0])  # (weights are baked into a graph)
         graph = captured.get(key)
         if graph is None:
@@ -629,7 +626,6 @@ class Transformer(nn.Module):
             return None
         if graph is False:
             pool = next((g.pool for g in captured.values() if g), None)
-            capacity = min(cache.keys[layer].shape[2] for layer in range(start, end))
             graph = captured[key] = cuda_graphs.LayerGraph(hidden, capacity, key[-1], pool)
         visible = None if mask is None else cuda_attention.visible_keys(mask, t, length + t, hidden.device)
 

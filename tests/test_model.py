@@ -98,6 +98,16 @@ def test_tree_mask_equals_separate_branches():
     assert (out[2:] - ref_b).abs().max().item() < TOL
 
 
+def two_branch_tree(past: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, mask) of a 5-token tree after ``past`` cached tokens: a 3-token branch, then a 2-token one
+    from the same root position."""
+    mask = torch.zeros(1, 5, past + 5, dtype=torch.bool, device=device)
+    mask[..., :past] = True
+    for i, j in [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 3), (4, 3), (4, 4)]:
+        mask[0, i, past + j] = True
+    return torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device), mask
+
+
 def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list[int]) -> None:
     """After ``prompt``, a 3-token window and a two-branch tree give exactly one-token decoding's logits."""
     device, past = model.device, len(prompt)
@@ -116,11 +126,7 @@ def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list
         cache = prefilled()
         window = model(torch.tensor([a], device=device), cache=cache)[0]
         cache.truncate(past)
-        mask = torch.zeros(1, 5, past + 5, dtype=torch.bool, device=device)
-        mask[..., :past] = True
-        for i, j in [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 3), (4, 3), (4, 4)]:
-            mask[0, i, past + j] = True
-        positions = torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device)
+        positions, mask = two_branch_tree(past, device)
         tree = model(torch.tensor([a + b], device=device), positions, cache, mask)[0]
     assert torch.equal(window, decoded[0]), (window - decoded[0]).abs().max()
     assert torch.equal(tree[:3], decoded[0]) and torch.equal(tree[3:], decoded[1])
@@ -150,16 +156,12 @@ def assert_graphed_windows_decode_bit_for_bit(model: Transformer, prompt: list[i
             for tokens in ([7], [8], [9], [10]):  # the first grows layer 0, then the layers above
                 outs.append(split_pass(tokens, cache))
             past = len(cache)
-            mask = torch.zeros(1, 5, past + 5, dtype=torch.bool, device=device)
-            mask[..., :past] = True
-            for i, j in [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 3), (4, 3), (4, 4)]:
-                mask[0, i, past + j] = True
-            tree_positions = torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device)
+            positions, mask = two_branch_tree(past, device)
             for _ in range(3):
                 outs.append(model(torch.tensor([[8, 9, 10]], device=device), cache=cache)[0])
                 outs.append(model(torch.tensor([[11]], device=device), cache=cache)[0])
                 cache.truncate(past)
-                outs.append(model(torch.tensor([a + b], device=device), tree_positions, cache, mask)[0])
+                outs.append(model(torch.tensor([a + b], device=device), positions, cache, mask)[0])
                 cache.truncate(past)
                 outs.append(split_pass([14, 15], cache))
                 cache.truncate(past)

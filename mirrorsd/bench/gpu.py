@@ -149,7 +149,8 @@ class MethodRun:
 
 
 
-def _timed(target: Transformer, prompt: list[int], max_new: int, **kwargs: Any) -> tuple[Any, float]:
+def timed_generate(target: Transformer, prompt: list[int], max_new: int, **kwargs: Any) -> tuple[Any, float]:
+    """A greedy generation and its wall seconds, synchronised (CUDA runs asynchronously)."""
     synchronize(target.device)
     start = time.perf_counter()
     out = generate(target, prompt, max_new_tokens=max_new, temperature=0.0, **kwargs)
@@ -281,11 +282,11 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
         _write(out, report)
         prompt = torch.randint(0, shapes[name].vocab, (prompt_len,), generator=torch.Generator().manual_seed(i))
         prompt = prompt.tolist()
-        ar, ar_s = _timed(target, prompt, max_new, method="ar")
+        ar, ar_s = timed_generate(target, prompt, max_new, method="ar")
         reference = ar.token_ids
         report["methods"].append(asdict(MethodRun(name, "ar", "ar", len(reference) / ar_s, 1.0, True, None)))
         with cuda_graphs(False):
-            eager, eager_s = _timed(target, prompt, max_new, method="ar")
+            eager, eager_s = timed_generate(target, prompt, max_new, method="ar")
         report["methods"].append(asdict(MethodRun(
             name, "ar", "ar (eager: no CUDA graphs)", len(eager.token_ids) / eager_s, 1.0,
             eager.token_ids == reference, divergence(target, prompt, eager.token_ids, reference))))
@@ -295,7 +296,7 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
         streams = streams.to(device=dev, dtype=dtype).eval()
         for method, label, options in _methods(dev, draft, streams):
             say(f"  {label}…", flush=True)
-            res, secs = _timed(target, prompt, max_new, method=method, **options)
+            res, secs = timed_generate(target, prompt, max_new, method=method, **options)
             report["methods"].append(asdict(MethodRun(
                 name, method, label, len(res.token_ids) / secs, res.stats.mean_accepted_length,
                 res.token_ids == reference, divergence(target, prompt, res.token_ids, reference),
@@ -337,9 +338,9 @@ def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int
         say(f"  forced acceptance {label}…", flush=True)
         row: dict[str, Any] = {"target": name, "accept": label}
         # draft_vocab=0: a reduced-vocabulary head would read the draft's states without the oracle's logits.
-        sd, sd_s = _timed(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
+        sd, sd_s = timed_generate(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
                           suffix_match=0, draft_vocab=0)
-        mirror, mirror_s = _timed(target, prompt, max_new, method="mirror", draft=oracle, gamma=gamma,
+        mirror, mirror_s = timed_generate(target, prompt, max_new, method="mirror", draft=oracle, gamma=gamma,
                                   confidence=0.0, backend=backend, draft_vocab=0)
         row["sd"] = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
                      "equal_to_ar": sd.token_ids == reference}
