@@ -117,6 +117,11 @@ class ModelConfig:
 class StreamDeltas(Protocol):
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor: ...
 
+    def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """The adapter of one projection as fp32 ``(A [rank, in], B [out, rank], scale)``, None where it has none:
+        what the C++ blocks add to stream rows (``delta`` is ``(x A^T) B^T · scale``)."""
+        ...
+
 
 @dataclass(frozen=True)
 class StreamRows:
@@ -315,6 +320,8 @@ class MLP(nn.Module):
 
 #: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
 _PACKED_FIELDS = (*PACKED_BUFFERS, "bias")
+#: A block's linears, in the order the C++ block binds them (Block._linears) and stream adapters are named.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class Block(nn.Module):
@@ -373,19 +380,33 @@ class Block(nn.Module):
 
 
 def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
+                sin: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                streams: StreamRows | None = None) -> torch.Tensor:
     """Bound C++ blocks (:meth:`Block.kernel`) of ``layers`` in turn, in one op call (``cpu_block.cpp``'s
-    ``blocks_forward``: the Python between 28 calls cost a 1-token forward ~1.8 ms), advancing each layer's cache."""
+    ``blocks_forward``: the Python between 28 calls cost a 1-token forward ~1.8 ms), advancing each layer's cache.
+
+    ``streams``: the window's trailing stream rows take their adapters' deltas inside the op
+    (``stream_blocks_forward``; 4 Python blocks cost an ``ss`` pass ~11 ms). Their keys and values land in the
+    buffers past the main rows, where this forward's attention reads them, and the cache's lengths leave them out."""
     t = x.shape[1]
+    kept = t - (streams.count if streams is not None else 0)
     starts = [cache.lengths[layer] for layer in layers]
     buffers = [cache.buffers(layer, start + t) for layer, start in zip(layers, starts, strict=True)]
+    keys, values = [k for k, _ in buffers], [v for _, v in buffers]
     # With __torch_function__ dispatch on, the op looks the attribute up on the C++ block objects, which throws and
     # catches a C++ exception per block (SmolLM2's 1-token forward: 6.18 ms with it, 5.88 without).
     with torch._C.DisableTorchFunction():
-        out = torch.ops.mirrorsd.blocks_forward.default(bound, x, cos, sin, [k for k, _ in buffers],
-                                                        [v for _, v in buffers], starts, mask, split)
+        if kept == t:
+            out = torch.ops.mirrorsd.blocks_forward.default(bound, x, cos, sin, keys, values, starts, mask, split)
+        else:
+            none = torch.empty(0)
+            adapters = [streams.adapters.weights(layer, name) for layer in layers for name in PROJECTIONS]
+            out = torch.ops.mirrorsd.stream_blocks_forward.default(
+                bound, x, cos, sin, keys, values, starts, mask, split, [none if w is None else w[0] for w in adapters],
+                [none if w is None else w[1] for w in adapters], [0.0 if w is None else w[2] for w in adapters],
+                t - kept)
     for layer, start in zip(layers, starts, strict=True):
-        cache.lengths[layer] = start + t
+        cache.lengths[layer] = start + kept
     return out
 
 
@@ -589,12 +610,15 @@ class Transformer(nn.Module):
             mask = causal_lower_right(t, past + t) if flash else causal_mask(past, t, hidden.device)
         cos, sin = self.rope(positions)
         blocks = list(self.layers)[start:end]  # (slicing the ModuleList itself builds a new module: ~60 us)
-        if cache is not None and streams is None:  # every block bound to the C++ op: one call for all of them
+        # Every block bound to the C++ op: one call for all of them (stream rows too, outside training: the op has no
+        # autograd).
+        if cache is not None and (streams is None or not torch.is_grad_enabled()):
             bound = [block.kernel() for block in blocks]
             if bound and all(kernel is not None for kernel in bound):
                 splits = {block.mlp.down_proj.split_activations for block in blocks}
                 if len(splits) == 1:
-                    return run_kernels(bound, list(range(start, end)), splits.pop(), hidden, cos, sin, cache, mask)
+                    return run_kernels(bound, list(range(start, end)), splits.pop(), hidden, cos, sin, cache, mask,
+                                       streams)
         with _attention_backends(hidden.device):
             for block in blocks:
                 hidden = block(hidden, cos, sin, cache, mask, streams)

@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from .draft_vocab import SubsetHead, head_logits, optional_head
-from .model import StreamRows, Transformer
+from .model import PROJECTIONS, StreamRows, Transformer
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "stream_config.json", "adapter.safetensors"
 SHIPPED = Path(__file__).parent / "data" / "streams"
 
@@ -105,6 +104,10 @@ class StreamAdapters(nn.Module):
         lora = self.lora[f"{layer}_{name}"]
         down = lora.lora_A["default"]
         return lora.lora_B["default"](down(x.to(down.weight.dtype))) * lora.scaling["default"]
+
+    def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        lora = self.lora[f"{layer}_{name}"]
+        return lora.lora_A["default"].weight, lora.lora_B["default"].weight, float(lora.scaling["default"])
 
     def rows(self, count: int) -> StreamRows:
         return StreamRows(count, self)

@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mirrorsd
-from mirrorsd import Transformer, generate
+from mirrorsd import Transformer, generate, kernels
 from mirrorsd.decoding import streaming
 from mirrorsd.decoding.engine import DecodeRequest, Draft, GenerationStats, RequestState
 from mirrorsd.decoding.proposers import ModelProposer, StreamProposer
 from mirrorsd.exit_heads import ExitTranslators, tuned_exit
+from mirrorsd.kv_cache import KVCache
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.streams import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
 
@@ -146,6 +147,45 @@ def test_main_logits_identical_with_and_without_streams(which, exact_model, dens
     else:
         torch.testing.assert_close(with_streams, plain, rtol=0, atol=1e-5)
     assert not torch.allclose(stream_logits[::gamma], plain, atol=1e-2)  # the streams did change
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C++ CPU kernels")
+def test_stream_rows_in_the_cpp_blocks_give_the_python_blocks_bits(exact_model):
+    """The top layers run stream rows inside the C++ blocks (``stream_blocks_forward``: the adapters' deltas added
+    after each product, the stream keys and values attended but left out of the cache's length): the same bits as
+    the Python blocks, for main and stream rows, and the same cache."""
+    model = exact_model
+    adapters = random_adapters(model, streams=2, layers=2, seed=3)
+    ids = torch.tensor([[3, 9, 27, 14, 5, 60, 2, 33, 7, 41]])
+    tree = Draft([11, 22, 33, 44], [-1, 0, 0, 1])
+    top = list(model.layers)[adapters.first_layer:]
+    calls = []
+    real = torch.ops.mirrorsd.stream_blocks_forward.default
+
+    def run(in_cpp: bool) -> tuple[torch.Tensor, KVCache]:
+        for block in top:
+            block.use_kernel = in_cpp
+        cache = model.new_cache(capacity=4)  # grows inside the forward, stream rows included
+        with torch.inference_mode():
+            model.prefill(ids, cache)
+            out = streaming.fused_forward(model, adapters, cache, [ids[0, -1].item()], tree).out
+        return out, cache
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.ops.mirrorsd.stream_blocks_forward, "default",
+                          lambda *args: calls.append(args[-1]) or real(*args))
+            fused, fused_cache = run(True)
+        python, python_cache = run(False)
+    finally:
+        for block in top:
+            block.use_kernel = True
+    assert calls == [5 * 2]  # one op call for the top layers: 5 kept nodes x 2 streams
+    assert torch.equal(fused, python)
+    assert fused_cache.lengths == python_cache.lengths == [ids.shape[1] + 5] * model.config.n_layers
+    for layer, length in enumerate(fused_cache.lengths):
+        for a, b in ((fused_cache.keys, python_cache.keys), (fused_cache.values, python_cache.values)):
+            assert torch.equal(a[layer][:, :, :length], b[layer][:, :, :length])
 
 
 # -- ss equals ar ---------------------------------------------------------------------------------------------------

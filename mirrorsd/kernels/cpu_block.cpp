@@ -120,9 +120,34 @@ struct Window {
   int64_t mask_row_stride;
 };
 
-// One block on hidden [rows, T, hidden] in place, writing the window's keys and values into the cache at start.
-// Every intermediate lives in this thread's scratch: no tensor is made, no ATen op is dispatched.
-void block_forward(const QuantBlock& b, float* hidden, const Window& w, const LayerCache& cache, bool split) {
+// Speculative Streaming's stream rows (mirrorsd.model.StreamRows): the last `count` positions of each row's window
+// get the stream adapters' low-rank deltas (x A^T) B^T * scale after each base product, as StreamRows.project adds
+// them in Python; main rows keep the base weights, so the target's own tokens cannot change.
+struct StreamLora {
+  int64_t count = 0;
+  const torch::Tensor* a[kLinears] = {};  // [rank, K] fp32, or nullptr: no adapter on that linear
+  const torch::Tensor* b[kLinears] = {};  // [N, rank] fp32
+  double scale[kLinears] = {};
+};
+
+// out [rows * T, N] += the delta of linear `which` on its input in [rows * T, K], for the stream rows only.
+void add_stream_delta(const StreamLora* lora, int64_t which, const float* in, int64_t K, float* out, int64_t N,
+                      int64_t rows, int64_t t) {
+  if (lora == nullptr || lora->count == 0 || lora->a[which] == nullptr) return;
+  const int64_t s = lora->count;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t first = r * t + t - s;
+    const torch::Tensor x = torch::from_blob(const_cast<float*>(in) + first * K, {s, K}, torch::kFloat);
+    torch::Tensor y = torch::from_blob(out + first * N, {s, N}, torch::kFloat);
+    y.add_(at::mm(at::mm(x, lora->a[which]->t()), lora->b[which]->t()).mul_(lora->scale[which]));
+  }
+}
+
+// One block on hidden [rows, T, hidden] in place, writing the window's keys and values into the cache at start
+// (stream rows' too, past the main rows: the caller keeps them out of the cache's length). Every intermediate lives
+// in this thread's scratch: no tensor is made and no ATen op is dispatched, unless stream rows take their deltas.
+void block_forward(const QuantBlock& b, float* hidden, const Window& w, const LayerCache& cache, bool split,
+                   const StreamLora* lora = nullptr) {
   static thread_local mirrorsd::Scratch scratch;
   scratch.rewind();
   const int64_t rows = w.rows, t = w.t, m = rows * t, end = cache.start + t;
@@ -141,6 +166,7 @@ void block_forward(const QuantBlock& b, float* hidden, const Window& w, const La
   const mirrorsd::QuantWeight qkv[3] = {b.linears[0].view(), b.linears[1].view(), b.linears[2].view()};
   float* const qkv_out[3] = {q, k, v};
   mirrorsd::linear_quant_into(h, m, b.hidden, qkv, 3, qkv_out, split);
+  for (int64_t i = 0; i < 3; ++i) add_stream_delta(lora, i, h, b.hidden, qkv_out[i], qkv[i].N, rows, t);
   if (b.q_norm) {
     mirrorsd::rms_norm_rows(q, b.q_norm->data_ptr<float>(), q, m * H, D, b.eps);
     mirrorsd::rms_norm_rows(k, b.k_norm->data_ptr<float>(), k, m * Hkv, D, b.eps);
@@ -161,15 +187,19 @@ void block_forward(const QuantBlock& b, float* hidden, const Window& w, const La
                         w.mask_row_stride, mirrorsd::Heads{attended, t * H * D, D, H * D});
   const mirrorsd::QuantWeight o_proj = b.linears[3].view();
   mirrorsd::linear_quant_into(attended, m, H * D, &o_proj, 1, &delta, split);
+  add_stream_delta(lora, 3, attended, H * D, delta, b.hidden, rows, t);
   mirrorsd::add_into(hidden, delta, m * b.hidden);
 
   mirrorsd::rms_norm_rows(hidden, b.post_norm.data_ptr<float>(), h, m, b.hidden, b.eps);
   const mirrorsd::QuantWeight gate_up[2] = {b.linears[4].view(), b.linears[5].view()};
   float* const gate_up_out[2] = {gate, up};
   mirrorsd::linear_quant_into(h, m, b.hidden, gate_up, 2, gate_up_out, split);
+  add_stream_delta(lora, 4, h, b.hidden, gate, inner, rows, t);
+  add_stream_delta(lora, 5, h, b.hidden, up, inner, rows, t);
   mirrorsd::silu_mul_rows(gate, up, gate, m * inner);
   const mirrorsd::QuantWeight down_proj = b.linears[6].view();
   mirrorsd::linear_quant_into(gate, m, inner, &down_proj, 1, &delta, split);
+  add_stream_delta(lora, 6, gate, inner, delta, b.hidden, rows, t);
   mirrorsd::add_into(hidden, delta, m * b.hidden);
 }
 
@@ -181,10 +211,16 @@ void check_fp32(const torch::Tensor& t, const char* what) {
 // Python between per-block calls (~1.8 ms of a 28-block one-token forward, while the other core waited) is gone.
 // keys[i]/values[i] are block i's whole cache buffers [rows, kv_heads, capacity, head_dim] with room for positions
 // starts[i] .. starts[i] + T (the caller grows the cache and advances its lengths).
-torch::Tensor blocks_forward(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks, const torch::Tensor& x,
-                             const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
-                             const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
-                             const OptTensor& mask, bool split) {
+//
+// stream_rows > 0 (stream_blocks_forward): the window's last stream_rows positions are Speculative Streaming stream
+// rows, and lora_a/lora_b/lora_scale hold each block's 7 adapters in turn (q, k, v, o, gate, up, down; an empty
+// tensor where a linear has none).
+torch::Tensor run_blocks(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks, const torch::Tensor& x,
+                         const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
+                         const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                         const OptTensor& mask, bool split, const std::vector<torch::Tensor>& lora_a,
+                         const std::vector<torch::Tensor>& lora_b, const std::vector<double>& lora_scale,
+                         int64_t stream_rows) {
   const size_t n = blocks.size();
   TORCH_CHECK(keys.size() == n && values.size() == n && starts.size() == n,
               "blocks_forward: one cache buffer pair and start per block");
@@ -202,8 +238,31 @@ torch::Tensor blocks_forward(const c10::List<c10::intrusive_ptr<QuantBlock>>& bl
                 "blocks_forward: mask must be bool [rows or 1, T, S]");
   const Window window{rows, t, c.data_ptr<float>(), s.data_ptr<float>(), c.size(0) == 1,
                       seen ? seen->data_ptr<bool>() : nullptr, seen && seen->size(0) > 1 ? seen->size(1) * seen->size(2) : 0};
+  if (stream_rows > 0) {
+    const size_t adapters = n * kLinears;
+    TORCH_CHECK(lora_a.size() == adapters && lora_b.size() == adapters && lora_scale.size() == adapters,
+                "stream_blocks_forward: ", kLinears, " adapters (A, B, scale) per block");
+    TORCH_CHECK(stream_rows <= x.size(1), "stream_blocks_forward: more stream rows than the window holds");
+  }
   torch::Tensor out = x.clone(at::MemoryFormat::Contiguous);  // the residual stream
   for (size_t i = 0; i < n; ++i) {
+    StreamLora lora;
+    if (stream_rows > 0) {
+      lora.count = stream_rows;
+      const QuantBlock& b = *blocks.get(i);
+      for (int64_t j = 0; j < kLinears; ++j) {
+        const torch::Tensor &a = lora_a[i * kLinears + j], &bm = lora_b[i * kLinears + j];
+        if (a.numel() == 0) continue;
+        const mirrorsd::QuantWeight& w = b.linears[j].checked;
+        TORCH_CHECK(a.scalar_type() == torch::kFloat && bm.scalar_type() == torch::kFloat && a.dim() == 2 &&
+                        bm.dim() == 2 && a.size(1) == w.K && bm.size(0) == w.N && bm.size(1) == a.size(0),
+                    "stream_blocks_forward: adapter ", j, " of block ", i, " must be fp32 A [rank, ", w.K, "] and B [",
+                    w.N, ", rank]");
+        lora.a[j] = &a;
+        lora.b[j] = &bm;
+        lora.scale[j] = lora_scale[i * kLinears + j];
+      }
+    }
     const QuantBlock& b = *blocks.get(i);
     const torch::Tensor &k = keys[i], &v = values[i];
     const int64_t start = starts[i], end = start + t;
@@ -215,9 +274,26 @@ torch::Tensor blocks_forward(const c10::List<c10::intrusive_ptr<QuantBlock>>& bl
                 "blocks_forward: block ", i, "'s cache buffers must be [rows, kv_heads, capacity >= ", end, ", head_dim]");
     TORCH_CHECK(!seen || seen->size(2) == end, "blocks_forward: the mask must cover ", end, " keys at block ", i);
     block_forward(b, out.data_ptr<float>(), window, LayerCache{k.data_ptr<float>(), v.data_ptr<float>(), k.size(2), start},
-                  split);
+                  split, stream_rows > 0 ? &lora : nullptr);
   }
   return out;
+}
+
+torch::Tensor blocks_forward(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks, const torch::Tensor& x,
+                             const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
+                             const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                             const OptTensor& mask, bool split) {
+  return run_blocks(blocks, x, cos, sin, keys, values, starts, mask, split, {}, {}, {}, 0);
+}
+
+torch::Tensor stream_blocks_forward(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks, const torch::Tensor& x,
+                                    const torch::Tensor& cos, const torch::Tensor& sin,
+                                    const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                    const std::vector<int64_t>& starts, const torch::Tensor& mask, bool split,
+                                    const std::vector<torch::Tensor>& lora_a, const std::vector<torch::Tensor>& lora_b,
+                                    const std::vector<double>& lora_scale, int64_t stream_rows) {
+  TORCH_CHECK(stream_rows > 0, "stream_blocks_forward: stream_rows must be > 0 (blocks_forward runs none)");
+  return run_blocks(blocks, x, cos, sin, keys, values, starts, mask, split, lora_a, lora_b, lora_scale, stream_rows);
 }
 
 }  // namespace
@@ -226,6 +302,12 @@ TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
   m.class_<QuantBlock>("QuantBlock").def(torch::init<std::vector<OptTensor>, std::vector<int64_t>, double>());
   m.def("blocks_forward(__torch__.torch.classes.mirrorsd.QuantBlock[] blocks, Tensor x, Tensor cos, Tensor sin, "
         "Tensor[] keys, Tensor[] values, int[] starts, Tensor? mask, bool split) -> Tensor");
+  m.def("stream_blocks_forward(__torch__.torch.classes.mirrorsd.QuantBlock[] blocks, Tensor x, Tensor cos, Tensor sin, "
+        "Tensor[] keys, Tensor[] values, int[] starts, Tensor mask, bool split, Tensor[] lora_a, Tensor[] lora_b, "
+        "float[] lora_scale, int stream_rows) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) { m.impl("blocks_forward", blocks_forward); }
+TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
+  m.impl("blocks_forward", blocks_forward);
+  m.impl("stream_blocks_forward", stream_blocks_forward);
+}
