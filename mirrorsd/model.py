@@ -117,9 +117,9 @@ class ModelConfig:
 class StreamDeltas(Protocol):
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor: ...
 
-    def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """The adapter of one projection as fp32 ``(A [rank, in], B [out, rank], scale)``, None where it has none:
-        what the C++ blocks add to stream rows (``delta`` is ``(x A^T) B^T · scale``)."""
+    def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The adapter of one projection as fp32 ``(A [rank, in], B [out, rank], scale)``: what the C++ blocks add
+        to stream rows (``delta`` is ``(x A^T) B^T · scale``)."""
         ...
 
 
@@ -127,7 +127,8 @@ class StreamDeltas(Protocol):
 class StreamRows:
     """The last ``count`` rows of a window are Speculative Streaming stream rows: their projections get the
     stream adapters' low-rank deltas (main rows keep the base weights, so the target's tokens cannot change)
-    and their keys/values are attended in this forward but never written to the cache."""
+    and their keys/values are attended in this forward but never kept in the cache (the C++ blocks write them
+    past its length)."""
 
     count: int
     adapters: StreamDeltas
@@ -338,9 +339,9 @@ class Block(nn.Module):
 
     def bind_kernel(self) -> None:
         """Run this block as one C++ ``QuantBlock`` op (``cpu_block.cpp``) when every projection is a fast
-        QuantLinear and the fused norms/attention are on: a window without stream rows then costs one op call instead
-        of ~17 (the same kernels in the same order, so the same bits). The weights are bound at the next forward;
-        call again after swapping one."""
+        QuantLinear and the fused norms/attention are on: a window (with stream rows too, outside training) then costs
+        one op call instead of ~17 (the same kernels in the same order, so the same bits). The weights are bound at
+        the next forward; call again after swapping one."""
         self._kernel = None
         self.use_kernel = self.self_attn.fused and all(isinstance(x, QuantLinear) and x.fast for x in self._linears())
 
@@ -399,12 +400,10 @@ def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool,
         if kept == t:
             out = torch.ops.mirrorsd.blocks_forward.default(bound, x, cos, sin, keys, values, starts, mask, split)
         else:
-            none = torch.empty(0)
-            adapters = [streams.adapters.weights(layer, name) for layer in layers for name in PROJECTIONS]
-            out = torch.ops.mirrorsd.stream_blocks_forward.default(
-                bound, x, cos, sin, keys, values, starts, mask, split, [none if w is None else w[0] for w in adapters],
-                [none if w is None else w[1] for w in adapters], [0.0 if w is None else w[2] for w in adapters],
-                t - kept)
+            a, b, scale = zip(*(streams.adapters.weights(layer, name) for layer in layers for name in PROJECTIONS),
+                              strict=True)
+            out = torch.ops.mirrorsd.stream_blocks_forward.default(bound, x, cos, sin, keys, values, starts, mask,
+                                                                   split, list(a), list(b), list(scale), t - kept)
     for layer, start in zip(layers, starts, strict=True):
         cache.lengths[layer] = start + kept
     return out

@@ -105,7 +105,7 @@ class StreamAdapters(nn.Module):
         down = lora.lora_A["default"]
         return lora.lora_B["default"](down(x.to(down.weight.dtype))) * lora.scaling["default"]
 
-    def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
         lora = self.lora[f"{layer}_{name}"]
         return lora.lora_A["default"].weight, lora.lora_B["default"].weight, float(lora.scaling["default"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -149,43 +150,84 @@ def test_main_logits_identical_with_and_without_streams(which, exact_model, dens
     assert not torch.allclose(stream_logits[::gamma], plain, atol=1e-2)  # the streams did change
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the C++ CPU kernels")
-def test_stream_rows_in_the_cpp_blocks_give_the_python_blocks_bits(exact_model):
-    """The top layers run stream rows inside the C++ blocks (``stream_blocks_forward``: the adapters' deltas added
-    after each product, the stream keys and values attended but left out of the cache's length): the same bits as
-    the Python blocks, for main and stream rows, and the same cache."""
-    model = exact_model
-    adapters = random_adapters(model, streams=2, layers=2, seed=3)
-    ids = torch.tensor([[3, 9, 27, 14, 5, 60, 2, 33, 7, 41]])
-    tree = Draft([11, 22, 33, 44], [-1, 0, 0, 1])
-    top = list(model.layers)[adapters.first_layer:]
-    calls = []
+def _python_blocks_too(model: Transformer, first: int, run: Callable[[], tuple[torch.Tensor, KVCache]]
+                       ) -> tuple[list[int], tuple[torch.Tensor, KVCache], tuple[torch.Tensor, KVCache]]:
+    """``run`` with the top layers in the C++ blocks (counting ``stream_blocks_forward`` calls), then in Python."""
+    top, calls = list(model.layers)[first:], []
     real = torch.ops.mirrorsd.stream_blocks_forward.default
-
-    def run(in_cpp: bool) -> tuple[torch.Tensor, KVCache]:
-        for block in top:
-            block.use_kernel = in_cpp
-        cache = model.new_cache(capacity=4)  # grows inside the forward, stream rows included
-        with torch.inference_mode():
-            model.prefill(ids, cache)
-            out = streaming.fused_forward(model, adapters, cache, [ids[0, -1].item()], tree).out
-        return out, cache
-
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.ops.mirrorsd.stream_blocks_forward, "default",
                           lambda *args: calls.append(args[-1]) or real(*args))
-            fused, fused_cache = run(True)
-        python, python_cache = run(False)
+            fused = run()
+            for block in top:
+                block.use_kernel = False
+            python = run()
     finally:
         for block in top:
             block.use_kernel = True
-    assert calls == [5 * 2]  # one op call for the top layers: 5 kept nodes x 2 streams
-    assert torch.equal(fused, python)
-    assert fused_cache.lengths == python_cache.lengths == [ids.shape[1] + 5] * model.config.n_layers
-    for layer, length in enumerate(fused_cache.lengths):
-        for a, b in ((fused_cache.keys, python_cache.keys), (fused_cache.values, python_cache.values)):
-            assert torch.equal(a[layer][:, :, :length], b[layer][:, :, :length])
+    return calls, fused, python
+
+
+def _same_cache(a: KVCache, b: KVCache) -> bool:
+    return a.lengths == b.lengths and all(
+        torch.equal(x[layer][:, :, :length], y[layer][:, :, :length])
+        for layer, length in enumerate(a.lengths) for x, y in ((a.keys, b.keys), (a.values, b.values)))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C++ CPU kernels")
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_stream_rows_in_the_cpp_blocks_give_the_python_blocks_bits(exact_model, threshold):
+    """The top layers run stream rows inside the C++ blocks (``stream_blocks_forward``: the adapters' deltas added
+    after each product, the stream keys and values attended but left out of the cache's length): the same bits as
+    the Python blocks, for main and stream rows, and the same cache, with or without pruning."""
+    model = exact_model
+    adapters = random_adapters(model, streams=2, layers=2, seed=3)
+    ids = torch.tensor([[3, 9, 27, 14, 5, 60, 2, 33, 7, 41]])
+    tree = Draft([11, 22, 33, 44], [-1, 0, 0, 1])
+
+    def run() -> tuple[torch.Tensor, KVCache]:
+        cache = model.new_cache(capacity=4)  # grows inside the forward, stream rows included
+        with torch.inference_mode():
+            model.prefill(ids, cache)
+            forward = streaming.fused_forward(model, adapters, cache, [ids[0, -1].item()], tree, threshold)
+        return forward.out, cache
+
+    calls, (fused, fused_cache), (python, python_cache) = _python_blocks_too(model, adapters.first_layer, run)
+    kept = fused.shape[1] // 3  # main rows, then 2 stream rows each
+    assert calls == [2 * kept] and (kept < 5) == (threshold > 0)  # one op call; pruning kept fewer of the 5 nodes
+    assert torch.equal(fused, python) and _same_cache(fused_cache, python_cache)
+    first = adapters.first_layer  # the bottom layers hold every node until compaction, the top ones the kept nodes
+    assert fused_cache.lengths == [ids.shape[1] + 5] * first + [ids.shape[1] + kept] * (model.config.n_layers - first)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C++ CPU kernels")
+@pytest.mark.parametrize("main", [3, 0])
+def test_stream_rows_of_two_rows_in_the_cpp_blocks_give_the_python_blocks_bits(exact_model, main):
+    """Two rows at once, and a window of stream rows only (as training's evaluation runs them): every row's stream
+    rows take their deltas in one product, as peft's modules do (a product's bits can depend on its height)."""
+    model = exact_model
+    adapters = random_adapters(model, streams=3, layers=2, seed=5)
+    first, gamma, past = adapters.first_layer, adapters.config.streams, 6
+    ids = torch.randint(0, 64, (2, past + 3), generator=torch.Generator().manual_seed(2))
+
+    def run() -> tuple[torch.Tensor, KVCache]:
+        cache = model.new_cache(rows=2, capacity=8)
+        with torch.inference_mode():
+            model.prefill(ids[:, :past], cache)
+            positions = torch.arange(past, past + 3).expand(2, 3)
+            hidden = model.run_layers(model.embed(ids[:, past:]), positions, cache, None, 0, first)
+            x = adapters.insert(hidden)[:, 3 - main:]
+            pos = torch.cat([positions, positions.repeat_interleave(gamma, 1)], 1)[:, 3 - main:]
+            mask = msa_mask(torch.ones(3, 3, dtype=torch.bool).tril(), past, gamma)[:, 3 - main:]
+            if not main:  # the main rows' keys cached first: the mask's columns are then [cache | stream rows]
+                model.run_layers(hidden, positions, cache, None, first, None)
+            out = model.run_layers(x, pos, cache, mask, first, None, streams=adapters.rows(3 * gamma))
+        return out, cache
+
+    calls, (fused, fused_cache), (python, python_cache) = _python_blocks_too(model, first, run)
+    assert calls == [3 * gamma]
+    assert torch.equal(fused, python) and _same_cache(fused_cache, python_cache)
 
 
 # -- ss equals ar ---------------------------------------------------------------------------------------------------

@@ -125,22 +125,23 @@ struct Window {
 // them in Python; main rows keep the base weights, so the target's own tokens cannot change.
 struct StreamLora {
   int64_t count = 0;
-  const torch::Tensor* a[kLinears] = {};  // [rank, K] fp32, or nullptr: no adapter on that linear
+  const torch::Tensor* a[kLinears] = {};  // [rank, K] fp32
   const torch::Tensor* b[kLinears] = {};  // [N, rank] fp32
   double scale[kLinears] = {};
 };
 
-// out [rows * T, N] += the delta of linear `which` on its input in [rows * T, K], for the stream rows only.
+// out [rows * T, N] += the delta of linear `which` on its input in [rows * T, K], for the stream rows only. Every
+// row's stream rows go through one pair of products, [rows * count, K] high, as peft's modules take x[:, -count:]:
+// a BLAS product's bits can depend on its height.
 void add_stream_delta(const StreamLora* lora, int64_t which, const float* in, int64_t K, float* out, int64_t N,
                       int64_t rows, int64_t t) {
-  if (lora == nullptr || lora->count == 0 || lora->a[which] == nullptr) return;
+  if (lora == nullptr || lora->count == 0) return;
   const int64_t s = lora->count;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t first = r * t + t - s;
-    const torch::Tensor x = torch::from_blob(const_cast<float*>(in) + first * K, {s, K}, torch::kFloat);
-    torch::Tensor y = torch::from_blob(out + first * N, {s, N}, torch::kFloat);
-    y.add_(at::mm(at::mm(x, lora->a[which]->t()), lora->b[which]->t()).mul_(lora->scale[which]));
-  }
+  const auto all = torch::from_blob(const_cast<float*>(in), {rows, t, K}, torch::kFloat);
+  const torch::Tensor x = all.narrow(1, t - s, s).reshape({rows * s, K});  // a copy when rows > 1
+  const torch::Tensor delta =
+      at::mm(at::mm(x, lora->a[which]->t()), lora->b[which]->t()).mul_(lora->scale[which]).view({rows, s, N});
+  torch::from_blob(out, {rows, t, N}, torch::kFloat).narrow(1, t - s, s).add_(delta);
 }
 
 // One block on hidden [rows, T, hidden] in place, writing the window's keys and values into the cache at start
@@ -213,8 +214,7 @@ void check_fp32(const torch::Tensor& t, const char* what) {
 // starts[i] .. starts[i] + T (the caller grows the cache and advances its lengths).
 //
 // stream_rows > 0 (stream_blocks_forward): the window's last stream_rows positions are Speculative Streaming stream
-// rows, and lora_a/lora_b/lora_scale hold each block's 7 adapters in turn (q, k, v, o, gate, up, down; an empty
-// tensor where a linear has none).
+// rows, and lora_a/lora_b/lora_scale hold each block's 7 adapters in turn (q, k, v, o, gate, up, down).
 torch::Tensor run_blocks(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks, const torch::Tensor& x,
                          const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
                          const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
@@ -252,7 +252,6 @@ torch::Tensor run_blocks(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks
       const QuantBlock& b = *blocks.get(i);
       for (int64_t j = 0; j < kLinears; ++j) {
         const torch::Tensor &a = lora_a[i * kLinears + j], &bm = lora_b[i * kLinears + j];
-        if (a.numel() == 0) continue;
         const mirrorsd::QuantWeight& w = b.linears[j].checked;
         TORCH_CHECK(a.scalar_type() == torch::kFloat && bm.scalar_type() == torch::kFloat && a.dim() == 2 &&
                         bm.dim() == 2 && a.size(1) == w.K && bm.size(0) == w.N && bm.size(1) == a.size(0),
