@@ -321,7 +321,7 @@ class MLP(nn.Module):
 
 #: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
 _PACKED_FIELDS = (*PACKED_BUFFERS, "bias")
-#: A block's linears, in the order the C++ block binds them (Block._linears) and stream adapters are named.
+#: A block's linears (attention's four, then the MLP's), in the order the C++ block binds them.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -346,8 +346,7 @@ class Block(nn.Module):
         self.use_kernel = self.self_attn.fused and all(isinstance(x, QuantLinear) and x.fast for x in self._linears())
 
     def _linears(self) -> tuple[nn.Module, ...]:
-        attn, mlp = self.self_attn, self.mlp
-        return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        return tuple(getattr(self.self_attn if name in PROJECTIONS[:4] else self.mlp, name) for name in PROJECTIONS)
 
     def _quant_block(self) -> torch.ScriptObject:
         attn = self.self_attn

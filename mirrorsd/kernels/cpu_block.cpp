@@ -246,10 +246,10 @@ torch::Tensor run_blocks(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks
   }
   torch::Tensor out = x.clone(at::MemoryFormat::Contiguous);  // the residual stream
   for (size_t i = 0; i < n; ++i) {
+    const QuantBlock& b = *blocks.get(i);
     StreamLora lora;
     if (stream_rows > 0) {
       lora.count = stream_rows;
-      const QuantBlock& b = *blocks.get(i);
       for (int64_t j = 0; j < kLinears; ++j) {
         const torch::Tensor &a = lora_a[i * kLinears + j], &bm = lora_b[i * kLinears + j];
         const mirrorsd::QuantWeight& w = b.linears[j].checked;
@@ -262,7 +262,6 @@ torch::Tensor run_blocks(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks
         lora.scale[j] = lora_scale[i * kLinears + j];
       }
     }
-    const QuantBlock& b = *blocks.get(i);
     const torch::Tensor &k = keys[i], &v = values[i];
     const int64_t start = starts[i], end = start + t;
     check_fp32(k, "keys");
