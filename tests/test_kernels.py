@@ -232,12 +232,14 @@ def test_kernel_input_checks():
         kernels.linear_quant(x, packed, torch.zeros(3), 16, 8, 32)
     with pytest.raises(RuntimeError, match="unsupported quantized layout"):
         kernels.linear_quant(x, packed, None, 16, 4, 16)
+    six = kernels.pack_quant(random_quant(16, 64, 6, 32, 0), 6)
     with pytest.raises(RuntimeError, match="bit planes"):
-        six = kernels.pack_quant(random_quant(16, 64, 6, 32, 0))
         kernels.linear_quant(x, six._replace(planes=None), None, 16, 6, 32)
-    with pytest.raises(RuntimeError, match="two-level scales need a K-quant layout"):
-        kernels.linear_quant(x, packed._replace(scales=packed.scales.to(torch.int8),
-                                                super_scales=torch.ones(1, 1, 16).half()), None, 16, 8, 32)
+    base = random_quant(16, 64, 6, 32, 0)
+    symmetric = kernels.pack_quant(GroupQuant(base.codes, base.scales, -32 * base.scales, 32, 6), 6)
+    with pytest.raises(RuntimeError, match="two-level scales need a K-quant layout"):  # 6-bit codes in groups of 32
+        kernels.linear_quant(x, symmetric._replace(scales=symmetric.scales.to(torch.int8),
+                                                   super_scales=torch.ones(1, 1, 16).half()), None, 16, 6, 32)
     with pytest.raises(RuntimeError, match="x must be"):
         kernels.linear_f32(x.double(), kernels.pack_f32(torch.randn(16, 64)), None, 16)
     with pytest.raises(NotImplementedError):  # no kernel for other devices: the dispatcher says so
@@ -247,7 +249,14 @@ def test_kernel_input_checks():
 def test_packed_bits_picks_the_narrowest_width():
     for top, expected in ((15, 4), (31, 5), (63, 6), (255, 8)):
         q = GroupQuant(torch.full((16, 64), top, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2), 32, 8)
-        assert kernels.packed_bits(q) == expected
+        assert kernels.packed_bits(q) == min(b for b in kernels.code_widths() if b >= expected)
+
+
+def test_avx2_keeps_five_and_six_bit_codes_in_whole_bytes(monkeypatch):
+    monkeypatch.setattr(kernels, "isa", lambda: "avx2")
+    assert kernels.code_widths() == (4, 8)
+    monkeypatch.setattr(kernels, "isa", lambda: "avx512-vnni")
+    assert kernels.code_widths() == (4, 5, 6, 8)
 
 
 @pytest.mark.parametrize("bits", [5, 6])
@@ -474,6 +483,24 @@ def test_two_level_scales_match_reference_exactly_scaled(bits, group, symmetric)
     assert not torch.equal(kernels.linear_quant(x, one_level, None, n, bits, group), out)
     assert torch.equal(kernels.linear_quant(x, one_level, None, n, bits, group),
                        kernels.linear_quant(x, kernels.pack_quant(plain, bits), None, n, bits, group))
+
+
+@requires_kernels
+@pytest.mark.parametrize(("bits", "group", "symmetric"), [(5, 32, False), (6, 16, True)])
+def test_k_quant_codes_in_whole_bytes_give_the_planes_bits(bits, group, symmetric):
+    """Q5_K/Q6_K codes packed as whole bytes (AVX2's width, kernels.code_widths) give the bit-plane packing's bits,
+    for every row count."""
+    n, k = 40, 512
+    q = k_quant(n, k, bits, group, symmetric, bits + 10)
+    planes, whole = kernels.pack_quant(q, bits), kernels.pack_quant(q, 8)
+    assert whole.planes is None and whole.super_scales is not None
+    for m in (1, 3, 4, 9):
+        x = torch.randn(m, k) * torch.rand(1, k) * 4
+        assert torch.equal(kernels.linear_quant(x, whole, None, n, 8, group),
+                           kernels.linear_quant(x, planes, None, n, bits, group))
+    wide = GroupQuant(q.codes | 0x80, q.scales, q.offsets, group, 8, q.super_scales, q.super_offsets, 256)
+    with pytest.raises(ValueError, match="below 64"):
+        kernels.pack_quant(wide, 8)
 
 
 def test_two_level_scales_must_be_exact():

@@ -7,6 +7,10 @@
 #include <immintrin.h>
 #include <torch/types.h>
 
+#if !defined(__AVX512F__)
+#include "cpu_avx2.h"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -125,6 +129,28 @@ void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n);
 
 // x [n] += delta (a residual connection: the same sums as ATen's x + delta).
 void add_into(float* x, const float* delta, int64_t n);
+
+// Exact integer dots of a weight group: per int32 lane, the sum over its steps of 4 u8 codes (at most kMaxCode) times
+// 4 s8 activations (|a| <= 127). AVX-512 VNNI adds each step into the int32 lanes (vpdpbusd). AVX2 has no such
+// instruction: vpmaddubsw's int16 pair sums (2 * kMaxCode * 127 at most) add up in int16 for as many steps as
+// cannot overflow, and are widened into the int32 lanes once (vpmaddwd). Integer sums are exact: the same bits.
+template <int kMaxCode, int kSteps>
+struct CodeDots {
+#if defined(__AVX512F__)
+  __m512i add(__m512i acc, int /*step*/, __m512i codes, __m512i acts) { return _mm512_dpbusd_epi32(acc, codes, acts); }
+#else
+  static constexpr int kPairSteps = kMaxCode < 128 ? 32767 / (2 * kMaxCode * 127) : 0;
+  __m512i pairs = _mm512_setzero_si512();
+  __m512i add(__m512i acc, int step, __m512i codes, __m512i acts) {
+    if constexpr (kPairSteps < 2) return avx2::dpbusd<(kMaxCode < 128)>(acc, codes, acts);
+    pairs = avx2::add_pair_sums(pairs, codes, acts);
+    if ((step + 1) % kPairSteps && step + 1 < kSteps) return acc;
+    const __m512i widened = avx2::widen_pair_sums(acc, pairs);
+    pairs = _mm512_setzero_si512();
+    return widened;
+  }
+#endif
+};
 
 // exp on 16 lanes, ~1.5 ulp (the polynomial of ggml's ggml_v_expf, MIT licence). Elementwise: a lane's value does
 // not depend on its neighbours, so where an element sits in a vector cannot change its result.

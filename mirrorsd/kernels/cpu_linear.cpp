@@ -26,7 +26,14 @@ namespace {
 
 constexpr int64_t kBlockN = 16;    // output features per interleaved block (one zmm of fp32)
 constexpr int64_t kActGroup = 32;  // activation quantization group
-constexpr int64_t kMaxTile = 8;    // activation rows kept in registers at once (even: see split)
+// Activation rows kept in registers at once (even: see split). AVX2 has 16 registers of half the width, so its
+// tiles take 4 rows; a row's result does not depend on its tile, so the bits are the same.
+#if defined(__AVX512F__)
+constexpr int64_t kMaxTile = 8;
+#else
+constexpr int64_t kMaxTile = 4;
+#endif
+constexpr int64_t kTileTable = 8 + 1;  // the tile tables below, indexed by rows (up to AVX-512's 8)
 
 // ---------------------------------------------------------------- fp32 weights
 // w: [N/16, K, 16] fp32 (N padded with zeros). y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
@@ -42,7 +49,7 @@ void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* acc
 }
 
 using F32Tile = void (*)(const float*, int64_t, const float*, int64_t, float*);
-constexpr F32Tile kF32Tiles[kMaxTile + 1] = {nullptr,         f32_tile<1>, f32_tile<2>, f32_tile<3>, f32_tile<4>,
+constexpr F32Tile kF32Tiles[kTileTable] = {nullptr,         f32_tile<1>, f32_tile<2>, f32_tile<3>, f32_tile<4>,
                                              f32_tile<5>,     f32_tile<6>, f32_tile<7>, f32_tile<8>};
 
 void store_block(const float* acc, int64_t rows, float* y, int64_t N, int64_t n0, const float* bias) {
@@ -155,8 +162,13 @@ void fold_pairs(float* acc, int64_t pairs) {
 // chains. From 4 rows the rows themselves are enough, and each extra chain per row would cost one more add per row
 // and group (1 chain instead of 2 at 8 rows: +7% at M = 8 and 16, measured). Integer sums are exact, so splitting
 // them changes no result bit.
+// On AVX2 a chain's only dependent instruction is a 1-cycle add (the multiplies feed it), so one chain is enough.
 constexpr int chains_for(int mt, int steps) {
+#if defined(__AVX512F__)
   const int want = mt >= 4 ? 1 : mt >= 2 ? 4 : 8;
+#else
+  const int want = 1;
+#endif
   return want < steps ? want : steps;
 }
 
@@ -213,6 +225,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, const int3
   constexpr int kSteps = G / 4;  // vpdpbusd steps (4 k each) per weight group
   constexpr int A = chains_for(MT, kSteps);
   constexpr bool kPairs = SYM && 2 * G == kActGroup;  // two weight groups per activation scale
+  // The largest code: two-level scales are the K-quants', whose codes have at most 6 bits (pack_quant checks).
+  constexpr int kMaxCode = BITS != 8 ? (1 << BITS) - 1 : TWO ? 63 : 255;
   const int64_t groups = K / G;
   const int64_t act_groups = K / kActGroup;
   __m512 accf[MT];
@@ -225,6 +239,7 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, const int3
   int64_t sup = 0, in_sup = 0;
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acci[MT][A];
+    mirrorsd::CodeDots<kMaxCode, kSteps> dots[MT];
     for (int m = 0; m < MT; ++m)
       for (int a = 0; a < A; ++a)
         acci[m][a] = SYM && a == 0 ? _mm512_set1_epi32(zsum[m * groups + g]) : _mm512_setzero_si512();
@@ -265,7 +280,7 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, const int3
       for (int m = 0; m < MT; ++m) {
         int32_t xv;  // four int8 activations, broadcast to every lane
         std::memcpy(&xv, xq + m * K + k0 + 4 * s, sizeof(xv));
-        acci[m][s % A] = _mm512_dpbusd_epi32(acci[m][s % A], wv, _mm512_set1_epi32(xv));
+        acci[m][s % A] = dots[m].add(acci[m][s % A], s, wv, _mm512_set1_epi32(xv));
       }
     }
     const __m512 sw = load_scales<TWO>(gs.scales, gs.super_scales, g, sup);
@@ -299,7 +314,7 @@ using QuantTile = void (*)(const int8_t*, const float*, const float*, const int3
                            const uint64_t*, const GroupScales&, float*, bool);
 
 template <int BITS, int G, bool TWO, bool SYM>
-constexpr QuantTile kQuantTiles[kMaxTile + 1] = {
+constexpr QuantTile kQuantTiles[kTileTable] = {
     nullptr,
     quant_tile<1, BITS, G, TWO, SYM>, quant_tile<2, BITS, G, TWO, SYM>, quant_tile<3, BITS, G, TWO, SYM>,
     quant_tile<4, BITS, G, TWO, SYM>, quant_tile<5, BITS, G, TWO, SYM>, quant_tile<6, BITS, G, TWO, SYM>,
@@ -311,7 +326,10 @@ QuantTile pick_layout(int64_t bits, int64_t group, bool two_level, int64_t rows)
     if (bits == 4 && group == 32) return kQuantTiles<4, 32, true, SYM>[rows];
     if (bits == 5 && group == 32) return kQuantTiles<5, 32, true, SYM>[rows];
     if (bits == 6 && group == 16) return kQuantTiles<6, 16, true, SYM>[rows];
-    TORCH_CHECK(false, "two-level scales need a K-quant layout (bits/group 4/32, 5/32, 6/16), got ", bits, "/", group);
+    if (bits == 8 && group == 32) return kQuantTiles<8, 32, true, SYM>[rows];
+    if (bits == 8 && group == 16) return kQuantTiles<8, 16, true, SYM>[rows];
+    TORCH_CHECK(false, "two-level scales need a K-quant layout (bits/group 4/32, 5/32, 6/16, 8/32, 8/16), got ", bits,
+                "/", group);
   }
   if (bits == 4 && group == 32) return kQuantTiles<4, 32, false, SYM>[rows];
   if (bits == 5 && group == 32) return kQuantTiles<5, 32, false, SYM>[rows];
@@ -322,7 +340,8 @@ QuantTile pick_layout(int64_t bits, int64_t group, bool two_level, int64_t rows)
   TORCH_CHECK(false, "unsupported quantized layout: bits=", bits, " group=", group);
 }
 
-// Two-level scales exist for the K-quant layouts only: Q4_K (4/32), Q5_K (5/32), Q6_K (6/16).
+// Two-level scales exist for the K-quant layouts only: Q4_K (4/32), Q5_K (5/32), Q6_K (6/16), and Q5_K/Q6_K codes kept
+// in whole bytes (8/32, 8/16; kernels.code_widths).
 QuantTile pick_tile(int64_t bits, int64_t group, bool two_level, bool symmetric, int64_t rows) {
   return symmetric ? pick_layout<true>(bits, group, two_level, rows) : pick_layout<false>(bits, group, two_level, rows);
 }
@@ -373,8 +392,9 @@ QuantWeight check_weight(int64_t K, const torch::Tensor& codes, const std::optio
                                    super_offsets->sizes() == super_scales->sizes()),
                 "super_offsets must be contiguous fp16 shaped like super_scales");
     per_super = (K / group) / super_scales->size(1);
-    TORCH_CHECK((bits == 4 || bits == 5) ? group == 32 : (bits == 6 && group == 16),
-                "two-level scales need a K-quant layout (bits/group 4/32, 5/32, 6/16), got ", bits, "/", group);
+    const bool k_quant = (bits == 4 || bits == 5) ? group == 32 : bits == 6 ? group == 16 : group == 16 || group == 32;
+    TORCH_CHECK(k_quant, "two-level scales need a K-quant layout (bits/group 4/32, 5/32, 6/16, 8/32, 8/16), got ", bits,
+                "/", group);
   }
   TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
   const auto half_ptr = [](const std::optional<torch::Tensor>& t) {
