@@ -7,6 +7,7 @@ only in the order its fp32 group terms are added (relative 1e-5 of the output sc
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -498,9 +499,8 @@ def test_k_quant_codes_in_whole_bytes_give_the_planes_bits(bits, group, symmetri
         x = torch.randn(m, k) * torch.rand(1, k) * 4
         assert torch.equal(kernels.linear_quant(x, whole, None, n, 8, group),
                            kernels.linear_quant(x, planes, None, n, bits, group))
-    wide = GroupQuant(q.codes | 0x80, q.scales, q.offsets, group, 8, q.super_scales, q.super_offsets, 256)
-    with pytest.raises(ValueError, match="below 64"):
-        kernels.pack_quant(wide, 8)
+    wide = GroupQuant(q.codes | 0x40, q.scales, q.offsets, group, 8, q.super_scales, q.super_offsets, 256)
+    assert kernels.pack_quant(wide, 8).super_scales is None  # codes of 64 and up: one-level fp16 scales
 
 
 def test_two_level_scales_must_be_exact():
@@ -644,3 +644,75 @@ def test_block_kernel_gives_the_python_paths_bits(arch, activations):
     with torch.inference_mode():
         assert torch.equal(clone(ids[:, :9], cache=clone.new_cache(capacity=16)),
                            model(ids[:, :9], cache=model.new_cache(capacity=16)))
+
+
+# Every kernel on fixed inputs, for test_avx2_build_gives_the_avx512_bits: run here and in a process that builds the
+# AVX2 flavour (MIRRORSD_KERNEL_ISA=avx2), which must give the same bits.
+CROSS_BUILD_OUTPUTS = '''
+import torch
+from mirrorsd import kernels
+from mirrorsd.quant import GroupQuant
+
+
+def outputs():
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    weights = {}
+    for bits, group, top, two in ((4, 32, 15, True), (5, 32, 31, True), (6, 16, 63, True), (8, 32, 255, False)):
+        n, k = 40, 512
+        codes = torch.randint(0, top + 1, (n, k), dtype=torch.uint8, generator=g)
+        d = (torch.rand(n, 2, generator=g) * 1e-3).half().float()
+        sub = torch.randint(-128, 128, (n, k // group), generator=g).float()
+        scales = d.repeat_interleave(256 // group, 1) * sub
+        if two and bits != 6:  # asymmetric, with two-level offsets
+            dmin = -(torch.rand(n, 2, generator=g) * 1e-3).half().float()
+            offsets = dmin.repeat_interleave(256 // group, 1) * torch.randint(0, 64, (n, k // group), generator=g)
+            weights[bits] = GroupQuant(codes, scales, offsets, group, bits, d, dmin, 256)
+        elif two:
+            weights[bits] = GroupQuant(codes, scales, -32 * scales, group, bits, d, None, 256)
+        else:
+            weights[bits] = GroupQuant(codes, scales.half().float(), -128 * scales.half().float(), group, bits)
+    for bits, q in weights.items():
+        for width in sorted({bits, 8}):
+            packed = kernels.pack_quant(q, width)
+            for m in (1, 2, 3, 4, 5, 8, 9):
+                x = torch.randn(m, 512, generator=g) * torch.rand(1, 512, generator=g) * 4
+                for split in (False, True):
+                    out[f"linear {bits}@{width} m{m} {split}"] = kernels.linear_quant(
+                        x, packed, None, 40, width, q.group, split)
+    q = torch.randn(2, 4, 5, 64, generator=g)
+    k, v = torch.randn(2, 2, 30, 64, generator=g), torch.randn(2, 2, 30, 64, generator=g)
+    out["attend causal"] = kernels.attend(q, k, v, None)
+    out["attend tree"] = kernels.attend(q, k, v, torch.rand(2, 5, 30, generator=g) > 0.4)
+    x = torch.randn(7, 1000, generator=g) * 3
+    out["rms_norm"] = kernels.rms_norm(x, torch.randn(1000, generator=g), 1e-6)
+    out["silu_mul"] = kernels.silu_mul(x * 10, torch.randn(7, 1000, generator=g))
+    angles = torch.rand(1, 5, 32, generator=g) * 50
+    emb = torch.cat([angles, angles], -1)
+    out["rope"] = kernels.rope(torch.randn(2, 5, 3, 64, generator=g), emb.cos(), emb.sin())
+    return out
+'''
+
+
+@requires_kernels
+@pytest.mark.skipif(kernels.isa() != "avx512-vnni", reason="needs an AVX-512 CPU to compare with its AVX2 build")
+def test_avx2_build_gives_the_avx512_bits(tmp_path):
+    """cpu_avx2.h runs the AVX-512 sources on pairs of AVX2 registers with the same bits (exact integer dots, the same
+    IEEE ops per lane, GCC's reduction trees): every kernel, every layout and row count, bit for bit."""
+    script = CROSS_BUILD_OUTPUTS + "\nimport sys\ntorch.save(outputs(), sys.argv[1])\n"
+    path = tmp_path / "avx2.pt"
+    env = {**os.environ, "MIRRORSD_KERNEL_ISA": "avx2"}
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=900)
+    namespace: dict = {}
+    exec(CROSS_BUILD_OUTPUTS, namespace)
+    here, avx2 = namespace["outputs"](), torch.load(path)
+    assert here.keys() == avx2.keys()
+    for key in here:
+        assert torch.equal(here[key], avx2[key]), key
+
+
+@requires_kernels
+def test_kernel_isa_override_must_be_runnable(monkeypatch):
+    monkeypatch.setenv("MIRRORSD_KERNEL_ISA", "avx512-vnni-and-more")
+    with pytest.raises(RuntimeError, match="MIRRORSD_KERNEL_ISA"):
+        kernels.isa()

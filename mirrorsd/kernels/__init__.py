@@ -70,21 +70,29 @@ LINK_FLAGS = ["-fopenmp"]
 DONE_STAMP = "built.ok"
 
 
-def _cpu_flags() -> set[str]:
+@cache
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def isa() -> str | None:
-    """The best instruction set in :data:`ISAS` this CPU has, or None."""
+    """The best instruction set in :data:`ISAS` this CPU has, or None; ``MIRRORSD_KERNEL_ISA=avx2`` picks AVX2 on an
+    AVX-512 CPU (to compare the two builds)."""
     flags = _cpu_flags()
-    return next((name for name, (needs, _) in ISAS.items() if all(f in flags for f in needs)), None)
+    usable = [name for name, (needs, _) in ISAS.items() if all(f in flags for f in needs)]
+    wanted = os.environ.get("MIRRORSD_KERNEL_ISA")
+    if wanted:
+        if wanted not in usable:
+            raise RuntimeError(f"MIRRORSD_KERNEL_ISA={wanted}: this CPU runs {usable or 'none'} of {list(ISAS)}")
+        return wanted
+    return usable[0] if usable else None
 
 
 def compile_flags(name: str) -> list[str]:
@@ -265,8 +273,11 @@ def _sub_scales(values: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
 
 
 def uses_two_level(q: GroupQuant, bits: int) -> bool:
-    """Whether ``q`` packed at ``bits`` keeps its two-level scales (the kernel then uses them exactly, not as fp16)."""
-    return q.super_scales is not None and (bits, q.group) in TWO_LEVEL_LAYOUTS
+    """Whether ``q`` packed at ``bits`` keeps its two-level scales (the kernel then uses them exactly, not as fp16).
+    Whole-byte codes keep them only below :data:`TWO_LEVEL_CODE_LIMIT`, which the kernel's AVX2 sums rely on."""
+    if q.super_scales is None or (bits, q.group) not in TWO_LEVEL_LAYOUTS:
+        return False
+    return bits != 8 or not q.codes.numel() or int(q.codes.max()) < TWO_LEVEL_CODE_LIMIT
 
 
 def _bit_planes(steps: torch.Tensor, bits: int) -> torch.Tensor:
@@ -304,8 +315,6 @@ def pack_quant(q: GroupQuant, bits: int | None = None, two_level: bool = True) -
     if two_level and uses_two_level(q, bits):
         if not zero and q.super_offsets is None:
             raise ValueError("two-level scales with offsets need super_offsets")
-        if q.codes.numel() and int(q.codes.max()) >= TWO_LEVEL_CODE_LIMIT:
-            raise ValueError(f"two-level (K-quant) codes must be below {TWO_LEVEL_CODE_LIMIT}")
         return PackedQuant(packed.contiguous(), planes, interleave(_sub_scales(q.scales, q.super_scales), torch.int8),
                            None if zero else interleave(_sub_scales(q.offsets, q.super_offsets), torch.int8),
                            interleave(q.super_scales), None if zero else interleave(q.super_offsets), zero)

@@ -8,6 +8,10 @@
 
 #pragma once
 
+#if defined(__AVX512F__)
+#error "cpu_avx2.h is for builds without AVX-512"
+#endif
+
 #include <immintrin.h>
 
 #include <cstdint>
@@ -80,15 +84,19 @@ MIRRORSD_INLINE uint16_t cmp_ps_mask(f32x16 a, f32x16 b) {
 }
 MIRRORSD_INLINE int kortestz(uint16_t a, uint16_t b) { return (a | b) == 0; }
 
-// x * 2^n for integral n, with one rounding as vscalefps: 2^n in two factors, each a normal float for |n| <= 252
-// (exact products until the last), as ggml's AVX2 expf does. Larger |n| is out of exp16's range and blended away.
+// x * 2^n with one rounding, as vscalefps gives it, for exp16's domain only: finite integral |n| <= 252 (not NaN,
+// infinities or fractions, which vscalefps also handles). 2^n in two factors, each a normal float, exact products
+// until the last, as ggml's AVX2 expf does; exp16 blends |n| > 192 away. The empty asm keeps the compiler from
+// contracting the product into a neighbouring add (vscalefps is never fused).
 MIRRORSD_INLINE __m256 scalef8(__m256 x, __m256 n) {
   const __m256i k = _mm256_cvttps_epi32(n);
   const __m256i k1 = _mm256_srai_epi32(k, 1), k2 = _mm256_sub_epi32(k, k1);
   const auto pow2 = [](__m256i e) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
   };
-  return _mm256_mul_ps(_mm256_mul_ps(x, pow2(k1)), pow2(k2));
+  __m256 r = _mm256_mul_ps(_mm256_mul_ps(x, pow2(k1)), pow2(k2));
+  __asm__("" : "+x"(r));
+  return r;
 }
 MIRRORSD_INLINE f32x16 scalef_ps(f32x16 x, f32x16 n) { return {scalef8(x.lo, n.lo), scalef8(x.hi, n.hi)}; }
 
@@ -118,7 +126,7 @@ MIRRORSD_INLINE float reduce_add_ps(f32x16 v) {
   const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1)));
 }
-MIRRORSD_INLINE float reduce_max_ps(f32x16 v) {  // max is exact: any order gives the same value
+MIRRORSD_INLINE float reduce_max_ps(f32x16 v) {  // the same tree (and operand order, for NaNs)
   const __m256 m8 = _mm256_max_ps(v.hi, v.lo);
   const __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
   const __m128 m2 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -222,45 +230,45 @@ MIRRORSD_INLINE __m128i cvtepi32_epi8(i32x16 v) {
 
 }  // namespace mirrorsd::avx2
 
-#define __m512 mirrorsd::avx2::f32x16
-#define __m512i mirrorsd::avx2::i32x16
-#define _mm512_set1_ps mirrorsd::avx2::set1_ps
-#define _mm512_setzero_ps mirrorsd::avx2::setzero_ps
-#define _mm512_loadu_ps mirrorsd::avx2::loadu_ps
-#define _mm512_storeu_ps mirrorsd::avx2::storeu_ps
-#define _mm512_add_ps mirrorsd::avx2::add_ps
-#define _mm512_sub_ps mirrorsd::avx2::sub_ps
-#define _mm512_mul_ps mirrorsd::avx2::mul_ps
-#define _mm512_div_ps mirrorsd::avx2::div_ps
-#define _mm512_max_ps mirrorsd::avx2::max_ps
-#define _mm512_fmadd_ps mirrorsd::avx2::fmadd_ps
-#define _mm512_fnmadd_ps mirrorsd::avx2::fnmadd_ps
-#define _mm512_abs_ps mirrorsd::avx2::abs_ps
-#define _mm512_maskz_loadu_ps mirrorsd::avx2::maskz_loadu_ps
-#define _mm512_mask_storeu_ps mirrorsd::avx2::mask_storeu_ps
-#define _mm512_mask_blend_ps mirrorsd::avx2::mask_blend_ps
-#define _mm512_mask_add_ps mirrorsd::avx2::mask_add_ps
-#define _mm512_cmp_ps_mask(a, b, predicate) mirrorsd::avx2::cmp_ps_mask<(predicate)>((a), (b))
-#define _mm512_kortestz mirrorsd::avx2::kortestz
-#define _mm512_scalef_ps mirrorsd::avx2::scalef_ps
-#define _mm512_shuffle_f32x4(a, b, imm) mirrorsd::avx2::shuffle_f32x4<(imm)>((a), (b))
-#define _mm512_shuffle_ps(a, b, imm) mirrorsd::avx2::shuffle_ps<(imm)>((a), (b))
-#define _mm512_reduce_add_ps mirrorsd::avx2::reduce_add_ps
-#define _mm512_reduce_max_ps mirrorsd::avx2::reduce_max_ps
-#define _mm512_castps512_ps256 mirrorsd::avx2::castps512_ps256
-#define _mm512_castps_pd mirrorsd::avx2::castps_pd
-#define _mm512_extractf64x4_pd mirrorsd::avx2::extractf64x4_pd
-#define _mm512_set1_epi32 mirrorsd::avx2::set1_epi32
-#define _mm512_set1_epi8 mirrorsd::avx2::set1_epi8
-#define _mm512_setzero_si512 mirrorsd::avx2::setzero_si512
-#define _mm512_loadu_si512 mirrorsd::avx2::loadu_si512
-#define _mm512_and_si512 mirrorsd::avx2::and_si512
-#define _mm512_add_epi32 mirrorsd::avx2::add_epi32
-#define _mm512_srli_epi16 mirrorsd::avx2::srli_epi16
-#define _mm512_reduce_add_epi32 mirrorsd::avx2::reduce_add_epi32
-#define _mm512_mask_add_epi8 mirrorsd::avx2::mask_add_epi8
-#define _mm512_cvtepi32_ps mirrorsd::avx2::cvtepi32_ps
-#define _mm512_cvtepi8_epi32 mirrorsd::avx2::cvtepi8_epi32
-#define _mm512_cvtph_ps mirrorsd::avx2::cvtph_ps
-#define _mm512_cvt_roundps_epi32(v, rounding) mirrorsd::avx2::cvt_roundps_epi32<(rounding)>(v)
-#define _mm512_cvtepi32_epi8 mirrorsd::avx2::cvtepi32_epi8
+#define __m512 ::mirrorsd::avx2::f32x16
+#define __m512i ::mirrorsd::avx2::i32x16
+#define _mm512_set1_ps ::mirrorsd::avx2::set1_ps
+#define _mm512_setzero_ps ::mirrorsd::avx2::setzero_ps
+#define _mm512_loadu_ps ::mirrorsd::avx2::loadu_ps
+#define _mm512_storeu_ps ::mirrorsd::avx2::storeu_ps
+#define _mm512_add_ps ::mirrorsd::avx2::add_ps
+#define _mm512_sub_ps ::mirrorsd::avx2::sub_ps
+#define _mm512_mul_ps ::mirrorsd::avx2::mul_ps
+#define _mm512_div_ps ::mirrorsd::avx2::div_ps
+#define _mm512_max_ps ::mirrorsd::avx2::max_ps
+#define _mm512_fmadd_ps ::mirrorsd::avx2::fmadd_ps
+#define _mm512_fnmadd_ps ::mirrorsd::avx2::fnmadd_ps
+#define _mm512_abs_ps ::mirrorsd::avx2::abs_ps
+#define _mm512_maskz_loadu_ps ::mirrorsd::avx2::maskz_loadu_ps
+#define _mm512_mask_storeu_ps ::mirrorsd::avx2::mask_storeu_ps
+#define _mm512_mask_blend_ps ::mirrorsd::avx2::mask_blend_ps
+#define _mm512_mask_add_ps ::mirrorsd::avx2::mask_add_ps
+#define _mm512_cmp_ps_mask(a, b, predicate) ::mirrorsd::avx2::cmp_ps_mask<(predicate)>((a), (b))
+#define _mm512_kortestz ::mirrorsd::avx2::kortestz
+#define _mm512_scalef_ps ::mirrorsd::avx2::scalef_ps
+#define _mm512_shuffle_f32x4(a, b, imm) ::mirrorsd::avx2::shuffle_f32x4<(imm)>((a), (b))
+#define _mm512_shuffle_ps(a, b, imm) ::mirrorsd::avx2::shuffle_ps<(imm)>((a), (b))
+#define _mm512_reduce_add_ps ::mirrorsd::avx2::reduce_add_ps
+#define _mm512_reduce_max_ps ::mirrorsd::avx2::reduce_max_ps
+#define _mm512_castps512_ps256 ::mirrorsd::avx2::castps512_ps256
+#define _mm512_castps_pd ::mirrorsd::avx2::castps_pd
+#define _mm512_extractf64x4_pd ::mirrorsd::avx2::extractf64x4_pd
+#define _mm512_set1_epi32 ::mirrorsd::avx2::set1_epi32
+#define _mm512_set1_epi8 ::mirrorsd::avx2::set1_epi8
+#define _mm512_setzero_si512 ::mirrorsd::avx2::setzero_si512
+#define _mm512_loadu_si512 ::mirrorsd::avx2::loadu_si512
+#define _mm512_and_si512 ::mirrorsd::avx2::and_si512
+#define _mm512_add_epi32 ::mirrorsd::avx2::add_epi32
+#define _mm512_srli_epi16 ::mirrorsd::avx2::srli_epi16
+#define _mm512_reduce_add_epi32 ::mirrorsd::avx2::reduce_add_epi32
+#define _mm512_mask_add_epi8 ::mirrorsd::avx2::mask_add_epi8
+#define _mm512_cvtepi32_ps ::mirrorsd::avx2::cvtepi32_ps
+#define _mm512_cvtepi8_epi32 ::mirrorsd::avx2::cvtepi8_epi32
+#define _mm512_cvtph_ps ::mirrorsd::avx2::cvtph_ps
+#define _mm512_cvt_roundps_epi32(v, rounding) ::mirrorsd::avx2::cvt_roundps_epi32<(rounding)>(v)
+#define _mm512_cvtepi32_epi8 ::mirrorsd::avx2::cvtepi32_epi8

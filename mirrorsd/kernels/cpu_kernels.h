@@ -142,12 +142,15 @@ struct CodeDots {
   static constexpr int kPairSteps = kMaxCode < 128 ? 32767 / (2 * kMaxCode * 127) : 0;
   __m512i pairs = _mm512_setzero_si512();
   __m512i add(__m512i acc, int step, __m512i codes, __m512i acts) {
-    if constexpr (kPairSteps < 2) return avx2::dpbusd<(kMaxCode < 128)>(acc, codes, acts);
-    pairs = avx2::add_pair_sums(pairs, codes, acts);
-    if ((step + 1) % kPairSteps && step + 1 < kSteps) return acc;
-    const __m512i widened = avx2::widen_pair_sums(acc, pairs);
-    pairs = _mm512_setzero_si512();
-    return widened;
+    if constexpr (kPairSteps < 2) {
+      return avx2::dpbusd<(kMaxCode < 128)>(acc, codes, acts);
+    } else {
+      pairs = avx2::add_pair_sums(pairs, codes, acts);
+      if ((step + 1) % kPairSteps && step + 1 < kSteps) return acc;
+      const __m512i widened = avx2::widen_pair_sums(acc, pairs);
+      pairs = _mm512_setzero_si512();
+      return widened;
+    }
   }
 #endif
 };
