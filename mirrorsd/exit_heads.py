@@ -49,10 +49,11 @@ class ExitTranslators:
         a = self.layers[layer].to(hidden)  # no copy when device and dtype already match
         return unit_rms(hidden) @ a[:-1] + a[-1]
 
-    def check(self, layer: int, hidden_size: int) -> None:
+    def check(self, layer: int, hidden_size: int,
+              fix: str = "pick one of those exit layers or fit it with `mirrorsd train-exit --layers`") -> None:
         if layer not in self.layers:
             raise ValueError(f"the tuned exit has translators for layers {sorted(self.layers)}, not layer {layer}; "
-                             "pick one of those exit layers or fit it with `mirrorsd train-exit --layers`")
+                             f"{fix}")
         if self.layers[layer].shape != (hidden_size + 1, hidden_size):
             raise ValueError(f"the tuned exit was fitted for hidden size {self.layers[layer].shape[1]}, the target "
                              f"has {hidden_size}: it belongs to another model")
@@ -93,5 +94,10 @@ def tuned_exit(target: Transformer, head: str, layer: int, option: str = "exit_h
         raise OptionError(option, "tuned needs the target's zoo name to find its shipped exit (the API resolves "
                           "it); pass the folder from `mirrorsd train-exit` instead")
     translators = ExitTranslators.load(head)
-    translators.check(layer, target.config.hidden_size)
+    if option == "prune_exit":  # the layer is fixed by the adapter's N_s, and the zoo ships N/4, N/2, 3N/4 only
+        translators.check(layer, target.config.hidden_size,
+                          f"ss prunes at layer N - N_s = {layer}: fit one with `mirrorsd train-exit --layers {layer}` "
+                          "and pass prune_exit=FOLDER (--prune-exit FOLDER)")
+    else:
+        translators.check(layer, target.config.hidden_size)
     return partial(translators, layer=layer)

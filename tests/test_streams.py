@@ -345,7 +345,8 @@ def test_a_tuned_prune_exit_scores_the_edges_and_keeps_ss_equal_to_ar(exact_mode
                        threshold=0.01, prune_exit=str(tmp_path / "exit"), **sampling)
         assert got.token_ids == want
     ExitTranslators({1: torch.cat([torch.eye(d), torch.zeros(1, d)])}, {}).save(tmp_path / "other")
-    with pytest.raises(ValueError, match="not layer"):  # a translator for another layer
+    with pytest.raises(ValueError, match=f"not layer {layer}; ss prunes at layer N - N_s = {layer}: fit one with "
+                                         f"`mirrorsd train-exit --layers {layer}`"):  # a translator for another layer
         generate(exact_model, prompt, method="ss", streams=adapters, prune_exit=str(tmp_path / "other"))
     with pytest.raises(ValueError, match="prune_exit=FOLDER"):  # no zoo name, so no shipped exit
         generate(exact_model, prompt, method="ss", streams=adapters, prune_exit="tuned")
