@@ -138,7 +138,7 @@ def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, contex
         forward_ms={str(k): round(v, 3) for k, v in costs.items()},
         relative={str(k): round(v / costs[min(ks)], 3) for k, v in costs.items()},
         ar_tok_s=round(statistics.median(ours), 3), ar_tokens=ar_tokens,
-        fast_kernels=(kernels.isa() or "off") if kernels.available() else "off", threads=threads, machine=cpu_name(),
+        fast_kernels=kernels.isa() if kernels.available() else "off", threads=threads, machine=cpu_name(),
     )
     if theirs:
         report.llama_cpp = {

@@ -100,7 +100,7 @@ MIRRORSD_INLINE __m256 scalef8(__m256 x, __m256 n) {
 }
 MIRRORSD_INLINE f32x16 scalef_ps(f32x16 x, f32x16 n) { return {scalef8(x.lo, n.lo), scalef8(x.hi, n.hi)}; }
 
-// Lane i of result = lane (imm >> 2i) & 3 of a (i < 2) or b (i >= 2), for 128-bit lanes.
+// 128-bit lane i & 3 of v.
 MIRRORSD_INLINE __m128 lane128(f32x16 v, int i) {
   switch (i & 3) {
     case 0: return _mm256_castps256_ps128(v.lo);
@@ -109,6 +109,7 @@ MIRRORSD_INLINE __m128 lane128(f32x16 v, int i) {
     default: return _mm256_extractf128_ps(v.hi, 1);
   }
 }
+// 128-bit lane i of the result is lane (kImm >> 2i) & 3 of a (i < 2) or of b (i >= 2).
 template <int kImm>
 MIRRORSD_INLINE f32x16 shuffle_f32x4(f32x16 a, f32x16 b) {
   return {_mm256_set_m128(lane128(a, kImm >> 2), lane128(a, kImm)),
@@ -170,25 +171,18 @@ MIRRORSD_INLINE i32x16 mask_add_epi8(i32x16 src, uint64_t k, i32x16 a, i32x16 b)
   return {lo, hi};
 }
 
-// The 4-byte dot products of vpdpbusd (u8 codes x s8 activations into each int32 lane), exact. kSmallCodes: every
-// code < 128, so vpmaddubsw's int16 pair sums (at most 2 * 127 * 128) cannot saturate and one pass suffices; else the
-// codes' top bit goes through a second pass (weight 128).
-template <bool kSmallCodes>
+// vpdpbusd for any codes (u8 x s8 activations, four per int32 lane), exact: vpmaddubsw's int16 pair sums could
+// saturate for codes of 128 and up, so the codes' top bit goes through a second pass (weight 128).
 MIRRORSD_INLINE __m256i dpbusd8(__m256i acc, __m256i codes, __m256i acts) {
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (kSmallCodes) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, acts), ones));
-  } else {
-    const __m256i low7 = _mm256_and_si256(codes, _mm256_set1_epi8(0x7F));
-    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(codes, 7), _mm256_set1_epi8(1));
-    const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(low7, acts), ones),
-                                         _mm256_madd_epi16(_mm256_maddubs_epi16(top, acts), _mm256_set1_epi16(128)));
-    return _mm256_add_epi32(acc, sum);
-  }
+  const __m256i low7 = _mm256_and_si256(codes, _mm256_set1_epi8(0x7F));
+  const __m256i top = _mm256_and_si256(_mm256_srli_epi16(codes, 7), _mm256_set1_epi8(1));
+  const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(low7, acts), ones),
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(top, acts), _mm256_set1_epi16(128)));
+  return _mm256_add_epi32(acc, sum);
 }
-template <bool kSmallCodes>
 MIRRORSD_INLINE i32x16 dpbusd(i32x16 acc, i32x16 codes, i32x16 acts) {
-  return {dpbusd8<kSmallCodes>(acc.lo, codes.lo, acts.lo), dpbusd8<kSmallCodes>(acc.hi, codes.hi, acts.hi)};
+  return {dpbusd8(acc.lo, codes.lo, acts.lo), dpbusd8(acc.hi, codes.hi, acts.hi)};
 }
 
 // pairs + vpmaddubsw(codes, acts) (int16, saturating: callers keep the sums in range, see CodeDots).

@@ -143,7 +143,7 @@ struct CodeDots {
   __m512i pairs = _mm512_setzero_si512();
   __m512i add(__m512i acc, int step, __m512i codes, __m512i acts) {
     if constexpr (kPairSteps < 2) {
-      return avx2::dpbusd<(kMaxCode < 128)>(acc, codes, acts);
+      return avx2::dpbusd(acc, codes, acts);
     } else {
       pairs = avx2::add_pair_sums(pairs, codes, acts);
       if ((step + 1) % kPairSteps && step + 1 < kSteps) return acc;
