@@ -373,8 +373,9 @@ def _cmd_train_streams(args: argparse.Namespace) -> int:
     recipe = {"command": "mirrorsd train-streams " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
               "model": args.model, "data": args.data}
     summary = train(tower.model, decode.model, decode.tokenizer, args.data, Path(args.out), model_name=args.model,
-                    cache=Path(args.cache) if args.cache else None, streams=args.streams, layers=args.layers,
-                    rank=args.rank, steps=args.steps, chunks=args.chunks, seq_len=args.seq_len, lr=args.lr,
+                    decode_format=decode.format, cache=Path(args.cache) if args.cache else None,
+                    streams=args.streams, layers=args.layers, rank=args.rank, steps=args.steps, chunks=args.chunks,
+                    seq_len=args.seq_len, lr=args.lr,
                     held_out=args.held_out, distill=args.self_distill, vocab=args.vocab,
                     eval_every=args.eval_every, seed=args.seed, init=Path(args.init) if args.init else None,
                     recipe=recipe)

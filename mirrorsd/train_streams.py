@@ -174,8 +174,8 @@ def shard_paths(folder: Path, count: int, shard_size: int) -> list[Path]:
 
 
 def check_cache(folder: Path, meta: dict[str, Any]) -> None:
-    """Record ``meta`` (model shape, data, seq_len, seed...) in a new cache; refuse one built with other settings
-    rather than mix them."""
+    """Record ``meta`` (model, weight format, shape, data, seq_len, seed...) in a new cache; refuse one built with
+    other settings rather than mix them."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / CACHE_META
     if not path.exists():
@@ -359,7 +359,8 @@ def warm_start(model: Transformer, adapters: StreamAdapters, folder: Path) -> in
 
 
 def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[str], out: Path, *,
-          model_name: str | None = None, cache: Path | None = None, streams: int = 3, layers: int = 4, rank: int = 8,
+          model_name: str | None = None, decode_format: str | None = None, cache: Path | None = None,
+          streams: int = 3, layers: int = 4, rank: int = 8,
           steps: int = 200, chunks: int | None = None, seq_len: int = 128, lr: float = 1e-3, held_out: int = 8,
           distill: int = 0, vocab: int = 32768, eval_every: int = 50, save_every: int = 25, seed: int = 0,
           init: Path | None = None, recipe: dict | None = None, progress: bool = True) -> dict:
@@ -371,7 +372,9 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     ``cache`` (default ``out/cache``) and visited in a fresh shuffled order each epoch. ``vocab`` restricts the
     training head to that many most frequent ids (0: the full vocabulary). ``init``: an adapter folder to start
     from (same γ, N_s and rank) instead of a fresh initialisation; the curve then counts its training tokens too.
-    ``model_name``: the model whose own chat answers the ``chat-answers`` corpus holds.
+    ``model_name``: the model whose own chat answers the ``chat-answers`` corpus holds; it and ``decode_format``
+    (``decode_model``'s weight format) are recorded in the cache, so that another model of the same shape, or
+    the same model in other weights, cannot reuse states it did not compute.
     """
     torch.manual_seed(seed)
     model.requires_grad_(False)
@@ -382,8 +385,9 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     first = adapters.first_layer
     cache = cache or out / "cache"
     n_train = chunks or min(steps, 10_000)
-    meta = {"data": list(data), "seq_len": seq_len, "chunks": n_train, "held_out": held_out, "distill": distill,
-            "seed": seed, "first_layer": first, "n_layers": cfg.n_layers, "hidden_size": cfg.hidden_size}
+    meta = {"model": model_name, "weights": decode_format, "data": list(data), "seq_len": seq_len, "chunks": n_train,
+            "held_out": held_out, "distill": distill, "seed": seed, "first_layer": first, "n_layers": cfg.n_layers,
+            "hidden_size": cfg.hidden_size}
     check_cache(cache, meta)
     shards = shard_paths(cache, n_train, SHARD_CHUNKS)
     if not all(p.exists() for p in [*shards, cache / HELD_OUT]):

@@ -314,12 +314,12 @@ def test_bench_end_to_end_with_peers(tmp_path, monkeypatch, capsys):
                      '{"question_id": 2, "category": "writing", "turns": ["Name a colour.", "And another one?"]}\n')
     out = tmp_path / "out"
     rc = main(["bench", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", str(suite),
-               "--methods", "ar,sd,mirror:backend=threads,ss,hf-assisted,hf-pld,llama-server",
+               "--methods", "ar,sd,mirror:backend=threads,ss,suffix,hf-assisted,hf-pld,llama-server",
                "--max-new-tokens", "6", "--runs", "2", "--out", str(out)])
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     summary = results["summary"]
-    assert list(summary) == ["ar", "hf-ar", "sd", "mirror:backend=threads", "ss", "hf-assisted", "hf-pld"]
+    assert list(summary) == ["ar", "hf-ar", "sd", "mirror:backend=threads", "ss", "suffix", "hf-assisted", "hf-pld"]
     assert any("llama-server skipped" in n for n in results["notes"])
     for label, s in summary.items():
         assert s["lossless"]["checked"] == 4 and s["lossless"]["equal"] == 4, label  # 2 questions x 2 runs
@@ -328,7 +328,7 @@ def test_bench_end_to_end_with_peers(tmp_path, monkeypatch, capsys):
     assert summary["hf-pld"]["speedup_vs_reference"]["overall"]["median"] > 0
     assert summary["sd"]["mean_accepted_tokens"] > 1.0  # the target drafting for itself is always accepted
     assert 0 <= summary["mirror:backend=threads"]["hidden_draft_fraction"] <= 1
-    assert summary["ss"]["call_reduction"] >= 1.0
+    assert summary["ss"]["call_reduction"] >= 1.0 and summary["suffix"]["mean_accepted_tokens"] >= 1.0
     assert summary["sd"]["predicted_tokens_per_s"] > 0
     assert results["probe"]["expected_accepted"]["all"]["1"] == 1.0
     assert results["timeline"]["overlapped"]

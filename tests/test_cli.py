@@ -59,6 +59,24 @@ def test_generate_json_ar_and_sd_agree(capsys):
 
 
 @requires_smollm2
+def test_generate_suffix_and_the_sd_hybrid_equal_ar(capsys):
+    """`generate --method suffix` (no draft model) and sd with the suffix proposer in front (`--suffix-match`)
+    return ar's tokens; the prompt repeats a list, so the suffix proposer finds something to copy."""
+    prompt = "Repeat this list twice: apple, banana, cherry, date, elderberry, fig, grape."
+    base = ["generate", "--target", "smollm2-135m", "--prompt", prompt, "--max-new-tokens", "24", "--json"]
+    rc, out, _ = run(capsys, *base, "--method", "ar")
+    ar = json.loads(out)
+    rc, out, err = run(capsys, *base, "--method", "suffix", "--shared", "none", "--gamma", "8")
+    suffix = json.loads(out)
+    assert rc == 0 and suffix["token_ids"] == ar["token_ids"] and suffix["stats"]["method"] == "suffix"
+    assert suffix["stats"]["mean_accepted_length"] > 1  # it copied from the prompt
+    assert "mirrorsd: draft" not in err  # no draft model is loaded for suffix
+    rc, out, _ = run(capsys, *base, "--method", "sd", "--draft", "smollm2-135m", "--suffix-match", "2")
+    hybrid = json.loads(out)
+    assert rc == 0 and hybrid["token_ids"] == ar["token_ids"] and hybrid["stats"]["method"] == "sd"
+
+
+@requires_smollm2
 def test_streaming_output_and_prompts_file(capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Say hi."}\n\n{"prompt": "Say bye."}\n')

@@ -638,6 +638,13 @@ def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, ca
     assert (out / "adapter.safetensors").stat().st_size < 2_000_000
     assert main([("16" if a == "32" else a) for a in args] + ["--steps", "4"]) != 0  # refused, not mixed in
     assert "built with other settings (seq_len)" in capsys.readouterr().err
+    meta_path = out / "cache" / "cache.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["model"] == "smollm2-135m" and meta["weights"]  # e.g. "q4 weights, int8x2 activations"
+    meta_path.write_text(json.dumps({**meta, "model": "another-model-of-this-shape"}))
+    assert main([*args, "--steps", "4"]) != 0  # another model's states are never reused
+    assert "built with other settings (model)" in capsys.readouterr().err
+    meta_path.write_text(json.dumps(meta))
     trained = json.loads((out / "summary.json").read_text())
     more = tmp_path / "more"  # a warm start: the curve begins where the first adapter ended
     assert main([*args, "--out", str(more), "--cache", str(out / "cache"), "--init", str(out), "--steps", "2"]) == 0

@@ -215,6 +215,22 @@ def test_suffix_with_a_datastore_equals_ar(tmp_path, temperature):
     assert got.token_ids == want
 
 
+def test_persisted_outputs_are_found_by_the_next_process(tmp_path, monkeypatch):
+    """shared="persist": a later process starts from the outputs saved under the cache folder, so its first
+    request can copy an answer given before the restart, and still returns exactly ar's tokens."""
+    monkeypatch.setenv("MIRRORSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(suffix_index, "_shared", {})
+    target = row_exact(tiny_hf(layers=2, seed=1))
+    prompt = [3, 1, 4, 1, 5]
+    want = generate(target, prompt, method="ar", max_new_tokens=24).token_ids
+    first = generate(target, prompt, method="suffix", max_new_tokens=24, shared="persist")
+    monkeypatch.setattr(suffix_index, "_shared", {})  # a new process: nothing in memory, the file on disk
+    again = generate(target, prompt, method="suffix", max_new_tokens=24, shared="persist")
+    assert first.token_ids == again.token_ids == want
+    assert len(suffix_index.shared_index(f"vocab{target.config.vocab_size}").docs) == 2  # loaded, then added
+    assert again.stats.target_forwards < first.stats.target_forwards  # it drafted from the saved answer
+
+
 def test_isolated_requests_neither_read_nor_write_the_persisted_index(tmp_path, monkeypatch):
     """A benchmark answer or a calibration run (isolated_shared_indexes) with shared="persist" must not find the
     saved outputs of earlier runs, nor replace the saved file with its own."""
