@@ -34,9 +34,13 @@ def cpu_name() -> str:
 
 
 def machine_label() -> str:
-    """What a plan's costs were measured on: the CPU and the thread count. A plan made elsewhere (a cache folder
-    copied to another machine, a VM moved to another host type) prices the methods for that machine, not this one."""
-    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+    """What a plan's costs were measured on: the CPU, the thread count and the kernel build. A plan made elsewhere (a
+    cache folder copied to another machine, a VM moved to another host type) prices the methods for that machine,
+    not this one. The build is named because CPUs of one name differ in it (an "AMD EPYC" VM may have AVX-512 or
+    only AVX2), and it changes the k-token curve that decides between drafting and `ar`."""
+    from .kernels import isa_label
+
+    return f"{cpu_name()}, {torch.get_num_threads()} threads, {isa_label()} kernels"
 
 
 def _made_here(plan: dict[str, Any]) -> bool:

@@ -474,6 +474,18 @@ def test_a_plan_made_on_another_machine_is_made_again(tmp_path, monkeypatch, cap
     assert "made on Another CPU, 64 threads" in err and plans.machine_label() in err
 
 
+def test_the_machine_label_names_the_kernel_build(monkeypatch):
+    """Two VMs that report the same CPU name may run different kernel builds (AVX-512 or only AVX2), which price
+    the methods differently, so a plan made on one is not reused on the other."""
+    from mirrorsd import kernels
+
+    here = plans.machine_label()
+    assert here.endswith(f", {kernels.isa_label()} kernels")
+    monkeypatch.setenv("MIRRORSD_KERNELS", "off")
+    off = plans.machine_label()
+    assert off.endswith(", off kernels") and (off != here) == (not here.endswith(", off kernels"))
+
+
 def test_generate_auto_without_a_plan_says_what_to_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plans, "plan_path", lambda target, draft: Path(tmp_path / "none.json"))
     with pytest.raises(FileNotFoundError, match="mirrorsd plan --target t"):

@@ -109,6 +109,15 @@ def _why_unavailable() -> str | None:
     return None
 
 
+def isa_label() -> str:
+    """The kernel build this machine runs (an :data:`ISAS` name), or "off" where they cannot or must not run, found
+    without building anything: a plan's machine label asks before a model loads."""
+    try:
+        return "off" if _why_unavailable() else str(isa())
+    except RuntimeError:  # MIRRORSD_KERNEL_ISA names a build this CPU cannot run: loading will say so
+        return "off"
+
+
 def _compiler_identity() -> str:
     """The C++ compiler torch will call (``$CXX`` or ``c++``): its resolved path and ``--version`` banner."""
     cxx = os.environ.get("CXX", "c++")
