@@ -66,6 +66,7 @@ def test_generate_suffix_and_the_sd_hybrid_equal_ar(capsys):
     base = ["generate", "--target", "smollm2-135m", "--prompt", prompt, "--max-new-tokens", "24", "--json"]
     rc, out, _ = run(capsys, *base, "--method", "ar")
     ar = json.loads(out)
+    assert rc == 0
     rc, out, err = run(capsys, *base, "--method", "suffix", "--shared", "none", "--gamma", "8")
     suffix = json.loads(out)
     assert rc == 0 and suffix["token_ids"] == ar["token_ids"] and suffix["stats"]["method"] == "suffix"
