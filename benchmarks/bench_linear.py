@@ -26,15 +26,15 @@ import torch.nn.functional as F
 import torch.utils.mkldnn
 
 from mirrorsd import kernels
-from mirrorsd.bench.forward import _cpu_name
 from mirrorsd.linear import PackedLinear, QuantLinear
+from mirrorsd.plans import cpu_name
 from mirrorsd.quant import GroupQuant, quantize_q8
 
 SHAPES = {"q/o_proj": (1536, 1536), "k/v_proj": (256, 1536), "gate/up_proj": (8960, 1536), "down_proj": (1536, 8960)}
 
 
 def machine() -> str:
-    return (f"{_cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    return (f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
             f"python {platform.python_version()}")
 
 

@@ -150,9 +150,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
         if self.fast:
-            y = torch.ops.mirrorsd.linear_quant(rows, self.codes, self.planes, self.scales, self.offsets,
-                                                self.super_scales, self.super_offsets, self.bias, self.out_features,
-                                                self.bits, self.group, self.split_activations, self.zero)
+            y = kernels.ops().linear_quant(rows, self.codes, self.planes, self.scales, self.offsets,
+                                           self.super_scales, self.super_offsets, self.bias, self.out_features,
+                                           self.bits, self.group, self.split_activations, self.zero)
         else:
             y = kernels.linear_quant_reference(rows, self.quant, self.bias, split=self.split_activations)
         return y.view(*x.shape[:-1], self.out_features)

@@ -647,68 +647,158 @@ def test_block_kernel_gives_the_python_paths_bits(arch, activations):
 
 
 # Every kernel on fixed inputs, for test_avx2_build_gives_the_avx512_bits: run here and in a process that builds the
-# AVX2 flavour (MIRRORSD_KERNEL_ISA=avx2), which must give the same bits.
+# AVX2 flavour (MIRRORSD_KERNEL_ISA=avx2), which must give the same bits. Every packed layout (one- and two-level
+# scales, symmetric and with offsets, narrow and whole-byte codes), row counts across the kernels' 4/8/16-row tiles,
+# the fp32 linear, attention, the elementwise ops and the whole fused block.
 CROSS_BUILD_OUTPUTS = '''
 import torch
+from transformers import Qwen2Config
+
 from mirrorsd import kernels
-from mirrorsd.quant import GroupQuant
+from mirrorsd.model import Transformer, _is_projection
+from mirrorsd.quant import GroupQuant, quantize_q8
+
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33)
+
+
+def quant_weights(g):
+    n, k = 40, 512
+    weights = {}
+    for bits, group, top, two in ((4, 32, 15, True), (5, 32, 31, True), (6, 16, 63, True), (8, 32, 255, False)):
+        codes = torch.randint(0, top + 1, (n, k), dtype=torch.uint8, generator=g)
+        d = (torch.rand(n, 2, generator=g) * 1e-3).half().float()
+        sub = torch.randint(-128, 128, (n, k // group), generator=g).float()
+        scales = d.repeat_interleave(256 // group, 1) * sub
+        if two and bits != 6:  # asymmetric, with two-level offsets (Q4_K, Q5_K)
+            dmin = -(torch.rand(n, 2, generator=g) * 1e-3).half().float()
+            offsets = dmin.repeat_interleave(256 // group, 1) * torch.randint(0, 64, (n, k // group), generator=g)
+            weights[f"{bits}/{group} two-level"] = GroupQuant(codes, scales, offsets, group, bits, d, dmin, 256)
+        elif two:  # Q6_K
+            weights[f"{bits}/{group} two-level"] = GroupQuant(codes, scales, -32 * scales, group, bits, d, None, 256)
+        else:  # Q8_0
+            weights[f"{bits}/{group} one-level"] = GroupQuant(codes, scales.half().float(),
+                                                              -128 * scales.half().float(), group, bits)
+    # one-level scales: Q4_0, Q5_0 (symmetric), Q4_1 (offsets), 6-bit codes in groups of 32, 8-bit in groups of 16
+    for bits, group, zero in ((4, 32, 8), (5, 32, 16), (4, 32, 0), (6, 32, 32), (8, 16, 128)):
+        codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g)
+        scales = (torch.rand(n, k // group, generator=g) * 1e-2).half().float()
+        offsets = -zero * scales if zero else (-torch.rand(n, k // group, generator=g) * 1e-1).half().float()
+        weights[f"{bits}/{group} one-level zero {zero}"] = GroupQuant(codes, scales, offsets, group, bits)
+    return weights
+
+
+def block_outputs(g):
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    state = {"embed_tokens.weight": torch.randn(64, 64, generator=g), "norm.weight": torch.rand(64, generator=g) + .5,
+             "lm_head.weight": torch.randn(64, 64, generator=g) * 0.3}
+    shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+              "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)}
+    for layer in range(2):
+        prefix = f"layers.{layer}."
+        for name, shape in shapes.items():
+            part = "self_attn" if name[0] in "qkvo" else "mlp"
+            state[f"{prefix}{part}.{name}.weight"] = torch.randn(*shape, generator=g) * 0.3
+            if name in ("q_proj", "k_proj", "v_proj"):
+                state[f"{prefix}{part}.{name}.bias"] = torch.randn(shape[0], generator=g) * 0.1
+        state[f"{prefix}input_layernorm.weight"] = torch.rand(64, generator=g) + .5
+        state[f"{prefix}post_attention_layernorm.weight"] = torch.rand(64, generator=g) + .5
+    state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
+    out = {}
+    ids = torch.randint(0, 64, (1, 40), generator=g)
+    tree = torch.ones(1, 3, 40, dtype=torch.bool)
+    tree[0, 2, 37] = False
+    tree[0, 0, 37:] = tree[0, 1, 38] = False
+    for activations in ("int8", "int8x2"):
+        model = Transformer._build(cfg, state).use_activations(activations)
+        cache = model.new_cache(capacity=8)
+        with torch.inference_mode():
+            out[f"block {activations} prompt"] = model(ids[:, :37], cache=cache)
+            out[f"block {activations} tree"] = model(ids[:, 37:40], torch.tensor([37, 38, 38]), cache=cache,
+                                                     mask=tree)
+            cache.truncate(38)
+            out[f"block {activations} step"] = model(ids[:, 39:40], cache=cache)
+        out[f"block {activations} cache"] = torch.cat([b[:, :, :38] for b in (*cache.keys, *cache.values)])
+    return out
 
 
 def outputs():
     g = torch.Generator().manual_seed(0)
     out = {}
-    weights = {}
-    for bits, group, top, two in ((4, 32, 15, True), (5, 32, 31, True), (6, 16, 63, True), (8, 32, 255, False)):
-        n, k = 40, 512
-        codes = torch.randint(0, top + 1, (n, k), dtype=torch.uint8, generator=g)
-        d = (torch.rand(n, 2, generator=g) * 1e-3).half().float()
-        sub = torch.randint(-128, 128, (n, k // group), generator=g).float()
-        scales = d.repeat_interleave(256 // group, 1) * sub
-        if two and bits != 6:  # asymmetric, with two-level offsets
-            dmin = -(torch.rand(n, 2, generator=g) * 1e-3).half().float()
-            offsets = dmin.repeat_interleave(256 // group, 1) * torch.randint(0, 64, (n, k // group), generator=g)
-            weights[bits] = GroupQuant(codes, scales, offsets, group, bits, d, dmin, 256)
-        elif two:
-            weights[bits] = GroupQuant(codes, scales, -32 * scales, group, bits, d, None, 256)
-        else:
-            weights[bits] = GroupQuant(codes, scales.half().float(), -128 * scales.half().float(), group, bits)
-    for bits, q in weights.items():
-        for width in sorted({bits, 8}):
-            packed = kernels.pack_quant(q, width)
-            for m in (1, 2, 3, 4, 5, 8, 9):
-                x = torch.randn(m, 512, generator=g) * torch.rand(1, 512, generator=g) * 4
-                for split in (False, True):
-                    out[f"linear {bits}@{width} m{m} {split}"] = kernels.linear_quant(
-                        x, packed, None, 40, width, q.group, split)
-    q = torch.randn(2, 4, 5, 64, generator=g)
-    k, v = torch.randn(2, 2, 30, 64, generator=g), torch.randn(2, 2, 30, 64, generator=g)
-    out["attend causal"] = kernels.attend(q, k, v, None)
-    out["attend tree"] = kernels.attend(q, k, v, torch.rand(2, 5, 30, generator=g) > 0.4)
+    for name, q in quant_weights(g).items():
+        for width in sorted({q.bits, 8}):
+            if (width, q.group) not in kernels.LAYOUTS:
+                continue
+            for two_level in {False, kernels.uses_two_level(q, width)}:
+                packed = kernels.pack_quant(q, width, two_level)
+                for m in ROWS:
+                    x = torch.randn(m, 512, generator=g) * torch.rand(1, 512, generator=g) * 4
+                    bias = torch.randn(40, generator=g) if m % 2 else None
+                    for split in (False, True):
+                        out[f"linear {name} @{width} two-level {two_level} m{m} {split}"] = kernels.linear_quant(
+                            x, packed, bias, 40, width, q.group, split)
+    w = torch.randn(37, 200, generator=g)
+    packed = kernels.pack_f32(w)
+    for m in ROWS:
+        out[f"linear_f32 m{m}"] = kernels.linear_f32(torch.randn(m, 200, generator=g), packed,
+                                                     torch.randn(37, generator=g) if m % 2 else None, 37)
+    for dim in (64, 128):
+        q = torch.randn(2, 4, 5, dim, generator=g)
+        k, v = torch.randn(2, 2, 30, dim, generator=g), torch.randn(2, 2, 30, dim, generator=g)
+        out[f"attend causal {dim}"] = kernels.attend(q, k, v, None)
+        out[f"attend tree {dim}"] = kernels.attend(q, k, v, torch.rand(2, 5, 30, generator=g) > 0.4)
     x = torch.randn(7, 1000, generator=g) * 3
     out["rms_norm"] = kernels.rms_norm(x, torch.randn(1000, generator=g), 1e-6)
     out["silu_mul"] = kernels.silu_mul(x * 10, torch.randn(7, 1000, generator=g))
     angles = torch.rand(1, 5, 32, generator=g) * 50
     emb = torch.cat([angles, angles], -1)
     out["rope"] = kernels.rope(torch.randn(2, 5, 3, 64, generator=g), emb.cos(), emb.sin())
+    out.update(block_outputs(g))
     return out
 '''
 
 
-@requires_kernels
-@pytest.mark.skipif(kernels.isa() != "avx512-vnni", reason="needs an AVX-512 CPU to compare with its AVX2 build")
-def test_avx2_build_gives_the_avx512_bits(tmp_path):
-    """cpu_avx2.h runs the AVX-512 sources on pairs of AVX2 registers with the same bits (exact integer dots, the same
-    IEEE ops per lane, GCC's reduction trees): every kernel, every layout and row count, bit for bit."""
+@pytest.fixture(scope="session")
+def avx2_build_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """CROSS_BUILD_OUTPUTS from a process that runs the AVX2 build: built once into the kernel cache (keyed by its
+    flags, so later runs reuse it), run once per test session."""
     script = CROSS_BUILD_OUTPUTS + "\nimport sys\ntorch.save(outputs(), sys.argv[1])\n"
-    path = tmp_path / "avx2.pt"
+    path = tmp_path_factory.mktemp("avx2") / "avx2.pt"
     env = {**os.environ, "MIRRORSD_KERNEL_ISA": "avx2"}
     subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=900)
+    return torch.load(path)
+
+
+@requires_kernels
+@pytest.mark.skipif(kernels.isa() != "avx512-vnni", reason="needs an AVX-512 CPU to compare with its AVX2 build")
+def test_avx2_build_gives_the_avx512_bits(avx2_build_outputs):
+    """cpu_avx2.h runs the AVX-512 sources on pairs of AVX2 registers with the same bits (exact integer dots, the same
+    IEEE ops per lane, GCC's reduction trees): every kernel, every layout and row count, bit for bit."""
     namespace: dict = {}
     exec(CROSS_BUILD_OUTPUTS, namespace)
-    here, avx2 = namespace["outputs"](), torch.load(path)
-    assert here.keys() == avx2.keys()
-    for key in here:
-        assert torch.equal(here[key], avx2[key]), key
+    here = namespace["outputs"]()
+    assert here.keys() == avx2_build_outputs.keys()
+    assert len(here) > 400
+    differ = [key for key in here if not torch.equal(here[key], avx2_build_outputs[key])]
+    assert not differ, f"{len(differ)} of {len(here)} outputs differ between the builds, e.g. {differ[:5]}"
+
+
+def test_kernel_entry_points_load_the_extension_in_a_fresh_process():
+    """A script whose first mirrorsd call is a kernel entry point: the extension loads (building if needed) on that
+    call; where the kernels cannot run, the error names the build instead of torch's missing-attribute error."""
+    script = ("import torch\nfrom mirrorsd import kernels\n"
+              "w = torch.randn(20, 64)\n"
+              "y = kernels.linear_f32(torch.ones(2, 64), kernels.pack_f32(w), None, 20)\n"
+              "print(torch.allclose(y, torch.ones(2, 64) @ w.T, atol=1e-4))\n")
+    if kernels.available():
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == "True"
+    off = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MIRRORSD_KERNELS": "off"})
+    assert off.returncode != 0
+    assert "mirrorsd CPU kernels cannot run here (kernel build 'off': disabled by MIRRORSD_KERNELS)" in off.stderr
 
 
 @requires_kernels

@@ -203,21 +203,41 @@ def build_dir(name: str) -> Path:
 
 
 @cache
-def available() -> bool:
-    """Build (once) and load the C++ kernels; False, with one warning saying why, when that is impossible."""
+def _load() -> str | None:
+    """Build (once) and load the C++ kernels: None when loaded, else why not."""
     reason = _why_unavailable()
     if reason is None:
+        name = isa()
         try:
-            name = isa()
             build_extension(EXTENSION, SOURCES, ensure_cache_dir(build_dir(name)), compile_flags(name), LINK_FLAGS)
-            return True
+            return None
         except CacheDirError as exc:  # nowhere to build: fall back, saying which variable to fix
             reason = str(exc)
         except Exception as exc:  # a compiler error, missing ninja, ...: fall back, but say so
-            reason = f"the C++ extension failed to build: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
-    warnings.warn(f"mirrorsd fast CPU kernels unavailable ({reason}); using slower PyTorch fallbacks",
-                  RuntimeWarning, stacklevel=2)
-    return False
+            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            reason = f"the {name} C++ extension failed to build in {build_dir(name)}: {detail}"
+    return reason
+
+
+@cache
+def available() -> bool:
+    """Build (once) and load the C++ kernels; False, with one warning saying why, when that is impossible."""
+    reason = _load()
+    if reason is not None:
+        warnings.warn(f"mirrorsd fast CPU kernels unavailable ({reason}); using slower PyTorch fallbacks",
+                      RuntimeWarning, stacklevel=2)
+    return reason is None
+
+
+def ops() -> torch._ops._OpNamespace:
+    """``torch.ops.mirrorsd``, loading (and on first use building) the extension: every entry point below goes
+    through here, so a fresh process may call any of them first. Where the kernels cannot run, the error says why
+    (the ISA and the build) instead of torch's bare missing-attribute error."""
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"mirrorsd CPU kernels cannot run here (kernel build {isa_label()!r}: {reason}); "
+                           "callers check kernels.available() and take the PyTorch fallbacks")
+    return torch.ops.mirrorsd
 
 
 # ---------------------------------------------------------------- packing
@@ -404,16 +424,15 @@ def linear_quant_reference(x: torch.Tensor, q: GroupQuant, bias: torch.Tensor | 
 
 
 def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    return torch.ops.mirrorsd.linear_f32(x, packed, bias, n)
+    return ops().linear_f32(x, packed, bias, n)
 
 
 def linear_quant(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None, n: int, bits: int, group: int,
                  split: bool = False) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` for a weight packed by :func:`pack_quant` (int8 activations; two planes with
     ``split``)."""
-    return torch.ops.mirrorsd.linear_quant(x, packed.codes, packed.planes, packed.scales, packed.offsets,
-                                           packed.super_scales, packed.super_offsets, bias, n, bits, group, split,
-                                           packed.zero)
+    return ops().linear_quant(x, packed.codes, packed.planes, packed.scales, packed.offsets,
+                             packed.super_scales, packed.super_offsets, bias, n, bits, group, split, packed.zero)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -421,20 +440,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     ``q`` ``[rows, heads, T, dim]``; ``k``/``v`` ``[rows, kv_heads, S, dim]``; ``mask`` bool ``[rows or 1, T, S]``
     or None for causal over a cache ending in the queries' own keys."""
-    return torch.ops.mirrorsd.attend(q, k, v, None if mask is None else mask.contiguous())
+    return ops().attend(q, k, v, None if mask is None else mask.contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension in one call (``cpu_elementwise.cpp``), row-local."""
-    return torch.ops.mirrorsd.rms_norm(x.contiguous(), weight, eps)
+    return ops().rms_norm(x.contiguous(), weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in one call (``cpu_elementwise.cpp``), with the fused block's exp: the same bits."""
-    return torch.ops.mirrorsd.silu_mul(gate, up)
+    return ops().silu_mul(gate, up)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` ``[rows, T, heads, dim]`` with ``cos``/``sin`` ``[rows or 1, T, dim]``, returned
     as ``[rows, heads, T, dim]`` (attention's layout) in one call."""
-    return torch.ops.mirrorsd.rope(x.contiguous(), cos.contiguous(), sin.contiguous())
+    return ops().rope(x.contiguous(), cos.contiguous(), sin.contiguous())
