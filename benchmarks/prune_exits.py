@@ -15,8 +15,8 @@ import sys
 import torch
 
 import mirrorsd
+from mirrorsd.decoding.ss.adapters import load_adapters
 from mirrorsd.exit_heads import ExitTranslators
-from mirrorsd.streams import load_adapters
 from mirrorsd.train_streams import corpus_texts, make_chunks
 
 MODEL = "qwen2.5-coder-1.5b"

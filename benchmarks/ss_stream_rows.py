@@ -12,8 +12,8 @@ import statistics
 import time
 
 import mirrorsd
+from mirrorsd.decoding.ss.adapters import load_adapters
 from mirrorsd.specbench import load_suite
-from mirrorsd.streams import load_adapters
 
 METHODS = ("ar", "ss-cpp", "ss-python")
 

@@ -10,14 +10,14 @@ import secrets
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .collector import paused_collector
-from .decoding import DecodeRequest, GenerationStats, ModelShape, get_method, methods
+from .decoding import DecodeRequest, GenerationStats, ModelShape, default_method, get_method, methods
 from .decoding.bridge import TokenBridge
 from .decoding.engine import run
 from .errors import OptionError
@@ -74,7 +74,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
                linear: str = "auto", progress: bool = True) -> LoadedModel:
     """Load a zoo model by name (prepared on first use) or a local HF checkpoint folder.
 
-    ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.model.WEIGHT_FORMATS`); ``activations``: ``int8``
+    ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.loading.WEIGHT_FORMATS`); ``activations``: ``int8``
     or ``int8x2`` for quantized weights (:data:`mirrorsd.model.ACTIVATION_FORMATS`). None picks
     :func:`default_format` (the model's default activations also apply to weights asked for explicitly).
     ``linear="dense"`` keeps PyTorch's stock GEMMs instead of our kernels (a baseline for benchmarks).
@@ -198,38 +198,42 @@ def draft_bridge(method: str, target: LoadedModel, draft: LoadedModel) -> TokenB
         raise ValueError(f"{mismatch}, and it cannot draft through text: {e}") from None
 
 
-def _shipped_streams(model: LoadedModel) -> Path:
-    """The Speculative Streaming adapter shipped for a zoo model (``streams=`` overrides it)."""
-    from .streams import shipped_adapter
+@dataclass(frozen=True)
+class ZooFiles:
+    """The files shipped with the request's zoo models (:class:`~mirrorsd.decoding.registry.ShippedFiles`), which
+    method options default to: the zoo's adapters and tuned exits live at this layer, not in ``decoding``."""
 
-    folder = shipped_adapter(model.name or "")
-    if folder is None:
-        raise ValueError(f"no shipped stream adapter for {model.name or 'this model'}; pass streams=FOLDER (or "
-                         "--streams) with an adapter from `mirrorsd train-streams`")
-    return folder
+    target: LoadedModel
+    draft: LoadedModel | None
 
+    def streams(self, role: str) -> Path:
+        """The Speculative Streaming adapter shipped for a zoo model (``streams=`` overrides it)."""
+        from .decoding.ss.adapters import shipped_adapter
 
-def _shipped_exit(model: LoadedModel, option: str = "exit_head") -> str:
-    """The tuned early exit shipped for a zoo target (``option=FOLDER`` overrides it)."""
-    from .exit_heads import shipped_exit
+        model = self.target if role == "target" else self.draft
+        folder = shipped_adapter(model.name or "") if model is not None else None
+        if folder is None:
+            name = model.name if model is not None and model.name else "this model"
+            raise ValueError(f"no shipped stream adapter for {name}; pass streams=FOLDER (or --streams) with an "
+                             "adapter from `mirrorsd train-streams`")
+        return folder
 
-    folder = shipped_exit(model.name or "")
-    if folder is None:
-        flag = "--" + option.replace("_", "-")
-        raise ValueError(f"no shipped tuned exit for {model.name or 'this model'}; pass {option}=FOLDER (or "
-                         f"{flag} FOLDER) with one from `mirrorsd train-exit`")
-    return str(folder)
+    def tuned_exit(self, option: str) -> str:
+        """The tuned early exit shipped for a zoo target (``option=FOLDER`` overrides it)."""
+        from .exit_heads import shipped_exit
 
+        folder = shipped_exit(self.target.name or "")
+        if folder is None:
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(f"no shipped tuned exit for {self.target.name or 'this model'}; pass {option}=FOLDER "
+                             f"(or {flag} FOLDER) with one from `mirrorsd train-exit`")
+        return str(folder)
 
-def _default_exit(model: LoadedModel, exit_layer: int | float) -> str:
-    """``exit_head="auto"``: the zoo target's shipped tuned exit where it has a translator for ℓe, else the lens.
-    At N/2 on the Qwen pair the tuned exit's top-8 holds the correction almost three times as often as the lens's
-    (0.28 against 0.10 on Spec-Bench, docs/mirror_sd.md), for one d×d matmul per window row."""
-    from .decoding.mirror import resolve_exit_layer
-    from .exit_heads import shipped_exit
+    def exit_for_layer(self, layer: int) -> str | None:
+        from .exit_heads import shipped_exit
 
-    folder = shipped_exit(model.name or "", resolve_exit_layer(exit_layer, model.config.n_layers))
-    return "lens" if folder is None else str(folder)
+        folder = shipped_exit(self.target.name or "", layer)
+        return None if folder is None else str(folder)
 
 
 def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
@@ -241,11 +245,6 @@ def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
     recommended = plan_for(target, _as_loaded(draft) if draft is not None else None)["recommended"]
     method = recommended["method"]
     return method, {**recommended["options"], **options}, draft if get_method(method).needs_draft else None
-
-
-def default_method(draft: object | None) -> str:
-    """``sd`` when a draft is given, else ``ar`` (like vLLM and llama.cpp: speculative only when configured)."""
-    return "ar" if draft is None else "sd"
 
 
 @dataclass
@@ -419,25 +418,10 @@ def stream(
         draft_model = draft.model
     elif draft is not None:
         raise ValueError(f"method {method!r} does not use a draft model")
-    if method == "ss" and options.get("streams") is None:
-        options["streams"] = _shipped_streams(target)
-    if method == "mirror" and "draft_streams" in options:  # also as written in a method spec: "true", "false"
-        flag = str(options["draft_streams"]).lower()
-        if flag in ("true", "auto"):
-            options["draft_streams"] = _shipped_streams(draft)
-        elif flag in ("false", "none"):
-            options["draft_streams"] = None
-    if method == "mirror" and options.get("exit_head") == "tuned":
-        options["exit_head"] = _shipped_exit(target)
-    if method == "ss" and options.get("prune_exit") == "tuned":
-        options["prune_exit"] = _shipped_exit(target, "prune_exit")
-    opts = spec.options.parse(options, method, ModelShape(target.config.n_layers, target.config.vocab_size))
-    if method == "mirror" and opts.exit_head == "auto":
-        opts = replace(opts, exit_head=_default_exit(target, opts.exit_layer))
+    shape = ModelShape(target.config.n_layers, target.config.vocab_size)
+    opts = spec.options.parse(options, method, shape).resolved(ZooFiles(target, draft), shape)
     if getattr(target.model, "tp_size", 1) > 1:
-        from .runtime.tensor_parallel import check_method
-
-        check_method(method, opts)
+        spec.check_tensor_parallel(opts)
     ids = encode_prompt(target, prompt, raw=raw)
     context = target.config.context_length
     if draft_model is not None:

@@ -30,7 +30,6 @@ from torch import nn
 from .linear import DenseLinear, make_linear, on_huge_pages
 from .quant import quantize_q8
 
-SIZES = (8192, 16384, 32768)
 DEFAULT_SIZE = 32768  # what the early exit and the streams read by default (and the streams are trained on)
 
 
@@ -142,7 +141,8 @@ def optional_head(model, size: int | None) -> SubsetHead | None:
     return subset_head(model, size) if 0 < size < vocab else None
 
 
-def default_size(vocab_size: int) -> int:
-    """The restricted vocabulary read by default: :data:`DEFAULT_SIZE` ids where a table ships for this
-    vocabulary and it is larger, else 0 (the full one)."""
-    return DEFAULT_SIZE if vocab_size > DEFAULT_SIZE and table_path(vocab_size).is_file() else 0
+def default_size(vocab_size: int, kind: str = "corpus") -> int:
+    """The restricted vocabulary read by default: :data:`DEFAULT_SIZE` ids where a ``kind`` table ships for this
+    vocabulary and it is larger, else 0 (the full one). A draft model reads the ``draft`` table (ranked by the
+    target's answers: measured on Spec-Bench, docs/drafting.md), the exits and the streams the corpus one."""
+    return DEFAULT_SIZE if vocab_size > DEFAULT_SIZE and table_path(vocab_size, kind).is_file() else 0

@@ -101,3 +101,29 @@ def tuned_exit(target: Transformer, head: str, layer: int, option: str = "exit_h
     else:
         translators.check(layer, target.config.hidden_size)
     return partial(translators, layer=layer)
+
+
+def layer_or_fraction(text: str) -> int | float:
+    """An int when it is one (a layer index), else a float (a fraction of the depth)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+layer_or_fraction.kind = "a layer index or a fraction"  # type: ignore[attr-defined]
+
+
+def resolve_exit_layer(exit_layer: int | float, n_layers: int) -> int:
+    """A layer of an ``n_layers``-deep model to exit at: an index in ``1..N-1``, or a fraction of the depth in (0, 1)
+    (``0.5`` is Mirror-SD's N/2). Mirror-SD's exit and the tuned exits trained for it read it alike."""
+    if isinstance(exit_layer, float) and not exit_layer.is_integer():
+        if not 0 < exit_layer < 1:
+            raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {exit_layer}")
+        index = round(exit_layer * n_layers)
+    else:
+        index = int(exit_layer)
+    if not 1 <= index <= n_layers - 1:
+        raise OptionError("exit_layer", f"must be in 1..{n_layers - 1} for a {n_layers}-layer target (or a fraction "
+                          f"in (0, 1)), got {exit_layer}")
+    return index

@@ -7,13 +7,16 @@ tokenizers, GGUF dequantisation) and the oracle our parity tests compare against
 
 Shapes: tokens and positions are ``[rows, T]``; a mask is boolean ``[rows or 1, T, past + T]`` with True
 meaning "may attend"; ``past`` is the number of positions the cache already holds at that layer.
+
+This module is the math and the eager path, the reference every other path matches bit for bit. Loading
+(checkpoint folders, weight formats, HF configs) lives in :mod:`mirrorsd.loading`; the fast paths ``run_layers``
+dispatches to (bound C++ blocks, CUDA-graph replay) in :mod:`mirrorsd.execution`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -21,35 +24,19 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from . import cuda_graphs, kernels
+from .execution import KernelBinding, attention_backends, replay, run_kernels
 from .kernels import cuda_attention
 from .kv_cache import KVCache
-from .linear import (
-    FIXED_ROWS,
-    PACKED_BUFFERS,
-    PackedLinear,
-    QuantLinear,
-    fixed_shapes,
-    in_fixed_rows,
-    make_linear,
-    on_huge_pages,
-    release_freed_heap,
-)
-from .quant import GroupQuant, quantize_q8
+from .linear import PackedLinear, QuantLinear, fixed_shapes, in_fixed_rows, make_linear, on_huge_pages
+from .quant import GroupQuant
 
-#: Weight formats :meth:`Transformer.from_pretrained` can load (``--weights`` on the CLI).
-WEIGHT_FORMATS = ("fp32", "q8", "q4")
 #: Activation precision of quantized layers (``--activations``): ``int8`` per 32 features, or ``int8x2``, a second
 #: int8 plane for each activation's remainder (~15 bits; what small models need on chat prompts, quality.py).
 ACTIVATION_FORMATS = ("int8", "int8x2")
 Weights = dict[str, "torch.Tensor | GroupQuant"]
-
-
-def _is_projection(name: str) -> bool:
-    return name == "lm_head.weight" or name.endswith("_proj.weight")
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 # Tokens per forward when a long prompt is cut into pieces (llama.cpp's n_ubatch). One 2,048-token forward of the
@@ -277,15 +264,6 @@ class Attention(nn.Module):
         return out
 
 
-def _attention_backends(device: torch.device) -> AbstractContextManager:
-    """SDPA on CUDA without its cuDNN backend: PyTorch builds a new cuDNN graph for every new key length, so in
-    decoding each call costs ~2.3 ms of host time (on an H200 that was 65 of a bf16 step's 92 ms, 1.5B shape);
-    the flash and memory-efficient kernels need no plan."""
-    if device.type != "cuda":
-        return nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 @contextmanager
 def _one_thread() -> Iterator[None]:
     """Run on one intra-op thread, so a result cannot depend on the caller's thread count (quantized models
@@ -319,13 +297,7 @@ class MLP(nn.Module):
         return _project(streams, self.layer, "down_proj", self.down_proj, act)
 
 
-#: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
-_PACKED_FIELDS = (*PACKED_BUFFERS, "bias")
-#: A block's linears (attention's four, then the MLP's), in the order the C++ block binds them.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class Block(nn.Module):
+class Block(KernelBinding, nn.Module):
     def __init__(self, cfg: ModelConfig, weights: Weights, layer: int, linear: str) -> None:
         super().__init__()
         p = f"layers.{layer}."
@@ -337,75 +309,11 @@ class Block(nn.Module):
         self.use_kernel = False  # the whole block in one C++ call (bind_kernel)
         self._kernel: torch.ScriptObject | None = None
 
-    def bind_kernel(self) -> None:
-        """Run this block as one C++ ``QuantBlock`` op (``cpu_block.cpp``) when every projection is a fast
-        QuantLinear and the fused norms/attention are on: a window (with stream rows too, outside training) then costs
-        one op call instead of ~17 (the same kernels in the same order, so the same bits). The weights are bound at
-        the next forward; call again after swapping one."""
-        self._kernel = None
-        self.use_kernel = self.self_attn.fused and all(isinstance(x, QuantLinear) and x.fast for x in self._linears())
-
-    def _linears(self) -> tuple[nn.Module, ...]:
-        return tuple(getattr(self.self_attn if name in PROJECTIONS[:4] else self.mlp, name) for name in PROJECTIONS)
-
-    def _quant_block(self) -> torch.ScriptObject:
-        attn = self.self_attn
-        linears = self._linears()
-        tensors = [getattr(x, name) for x in linears for name in _PACKED_FIELDS]
-        tensors += [self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                    *(None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))]
-        ints = [v for x in linears for v in (x.out_features, x.bits, x.group, x.zero)]
-        ints += [attn.n_heads, attn.n_kv_heads, attn.head_dim]
-        return torch.classes.mirrorsd.QuantBlock(tensors, ints, self.input_layernorm.eps)
-
-    def __getstate__(self) -> dict:
-        """Pickling (the processes backend sends the draft model) drops the bound C++ object; the next forward
-        binds it again."""
-        return {**self.__dict__, "_kernel": None}
-
-    def kernel(self) -> torch.ScriptObject | None:
-        """The bound C++ block when this block runs as one op (bound on first use), else None."""
-        if not (self.use_kernel and self.self_attn.fused):
-            return None
-        if self._kernel is None:
-            kernels.available()  # loads the extension (a fresh process may not have yet)
-            self._kernel = self._quant_block()
-        return self._kernel
-
     def forward(self, x, cos, sin, cache, mask, streams: StreamRows | None = None) -> torch.Tensor:
         if cache is not None and streams is None and (kernel := self.kernel()) is not None:
             return run_kernels([kernel], [self.layer], self.mlp.down_proj.split_activations, x, cos, sin, cache, mask)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, streams)
         return x + self.mlp(self.post_attention_layernorm(x), streams)
-
-
-def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                streams: StreamRows | None = None) -> torch.Tensor:
-    """Bound C++ blocks (:meth:`Block.kernel`) of ``layers`` in turn, in one op call (``cpu_block.cpp``'s
-    ``blocks_forward``: the Python between 28 calls cost a 1-token forward ~1.8 ms), advancing each layer's cache.
-
-    ``streams``: the window's trailing stream rows take their adapters' deltas inside the op
-    (``stream_blocks_forward``; 4 Python blocks cost an ``ss`` pass ~11 ms). Their keys and values land in the
-    buffers past the main rows, where this forward's attention reads them, and the cache's lengths leave them out."""
-    t = x.shape[1]
-    kept = t - (streams.count if streams is not None else 0)
-    starts = [cache.lengths[layer] for layer in layers]
-    buffers = [cache.buffers(layer, start + t) for layer, start in zip(layers, starts, strict=True)]
-    keys, values = [k for k, _ in buffers], [v for _, v in buffers]
-    # With __torch_function__ dispatch on, the op looks the attribute up on the C++ block objects, which throws and
-    # catches a C++ exception per block (SmolLM2's 1-token forward: 6.18 ms with it, 5.88 without).
-    with torch._C.DisableTorchFunction():
-        if kept == t:
-            out = torch.ops.mirrorsd.blocks_forward.default(bound, x, cos, sin, keys, values, starts, mask, split)
-        else:
-            a, b, scale = zip(*(streams.adapters.weights(layer, name) for layer in layers for name in PROJECTIONS),
-                              strict=True)
-            out = torch.ops.mirrorsd.stream_blocks_forward.default(bound, x, cos, sin, keys, values, starts, mask,
-                                                                   split, list(a), list(b), list(scale), t - kept)
-    for layer, start in zip(layers, starts, strict=True):
-        cache.lengths[layer] = start + kept
-    return out
 
 
 def causal_mask(past: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -416,7 +324,8 @@ def causal_mask(past: int, t: int, device: torch.device | str = "cpu") -> torch.
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. Build with :meth:`from_pretrained` (local HF folder) or :meth:`from_hf`."""
+    """Decoder-only LM. Build with :meth:`from_pretrained` (local HF folder), :meth:`from_hf` (an HF model) or
+    :meth:`from_state` (an HF config and a state dict)."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, inv_freq: torch.Tensor, rope_scale: float = 1.0,
                  linear: str = "auto") -> None:
@@ -457,13 +366,14 @@ class Transformer(nn.Module):
         self.activations = activations
         return self
 
-    # -- construction -------------------------------------------------------------------------------
+    # -- construction (in mirrorsd.loading) ------------------------------------------------------------
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, linear: str = "auto") -> Transformer:
         """Build from the weights of an HF ``*ForCausalLM`` (``linear="dense"`` shares their storage)."""
-        state = {k.removeprefix("model."): v.detach() for k, v in hf_model.state_dict().items()}
-        return cls._build(hf_model.config, state, linear)
+        from .loading import from_hf
+
+        return from_hf(cls, hf_model, linear)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
@@ -471,69 +381,25 @@ class Transformer(nn.Module):
                         linear: str = "auto", activations: str = "int8") -> Transformer:
         """Load a local HF checkpoint folder (config.json + *.safetensors).
 
-        ``weights`` picks the weight format (see :data:`WEIGHT_FORMATS`): ``fp32`` the checkpoint as is, ``q8``
-        our per-32 int8 quantization of it, ``q4`` the folder's original ``model.gguf`` codes (zoo models keep
-        it; Q4_K_M files mix 4-bit with some 6/8-bit tensors). Quantized formats run on CPU only, with
+        ``weights`` picks the weight format (see :data:`~mirrorsd.loading.WEIGHT_FORMATS`): ``fp32`` the checkpoint
+        as is, ``q8`` our per-32 int8 quantization of it, ``q4`` the folder's original ``model.gguf`` codes (zoo
+        models keep it; Q4_K_M files mix 4-bit with some 6/8-bit tensors). Quantized formats run on CPU only, with
         ``activations`` as their activation precision (:data:`ACTIVATION_FORMATS`). ``linear`` picks the linear
         implementation (:data:`~mirrorsd.linear.LINEAR_IMPLS`): ``auto`` by format and device (our CPU kernels
         where they apply), ``dense`` PyTorch's stock GEMMs.
         """
-        model = cls._load(path, device, dtype, weights, linear).use_activations(activations)
-        release_freed_heap()  # the checkpoint's tensors, converted and dropped
-        return model
+        from .loading import from_pretrained
+
+        return from_pretrained(cls, path, device, dtype, weights, linear, activations)
 
     @classmethod
-    def _load(cls, path: str | Path, device: str | torch.device, dtype: torch.dtype, weights: str,
-              linear: str) -> Transformer:
-        from safetensors import safe_open
-        from transformers import AutoConfig
+    def from_state(cls, hf_config, state: Weights, linear: str = "auto") -> Transformer:
+        """Build from an HF config and a state dict in memory: keys without HF's ``model.`` prefix, values
+        tensors or (quantized projections) :class:`~mirrorsd.quant.GroupQuant` codes. What tests and custom
+        loaders use to build a model from weights they made; the other constructors end here."""
+        from .loading import from_state
 
-        if weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
-        path = Path(path)
-        if weights != "fp32" and (torch.device(device).type != "cpu" or dtype != torch.float32):
-            raise ValueError(f"weights={weights!r} runs on CPU in fp32 only; use weights='fp32' on {device}")
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-        if weights == "q4":
-            from .gguf_weights import load_gguf_weights
-
-            gguf = path / "model.gguf"
-            if not gguf.exists():
-                raise FileNotFoundError(f"weights='q4' needs the original GGUF file at {gguf}")
-            state = {k.removeprefix("model."): v for k, v in load_gguf_weights(gguf, hf_config).items()}
-            return cls._build(hf_config, state, linear)
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [p.name for p in sorted(path.glob("*.safetensors"))]
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        state: dict[str, torch.Tensor] = {}
-        for name in files:
-            with safe_open(path / name, framework="pt", device=str(device)) as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    state[key.removeprefix("model.")] = f.get_tensor(key).to(dtype)
-        if weights == "q8":
-            if hf_config.tie_word_embeddings or "lm_head.weight" not in state:
-                state["lm_head.weight"] = state["embed_tokens.weight"]
-            state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
-        return cls._build(hf_config, state, linear).to(device)
-
-    @classmethod
-    def _build(cls, hf_config, state: Weights, linear: str = "auto") -> Transformer:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        cfg = ModelConfig.from_hf(hf_config)
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
-            scale = 1.0
-        else:
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-        return cls(cfg, state, inv_freq, scale, linear)
+        return from_state(cls, hf_config, state, linear)
 
     def prefix_model(self, n_layers: int) -> Transformer:
         """A self-draft sharing this model's first ``n_layers`` blocks, final norm and LM head (no copy)."""
@@ -597,7 +463,7 @@ class Transformer(nn.Module):
             raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
         t = hidden.shape[1]
-        replayed = None if streams is not None else self._replayed(hidden, positions, cache, mask, start, end)
+        replayed = None if streams is not None else replay(self, hidden, positions, cache, mask, start, end)
         if replayed is not None:
             return replayed
         if mask is None and t > 1 and not fixed_shapes(hidden):  # (batch-invariant CUDA attention needs no mask)
@@ -617,50 +483,10 @@ class Transformer(nn.Module):
                 if len(splits) == 1:
                     return run_kernels(bound, list(range(start, end)), splits.pop(), hidden, cos, sin, cache, mask,
                                        streams)
-        with _attention_backends(hidden.device):
+        with attention_backends(hidden.device):
             for block in blocks:
                 hidden = block(hidden, cos, sin, cache, mask, streams)
         return hidden
-
-    def _replayed(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                  mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
-        """Blocks ``[start, end)`` through this shape's :class:`~mirrorsd.cuda_graphs.LayerGraph`, where one
-        applies: the batch-invariant CUDA path, no grad, at most one fixed-row slab, those layers at one cache
-        length with room for the window in each, and a mask (if any) over exactly the cache and the window. None
-        otherwise, and the first time a shape is seen (a one-off costs no static buffers): the caller runs the
-        layers eagerly."""
-        rows, t, _ = hidden.shape
-        if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fixed_shapes(hidden) \
-                or self.fused or torch.is_grad_enabled() or cache.rows != rows \
-                or not cuda_attention.serves(hidden.device, self.config.head_dim):
-            return None
-        lengths = set(cache.lengths[start:end])
-        length = lengths.pop() if len(lengths) == 1 else -1
-        capacity = min(cache.keys[layer].shape[2] for layer in range(start, end))  # layers grow one by one
-        if not 0 <= length <= capacity - t or (mask is not None and not (
-                mask.dtype == torch.bool and mask.shape[-2:] == (t, length + t) and mask.shape[0] in (1, rows))):
-            return None
-        captured = cache.graphs()
-        key = (self, start, end, t, None if mask is None else mask.shape[0])  # (weights are baked into a graph)
-        graph = captured.get(key)
-        if graph is None:
-            captured[key] = False  # seen once
-            return None
-        if graph is False:
-            pool = next((g.pool for g in captured.values() if g), None)
-            graph = captured[key] = cuda_graphs.LayerGraph(hidden, capacity, key[-1], pool)
-        visible = None if mask is None else cuda_attention.visible_keys(mask, t, length + t, hidden.device)
-
-        def layers() -> torch.Tensor:
-            out, (cos, sin) = graph.hidden, self.rope(graph.static.positions)
-            with _attention_backends(out.device):
-                for block in list(self.layers)[start:end]:
-                    out = block(out, cos, sin, cache, None)
-            return out
-
-        out = graph(hidden, positions.expand(hidden.shape[:2]), length, visible, layers)
-        cache.lengths[start:end] = [length + t] * (end - start)
-        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on any layer's hidden states (this is also the early exit)."""

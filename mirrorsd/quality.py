@@ -87,11 +87,12 @@ def chat_conversations(reference, questions, answer_tokens: int = 64, progress: 
     """Each question's first turn through ``reference``'s chat template plus its greedy answer (EOS kept, since
     ending the answer is a prediction too)."""
     from .api import encode_chat, generate
+    from .decoding import REFERENCE
 
     conversations = []
     for q in tqdm(questions, desc=f"fp32 answers ({reference.name})", unit="q", disable=not progress):
         prompt = encode_chat(reference, [{"role": "user", "content": q.turns[0]}])
-        g = generate(reference, prompt, method="ar", max_new_tokens=answer_tokens)
+        g = generate(reference, prompt, method=REFERENCE, max_new_tokens=answer_tokens)
         ids = prompt + g.token_ids
         if g.finish_reason == "eos":  # the API drops the EOS id; models with several (Qwen) need the one it chose
             with torch.inference_mode():
@@ -148,7 +149,8 @@ def pick_default(scores: list[FormatScore]) -> str:
 
 def parse_formats(text: str) -> list[str]:
     """``"q4/int8,q8/int8x2"`` → checked format names."""
-    from .model import ACTIVATION_FORMATS, WEIGHT_FORMATS
+    from .loading import WEIGHT_FORMATS
+    from .model import ACTIVATION_FORMATS
 
     formats = [f.strip() for f in text.split(",") if f.strip()]
     for f in formats:

@@ -30,8 +30,6 @@ class Noise(IntEnum):
     RESIDUAL = 3  # rejection sampling's residual draw
 
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -53,10 +53,11 @@ def self_distilled(loaded: Any, count: int, max_new_tokens: int, progress: bool 
     """Chat transcripts (template, prompt and the model's own greedy answer) for ``count`` prompts: the text
     Mirror-SD's exit reads when it decodes chat, which stdlib source and reference prose are not."""
     from .api import generate
+    from .decoding import REFERENCE
 
     out = []
     for prompt in tqdm(distill_prompts(count), desc="self-distilling", disable=not progress):
-        g = generate(loaded, prompt, method="ar", max_new_tokens=max_new_tokens)
+        g = generate(loaded, prompt, method=REFERENCE, max_new_tokens=max_new_tokens)
         out.append(torch.tensor(g.prompt_ids + g.token_ids))
     return out
 

@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .decoding.ss.adapters import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, msa_mask
 from .draft_vocab import head_weight, load_table
 from .kv_cache import KVCache
 from .linear import batch_invariance
 from .model import Transformer
-from .streams import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, msa_mask
 
 CORPORA = {
     "stdlib": "Python standard library source (top-level *.py files of this interpreter)",
@@ -119,11 +119,12 @@ def self_distill(model: Transformer, chunks: list[Chunk], prompt_len: int) -> li
     """Replace each chunk's text after ``prompt_len`` tokens by the model's own greedy continuation: the
     streams then learn to predict exactly what decoding will ask them for."""
     from .api import generate
+    from .decoding import REFERENCE
 
     out = []
     for chunk in tqdm(chunks, desc="self-distillation", unit="chunk"):
         prompt = chunk.ids[:prompt_len].tolist()
-        g = generate(model, prompt, method="ar", max_new_tokens=len(chunk.ids) - prompt_len)
+        g = generate(model, prompt, method=REFERENCE, max_new_tokens=len(chunk.ids) - prompt_len)
         ids = prompt + g.token_ids
         out.append(Chunk(torch.tensor(ids), prompt_len))
     return out
@@ -240,13 +241,13 @@ class TrainHead:
         return torch.where(labels >= 0, self.index[labels.clamp(min=0)], -100)
 
 
-def stream_targets(item: Cached, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stream_targets(item: Cached, n_streams: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, γ]`` labels (-100 = none) of stream j at t, the model's token at t+1+j, and ``[T]`` labels of the
     pruning head at t (the model's next token), completion tokens only."""
     n = item.labels.shape[0]
     device = item.labels.device
     t = torch.arange(n, device=device)
-    source = t.unsqueeze(1) + torch.arange(1, gamma + 1, device=device)  # labels[t + j] is token t + 1 + j
+    source = t.unsqueeze(1) + torch.arange(1, n_streams + 1, device=device)  # labels[t + j] is token t + 1 + j
     valid = (source < n) & (source + 1 >= item.loss_from)
     streams = torch.where(valid, item.labels[source.clamp(max=n - 1)], -100)
     prune = torch.where(t + 1 >= item.loss_from, item.labels, -100)
@@ -256,7 +257,7 @@ def stream_targets(item: Cached, gamma: int) -> tuple[torch.Tensor, torch.Tensor
 @batch_invariance(False)
 def stream_forward(model: Transformer, adapters: StreamAdapters, item: Cached) -> torch.Tensor:
     """Final states ``[T, γ, h]`` of every stream row over the cached main keys/values."""
-    gamma, first = adapters.config.streams, adapters.first_layer
+    n_streams, first = adapters.config.streams, adapters.first_layer
     n = item.labels.shape[0]
     device = model.device
     cache = KVCache(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim, capacity=1,
@@ -266,11 +267,11 @@ def stream_forward(model: Transformer, adapters: StreamAdapters, item: Cached) -
         cache.values[layer] = item.values[i][None].to(model.dtype, copy=True)
         cache.lengths[layer] = n
     streams = adapters.insert(item.hidden[None].to(model.dtype))[:, n:]  # stream (t, j) at t·γ + j - 1
-    positions = torch.arange(n, device=device).repeat_interleave(gamma)[None]
+    positions = torch.arange(n, device=device).repeat_interleave(n_streams)[None]
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    mask = msa_mask(causal, 0, gamma)[:, n:]  # stream rows over [cached main keys | stream keys]
-    out = model.run_layers(streams, positions, cache, mask, first, None, streams=adapters.rows(n * gamma))
-    return out[0].view(n, gamma, -1)
+    mask = msa_mask(causal, 0, n_streams)[:, n:]  # stream rows over [cached main keys | stream keys]
+    out = model.run_layers(streams, positions, cache, mask, first, None, streams=adapters.rows(n * n_streams))
+    return out[0].view(n, n_streams, -1)
 
 
 def losses(model: Transformer, adapters: StreamAdapters, item: Cached, head: TrainHead
@@ -299,11 +300,11 @@ def train_step(model: Transformer, adapters: StreamAdapters, item: Cached, head:
 def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Cached]) -> dict[str, Any]:
     """Held-out top-1 agreement with the model's own tokens, full vocabulary: per stream, and of the pruning
     head (the early exit that scores tree edges)."""
-    gamma = adapters.config.streams
-    hits, counts = torch.zeros(gamma), torch.zeros(gamma)
+    n_streams = adapters.config.streams
+    hits, counts = torch.zeros(n_streams), torch.zeros(n_streams)
     prune_hits = prune_count = 0
     for item in held_out:
-        streams, prune = stream_targets(item, gamma)
+        streams, prune = stream_targets(item, n_streams)
         predicted = model.logits(stream_forward(model, adapters, item)).argmax(-1)
         valid = streams >= 0
         hits += ((predicted == streams) & valid).sum(0).cpu()

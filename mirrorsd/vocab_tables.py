@@ -129,6 +129,7 @@ def answers_of(model_name: str, max_new_tokens: int = 128, prompt_set: str = "dr
 
     from .api import generate, load_model
     from .cache import ensure_cache_dir
+    from .decoding import REFERENCE
 
     path = ensure_cache_dir() / "draft_vocab" / f"answers-{Path(model_name).name}-{max_new_tokens}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,8 +144,8 @@ def answers_of(model_name: str, max_new_tokens: int = 128, prompt_set: str = "dr
         model = load_model(model_name)
         with path.open("a", encoding="utf-8") as out:
             for p in tqdm(todo, desc=f"answers of {model_name}", unit="prompt"):
-                # suffix decoding: the model's own greedy tokens, faster than ar
-                ids = generate(model, p["prompt"], method="suffix", max_new_tokens=max_new_tokens).token_ids
+                # the model's own greedy tokens (every method gives these; the reference names no other)
+                ids = generate(model, p["prompt"], method=REFERENCE, max_new_tokens=max_new_tokens).token_ids
                 done[p["prompt"]] = ids
                 out.write(json.dumps({**p, "answer_ids": ids}) + "\n")
                 out.flush()

@@ -158,10 +158,11 @@ def test_latency_law_terms():
 
 def test_planner_ranks_by_predicted_speed():
     perfect, fallback = [1.0] * 8, {4: {1: 0.5, 8: 0.0}}
-    ranked = sorted(plan.candidates(costs(draft_ms=0.5), perfect, fallback, backends=("serial",)),
+    ranked = sorted(plan.candidates(plan.Measured(costs(draft_ms=0.5), perfect, fallback, backends=("serial",))),
                     key=lambda c: -c.tokens_per_s)
     assert ranked[0].method in ("sd", "mirror") and ranked[0].tokens_per_step == 9.0  # cheap, perfect draft
-    useless = sorted(plan.candidates(costs(draft_ms=50.0), [0.0] * 8, fallback, backends=("serial",)),
+    useless = sorted(plan.candidates(plan.Measured(costs(draft_ms=50.0), [0.0] * 8, fallback,
+                                                  backends=("serial",))),
                      key=lambda c: -c.tokens_per_s)
     assert useless[0].method == "ar"  # a costly draft that is never right loses to ar
     assert plan.Costs.from_dict(json.loads(json.dumps(costs().to_dict()))) == costs()
@@ -433,9 +434,9 @@ def test_a_calibration_run_never_copies_an_earlier_one():
 
 
 def test_recommendation_needs_a_margin_over_ar():
-    ar = plan.Candidate("ar", {}, 1.0, 10.0)  # 100 tok/s
-    slightly = plan.Candidate("suffix", {}, 1.05, 10.0)
-    clearly = plan.Candidate("suffix", {"factor": 2.0}, 1.5, 10.0)
+    ar = plan.Candidate({}, 1.0, 10.0, method="ar")  # 100 tok/s
+    slightly = plan.Candidate({}, 1.05, 10.0, method="suffix")
+    clearly = plan.Candidate({"factor": 2.0}, 1.5, 10.0, method="suffix")
     assert plan.recommend([slightly, ar]) is ar
     assert plan.recommend([ar, slightly, clearly]) is clearly
 

@@ -13,9 +13,9 @@ import torch
 from mirrorsd import generate
 from mirrorsd.bench import gpu
 from mirrorsd.bench.forward import forward_costs
+from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
 from mirrorsd.linear import DenseLinear, make_linear
 from mirrorsd.quant import GroupQuant, quantize_q8
-from mirrorsd.streams import StreamAdapters, StreamConfig
 
 from .test_model import assert_graphed_windows_decode_bit_for_bit, assert_windows_and_trees_decode_bit_for_bit
 

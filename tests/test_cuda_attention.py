@@ -45,13 +45,13 @@ print("ok")
 
 MODEL = """
 import torch
-import mirrorsd.linear, mirrorsd.model
+import mirrorsd.execution, mirrorsd.linear, mirrorsd.model
 from mirrorsd import Transformer
 from mirrorsd.kernels import cuda_attention
 from tests.conftest import tiny_hf
 from tests.test_model import assert_windows_and_trees_decode_bit_for_bit
 
-for module in (mirrorsd.linear, mirrorsd.model):
+for module in (mirrorsd.execution, mirrorsd.linear, mirrorsd.model):
     module.fixed_shapes = lambda x: True
 cuda_attention.applies = lambda q: True
 model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1), linear="dense")
@@ -79,13 +79,13 @@ def test_model_with_the_kernel_decodes_windows_and_trees_bit_for_bit():
 
 GRAPHED = """
 import torch
-import mirrorsd.linear, mirrorsd.model
+import mirrorsd.execution, mirrorsd.linear, mirrorsd.model
 from mirrorsd import Transformer
 from mirrorsd.kernels import cuda_attention
 from tests.conftest import tiny_hf
 from tests.test_model import assert_graphed_windows_decode_bit_for_bit
 
-for module in (mirrorsd.linear, mirrorsd.model):
+for module in (mirrorsd.execution, mirrorsd.linear, mirrorsd.model):
     module.fixed_shapes = lambda x: True
 cuda_attention.applies = lambda q: True
 cuda_attention.serves = lambda device, head_dim: True

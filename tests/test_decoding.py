@@ -204,8 +204,9 @@ def test_a_context_limited_draft_keeps_its_cache_aligned_with_the_text(tiny_pair
     """``draft_context``: the draft's prefill reads the prompt's sink and last N tokens; after every verdict its
     cache plus the skipped tokens plus ``pending`` is exactly the committed text, and it drafts what the draft model
     gives on that shortened text."""
+    from mirrorsd.decoding.drafting import SINK_TOKENS
     from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, RequestState
-    from mirrorsd.decoding.proposers import SINK_TOKENS, ModelProposer
+    from mirrorsd.decoding.proposers import ModelProposer
 
     target, draft = tiny_pair
     prompt = [(7 * i) % 60 + 1 for i in range(40)]

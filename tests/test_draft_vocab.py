@@ -222,7 +222,7 @@ def test_mirror_with_a_restricted_exit_equals_ar_and_reads_subset_candidates(tab
 
 
 def test_ss_with_restricted_stream_heads_equals_ar_and_prunes_outside_tokens(tables):
-    from mirrorsd.decoding import streaming
+    from mirrorsd.decoding.ss import passes as streaming
 
     from .test_streams import random_adapters
 
@@ -241,7 +241,7 @@ def test_ss_with_restricted_stream_heads_equals_ar_and_prunes_outside_tokens(tab
     with torch.inference_mode():
         cache = model.new_cache()
         model.prefill(torch.tensor([[1, 2, 3]]), cache)
-        tree = streaming.candidate_tree([[inside[0], outside[0]], [inside[1], outside[1]]])
+        tree = streaming.guess_tree([[inside[0], outside[0]], [inside[1], outside[1]]])
         kept = {}
         for name, which in (("full", None), ("restricted", head)):
             forward = streaming.fused_forward(model, adapters, cache, [4], tree, threshold=1e-6, head=which)
@@ -249,5 +249,5 @@ def test_ss_with_restricted_stream_heads_equals_ar_and_prunes_outside_tokens(tab
             cache.truncate(3)
     assert outside[0] in kept["full"]
     assert inside[0] in kept["restricted"] and kept["restricted"] <= set(inside)  # outside: probability 0
-    candidates = streaming.next_candidates(model, adapters, forward, Verdict(0, 0), 3, head)
+    candidates = streaming.next_guesses(model, adapters, forward, Verdict(0, 0), 3, head)
     assert all(len(row) == 3 and set(row) <= set(inside) for row in candidates.tokens)

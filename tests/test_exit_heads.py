@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import mirrorsd
-from mirrorsd.decoding.mirror import early_exit, tuned_exit
-from mirrorsd.exit_heads import ExitTranslators, shipped_exit, unit_rms
+from mirrorsd.decoding.mirror import early_exit
+from mirrorsd.exit_heads import ExitTranslators, shipped_exit, tuned_exit, unit_rms
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.train_exit import KLRefine, fit_exit, plot_curve, refine_kl
 from mirrorsd.train_streams import corpus_texts
@@ -106,7 +106,7 @@ def test_unresolvable_tuned_exit_is_a_clear_error(tiny_pair):
 def test_mirror_reads_the_shipped_tuned_exit_by_default(monkeypatch):
     """``exit_head="auto"`` (the default) resolves to the zoo target's shipped exit where it has a translator for
     ℓe, and to the lens elsewhere; either way the tokens are ``ar``'s."""
-    import mirrorsd.decoding.mirror as mirror_module
+    import mirrorsd.decoding.mirror.method as mirror_module
 
     loaded = mirrorsd.load_model("smollm2-135m", progress=False)
     read = []

@@ -517,13 +517,14 @@ def test_two_level_scales_must_be_exact():
 def test_blocks_in_one_op_call_give_the_per_block_bits():
     """run_layers sends all bound blocks of a range to one op call (blocks_forward); with one block unbound it runs
     them one by one, and a range split in two (Mirror-SD's exit) continues the same cache: the same bits each way."""
-    from mirrorsd.model import Transformer, _is_projection
+    from mirrorsd.loading import _is_projection
+    from mirrorsd.model import Transformer
 
     from .conftest import tiny_hf
 
     hf = tiny_hf("qwen2", layers=3, seed=4)
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
-    model = Transformer._build(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
+    model = Transformer.from_state(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
     ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
     calls = []
     real = torch.ops.mirrorsd.blocks_forward.default
@@ -556,13 +557,14 @@ def test_block_kernel_scratch_grows_without_changing_bits():
     """The fused block keeps its intermediates in per-thread scratch memory that grows in chunks: one token, then a
     prompt of several MB of intermediates (new chunks), then one token again give the Python path's bits, on two
     threads (the prompt's norms, SiLU and adds split over them) and on one."""
-    from mirrorsd.model import Transformer, _is_projection
+    from mirrorsd.loading import _is_projection
+    from mirrorsd.model import Transformer
 
     from .conftest import tiny_hf
 
     hf = tiny_hf("qwen2", layers=2, seed=5)
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
-    model = Transformer._build(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
+    model = Transformer.from_state(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
     ids = torch.randint(0, 64, (1, 700), generator=torch.Generator().manual_seed(2))
 
     def run(kernel: bool) -> list[torch.Tensor]:
@@ -592,14 +594,15 @@ def test_block_kernel_gives_the_python_paths_bits(arch, activations):
     """The whole-block C++ op (cpu_block.cpp) against the per-op Python path of the same quantized model: equal
     logits and cache contents for a prompt (with cache growth), a tree-masked window, a single token and a two-row
     batch with per-row positions and masks; biases (qwen2), q/k norms (qwen3) and split activations included."""
-    from mirrorsd.model import Transformer, _is_projection
+    from mirrorsd.loading import _is_projection
+    from mirrorsd.model import Transformer
 
     from .conftest import tiny_hf
 
     hf = tiny_hf(arch, layers=2, seed=3)
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
     state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
-    model = Transformer._build(hf.config, state).use_activations(activations)
+    model = Transformer.from_state(hf.config, state).use_activations(activations)
     assert all(block.use_kernel for block in model.layers)
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
     tree = torch.ones(1, 3, 12, dtype=torch.bool)  # nodes 1 and 2 are siblings: node 2 does not see node 1
@@ -655,7 +658,8 @@ import torch
 from transformers import Qwen2Config
 
 from mirrorsd import kernels
-from mirrorsd.model import Transformer, _is_projection
+from mirrorsd.loading import _is_projection
+from mirrorsd.model import Transformer
 from mirrorsd.quant import GroupQuant, quantize_q8
 
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33)
@@ -711,7 +715,7 @@ def block_outputs(g):
     tree[0, 2, 37] = False
     tree[0, 0, 37:] = tree[0, 1, 38] = False
     for activations in ("int8", "int8x2"):
-        model = Transformer._build(cfg, state).use_activations(activations)
+        model = Transformer.from_state(cfg, state).use_activations(activations)
         cache = model.new_cache(capacity=8)
         with torch.inference_mode():
             out[f"block {activations} prompt"] = model(ids[:, :37], cache=cache)

@@ -12,7 +12,8 @@ PACKAGE = Path(mirrorsd.__file__).parent
 # Bottom to top. A module may import its own layer and the ones below it.
 LAYERS = [
     {"errors", "cache", "collector", "quant", "sampling", "kv_cache", "kernels", "linear", "gguf_weights", "model",
-     "cuda_graphs", "streams", "verify", "runtime", "draft_vocab", "exit_heads"},  # the model, kernels, executors
+     "loading", "execution", "cuda_graphs", "verify", "runtime", "draft_vocab",
+     "exit_heads"},  # the model, kernels, executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api"},  # loading models and the HF-like API
     {"perplexity", "quality", "train_streams", "train_exit", "vocab_tables"},  # tools on the API
@@ -28,6 +29,10 @@ def layer_of(module: str) -> int:
         if top in names:
             return i
     raise AssertionError(f"mirrorsd.{module} is in no layer of tests/test_layers.py; add it where it belongs")
+
+
+def _is_module(name: str) -> bool:
+    return (PACKAGE / f"{name}.py").is_file() or (PACKAGE / name / "__init__.py").is_file()
 
 
 def imports(source: str, package: list[str]) -> list[tuple[int, str]]:
@@ -47,11 +52,11 @@ def imports(source: str, package: list[str]) -> list[tuple[int, str]]:
                 rest = node.module.split(".")[1:]
                 if rest:
                     out.append((node.lineno, ".".join(rest)))
-                else:
-                    out.extend((node.lineno, a.name) for a in node.names)
+                else:  # from mirrorsd import api / generate: a submodule, else the package's own names
+                    out.extend((node.lineno, a.name if _is_module(a.name) else "__init__") for a in node.names)
         elif isinstance(node, ast.Import):
-            out.extend((node.lineno, a.name.split(".", 1)[1]) for a in node.names
-                       if a.name.startswith("mirrorsd.") )
+            out.extend((node.lineno, a.name.split(".", 1)[1] if "." in a.name else "__init__") for a in node.names
+                       if a.name.split(".")[0] == "mirrorsd")
     return out
 
 
@@ -70,3 +75,11 @@ def test_the_checker_sees_upward_imports_in_functions_too():
     found = imports(source, ["decoding"])
     assert found == [(4, "api"), (5, "bench")]
     assert all(layer_of(m) > layer_of("decoding") for _, m in found)
+
+
+def test_the_checker_sees_the_package_itself():
+    """``import mirrorsd`` and ``from mirrorsd import generate`` import the package's ``__init__`` (the top layer,
+    which imports the API and the planner): a lower module doing so is an upward import."""
+    source = "def f():\n    import mirrorsd\n    from mirrorsd import generate, api\n    from .. import zoo\n"
+    assert imports(source, ["bench"]) == [(2, "__init__"), (3, "__init__"), (3, "api"), (4, "zoo")]
+    assert layer_of("__init__") > layer_of("bench")

@@ -22,7 +22,7 @@ from mirrorsd.decoding.mirror import (
     resolve_exit_layer,
     select_roots,
 )
-from mirrorsd.model import _is_projection
+from mirrorsd.loading import _is_projection
 from mirrorsd.quant import quantize_q8
 from mirrorsd.runtime import write_chrome_trace
 from mirrorsd.runtime.trace import overlap
@@ -35,7 +35,7 @@ def row_exact(hf) -> Transformer:
     so a tree-masked rollout equals the sequential one exactly and parity with ``sd`` can be asserted."""
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
     state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
-    model = Transformer._build(hf.config, state)
+    model = Transformer.from_state(hf.config, state)
     assert model.row_exact
     return model
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from mirrorsd import generate, stream
-from mirrorsd.decoding import OptionError, mirror_remote
+from mirrorsd.decoding import OptionError
+from mirrorsd.decoding.mirror import remote as mirror_remote
 
 from .conftest import requires_smollm2, tiny_hf
 from .test_mirror import row_exact

@@ -189,10 +189,11 @@ def assert_graphed_windows_decode_bit_for_bit(model: Transformer, prompt: list[i
 def test_fixed_shapes_give_one_token_decodings_bits(monkeypatch):
     """The CUDA path without Triton (GEMMs and norms in fixed-row slabs, one SDPA call per query), forced on the
     CPU: after a 70-token prefill (two slabs) a window and a tree give exactly one-token decoding's logits."""
+    import mirrorsd.execution
     import mirrorsd.linear
     import mirrorsd.model
 
-    for module in (mirrorsd.linear, mirrorsd.model):
+    for module in (mirrorsd.execution, mirrorsd.linear, mirrorsd.model):
         monkeypatch.setattr(module, "fixed_shapes", lambda x: True)
     model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1), linear="dense")
     assert_windows_and_trees_decode_bit_for_bit(model, torch.randint(0, 100, (70,)).tolist())
@@ -254,12 +255,12 @@ def test_a_long_prompt_in_pieces_gives_the_same_bits(monkeypatch):
     """On the batch-invariant path a long window runs PREFILL_CHUNK tokens at a time: the cache and the logits
     it keeps are those of one forward over the whole window, bit for bit."""
     import mirrorsd.model
-    from mirrorsd.model import _is_projection
+    from mirrorsd.loading import _is_projection
     from mirrorsd.quant import quantize_q8
 
     hf = tiny_hf("qwen2", layers=2, vocab=100, seed=4)
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
-    model = Transformer._build(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
+    model = Transformer.from_state(hf.config, {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()})
     assert model.fused and model.prefix_model(1).fused
     ids = torch.randint(0, 100, (2, 45), generator=torch.Generator().manual_seed(0))
 

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import Transformer, generate, kernels
-from mirrorsd.decoding import streaming
 from mirrorsd.decoding.engine import DecodeRequest, Draft, GenerationStats, RequestState
 from mirrorsd.decoding.proposers import ModelProposer, StreamProposer
+from mirrorsd.decoding.ss import passes as streaming
+from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
 from mirrorsd.exit_heads import ExitTranslators, tuned_exit
 from mirrorsd.kv_cache import KVCache
 from mirrorsd.sampling import SamplingParams
-from mirrorsd.streams import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
 
 from .conftest import assert_same_or_near_tie, requires_smollm2, tiny_hf
 from .test_mirror import row_exact
@@ -68,7 +68,7 @@ def test_tree_is_the_cartesian_product_with_ancestor_mask():
 
 def test_budget_tree_keeps_the_most_likely_nodes_parents_first():
     lp = math.log
-    candidates = streaming.Candidates([[1, 2], [3, 4], [5, 6]], [[lp(0.6), lp(0.4)], [lp(0.9), lp(0.1)],
+    candidates = streaming.StreamGuesses([[1, 2], [3, 4], [5, 6]], [[lp(0.6), lp(0.4)], [lp(0.9), lp(0.1)],
                                                                   [lp(0.5), lp(0.5)]])
     def paths(draft: Draft) -> set[tuple[int, ...]]:
         def path(node: int) -> tuple[int, ...]:
@@ -76,10 +76,10 @@ def test_budget_tree_keeps_the_most_likely_nodes_parents_first():
             return (*(path(parent) if parent >= 0 else ()), draft.tokens[node])
         return {path(node) for node in range(len(draft.tokens))}
 
-    assert candidates.tree(3, 0) == streaming.candidate_tree(candidates.tokens)
+    assert candidates.tree(3, 0) == streaming.guess_tree(candidates.tokens)
     whole = candidates.tree(3, 20)  # the whole tree fits: the same 14 nodes, most likely first
-    assert len(whole.tokens) == 14 and paths(whole) == paths(streaming.candidate_tree(candidates.tokens))
-    assert candidates.tree(2, 0) == streaming.candidate_tree(candidates.tokens[:2])
+    assert len(whole.tokens) == 14 and paths(whole) == paths(streaming.guess_tree(candidates.tokens))
+    assert candidates.tree(2, 0) == streaming.guess_tree(candidates.tokens[:2])
     # Path probabilities: 1 .6, 1-3 .54, 2 .4, 2-3 .36, 1-3-5 .27, 1-3-6 .27, 2-3-5 .18, ...
     tree = candidates.tree(3, 5)
     assert tree.tokens == [1, 3, 2, 3, 5] and tree.parents == [-1, 0, -1, 2, 1]
@@ -87,7 +87,7 @@ def test_budget_tree_keeps_the_most_likely_nodes_parents_first():
     assert tree.tokens == [1, 3, 2, 3] and tree.parents == [-1, 0, -1, 2]
     assert candidates.tree(1, 1) == Draft([1], [-1])
     assert candidates.tree(0, 3) == Draft([], [])
-    assert streaming.Candidates().tree(3, 3).tokens == []
+    assert streaming.StreamGuesses().tree(3, 3).tokens == []
 
 
 def test_msa_mask_streams_see_their_node_ancestors_and_lower_streams_only():
@@ -289,7 +289,7 @@ def test_streams_that_predict_right_are_accepted_and_compaction_keeps_the_exact_
         done = 0
         candidates: list[list[int]] = []
         while done < 20:
-            result = streaming.ss_pass(model, adapters, cache, [seq[-1]], streaming.candidate_tree(candidates),
+            result = streaming.ss_pass(model, adapters, cache, [seq[-1]], streaming.guess_tree(candidates),
                                         params, tree_k=2)
             new = [*result.accepted, result.next_token]
             assert new == future[done:done + len(new)]
@@ -312,7 +312,7 @@ def test_zero_threshold_never_prunes_and_a_high_one_keeps_the_root(exact_model):
         for threshold, expect_all in ((0.0, True), (0.99, False)):
             cache = exact_model.new_cache()
             exact_model.prefill(torch.tensor([[1, 2, 3]]), cache)
-            tree = streaming.candidate_tree([[5, 6, 7], [8, 9, 10]])
+            tree = streaming.guess_tree([[5, 6, 7], [8, 9, 10]])
             forward = streaming.fused_forward(exact_model, adapters, cache, [4], tree, threshold=threshold)
             assert forward.nodes == 13
             kept = len(forward.kept)
@@ -334,7 +334,7 @@ def test_a_tuned_prune_exit_scores_the_edges_and_keeps_ss_equal_to_ar(exact_mode
     with torch.inference_mode():
         cache = exact_model.new_cache()
         exact_model.prefill(torch.tensor([[1, 2, 3]]), cache)
-        tree = streaming.candidate_tree([[unlikely, likely]])
+        tree = streaming.guess_tree([[unlikely, likely]])
         threshold = float(probs[likely] + probs[unlikely]) / 2
         forward = streaming.fused_forward(exact_model, adapters, cache, [4], tree, threshold, prune_exit=translate)
     assert [tree.tokens[i - 1] for i in forward.kept[1:]] == [likely]
@@ -543,7 +543,7 @@ def test_stream_targets_are_the_models_own_tokens_j_places_ahead():
 
     labels = torch.arange(10, 18)  # labels[t]: the model's token after position t, i.e. token t + 1
     item = Cached(torch.zeros(8, 4), torch.zeros(1, 1, 8, 2), torch.zeros(1, 1, 8, 2), labels, loss_from=3)
-    streams, prune = stream_targets(item, gamma=2)
+    streams, prune = stream_targets(item, n_streams=2)
     assert streams.shape == (8, 2)
     # Stream j at t predicts token t + 1 + j = labels[t + j]; a target must be a completion token (>= 3) and known.
     assert streams[0].tolist() == [-100, 12] and streams[1].tolist() == [12, 13]

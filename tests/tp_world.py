@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from mirrorsd import generate
-from mirrorsd.decoding.mirror_remote import leave_launched_world, serve_launched
+from mirrorsd.decoding.mirror.remote import leave_launched_world, serve_launched
 from mirrorsd.model import Transformer
 from mirrorsd.runtime.tensor_parallel import gather_spans, launched_world, shard_target
 

@@ -31,9 +31,9 @@ import torch
 
 from ..api import generate
 from ..cuda_graphs import cuda_graphs
+from ..decoding.ss.adapters import StreamAdapters, StreamConfig
 from ..model import Transformer
 from ..runtime import synchronize, write_chrome_trace
-from ..streams import StreamAdapters, StreamConfig
 from . import metrics
 from .forward import forward_costs
 from .runner import machine

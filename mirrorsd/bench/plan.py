@@ -35,7 +35,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -44,9 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..decoding import get_method, methods
+from ..api import ZooFiles, generate
+from ..decoding import REFERENCE, Priced, get_method, methods
+from ..decoding.drafting import draft_vocab_size
 from ..decoding.mirror import DEFAULT_KAPPA, early_exit
-from ..decoding.proposers import SINK_TOKENS, draft_vocab_size
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..draft_vocab import draft_table_kind, optional_head, subset_head
 from ..model import Transformer
@@ -58,8 +59,6 @@ from .metrics import expected_accepted
 TARGET_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_KS = (1, 2, 4, 8, 16, 32, 64, 128)
 MARGIN = 1.1  # predicted speed over ar's that a recommendation needs
-SUFFIX_CONFIGS = ({}, {"factor": 2.0})  # suffix configurations the planner prices by running them
-HYBRID_MATCHES = (3,)  # sd's suffix_match values it prices by running them, with the best analytic sd window
 
 
 @dataclass
@@ -217,60 +216,68 @@ def turn_time(costs: Costs, kind: str, steps: Sequence[dict[str, Any]], prefill_
 # -- recommending ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Candidate:
-    method: str
-    options: dict[str, Any]
-    tokens_per_step: float
-    step_ms: float
+@dataclass(frozen=True)
+class Candidate(Priced):
+    """A method's priced configuration (:class:`~mirrorsd.decoding.registry.Priced`), named."""
 
-    @property
-    def tokens_per_s(self) -> float:
-        return 1e3 * self.tokens_per_step / self.step_ms
+    method: str = field(default="", kw_only=True)
 
     def label(self) -> str:
         return ":".join([self.method, *(f"{k}={v}" for k, v in self.options.items())])
 
 
-def candidates(costs: Costs, per_position: Sequence[float], fallback: dict[int, dict[int, float]],
-               gammas: Sequence[int] = range(1, 9), kappas: Sequence[int] = (1, 2, 4, 8),
-               backends: Sequence[str] = ("serial", "threads"),
-               ss: dict[str, float] | None = None, prefill: dict[str, float] | None = None) -> list[Candidate]:
-    """Every configuration the methods' cost models can price; ``fallback[ℓe][κ]`` from the probe, ``ss`` =
-    measured call reduction, mean tree nodes, streams and top-layer fraction of a short SS run. ``prefill``: per
-    drafting method, ms per committed token that the draft's prompt prefill adds (the per-step law leaves it out,
-    and a draft that reads the prompt pays it once per request)."""
-    prefill = prefill or {}
-    def cost(kind: str, step: dict[str, Any], c: Costs = costs, **options: Any) -> float:
-        method = get_method(kind)
-        return method.step_cost(c, step, method.options.parse(options, kind))
+@dataclass
+class Measured:
+    """What the planner measured, as each method's ``plan`` reads it
+    (:class:`~mirrorsd.decoding.registry.PlanInputs`). With ``target`` and ``prompts``, methods whose acceptance
+    depends on the text are priced by short runs; without, only the analytic cases are."""
 
-    out = [Candidate("ar", {}, 1.0, cost("ar", {"drafted": 0}))]
-    if costs.draft_ms:
-        for g in gammas:
-            tokens = expected_accepted(per_position, g) + 1
-            options = {"gamma": g, "confidence": 0.0, "suffix_match": 0}  # the probe measured the draft alone
-            out.append(Candidate("sd", options, tokens,
-                                 cost("sd", {"drafted": g}, **options) + tokens * prefill.get("sd", 0.0)))
-            for e, by_kappa in fallback.items():
-                for k in kappas:
-                    if k not in by_kappa:
-                        continue
-                    for backend in backends:
-                        if backend == "threads" and not costs.split:
-                            continue
-                        options = {"gamma": g, "kappa": k, "exit_layer": e, "roots": "paper", "backend": backend,
-                                   "confidence": 0.0}
-                        step = {"drafted": g, "gamma": g, "roots": (g + 1) * k, "exit_layer": e}
-                        miss, f = cost("mirror", {**step, "hit": False}, **options), by_kappa[k]
-                        hit = cost("mirror", {**step, "hit": True}, **options)
-                        out.append(Candidate("mirror", options, tokens,
-                                             f * miss + (1 - f) * hit + tokens * prefill.get("mirror", 0.0)))
-    if ss:
-        step = {"tree": ss["tree"], "kept": ss["kept"], "streams": int(ss["streams"]),
-                "top_fraction": ss["top_fraction"]}
-        out.append(Candidate("ss", {}, ss["call_reduction"], cost("ss", step)))
-    return out
+    costs: Costs
+    per_position: Sequence[float]
+    fallback: Mapping[int, Mapping[int, float]]
+    gammas: Sequence[int] = range(1, 9)
+    kappas: Sequence[int] = (1, 2, 4, 8)
+    backends: Sequence[str] = ("serial", "threads")
+    quick: bool = False
+    target: Any = None
+    draft: Any = None
+    prompts: Sequence[list[int]] = ()
+    max_new: int = 0
+
+    @property
+    def has_draft(self) -> bool:
+        return bool(self.costs.draft_ms)
+
+    @property
+    def files(self) -> ZooFiles | None:
+        return ZooFiles(self.target, self.draft) if self.target is not None else None
+
+    def expected_tokens(self, gamma: int) -> float:
+        return expected_accepted(self.per_position, gamma) + 1
+
+    def draft_prefill(self, read: int | None) -> float:
+        if self.draft is None or not self.prompts:
+            return 0.0
+        return statistics.fmean(self.costs.draft(min(len(ids), read or len(ids)), None)
+                                for ids in self.prompts) / self.max_new
+
+    def calibrated(self, method: str, options: dict[str, Any]) -> Priced | None:
+        if self.target is None or not self.prompts or (get_method(method).needs_draft and self.draft is None):
+            return None
+        c = calibrated(self.target, self.draft, self.prompts, self.max_new, self.costs, method, options)
+        return Priced(c.options, c.tokens_per_step, c.step_ms)
+
+    def runs(self, method: str, options: dict[str, Any], prompts: int, max_new: int) -> list[Any]:
+        if self.target is None:
+            return []
+        return [generate(self.target, ids, method=method, max_new_tokens=min(max_new, self.max_new), **options).stats
+                for ids in self.prompts[:prompts]]
+
+
+def candidates(measured: Measured) -> list[Candidate]:
+    """Every configuration the methods offer the planner, priced from what was measured."""
+    return [Candidate(p.options, p.tokens_per_step, p.step_ms, method=m.name)
+            for m in methods() if m.plan is not None for p in m.plan(measured, m)]
 
 
 def calibrated(target, draft, prompts: Sequence[list[int]], max_new: int, costs: Costs, kind: str,
@@ -279,25 +286,23 @@ def calibrated(target, draft, prompts: Sequence[list[int]], max_new: int, costs:
     over the recorded steps. Each prompt runs alone, with empty indexes of earlier outputs: a method with a suffix
     lookup would otherwise copy its answer from an earlier calibration run of the same prompt (and a first-use
     ``auto`` plan would leave its answers in, or wipe, the index the process's requests built)."""
-    import mirrorsd
-
     method = get_method(kind)
     opts = method.options.parse(options, kind)
     steps: list[dict[str, Any]] = []
     tokens = 0
     for ids in prompts:
         with isolated_shared_indexes():
-            g = mirrorsd.generate(target, ids, method=kind, draft=draft if method.needs_draft else None,
-                                  max_new_tokens=max_new, **options)
+            g = generate(target, ids, method=kind, draft=draft if method.needs_draft else None,
+                         max_new_tokens=max_new, **options)
         steps += g.stats.step_log
         tokens += g.stats.new_tokens
     ms = sum(method.step_cost(costs, step, opts) for step in steps)
-    return Candidate(kind, options, tokens / len(steps), ms / len(steps))
+    return Candidate(options, tokens / len(steps), ms / len(steps), method=kind)
 
 
 def recommend(ranked: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
     """The fastest candidate, unless it is not ``margin`` faster than ``ar``."""
-    ar = next(c for c in ranked if c.method == "ar")
+    ar = next(c for c in ranked if c.method == REFERENCE)
     best = max(ranked, key=lambda c: c.tokens_per_s)
     return best if best.tokens_per_s >= margin * ar.tokens_per_s else ar
 
@@ -329,36 +334,6 @@ class Plan:
 # -- the plan command -----------------------------------------------------------------------------------------
 
 
-def _ss_calibration(target, prompts: Sequence[list[int]], max_new: int) -> dict[str, float] | None:
-    """Call reduction and tree size of a short SS run with the target's shipped adapter (None without one)."""
-    import mirrorsd
-
-    from ..streams import CONFIG_FILE, shipped_adapter
-
-    folder = shipped_adapter(target.name or "")
-    if folder is None:
-        return None
-    cfg = json.loads((folder / CONFIG_FILE).read_text())
-    committed, tree, kept = [], [], []
-    for ids in prompts:
-        s = mirrorsd.generate(target, ids, method="ss", max_new_tokens=max_new).stats.extra["ss"]
-        committed, tree, kept = committed + s.committed, tree + s.tree_before, kept + s.tree_after
-    return {"call_reduction": statistics.fmean(committed), "tree": statistics.fmean(tree),
-            "kept": statistics.fmean(kept), "streams": cfg["streams"],
-            "top_fraction": cfg["layers"] / target.config.n_layers}
-
-
-def _draft_prefill(costs: Costs, prompts: Sequence[list[int]], max_new: int) -> dict[str, float]:
-    """Ms per committed token of the draft's prompt prefill, spread over ``max_new`` tokens: ``sd``'s draft reads
-    the prompt's edges (``draft_context``), ``mirror``'s all of it."""
-    edges = SINK_TOKENS + get_method("sd").options.parse({}, "sd").draft_context
-
-    def per_token(read: int | None) -> float:
-        return statistics.fmean(costs.draft(min(len(ids), read or len(ids)), None) for ids in prompts) / max_new
-
-    return {"sd": per_token(edges), "mirror": per_token(None)}
-
-
 def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int = 48,
               progress: bool = True, quick: bool = False) -> Plan:
     """Measure costs, probe acceptance on ``prompts`` ((group, ids) pairs), rank every candidate. ``quick``:
@@ -375,24 +350,15 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     per_position = probe.per_position() if probe else []
     fallback = {exits[name]: row for name, row in probe.fallback().items()} if probe else {}
     if progress:
-        print("calibrating Speculative Streaming and suffix decoding…", flush=True)
-    ss = _ss_calibration(target, [ids for _, ids in prompts[:2]], min(32, max_new))
-    prefill = _draft_prefill(costs, [ids for _, ids in prompts], max_new) if draft is not None else None
-    found = candidates(costs, per_position, fallback, ss=ss, prefill=prefill)
-    ids = [i for _, i in prompts]
-    found += [calibrated(target, None, ids, max_new, costs, "suffix", dict(o)) for o in SUFFIX_CONFIGS]
-    if draft is not None:  # sd as it ships (suffix first, the model gate, the reduced head): not an analytic case
-        found.append(calibrated(target, draft, ids, max_new, costs, "sd", {}))
-    sd = max((c for c in found if c.method == "sd" and c.options), key=lambda c: c.tokens_per_s, default=None)
-    if sd is not None and not quick:  # the best analytic window with the suffix lookup in front
-        found += [calibrated(target, draft, ids, max_new, costs, "sd", {**sd.options, "suffix_match": m})
-                  for m in HYBRID_MATCHES]
+        print("pricing the methods (short runs where acceptance depends on the text)…", flush=True)
+    found = candidates(Measured(costs, per_position, fallback, quick=quick, target=target, draft=draft,
+                                prompts=[ids for _, ids in prompts], max_new=max_new))
     ranked = sorted(found, key=lambda c: -c.tokens_per_s)
     row = lambda c: {"method": c.method, "options": c.options, "label": c.label(),  # noqa: E731
                      "predicted_tokens_per_s": round(c.tokens_per_s, 3),
                      "tokens_per_step": round(c.tokens_per_step, 3), "step_ms": round(c.step_ms, 3)}
     return Plan(target.name, draft.name if draft else None, machine_label(),
-                costs, {**(probe.to_dict() if probe else {}), "ss": ss}, [row(c) for c in ranked],
+                costs, probe.to_dict() if probe else {}, [row(c) for c in ranked],
                 row(recommend(ranked)))
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..decoding import REFERENCE
 from ..specbench import GROUPS
 from .metrics import OVERALL
 
@@ -185,7 +186,7 @@ def _plot_speedup(results: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     summary = results["summary"]
-    labels = [m for m in summary if m != "ar"]
+    labels = [m for m in summary if m != REFERENCE]
     groups = [*_groups(results), OVERALL]
     if not labels:
         return False

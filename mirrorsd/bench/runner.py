@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding import get_method, methods
+from ..api import generate, load_model, planned, shares_tokenizer
+from ..decoding import REFERENCE, get_method, methods
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..errors import OptionError
 from ..exit_heads import ExitTranslators
@@ -39,7 +40,7 @@ from .metrics import Answer, Turn
 from .peers import HF_METHODS, LLAMA_METHODS, HFPeers, LlamaServer, find_llama_server, server_flags
 
 NEAR_TIE = 1e-3  # logit units: a divergence with a smaller gap is float reordering, not a bug
-REFERENCE = {"hf-assisted": "hf-ar", "hf-pld": "hf-ar", "hf-ar": "hf-ar", "llama-server": "llama-server-ar",
+PEER_REFERENCES = {"hf-assisted": "hf-ar", "hf-pld": "hf-ar", "hf-ar": "hf-ar", "llama-server": "llama-server-ar",
              "llama-server-ar": "llama-server-ar", "llama-server-ngram": "llama-server-ar"}
 PEER_KINDS = ("hf-ar", "hf-assisted", "hf-pld", "llama-server", "llama-server-ar", "llama-server-ngram")
 PEERS_NEEDING_DRAFT = {"hf-assisted", "llama-server"}
@@ -69,7 +70,7 @@ class MethodSpec:
 
     @property
     def reference(self) -> str:
-        return REFERENCE.get(self.kind, "ar")
+        return PEER_REFERENCES.get(self.kind, REFERENCE)
 
 
 def _value(text: str) -> Any:
@@ -122,12 +123,12 @@ def parse_methods(text: str) -> list[MethodSpec]:
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"method labels must be unique: {', '.join(labels)}")
-    for ref in ("hf-ar", "llama-server-ar", "ar"):
-        needed = ref == "ar" or any(s.reference == ref for s in specs)
+    for ref in ("hf-ar", "llama-server-ar", REFERENCE):
+        needed = ref == REFERENCE or any(s.reference == ref for s in specs)
         if needed and ref not in labels:
             specs.insert(0, MethodSpec(ref, ref))
-    if specs[0].label != "ar":  # the baseline first
-        specs.sort(key=lambda s: s.label != "ar")
+    if specs[0].label != REFERENCE:  # the baseline first
+        specs.sort(key=lambda s: s.label != REFERENCE)
     return specs
 
 
@@ -179,8 +180,6 @@ class Bench:
     """Loads the models and peers once and runs every method on every question (see the module docstring)."""
 
     def __init__(self, config: BenchConfig, progress: bool = True) -> None:
-        import mirrorsd
-
         self.config, self.progress, self.notes = config, progress, []
         if config.max_new_tokens < 1 or config.runs < 1 or config.warmup < 0:
             raise ValueError("--max-new-tokens and --runs must be >= 1 and --warmup >= 0")
@@ -194,12 +193,12 @@ class Bench:
         # read before the models load, so a wrong folder fails in seconds
         self.probe_exit = ExitTranslators.load(config.probe_exit_head) if config.probe_exit_head else None
         load = dict(device=config.device, dtype=config.dtype, weights=config.weights, progress=progress)
-        self.target = mirrorsd.load_model(config.target, **load)
+        self.target = load_model(config.target, **load)
         if self.probe_exit is not None:
             for layer in self.probe_exit.layers:
                 self.probe_exit.check(layer, self.target.config.hidden_size)
-        self.draft = mirrorsd.load_model(config.draft, **load) if drafting or config.probe else None
-        if self.draft is not None and not mirrorsd.api.shares_tokenizer(self.target, self.draft):
+        self.draft = load_model(config.draft, **load) if drafting or config.probe else None
+        if self.draft is not None and not shares_tokenizer(self.target, self.draft):
             cannot = [k for k in drafting if k == AUTO or not ours(k) or not get_method(k).bridged]
             if cannot or config.probe:
                 takes = ", ".join(m.name for m in methods() if m.bridged)
@@ -222,9 +221,7 @@ class Bench:
         """``auto`` runs the plan's recommendation for this pair (planned now if there is none yet)."""
         if spec.kind != AUTO:
             return spec
-        import mirrorsd
-
-        method, options, _ = mirrorsd.api.planned(self.target, self.draft, {})
+        method, options, _ = planned(self.target, self.draft, {})
         chosen = ":".join([method, *(f"{k}={v}" for k, v in options.items())])
         self.notes.append(f"`{spec.label}` ran the plan's recommendation for this pair: `{chosen}`.")
         return MethodSpec(spec.label, method, options)
@@ -267,8 +264,6 @@ class Bench:
         return self.config.seed * 1_000_003 + question.question_id
 
     def _generate(self, spec: MethodSpec, ids: list[int], seed: int, max_new: int) -> Turn:
-        import mirrorsd
-
         cfg = self.config
         if spec.kind in HF_METHODS:
             turn = self.hf.generate(spec.kind, ids, max_new, cfg.temperature, seed, spec.options)
@@ -279,29 +274,23 @@ class Bench:
         draft = self.draft if get_method(spec.kind).needs_draft else None
         synchronize(self.device)
         start = time.perf_counter()
-        g = mirrorsd.generate(self.target, ids, method=spec.kind, draft=draft, temperature=cfg.temperature,
-                              seed=seed, max_new_tokens=max_new, **spec.options)
+        g = generate(self.target, ids, method=spec.kind, draft=draft, temperature=cfg.temperature, seed=seed,
+                     max_new_tokens=max_new, **spec.options)
         synchronize(self.device)
         wall = time.perf_counter() - start
         st = g.stats
         turn = Turn(new_tokens=st.new_tokens, wall_s=wall, token_ids=g.token_ids, text=g.text,
                     prefill_s=st.prefill_s, accept_lengths=[a + 1 for a in st.accepted] or [1] * st.new_tokens,
                     drafted=list(st.drafted) if st.accepted else [0] * st.new_tokens, steps=list(st.step_log))
-        if "mirror" in st.extra:
-            m = st.extra["mirror"]
-            with_tree = [s for s in m.steps if s.hit is not None]
-            turn.counters = {"tree_steps": len(with_tree), "misses": sum(not s.hit for s in with_tree),
-                             "hidden_s": sum(s.hidden for s in m.steps),
-                             "draft_s": sum(s.t_draft + s.t_fallback for s in m.steps)}
-            overlapped = m.backend != "serial"  # the timeline shows the first overlapped Mirror-SD run if any
-            if st.spans and (self.timeline is None or overlapped and not self.timeline["overlapped"]):
+        for extra in st.extra.values():
+            turn.counters = extra.counters()
+            overlapped = extra.timeline()  # the timeline shows the first overlapped run if any
+            if overlapped is not None and st.spans and (
+                    self.timeline is None or overlapped and not self.timeline["overlapped"]):
                 origin = st.spans[0].start
                 self.timeline = {"method": spec.label, "overlapped": overlapped, "spans": [
                     {"lane": s.lane, "name": s.name, "start": s.start - origin, "end": s.end - origin}
                     for s in st.spans]}
-        if "ss" in st.extra:
-            s = st.extra["ss"]
-            turn.counters = {"passes": len(s.committed), "committed": sum(s.committed)}
         return turn
 
     def _answer(self, spec: MethodSpec, question: Question, run: int, max_new: int) -> Answer:
@@ -374,7 +363,9 @@ class Bench:
             print(f"mirrorsd: warning: {warning}", file=sys.stderr, flush=True)
         costs = None
         if cfg.predict and self.target.model.device.type == "cpu":
-            exits = sorted({self._exit_layer(m) for m in methods if m.kind == "mirror"})
+            n = self.target.config.n_layers
+            exits = sorted({layer for m in methods if m.kind != AUTO and ours(m.kind)
+                            for layer in get_method(m.kind).options.parse(m.options, m.kind).priced_layers(n)})
             if self.progress:
                 print("measuring forward costs for the latency law…", flush=True)
             costs = plan.measure_costs(self.target.model, self.draft.model if self.draft else None, exits,
@@ -415,11 +406,6 @@ class Bench:
                                            progress=self.progress, tuned=tuned).to_dict()
         return self.results(costs, probe_result)
 
-    def _exit_layer(self, spec: MethodSpec) -> int:
-        from ..decoding.mirror import DEFAULT_EXIT, resolve_exit_layer
-
-        return resolve_exit_layer(spec.options.get("exit_layer", DEFAULT_EXIT), self.target.config.n_layers)
-
     def results(self, costs: plan.Costs | None, probe_result: dict | None) -> dict[str, Any]:
         answers = self.answers
         present = {a.group for a in answers}
@@ -429,14 +415,14 @@ class Bench:
             s: dict[str, Any] = {
                 "kind": spec.kind, "options": spec.options, "reference": spec.reference,
                 "tokens_per_s": metrics.tokens_per_second(answers, spec.label),
-                "speedup": metrics.speedups(answers, spec.label, "ar"),
+                "speedup": metrics.speedups(answers, spec.label, REFERENCE),
                 "mean_accepted_tokens": metrics.mean_accepted_tokens(answers, spec.label),
                 "mat_by_group": {g: metrics.mean_accepted_tokens(answers, spec.label, g) for g in groups},
                 "per_position_acceptance": metrics.per_position_acceptance(answers, spec.label),
                 "lossless": metrics.lossless_summary(answers, spec.label),
                 **metrics.method_extras(answers, spec.label),
             }
-            if spec.reference != "ar":
+            if spec.reference != REFERENCE:
                 s["speedup_vs_reference"] = metrics.speedups(answers, spec.label, spec.reference)
             if spec.kind in LLAMA_METHODS:
                 c = metrics.pooled_counters(answers, spec.label)

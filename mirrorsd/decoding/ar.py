@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine import ChainScorer, DecodeRequest, NoDraft, Roles, match
-from .registry import MethodOptions, register
+from .registry import Method, MethodOptions, PlanInputs, Priced, register
 
 
 @dataclass(frozen=True)
@@ -22,5 +22,9 @@ def step_cost(costs: Any, step: dict[str, Any], opts: AROptions) -> float:
     return costs.target(1)
 
 
+def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
+    return [Priced({}, 1.0, method.price(inputs.costs, {"drafted": 0}))]
+
+
 register("ar", "the target alone, one token per forward (the reference every method equals)", needs_draft=False,
-         options=AROptions, build=build, step_cost=step_cost)
+         options=AROptions, build=build, step_cost=step_cost, tensor_parallel=True, plan=plan)

@@ -23,11 +23,11 @@ import torch
 from tokenizers.decoders import ByteLevel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from ..draft_vocab import draft_table_kind, subset_head
 from ..model import Transformer
+from ..sampling import SamplingParams
 from ..verify import Verdict
+from .drafting import SINK_TOKENS, DraftSampler, prompt_window
 from .engine import Draft, RequestState, Scores, point_masses
-from .proposers import SINK_TOKENS
 
 RETOKENIZE = 2  # trailing draft tokens re-tokenized with new text (a BPE merge can reach back over them)
 
@@ -116,8 +116,9 @@ class BridgedProposer:
                  confidence: float = 0.0, rejection: bool = False, context: int = 0, vocab: int = 0) -> None:
         self.model, self.bridge, self.target_vocab, self.gamma = draft, bridge, target_vocab, gamma
         self.confidence, self.rejection, self.context = confidence, rejection, context
-        # A reduced draft vocabulary (FR-Spec), the draft's own most frequent ids: logits' column c is subset.ids[c].
-        self.subset = subset_head(draft, vocab, draft_table_kind(draft.config.vocab_size)) if vocab else None
+        # Greedy steps through the draft core, in the draft's own vocabulary (a reduced one: its most frequent ids).
+        self.sampler = DraftSampler(draft, draft.config.vocab_size, SamplingParams(), confidence=confidence,
+                                    vocab=vocab)
         self.text = bytearray()  # the committed text
         self.converted = 0  # committed target tokens already in ``text``
         self.ids: list[int] = []  # draft tokens of the committed text (up to its last whole character)
@@ -144,14 +145,10 @@ class BridgedProposer:
         self.ids, self.ends = self.ids[:keep] + fresh, ends
         cache = state.draft_cache
         assert cache is not None
-        if not len(cache):  # the prompt: with ``context``, its first SINK_TOKENS and last ``context`` tokens
-            self.skipped = 0
-            if self.context and len(self.ids) > SINK_TOKENS + self.context:
-                self.skipped = len(self.ids) - SINK_TOKENS - self.context
-                self.cached = list(self.ids)
-                return self.ids[:SINK_TOKENS] + self.ids[-self.context:]
+        if not len(cache):  # the prompt: the draft core's prompt window of it
+            feed, self.skipped = prompt_window(self.ids, self.context)
             self.cached = list(self.ids)
-            return list(self.ids)
+            return list(feed)
         # (at least the last token is fed again: the draft's next-token logits come from feeding something)
         agree = min(common_prefix(self.cached[: len(cache) + self.skipped], self.ids), len(self.ids) - 1)
         if agree < SINK_TOKENS + self.skipped:  # (a tiny prompt re-tokenized under the sink: start over)
@@ -178,11 +175,11 @@ class BridgedProposer:
         forwards, fed = 0, len(feed)
         for _ in range(2 * window + 2):  # (a draft token holds at least half a target token in practice)
             logits = self.model(torch.tensor([feed], device=self.model.device), cache=cache, last=1,
-                                head=self.subset)[0, -1]
+                                head=self.sampler.head)[0]
             forwards += 1
-            best = int(logits.argmax())
-            token = best if self.subset is None else int(self.subset.ids[best])
-            doubtful = bool(self.confidence) and (logits.max() - logits.logsumexp(-1)).exp().item() < self.confidence
+            token = self.sampler.tokens_of([int(logits[-1].argmax())])[0]
+            _, top = self.sampler.judge(logits)
+            doubtful = top is not None and self.sampler.doubtful(top[0])
             if doubtful and not drafted:
                 break
             drafted.append(token)

@@ -65,8 +65,27 @@ class Scores:
 
     logits: torch.Tensor
     draft: Draft
-    hidden: torch.Tensor | None = None  # hidden states a scorer exposes (Mirror-SD: layer ℓe, for an EAGLE-like head)
     forwards: int = 1  # target forwards it took
+
+
+class MethodStats(Protocol):
+    """A method's own statistics in ``GenerationStats.extra``: how the CLI, the benchmark and the JSON output read
+    them without knowing the method."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def summary(self) -> str:
+        """A clause for the one-line run summary (``", call reduction 1.52 tokens/pass, …"``)."""
+        ...
+
+    def counters(self) -> dict[str, float]:
+        """Sums the benchmark pools over a method's turns (``bench.metrics.method_extras`` reads them)."""
+        ...
+
+    def timeline(self) -> bool | None:
+        """Whether this run's spans make the benchmark's timeline: True (overlapped lanes), False (serial, shown
+        only when no overlapped run exists), None (not a timeline)."""
+        ...
 
 
 @dataclass
@@ -87,7 +106,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0  # time in the proposer (drafting the loop waited for)
     target_s: float = 0.0  # target forwards after prefill, with verification
-    extra: dict[str, Any] = field(default_factory=dict)  # method-specific statistics with a to_dict()
+    extra: dict[str, MethodStats] = field(default_factory=dict)  # method name -> its own statistics
     spans: list[Span] = field(default_factory=list)  # timeline (methods that trace their lanes)
 
     @property

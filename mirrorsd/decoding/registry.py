@@ -1,7 +1,9 @@
 """The method registry: every decoding method registers its name, whether it needs a draft, a typed options
-dataclass (defaults, help, validation) and how to build its roles, once. The API validates through it, the
-CLI builds ``--method`` choices and per-method flags from it, ``mirrorsd bench`` parses ``KIND:key=value``
-with it, the planner asks it for each method's cost model, and ``mirrorsd methods`` lists it.
+dataclass (defaults, help, validation, the shipped files it defaults to, whether it can run tensor-parallel), how
+to build its roles, its cost model and what it offers the planner, once. The API validates through it, the CLI
+builds ``--method`` choices and per-method flags from it, ``mirrorsd bench`` parses ``KIND:key=value`` with it,
+the planner asks it for each method's candidates, and ``mirrorsd methods`` lists it. No code outside
+``decoding/`` names a method.
 
 A new method is one new module that calls :func:`register` (see ``tests/test_registry.py``'s example).
 """
@@ -11,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, Self
 
 from ..errors import OptionError
 from .engine import Roles
@@ -84,6 +87,23 @@ class ModelShape:
     vocab_size: int
 
 
+class ShippedFiles(Protocol):
+    """The files shipped for a request's models (stream adapters, tuned exits) that options default to. The API
+    supplies them: the zoo's files live above this layer."""
+
+    def streams(self, role: str) -> Path:
+        """The shipped stream adapter of the ``"target"`` or the ``"draft"``; raises, naming the option, if none."""
+        ...
+
+    def tuned_exit(self, option: str) -> str:
+        """The target's shipped tuned exit for ``option`` set to ``"tuned"``; raises, naming the option, if none."""
+        ...
+
+    def exit_for_layer(self, layer: int) -> str | None:
+        """The target's shipped tuned exit with a translator for ``layer``, or None."""
+        ...
+
+
 @dataclass(frozen=True)
 class MethodOptions:
     """Base of every method's options: ``parse`` builds and checks them from a mapping of names to values."""
@@ -115,6 +135,22 @@ class MethodOptions:
     def check(self, shape: ModelShape | None) -> None:
         """Checks across options or against the target's shape (None: not known yet)."""
 
+    def resolved(self, files: ShippedFiles, shape: ModelShape) -> Self:
+        """These options with the defaults that name shipped files filled in (a request's, by the API)."""
+        return self
+
+    def check_tensor_parallel(self) -> None:
+        """Every rank of a sharded target must take the same decisions, so no proposal may depend on timings: a
+        method that can run tensor-parallel refuses here the options whose drafts do (:attr:`Method.tensor_parallel`
+        says whether it can at all)."""
+        if getattr(self, "suffix_match", 0):
+            raise ValueError("a tensor-parallel target needs suffix_match=0 (--suffix-match 0): the suffix "
+                             "proposer's windows depend on timings, which differ between ranks")
+
+    def priced_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Target layers whose prefix cost (layers below them) the method's cost model reads."""
+        return ()
+
     def to_dict(self) -> dict[str, Any]:
         return {o.name: getattr(self, o.name) for o in self.fields()}
 
@@ -135,8 +171,61 @@ class CostTable(Protocol):
 
     def for_backend(self, backend: str) -> CostTable: ...
 
+    @property
+    def split(self) -> Mapping[str, Any] | None: ...  # the tables with the cores split (None: not measured)
+
 
 StepCost = Callable[[CostTable, Mapping[str, Any], Any], float]  # (costs, one recorded step, options) -> ms
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One configuration the planner may recommend: its options, tokens per step and ms per step."""
+
+    options: dict[str, Any]
+    tokens_per_step: float
+    step_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.tokens_per_step / self.step_ms
+
+
+class PlanInputs(Protocol):
+    """What the planner measured (:mod:`mirrorsd.bench.plan`), as a method's :attr:`Method.plan` reads it."""
+
+    costs: CostTable
+    has_draft: bool
+    quick: bool  # ``auto``'s first use: no split-thread tables, no hybrid runs
+    files: ShippedFiles | None  # the target's shipped files (None: pricing without models)
+    per_position: Sequence[float]  # the probe's per-position acceptance of the draft alone
+    fallback: Mapping[int, Mapping[int, float]]  # fallback frequency by exit layer, then κ (the probe's exit ranks)
+    gammas: Sequence[int]
+    kappas: Sequence[int]
+    backends: Sequence[str]
+
+    def expected_tokens(self, gamma: int) -> float:
+        """Committed tokens per step of a γ-token window at the probe's acceptance (E[A] + 1)."""
+        ...
+
+    def draft_prefill(self, read: int | None) -> float:
+        """Ms per committed token the draft's prompt prefill adds when it reads ``read`` prompt tokens (None:
+        all of them)."""
+        ...
+
+    def calibrated(self, method: str, options: dict[str, Any]) -> Priced | None:
+        """Priced from the method's own short runs on the calibration prompts, where acceptance depends on the text
+        (None when the planner prices without models)."""
+        ...
+
+    def runs(self, method: str, options: dict[str, Any], prompts: int, max_new: int) -> list[Any]:
+        """The :class:`GenerationStats` of short runs on the first ``prompts`` calibration prompts (none when the
+        planner prices without models)."""
+        ...
+
+
+#: A method's offers to the planner (empty where nothing was measured that prices it).
+PlanOffers = Callable[[PlanInputs, "Method"], list[Priced]]
 
 
 @dataclass(frozen=True)
@@ -144,9 +233,12 @@ class Method:
     """A registered decoding method.
 
     ``build(request, options)`` returns the engine roles for one request. ``step_cost`` is the planner's cost
-    model: milliseconds of one recorded step (a dict from ``GenerationStats.step_log``). ``rejection`` says
-    whether the method supports ``acceptance="rejection"`` (the conformance suite tests its distribution);
-    ``bridged`` whether it takes a draft with a tokenizer of its own (:mod:`mirrorsd.decoding.bridge`).
+    model: milliseconds of one recorded step (a dict from ``GenerationStats.step_log``); ``plan`` prices the
+    configurations the method offers the planner. ``rejection`` says whether the method supports
+    ``acceptance="rejection"`` (the conformance suite tests its distribution); ``bridged`` whether it takes a draft
+    with a tokenizer of its own (:mod:`mirrorsd.decoding.bridge`); ``tensor_parallel`` whether its drafts are the
+    same on every rank of a sharded target (:meth:`MethodOptions.check_tensor_parallel` refuses the options whose
+    are not).
     """
 
     name: str
@@ -157,6 +249,19 @@ class Method:
     step_cost: StepCost | None = None
     rejection: bool = False
     bridged: bool = False
+    tensor_parallel: bool = False
+    plan: PlanOffers | None = None
+
+    def price(self, costs: CostTable, step: Mapping[str, Any], **options: Any) -> float:
+        """Ms of one step with these options, by the method's cost model."""
+        return self.step_cost(costs, step, self.options.parse(options, self.name))
+
+    def check_tensor_parallel(self, opts: MethodOptions) -> None:
+        if not self.tensor_parallel:
+            takes = ", ".join(m.name for m in methods() if m.tensor_parallel)
+            raise ValueError(f"method {self.name!r} cannot run on a tensor-parallel target (its drafts depend on "
+                             f"timings, which differ between ranks); use {takes}")
+        opts.check_tensor_parallel()
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "summary": self.summary, "needs_draft": self.needs_draft,
@@ -194,9 +299,10 @@ class Registry:
 
 
 def register(name: str, summary: str, *, needs_draft: bool, options: type[MethodOptions],
-             build: Callable[[Any, Any], Roles], step_cost: StepCost | None = None,
-             rejection: bool = False, bridged: bool = False) -> Method:
-    return Registry.add(Method(name, summary, needs_draft, options, build, step_cost, rejection, bridged))
+             build: Callable[[Any, Any], Roles], step_cost: StepCost | None = None, rejection: bool = False,
+             bridged: bool = False, tensor_parallel: bool = False, plan: PlanOffers | None = None) -> Method:
+    return Registry.add(Method(name, summary, needs_draft, options, build, step_cost, rejection, bridged,
+                               tensor_parallel, plan))
 
 
 def methods() -> list[Method]:
@@ -205,3 +311,13 @@ def methods() -> list[Method]:
 
 def get_method(name: str) -> Method:
     return Registry.get(name)
+
+
+#: The method every other one equals token for token, and the one a plan falls back to.
+REFERENCE = "ar"
+
+
+def default_method(draft: object | None) -> str:
+    """``sd`` when a draft is given, else the reference (like vLLM and llama.cpp: speculative only when
+    configured)."""
+    return REFERENCE if draft is None else "sd"

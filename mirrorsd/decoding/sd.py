@@ -17,9 +17,10 @@ from typing import Any
 
 from ..verify import ACCEPTANCE_RULES
 from .bridge import BridgedProposer
+from .drafting import SINK_TOKENS, draft_vocab_option, draft_vocab_size
 from .engine import VERIFIERS, ChainScorer, DecodeRequest, Proposer, Roles
-from .proposers import SCHEDULES, ModelProposer, check_draft, draft_vocab_option, draft_vocab_size
-from .registry import MethodOptions, OptionError, at_least, option, probability, register
+from .proposers import SCHEDULES, ModelProposer, check_draft
+from .registry import Method, MethodOptions, OptionError, PlanInputs, Priced, at_least, option, probability, register
 from .suffix import GATES, HYBRID_LOOKUP, ModelGate, SuffixFirst, suffix_match_option, suffix_proposer
 
 
@@ -82,5 +83,32 @@ def step_cost(costs: Any, step: dict[str, Any], opts: SDOptions) -> float:
     return drafting + costs.target(step["drafted"] + 1)
 
 
+#: suffix_match values the planner prices by running them in front of its best analytic window.
+PLANNED_HYBRID_MATCHES = (3,)
+
+
+def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
+    """Windows at the probe's acceptance (it measured the draft alone: no confidence rule, no suffix lookup) plus
+    the draft's prompt prefill; then ``sd`` as it ships (suffix first, the model gate, the reduced head), which no
+    analytic law prices, by running it; and the best window with the suffix lookup in front."""
+    out = []
+    if inputs.has_draft:
+        prefill = inputs.draft_prefill(SINK_TOKENS + SDOptions().draft_context)
+        for g in inputs.gammas:
+            tokens = inputs.expected_tokens(g)
+            options = {"gamma": g, "confidence": 0.0, "suffix_match": 0}
+            out.append(Priced(options, tokens, method.price(inputs.costs, {"drafted": g}, **options)
+                              + tokens * prefill))
+    best = max(out, key=lambda p: p.tokens_per_s, default=None)
+    shipped = inputs.calibrated(method.name, {})
+    if shipped is not None:
+        out.append(shipped)
+        if best is not None and not inputs.quick:
+            out += [inputs.calibrated(method.name, {**best.options, "suffix_match": m})
+                    for m in PLANNED_HYBRID_MATCHES]
+    return out
+
+
 register("sd", "vanilla speculative decoding: a draft model proposes, the target verifies", needs_draft=True,
-         options=SDOptions, build=build, step_cost=step_cost, rejection=True, bridged=True)
+         options=SDOptions, build=build, step_cost=step_cost, rejection=True, bridged=True, tensor_parallel=True,
+         plan=plan)

@@ -28,7 +28,7 @@ from typing import Any
 from ..cache import cache_dir
 from ..verify import Verdict
 from .engine import ChainScorer, DecodeRequest, Draft, Proposer, RequestState, Roles, Scores, match, point_masses
-from .registry import MethodOptions, at_least, option, probability, register
+from .registry import Method, MethodOptions, PlanInputs, Priced, at_least, option, probability, register
 from .suffix_index import SuffixIndex, datastore, persisting_allowed, shared_index
 
 
@@ -325,18 +325,24 @@ class SuffixFirst:
 
     def propose(self, state: RequestState) -> Draft:
         self.proposed_at = time.perf_counter()
-        draft = self.lookup.propose(state)  # one lookup: the match length decides, the suffix-only step reuses it
         self.timed = None
+        if getattr(self.model, "ready", None) is not None:  # a window the model holds already (Mirror-SD's kept
+            return self._from_model(state)  # branch): drafted and free, where a lookup could only replace it
+        draft = self.lookup.propose(state)  # one lookup: the match length decides, the suffix-only step reuses it
         if self.lookup.last_match < self.min_match:  # no draft, or one from too short a match
             self.timed = self.gate.kind
             if self.timed == "model":
-                self.source = "model"
                 if state.draft_cache is not None and not len(state.draft_cache):
                     self.timed = None  # the draft's prompt prefill: paid once, whichever kind of step wins
-                return self.model.propose(state)
+                return self._from_model(state)
         self.source = "suffix"
         if self.tree:
             draft.parents = list(range(-1, len(draft.tokens) - 1))
+        return draft
+
+    def _from_model(self, state: RequestState) -> Draft:
+        draft = self.model.propose(state)
+        self.source = getattr(self.model, "source", "model")  # Mirror-SD's says "branch" or "model"
         return draft
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
@@ -380,6 +386,14 @@ def step_cost(costs: Any, step: dict[str, Any], opts: SuffixOptions) -> float:
     return costs.target(step["drafted"] + 1)
 
 
+#: The configurations the planner prices by running them: acceptance depends on how much the text repeats.
+PLANNED = ({}, {"factor": 2.0})
+
+
+def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
+    return [p for options in PLANNED if (p := inputs.calibrated(method.name, dict(options))) is not None]
+
+
 register("suffix", "suffix decoding: propose what followed the longest earlier match of the text's suffix "
          "(prompt, output, earlier outputs); no draft model", needs_draft=False, options=SuffixOptions,
-         build=build, step_cost=step_cost)
+         build=build, step_cost=step_cost, plan=plan)

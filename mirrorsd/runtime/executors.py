@@ -16,7 +16,6 @@ result is read with ``future.result()``. One small interface, four placements:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -104,7 +103,7 @@ class WorkerExecutor(Executor):
 
     @contextmanager
     def overlapping(self) -> Iterator[None]:
-        with cuda_graphs(False), _Threads(self.target_threads, self.total_threads) if self.target_threads \
+        with cuda_graphs(False), ThreadCount(self.target_threads, self.total_threads) if self.target_threads \
                 else nullcontext():
             yield
 
@@ -112,7 +111,7 @@ class WorkerExecutor(Executor):
         self.pool.shutdown(wait=True)
 
 
-class _Threads(AbstractContextManager):
+class ThreadCount(AbstractContextManager):
     def __init__(self, inside: int, outside: int) -> None:
         self.inside, self.outside = inside, outside
 
@@ -132,34 +131,3 @@ def split_threads(total: int | None = None) -> tuple[int, int] | None:
         return None
     draft = total // 2
     return total - draft, draft
-
-
-def make_executor(backend: str, target_device: torch.device, draft_device: torch.device,
-                  split: tuple[int, int] | None = None) -> Executor:
-    """Check that ``backend`` fits the models' devices and build it (``split``: threads for target, draft)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    same = target_device == draft_device
-    if backend == "serial":
-        return Executor()
-    if backend == "threads":
-        if target_device.type != "cpu" or not same:
-            raise ValueError("backend 'threads' runs target and draft on the same CPU; "
-                             "use 'cuda-streams' on one GPU or 'devices' for two devices")
-        total = torch.get_num_threads() if split is None else sum(split)
-        target_threads, draft_threads = split or split_threads(total) or (1, 1)
-        if total > (os.cpu_count() or total):
-            raise ValueError(f"thread split {target_threads}+{draft_threads} exceeds the {os.cpu_count()} cores")
-        return WorkerExecutor("threads", draft_device, draft_threads, target_threads)
-    if backend == "processes":
-        from .processes import ProcessesExecutor
-
-        return ProcessesExecutor(split)
-    if backend == "cuda-streams":
-        if target_device.type != "cuda" or not same:
-            raise ValueError("backend 'cuda-streams' needs target and draft on the same CUDA device")
-        return WorkerExecutor("cuda-streams", draft_device, None, None)
-    if same:
-        raise ValueError(f"backend 'devices' needs the draft on another device than the target ({target_device}); "
-                         "set --draft-device")
-    return WorkerExecutor("devices", draft_device, split[1] if split else None, split[0] if split else None)

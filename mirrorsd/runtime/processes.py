@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .executors import Executor, _Threads, split_threads
+from .executors import Executor, ThreadCount, split_threads
 
 SHUTDOWN = 0  # message kind that ends a worker's loop
 ERROR = -1  # reply kind: the payload is the worker's error message (UTF-8 bytes)
@@ -225,7 +225,7 @@ class ProcessesExecutor(Executor):
         return self.split[1] if self.split else None
 
     def overlapping(self) -> AbstractContextManager[None]:
-        return _Threads(self.split[0], self.total_threads) if self.split else nullcontext()
+        return ThreadCount(self.split[0], self.total_threads) if self.split else nullcontext()
 
 
 def now_ns() -> int:

@@ -124,20 +124,6 @@ def shard_target(model: nn.Module, group: Any) -> nn.Module:
     return model
 
 
-def check_method(method: str, opts: Any) -> None:
-    """Every rank of a sharded target must take the same decisions, so no proposal may depend on timings (the
-    suffix proposer's window rule and model gate, Mirror-SD's fitted root budget): refused with the option."""
-    if method not in ("ar", "sd", "mirror"):
-        raise ValueError(f"method {method!r} cannot run on a tensor-parallel target (its drafts depend on timings, "
-                         "which differ between ranks); use ar, sd or mirror")
-    if getattr(opts, "suffix_match", 0):
-        raise ValueError("a tensor-parallel target needs suffix_match=0 (--suffix-match 0): the suffix proposer's "
-                         "windows depend on timings, which differ between ranks")
-    if method == "mirror" and opts.roots == "budget" and opts.budget is None:
-        raise ValueError("roots='budget' (the default) fits its root count to timings, which differ between ranks; "
-                         "give a fixed budget (--budget N) or roots='paper' on a tensor-parallel target")
-
-
 def gather_spans(spans: list[Span], world: LaunchedWorld) -> list[Span]:
     """Every target rank's spans on rank 0, one lane per rank (``target rank r``; the draft's spans, which each
     target rank holds from the relayed replies, once as ``draft rank N``); other ranks get ``[]``. Collective over

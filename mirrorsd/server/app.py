@@ -26,7 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
 from .. import api
-from ..decoding import ModelShape, get_method
+from ..decoding import REFERENCE, ModelShape, get_method
 from ..errors import OptionError
 from ..sampling import SamplingParams
 from .metrics import Metrics
@@ -53,7 +53,7 @@ class ServerConfig:
     """What ``mirrorsd serve``'s flags set; request fields override the sampling defaults and the options."""
 
     model_name: str
-    method: str = "ar"
+    method: str = REFERENCE
     options: dict[str, Any] = field(default_factory=dict)
     temperature: float = 1.0  # OpenAI's default
     top_p: float = 1.0

@@ -4,7 +4,7 @@ and drafts) and :class:`~mirrorsd.decoding.proposers.StreamProposer` (a draft th
 One pass, with committed text ending in a *trunk* of tokens the cache lacks (its last one is the root) and
 candidate tokens from the previous pass's streams: the tree is the trunk plus the Cartesian product of the top-k
 tokens of streams 1..γ (stream ``g`` at depth ``g``, every node under every node of the depth above: ``1 + Σ k^g``
-nodes), or that tree's most likely nodes under a budget (:meth:`Candidates.tree`). All nodes run layers
+nodes), or that tree's most likely nodes under a budget (:meth:`StreamGuesses.tree`). All nodes run layers
 ``[0, N - N_s)`` under a tree mask (ancestors only). At layer ``N - N_s`` the pruning adapter's early exit scores each
 parent→child edge and drops children (with their subtrees) whose probability is under the threshold; ``γ`` streams
 are inserted beside every surviving node and the top ``N_s`` layers run with the MSA mask. The main stream verifies
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..draft_vocab import SubsetHead, head_logits, top_tokens
-from ..kv_cache import KVCache
-from ..model import Transformer
-from ..sampling import Noise, SamplingParams
-from ..streams import StreamAdapters, msa_mask
-from ..verify import Verdict, verify_tree
-from .engine import Draft, draft_tokens
+from ...draft_vocab import SubsetHead, head_logits, top_tokens
+from ...kv_cache import KVCache
+from ...model import Transformer
+from ...sampling import Noise, SamplingParams
+from ...verify import Verdict, verify_tree
+from ..engine import Draft, draft_tokens
+from .adapters import StreamAdapters, msa_mask
 
 DEFAULT_TREE_K = 3  # PMLR: γ = 3, k = 3 (a 40-node tree)
 DEFAULT_TREE_BUDGET = 3  # the most likely nodes of that tree a pass runs (0: all); 2-4 measured alike, 6 slower
@@ -50,14 +50,14 @@ def build_tree(trunk: list[int], candidates: list[list[int]]) -> tuple[list[int]
     return tokens, parents, depths
 
 
-def candidate_tree(candidates: list[list[int]]) -> Draft:
+def guess_tree(candidates: list[list[int]]) -> Draft:
     """A draft tree (root = the last committed token) from per-depth candidates."""
     tokens, parents, _ = build_tree([0], candidates)
     return Draft(tokens[1:], [p - 1 for p in parents[1:]])
 
 
 @dataclass(frozen=True)
-class Candidates:
+class StreamGuesses:
     """The top-k tokens of streams 1..γ at the last accepted node, best first, with their log-probabilities."""
 
     tokens: list[list[int]] = field(default_factory=list)
@@ -73,7 +73,7 @@ class Candidates:
         since a child's path is never more likely than its parent's (EAGLE-2's dynamic tree, on stream scores)."""
         levels = self.tokens[:max(depth, 0)]
         if budget <= 0:
-            return candidate_tree(levels)
+            return guess_tree(levels)
         tokens: list[int] = []
         parents: list[int] = []
         frontier: list[tuple[float, int, int, int]] = []  # (-path log-probability, depth - 1, option, parent node)
@@ -163,12 +163,12 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
             alive[i] = alive[parents[i]] and p >= threshold
         kept = [i for i in range(n) if alive[i]]
 
-    m, gamma = len(kept), adapters.config.streams
+    m, n_streams = len(kept), adapters.config.streams
     sub = torch.tensor(kept, device=device)
     x = adapters.insert(hidden[:, sub])
-    up_positions = torch.cat([positions[sub], positions[sub].repeat_interleave(gamma)])[None]
-    up_mask = msa_mask(anc[sub][:, sub], past, gamma)
-    out = model.run_layers(x, up_positions, cache, up_mask, split, None, streams=adapters.rows(m * gamma))
+    up_positions = torch.cat([positions[sub], positions[sub].repeat_interleave(n_streams)])[None]
+    up_mask = msa_mask(anc[sub][:, sub], past, n_streams)
+    out = model.run_layers(x, up_positions, cache, up_mask, split, None, streams=adapters.rows(m * n_streams))
     where = {node: r for r, node in enumerate(kept)}
     below = kept[len(trunk):]
     draft = Draft([tokens[i] for i in below],
@@ -176,14 +176,14 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
     return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m]), draft)
 
 
-def next_candidates(model: Transformer, adapters: StreamAdapters, forward: TreeForward, verdict: Verdict,
-                    tree_k: int, head: SubsetHead | None = None) -> Candidates:
+def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForward, verdict: Verdict,
+                    tree_k: int, head: SubsetHead | None = None) -> StreamGuesses:
     """Top-k of streams 1..γ at the last accepted node (over ``head``'s ids when given): the next tree."""
-    gamma, m = adapters.config.streams, len(forward.kept)
+    n_streams, m = adapters.config.streams, len(forward.kept)
     last = forward.trunk + verdict.nodes[-1] if verdict.accepted else forward.root_row
-    logits, ids = head_logits(model, forward.out[0, m + last * gamma: m + (last + 1) * gamma], head)
+    logits, ids = head_logits(model, forward.out[0, m + last * n_streams: m + (last + 1) * n_streams], head)
     logprobs, tokens = top_tokens(logits, ids, tree_k)
-    return Candidates(tokens.tolist(), logprobs.float().tolist())
+    return StreamGuesses(tokens.tolist(), logprobs.float().tolist())
 
 
 def compact(model: Transformer, adapters: StreamAdapters, cache: KVCache, forward: TreeForward,
@@ -201,7 +201,7 @@ def compact(model: Transformer, adapters: StreamAdapters, cache: KVCache, forwar
 class PassResult:
     accepted: list[int]  # tree tokens accepted after the root
     next_token: int  # the model's token after the last accepted node
-    candidates: Candidates  # top-k of streams 1..γ at that node: the next tree
+    candidates: StreamGuesses  # top-k of streams 1..γ at that node: the next tree
     path_logits: torch.Tensor  # [accepted + 1, vocab] main logits that chose accepted + next_token
 
 
@@ -214,6 +214,6 @@ def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk:
                           forward.past + forward.trunk, params, noise)
     chose = [0, *(i + 1 for i in verdict.nodes)]
     result = PassResult([forward.draft.tokens[i] for i in verdict.nodes], verdict.next_token,
-                        next_candidates(model, adapters, forward, verdict, tree_k, head), forward.main_logits[chose])
+                        next_guesses(model, adapters, forward, verdict, tree_k, head), forward.main_logits[chose])
     compact(model, adapters, cache, forward, verdict)
     return result

@@ -1,8 +1,8 @@
 """Mirror-SD with ``--backend processes``: the draft rank in its own process, the token channel between them.
 
-The target's process keeps :class:`RemoteBranchProposer`, which has :class:`~.mirror.BranchProposer`'s interface
-and forwards each call as one fused int64 message. The draft's process runs :func:`serve_draft`, which holds the
-real ``BranchProposer``, the draft's KV cache and a replica of the committed text. The target's process remains
+The target's process drives :class:`RemoteDraft`, the :class:`~.draft.DraftSide` that forwards each call as one
+fused int64 message. The draft's process runs :func:`serve_draft`, which holds a
+:class:`~.draft.LocalDraft`, the draft's KV cache and a replica of the committed text. The target's process remains
 the only source of committed tokens: every message carries the tokens committed since the last one. Per step:
 
 * ``LAUNCH`` at the early exit: the new tokens, the window, the roots and the rollout depth. No reply is awaited,
@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from .. import kernels
-from ..model import Transformer
-from ..runtime import Executor, Span
-from ..runtime.processes import (
+from ... import kernels
+from ...model import Transformer
+from ...runtime import Executor, Span
+from ...runtime.processes import (
     SHUTDOWN,
     Channel,
     ChannelError,
@@ -43,13 +43,14 @@ from ..runtime.processes import (
     launched_rank,
     now_ns,
 )
-from ..runtime.tensor_parallel import RelayedChannel, current_world, launched_world, leave_world
-from ..sampling import SamplingParams
-from ..verify import Verdict
-from .engine import DecodeRequest, Draft, GenerationStats, RequestState, Scores
-from .mirror import BranchProposer, MirrorOptions, MirrorRun, fresh_proposer
-from .proposers import ModelProposer
-from .suffix import SuffixProposer
+from ...runtime.tensor_parallel import RelayedChannel, current_world, launched_world, leave_world
+from ...sampling import SamplingParams
+from ...verify import Verdict
+from ..engine import DecodeRequest, Draft, GenerationStats, RequestState
+from ..proposers import ModelProposer
+from .draft import LocalDraft, fresh_proposer
+from .options import MirrorOptions
+from .stats import MirrorRun
 
 START, FRESH, LAUNCH, VERDICT, END = 1, 2, 3, 4, 5  # message kinds (SHUTDOWN, 0, ends the worker)
 NO_TREE = -1  # VERDICT reply: no rollout was launched this step
@@ -76,7 +77,8 @@ def unpack_window(data: list[int]) -> tuple[list[int], list[list[int]] | None, l
 
 
 class _Session:
-    """One request on the draft rank: the real BranchProposer over a replica of the committed text."""
+    """One request on the draft rank: the draft model's side (:class:`~.draft.LocalDraft`) over a replica of the
+    committed text."""
 
     def __init__(self, draft: Transformer, config: dict[str, Any]) -> None:
         sampling = SamplingParams(**config["sampling"])
@@ -85,9 +87,7 @@ class _Session:
         req = DecodeRequest(target=None, prompt_ids=prompt, max_new_tokens=config["max_new_tokens"],  # type: ignore[arg-type]
                             sampling=sampling, stats=GenerationStats("mirror"), draft=draft, options=opts)
         run = MirrorRun(req, opts, exit_layer=0, executor=Executor())
-        fresh = fresh_proposer(draft, config["target_vocab"], sampling, opts)
-        fresh.runner_ups = opts.kappa + 1 if opts.candidates == "draft" else 0  # as mirror.build does
-        self.proposer = BranchProposer(run, fresh)
+        self.draft = LocalDraft(run, fresh_proposer(draft, config["target_vocab"], sampling, opts))
         capacity = len(prompt) + req.max_new_tokens + 2
         self.state = RequestState(req, list(prompt), None, draft.new_cache(capacity=capacity),  # type: ignore[arg-type]
                                   list(prompt))
@@ -105,7 +105,7 @@ class _Session:
     def fresh(self, data: list[int]) -> list[int]:
         self.sync(data)
         start = now_ns()
-        window = self.proposer.fresh.propose(self.state)
+        window = self.draft.proposer.propose(self.state)
         return [*pack_window(window), window.forwards, start, now_ns()]
 
     def launch(self, data: list[int], received: int) -> None:
@@ -118,7 +118,7 @@ class _Session:
         state = self.state
         spine = [*state.tokens, *window][len(state.draft_cache):]
         self.launch_recv = received
-        self.tree = self.proposer.rollout(len(state.tokens), window, spine, roots, steps, state)
+        self.tree = self.draft.rollout(len(state.tokens), window, spine, roots, steps, state)
 
     def verdict(self, data: list[int], received: int) -> list[int]:
         accepted, correction = self.sync(data)
@@ -131,7 +131,7 @@ class _Session:
         branch = tree.branch(accepted, correction)
         kept = Draft()
         if branch is not None:
-            kept = self.proposer.keep_branch(state, tree, branch)
+            kept = self.draft.keep_branch(state, tree, branch)
         else:
             ModelProposer.rollback(state, accepted)
         select = now_ns() - start
@@ -247,20 +247,13 @@ class _RemoteTree:
     forwards: int
 
 
-class RemoteBranchProposer(BranchProposer):
-    """:class:`~.mirror.BranchProposer` with the draft in another process (the module docstring): the window
-    logic (a kept branch, the suffix hybrid, then a fresh rollout) is inherited; what touches the draft model
-    (fresh rollouts, tree rollouts, branch selection) goes over the channel instead. No local draft proposer."""
+class RemoteDraft:
+    """The draft in another process (the module docstring): fresh rollouts, tree rollouts and branch selection go
+    over the channel; :class:`~.draft.BranchProposer` keeps the window logic in this process."""
 
-    def __init__(self, run: MirrorRun, req: DecodeRequest, lookup: SuffixProposer | None = None,
-                 min_match: int = 0) -> None:
-        # Not BranchProposer.__init__: that one builds on a draft proposer in this process.
+    def __init__(self, run: MirrorRun, req: DecodeRequest) -> None:
         self.run, self.req, self.opts = run, req, run.opts
-        self.lookup, self.min_match = lookup, min_match
         self.worker: Worker | LaunchedPeer | None = None
-        self.ready: Draft | None = None
-        self.failed = False
-        self.source = "model"
         self.synced = 0  # committed tokens the draft rank has been sent
         self.launched: int | None = None  # perf_counter_ns when this step's LAUNCH left, if one did
         self.channel_s: dict[str, list[float]] = run.stats.channel_s
@@ -283,62 +276,45 @@ class RemoteBranchProposer(BranchProposer):
             raise ChannelError(f"expected reply {kind}, got {got}")
         return data.tolist()
 
-    # -- the role
+    # -- the side
 
     def start(self, state: RequestState) -> None:
-        if self.lookup is not None:
-            self.lookup.start(state)
         opts, req = self.opts, self.req
         config = {"sampling": vars(req.sampling), "max_new_tokens": req.max_new_tokens, "prompt": state.tokens,
                   "target_vocab": req.target.config.vocab_size,
                   "options": {"gamma": opts.gamma, "confidence": opts.confidence, "draft_vocab": opts.draft_vocab,
                               "draft_streams": opts.draft_streams, "acceptance": opts.acceptance,
                               "kappa": opts.kappa, "candidates": opts.candidates}}
-        try:
-            self.worker = draft_worker(req.draft, self.run.executor.draft_threads, getattr(req.target, "tp_size", 1))
-            self.worker.channel.timeout = opts.channel_timeout
-            self._send(START, encode_text(json.dumps(config)))
-            self.synced = len(state.tokens)
-        except Exception as error:  # noqa: BLE001 - no draft rank: the target decodes alone
-            self.fail(error)
+        self.worker = draft_worker(req.draft, self.run.executor.draft_threads, getattr(req.target, "tp_size", 1))
+        self.worker.channel.timeout = opts.channel_timeout
+        self._send(START, encode_text(json.dumps(config)))
+        self.synced = len(state.tokens)
 
-    def fresh_rollout(self, state: RequestState) -> Draft:
+    def fresh(self, state: RequestState) -> Draft:
         self._send(FRESH, self._new_tokens(state))
         tokens, alternatives, (forwards, begin, end) = unpack_window(self._reply(FRESH))
         self.run.tracer.spans.append(Span("draft", "fresh rollout", begin / 1e9, end / 1e9))
         return Draft(tokens, forwards=forwards, alternatives=alternatives)
 
     def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
-        try:
-            self.launched = now_ns()
-            self._send(LAUNCH, [*self._new_tokens(state), len(window), *window, len(roots),
-                                *(x for root in roots for x in root), steps])
-        except ChannelError as error:
-            self.fail(error)
+        self.launched = now_ns()
+        self._send(LAUNCH, [*self._new_tokens(state), len(window), *window, len(roots),
+                            *(x for root in roots for x in root), steps])
 
-    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
-        """The final rendezvous: the verdict goes over, the kept branch (or a miss) comes back."""
-        if self.lookup is not None:
-            self.lookup.feedback(state, scores, verdict)
+    def verdict(self, state: RequestState, verdict: Verdict) -> Draft | None:
+        """The verdict goes over; the kept branch (or a miss) comes back. The draft process rolls its own cache
+        back."""
         launched, self.launched = self.launched, None
-        if self.failed:
-            self.run.joined(None)
-            return
-        try:
-            sent = now_ns()
-            self._send(VERDICT, [*self._new_tokens(state), verdict.accepted, verdict.next_token])
-            reply = self._reply(VERDICT)
-        except ChannelError as error:
-            self.fail(error)
-            self.run.joined(None)
-            return
+        sent = now_ns()
+        self._send(VERDICT, [*self._new_tokens(state), verdict.accepted, verdict.next_token])
+        reply = self._reply(VERDICT)
         hit = reply[0]
         tokens, alternatives, (forwards, begin, end, select, launch_recv, verdict_recv) = unpack_window(reply[1:])
         # The draft process reads the verdict once its rollout is done: the channel's own part starts then.
         self.channel_s.setdefault("final", []).append((verdict_recv - max(sent, end)) / 1e9)
         if hit == NO_TREE:
             self.run.joined(None)
-            return
+            return None
         if launched is not None:
             self.channel_s.setdefault("early_exit", []).append((launch_recv - launched) / 1e9)
         span = Span("draft", "rollout", begin / 1e9, end / 1e9)
@@ -346,21 +322,21 @@ class RemoteBranchProposer(BranchProposer):
         state.stats.draft_forwards += forwards
         self.run.joined(_RemoteTree(span, forwards))
         self.run.selected(select / 1e9, bool(hit))
-        if hit:
-            self.ready = Draft(tokens, alternatives=alternatives)
+        return Draft(tokens, alternatives=alternatives) if hit else None
 
-    def fail(self, error: BaseException) -> None:
-        if self.worker is not None:
-            # A dead rank is named as one: gloo may report a dead peer as a closed connection or, when the send
-            # went into the socket buffer first, as a timed-out receive, which alone would read like a hang.
-            code = self.worker.process.exitcode
-            error = error if code is None else ChannelError(f"the draft rank exited with code {code}: {error}")
-            self.worker.abandon(f"{type(error).__name__}: {error}")
-        super().fail(error)
+    def abandon(self, error: BaseException) -> BaseException:
+        if self.worker is None:
+            return error
+        # A dead rank is named as one: gloo may report a dead peer as a closed connection or, when the send went
+        # into the socket buffer first, as a timed-out receive, which alone would read like a hang.
+        code = self.worker.process.exitcode
+        error = error if code is None else ChannelError(f"the draft rank exited with code {code}: {error}")
+        self.worker.abandon(f"{type(error).__name__}: {error}")
+        return error
 
-    def close(self) -> None:
+    def close(self, failed: bool) -> None:
         """The request is over: the draft rank drops its session and waits for the next one."""
-        if self.worker is not None and not self.failed:
+        if self.worker is not None and not failed:
             try:
                 self._send(END, [])
             except ChannelError as error:

@@ -1,5 +1,5 @@
 """``ss``: Speculative Streaming (Bhendawade et al. 2024) -- one model verifies the last draft tree and drafts
-the next one in the same forward pass (:mod:`mirrorsd.decoding.streaming`).
+the next one in the same forward pass (:mod:`.passes`).
 
 On the loop: the proposer turns the last pass's stream candidates into a tree (no forward of its own); the
 scorer runs the fused pass (pruning included) and exposes the stream rows; the shared tree verifier walks the
@@ -11,28 +11,41 @@ one-branch tree (:class:`~mirrorsd.decoding.suffix.SuffixFirst`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from statistics import fmean
 from typing import Any
 
 import torch
 
-from ..draft_vocab import SubsetHead
-from ..exit_heads import tuned_exit
-from ..model import Transformer
-from ..streams import StreamAdapters, load_adapters
-from ..verify import Verdict
-from .engine import ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, match
-from .registry import MethodOptions, ModelShape, OptionError, at_least, option, probability, register
-from .streaming import (
+from ...draft_vocab import SubsetHead
+from ...exit_heads import tuned_exit
+from ...model import Transformer
+from ...verify import Verdict
+from ..engine import ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, match
+from ..registry import (
+    Method,
+    MethodOptions,
+    ModelShape,
+    OptionError,
+    PlanInputs,
+    Priced,
+    ShippedFiles,
+    at_least,
+    option,
+    probability,
+    register,
+)
+from ..suffix import HYBRID_LOOKUP, SuffixFirst, suffix_match_option, suffix_proposer
+from .adapters import StreamAdapters, load_adapters
+from .passes import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_K,
-    Candidates,
+    StreamGuesses,
     TreeForward,
     compact,
     fused_forward,
-    next_candidates,
+    next_guesses,
 )
-from .suffix import HYBRID_LOOKUP, SuffixFirst, suffix_match_option, suffix_proposer
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; at 0.05 the CR was unchanged and k=3 ran 1.5x faster
 
@@ -63,6 +76,15 @@ class SSOptions(MethodOptions):
             raise OptionError("prune_exit", "scores edges for pruning, and threshold 0 never prunes: give a "
                               "threshold above 0 (--prune-threshold), or leave prune_exit at 'adapter'")
 
+    def resolved(self, files: ShippedFiles, shape: ModelShape) -> SSOptions:
+        """No ``streams``: the target's shipped adapter; ``prune_exit="tuned"``: its shipped tuned exit."""
+        opts = self
+        if opts.streams is None:
+            opts = replace(opts, streams=files.streams("target"))
+        if opts.prune_exit == "tuned":
+            opts = replace(opts, prune_exit=files.tuned_exit("prune_exit"))
+        return opts
+
 
 @dataclass
 class SSStats:
@@ -76,6 +98,17 @@ class SSStats:
     def call_reduction(self) -> float:
         """Tokens per forward pass = AR forwards / SS forwards for the same text (the paper's CR ratio)."""
         return sum(self.committed) / len(self.committed) if self.committed else 0.0
+
+    def summary(self) -> str:
+        x = self.to_dict()
+        return (f", call reduction {x['call_reduction']:.2f} tokens/pass, tree {x['mean_tree_before_pruning']:.1f}"
+                f" → {x['mean_tree_after_pruning']:.1f} after pruning")
+
+    def counters(self) -> dict[str, float]:
+        return {"passes": len(self.committed), "committed": sum(self.committed)}
+
+    def timeline(self) -> None:
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         n = max(len(self.tree_before), 1)
@@ -110,7 +143,7 @@ class StreamTreeScorer(ChainScorer):
         compact(self.model, self.adapters, state.target_cache, scores.forward, verdict)
 
 
-class StreamCandidates:
+class StreamGuessProposer:
     """Proposes the tree of the last pass's stream candidates, cut to its ``budget`` most likely nodes (the first pass
     has none)."""
 
@@ -118,16 +151,16 @@ class StreamCandidates:
                  head: SubsetHead | None) -> None:
         self.model, self.adapters, self.depth, self.tree_k, self.head = model, adapters, depth, tree_k, head
         self.budget = budget
-        self.candidates = Candidates()
+        self.candidates = StreamGuesses()
 
     def start(self, state: RequestState) -> None:
-        self.candidates = Candidates()
+        self.candidates = StreamGuesses()
 
     def propose(self, state: RequestState) -> Draft:
         return self.candidates.tree(min(self.depth, state.room), self.budget)
 
     def feedback(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
-        self.candidates = next_candidates(self.model, self.adapters, scores.forward, verdict, self.tree_k, self.head)
+        self.candidates = next_guesses(self.model, self.adapters, scores.forward, verdict, self.tree_k, self.head)
 
 
 def build(req: DecodeRequest, opts: SSOptions) -> Roles:
@@ -144,7 +177,7 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     prune_exit = None
     if opts.prune_exit != "adapter":
         prune_exit = tuned_exit(req.target, opts.prune_exit, adapters.first_layer, "prune_exit")
-    proposer: Any = StreamCandidates(req.target, adapters, depth, opts.tree_k, opts.tree_budget, head)
+    proposer: Any = StreamGuessProposer(req.target, adapters, depth, opts.tree_k, opts.tree_budget, head)
     lookup, window = None, depth
     if opts.suffix_match:  # suffix windows are not bounded by the streams
         window = max(depth, HYBRID_LOOKUP.gamma)
@@ -166,5 +199,24 @@ def step_cost(costs: Any, step: dict[str, Any], opts: SSOptions) -> float:
     return (1 - top) * costs.target(step["tree"]) + top * costs.target(step["kept"] * (1 + step["streams"]))
 
 
+def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
+    """Short runs with the target's shipped adapter: their call reduction and mean trees, by the cost model."""
+    if inputs.files is None:  # pricing without models
+        return []
+    try:
+        inputs.files.streams("target")
+    except ValueError:  # no shipped adapter
+        return []
+    runs = inputs.runs(method.name, {}, prompts=2, max_new=32)
+    if not runs:
+        return []
+    stats = [run.extra[method.name] for run in runs]
+    first = runs[0].step_log[0]
+    step = {"tree": fmean(n for s in stats for n in s.tree_before),
+            "kept": fmean(n for s in stats for n in s.tree_after), "streams": int(first["streams"]),
+            "top_fraction": first["top_fraction"]}
+    return [Priced({}, fmean(c for s in stats for c in s.committed), method.price(inputs.costs, step))]
+
+
 register("ss", "Speculative Streaming: one model with stream adapters verifies a tree and drafts the next in one "
-         "pass", needs_draft=False, options=SSOptions, build=build, step_cost=step_cost)
+         "pass", needs_draft=False, options=SSOptions, build=build, step_cost=step_cost, plan=plan)

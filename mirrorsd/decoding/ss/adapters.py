@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .draft_vocab import SubsetHead, head_logits, optional_head
-from .model import PROJECTIONS, StreamRows, Transformer
+from ...draft_vocab import SubsetHead, head_logits, optional_head
+from ...execution import PROJECTIONS
+from ...model import StreamRows, Transformer
 
 CONFIG_FILE, WEIGHTS_FILE = "stream_config.json", "adapter.safetensors"
-SHIPPED = Path(__file__).parent / "data" / "streams"
+SHIPPED = Path(__file__).parents[2] / "data" / "streams"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,59 @@
+"""``mirrorsd`` command line: generate text and manage the offline model zoo.
+
+One module per command, each with ``register(subparsers)`` and ``run(args)``. The top-level parser lists every
+command from :data:`~mirrorsd.cli.args.COMMANDS` and imports only the module of the command being run, so that
+``mirrorsd --help`` loads no command and ``mirrorsd generate`` neither the server nor the benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import sys
+from collections.abc import Collection
+
+import mirrorsd
+from mirrorsd.zoo import ZooError
+
+from .args import COMMANDS, DEFAULT_DRAFT, DEFAULT_TARGET
+from .common import warn_if_busy as _warn_if_busy  # noqa: F401 (the tests call cli._warn_if_busy)
+
+__all__ = ["DEFAULT_DRAFT", "DEFAULT_TARGET", "build_parser", "main"]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mirrorsd")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return getattr(mirrorsd, "__version__", "unknown")
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser with the full arguments of ``commands`` (default: all); the others have only their name and
+    help, enough for `mirrorsd --help` and for argparse to name the choices."""
+    p = argparse.ArgumentParser(
+        prog="mirrorsd",
+        description="Lossless speculative decoding on real pretrained models, offline.",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help in COMMANDS.items():
+        if commands is None or name in commands:
+            importlib.import_module(f"{__name__}.{name.replace('-', '_')}").register(sub)
+        else:
+            sub.add_parser(name, help=help)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)  # the top level takes no option values
+    args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, ZooError, FileNotFoundError) as e:
+        print(f"mirrorsd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,104 @@
+"""The flags several commands take, declared once: each command picks the ones it needs, in its own order, with
+its own help and default where the meaning differs (`bench perplexity --weights` is a list, `generate --weights`
+one format)."""
+
+from __future__ import annotations
+
+import argparse
+
+from mirrorsd.decoding import methods
+from mirrorsd.loading import WEIGHT_FORMATS
+from mirrorsd.model import ACTIVATION_FORMATS
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
+#: Every command's one-line help, in the order `mirrorsd --help` lists them: the top-level parser is built from
+#: this table alone, so that listing the commands imports none of their modules.
+COMMANDS = {
+    "generate": "generate text (AR or speculative)",
+    "serve": "an OpenAI-compatible HTTP server (chat, completions, SSE streaming, metrics, a chat page)",
+    "train-streams": "train Speculative Streaming adapters (lossless mode) on offline text",
+    "train-exit": "fit a tuned early exit (Mirror-SD's --exit-head tuned) on offline text, in closed form",
+    "bench": "Spec-Bench runner with peers in the same run; sweeps; costs",
+    "plan": "measure this machine and recommend a configuration",
+    "methods": "the decoding methods and their options",
+    "models": "the offline model zoo",
+}
+
+MODEL_HELP = "zoo model name or local HF folder"
+_SAMPLING_TYPES = {"temperature": float, "top_k": int, "top_p": float, "seed": int, "max_new_tokens": int}
+
+
+def add_pair(p: argparse.ArgumentParser, draft_help: str | None = None) -> None:
+    """``--target`` and ``--draft``; with ``draft_help`` the draft has no default: the command picks one."""
+    p.add_argument("--target", default=DEFAULT_TARGET, help=MODEL_HELP)
+    p.add_argument("--draft", default=None if draft_help else DEFAULT_DRAFT, help=draft_help or MODEL_HELP)
+
+
+def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """``--model``: the one model a trainer fits (required) or a measurement runs (default: the target)."""
+    p.add_argument("--model", required=required, default=None if required else DEFAULT_TARGET, help=MODEL_HELP)
+
+
+def add_method(p: argparse.ArgumentParser, help: str) -> None:
+    """``--method``: every registered method, or auto."""
+    p.add_argument("--method", choices=[*(m.name for m in methods()), "auto"], help=help)
+
+
+def add_weights(p: argparse.ArgumentParser, help: str = "weight format (default: as generate)", **kwargs) -> None:
+    """``--weights``: one of the formats unless ``kwargs`` say otherwise (``choices=None`` for a list)."""
+    p.add_argument("--weights", **{"choices": WEIGHT_FORMATS, **kwargs}, help=help)
+
+
+def add_formats(p: argparse.ArgumentParser, weights: str = "weight format (default: as generate)",
+                activations: str = "activation precision (default: as generate)",
+                defaults: tuple[str | None, str | None] = (None, None)) -> None:
+    """``--weights`` and ``--activations``, for the commands that take both (always side by side)."""
+    add_weights(p, weights, default=defaults[0])
+    p.add_argument("--activations", choices=ACTIVATION_FORMATS, default=defaults[1], help=activations)
+
+
+def add_dtype(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--dtype`` of the commands that run our models and the peers in any torch float type."""
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help=help)
+
+
+def add_sampling(p: argparse.ArgumentParser, **flags: tuple[object, str]) -> None:
+    """Sampling and length flags as ``name=(default, help)``, in the order given: each command has its own defaults
+    (serve takes OpenAI's temperature 1, bench Spec-Bench's greedy 0) and lists them in its own order."""
+    for name, (default, help) in flags.items():
+        p.add_argument("--" + name.replace("_", "-"), type=_SAMPLING_TYPES[name], default=default, help=help)
+
+
+# -- method options: the flags come from the registry ----------------------------------------------------------
+
+
+def flag_dest(flag: str) -> str:
+    return "opt_" + flag.lstrip("-").replace("-", "_")
+
+
+def method_flags() -> dict[str, list[tuple[object, object]]]:
+    """CLI flag -> [(method, option)] over every registered method (methods may share a flag: ``--gamma``)."""
+    flags: dict[str, list[tuple[object, object]]] = {}
+    for method in methods():
+        for opt in method.options.fields():
+            flags.setdefault(opt.flag, []).append((method, opt))
+    return flags
+
+
+def add_method_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option name; the help says which methods use it and each one's default."""
+    group = parser.add_argument_group("method options (`mirrorsd methods` lists them; a flag another method uses "
+                                      "is refused)")
+    for flag, uses in method_flags().items():
+        first = uses[0][1]
+        defaults = ", ".join(f"{m.name}: {o.shown_default}" for m, o in uses)
+        choices = first.choices if all(o.choices == first.choices for _, o in uses) else None
+        kwargs = {"dest": flag_dest(flag), "metavar": first.metavar or (None if choices else "VALUE"),
+                  "help": f"{first.help} [{'/'.join(m.name for m, _ in uses)}] (default: {defaults})"}
+        if choices:
+            kwargs["choices"] = [str(c) for c in choices]
+        if first.const is not None:
+            kwargs.update(nargs="?", const=first.const)
+        group.add_argument(flag, **kwargs)

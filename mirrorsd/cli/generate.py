@@ -1,0 +1,180 @@
+"""``mirrorsd generate``: a completion per prompt with any method, streamed or as JSON, also under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+import mirrorsd
+from mirrorsd.decoding import get_method, leave_launched_world, methods, serve_launched
+from mirrorsd.plans import saved_recommendation
+from mirrorsd.runtime import write_chrome_trace
+from mirrorsd.runtime.processes import launched_rank
+from mirrorsd.runtime.tensor_parallel import gather_spans, launched_world, shard_target
+
+from .args import COMMANDS, DEFAULT_DRAFT, add_dtype, add_formats, add_method, add_method_flags, add_pair, add_sampling
+from .common import HelpFormatter, checked_options, load_draft, say_loaded
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser(
+        "generate",
+        help=COMMANDS["generate"],
+        description="Generate a completion. Speculative methods give the target's own tokens: greedy output "
+        "equals --method ar, and seeded sampling equals ar for the same --seed (up to float near-ties).",
+        formatter_class=HelpFormatter,
+    )
+    add_pair(g, draft_help="draft for speculative methods: zoo name or folder, or self:N / self:F for the target's "
+                           f"first N layers (or fraction F of them) (default: {DEFAULT_DRAFT})")
+    add_method(g, "; ".join(f"{m.name}: {m.summary}" for m in methods()) + "; auto: the configuration "
+               "`mirrorsd plan` saved for this target and draft on this machine, planned briefly (1-2 minutes) on "
+               "first use; it falls back to ar when nothing pays (default: auto; the API's default is sd when a "
+               "draft is given, else ar)")
+    g.add_argument("--draft-device", help="device for the draft model (--backend devices), e.g. cuda:1 or cpu "
+                                          "(default: --device)")
+    g.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace of the target and draft lanes to FILE (methods that trace "
+                        "their lanes: mirror) (default: none)")
+    add_method_flags(g)
+    add_sampling(g, temperature=(0.0, "0 means greedy"), top_k=(0, "0 disables top-k filtering"),
+                 top_p=(1.0, "1 disables nucleus filtering"),
+                 seed=(None, "sampling seed; noise is keyed by seed and position, so ar and sd agree for a seed "
+                             "(default: random, reported in --json stats)"),
+                 max_new_tokens=(128, "most tokens to generate"))
+    g.add_argument("--stop", action="append",
+                   help="stop string (repeatable); excluded from the output (default: none; EOS always stops)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompts", help='JSONL file with one {"prompt": ...} per line')
+    g.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
+    g.add_argument("--device", default="cpu", help="torch device for both models (cpu, cuda, cuda:1, ...)")
+    add_dtype(g, "weights and activations; the zoo converts to float32")
+    add_formats(g, "weight format for both models: fp32; q8 (int8 per 32 weights); q4 (the codes of the GGUF file a "
+                "zoo folder keeps — Q4_K_M for the Qwen pair, Q4_1/Q8_0 for SmolLM2 — computed without "
+                "dequantizing) (default: per zoo model, the fastest format that passed the chat quality gate "
+                "(`mirrorsd bench quality`); q4 for other folders holding a model.gguf; else fp32)",
+                "activation precision of quantized weights: int8 (per 32 features, fastest) or int8x2 (a second "
+                "int8 plane for the remainder, ~15 bits: what small models need on chat prompts) (default: the zoo "
+                "model's gate-picked one; int8x2 otherwise)")
+    g.add_argument("--target-tp", type=int, default=1, metavar="N",
+                   help="shard the target's projections over N ranks (tensor parallelism, DTensor) under torchrun: "
+                        "--nproc-per-node N, or N + 1 with --backend processes (the last rank serves the draft); "
+                        "dense weights (--weights fp32), methods ar, sd and mirror without timing-driven choices")
+    g.set_defaults(func=run)
+
+
+def _read_prompts(path: str) -> list[str]:
+    prompts = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line)["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f'{path}:{n}: expected a JSON object with a "prompt" field ({e})') from None
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def _auto_choice(args: argparse.Namespace) -> tuple[str, dict]:
+    """``--method auto``: the plan saved for this target and draft on this machine, resolved before any model loads
+    so that the flags are checked against the method it picked; ``("auto", {})`` when there is no plan yet (the
+    API then plans briefly after loading)."""
+    draft = args.draft or DEFAULT_DRAFT
+    pick = None if draft.startswith("self:") else saved_recommendation(args.target, draft)
+    return ("auto", {}) if pick is None else (pick["method"], pick["options"])
+
+
+def _checked_target_tp(args: argparse.Namespace) -> int:
+    """``--target-tp``: the target's ranks under torchrun; sharding splits dense weights only."""
+    tp = args.target_tp
+    if tp < 1:
+        raise ValueError(f"--target-tp must be >= 1, got {tp}")
+    if tp > 1 and launched_rank() is None:
+        raise ValueError(f"--target-tp {tp} runs under torchrun: torchrun --nproc-per-node {tp} -m mirrorsd.cli "
+                         f"generate ... (or {tp + 1} with --backend processes)")
+    if tp > 1 and args.weights not in (None, "fp32"):
+        raise ValueError(f"--target-tp shards dense weights; --weights {args.weights} cannot be split (use fp32)")
+    if tp > 1:
+        args.weights = "fp32"
+    return tp
+
+
+def _serve_draft_rank(args: argparse.Namespace, err) -> int:
+    """The last rank of ``torchrun ... mirrorsd generate --backend processes``: load the draft, serve rank 0."""
+    target = None
+    if (args.draft or "").startswith("self:"):  # the self-draft is the target's first layers
+        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
+                                     activations=args.activations)
+    draft = load_draft(args, target, err)
+    serve_launched(draft.model, args.target_tp)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    err = Console(stderr=True)
+    method, options = args.method or "auto", {}
+    by_auto = method == "auto"
+    if by_auto:
+        method, options = _auto_choice(args)
+    options = {**options, **checked_options(args, method, by_auto)}
+    if by_auto and method != "auto":
+        shown = " ".join(f"{k}={v}" for k, v in options.items())
+        err.print(f"mirrorsd: auto chose {method} {shown} (this machine's plan for the pair; `mirrorsd plan` "
+                  "re-plans)".replace("  ", " "), style="dim", highlight=False)
+    needs_draft = method == "auto" or get_method(method).needs_draft  # auto: the plan is keyed by the draft too
+    tp = _checked_target_tp(args)
+    rank = launched_rank()
+    if options.get("backend") == "processes" and rank == tp:
+        return _serve_draft_rank(args, err)
+    if rank not in (None, 0):  # another rank of a sharded target: the same loop, silently
+        args.json, err = True, Console(stderr=True, quiet=True)
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    with err.status(f"loading target {args.target}…"):
+        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
+                                     activations=args.activations, **({"linear": "dense"} if tp > 1 else {}))
+    if tp > 1:
+        shard_target(target.model, launched_world(tp).tp_group)
+    say_loaded("target", target, args)
+    draft = load_draft(args, target, err) if needs_draft else None
+    spans = []
+    for prompt in prompts:
+        s = mirrorsd.stream(target, prompt, draft=draft, method=method, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens, stop=args.stop or (), raw=args.raw, **options)
+        for delta in s:
+            if not args.json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        result = s.result
+        spans.extend(result.stats.spans)
+        if rank not in (None, 0):
+            continue
+        if args.json:
+            print(json.dumps({"prompt": prompt, **result.to_dict()}, ensure_ascii=False), flush=True)
+        else:
+            st = result.stats
+            sys.stdout.write("\n")
+            line = (f"[{st.method}, {target.format}] {st.new_tokens} tokens in {st.wall_s:.2f} s "
+                    f"({st.tokens_per_s:.2f} tok/s), {st.target_forwards} target forwards, "
+                    f"finish={result.finish_reason}")
+            if st.steps and st.gamma:
+                line += (f", mean accepted length {st.mean_accepted_length:.2f} (γ={st.gamma}, largest window "
+                         f"{st.max_drafted}), draft {st.draft_s:.2f} s / target {st.target_s:.2f} s")
+            line += "".join(extra.summary() for extra in st.extra.values())  # the method's own clause
+            err.print(line, style="dim", highlight=False)
+    if args.trace and tp > 1:
+        spans = gather_spans(spans, launched_world(tp))  # one lane per rank
+    if args.trace and rank in (None, 0):
+        write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft, "method": method,
+                                                        "options": {k: str(v) for k, v in options.items()}})
+        err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)", style="dim", highlight=False)
+    if rank is not None:
+        leave_launched_world()
+    return 0

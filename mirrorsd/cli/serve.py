@@ -1,0 +1,94 @@
+"""``mirrorsd serve``: the OpenAI-compatible HTTP server on a target (and a draft)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+from rich.console import Console
+
+import mirrorsd
+from mirrorsd.api import default_method, planned
+from mirrorsd.decoding import get_method
+from mirrorsd.server import ServerConfig, create_app
+
+from .args import COMMANDS, add_dtype, add_formats, add_method, add_method_flags, add_pair, add_sampling
+from .common import HelpFormatter, checked_options, load_draft, say_loaded
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sv = sub.add_parser(
+        "serve", formatter_class=HelpFormatter, help=COMMANDS["serve"],
+        description="Serve a target (and a draft) over OpenAI's HTTP API with speculative decoding: POST "
+        "/v1/chat/completions and /v1/completions (stream: true for SSE), GET /v1/models, /health, /metrics "
+        "(Prometheus), POST /tokenize and /detokenize, and a chat page at / that colours each token by how it was "
+        "produced. Requests may pick the method and its options in a `mirrorsd` object ({\"mirrorsd\": "
+        "{\"method\": \"suffix\", \"gamma\": 8}}); this command's flags are the defaults. Every answer is "
+        "the target's own output, as with `mirrorsd generate`.")
+    add_pair(sv, draft_help="draft model for sd / mirror: zoo name or folder, or self:N / self:F (default: none; "
+                            "requests may then use only draft-free methods: ar, suffix, ss)")
+    add_method(sv, "the default decoding method of requests (default: sd with --draft, else ar; "
+                   "`suffix` needs no draft and measured fastest here, see docs/drafting.md)")
+    sv.add_argument("--served-model-name", help="the model name clients send (default: --target)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback: only this machine)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port")
+    sv.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health and the "
+                                      "page (default: $MIRRORSD_API_KEY, else none)")
+    add_sampling(sv, temperature=(1.0, "temperature of requests that send none (OpenAI's default; 0 is greedy)"),
+                 top_p=(1.0, "top_p of requests that send none"),
+                 top_k=(0, "top_k of requests that send none (0: off)"))
+    sv.add_argument("--max-queued", type=int, default=64,
+                    help="requests that may wait for the engine; more are answered 429")
+    sv.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted (400 beyond)")
+    sv.add_argument("--max-tokens", type=int, default=2048,
+                    help="largest max_tokens a request may ask for, and the limit of requests that set none")
+    sv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds running requests get to finish on shutdown before they are cancelled")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.add_argument("--device", default="cpu", help="torch device for both models")
+    sv.add_argument("--draft-device", help="device for the draft model (default: --device)")
+    add_dtype(sv)
+    add_formats(sv)
+    add_method_flags(sv)
+    sv.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    err = Console(stderr=True)
+    method = args.method or default_method(args.draft)
+    options = checked_options(args, method)
+    for name, value in (("--max-queued", args.max_queued), ("--max-prompt-tokens", args.max_prompt_tokens),
+                        ("--max-tokens", args.max_tokens), ("--max-request-bytes", args.max_request_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    api_key = args.api_key or os.environ.get("MIRRORSD_API_KEY") or None
+    with err.status(f"loading target {args.target}…"):
+        target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
+                                     activations=args.activations)
+    say_loaded("target", target, args)
+    needs_draft = args.draft is not None or method == "auto" or get_method(method).needs_draft
+    if needs_draft and args.draft is None and method != "auto":
+        raise ValueError(f"--method {method} needs --draft (a zoo name or folder, or self:N)")
+    draft = load_draft(args, target, err) if needs_draft and (args.draft or method != "auto") else None
+    if method == "auto":
+        method, options, chosen = planned(target, draft, options)
+        draft = draft if chosen is not None else None
+        err.print(f"mirrorsd: auto chose {method} {options}", style="dim", highlight=False)
+    config = ServerConfig(model_name=args.served_model_name or target.name, method=method, options=options,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, api_key=api_key,
+                          max_queued=args.max_queued, max_prompt_tokens=args.max_prompt_tokens,
+                          max_tokens=args.max_tokens, max_request_bytes=args.max_request_bytes,
+                          shutdown_timeout=args.shutdown_timeout)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err.print(f"mirrorsd: warning: serving on {args.host} without --api-key: anyone who can reach this "
+                  "port can use the model", style="yellow", highlight=False)
+    err.print(f"mirrorsd: serving {config.model_name} with method {method} at http://{args.host}:{args.port} "
+              f"(chat page at /, OpenAI API at /v1, metrics at /metrics)", highlight=False)
+    app = create_app(target, draft, config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0

@@ -1,0 +1,71 @@
+"""``mirrorsd train-exit``: a tuned early exit (per-layer translators) for Mirror-SD, fitted in closed form."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import mirrorsd
+from mirrorsd.exit_heads import resolve_exit_layer
+from mirrorsd.train_exit import KLRefine, fit_exit, plot_curve, self_distilled
+from mirrorsd.train_streams import corpus_texts
+
+from .args import COMMANDS, add_formats, add_model
+from .common import HelpFormatter, number, parse_csv, say_loaded, warn_if_busy
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    te = sub.add_parser(
+        "train-exit", formatter_class=HelpFormatter, help=COMMANDS["train-exit"],
+        description="Fit an affine translator per exit layer that maps the layer's state towards the final one "
+        "before the model's own final norm + LM head (a tuned lens), by ridge regression on the frozen model's "
+        "states over offline text (labels: the model's own greedy next tokens), optionally fine-tuned by KL to the "
+        "final distribution (--kl-steps). Reports held-out top-κ hit rates of the plain logit lens and the tuned "
+        "exit, and saves a learning curve. Minutes on a CPU.")
+    add_model(te, required=True)
+    te.add_argument("--data", nargs="+", default=["stdlib", "pydoc-topics"],
+                    help="text files or folders, or corpus names: stdlib, pydoc-topics, chat-answers (as "
+                         "train-streams)")
+    te.add_argument("--out", required=True, help="folder for exit_head.safetensors + exit_head.json")
+    te.add_argument("--layers", default="0.25,0.5,0.75", help="exit layers: indices or fractions of the depth")
+    te.add_argument("--chunks", type=int, default=64, help="windows of the corpus text")
+    te.add_argument("--self-distill", type=int, default=0, metavar="N",
+                    help="also fit on N chat transcripts of the model's own greedy answers to prompts about stdlib "
+                         "modules (the text Mirror-SD decodes; none is a benchmark question); at most 84")
+    te.add_argument("--distill-tokens", type=int, default=128, help="tokens per self-distilled answer")
+    te.add_argument("--held-out", type=int, default=8, help="windows (of all) kept out to measure the hit rates")
+    te.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    te.add_argument("--seed", type=int, default=0, help="data order")
+    te.add_argument("--kl-steps", type=int, default=0, metavar="N",
+                    help="then fine-tune each translator for N steps of 256 tokens by KL to the final distribution "
+                         "(the tuned lens's objective; the best held-out step is kept). 300 is the shipped recipe")
+    te.add_argument("--kl-lr", type=float, default=1e-4, help="Adam learning rate of the KL fine-tune")
+    add_formats(te, "the format decoding will use (default: as generate)", "(default: as generate)")
+    te.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.kl_steps < 0 or args.kl_lr <= 0:
+        raise ValueError(f"--kl-steps must be >= 0 and --kl-lr > 0, got {args.kl_steps} and {args.kl_lr}")
+    layers_asked = [number(x) for x in parse_csv(args.layers)]
+    warn_if_busy("train-exit")
+    loaded = mirrorsd.load_model(args.model, weights=args.weights, activations=args.activations)
+    say_loaded("model", loaded, args)
+    layers = sorted({resolve_exit_layer(x, loaded.config.n_layers) for x in layers_asked})
+    transcripts = self_distilled(loaded, args.self_distill, args.distill_tokens) if args.self_distill else []
+    texts = corpus_texts(args.data, args.model, loaded.tokenizer)
+    translators = fit_exit(loaded.model, loaded.tokenizer, texts, layers, chunks=args.chunks,
+                           held_out=args.held_out, seq_len=args.seq_len, seed=args.seed, transcripts=transcripts,
+                           refine=KLRefine(args.kl_steps, args.kl_lr) if args.kl_steps else None)
+    translators.meta["recipe"].update(
+        command="mirrorsd train-exit " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []), model=args.model,
+        data=args.data, weights=loaded.weights, activations=loaded.activations)
+    out = Path(args.out)
+    translators.save(out)
+    plot_curve(translators.meta, out / "learning_curve.png")
+    print(json.dumps(translators.meta["held_out"], indent=2))
+    print(f"written: {out}/exit_head.safetensors, exit_head.json, learning_curve.png", file=sys.stderr)
+    return 0

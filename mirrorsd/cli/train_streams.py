@@ -1,0 +1,77 @@
+"""``mirrorsd train-streams``: Speculative Streaming adapters for a frozen model, trained on offline text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import mirrorsd
+from mirrorsd.train_streams import train
+
+from .args import COMMANDS, add_model
+from .common import HelpFormatter, warn_if_busy
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser(
+        "train-streams", formatter_class=HelpFormatter, help=COMMANDS["train-streams"],
+        description="Train stream embeddings, stream-row LoRA adapters (peft) on the top N_s layers and the "
+        "pruning adapter for a model whose base weights stay frozen (so its own tokens cannot change). The model "
+        "decoding runs fills a state cache once (layer N - N_s states, the top layers' keys/values and its own "
+        "greedy tokens as labels, ~7 KB/token on the 1.5B); training then runs epochs over the cache, pushing only "
+        "the stream rows through bf16 copies of the top layers and a restricted-vocabulary head. Resumes from "
+        "OUT/checkpoint.pt and the cache's finished shards; saves a learning curve (OUT/learning_curve.png).")
+    add_model(t, required=True)
+    t.add_argument("--data", nargs="+", required=True,
+                   help="text files or folders (*.py/*.txt/*.md/*.rst), or corpus names: stdlib (this Python's "
+                        "standard library source), pydoc-topics (the language reference), chat-answers (the model's "
+                        "own greedy answers to mirrorsd's shipped chat prompts, through its chat template)")
+    t.add_argument("--out", required=True, help="folder for stream_config.json + adapter.safetensors")
+    t.add_argument("--cache", help="state cache folder (default: OUT/cache); reused by later runs with the same "
+                                   "model, data, --seq-len, --chunks, --held-out, --self-distill, --layers, --seed")
+    t.add_argument("--streams", type=int, default=3, help="γ speculative streams")
+    t.add_argument("--layers", type=int, default=4, help="N_s: top layers with multi-stream attention")
+    t.add_argument("--rank", type=int, default=8, help="LoRA rank of the stream-row adapters")
+    t.add_argument("--steps", type=int, default=200, help="optimizer steps (one chunk each)")
+    t.add_argument("--chunks", type=int, help="training chunks to cache (default: --steps, at most 10000); "
+                                              "steps beyond it start further epochs")
+    t.add_argument("--seq-len", type=int, default=128, help="tokens per training chunk")
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (linear warmup and decay)")
+    t.add_argument("--held-out", type=int, default=8, help="chunks kept out of training to measure stream accuracy")
+    t.add_argument("--self-distill", type=int, default=0, metavar="N",
+                   help="replace N training chunks by the model's own greedy continuations of their first tokens "
+                        "(the text decoding will actually ask the streams to predict)")
+    t.add_argument("--vocab", type=int, default=32768,
+                   help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; "
+                        "held-out accuracy always uses the full vocabulary)")
+    t.add_argument("--eval-every", type=int, default=50, help="steps between held-out points of the learning curve")
+    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="precision of the frozen weights the streams are trained through (the adapters stay fp32)")
+    t.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    t.add_argument("--init", metavar="ADAPTER", help="start from this adapter folder (same --streams, --layers, "
+                                                     "--rank) to train it further, e.g. on more --chunks")
+    t.add_argument("--seed", type=int, default=0, help="data order and initialisation")
+    t.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    warn_if_busy("train-streams")
+    decode = mirrorsd.load_model(args.model, device=args.device)  # the model decoding will run (q4 on CPU)
+    print(f"mirrorsd: the state cache comes from {decode.name} {decode.format}", file=sys.stderr, flush=True)
+    # The stream rows are trained through dense, autograd-capable copies of the frozen weights.
+    tower = mirrorsd.load_model(args.model, device=args.device, dtype=args.dtype, weights="fp32", linear="dense",
+                                progress=False)
+    recipe = {"command": "mirrorsd train-streams " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
+              "model": args.model, "data": args.data}
+    summary = train(tower.model, decode.model, decode.tokenizer, args.data, Path(args.out), model_name=args.model,
+                    decode_format=decode.format, cache=Path(args.cache) if args.cache else None,
+                    streams=args.streams, layers=args.layers, rank=args.rank, steps=args.steps, chunks=args.chunks,
+                    seq_len=args.seq_len, lr=args.lr,
+                    held_out=args.held_out, distill=args.self_distill, vocab=args.vocab,
+                    eval_every=args.eval_every, seed=args.seed, init=Path(args.init) if args.init else None,
+                    recipe=recipe)
+    print(json.dumps(summary, indent=2))
+    return 0

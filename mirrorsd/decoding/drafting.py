@@ -1,0 +1,121 @@
+"""The draft core: one home for what every proposer that drafts with a model does with the draft's logits.
+
+A draft step turns a draft model's logits (one row, or one per rollout branch) into proposals: tokens sampled
+with the position-keyed noise (the target's noise for sample-and-match, the draft's own for rejection sampling),
+the draft's distribution padded to the target's vocabulary (rejection sampling needs it), its top probability
+(the confidence rule reads only that) and, for Mirror-SD's ``candidates="draft"``, its likeliest tokens. With a
+reduced draft vocabulary (FR-Spec) greedy drafts read the subset's logits as they come (an argmax and a top
+probability need no full row), sampled ones scatter them into the full vocabulary, where the noise is keyed by
+token id. :class:`~.proposers.ModelProposer`, :class:`~.proposers.StreamProposer`, Mirror-SD's rollouts and
+:class:`~.bridge.BridgedProposer` all take their steps here, with one confidence rule, one prompt window and one
+vocabulary default.
+
+The confidence rule: a window ends at the first position where the draft's most likely token has less than
+``confidence`` probability. That token is still proposed (it is drafted already, and once a window is non-empty
+one more token barely changes the cost of verifying it) -- unless it would be the first: on a CPU verifying one
+draft token costs about a whole extra target forward, so then the window stays empty and the step is a plain
+1-token target forward. (HF's ``assistant_confidence_threshold`` always proposes it.) The decision reads the
+draft's distribution only, never its draw, so rejection sampling still sees proposals drawn exactly from q.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..draft_vocab import default_size, draft_table_kind, subset_head
+from ..model import Transformer
+from ..sampling import Noise, SamplingParams, probabilities, sample
+from .registry import at_least, option
+
+SINK_TOKENS = 4  # first prompt tokens a ``context``-limited draft always keeps (StreamingLLM's attention sinks)
+
+
+def draft_vocab_option(default: int | None = 0) -> Any:
+    """The reduced-vocabulary option, shared by the methods that draft with a model (``None``: the measured
+    default, :func:`draft_vocab_size`)."""
+    return option(default, "restrict the draft model's LM head to the N most frequent token ids of the table "
+                  "shipped for its tokenizer (the draft table, else the corpus table; FR-Spec; lossless: the target "
+                  "verifies with its full vocabulary); 0: the full vocabulary", parse=int, check=at_least(0),
+                  default_text="32768 where a draft table ships" if default is None else None)
+
+
+def draft_vocab_size(option: int | None, draft: Transformer) -> int:
+    """The draft vocabulary an option asks for: ``None`` is the default for the draft's tokenizer
+    (:func:`~mirrorsd.draft_vocab.default_size` of its ``draft`` table)."""
+    return option if option is not None else default_size(draft.config.vocab_size, "draft")
+
+
+def prompt_window(prompt: list[int], context: int) -> tuple[list[int], int]:
+    """What a draft reads of a prompt and how many tokens it skips: all of it, or with ``context`` > 0 its first
+    SINK_TOKENS and last ``context`` tokens (StreamingLLM's sink and window): a draft's prompt prefill is what
+    makes it lose on long prompts, and its next tokens depend mostly on the recent text."""
+    if not context or len(prompt) <= SINK_TOKENS + context:
+        return prompt, 0
+    return prompt[:SINK_TOKENS] + prompt[-context:], len(prompt) - SINK_TOKENS - context
+
+
+def window_end(top_probs: list[float], confidence: float) -> int:
+    """How many of a rollout's tokens to propose under the confidence rule (all when ``confidence`` is 0):
+    through the first doubtful token, or none when the first one is doubtful."""
+    for i, p in enumerate(top_probs):
+        if p < confidence:
+            return 0 if i == 0 else i + 1
+    return len(top_probs)
+
+
+class DraftSampler:
+    """One draft step over any number of rows (see the module docstring).
+
+    ``rejection``: the draft's draws use their own noise key and keep their distributions (speculative sampling
+    needs them independent of the acceptance noise); otherwise the draft is coupled to the target's noise, which
+    maximises sample-and-match acceptance. ``runner_ups`` > 0: steps also give that many likeliest tokens per row.
+    """
+
+    def __init__(self, draft: Transformer, target_vocab: int, params: SamplingParams, *, confidence: float = 0.0,
+                 rejection: bool = False, vocab: int = 0) -> None:
+        self.params, self.confidence = params, confidence
+        self.subset = subset_head(draft, vocab, draft_table_kind(draft.config.vocab_size)) if vocab else None
+        self.subset_columns = self.subset is not None and params.greedy  # logits' column c is token subset.ids[c]
+        self.head = self.subset.full if self.subset is not None and not params.greedy else self.subset
+        self.rejection = rejection and not params.greedy
+        self.noise = Noise.DRAFT if self.rejection else Noise.TARGET
+        self.need_probs = self.rejection or confidence > 0
+        self.pad = target_vocab - draft.config.vocab_size
+        self.runner_ups = 0
+
+    def judge(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, list[float] | None]:
+        """Per row: the draft's distribution over the target's vocabulary (rejection sampling) and its top
+        probability (the confidence rule), each None where nothing reads it."""
+        if self.rejection:
+            q = self.distribution(logits)
+            return q, q.max(-1).values.tolist()
+        if not self.need_probs:
+            return None, None
+        if not self.params.greedy:
+            return None, self.distribution(logits).max(-1).values.tolist()
+        # greedy needs no distribution: a softmax in double over 152k ids per draft token was a third of sd's time
+        # outside the forwards
+        return None, (logits.max(-1).values - logits.logsumexp(-1)).exp().tolist()
+
+    def draw(self, logits: torch.Tensor, positions: list[int]) -> list[int]:
+        """Token ids drawn from each row (row i at ``positions[i]``: the noise is keyed by position)."""
+        return self.tokens_of(sample(logits, positions, self.params, self.noise))
+
+    def doubtful(self, top: float) -> bool:
+        return top < self.confidence
+
+    def tokens_of(self, drawn: list[int]) -> list[int]:
+        """Token ids of what :func:`sample` drew from this sampler's logits (subset columns map back)."""
+        return self.subset.ids[drawn].tolist() if self.subset_columns else drawn
+
+    def likeliest(self, logits: torch.Tensor) -> list[list[int]]:
+        """Per row of ``logits``, the ``runner_ups`` likeliest token ids, best first."""
+        top = logits.topk(min(self.runner_ups, logits.shape[-1]), dim=-1).indices
+        return [self.tokens_of(row) for row in top.tolist()]
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's distribution over the target's vocabulary."""
+        q = probabilities(logits, self.params) if not self.params.greedy else logits.double().softmax(-1)
+        return torch.nn.functional.pad(q, (0, self.pad)) if self.pad else q

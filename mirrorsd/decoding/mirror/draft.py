@@ -1,0 +1,271 @@
+"""Mirror-SD's draft side: the proposer the loop sees (:class:`BranchProposer`: a kept branch, else a fresh
+rollout) over a draft that runs here (:class:`LocalDraft`) or in another process
+(:class:`~mirrorsd.decoding.mirror.remote.RemoteDraft`), through one small interface (:class:`DraftSide`)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from ...model import Transformer
+from ...runtime import Span
+from ...sampling import SamplingParams
+from ...verify import Verdict
+from ..drafting import draft_vocab_size, window_end
+from ..engine import Draft, RequestState, Scores, draft_tokens
+from ..proposers import ModelProposer, StreamProposer
+from ..ss.adapters import load_adapters
+from .options import MirrorOptions
+from .stats import MirrorRun
+
+
+@dataclass
+class Tree:
+    """Branch-complete rollouts: branch r continues root ``roots[r]`` with ``tokens[r]`` (γ tokens)."""
+
+    roots: list[tuple[int, int]]
+    tokens: list[list[int]]
+    top_probs: list[list[float]] | None  # confidence rule
+    q: torch.Tensor | None  # [R, γ, vocab] draft distributions (rejection sampling)
+    base: int  # cache index of the first branch entry; branch r's step-s input sits at base + s·R + r
+    forwards: int
+    span: Span | None = None
+    alternatives: list[list[list[int]]] | None = None  # [R][γ][κ+1] the draft's likeliest tokens (candidates=draft)
+
+    def branch(self, accepted: int, correction: int) -> int | None:
+        for r, root in enumerate(self.roots):
+            if root == (accepted, correction):
+                return r
+        return None
+
+
+class DraftSide(Protocol):
+    """Where the draft model runs, as :class:`BranchProposer` drives it. Each call may raise: the proposer then
+    degrades the request to target-only decoding (:meth:`abandon` names the error)."""
+
+    def start(self, state: RequestState) -> None: ...
+
+    def fresh(self, state: RequestState) -> Draft:
+        """A fresh rollout after the committed text (the first window, or after a miss)."""
+        ...
+
+    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+        """Start ``steps``-token rollouts after every root, overlapping the target's upper layers."""
+        ...
+
+    def verdict(self, state: RequestState, verdict: Verdict) -> Draft | None:
+        """The final rendezvous: join the rollout, record it (:meth:`MirrorRun.joined`, called only once nothing
+        can fail any more), and return the branch the correction selects (a hit) or None (a miss, or no rollout),
+        with the draft's cache rolled back to match."""
+        ...
+
+    def abandon(self, error: BaseException) -> BaseException:
+        """The draft failed: release what it holds, and return the error to report."""
+        ...
+
+    def close(self, failed: bool) -> None: ...
+
+
+class BranchProposer:
+    """The draft: a kept branch when the last verdict hit one, else a fresh rollout; the scorer launches the
+    tree rollouts at the early exit (:meth:`launch`). A failing draft degrades the request to target-only
+    decoding. The suffix hybrid wraps it (:class:`~mirrorsd.decoding.suffix.SuffixFirst`), which hands a held
+    branch (:attr:`ready`) precedence over a suffix match."""
+
+    def __init__(self, run: MirrorRun, side: DraftSide) -> None:
+        self.run, self.side = run, side
+        self.ready: Draft | None = None  # the next window, when a branch was kept
+        self.failed = False
+        self.source = "model"  # who drafted the last window: "branch" or "model" (a fresh rollout)
+
+    def start(self, state: RequestState) -> None:
+        try:
+            self.side.start(state)
+        except Exception as error:  # noqa: BLE001 - no draft: the target decodes alone
+            self.fail(error)
+
+    def propose(self, state: RequestState) -> Draft:
+        if self.ready is not None:
+            window, self.ready, self.source = self.ready, None, "branch"
+            return window
+        start = time.perf_counter()
+        window, self.source = Draft(), "model"
+        if not self.failed and min(self.run.opts.gamma, state.room) > 0:
+            try:
+                window = self.side.fresh(state)
+                self.run.stats.fresh_tokens += len(window.tokens)
+                self.run.stats.fresh_forwards += window.forwards
+            except Exception as error:  # noqa: BLE001 - any draft failure degrades to target-only decoding
+                self.fail(error)
+        self.run.fresh_done(time.perf_counter() - start)
+        return window
+
+    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+        try:
+            self.side.launch(state, window, roots, steps)
+        except Exception as error:  # noqa: BLE001 - degrade, never lose the verified tokens
+            self.fail(error)
+
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        self.run.observe(scores.draft.tokens, verdict)  # the root scorer learns from every verdict
+        if self.failed:
+            self.run.joined(None)
+            return
+        try:
+            self.ready = self.side.verdict(state, verdict)
+        except Exception as error:  # noqa: BLE001 - degrade, never lose the verified tokens
+            self.fail(error)
+            self.run.joined(None)
+
+    def fail(self, error: BaseException) -> None:
+        error = self.side.abandon(error)
+        self.failed, self.ready = True, None
+        self.run.stats.draft_failed = f"{type(error).__name__}: {error}"
+        warnings.warn(f"mirror: the draft failed ({self.run.stats.draft_failed}); continuing with the target alone",
+                      RuntimeWarning, stacklevel=3)
+
+    def close(self) -> None:
+        self.side.close(self.failed)
+
+
+def fresh_proposer(draft: Transformer, target_vocab: int, sampling: SamplingParams,
+                   opts: MirrorOptions) -> ModelProposer:
+    """The draft's own proposer (vanilla SD's): fresh rollouts, and the sampler every tree rollout uses."""
+    rejection = opts.acceptance == "rejection"
+    if opts.draft_streams is None:
+        proposer = ModelProposer(draft, target_vocab, sampling, opts.gamma, confidence=opts.confidence,
+                                 rejection=rejection, vocab=draft_vocab_size(opts.draft_vocab, draft))
+    else:
+        proposer = StreamProposer(draft, load_adapters(draft, opts.draft_streams), target_vocab, sampling,
+                                  opts.gamma, confidence=opts.confidence, rejection=rejection)
+    proposer.sampler.runner_ups = opts.kappa + 1 if opts.candidates == "draft" else 0  # the drafted token too
+    return proposer
+
+
+class LocalDraft:
+    """The draft model in this process: fresh rollouts through the shared proposer, tree rollouts on the run's
+    executor (serial, a worker thread, a CUDA stream or another device), the branch kept in its cache."""
+
+    def __init__(self, run: MirrorRun, fresh: ModelProposer) -> None:
+        self.run, self.proposer, self.model = run, fresh, fresh.model
+        self.confidence = fresh.confidence
+        self.future: Future[Tree] | None = None
+
+    def start(self, state: RequestState) -> None:
+        pass
+
+    def fresh(self, state: RequestState) -> Draft:
+        with self.run.tracer.span("draft", "fresh rollout"):
+            return self.proposer.propose(state)
+
+    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+        # What the draft cache lacks of the spine (the committed text and the window): the window's last token
+        # after a model draft; more after a suffix draft, or when the cache lags behind suffix steps.
+        spine = [*state.tokens, *window][len(state.draft_cache):]
+        self.future = self.run.executor.submit(
+            partial(self.rollout, len(state.tokens), window, spine, roots, steps, state))
+
+    def rollout(self, committed: int, window: list[int], spine: list[int], roots: list[tuple[int, int]],
+                steps: int, state: RequestState) -> Tree:
+        with self.run.tracer.span("draft", "rollout", roots=len(roots), steps=steps) as span:
+            tree = self._rollout(state, committed, window, spine, roots, steps)
+        tree.span = span
+        return tree
+
+    def _rollout(self, state: RequestState, committed: int, window: list[int], spine_feed: list[int],
+                 roots: list[tuple[int, int]], steps: int) -> Tree:
+        """γ tokens after every root, one batched tree-masked forward per step over the shared cache.
+
+        ``committed`` is the length of the committed text (through ``a``); the cache holds the spine (that text
+        and ``window``) but ``spine_feed``, which the first step feeds causally. Root ``(j, v)`` sits at
+        position ``committed + j`` and sees the spine up to ``d_j``.
+        """
+        model, cache, sampler = self.model, state.draft_cache, self.proposer.sampler
+        device = model.device
+        if len(cache) + len(spine_feed) != committed + len(window):
+            raise RuntimeError(f"draft cache holds {len(cache)} positions and {len(spine_feed)} are fed, expected "
+                               f"{committed + len(window)} in all")
+        n_roots, past = len(roots), len(cache)
+        base = past + len(spine_feed)  # == committed + len(window)
+        sees_spine = torch.tensor([committed + j for j, _ in roots], device=device)  # root (j, v) sees [0, L+j)
+        branch_rows = torch.arange(n_roots, device=device)
+        root_pos = torch.tensor([committed + j for j, _ in roots], device=device)
+        feed = spine_feed + [v for _, v in roots]
+        tokens: list[list[int]] = [[] for _ in roots]
+        top_probs: list[list[float]] | None = [[] for _ in roots] if self.confidence > 0 else None
+        q_steps: list[torch.Tensor] = []
+        alternatives: list[list[list[int]]] | None = [[] for _ in roots] if sampler.runner_ups else None
+        for step in range(steps):
+            lead = len(spine_feed) if step == 0 else 0
+            total = base + (step + 1) * n_roots
+            cols = torch.arange(total, device=device)
+            mask = torch.zeros(1, lead + n_roots, total, dtype=torch.bool, device=device)
+            for i in range(lead):
+                mask[0, i, : past + i + 1] = True  # the spine's missing tokens, causally
+            rows = mask[0, lead:]
+            rows |= cols.unsqueeze(0) < sees_spine.unsqueeze(1)
+            for s in range(step + 1):  # the branch's own earlier inputs and itself
+                rows[branch_rows, base + s * n_roots + branch_rows] = True
+            positions = torch.cat([torch.arange(past, past + lead, device=device), root_pos + step]).unsqueeze(0)
+            hidden = model.run_layers(model.embed(draft_tokens(model, feed)), positions, cache, mask)
+            rows = hidden[0, lead:]
+            logits = model.logits(rows) if sampler.head is None else sampler.head(model.norm(rows))
+            q, top = sampler.judge(logits)
+            if top_probs is not None:
+                for r, p in enumerate(top):
+                    top_probs[r].append(p)
+            if q is not None:
+                q_steps.append(q)
+            drawn = sampler.draw(logits, (root_pos + step + 1).tolist())
+            for r, token in enumerate(drawn):
+                tokens[r].append(token)
+            if alternatives is not None:
+                for r, likeliest in enumerate(sampler.likeliest(logits)):
+                    alternatives[r].append(likeliest)
+            feed = drawn
+        q = torch.stack(q_steps, 1) if q_steps else None
+        return Tree(roots, tokens, top_probs, q, base, steps, alternatives=alternatives)
+
+    def verdict(self, state: RequestState, verdict: Verdict) -> Draft | None:
+        tree, future, self.future = None, self.future, None
+        if future is not None:
+            tree = future.result()
+            state.stats.draft_forwards += tree.forwards
+        self.run.joined(tree)
+        kept = None
+        if tree is not None:
+            with self.run.tracer.span("draft", "select") as select:
+                branch = tree.branch(verdict.accepted, verdict.next_token)
+                if branch is not None:
+                    kept = self.keep_branch(state, tree, branch)
+            self.run.selected(select.seconds, branch is not None)
+        if kept is None:
+            ModelProposer.rollback(state, verdict.accepted)
+        return kept
+
+    def keep_branch(self, state: RequestState, tree: Tree, branch: int) -> Draft:
+        """Compact the cache to the spine through ``d_A`` plus the branch's inputs ``c, t_1..t_{w-1}``."""
+        limit = min(self.proposer.gamma, state.room)
+        if tree.top_probs is None:
+            window = min(limit, len(tree.tokens[branch]))
+        else:
+            window = min(limit, window_end(tree.top_probs[branch], self.confidence))
+        before = len(state.tokens) - 1  # the spine through d_A
+        n = len(tree.roots)
+        state.draft_cache.keep(list(range(before)) + [tree.base + s * n + branch for s in range(max(window, 1))])
+        probs = tree.q[branch, :window] if tree.q is not None and window else None
+        alternatives = tree.alternatives[branch][:window] if tree.alternatives is not None else None
+        return Draft(tree.tokens[branch][:window], probs=probs, alternatives=alternatives)
+
+    def abandon(self, error: BaseException) -> BaseException:
+        self.future = None
+        return error
+
+    def close(self, failed: bool) -> None:
+        """The request is over (the draft here needs nothing released)."""

@@ -1,0 +1,135 @@
+"""Mirror-SD's options: the window, the early exit, the roots, the backend, and the shipped files they default to."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ...exit_heads import layer_or_fraction, resolve_exit_layer
+from ...runtime import BACKENDS
+from ...verify import ACCEPTANCE_RULES
+from ..drafting import draft_vocab_option
+from ..registry import MethodOptions, ModelShape, OptionError, ShippedFiles, at_least, option, probability
+from ..suffix import suffix_match_option
+
+DEFAULT_GAMMA = 7  # the paper's window
+DEFAULT_KAPPA = 8  # the paper's top-κ at batch size 1
+DEFAULT_EXIT = 0.5  # ℓe = N/2
+ROOT_MODES = ("paper", "budget")
+CANDIDATE_SOURCES = ("exit", "draft")
+
+
+def thread_split(text: str) -> tuple[int, int]:
+    target, draft = (int(x) for x in text.split(","))
+    return target, draft
+
+
+thread_split.kind = "TARGET,DRAFT thread counts"  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class MirrorOptions(MethodOptions):
+    gamma: int = option(DEFAULT_GAMMA, "most draft tokens per verification window", check=at_least(1))
+    kappa: int = option(DEFAULT_KAPPA, "top-κ early-exit candidates per window position", check=at_least(1))
+    exit_layer: int | float = option(DEFAULT_EXIT, "early-exit layer ℓe: an index 1..N-1 or a fraction of the "
+                                     "target's depth", parse=layer_or_fraction, check=(lambda v: v > 0, "must be > 0"))
+    candidates: str = option("exit", "where a window position's κ candidate corrections come from: exit (the "
+                             "target's early-exit top-κ, the paper) or draft (the draft's own next κ likeliest tokens "
+                             "at the positions it drafted, the exit's at the bonus slot)", choices=CANDIDATE_SOURCES)
+    roots: str = option("budget", "budget: roll out only the candidates most likely to be the correction, as many "
+                        "as fit in the time of the target's upper layers (none on the serial backend, where nothing "
+                        "overlaps: every rollout there is time the step waits for); paper: all (γ+1)·κ of them, as "
+                        "the paper does",
+                        choices=ROOT_MODES)  # Spec-Bench, serial: 0.87x ar (no roots), 0.66x (one), 0.17x (paper)
+    budget: int | None = option(None, "with --roots budget: a fixed number of roots instead of fitting Δ (on the "
+                                "serial backend: roll out that many although nothing overlaps)", parse=int,
+                                check=at_least(1), default_text="fit Δ")
+    backend: str = option("serial", "where the draft runs while the target finishes: serial (no overlap, the "
+                          "reference), threads (CPU core split), cuda-streams (one GPU), devices (--draft-device), "
+                          "processes (the draft in its own process, a torch.distributed token channel)",
+                          choices=BACKENDS)
+    channel_timeout: float = option(60.0, "with --backend processes: seconds to wait for the draft process before "
+                                    "going on without it", check=(lambda v: v > 0, "must be > 0"))
+    threads: tuple[int, int] | None = option(None, "with --backend threads: TARGET,DRAFT intra-op threads while "
+                                             "they overlap", default_text="the larger half to the target",
+                                             parse=thread_split, check=(lambda v: len(v) == 2 and min(v) >= 1,
+                                                                        "must be two positive counts"))
+    acceptance: str = option("match", "match: greedy / sample-and-match (the target's own tokens, as ar); "
+                             "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
+    confidence: float = option(0.6, "end a draft window at the first position where the draft's top probability "
+                               "is below this; 0 always drafts γ tokens (the paper)",
+                               check=probability())  # Spec-Bench, serial: 1.10x ar vs 0.92x at 0 (docs/mirror_sd.md)
+    draft_streams: Any = option(None, "draft with Speculative Streaming: fresh rollouts take several tokens per "
+                                "draft forward (the same tokens). ADAPTER is a folder; alone, the draft's shipped "
+                                "adapter", parse=str, metavar="ADAPTER", const="auto", default_text="an AR draft")
+    exit_vocab: int | None = option(None, "score the early exit on the N most frequent token ids only (the "
+                                    "correction is rarely outside them, and 32k of 152k ids read a fifth of the "
+                                    "head); 0: the full vocabulary, as the paper", parse=int, check=at_least(0),
+                                    default_text="32768 where a frequency table ships")
+    exit_head: str = option("auto", "early-exit head: lens (the target's final norm + LM head on the layer-ℓe "
+                            "state: the paper's choice), tuned (an affine translator per layer first, fitted by "
+                            "`mirrorsd train-exit`: the target's shipped one, or give its folder), or auto (the "
+                            "shipped tuned exit where the target has one for ℓe, else the lens)", parse=str,
+                            metavar="HEAD")
+    suffix_match: int = suffix_match_option()
+    draft_vocab: int | None = draft_vocab_option(None)  # measured: 0.69x ar vs 0.62x full (docs/drafting.md)
+
+    def __post_init__(self) -> None:
+        # The flag's spellings, also as a method spec writes them: true/auto ask for the draft's shipped adapter
+        # (filled in by resolved), false/none for an AR draft.
+        flag = str(self.draft_streams).lower()
+        if flag in ("true", "auto", "false", "none"):
+            object.__setattr__(self, "draft_streams", "auto" if flag in ("true", "auto") else None)
+
+    def check(self, shape: ModelShape | None) -> None:
+        if self.budget is not None and self.roots != "budget":
+            raise OptionError("budget", "takes a number of roots with roots='budget'")
+        if self.draft_vocab and self.draft_streams is not None:
+            raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams")
+        if self.threads is not None and self.backend not in ("threads", "devices", "processes"):
+            raise OptionError("threads", "applies to backend='threads' (or 'devices', 'processes')")
+        if self.candidates == "draft" and self.draft_streams is not None:
+            raise OptionError("candidates", "draft reads an AR draft's logits; use candidates='exit' with "
+                              "draft_streams")
+        if self.backend == "processes" and self.acceptance == "rejection":
+            raise OptionError("acceptance", "rejection needs the draft's distributions; backend='processes' carries "
+                              "token ids only (use acceptance='match')")
+        if isinstance(self.exit_layer, float) and not self.exit_layer.is_integer() and not 0 < self.exit_layer < 1:
+            raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {self.exit_layer}")
+        if self.backend == "serial" and self.roots == "budget" and self.budget is None:
+            unused = [name for name, default in (("kappa", DEFAULT_KAPPA), ("candidates", "exit"),
+                                                 ("exit_layer", DEFAULT_EXIT), ("exit_vocab", None))
+                      if getattr(self, name) != default]
+            if unused:
+                warnings.warn("mirror: the serial backend rolls out no branch unless told (nothing overlaps there, "
+                              f"so a rollout is never hidden), so these options change nothing: {', '.join(unused)}; "
+                              "give budget=N or roots='paper', or an overlapping backend", UserWarning, stacklevel=2)
+        if shape is not None:
+            resolve_exit_layer(self.exit_layer, shape.n_layers)
+            if self.kappa > shape.vocab_size:
+                raise OptionError("kappa", f"must be in 1..{shape.vocab_size} (the vocabulary), got {self.kappa}")
+
+    def resolved(self, files: ShippedFiles, shape: ModelShape) -> MirrorOptions:
+        """``draft_streams`` alone: the draft's shipped adapter; ``exit_head="tuned"``: the target's shipped tuned
+        exit; ``"auto"``: that exit where it has a translator for ℓe, else the lens. At N/2 on the Qwen pair the
+        tuned exit's top-8 holds the correction almost three times as often as the lens's (0.28 against 0.10 on
+        Spec-Bench, docs/mirror_sd.md), for one d×d matmul per window row."""
+        opts = self
+        if opts.draft_streams == "auto":
+            opts = replace(opts, draft_streams=files.streams("draft"))
+        if opts.exit_head == "tuned":
+            opts = replace(opts, exit_head=files.tuned_exit("exit_head"))
+        elif opts.exit_head == "auto":
+            exit_layer = resolve_exit_layer(opts.exit_layer, shape.n_layers)
+            opts = replace(opts, exit_head=files.exit_for_layer(exit_layer) or "lens")
+        return opts
+
+    def check_tensor_parallel(self) -> None:
+        super().check_tensor_parallel()
+        if self.roots == "budget" and self.budget is None:
+            raise ValueError("roots='budget' (the default) fits its root count to timings, which differ between "
+                             "ranks; give a fixed budget (--budget N) or roots='paper' on a tensor-parallel target")
+
+    def priced_layers(self, n_layers: int) -> tuple[int, ...]:
+        return (resolve_exit_layer(self.exit_layer, n_layers),)

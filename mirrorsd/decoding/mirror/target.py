@@ -1,0 +1,57 @@
+"""Mirror-SD's target side: the target in two halves around the early exit, launching the draft's rollouts
+between them."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...model import Transformer
+from ..engine import ChainScorer, Draft, RequestState, Scores
+from .channel import early_exit
+from .draft import BranchProposer
+from .roots import select_roots
+from .stats import MirrorRun, MirrorStep
+
+
+class EarlyExitScorer(ChainScorer):
+    """The target in two halves: layers below ℓe, the early exit and the launch of the draft's rollouts, then
+    the layers above ℓe while the rollouts run."""
+
+    def __init__(self, run: MirrorRun, target: Transformer, draft: BranchProposer) -> None:
+        super().__init__(target)
+        self.run, self.draft = run, draft
+
+    def prefill(self, state: RequestState) -> int:
+        with self.run.tracer.span("target", "prefill"):
+            return super().prefill(state)
+
+    def score(self, state: RequestState, draft: Draft) -> Scores:
+        run, target, opts = self.run, self.model, self.run.opts
+        start = time.perf_counter()
+        committed = len(state.tokens)
+        ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=target.device)
+        positions = torch.arange(committed - 1, committed + len(draft.tokens), device=target.device)[None]
+        with run.tracer.span("target", "layers < ℓe") as pre:
+            exit_hidden = target.run_layers(target.embed(ids), positions, state.target_cache, end=run.exit_layer)
+        # The next window can hold at most this many tokens; rollouts past it would be wasted.
+        steps = min(opts.gamma, state.room - 1)
+        message, roots, t_ee, submitted = None, [], 0.0, 0.0
+        if not self.draft.failed and steps > 0 and run.rolls_out:
+            with run.tracer.span("target", "early exit") as ee:
+                message = early_exit(target, exit_hidden, opts.kappa, state.params, run.translate, run.exit_vocab)
+                if opts.candidates == "draft":
+                    message = message.with_draft(draft, opts.kappa)
+            t_ee = ee.seconds
+            budget = run.budget.current if run.budget else 0
+            roots = select_roots(message, draft.tokens, opts.roots, run.root_scorer, budget)
+            submitted = time.perf_counter()
+            self.draft.launch(state, draft.tokens, roots, steps)
+        with run.executor.overlapping(), run.tracer.span("target", "layers ≥ ℓe") as upper:
+            hidden = target.run_layers(exit_hidden, positions, state.target_cache, start=run.exit_layer)
+            logits = target.logits(hidden)[0]
+        run.scored(MirrorStep(accepted=0, drafted=len(draft.tokens), roots=len(roots), hit=None, t_pre=pre.seconds,
+                              t_ee=t_ee, t_channel=0.0, delta=upper.seconds, t_draft=0.0, t_fv=0.0,
+                              t_fallback=0.0, hidden=0.0, step_s=0.0), start, submitted, upper, message, steps)
+        return Scores(logits, draft)
