@@ -28,6 +28,15 @@ CONFIGS: tuple[tuple[str, str, str | None, dict[str, Any]], ...] = (
     ("sd g4 c0 seeded", "sd", "model", {"gamma": 4, "confidence": 0.0, "temperature": 0.8, "seed": 3}),
     ("sd heuristic", "sd", "model", {"schedule": "heuristic", "suffix_match": 0}),
     ("sd rejection T1", "sd", "model", {"acceptance": "rejection", "temperature": 1.0, "seed": 5}),
+    # sd's defaults and suffix decoding pick windows by measured timings (the model gate, the suffix cost model):
+    # their accepted lists (and, under rejection sampling, their tokens) differ from run to run on one tree, so the
+    # comparison that must be exact runs them without the timed parts too.
+    ("sd untimed", "sd", "model", {"suffix_match": 0}),
+    ("sd untimed g4 c0 seeded", "sd", "model", {"suffix_match": 0, "gamma": 4, "confidence": 0.0,
+                                                "temperature": 0.8, "seed": 3}),
+    ("sd untimed rejection T1", "sd", "model", {"suffix_match": 0, "acceptance": "rejection", "temperature": 1.0,
+                                                "seed": 5}),
+    ("sd untimed c0.9 vocab0", "sd", "model", {"suffix_match": 0, "confidence": 0.9, "draft_vocab": 0}),
     ("suffix default", "suffix", None, {}),
     ("suffix factor2 seeded", "suffix", None, {"factor": 2.0, "temperature": 0.8, "seed": 3}),
     ("mirror default", "mirror", "model", {}),

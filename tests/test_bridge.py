@@ -225,10 +225,11 @@ def test_a_server_with_a_draft_of_another_tokenizer(smol, toy_draft):
 def test_the_bench_runs_sd_through_text_and_refuses_what_cannot(smol, toy_draft, monkeypatch, tmp_path):
     """`mirrorsd bench --draft` with such a draft times ``sd`` (lossless against ``ar``) and refuses, before any
     question runs, the methods and the probe that read the target's token ids from the draft."""
+    from mirrorsd.bench import runner
     from mirrorsd.bench.runner import Bench, BenchConfig, parse_methods
 
     models = {"target": smol, "toy": toy_draft}
-    monkeypatch.setattr(mirrorsd, "load_model", lambda name, **kwargs: models[name])
+    monkeypatch.setattr(runner, "load_model", lambda name, **kwargs: models[name])
     suite = tmp_path / "suite.jsonl"
     suite.write_text('{"question_id": 1, "category": "qa", "turns": ["Name two planets."]}\n')
     for methods, probe, refused in (("ar,mirror", False, "mirror"), ("ar,sd", True, "the probe"),

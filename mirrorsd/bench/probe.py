@@ -131,7 +131,7 @@ def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     for group, ids in tqdm(prompts, desc="acceptance probe", unit="prompt", disable=not progress):
         scorer = ExitReader(model, exit_layers, max(kappas), tuned)
         proposer = ModelProposer(dmodel, model.config.vocab_size, params, gamma)
-        proposer.runner_ups = max(kappas) + 1
+        proposer.sampler.runner_ups = max(kappas) + 1
         roles = Roles(proposer, scorer, match)
         # Room for full windows up to the last step (the loop keeps windows inside max_new_tokens).
         request = DecodeRequest(model, list(ids), max_new + gamma + 1, params, GenerationStats("probe"), dmodel)
