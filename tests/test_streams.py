@@ -382,7 +382,7 @@ def test_saved_adapter_round_trips(exact_model, tmp_path):
     retrained.save(tmp_path)  # a new file version is attached afresh
     reloaded = load_adapters(exact_model, tmp_path)
     assert reloaded is not loaded and load_adapters(exact_model, tmp_path) is reloaded
-    assert len(mirrorsd.streams._ATTACHED[exact_model]) == 1  # the stale version was replaced, not kept
+    assert len(mirrorsd.decoding.ss.adapters._ATTACHED[exact_model]) == 1  # the stale version was replaced, not kept
     for key, value in retrained.adapter_state().items():
         torch.testing.assert_close(reloaded.adapter_state()[key], value.half().float())
 

@@ -9,7 +9,7 @@ nodes), or that tree's most likely nodes under a budget (:meth:`StreamGuesses.tr
 parent→child edge and drops children (with their subtrees) whose probability is under the threshold; ``γ`` streams
 are inserted beside every surviving node and the top ``N_s`` layers run with the MSA mask. The main stream verifies
 (:func:`mirrorsd.verify.verify_tree`); the streams of the last accepted node give the next tree's candidates, and
-the cache is compacted to the accepted path. Main rows use the base weights only (:mod:`mirrorsd.streams`), so the
+the cache is compacted to the accepted path. Main rows use the base weights only (:mod:`.adapters`), so the
 committed tokens are the model's own.
 """
 
