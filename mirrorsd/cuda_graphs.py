@@ -5,10 +5,10 @@ time for ~3 ms of GPU work (``docs/gpu.md``), so ``ar``, every verification wind
 halves of Mirror-SD's target pass run at the host's pace. A graph captured per cache, layer range and window shape
 replays a whole layer range with one call (gpt-fast's ``reduce-overhead`` idea, without ``torch.compile``).
 
-Bit for bit the eager layers: the same kernels on the same shapes (the batch-invariant path already pads every GEMM
-to 64 rows and attends through one Triton kernel, which takes each query's visible keys as a gather list and a
-count). What moves from call to call moves to device tensors that the graph reads at replay: the hidden states, the
-rotary positions, the cache slots where keys and values are written (``index_copy_``), and the gather lists and
+Bit for bit the eager layers: the same kernels on the same shapes (:func:`~mirrorsd.execution.fused_layers`: GEMMs
+on 64-row slabs, Triton kernels that compute each row alone, attention that takes each query's visible keys as a
+gather list and a count). What moves from call to call moves to device tensors that the graph reads at replay: the
+hidden states, the rotary positions, the cache slots where keys and values are written, and the gather lists and
 counts (a causal window's from its slots; a tree's from its mask, gathered eagerly). A cache that grows gets new
 buffers, and so new graphs.
 """
@@ -39,9 +39,6 @@ class StaticStep:
     count: torch.Tensor  # int32 [rows or 1, t]: how many of them each query sees
 
 
-#: Set while a window runs through static inputs: attention writes and reads the cache through it instead of the
-#: Python lengths.
-STATIC_STEP: ContextVar[StaticStep | None] = ContextVar("mirrorsd_static_step", default=None)
 _CAPTURING = threading.Lock()
 
 
@@ -86,12 +83,12 @@ class LayerGraph:
         self.out: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, length: int,
-                 visible: tuple[torch.Tensor, torch.Tensor] | None, layers: Callable[[], torch.Tensor]
-                 ) -> torch.Tensor:
+                 visible: tuple[torch.Tensor, torch.Tensor] | None,
+                 layers: Callable[[StaticStep], torch.Tensor]) -> torch.Tensor:
         """The layers' output for ``hidden`` at ``positions``, written to the cache slots after ``length``;
-        ``visible``: a masked window's (index, count), else the window is causal. ``layers`` runs the eager layers
-        on :attr:`hidden` and :attr:`static`: as it is on first use, after a failed capture and off CUDA (where
-        Triton's interpreter runs the tests), and once more to capture."""
+        ``visible``: a masked window's (index, count), else the window is causal. ``layers`` runs the layers on
+        :attr:`hidden` and the static inputs it is given: as it is on first use, after a failed capture and off CUDA
+        (where Triton's interpreter runs the tests), and once more to capture."""
         static = self.static
         self.hidden.copy_(hidden)
         static.positions.copy_(positions)
@@ -106,17 +103,12 @@ class LayerGraph:
         if self.graph is None and not self.failed and self.uses > 1 and self.hidden.is_cuda:
             self._capture(layers)
         if self.graph is None:
-            reset = STATIC_STEP.set(static)
-            try:
-                return layers()
-            finally:
-                STATIC_STEP.reset(reset)
+            return layers(static)
         self.graph.replay()
         return self.out.clone()  # the next replay overwrites the static output
 
-    def _capture(self, layers: Callable[[], torch.Tensor]) -> None:
+    def _capture(self, layers: Callable[[StaticStep], torch.Tensor]) -> None:
         device = self.hidden.device
-        reset = STATIC_STEP.set(self.static)
         try:
             graph = torch.cuda.CUDAGraph()
             # On the model's own device and a capture stream of that device (PyTorch's default capture stream
@@ -125,14 +117,12 @@ class LayerGraph:
             # another thread's), and thread_local: other threads' work may go on meanwhile.
             with _CAPTURING, torch.cuda.device(device), torch.cuda.graph(
                     graph, pool=self.pool, stream=_capture_stream(device), capture_error_mode="thread_local"):
-                self.out = layers()
+                self.out = layers(self.static)
             self.graph = graph
         except Exception as error:  # noqa: BLE001 - a capture is an optimisation: run this shape eagerly instead
             self.failed = True
             warnings.warn(f"CUDA graph capture failed ({type(error).__name__}: {error}); this window shape runs "
                           "eagerly", RuntimeWarning, stacklevel=4)
-        finally:
-            STATIC_STEP.reset(reset)
 
 
 @cache

@@ -8,7 +8,9 @@ level, so there is no extra layer of calls between it and these.
 
 from __future__ import annotations
 
+import threading
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import cuda_graphs, kernels
 from .kernels import cuda_attention
 from .kv_cache import KVCache
-from .linear import FIXED_ROWS, PACKED_BUFFERS, QuantLinear, fixed_shapes
+from .linear import FIXED_ROWS, PACKED_BUFFERS, DenseLinear, QuantLinear, fixed_shapes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -74,7 +76,7 @@ class KernelBinding:
     def __getstate__(self) -> dict:
         """Pickling (the processes backend sends the draft model) drops the bound C++ object; the next forward
         binds it again."""
-        return {**self.__dict__, "_kernel": None}
+        return {**self.__dict__, "_kernel": None, "merged": None}
 
     def kernel(self) -> torch.ScriptObject | None:
         """The bound C++ block when this block runs as one op (bound on first use), else None."""
@@ -115,17 +117,182 @@ def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool,
     return out
 
 
+def fused_applies(model: Transformer, hidden: torch.Tensor) -> bool:
+    """Whether blocks run as :func:`fused_layers`: the batch-invariant CUDA path (Triton installed, a power-of-two
+    head size) outside autograd. Everywhere it applies it is the only path, so every method's windows, trees and
+    rollouts meet one-token decoding's bits."""
+    return fixed_shapes(hidden) and not torch.is_grad_enabled() and isinstance(model.lm_head, DenseLinear) \
+        and cuda_attention.serves(hidden.device, model.config.head_dim)
+
+
+@dataclass(frozen=True)
+class MergedWeights:
+    """One block's weights as the fused layer reads them: one QKV and one gate/up matrix (the projections' own
+    weights become views into them, so no byte is held twice)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    eps: float
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
+
+
+def _merge(linears: tuple[nn.Module, ...]) -> torch.Tensor:
+    merged = torch.cat([x.weight for x in linears])
+    offset = 0
+    for x in linears:
+        rows = x.weight.shape[0]
+        x.weight.data = merged[offset : offset + rows]
+        offset += rows
+    return merged
+
+
+_MERGING = threading.Lock()
+
+
+def merged_weights(block: nn.Module) -> MergedWeights:
+    """``block``'s :class:`MergedWeights`, made on first use (under a lock: Mirror-SD's draft may share the
+    target's blocks and run on another thread)."""
+    if block.merged is not None:
+        return block.merged
+    # Normal tensors even when first used under inference mode: training later runs autograd through these weights.
+    with _MERGING, torch.inference_mode(False), torch.no_grad():
+        if block.merged is not None:
+            return block.merged
+        attn, mlp = block.self_attn, block.mlp
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        biases = [x.bias for x in qkv]
+        qkv_bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else x.weight.new_zeros(x.out_features) for b, x in zip(biases, qkv, strict=True)])
+        qk_norm = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+        block.merged = MergedWeights(
+            qkv=_merge(qkv), qkv_bias=qkv_bias, o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+            gate_up=_merge((mlp.gate_proj, mlp.up_proj)), down=mlp.down_proj.weight,
+            norm_in=block.input_layernorm.weight, norm_post=block.post_attention_layernorm.weight,
+            eps=block.input_layernorm.eps, qk_norm=qk_norm)
+    return block.merged
+
+
+def _slabs(n: int) -> list[slice]:
+    return [slice(a, a + FIXED_ROWS) for a in range(0, n, FIXED_ROWS)]
+
+
+def fused_layers(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                 mask: torch.Tensor | None, start: int, end: int, streams: StreamRows | None = None,
+                 static: cuda_graphs.StaticStep | None = None) -> torch.Tensor:
+    """Blocks ``[start, end)`` as nine launches each: RMSNorm (Triton), the QKV GEMM with its bias, RoPE with the
+    cache write (Triton), attention over each query's gather list (Triton), the output GEMM adding into the
+    residual, RMSNorm, the gate/up GEMM, SiLU·up (Triton), the down GEMM adding into the residual.
+
+    Batch-invariant: the hidden states sit in slabs of exactly :data:`~mirrorsd.linear.FIXED_ROWS` zero-padded rows
+    (every GEMM has one shape), and every Triton program computes one row alone. ``static``: a captured graph's
+    device-side inputs (the cache slots, gather lists and counts; its caller advances the lengths). ``cache=None``
+    attends within the window through a scratch cache. ``streams``: the trailing stream rows get their adapters'
+    deltas, and their keys and values are written past the cache's length (attended now, never kept)."""
+    from .kernels import cuda_layers
+
+    rows, t, width = hidden.shape
+    n = rows * t
+    cfg = model.config
+    heads, kv_heads, dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    padded = -(-n // FIXED_ROWS) * FIXED_ROWS
+    slabs = _slabs(padded)
+    h = hidden.new_zeros(padded, width)
+    h[:n] = hidden.reshape(n, width)
+    cos, sin = (c.reshape(n, dim) for c in model.rope(positions.expand(rows, t)))
+    x = torch.zeros_like(h)  # the norms and SiLU write only the call's rows: the padding stays zero
+    qkv = hidden.new_empty(padded, (heads + 2 * kv_heads) * dim)
+    q = hidden.new_empty(n, heads, dim)
+    attn = hidden.new_zeros(padded, heads * dim)
+    gate_up = hidden.new_empty(padded, 2 * cfg.intermediate_size)
+    act = hidden.new_zeros(padded, cfg.intermediate_size)
+    s = streams.count if streams is not None else 0
+    if cache is None:
+        cache = model.new_cache(rows=rows, capacity=t)
+    visible: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by cache length
+
+    def delta(layer: int, name: str, inputs: torch.Tensor) -> torch.Tensor:
+        return streams.adapters.delta(layer, name, inputs[:n].view(rows, t, -1)[:, t - s :]).to(h.dtype)
+
+    for layer in range(start, end):
+        w = merged_weights(model.layers[layer])
+        if static is not None:
+            keys, values = cache.keys[layer], cache.values[layer]
+            slots, index, count = static.slots, static.index, static.count
+        else:
+            length = cache.lengths[layer]
+            keys, values = cache.buffers(layer, length + t)
+            if length not in visible:
+                slots = torch.arange(length, length + t, device=h.device)
+                visible[length] = (slots, *cuda_attention.visible_keys(mask, t, length + t, h.device))
+            slots, index, count = visible[length]
+        cuda_layers.rms_norm(h[:n], w.norm_in, w.eps, x)
+        for slab in slabs:
+            _linear(x[slab], w.qkv, w.qkv_bias, qkv[slab])
+        if s:
+            split = qkv[:n].view(rows, t, -1)[:, t - s :]
+            for name, (a, b) in zip(("q_proj", "k_proj", "v_proj"), _bounds(heads * dim, kv_heads * dim), strict=True):
+                split[..., a:b] += delta(layer, name, x)
+        cuda_layers.rope_write(qkv, cos, sin, q, keys, values, slots, t, heads, kv_heads, w.qk_norm)
+        queries = q.view(rows, t, heads, dim).transpose(1, 2)
+        cuda_attention.attend(queries, keys, values, index, count,
+                              out=attn[:n].view(rows, t, heads, dim).transpose(1, 2))
+        for slab in slabs:
+            _add_product(h[slab], attn[slab], w.o)
+        if w.o_bias is not None:
+            h += w.o_bias
+        if s:
+            h[:n].view(rows, t, -1)[:, t - s :] += delta(layer, "o_proj", attn)
+        cuda_layers.rms_norm(h[:n], w.norm_post, w.eps, x)
+        for slab in slabs:
+            torch.mm(x[slab], w.gate_up.t(), out=gate_up[slab])
+        if s:
+            split = gate_up[:n].view(rows, t, -1)[:, t - s :]
+            inter = cfg.intermediate_size
+            split[..., :inter] += delta(layer, "gate_proj", x)
+            split[..., inter:] += delta(layer, "up_proj", x)
+        cuda_layers.silu_mul(gate_up[:n], act)
+        for slab in slabs:
+            _add_product(h[slab], act[slab], w.down)
+        if s:
+            h[:n].view(rows, t, -1)[:, t - s :] += delta(layer, "down_proj", act)
+        if static is None:
+            cache.lengths[layer] = length + t - s
+    return h[:n].view(rows, t, width)
+
+
+def _bounds(q_width: int, kv_width: int) -> list[tuple[int, int]]:
+    return [(0, q_width), (q_width, q_width + kv_width), (q_width + kv_width, q_width + 2 * kv_width)]
+
+
+def _add_product(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``residual += x @ weight.T`` as one GEMM with the residual in its epilogue (one rounding; the same view as
+    input and output, so PyTorch copies nothing first)."""
+    torch.addmm(residual, x, weight.t(), out=residual)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:  # one cuBLASLt call with the bias in its epilogue
+        torch.addmm(bias, x, weight.t(), out=out)
+
+
 def replay(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
              mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
-    """Blocks ``[start, end)`` through this shape's :class:`~mirrorsd.cuda_graphs.LayerGraph`, where one
-    applies: the batch-invariant CUDA path, no grad, at most one fixed-row slab, those layers at one cache
+    """Blocks ``[start, end)`` through this shape's :class:`~mirrorsd.cuda_graphs.LayerGraph` of
+    :func:`fused_layers`, where one applies: that path, at most one fixed-row slab, those layers at one cache
     length with room for the window in each, and a mask (if any) over exactly the cache and the window. None
     otherwise, and the first time a shape is seen (a one-off costs no static buffers): the caller runs the
-    layers eagerly."""
+    layers without a graph."""
     rows, t, _ = hidden.shape
-    if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fixed_shapes(hidden) \
-            or model.fused or torch.is_grad_enabled() or cache.rows != rows \
-            or not cuda_attention.serves(hidden.device, model.config.head_dim):
+    if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fused_applies(model, hidden) \
+            or cache.rows != rows:
         return None
     lengths = set(cache.lengths[start:end])
     length = lengths.pop() if len(lengths) == 1 else -1
@@ -144,12 +311,8 @@ def replay(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, ca
         graph = captured[key] = cuda_graphs.LayerGraph(hidden, capacity, key[-1], pool)
     visible = None if mask is None else cuda_attention.visible_keys(mask, t, length + t, hidden.device)
 
-    def layers() -> torch.Tensor:
-        out, (cos, sin) = graph.hidden, model.rope(graph.static.positions)
-        with attention_backends(out.device):
-            for block in list(model.layers)[start:end]:
-                out = block(out, cos, sin, cache, None)
-        return out
+    def layers(static: cuda_graphs.StaticStep) -> torch.Tensor:
+        return fused_layers(model, graph.hidden, static.positions, cache, None, start, end, static=static)
 
     out = graph(hidden, positions.expand(hidden.shape[:2]), length, visible, layers)
     cache.lengths[start:end] = [length + t] * (end - start)

@@ -57,15 +57,6 @@ class KVCache:
         self.lengths[layer] = end
         return keys[:, :, :end], values[:, :, :end]
 
-    def write_at(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a window's keys and values at device-side ``slots`` and return the whole buffers: what a captured
-        CUDA graph does, since its shapes and offsets cannot follow the Python lengths (its caller advances
-        those)."""
-        self.keys[layer].index_copy_(2, slots, key)
-        self.values[layer].index_copy_(2, slots, value)
-        return self.keys[layer], self.values[layer]
-
     def graphs(self) -> dict:
         """Layer-range graphs over the current buffers (:mod:`mirrorsd.cuda_graphs`), by model, layer range and
         window shape: once the buffers change (a growth), the graphs captured over the old ones are dropped."""

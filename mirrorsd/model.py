@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from . import cuda_graphs, kernels
-from .execution import KernelBinding, attention_backends, replay, run_kernels
+from . import kernels
+from .execution import KernelBinding, attention_backends, fused_applies, fused_layers, replay, run_kernels
 from .kernels import cuda_attention
 from .kv_cache import KVCache
 from .linear import PackedLinear, QuantLinear, fixed_shapes, in_fixed_rows, make_linear, on_huge_pages
@@ -198,10 +198,7 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         s = streams.count if streams is not None else 0
-        static = cuda_graphs.STATIC_STEP.get()
-        if cache is not None and static is not None:  # a window through static inputs: write where they say
-            k, v = cache.write_at(self.layer, k, v, static.slots)
-        elif cache is not None:
+        if cache is not None:
             main_k, main_v = cache.append(self.layer, k[:, :, : t - s], v[:, :, : t - s])
             if s:  # stream keys/values follow the cached ones for this forward only
                 main_k, main_v = torch.cat([main_k, k[:, :, t - s :]], 2), torch.cat([main_v, v[:, :, t - s :]], 2)
@@ -226,10 +223,7 @@ class Attention(nn.Module):
     def _attend_exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
         if cuda_attention.applies(q):  # one batch-invariant launch for every row (else one SDPA call per row)
-            static = cuda_graphs.STATIC_STEP.get()
-            index, count = (static.index, static.count) if static is not None else \
-                cuda_attention.visible_keys(mask, q.shape[2], k.shape[2], q.device)
-            return cuda_attention.attend(q, k, v, index, count)
+            return cuda_attention.attend(q, k, v, *cuda_attention.visible_keys(mask, q.shape[2], k.shape[2], q.device))
         with nullcontext() if q.is_cuda else _one_thread():  # CPU SDPA splits its work by thread count
             if q.shape[2] > 1:
                 return self._attend_row_by_row(q, k, v, mask)
@@ -308,6 +302,7 @@ class Block(KernelBinding, nn.Module):
         self.mlp = MLP(weights, layer, linear)
         self.use_kernel = False  # the whole block in one C++ call (bind_kernel)
         self._kernel: torch.ScriptObject | None = None
+        self.merged = None  # the fused CUDA layer's weights (execution.merged_weights)
 
     def forward(self, x, cos, sin, cache, mask, streams: StreamRows | None = None) -> torch.Tensor:
         if cache is not None and streams is None and (kernel := self.kernel()) is not None:
@@ -466,6 +461,8 @@ class Transformer(nn.Module):
         replayed = None if streams is not None else replay(self, hidden, positions, cache, mask, start, end)
         if replayed is not None:
             return replayed
+        if fused_applies(self, hidden):
+            return fused_layers(self, hidden, positions, cache, mask, start, end, streams)
         if mask is None and t > 1 and not fixed_shapes(hidden):  # (batch-invariant CUDA attention needs no mask)
             past = cache.lengths[start] if cache is not None else 0
             # On CUDA in half precision a CausalBias: flash attention aligns it lower right itself, with no mask

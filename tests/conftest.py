@@ -20,10 +20,11 @@ HF_CONFIGS = {
 
 
 def tiny_hf(arch: str = "llama", *, vocab: int = 64, layers: int = 3, hidden: int = 64, seed: int = 0,
-            std: float = 0.3):
-    """A random HF model of a real architecture; large init std makes its distributions far from uniform."""
+            std: float = 0.3, **config):
+    """A random HF model of a real architecture; large init std makes its distributions far from uniform.
+    ``config``: more HF config fields (``attention_bias=True``)."""
     torch.manual_seed(seed)
-    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    extra = ({"head_dim": 16} if arch == "qwen3" else {}) | config
     cfg = HF_CONFIGS[arch](vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=1024, tie_word_embeddings=False, **extra)

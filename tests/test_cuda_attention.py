@@ -54,6 +54,7 @@ from tests.test_model import assert_windows_and_trees_decode_bit_for_bit
 for module in (mirrorsd.execution, mirrorsd.linear, mirrorsd.model):
     module.fixed_shapes = lambda x: True
 cuda_attention.applies = lambda q: True
+cuda_attention.serves = lambda device, head_dim: True
 model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1), linear="dense")
 assert_windows_and_trees_decode_bit_for_bit(model, torch.randint(0, 100, (70,)).tolist())
 print("ok")
@@ -73,7 +74,7 @@ def test_kernel_matches_sdpa_and_one_query_calls():
 
 
 def test_model_with_the_kernel_decodes_windows_and_trees_bit_for_bit():
-    """The model's CUDA path (fixed-row GEMMs and norms, this kernel) forced on the CPU."""
+    """The model's CUDA path (the fused layers with this kernel) forced on the CPU."""
     _interpret(MODEL)
 
 

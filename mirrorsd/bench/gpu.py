@@ -75,6 +75,11 @@ NEAR_TIE = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1e-3}
 
 def random_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int) -> Transformer:
     """A Qwen2-architecture model with random weights made on ``device`` (nothing large crosses the wire)."""
+    return Transformer.from_hf(random_hf(shape, device, dtype, seed), linear="dense")
+
+
+def random_hf(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """:func:`random_model`'s HF transformers model: the peer, on the same weights."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     cfg = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
@@ -91,7 +96,7 @@ def random_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: i
             std = LOGIT_STD / math.sqrt(shape.hidden) if ("embed" in name or "lm_head" in name) \
                 else 1 / math.sqrt(p.shape[1])
             p.normal_(0.0, std, generator=generator)
-    return Transformer.from_hf(hf, linear="dense")
+    return hf
 
 
 class OracleDraft(Transformer):
@@ -238,6 +243,113 @@ def train_costs(target: Transformer, *, steps: int = 8, chunks: int = 4, recipe:
             "minutes_per_epoch_of_ceiling": CEILING_TOKENS / tokens_s / 60}
 
 
+#: Context of the long-context forward row (the goal: k=1 there ≤ 1.3× its 128-token time).
+LONG_CONTEXT = 4000
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy, read and write counted (median of 5): the rate a forward
+    that only reads its weights could reach at best."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes(model: Transformer) -> int:
+    """What a forward must read: every layer's weights and the LM head (the embedding reads a row per token)."""
+    layers = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    head = model.lm_head.weight
+    return layers + head.numel() * head.element_size()
+
+
+@torch.inference_mode()
+def kernels_per_layer(model: Transformer, context: int = 128) -> float | None:
+    """Kernels (and copies) a one-token forward's layer launches, counted by the profiler on the path the graphs
+    capture: (all layers - one layer) / (layers - 1). None off CUDA."""
+    if model.device.type != "cuda" or model.config.n_layers < 2:
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = model.new_cache(capacity=context + 2)
+    model(torch.zeros(1, context, dtype=torch.long, device=model.device), cache=cache, last=1)
+    hidden = model.embed(torch.zeros(1, 1, dtype=torch.long, device=model.device))
+    positions = torch.full((1, 1), context, device=model.device)
+    counts = []
+    for end in (1, model.config.n_layers):
+        with cuda_graphs(False), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.run_layers(hidden, positions, cache, end=end)
+            synchronize(model.device)
+        cache.truncate(context)
+        counts.append(sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA))
+    return (counts[1] - counts[0]) / (model.config.n_layers - 1)
+
+
+def host_syncs_per_token(target: Transformer, prompt: list[int], tokens: int = 16, **options: Any) -> float | None:
+    """Synchronising CUDA calls (PyTorch's sync debug mode) per generated token, over a whole ``generate``."""
+    if target.device.type != "cuda":
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            generate(target, prompt, max_new_tokens=tokens, temperature=0.0, **options)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught) / tokens
+
+
+def hf_peer(hf: torch.nn.Module, prompt: list[int], max_new: int) -> dict[str, Any]:
+    """HF transformers' own ``generate`` on the same weights, greedy, ``max_new`` tokens exactly: eager, and with
+    its static cache and ``torch.compile`` (two untimed generations compile it first). A failure is reported, not
+    raised."""
+    device = next(hf.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    result: dict[str, Any] = {}
+    for label, options, warm in (("eager", {}, 1), ("static cache + compile", {"cache_implementation": "static"}, 2)):
+        try:
+            for _ in range(warm + 1):
+                synchronize(device)
+                start = time.perf_counter()
+                hf.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, **options)
+                synchronize(device)
+            result[label] = max_new / (time.perf_counter() - start)
+        except Exception as error:  # noqa: BLE001 - a peer that cannot run is a row of the report, not a crash
+            result[label] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+    return result
+
+
+def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.Module | None, prompt: list[int],
+               bandwidth: float, ar_tokens: int, say: Any) -> dict[str, Any]:
+    """A forward's cost against the bandwidth floor (the target's, the draft's, at a long context), kernels per
+    layer, host syncs per token, and, with ``hf``, HF transformers' ``generate`` next to our ``ar`` at
+    ``ar_tokens`` tokens."""
+    target_ms = forward_costs(target, (1,), context=len(prompt), rounds=5)[1]
+    draft_ms = forward_costs(draft, (1,), context=len(prompt), rounds=5)[1]
+    long_ms = forward_costs(target, (1,), context=LONG_CONTEXT, rounds=3)[1]
+    floor = {m: weight_bytes(model) / bandwidth * 1e3 for m, model in (("target", target), ("draft", draft))}
+    row = {"target": name, "k1_ms": target_ms, "floor_ms": floor["target"], "draft_k1_ms": draft_ms,
+           "draft_floor_ms": floor["draft"], "long_context": LONG_CONTEXT, "long_k1_ms": long_ms,
+           "kernels_per_layer": kernels_per_layer(target), "draft_kernels_per_layer": kernels_per_layer(draft),
+           "host_syncs_per_token": host_syncs_per_token(target, prompt)}
+    if hf is not None:
+        say("  HF transformers' generate (eager, static cache + compile)…", flush=True)
+        ours, secs = timed_generate(target, prompt, ar_tokens, method="ar")
+        row["peer"] = {"tokens": ar_tokens, "ar_tok_s": len(ours.token_ids) / secs,
+                       **hf_peer(hf, prompt, ar_tokens)}
+    return row
+
+
 def run_cuda_tests(repo: Path) -> dict[str, Any]:
     tests = repo / "tests" / "test_cuda.py"
     if not tests.is_file():
@@ -251,10 +363,11 @@ def run_cuda_tests(repo: Path) -> dict[str, Any]:
 def run(out: Path, *, device: str | None = None, max_new: int | None = None, prompt_len: int = 128,
         accepts: tuple[int, ...] = (1, 3, 5), gamma: int = 7, targets: tuple[str, ...] = TARGETS,
         ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), tests: bool = True, repo: Path | None = None,
-        progress: bool = True, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        progress: bool = True, dtype: torch.dtype | None = None, peer: bool = True,
+        peer_tokens: int = 128) -> dict[str, Any]:
     """Run the whole validation and write ``report.json``, ``report.md`` and Mirror-SD traces into ``out``.
     ``dtype``: the models' (default bf16 on CUDA; fp32 makes GEMMs nearly batch-invariant, for a strict
-    lossless check)."""
+    lossless check). ``peer``: HF transformers' ``generate`` on the first target's weights, at ``peer_tokens``."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dry = dev.type != "cuda"
     dtype = dtype or (torch.float32 if dry else torch.bfloat16)
@@ -270,18 +383,25 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
         report["cuda_tests"] = run_cuda_tests(repo or Path.cwd())
     report["forward_ms"], report["forward_ms_eager"], report["methods"], report["forced"], report["train"] = \
         {}, {}, [], [], {}
+    report["costs"], report["copy_bytes_per_s"] = [], copy_bandwidth(dev, 1 << (20 if dry else 30))
     for i, name in enumerate(targets):
         say(f"{name}-shaped target: forward curve…", flush=True)
-        target = random_model(shapes[name], dev, dtype, seed=1 + i)
+        hf = random_hf(shapes[name], dev, dtype, seed=1 + i)
+        target = Transformer.from_hf(hf, linear="dense")
         draft = random_model(replace(shapes[DRAFT], vocab=shapes[name].vocab), dev, dtype, seed=0)
         report["forward_ms"][name] = forward_costs(target, ks, context=prompt_len, rounds=5)
         with cuda_graphs(False):  # the host-bound path, for comparison
             report["forward_ms_eager"][name] = forward_costs(target, ks, context=prompt_len, rounds=5)
+        say("  costs: floor, draft, long context, kernels, syncs…", flush=True)
+        prompt = torch.randint(0, shapes[name].vocab, (prompt_len,), generator=torch.Generator().manual_seed(i))
+        prompt = prompt.tolist()
+        report["costs"].append(step_costs(name, target, draft, hf if peer and i == 0 else None, prompt,
+                                          report["copy_bytes_per_s"], 16 if dry else peer_tokens, say))
+        del hf
+        _write(out, report)
         say("  train-streams step…", flush=True)
         report["train"][name] = train_costs(target, recipe=DRY_TRAIN_RECIPE if dry else None)
         _write(out, report)
-        prompt = torch.randint(0, shapes[name].vocab, (prompt_len,), generator=torch.Generator().manual_seed(i))
-        prompt = prompt.tolist()
         ar, ar_s = timed_generate(target, prompt, max_new, method="ar")
         reference = ar.token_ids
         report["methods"].append(asdict(MethodRun(name, "ar", "ar", len(reference) / ar_s, 1.0, True, None)))
@@ -373,6 +493,32 @@ def markdown(report: dict[str, Any]) -> str:
             base = curve[min(curve)]
             lines.append(f"| {name}{how} | " + " | ".join(f"{v:.2f} ({v / base:.2f}×)" for v in curve.values())
                          + " |")
+    if report.get("costs"):
+        copy = report["copy_bytes_per_s"]
+        fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)  # noqa: E731
+        lines += ["", f"## A forward's cost against the bandwidth floor (weights' bytes ÷ {copy / 1e12:.2f} TB/s, the "
+                  "copy rate measured in this run)", "",
+                  "| target | k=1 ms | floor ms | × floor | draft k=1 ms | draft × floor | draft ÷ target | "
+                  "k=1 at long context | kernels / layer (draft) | host syncs / token |", "|---" * 10 + "|"]
+        for c in report["costs"]:
+            lines.append(
+                f"| {c['target']} | {c['k1_ms']:.2f} | {c['floor_ms']:.2f} | {c['k1_ms'] / c['floor_ms']:.1f}× | "
+                f"{c['draft_k1_ms']:.2f} | {c['draft_k1_ms'] / c['draft_floor_ms']:.1f}× | "
+                f"{c['draft_k1_ms'] / c['k1_ms']:.2f} | {c['long_k1_ms']:.2f} ms at {c['long_context']} "
+                f"({c['long_k1_ms'] / c['k1_ms']:.2f}×) | {fmt(c['kernels_per_layer'], '.1f')} "
+                f"({fmt(c['draft_kernels_per_layer'], '.1f')}) | {fmt(c['host_syncs_per_token'], '.1f')} |")
+        peers = [c for c in report["costs"] if "peer" in c]
+        if peers:
+            lines += ["", "## HF transformers' `generate` on the same weights (greedy, tok/s)", "",
+                      "| target | tokens | our ar | HF eager | HF static cache + compile | ar ÷ HF compiled |",
+                      "|---|---|---|---|---|---|"]
+            for c in peers:
+                p = c["peer"]
+                hf_eager, compiled = p.get("eager"), p.get("static cache + compile")
+                show = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+                ratio = f"{p['ar_tok_s'] / compiled:.2f}×" if isinstance(compiled, float) else "–"
+                lines.append(f"| {c['target']} | {p['tokens']} | {p['ar_tok_s']:.1f} | {show(hf_eager)} | "
+                             f"{show(compiled)} | {ratio} |")
     lines += ["", "## Every method on random weights (greedy)", "",
               "| target | method | tok/s | tokens/step | equal to ar | divergence |", "|---|---|---|---|---|---|"]
     for m in report["methods"]:

@@ -109,7 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="validate a CUDA machine: CUDA tests, every method on random weights of real shapes, Mirror-SD vs Eq. 10",
         description="One command for a lent GPU machine. Makes random-weight models of real shapes on the device "
         "(Qwen2.5-1.5B- and 7B-shaped targets, a 0.5B-shaped draft: nothing large has to travel), runs "
-        "tests/test_cuda.py, times the k-token forward curve, runs every method and checks its tokens against ar, "
+        "tests/test_cuda.py, times the k-token forward curve and a forward against the bandwidth floor (the draft's "
+        "too, at a long context, kernels per layer, host syncs per token), times HF transformers' generate on the "
+        "first target's weights next to our ar, runs every method and checks its tokens against ar, "
         "then forces acceptance lengths with an oracle draft (the real draft network runs; its tokens follow the "
         "target's answer for A tokens, then miss) to compare Mirror-SD's step time with its Eq. 10 terms and with "
         "vanilla SD at the same acceptance. Writes report.md, report.json and Chrome traces into --out. Without "
@@ -127,6 +129,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="model dtype (default: bfloat16 on CUDA, float32 in a dry run); float32 GEMMs are nearly "
                          "batch-invariant, so every answer must equal ar's exactly")
     bg.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda.py")
+    bg.add_argument("--no-peer", action="store_true",
+                    help="skip HF transformers' generate (eager, and static cache + torch.compile: ~40 s to compile)")
+    bg.add_argument("--peer-tokens", type=int, default=128,
+                    help="tokens per answer of the HF peer and of the ar run beside it")
     bp = bsub.add_parser(
         "perplexity", formatter_class=HelpFormatter,
         help="perplexity of a model in one or more weight formats on an offline corpus",
@@ -175,7 +181,8 @@ def _gpu(args: argparse.Namespace) -> int:
         raise ValueError(f"--accept values must be below --gamma ({args.gamma}): a window of γ accepts at most γ")
     report = gpu.run(Path(args.out), device=args.device, max_new=args.max_new_tokens, prompt_len=args.prompt_tokens,
                      accepts=accepts, gamma=args.gamma, targets=targets, ks=_positive_ints(args.ks, "--ks"),
-                     tests=not args.no_tests, dtype=getattr(torch, args.dtype) if args.dtype else None)
+                     tests=not args.no_tests, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                     peer=not args.no_peer, peer_tokens=args.peer_tokens)
     print(gpu.summary(report))
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0

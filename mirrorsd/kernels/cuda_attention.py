@@ -101,14 +101,15 @@ def _causal_keys(t: int, total: int, device: torch.device, stream: int) -> tuple
     return index, count
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, count: torch.Tensor
-           ) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, count: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """``q [rows, H, t, D]`` over ``k``/``v [rows, KV, total, D]`` (grouped-query heads: ``H % KV == 0``), each
-    query seeing ``k[index[r, i, :count[r, i]]]`` (``index``/``count`` with one row broadcast to all)."""
+    query seeing ``k[index[r, i, :count[r, i]]]`` (``index``/``count`` with one row broadcast to all). ``out``: a
+    ``[rows, H, t, D]`` view to write into (the fused layer's output projection input), else a new tensor."""
     rows, heads, t, dim = q.shape
-    if dim & (dim - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if dim & (dim - 1) or any(x.stride(-1) != 1 for x in (q, k, v)) or (out is not None and out.stride(-1) != 1):
         raise ValueError("attention needs a power-of-two head size and contiguous head vectors")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     index = index.expand(rows if index.shape[0] > 1 else 1, t, index.shape[-1])
     count = count.expand(rows if count.shape[0] > 1 else 1, t).contiguous()
 

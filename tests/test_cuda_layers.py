@@ -1,0 +1,158 @@
+"""The fused CUDA layer (:func:`mirrorsd.execution.fused_layers`, :mod:`mirrorsd.kernels.cuda_layers`) on the CPU,
+through Triton's interpreter (in a subprocess, which sets ``TRITON_INTERPRET=1`` before Triton loads, and forces
+the CUDA path with the same patches as ``tests/test_cuda_attention.py``). ``tests/test_cuda.py`` runs the compiled
+kernels on a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the compiled kernels (tests/test_cuda.py)"),
+]
+
+FORCE_CUDA_PATH = """
+import torch
+import mirrorsd.execution, mirrorsd.linear, mirrorsd.model
+from mirrorsd.kernels import cuda_attention
+
+def force(on=True):
+    for module in (mirrorsd.execution, mirrorsd.linear, mirrorsd.model):
+        module.fixed_shapes = (lambda x: True) if on else (lambda x: False)
+    cuda_attention.applies = cuda_attention.serves = (lambda *a: True) if on else (lambda *a: False)
+"""
+
+ARCHS = FORCE_CUDA_PATH + """
+from mirrorsd import Transformer
+from tests.conftest import tiny_hf
+from tests.test_model import assert_windows_and_trees_decode_bit_for_bit
+
+CASES = [("qwen2", torch.float32, 1e-4, {}), ("qwen3", torch.float32, 1e-4, {}),
+         ("llama", torch.bfloat16, 0.1, {"attention_bias": True})]  # (an output-projection bias too)
+for arch, dtype, tol, config in CASES:
+    hf = tiny_hf(arch, vocab=100, layers=2, std=0.1, **config)
+    model = Transformer.from_hf(hf, linear="dense").to(dtype)
+    prompt = torch.randint(0, 100, (70,)).tolist()
+    force(False)
+    with torch.no_grad():
+        eager = model(torch.tensor([prompt]), cache=model.new_cache(capacity=80))
+    force(True)
+    with torch.no_grad():
+        fused = model(torch.tensor([prompt]), cache=model.new_cache(capacity=80))
+        alone = model(torch.tensor([prompt]))
+    assert model.layers[0].merged is not None, "the fused path did not run"
+    assert (model.layers[0].merged.o_bias is not None) == bool(config), arch
+    assert (fused - eager).abs().max() < tol * eager.abs().max(), (arch, (fused - eager).abs().max())
+    assert torch.equal(fused, alone), arch
+    assert_windows_and_trees_decode_bit_for_bit(model, prompt)
+print("ok")
+"""
+
+METHODS = FORCE_CUDA_PATH + """
+from mirrorsd import Transformer, generate
+from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
+from tests.conftest import tiny_hf
+
+force(True)
+target = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=1, std=0.3), linear="dense")
+draft = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=1, seed=2, std=0.3), linear="dense")
+cfg = target.config
+streams = StreamAdapters(target, StreamConfig(streams=2, layers=1, hidden_size=cfg.hidden_size,
+                                              n_layers=cfg.n_layers, vocab_size=cfg.vocab_size)).eval()
+prompt = list(range(3, 20))
+want = generate(target, prompt, method="ar", max_new_tokens=10, temperature=0.0).token_ids
+for method, kwargs in [("sd", {"draft": draft}), ("suffix", {}), ("ss", {"streams": streams}),
+                       ("mirror", {"draft": draft, "backend": "serial"})]:
+    got = generate(target, prompt, method=method, max_new_tokens=10, temperature=0.0, **kwargs).token_ids
+    assert got == want, (method, got, want)
+print("ok")
+"""
+
+LAUNCHES = FORCE_CUDA_PATH + """
+from torch.utils._python_dispatch import TorchDispatchMode
+from mirrorsd import Transformer
+from mirrorsd.kernels import cuda_layers
+from tests.conftest import tiny_hf
+
+VIEWS = {"view", "_unsafe_view", "t", "transpose", "slice", "select", "expand", "as_strided", "reshape", "alias",
+         "detach", "lift_fresh"}
+
+inside_triton = []
+
+class Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEWS and not inside_triton:  # (the interpreter's own tensor work is no launch)
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+def launch(name, real):
+    def call(*args, **kwargs):
+        launches.append(name)
+        inside_triton.append(name)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            inside_triton.pop()
+    return call
+
+launches = []
+for name in ("rms_norm", "rope_write", "silu_mul"):
+    setattr(cuda_layers, name, launch(name, getattr(cuda_layers, name)))
+cuda_attention.attend = launch("attend", cuda_attention.attend)
+
+force(True)
+model = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, std=0.1), linear="dense")
+cache = model.new_cache(capacity=32)
+hidden = model.embed(torch.tensor([[1, 2, 3, 4]]))
+positions = torch.arange(4)[None]
+with torch.no_grad():
+    mirrorsd.execution.fused_layers(model, hidden, positions, cache, None, 0, 2)  # merges the weights
+    cache.truncate(0)
+    counts = []
+    for layers in (1, 2):
+        launches.clear()
+        with Count() as mode:
+            mirrorsd.execution.fused_layers(model, hidden, positions, cache, None, 0, layers)
+        cache.truncate(0)
+        counts.append(mode.ops + launches)
+one, two = counts
+per_layer = len(two) - len(one)
+assert per_layer <= 10, (per_layer, one, two)
+print("ok", per_layer, one, two)
+"""
+
+
+def _interpret(code: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_fused_layers_match_the_eager_layers_and_decode_windows_and_trees_bit_for_bit():
+    """Qwen2 (QKV biases), Qwen3 (per-head norms) and Llama with an output bias, in fp32 and bf16: logits within
+    rounding of the eager layers, the same with no cache, and windows and trees bit for bit one-token decoding."""
+    _interpret(ARCHS)
+
+
+def test_methods_on_the_fused_path_equal_ar():
+    """``sd``, ``suffix``, ``ss`` (stream rows through the fused layers) and serial Mirror-SD equal ``ar``."""
+    _interpret(METHODS)
+
+
+def test_a_fused_layer_is_at_most_ten_launches():
+    """Every op a layer dispatches (GEMMs, in-place adds) plus its Triton kernels, counted on the CPU."""
+    _interpret(LAUNCHES)
