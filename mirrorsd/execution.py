@@ -24,7 +24,7 @@ from .linear import FIXED_ROWS, PACKED_BUFFERS, DenseLinear, QuantLinear, fixed_
 if TYPE_CHECKING:
     from torch import nn
 
-    from .model import StreamRows, Transformer
+    from .model import SSRows, Transformer
 
 #: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
 _PACKED_FIELDS = (*PACKED_BUFFERS, "bias")
@@ -90,7 +90,7 @@ class KernelBinding:
 
 def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                streams: StreamRows | None = None) -> torch.Tensor:
+                streams: SSRows | None = None) -> torch.Tensor:
     """Bound C++ blocks (:meth:`KernelBinding.kernel`) of ``layers`` in turn, in one op call (``cpu_block.cpp``'s
     ``blocks_forward``: the Python between 28 calls cost a 1-token forward ~1.8 ms), advancing each layer's cache.
 
@@ -183,7 +183,7 @@ def _slabs(n: int) -> list[slice]:
 
 
 def fused_layers(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                 mask: torch.Tensor | None, start: int, end: int, streams: StreamRows | None = None,
+                 mask: torch.Tensor | None, start: int, end: int, streams: SSRows | None = None,
                  static: cuda_graphs.StaticStep | None = None) -> torch.Tensor:
     """Blocks ``[start, end)`` as nine launches each: RMSNorm (Triton), the QKV GEMM with its bias, RoPE with the
     cache write (Triton), attention over each query's gather list (Triton), the output GEMM adding into the

@@ -101,7 +101,9 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
-class StreamDeltas(Protocol):
+class SSDeltas(Protocol):
+    """Speculative Streaming's stream adapters as the layers see them (:mod:`mirrorsd.decoding.ss.adapters`)."""
+
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor: ...
 
     def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -111,14 +113,14 @@ class StreamDeltas(Protocol):
 
 
 @dataclass(frozen=True)
-class StreamRows:
+class SSRows:
     """The last ``count`` rows of a window are Speculative Streaming stream rows: their projections get the
     stream adapters' low-rank deltas (main rows keep the base weights, so the target's tokens cannot change)
     and their keys/values are attended in this forward but never kept in the cache (the C++ blocks write them
     past its length)."""
 
     count: int
-    adapters: StreamDeltas
+    adapters: SSDeltas
 
     def project(self, layer: int, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = linear(x)  # one product over main and stream rows: the weights are read once
@@ -129,7 +131,7 @@ class StreamRows:
         return torch.cat([out[:, :-s], out[:, -s:] + delta.to(out.dtype)], dim=1)
 
 
-def _project(streams: StreamRows | None, layer: int, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _project(streams: SSRows | None, layer: int, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear(x) if streams is None else streams.project(layer, name, linear, x)
 
 
@@ -182,7 +184,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None,
         mask: torch.Tensor | None,
-        streams: StreamRows | None = None,
+        streams: SSRows | None = None,
     ) -> torch.Tensor:
         rows, t, _ = x.shape
         q = _project(streams, self.layer, "q_proj", self.q_proj, x).view(rows, t, self.n_heads, self.head_dim)
@@ -284,7 +286,7 @@ class MLP(nn.Module):
         self.down_proj = make_linear(weights[p + "down_proj.weight"], linear=linear)
         self.fused = False  # set by Transformer: the C++ SiLU the fused block uses (the same bits)
 
-    def forward(self, x: torch.Tensor, streams: StreamRows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, streams: SSRows | None = None) -> torch.Tensor:
         gate = _project(streams, self.layer, "gate_proj", self.gate_proj, x)
         up = _project(streams, self.layer, "up_proj", self.up_proj, x)
         act = kernels.silu_mul(gate, up) if self.fused else F.silu(gate) * up
@@ -304,7 +306,7 @@ class Block(KernelBinding, nn.Module):
         self._kernel: torch.ScriptObject | None = None
         self.merged = None  # the fused CUDA layer's weights (execution.merged_weights)
 
-    def forward(self, x, cos, sin, cache, mask, streams: StreamRows | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, mask, streams: SSRows | None = None) -> torch.Tensor:
         if cache is not None and streams is None and (kernel := self.kernel()) is not None:
             return run_kernels([kernel], [self.layer], self.mlp.down_proj.split_activations, x, cos, sin, cache, mask)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, streams)
@@ -447,7 +449,7 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,
         start: int = 0,
         end: int | None = None,
-        streams: StreamRows | None = None,
+        streams: SSRows | None = None,
     ) -> torch.Tensor:
         """Run blocks ``[start, end)`` on a window's hidden states ``[rows, T, hidden]``.
 

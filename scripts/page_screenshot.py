@@ -2,7 +2,7 @@
 
 Headless Chromium (Debian's ``chromium`` package) through Playwright (``pip install playwright``; no browser
 download: it drives ``/usr/bin/chromium``). Types the prompt, presses Enter, waits for the streamed reply and
-checks that it was coloured by token source. Used by ``tests/test_server_page.py`` (slow) and for
+checks that it was coloured by token source. Used by ``tests/server/test_server_page.py`` (slow) and for
 ``docs/server_page.png``::
 
     mirrorsd serve --method suffix &

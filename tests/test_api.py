@@ -6,8 +6,7 @@ import pytest
 
 import mirrorsd
 from mirrorsd import LoadedModel, Transformer, generate, stream
-
-from .conftest import requires_smollm2, tiny_hf
+from tests.helpers import requires_smollm2, tiny_hf
 
 
 @pytest.fixture(scope="module")

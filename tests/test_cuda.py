@@ -16,8 +16,7 @@ from mirrorsd.bench.forward import forward_costs
 from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
 from mirrorsd.linear import DenseLinear, make_linear
 from mirrorsd.quant import GroupQuant, quantize_q8
-
-from .test_model import assert_graphed_windows_decode_bit_for_bit, assert_windows_and_trees_decode_bit_for_bit
+from tests.helpers import assert_graphed_windows_decode_bit_for_bit, assert_windows_and_trees_decode_bit_for_bit
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -16,10 +16,7 @@ from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, new_state
 from mirrorsd.decoding.proposers import ModelProposer
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.verify import Verdict
-
-from .conftest import tiny_hf
-from .test_decoding import _exact_pair_distribution
-from .test_mirror import row_exact
+from tests.helpers import exact_pair_distribution, row_exact, tiny_hf
 
 
 @pytest.fixture
@@ -140,7 +137,7 @@ def test_rejection_sampling_with_a_reduced_draft_vocabulary_keeps_the_target_dis
     target = Transformer.from_hf(tiny_hf(vocab=8, layers=2, seed=3, std=0.5))
     draft = Transformer.from_hf(tiny_hf(vocab=8, layers=1, seed=4, std=0.5))
     prompt, n = [5, 6], 1500
-    exact = _exact_pair_distribution(target, prompt, 1.0).flatten()
+    exact = exact_pair_distribution(target, prompt, 1.0).flatten()
     counts = torch.zeros(64)
     windows = Counter()
     options = {"kappa": 2, "confidence": 0.0} if method == "mirror" else {"confidence": 0.0, "model_gate": "always"}
@@ -223,8 +220,7 @@ def test_mirror_with_a_restricted_exit_equals_ar_and_reads_subset_candidates(tab
 
 def test_ss_with_restricted_stream_heads_equals_ar_and_prunes_outside_tokens(tables):
     from mirrorsd.decoding.ss import passes as streaming
-
-    from .test_streams import random_adapters
+    from tests.helpers import random_adapters
 
     model = row_exact(tiny_hf(layers=4, seed=1))
     adapters = random_adapters(model, layers=2)

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from mirrorsd import Transformer, generate
-
-from .conftest import assert_same_or_near_tie, requires_smollm2, tiny_hf
+from tests.helpers import assert_same_or_near_tie, requires_smollm2, tiny_hf
 
 pytestmark = requires_smollm2
 

@@ -11,8 +11,7 @@ from mirrorsd.exit_heads import ExitTranslators, shipped_exit, tuned_exit, unit_
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.train_exit import KLRefine, fit_exit, plot_curve, refine_kl
 from mirrorsd.train_streams import corpus_texts
-
-from .conftest import requires_smollm2
+from tests.helpers import requires_smollm2
 
 
 def test_identity_translator_is_the_logit_lens(tiny_pair):

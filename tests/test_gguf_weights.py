@@ -25,8 +25,7 @@ from mirrorsd.gguf_weights import (
     open_gguf,
 )
 from mirrorsd.quant import GroupQuant
-
-from .conftest import requires_smollm2
+from tests.helpers import requires_smollm2
 
 Q = GGMLQuantizationType
 #: Byte offsets of the fp16 fields of each block type (every other byte may hold anything).

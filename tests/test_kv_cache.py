@@ -7,8 +7,7 @@ import torch
 
 from mirrorsd import Transformer
 from mirrorsd.kv_cache import KVCache
-
-from .conftest import tiny_hf
+from tests.helpers import tiny_hf
 
 
 def kv(t: int, fill: float, rows: int = 1) -> torch.Tensor:

@@ -11,8 +11,7 @@ import mirrorsd
 from mirrorsd import Transformer, cli
 from mirrorsd.bench.forward import ForwardReport
 from mirrorsd.linear import LINEAR_IMPLS, DenseLinear
-
-from .conftest import tiny_hf
+from tests.helpers import tiny_hf
 
 
 def test_linear_is_the_parameter_name_everywhere() -> None:

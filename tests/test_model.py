@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mirrorsd import Transformer, generate, kernels
-from mirrorsd.cuda_graphs import cuda_graphs
+from mirrorsd import Transformer, kernels
 from mirrorsd.model import causal_mask
-
-from .conftest import HF_CONFIGS, requires_smollm2, tiny_hf
+from tests.helpers import HF_CONFIGS, assert_windows_and_trees_decode_bit_for_bit, requires_smollm2, tiny_hf
 
 TOL = 1e-4
 
@@ -96,94 +94,6 @@ def test_tree_mask_equals_separate_branches():
         out = ours(tokens, positions, cache, mask)[0]
     assert (out[:2] - ref_a).abs().max().item() < TOL
     assert (out[2:] - ref_b).abs().max().item() < TOL
-
-
-def two_branch_tree(past: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions, mask) of a 5-token tree after ``past`` cached tokens: a 3-token branch, then a 2-token one
-    from the same root position."""
-    mask = torch.zeros(1, 5, past + 5, dtype=torch.bool, device=device)
-    mask[..., :past] = True
-    for i, j in [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 3), (4, 3), (4, 4)]:
-        mask[0, i, past + j] = True
-    return torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device), mask
-
-
-def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list[int]) -> None:
-    """After ``prompt``, a 3-token window and a two-branch tree give exactly one-token decoding's logits."""
-    device, past = model.device, len(prompt)
-    a, b = [10, 11, 12], [20, 21]
-
-    def prefilled():
-        cache = model.new_cache(capacity=past + 8)
-        model(torch.tensor([prompt], device=device), cache=cache, last=1)
-        return cache
-
-    with torch.no_grad():
-        decoded = []
-        for branch in (a, b):
-            cache = prefilled()
-            decoded.append(torch.cat([model(torch.tensor([[t]], device=device), cache=cache)[0] for t in branch]))
-        cache = prefilled()
-        window = model(torch.tensor([a], device=device), cache=cache)[0]
-        cache.truncate(past)
-        positions, mask = two_branch_tree(past, device)
-        tree = model(torch.tensor([a + b], device=device), positions, cache, mask)[0]
-    assert torch.equal(window, decoded[0]), (window - decoded[0]).abs().max()
-    assert torch.equal(tree[:3], decoded[0]) and torch.equal(tree[3:], decoded[1])
-
-
-def assert_graphed_windows_decode_bit_for_bit(model: Transformer, prompt: list[int], draft: Transformer) -> None:
-    """Layers through CUDA graphs' static inputs (keys and values written at device-side slots, each query's
-    visible keys and count read from tensors; captured and replayed on CUDA from a shape's third sight) give the
-    eager path's logits and cache bit for bit: passes split at layer 1, the first crossing the cache's capacity
-    (the layers grow one range at a time), then 3-token windows, one-token steps, a two-branch tree and a 2-token
-    split pass (Mirror-SD's rollouts and target), three times each; and ``ar``'s, ``sd``'s, ``suffix``'s
-    and ``mirror``'s answers are unchanged."""
-    device = model.device
-    a, b = [10, 11, 12], [20, 21]
-
-    def split_pass(tokens: list[int], cache) -> torch.Tensor:
-        positions = torch.arange(len(cache), len(cache) + len(tokens), device=device)[None]
-        low = model.run_layers(model.embed(torch.tensor([tokens], device=device)), positions, cache, end=1)
-        return model.logits(model.run_layers(low, positions, cache, start=1))[0]
-
-    def decode(graphs: bool):
-        with cuda_graphs(graphs), torch.inference_mode():
-            cache = model.new_cache(capacity=len(prompt) + 2)
-            outs = [model(torch.tensor([prompt], device=device), cache=cache, last=1)[0]]
-            for tokens in ([5], [6]):  # the cache is full after these
-                outs.append(model(torch.tensor([tokens], device=device), cache=cache)[0])
-            for tokens in ([7], [8], [9], [10]):  # the first grows layer 0, then the layers above
-                outs.append(split_pass(tokens, cache))
-            past = len(cache)
-            positions, mask = two_branch_tree(past, device)
-            for _ in range(3):
-                outs.append(model(torch.tensor([[8, 9, 10]], device=device), cache=cache)[0])
-                outs.append(model(torch.tensor([[11]], device=device), cache=cache)[0])
-                cache.truncate(past)
-                outs.append(model(torch.tensor([a + b], device=device), positions, cache, mask)[0])
-                cache.truncate(past)
-                outs.append(split_pass([14, 15], cache))
-                cache.truncate(past)
-        return torch.cat(outs), cache
-
-    eager, eager_cache = decode(False)
-    graphed, graphed_cache = decode(True)
-    # since the growth: one-token steps, 3-token windows, trees, and both halves of 1- and 2-token split passes
-    graphs = graphed_cache.graphs()
-    assert not eager_cache.graphs() and len(graphs) == 7 and all(graphs.values())
-    assert all(g.graph is not None for g in graphs.values()) == (device.type == "cuda")
-    assert torch.equal(graphed, eager), (graphed - eager).abs().max()
-    n = len(eager_cache)
-    assert graphed_cache.lengths == eager_cache.lengths == [n] * model.config.n_layers
-    for x, y in zip(graphed_cache.keys + graphed_cache.values, eager_cache.keys + eager_cache.values, strict=True):
-        assert torch.equal(x[:, :, : n + 5], y[:, :, : n + 5])
-    for method, options in [("ar", {}), ("sd", {"draft": draft}), ("suffix", {}),
-                            ("mirror", {"draft": draft, "budget": 2, "exit_layer": 1})]:
-        with cuda_graphs(False):
-            want = generate(model, prompt, max_new_tokens=16, method=method, temperature=0.0, **options).token_ids
-        got = generate(model, prompt, max_new_tokens=16, method=method, temperature=0.0, **options).token_ids
-        assert got == want, method
 
 
 def test_fixed_shapes_give_one_token_decodings_bits(monkeypatch):

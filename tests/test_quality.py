@@ -14,8 +14,7 @@ from mirrorsd.api import default_format, encode_prompt
 from mirrorsd.cli import main
 from mirrorsd.specbench import Question
 from mirrorsd.zoo import ZOO
-
-from .conftest import requires_smollm2
+from tests.helpers import requires_smollm2
 
 pytestmark = requires_smollm2
 

@@ -9,8 +9,7 @@ import torch
 import mirrorsd
 from mirrorsd import Transformer, generate
 from mirrorsd.linear import QuantLinear
-
-from .conftest import requires_smollm2
+from tests.helpers import requires_smollm2
 
 pytestmark = requires_smollm2
 

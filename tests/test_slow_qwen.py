@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import mirrorsd
-
-from .conftest import assert_same_or_near_tie
+from tests.helpers import assert_same_or_near_tie
 
 pytestmark = [
     pytest.mark.slow,

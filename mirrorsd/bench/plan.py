@@ -47,13 +47,11 @@ from torch import nn
 from ..api import ZooFiles, generate
 from ..decoding import REFERENCE, Priced, get_method, methods
 from ..decoding.drafting import draft_vocab_size
-from ..decoding.mirror import DEFAULT_KAPPA, early_exit
 from ..decoding.suffix_index import isolated_shared_indexes
-from ..draft_vocab import draft_table_kind, optional_head, subset_head
+from ..draft_vocab import draft_table_kind, subset_head
 from ..model import Transformer
 from ..plans import machine_label, plan_path
 from ..runtime.executors import split_threads
-from ..sampling import SamplingParams
 from .metrics import expected_accepted
 
 TARGET_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -150,7 +148,7 @@ def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], c
     cache = model.new_cache(capacity=context + max(ks) + 1)
     model.prefill(torch.randint(0, vocab, (1, context), generator=g).to(device), cache)
     full, prefix, head = {}, {e: {} for e in exit_layers}, {}
-    exit_vocab = optional_head(model, None) if heads else None  # the exit as mirror runs it by default
+    probes = [m.exit_probe(model) for m in methods() if m.exit_probe is not None] if heads else []
     for k in ks:
         x = torch.randint(0, vocab, (1, k), generator=g).to(device)
         positions = torch.arange(context, context + k, device=device)[None]
@@ -166,9 +164,8 @@ def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], c
                 cache.truncate(context)
 
             prefix[e][k] = _median_ms(pre, rounds)
-        if heads:
-            head[k] = _median_ms(partial(early_exit, model, model.embed(x), DEFAULT_KAPPA, SamplingParams(),
-                                         head=exit_vocab), rounds)
+        if probes:  # (one method reads an early exit: its cost row)
+            head[k] = _median_ms(partial(probes[0], model.embed(x)), rounds)
     return full, prefix, head
 
 

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding import engine
-from ..decoding.engine import ChainScorer, DecodeRequest, Draft, GenerationStats, RequestState, Roles, Scores, match
+from ..decoding.engine import ChainScorer, DecodeRequest, GenerationStats, Proposal, RequestState, Roles, Scores, match
 from ..decoding.proposers import ModelProposer
 from ..exit_heads import ExitTranslators
 from ..sampling import SamplingParams
@@ -99,7 +99,7 @@ class ExitReader(ChainScorer):
         self.bounds = sorted(set(exit_layers.values()))
         self.exit_ids: dict[str, list[list[int]]] = {}
 
-    def score(self, state: RequestState, draft: Draft) -> Scores:
+    def score(self, state: RequestState, draft: Proposal) -> Scores:
         model = self.model
         tokens = [state.tokens[-1], *draft.tokens]
         positions = torch.arange(len(state.tokens) - 1, len(state.tokens) - 1 + len(tokens), device=model.device)

@@ -4,12 +4,12 @@
 from . import ar, sd  # noqa: F401, I001
 from . import suffix, mirror  # noqa: F401
 from .ss import method as _ss  # noqa: F401
-from .engine import DecodeRequest, Draft, GenerationStats, RequestState, Roles, Scores
+from .engine import DecodeRequest, Proposal, GenerationStats, RequestState, Roles, Scores
 # The processes backend's draft rank under torchrun (``mirrorsd generate --target-tp``): the CLI starts and ends it.
 from .mirror.remote import leave_launched_world, serve_launched
 from .registry import (REFERENCE, Method, MethodOptions, ModelShape, OptionError, Priced, ShippedFiles, default_method,
                        get_method, methods, option, register)
 
-__all__ = ["REFERENCE", "DecodeRequest", "Draft", "GenerationStats", "Method", "MethodOptions", "ModelShape",
+__all__ = ["REFERENCE", "DecodeRequest", "Proposal", "GenerationStats", "Method", "MethodOptions", "ModelShape",
            "OptionError", "Priced", "RequestState", "Roles", "Scores", "ShippedFiles", "default_method", "get_method",
            "leave_launched_world", "methods", "option", "register", "serve_launched"]

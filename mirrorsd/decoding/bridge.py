@@ -27,7 +27,7 @@ from ..model import Transformer
 from ..sampling import SamplingParams
 from ..verify import Verdict
 from .drafting import SINK_TOKENS, DraftSampler, prompt_window
-from .engine import Draft, RequestState, Scores, point_masses
+from .engine import Proposal, RequestState, Scores, point_masses
 
 RETOKENIZE = 2  # trailing draft tokens re-tokenized with new text (a BPE merge can reach back over them)
 
@@ -125,7 +125,7 @@ class BridgedProposer:
         self.ends: list[int] = []  # byte offset where each of ``ids`` ends
         self.cached: list[int] = []  # what the draft cache was fed, in order (see the class docstring)
         self.skipped = 0
-        self.last: Draft | None = None
+        self.last: Proposal | None = None
 
     def start(self, state: RequestState) -> None:
         pass
@@ -158,12 +158,12 @@ class BridgedProposer:
         self.cached = list(self.ids)
         return self.ids[agree:]
 
-    def propose(self, state: RequestState) -> Draft:
+    def propose(self, state: RequestState) -> Proposal:
         """Up to ``gamma`` target tokens: the draft continues the text until its words make more target tokens
         than the window holds, or, with ``confidence``, up to its first doubtful token (none if that is the
         first)."""
         window = min(self.gamma, state.room)
-        self.last = Draft()
+        self.last = Proposal()
         if window <= 0:
             return self.last
         feed = self._sync(state)
@@ -191,7 +191,7 @@ class BridgedProposer:
         self.cached = self.cached[: len(cache) + self.skipped]  # the last drafted token was never fed
         tokens = list(takewhile(lambda t: t < self.target_vocab, proposal[:window]))
         probs = point_masses(tokens, self.target_vocab) if self.rejection else None
-        self.last = Draft(tokens, probs=probs, forwards=forwards, fed=fed)
+        self.last = Proposal(tokens, probs=probs, forwards=forwards, fed=fed)
         return self.last
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:

@@ -36,9 +36,10 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Draft:
-    """Draft tokens after the last committed token: a chain, or a tree when ``parents`` is set (``parents[i]``
-    is the index of token i's parent, -1 for the last committed token; parents come first)."""
+class Proposal:
+    """What a proposer offers for verification: draft tokens after the last committed token, a chain, or a tree when
+    ``parents`` is set (``parents[i]`` is the index of token i's parent, -1 for the last committed token; parents
+    come first). (Named apart from the draft model that may have made it.)"""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] | None = None
@@ -64,7 +65,7 @@ class Scores:
     ``draft.tokens[i]`` (``draft`` is what was scored: a scorer may prune a tree)."""
 
     logits: torch.Tensor
-    draft: Draft
+    draft: Proposal
     forwards: int = 1  # target forwards it took
 
 
@@ -211,7 +212,7 @@ class RequestState:
         """Most draft tokens a window may hold: the step's own token must still fit in ``max_new_tokens``."""
         return self.request.max_new_tokens - self.produced - 1
 
-    def commit(self, draft: Draft, verdict: Verdict) -> list[int]:
+    def commit(self, draft: Proposal, verdict: Verdict) -> list[int]:
         """Append the verdict's tokens (the caches are the roles' to roll back)."""
         new = [*(draft.tokens[i] for i in verdict.nodes), verdict.next_token]
         self.tokens.extend(new)
@@ -245,7 +246,7 @@ class Proposer(Protocol):
     def start(self, state: RequestState) -> None:
         """Set up per-request state (a draft cache) before the first step."""
 
-    def propose(self, state: RequestState) -> Draft:
+    def propose(self, state: RequestState) -> Proposal:
         """A draft of at most ``state.room`` window positions after ``state.tokens``."""
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
@@ -259,7 +260,7 @@ class Scorer(Protocol):
     def prefill(self, state: RequestState) -> int:
         """Feed the prompt; returns the forwards it took."""
 
-    def score(self, state: RequestState, draft: Draft) -> Scores: ...
+    def score(self, state: RequestState, draft: Proposal) -> Scores: ...
 
     def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         """Roll the target cache back to the committed tokens (call before ``state.commit``)."""
@@ -295,8 +296,8 @@ class NoDraft:
     def start(self, state: RequestState) -> None:
         pass
 
-    def propose(self, state: RequestState) -> Draft:
-        return Draft()
+    def propose(self, state: RequestState) -> Proposal:
+        return Proposal()
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         pass
@@ -324,7 +325,7 @@ class ChainScorer:
             self.model.prefill(ids, state.target_cache)
         return 1
 
-    def score(self, state: RequestState, draft: Draft) -> Scores:
+    def score(self, state: RequestState, draft: Proposal) -> Scores:
         if state.next_logits is not None:  # the prefill scored the last committed token already
             first, state.next_logits = state.next_logits, None
             if not draft.tokens:

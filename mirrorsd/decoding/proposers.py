@@ -18,7 +18,7 @@ from ..model import Transformer
 from ..sampling import SamplingParams
 from ..verify import Verdict
 from .drafting import DraftSampler, prompt_window, window_end
-from .engine import Draft, RequestState, Scores, draft_tokens
+from .engine import Proposal, RequestState, Scores, draft_tokens
 from .ss.adapters import StreamAdapters
 from .ss.passes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_K, StreamGuesses, ss_pass
 
@@ -50,7 +50,7 @@ class ModelProposer:
         self.rejection = self.sampler.rejection
         self.context = context  # > 0: the draft reads SINK_TOKENS + the last ``context`` prompt tokens
         self.skipped = 0  # prompt tokens the draft's cache leaves out (the cache's positions close the gap)
-        self.last: Draft | None = None  # the last draft proposed
+        self.last: Proposal | None = None  # the last draft proposed
 
     @property
     def subset(self) -> object | None:
@@ -59,7 +59,7 @@ class ModelProposer:
     def start(self, state: RequestState) -> None:
         pass
 
-    def propose(self, state: RequestState, window: int | None = None) -> Draft:
+    def propose(self, state: RequestState, window: int | None = None) -> Proposal:
         """Feed ``state.pending``, then draft up to ``window`` tokens (default: γ within the room left). The
         cache ends holding the committed text and every proposed token but the last."""
         window = min(self.gamma, state.room) if window is None else window
@@ -85,7 +85,7 @@ class ModelProposer:
                 alternatives += sampler.likeliest(logits)
             if doubtful:
                 break
-        self.last = Draft(tokens, probs=torch.stack(q_rows) if q_rows else None, forwards=forwards, fed=fed,
+        self.last = Proposal(tokens, probs=torch.stack(q_rows) if q_rows else None, forwards=forwards, fed=fed,
                           alternatives=alternatives if sampler.runner_ups else None)
         return self.last
 
@@ -125,7 +125,7 @@ class StreamProposer(ModelProposer):
         self.adapters, self.tree_k, self.tree_budget = adapters, tree_k, tree_budget
         self.stream_head = adapters.head(draft)  # the vocabulary the streams were trained on
 
-    def propose(self, state: RequestState, window: int | None = None) -> Draft:
+    def propose(self, state: RequestState, window: int | None = None) -> Proposal:
         window = min(self.gamma, state.room) if window is None else window
         cache, position, sampler = state.draft_cache, len(state.tokens), self.sampler
         tokens: list[int] = []
@@ -151,5 +151,5 @@ class StreamProposer(ModelProposer):
                 break
         tokens, q_rows = tokens[:end], q_rows[:end]
         cache.truncate(position + max(end, 1) - 1)
-        self.last = Draft(tokens, probs=torch.stack(q_rows) if q_rows else None, forwards=forwards)
+        self.last = Proposal(tokens, probs=torch.stack(q_rows) if q_rows else None, forwards=forwards)
         return self.last

@@ -5,7 +5,7 @@ builds ``--method`` choices and per-method flags from it, ``mirrorsd bench`` par
 the planner asks it for each method's candidates, and ``mirrorsd methods`` lists it. No code outside
 ``decoding/`` names a method.
 
-A new method is one new module that calls :func:`register` (see ``tests/test_registry.py``'s example).
+A new method is one new module that calls :func:`register` (see ``tests/decoding/test_registry.py``'s example).
 """
 
 from __future__ import annotations
@@ -238,7 +238,8 @@ class Method:
     ``acceptance="rejection"`` (the conformance suite tests its distribution); ``bridged`` whether it takes a draft
     with a tokenizer of its own (:mod:`mirrorsd.decoding.bridge`); ``tensor_parallel`` whether its drafts are the
     same on every rank of a sharded target (:meth:`MethodOptions.check_tensor_parallel` refuses the options whose
-    are not).
+    are not). ``exit_probe(target)``: for a method that reads an early exit, the call the planner times as the
+    exit-head cost (:meth:`CostTable.exit_head`) on a window's hidden states.
     """
 
     name: str
@@ -251,6 +252,7 @@ class Method:
     bridged: bool = False
     tensor_parallel: bool = False
     plan: PlanOffers | None = None
+    exit_probe: Callable[[Any], Callable[[Any], Any]] | None = None
 
     def price(self, costs: CostTable, step: Mapping[str, Any], **options: Any) -> float:
         """Ms of one step with these options, by the method's cost model."""
@@ -300,9 +302,10 @@ class Registry:
 
 def register(name: str, summary: str, *, needs_draft: bool, options: type[MethodOptions],
              build: Callable[[Any, Any], Roles], step_cost: StepCost | None = None, rejection: bool = False,
-             bridged: bool = False, tensor_parallel: bool = False, plan: PlanOffers | None = None) -> Method:
+             bridged: bool = False, tensor_parallel: bool = False, plan: PlanOffers | None = None,
+             exit_probe: Callable[[Any], Callable[[Any], Any]] | None = None) -> Method:
     return Registry.add(Method(name, summary, needs_draft, options, build, step_cost, rejection, bridged,
-                               tensor_parallel, plan))
+                               tensor_parallel, plan, exit_probe))
 
 
 def methods() -> list[Method]:

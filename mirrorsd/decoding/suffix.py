@@ -27,7 +27,7 @@ from typing import Any
 
 from ..cache import cache_dir
 from ..verify import Verdict
-from .engine import ChainScorer, DecodeRequest, Draft, Proposer, RequestState, Roles, Scores, match, point_masses
+from .engine import ChainScorer, DecodeRequest, Proposal, Proposer, RequestState, Roles, Scores, match, point_masses
 from .registry import Method, MethodOptions, PlanInputs, Priced, at_least, option, probability, register
 from .suffix_index import SuffixIndex, datastore, persisting_allowed, shared_index
 
@@ -148,7 +148,7 @@ class SuffixProposer:
         self.prompt_len = 0
         self.last_match = 0  # match length behind the last draft (0: none)
         self.after_prefill = False
-        self.last: Draft | None = None
+        self.last: Proposal | None = None
         self.proposed_at = 0.0
         self.acceptance = AcceptanceModel()  # of drafts from the request's text and the shared index
         self.fixed_acceptance = AcceptanceModel()  # of drafts from the datastore
@@ -160,12 +160,12 @@ class SuffixProposer:
         self.prompt_len = len(state.tokens)
         self.after_prefill = True  # the first step reuses the prefill's last row: its time is no step's cost
 
-    def propose(self, state: RequestState, min_match: int | None = None) -> Draft:
+    def propose(self, state: RequestState, min_match: int | None = None) -> Proposal:
         """A draft, or an empty one when no suffix of at least ``min_match`` tokens occurred before."""
         window = min(self.gamma, state.room)
         self.last_match = 0
         self.last_fixed = False
-        self.last = Draft()
+        self.last = Proposal()
         self.proposed_at = time.perf_counter()
         if window <= 0:
             return self.last
@@ -185,7 +185,7 @@ class SuffixProposer:
         tokens = self.chain(found.root, min(window, math.ceil(self.factor * found.length)),
                             acceptance.first_token(found.length), acceptance)
         self.last_match = found.length if tokens else 0
-        self.last = Draft(tokens, probs=point_masses(tokens, self.target_vocab) if self.rejection else None)
+        self.last = Proposal(tokens, probs=point_masses(tokens, self.target_vocab) if self.rejection else None)
         return self.last
 
     def chain(self, node: Any, limit: int, first: float, acceptance: AcceptanceModel) -> list[int]:
@@ -323,7 +323,7 @@ class SuffixFirst:
         self.lookup.start(state)
         self.model.start(state)
 
-    def propose(self, state: RequestState) -> Draft:
+    def propose(self, state: RequestState) -> Proposal:
         self.proposed_at = time.perf_counter()
         self.timed = None
         if getattr(self.model, "ready", None) is not None:  # a window the model holds already (Mirror-SD's kept
@@ -340,7 +340,7 @@ class SuffixFirst:
             draft.parents = list(range(-1, len(draft.tokens) - 1))
         return draft
 
-    def _from_model(self, state: RequestState) -> Draft:
+    def _from_model(self, state: RequestState) -> Proposal:
         draft = self.model.propose(state)
         self.source = getattr(self.model, "source", "model")  # Mirror-SD's says "branch" or "model"
         return draft

@@ -120,8 +120,8 @@ struct Window {
   int64_t mask_row_stride;
 };
 
-// Speculative Streaming's stream rows (mirrorsd.model.StreamRows): the last `count` positions of each row's window
-// get the stream adapters' low-rank deltas (x A^T) B^T * scale after each base product, as StreamRows.project adds
+// Speculative Streaming's stream rows (mirrorsd.model.SSRows): the last `count` positions of each row's window
+// get the stream adapters' low-rank deltas (x A^T) B^T * scale after each base product, as SSRows.project adds
 // them in Python; main rows keep the base weights, so the target's own tokens cannot change.
 struct StreamLora {
   int64_t count = 0;

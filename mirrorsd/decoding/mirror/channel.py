@@ -10,7 +10,7 @@ import torch
 from ...draft_vocab import SubsetHead, head_logits, top_tokens
 from ...model import Transformer
 from ...sampling import SamplingParams
-from ..engine import Draft
+from ..engine import Proposal
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ChannelMessage:
         replaces (at j = w, the bonus slot, all of them can)."""
         return [v for v in self.row(j) if j >= len(window) or v != window[j]]
 
-    def with_draft(self, draft: Draft, kappa: int) -> ChannelMessage:
+    def with_draft(self, draft: Proposal, kappa: int) -> ChannelMessage:
         """The same message, with candidates from the draft's own distributions at the positions it drafted.
 
         On the Qwen pair, teacher-forced over the 1.5B's chat answers, the 0.5B's next 8 likeliest tokens hold the

@@ -18,7 +18,7 @@ from ...runtime import Span
 from ...sampling import SamplingParams
 from ...verify import Verdict
 from ..drafting import draft_vocab_size, window_end
-from ..engine import Draft, RequestState, Scores, draft_tokens
+from ..engine import Proposal, RequestState, Scores, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters
 from .options import MirrorOptions
@@ -51,7 +51,7 @@ class DraftSide(Protocol):
 
     def start(self, state: RequestState) -> None: ...
 
-    def fresh(self, state: RequestState) -> Draft:
+    def fresh(self, state: RequestState) -> Proposal:
         """A fresh rollout after the committed text (the first window, or after a miss)."""
         ...
 
@@ -59,7 +59,7 @@ class DraftSide(Protocol):
         """Start ``steps``-token rollouts after every root, overlapping the target's upper layers."""
         ...
 
-    def verdict(self, state: RequestState, verdict: Verdict) -> Draft | None:
+    def verdict(self, state: RequestState, verdict: Verdict) -> Proposal | None:
         """The final rendezvous: join the rollout, record it (:meth:`MirrorRun.joined`, called only once nothing
         can fail any more), and return the branch the correction selects (a hit) or None (a miss, or no rollout),
         with the draft's cache rolled back to match."""
@@ -80,7 +80,7 @@ class BranchProposer:
 
     def __init__(self, run: MirrorRun, side: DraftSide) -> None:
         self.run, self.side = run, side
-        self.ready: Draft | None = None  # the next window, when a branch was kept
+        self.ready: Proposal | None = None  # the next window, when a branch was kept
         self.failed = False
         self.source = "model"  # who drafted the last window: "branch" or "model" (a fresh rollout)
 
@@ -90,12 +90,12 @@ class BranchProposer:
         except Exception as error:  # noqa: BLE001 - no draft: the target decodes alone
             self.fail(error)
 
-    def propose(self, state: RequestState) -> Draft:
+    def propose(self, state: RequestState) -> Proposal:
         if self.ready is not None:
             window, self.ready, self.source = self.ready, None, "branch"
             return window
         start = time.perf_counter()
-        window, self.source = Draft(), "model"
+        window, self.source = Proposal(), "model"
         if not self.failed and min(self.run.opts.gamma, state.room) > 0:
             try:
                 window = self.side.fresh(state)
@@ -160,7 +160,7 @@ class LocalDraft:
     def start(self, state: RequestState) -> None:
         pass
 
-    def fresh(self, state: RequestState) -> Draft:
+    def fresh(self, state: RequestState) -> Proposal:
         with self.run.tracer.span("draft", "fresh rollout"):
             return self.proposer.propose(state)
 
@@ -232,7 +232,7 @@ class LocalDraft:
         q = torch.stack(q_steps, 1) if q_steps else None
         return Tree(roots, tokens, top_probs, q, base, steps, alternatives=alternatives)
 
-    def verdict(self, state: RequestState, verdict: Verdict) -> Draft | None:
+    def verdict(self, state: RequestState, verdict: Verdict) -> Proposal | None:
         tree, future, self.future = None, self.future, None
         if future is not None:
             tree = future.result()
@@ -249,7 +249,7 @@ class LocalDraft:
             ModelProposer.rollback(state, verdict.accepted)
         return kept
 
-    def keep_branch(self, state: RequestState, tree: Tree, branch: int) -> Draft:
+    def keep_branch(self, state: RequestState, tree: Tree, branch: int) -> Proposal:
         """Compact the cache to the spine through ``d_A`` plus the branch's inputs ``c, t_1..t_{w-1}``."""
         limit = min(self.proposer.gamma, state.room)
         if tree.top_probs is None:
@@ -261,7 +261,7 @@ class LocalDraft:
         state.draft_cache.keep(list(range(before)) + [tree.base + s * n + branch for s in range(max(window, 1))])
         probs = tree.q[branch, :window] if tree.q is not None and window else None
         alternatives = tree.alternatives[branch][:window] if tree.alternatives is not None else None
-        return Draft(tree.tokens[branch][:window], probs=probs, alternatives=alternatives)
+        return Proposal(tree.tokens[branch][:window], probs=probs, alternatives=alternatives)
 
     def abandon(self, error: BaseException) -> BaseException:
         self.future = None

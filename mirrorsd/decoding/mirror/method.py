@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
+
+import torch
 
 from ...draft_vocab import optional_head
 from ...exit_heads import tuned_exit
+from ...model import Transformer
 from ...runtime import make_executor
+from ...sampling import SamplingParams
 from ...verify import Verdict
 from ..engine import VERIFIERS, DecodeRequest, Proposer, Roles, Scores
 from ..proposers import check_draft
 from ..registry import Method, OptionError, PlanInputs, Priced, register
 from ..suffix import HYBRID_LOOKUP, SuffixFirst, suffix_proposer
+from .channel import early_exit
 from .draft import BranchProposer, DraftSide, LocalDraft, fresh_proposer
-from .options import MirrorOptions, resolve_exit_layer
+from .options import DEFAULT_KAPPA, MirrorOptions, resolve_exit_layer
 from .remote import RemoteDraft
 from .stats import MirrorRun
 from .target import EarlyExitScorer
@@ -95,6 +102,12 @@ def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
     return out
 
 
+def exit_probe(target: Transformer) -> Callable[[torch.Tensor], Any]:
+    """The early exit as a step runs it by default (κ, the reduced-vocabulary exit head), on a window's hidden
+    states: what the planner times for the exit-head cost row."""
+    return partial(early_exit, target, kappa=DEFAULT_KAPPA, params=SamplingParams(), head=optional_head(target, None))
+
+
 register("mirror", "Mirror-SD: early-exit token channel, draft rollouts overlapped with the target's upper layers",
          needs_draft=True, options=MirrorOptions, build=build, step_cost=step_cost, rejection=True,
-         tensor_parallel=True, plan=plan)
+         tensor_parallel=True, plan=plan, exit_probe=exit_probe)

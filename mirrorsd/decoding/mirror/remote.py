@@ -46,7 +46,7 @@ from ...runtime.processes import (
 from ...runtime.tensor_parallel import RelayedChannel, current_world, launched_world, leave_world
 from ...sampling import SamplingParams
 from ...verify import Verdict
-from ..engine import DecodeRequest, Draft, GenerationStats, RequestState
+from ..engine import DecodeRequest, GenerationStats, Proposal, RequestState
 from ..proposers import ModelProposer
 from .draft import LocalDraft, fresh_proposer
 from .options import MirrorOptions
@@ -56,7 +56,7 @@ START, FRESH, LAUNCH, VERDICT, END = 1, 2, 3, 4, 5  # message kinds (SHUTDOWN, 0
 NO_TREE = -1  # VERDICT reply: no rollout was launched this step
 
 
-def pack_window(draft: Draft) -> list[int]:
+def pack_window(draft: Proposal) -> list[int]:
     """A window for the channel: its tokens, then the draft's likeliest tokens per position (``candidates="draft"``;
     a width of 0 when it has none)."""
     alternatives = draft.alternatives or []
@@ -126,10 +126,10 @@ class _Session:
         state = self.state
         if tree is None:
             ModelProposer.rollback(state, accepted)
-            return [NO_TREE, *pack_window(Draft()), 0, 0, 0, 0, 0, received]
+            return [NO_TREE, *pack_window(Proposal()), 0, 0, 0, 0, 0, received]
         start = now_ns()
         branch = tree.branch(accepted, correction)
-        kept = Draft()
+        kept = Proposal()
         if branch is not None:
             kept = self.draft.keep_branch(state, tree, branch)
         else:
@@ -290,18 +290,18 @@ class RemoteDraft:
         self._send(START, encode_text(json.dumps(config)))
         self.synced = len(state.tokens)
 
-    def fresh(self, state: RequestState) -> Draft:
+    def fresh(self, state: RequestState) -> Proposal:
         self._send(FRESH, self._new_tokens(state))
         tokens, alternatives, (forwards, begin, end) = unpack_window(self._reply(FRESH))
         self.run.tracer.spans.append(Span("draft", "fresh rollout", begin / 1e9, end / 1e9))
-        return Draft(tokens, forwards=forwards, alternatives=alternatives)
+        return Proposal(tokens, forwards=forwards, alternatives=alternatives)
 
     def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
         self.launched = now_ns()
         self._send(LAUNCH, [*self._new_tokens(state), len(window), *window, len(roots),
                             *(x for root in roots for x in root), steps])
 
-    def verdict(self, state: RequestState, verdict: Verdict) -> Draft | None:
+    def verdict(self, state: RequestState, verdict: Verdict) -> Proposal | None:
         """The verdict goes over; the kept branch (or a miss) comes back. The draft process rolls its own cache
         back."""
         launched, self.launched = self.launched, None
@@ -322,7 +322,7 @@ class RemoteDraft:
         state.stats.draft_forwards += forwards
         self.run.joined(_RemoteTree(span, forwards))
         self.run.selected(select / 1e9, bool(hit))
-        return Draft(tokens, alternatives=alternatives) if hit else None
+        return Proposal(tokens, alternatives=alternatives) if hit else None
 
     def abandon(self, error: BaseException) -> BaseException:
         if self.worker is None:

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ...model import Transformer
-from ..engine import ChainScorer, Draft, RequestState, Scores
+from ..engine import ChainScorer, Proposal, RequestState, Scores
 from .channel import early_exit
 from .draft import BranchProposer
 from .roots import select_roots
@@ -27,7 +27,7 @@ class EarlyExitScorer(ChainScorer):
         with self.run.tracer.span("target", "prefill"):
             return super().prefill(state)
 
-    def score(self, state: RequestState, draft: Draft) -> Scores:
+    def score(self, state: RequestState, draft: Proposal) -> Scores:
         run, target, opts = self.run, self.model, self.run.opts
         start = time.perf_counter()
         committed = len(state.tokens)

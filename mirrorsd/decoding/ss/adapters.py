@@ -26,7 +26,7 @@ from torch import nn
 
 from ...draft_vocab import SubsetHead, head_logits, optional_head
 from ...execution import PROJECTIONS
-from ...model import StreamRows, Transformer
+from ...model import SSRows, Transformer
 
 CONFIG_FILE, WEIGHTS_FILE = "stream_config.json", "adapter.safetensors"
 SHIPPED = Path(__file__).parents[2] / "data" / "streams"
@@ -110,8 +110,8 @@ class StreamAdapters(nn.Module):
         lora = self.lora[f"{layer}_{name}"]
         return lora.lora_A["default"].weight, lora.lora_B["default"].weight, float(lora.scaling["default"])
 
-    def rows(self, count: int) -> StreamRows:
-        return StreamRows(count, self)
+    def rows(self, count: int) -> SSRows:
+        return SSRows(count, self)
 
     def insert(self, main: torch.Tensor) -> torch.Tensor:
         """``[rows, m, h]`` main states at layer N - N_s → ``[rows, m + m·γ, h]``: the main rows, then stream

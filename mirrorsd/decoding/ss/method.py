@@ -21,7 +21,7 @@ from ...draft_vocab import SubsetHead
 from ...exit_heads import tuned_exit
 from ...model import Transformer
 from ...verify import Verdict
-from ..engine import ChainScorer, DecodeRequest, Draft, RequestState, Roles, Scores, match
+from ..engine import ChainScorer, DecodeRequest, Proposal, RequestState, Roles, Scores, match
 from ..registry import (
     Method,
     MethodOptions,
@@ -131,7 +131,7 @@ class StreamTreeScorer(ChainScorer):
         self.adapters, self.threshold, self.stats, self.head = adapters, threshold, stats, head
         self.prune_exit = prune_exit
 
-    def score(self, state: RequestState, draft: Draft) -> TreeScores:
+    def score(self, state: RequestState, draft: Proposal) -> TreeScores:
         forward = fused_forward(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
                                 self.threshold, self.head, self.prune_exit)
         self.stats.tree_before.append(forward.nodes)
@@ -156,7 +156,7 @@ class StreamGuessProposer:
     def start(self, state: RequestState) -> None:
         self.candidates = StreamGuesses()
 
-    def propose(self, state: RequestState) -> Draft:
+    def propose(self, state: RequestState) -> Proposal:
         return self.candidates.tree(min(self.depth, state.room), self.budget)
 
     def feedback(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:

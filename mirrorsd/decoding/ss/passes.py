@@ -26,7 +26,7 @@ from ...kv_cache import KVCache
 from ...model import Transformer
 from ...sampling import Noise, SamplingParams
 from ...verify import Verdict, verify_tree
-from ..engine import Draft, draft_tokens
+from ..engine import Proposal, draft_tokens
 from .adapters import StreamAdapters, msa_mask
 
 DEFAULT_TREE_K = 3  # PMLR: γ = 3, k = 3 (a 40-node tree)
@@ -50,10 +50,10 @@ def build_tree(trunk: list[int], candidates: list[list[int]]) -> tuple[list[int]
     return tokens, parents, depths
 
 
-def guess_tree(candidates: list[list[int]]) -> Draft:
+def guess_tree(candidates: list[list[int]]) -> Proposal:
     """A draft tree (root = the last committed token) from per-depth candidates."""
     tokens, parents, _ = build_tree([0], candidates)
-    return Draft(tokens[1:], [p - 1 for p in parents[1:]])
+    return Proposal(tokens[1:], [p - 1 for p in parents[1:]])
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class StreamGuesses:
     tokens: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
 
-    def tree(self, depth: int, budget: int = 0) -> Draft:
+    def tree(self, depth: int, budget: int = 0) -> Proposal:
         """The draft tree over the first ``depth`` streams: the whole Cartesian product, or with ``budget > 0``
         only its ``budget`` most likely nodes (path log-probability = the sum of its streams' log-probabilities).
 
@@ -89,7 +89,7 @@ class StreamGuesses:
             tokens.append(levels[level][option])
             parents.append(parent)
             push_children(cost, level + 1, len(tokens) - 1)
-        return Draft(tokens, parents)
+        return Proposal(tokens, parents)
 
 
 def ancestors(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -112,7 +112,7 @@ class TreeForward:
     kept: list[int]  # surviving nodes in order (the trunk always survives); their rows in ``out``
     out: torch.Tensor  # [1, m + m·γ, d]: main rows of the kept nodes, then their stream rows
     main_logits: torch.Tensor  # [m - root, vocab]: main logits from the root on
-    draft: Draft  # the surviving tree below the root, aligned with main_logits rows 1..
+    draft: Proposal  # the surviving tree below the root, aligned with main_logits rows 1..
 
     @property
     def root_row(self) -> int:
@@ -123,7 +123,7 @@ class TreeForward:
         return [self.kept[self.trunk + i] for i in verdict.nodes]
 
 
-def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Draft,
+def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
                   threshold: float = 0.0, head: SubsetHead | None = None,
                   prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TreeForward:
     """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows. ``head``: the
@@ -171,7 +171,7 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
     out = model.run_layers(x, up_positions, cache, up_mask, split, None, streams=adapters.rows(m * n_streams))
     where = {node: r for r, node in enumerate(kept)}
     below = kept[len(trunk):]
-    draft = Draft([tokens[i] for i in below],
+    draft = Proposal([tokens[i] for i in below],
                   [-1 if parents[i] == root else where[parents[i]] - len(trunk) for i in below])
     return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m]), draft)
 
@@ -205,7 +205,7 @@ class PassResult:
     path_logits: torch.Tensor  # [accepted + 1, vocab] main logits that chose accepted + next_token
 
 
-def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Draft,
+def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
             params: SamplingParams, *, noise: int = Noise.TARGET, threshold: float = 0.0,
             tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None) -> PassResult:
     """One self-verified pass: verify ``tree`` under ``trunk[-1]``, draft the next one, compact."""

@@ -4,24 +4,19 @@ HTTP (httpx), on SmolLM2-135M real weights in its default (batch-invariant q4) f
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 import mirrorsd
 from mirrorsd.api import LoadedModel
 from mirrorsd.server import ServerConfig, create_app
-
-from .conftest import requires_smollm2
+from tests.helpers import LiveServer, requires_smollm2
 
 pytestmark = [requires_smollm2, pytest.mark.real]
 MODEL = "smollm2-135m"
@@ -29,36 +24,6 @@ PROMPTS = ["What is the capital of France?", "Write a Python function that adds 
            "List three colours.", "Explain recursion in one sentence."]
 LONG_PROMPT = ("Write a very long story about a dragon who learns to code, chapter by chapter, with at least ten "
                "chapters.")
-
-
-class LiveServer:
-    """A uvicorn server on a free loopback port, in a thread (how `mirrorsd serve` runs it, minus the CLI)."""
-
-    def __init__(self, app, shutdown_timeout: float = 10.0) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    timeout_graceful_shutdown=shutdown_timeout))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def client(self, key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-    def metrics(self, key: str | None = None) -> dict[tuple[str, tuple], float]:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        text = httpx.get(self.url + "/metrics", headers=headers).text
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,7 @@ from mirrorsd.api import LoadedModel
 from mirrorsd.decoding import bridge
 from mirrorsd.decoding.bridge import ByteTokenizer, TokenBridge, complete_utf8
 from mirrorsd.errors import OptionError
-
-from .conftest import assert_same_or_near_tie, tiny_hf
-from .test_decoding import _exact_pair_distribution
+from tests.helpers import assert_same_or_near_tie, exact_pair_distribution, tiny_hf
 
 TEXT = ("The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n"
         "Grüße aus Köln! 你好，世界。 Emoji: 🙂🚀 <|im_start|>user\nhello<|im_end|>\n")
@@ -171,7 +169,7 @@ def test_rejection_sampling_through_the_bridge_keeps_the_target_distribution(toy
                          eos_token_ids=frozenset([toy_tokenizer.eos_token_id]))
     draft = _permuted(toy_tokenizer, hf, seed=6)
     prompt, n = toy_tokenizer.encode("hello world", add_special_tokens=False), 1500
-    exact = _exact_pair_distribution(target.model, prompt, 1.0).flatten()
+    exact = exact_pair_distribution(target.model, prompt, 1.0).flatten()
     vocab = len(toy_tokenizer)
     counts = torch.zeros(vocab * vocab)
     accepted = Counter()
@@ -204,8 +202,7 @@ def test_a_server_with_a_draft_of_another_tokenizer(smol, toy_draft):
     import openai
 
     from mirrorsd.server import ServerConfig, create_app
-
-    from .test_server import LiveServer
+    from tests.helpers import LiveServer
 
     server = LiveServer(create_app(smol, toy_draft, ServerConfig("smollm2-135m", method="sd")))
     try:

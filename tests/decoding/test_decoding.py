@@ -13,8 +13,7 @@ from scipy.stats import chisquare
 from mirrorsd import Transformer, generate
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.verify import verify_match, verify_rejection, verify_tree
-
-from .conftest import tiny_hf
+from tests.helpers import exact_pair_distribution, tiny_hf
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -131,16 +130,6 @@ def test_rejection_rule_preserves_the_target_distribution():
     assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
 
 
-def _exact_pair_distribution(model: Transformer, prompt: list[int], temperature: float) -> torch.Tensor:
-    """P(x1, x2 | prompt) by enumeration, from the target alone."""
-    with torch.no_grad():
-        p1 = (model(torch.tensor([prompt]))[0, -1] / temperature).softmax(-1)
-        vocab = p1.shape[0]
-        seqs = torch.tensor([prompt + [x] for x in range(vocab)])
-        p2 = (model(seqs)[:, -1] / temperature).softmax(-1)
-    return p1[:, None] * p2
-
-
 @pytest.mark.parametrize(
     ("prompt", "first_windows"),
     [
@@ -155,7 +144,7 @@ def test_sd_rejection_sampling_matches_target_distribution_end_to_end(prompt, fi
     target = Transformer.from_hf(tiny_hf(vocab=8, layers=2, seed=3, std=0.5))
     draft = Transformer.from_hf(tiny_hf(vocab=8, layers=1, seed=4, std=0.5))
     temperature, n = 1.0, 2500
-    exact = _exact_pair_distribution(target, prompt, temperature).flatten()
+    exact = exact_pair_distribution(target, prompt, temperature).flatten()
     counts = torch.zeros(64)
     seen = Counter()
     for seed in range(n):

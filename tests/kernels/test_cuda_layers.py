@@ -1,7 +1,7 @@
 """The fused CUDA layer (:func:`mirrorsd.execution.fused_layers`, :mod:`mirrorsd.kernels.cuda_layers`) on the CPU,
 through Triton's interpreter (in a subprocess, which sets ``TRITON_INTERPRET=1`` before Triton loads, and forces
-the CUDA path with the same patches as ``tests/test_cuda_attention.py``). ``tests/test_cuda.py`` runs the compiled
-kernels on a GPU."""
+the CUDA path with the same patches as ``tests/kernels/test_cuda_attention.py``). ``tests/test_cuda.py`` runs the
+compiled kernels on a GPU."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 import torch
+
+from tests.helpers import REPO
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
@@ -32,21 +34,21 @@ def force(on=True):
 
 ARCHS = FORCE_CUDA_PATH + """
 from mirrorsd import Transformer
-from tests.conftest import tiny_hf
-from tests.test_model import assert_windows_and_trees_decode_bit_for_bit
+from tests.helpers import tiny_hf
+from tests.helpers import assert_windows_and_trees_decode_bit_for_bit
 
 CASES = [("qwen2", torch.float32, 1e-4, {}), ("qwen3", torch.float32, 1e-4, {}),
          ("llama", torch.bfloat16, 0.1, {"attention_bias": True})]  # (an output-projection bias too)
 for arch, dtype, tol, config in CASES:
     hf = tiny_hf(arch, vocab=100, layers=2, std=0.1, **config)
     model = Transformer.from_hf(hf, linear="dense").to(dtype)
-    prompt = torch.randint(0, 100, (70,)).tolist()
+    prompt = torch.randint(0, 100, (24,)).tolist()
     force(False)
     with torch.no_grad():
-        eager = model(torch.tensor([prompt]), cache=model.new_cache(capacity=80))
+        eager = model(torch.tensor([prompt]), cache=model.new_cache(capacity=32))
     force(True)
     with torch.no_grad():
-        fused = model(torch.tensor([prompt]), cache=model.new_cache(capacity=80))
+        fused = model(torch.tensor([prompt]), cache=model.new_cache(capacity=32))
         alone = model(torch.tensor([prompt]))
     assert model.layers[0].merged is not None, "the fused path did not run"
     assert (model.layers[0].merged.o_bias is not None) == bool(config), arch
@@ -59,7 +61,7 @@ print("ok")
 METHODS = FORCE_CUDA_PATH + """
 from mirrorsd import Transformer, generate
 from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
-from tests.conftest import tiny_hf
+from tests.helpers import tiny_hf
 
 force(True)
 target = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=1, std=0.3), linear="dense")
@@ -80,7 +82,7 @@ LAUNCHES = FORCE_CUDA_PATH + """
 from torch.utils._python_dispatch import TorchDispatchMode
 from mirrorsd import Transformer
 from mirrorsd.kernels import cuda_layers
-from tests.conftest import tiny_hf
+from tests.helpers import tiny_hf
 
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "slice", "select", "expand", "as_strided", "reshape", "alias",
          "detach", "lift_fresh"}
@@ -137,7 +139,7 @@ print("ok", per_layer, one, two)
 def _interpret(code: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=900, cwd=REPO)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
     return done.stdout
 

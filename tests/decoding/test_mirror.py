@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import Transformer, generate
-from mirrorsd.decoding.engine import Draft
+from mirrorsd.decoding.engine import Proposal
 from mirrorsd.decoding.mirror import (
     ChannelMessage,
     RootBudget,
@@ -22,22 +22,9 @@ from mirrorsd.decoding.mirror import (
     resolve_exit_layer,
     select_roots,
 )
-from mirrorsd.loading import _is_projection
-from mirrorsd.quant import quantize_q8
 from mirrorsd.runtime import write_chrome_trace
 from mirrorsd.runtime.trace import overlap
-
-from .conftest import assert_same_or_near_tie, requires_smollm2, tiny_hf
-
-
-def row_exact(hf) -> Transformer:
-    """Our q8 of a random HF model: quantized models give bit-identical logits however tokens are grouped,
-    so a tree-masked rollout equals the sequential one exactly and parity with ``sd`` can be asserted."""
-    state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
-    state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
-    model = Transformer.from_state(hf.config, state)
-    assert model.row_exact
-    return model
+from tests.helpers import assert_same_or_near_tie, requires_smollm2, row_exact, tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -155,14 +142,14 @@ def test_reuse_hit_rules():
 def test_draft_candidates_replace_the_exit_at_drafted_positions_only():
     """candidates=draft: a drafted position's candidates are the draft's runner-ups (its own token left out, κ
     kept); the bonus slot keeps the exit's. Paper roots then roll out exactly those."""
-    draft = Draft([7, 8], alternatives=[[7, 2, 3, 4], [1, 8, 5, 6]])
+    draft = Proposal([7, 8], alternatives=[[7, 2, 3, 4], [1, 8, 5, 6]])
     msg = _message().with_draft(draft, kappa=3)
     assert msg.runner_ups == [[2, 3, 4], [1, 5, 6]]
     assert msg.candidates([7, 8], 0) == [2, 3, 4] and msg.candidates([7, 8], 1) == [1, 5, 6]
     assert msg.candidates([7, 8], 2) == [9, 1, 2]  # the bonus slot: the exit's top-κ
     assert select_roots(msg, [7, 8], "paper") == [(0, 2), (0, 3), (0, 4), (1, 1), (1, 5), (1, 6), (2, 9), (2, 1),
                                                   (2, 2)]
-    assert _message().with_draft(Draft([7, 8]), kappa=3) == _message()  # a suffix window has no runner-ups
+    assert _message().with_draft(Proposal([7, 8]), kappa=3) == _message()  # a suffix window has no runner-ups
 
 
 def test_draft_runner_ups_are_read_where_the_window_was_drafted(exact_pair, monkeypatch):

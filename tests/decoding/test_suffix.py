@@ -16,9 +16,7 @@ from mirrorsd.decoding.suffix import AcceptanceModel, ModelGate, SuffixProposer,
 from mirrorsd.decoding.suffix_index import MAX_MATCH, SuffixIndex
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.verify import Verdict
-
-from .conftest import tiny_hf
-from .test_mirror import row_exact
+from tests.helpers import row_exact, tiny_hf
 
 
 def test_longest_match_is_measured_past_the_indexed_key():
@@ -336,7 +334,7 @@ def test_mirror_hybrid_feeds_the_spine_the_draft_cache_lacks(backend):
 
 
 def test_ss_hybrid_drafts_suffix_chains_as_one_branch_trees():
-    from .test_streams import random_adapters
+    from tests.helpers import random_adapters
 
     target = row_exact(tiny_hf(layers=4, seed=1))
     adapters = random_adapters(target, 2, 2, 0, std=0.1)

@@ -26,8 +26,7 @@ from mirrorsd.decoding import get_method
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes, shared_index
 from mirrorsd.exit_heads import ExitTranslators
 from mirrorsd.specbench import GROUPS, load_suite
-
-from .conftest import requires_smollm2
+from tests.helpers import requires_smollm2
 
 
 def answer(method: str, run: int, qid: int, group: str, tokens: int, wall: float, lengths=(), drafted=(),

@@ -6,7 +6,7 @@ The target scores the window with the stock :class:`ChainScorer` and the stock `
 target's own tokens, so the output equals ``ar``. Importing this module is all it takes: the API, ``mirrorsd
 generate`` (``--method ngram-example --ngram 2``), ``mirrorsd methods``, ``mirrorsd bench --methods
 ngram-example:gamma=4`` and the planner (through ``step_cost``) pick it up from the registry, and
-``tests/test_conformance.py`` tests it like every other method.
+``tests/decoding/test_conformance.py`` tests it like every other method.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mirrorsd.decoding import Draft, MethodOptions, RequestState, Roles, Scores, option, register
+from mirrorsd.decoding import MethodOptions, Proposal, RequestState, Roles, Scores, option, register
 from mirrorsd.decoding.engine import ChainScorer, DecodeRequest, match
 from mirrorsd.decoding.registry import at_least
 from mirrorsd.verify import Verdict
@@ -47,9 +47,9 @@ class NgramProposer:
     def start(self, state: RequestState) -> None:
         pass
 
-    def propose(self, state: RequestState) -> Draft:
+    def propose(self, state: RequestState) -> Proposal:
         window = min(self.gamma, state.room)
-        return Draft(lookup(state.tokens, self.ngram, window) if window > 0 else [])
+        return Proposal(lookup(state.tokens, self.ngram, window) if window > 0 else [])
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         pass  # no cache of its own to roll back: the next lookup reads the committed tokens

@@ -519,8 +519,7 @@ def test_blocks_in_one_op_call_give_the_per_block_bits():
     them one by one, and a range split in two (Mirror-SD's exit) continues the same cache: the same bits each way."""
     from mirrorsd.loading import _is_projection
     from mirrorsd.model import Transformer
-
-    from .conftest import tiny_hf
+    from tests.helpers import tiny_hf
 
     hf = tiny_hf("qwen2", layers=3, seed=4)
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
@@ -559,8 +558,7 @@ def test_block_kernel_scratch_grows_without_changing_bits():
     threads (the prompt's norms, SiLU and adds split over them) and on one."""
     from mirrorsd.loading import _is_projection
     from mirrorsd.model import Transformer
-
-    from .conftest import tiny_hf
+    from tests.helpers import tiny_hf
 
     hf = tiny_hf("qwen2", layers=2, seed=5)
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
@@ -596,8 +594,7 @@ def test_block_kernel_gives_the_python_paths_bits(arch, activations):
     batch with per-row positions and masks; biases (qwen2), q/k norms (qwen3) and split activations included."""
     from mirrorsd.loading import _is_projection
     from mirrorsd.model import Transformer
-
-    from .conftest import tiny_hf
+    from tests.helpers import tiny_hf
 
     hf = tiny_hf(arch, layers=2, seed=3)
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}

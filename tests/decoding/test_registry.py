@@ -1,6 +1,6 @@
-"""Adding a method is one new file: ``tests/example_method.py`` registers ``ngram-example`` (prompt lookup, no
+"""Adding a method is one new file: ``tests/decoding/example_method.py`` registers ``ngram-example`` (prompt lookup, no
 draft model) and the API, ``mirrorsd methods``, ``mirrorsd generate``, ``mirrorsd bench --methods`` and the
-planner take it with no edit of theirs. (``tests/test_conformance.py`` runs its conformance tests too.)"""
+planner take it with no edit of theirs. (``tests/decoding/test_conformance.py`` runs its conformance tests too.)"""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from mirrorsd.bench import plan
 from mirrorsd.bench.runner import parse_methods
 from mirrorsd.cli import build_parser, main
 from mirrorsd.decoding import get_method, methods, register
+from tests.helpers import requires_smollm2, row_exact, tiny_hf
 
-from .conftest import requires_smollm2, tiny_hf
 from .example_method import METHOD, NAME, NgramOptions, build, lookup, step_cost
-from .test_mirror import row_exact
 
 BUILT_IN = {"ar": False, "sd": True, "mirror": True, "ss": False}  # name -> needs a draft
 

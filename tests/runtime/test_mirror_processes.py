@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,7 @@ import torch
 from mirrorsd import generate, stream
 from mirrorsd.decoding import OptionError
 from mirrorsd.decoding.mirror import remote as mirror_remote
-
-from .conftest import requires_smollm2, tiny_hf
-from .test_mirror import row_exact
+from tests.helpers import REPO, requires_smollm2, row_exact, tiny_hf
 
 PROMPT = list(range(3, 40))
 
@@ -172,8 +169,8 @@ def test_tensor_parallel_target_with_a_draft_rank(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr",
-                           "127.0.0.1", "--master-port", str(port), "-m", "tests.tp_world", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+                           "127.0.0.1", "--master-port", str(port), "-m", "tests.runtime.tp_world", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0.pop("trace_lanes") == ["draft rank 2", "target rank 0", "target rank 1"]  # one lane per rank
@@ -211,8 +208,8 @@ UNGUARDED_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 from mirrorsd import generate
-from tests.conftest import tiny_hf
-from tests.test_mirror import row_exact
+from tests.helpers import tiny_hf
+from tests.helpers import row_exact
 
 target, draft = row_exact(tiny_hf(layers=2, seed=1)), row_exact(tiny_hf(layers=1, seed=2))
 out = generate(target, list(range(3, 20)), method="mirror", draft=draft, backend="processes", max_new_tokens=8)
@@ -226,7 +223,7 @@ def test_a_script_without_a_main_guard_is_told_at_once(tmp_path):
     there (its generation never runs twice), and the caller, told at once rather than after the setup timeout,
     answers with the target alone and names the fix."""
     script = tmp_path / "unguarded.py"
-    script.write_text(UNGUARDED_SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
+    script.write_text(UNGUARDED_SCRIPT.format(root=str(REPO)))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("ANSWER") == 1 and "ANSWER True" in done.stdout

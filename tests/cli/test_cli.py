@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from mirrorsd.cli import main
-
-from .conftest import requires_smollm2
+from tests.helpers import requires_smollm2
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

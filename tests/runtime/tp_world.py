@@ -12,8 +12,7 @@ from mirrorsd import generate
 from mirrorsd.decoding.mirror.remote import leave_launched_world, serve_launched
 from mirrorsd.model import Transformer
 from mirrorsd.runtime.tensor_parallel import gather_spans, launched_world, shard_target
-
-from .conftest import tiny_hf
+from tests.helpers import tiny_hf
 
 TP = 2
 PROMPT = [5, 9, 2, 7, 3]

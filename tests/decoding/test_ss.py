@@ -14,29 +14,14 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import Transformer, generate, kernels
-from mirrorsd.decoding.engine import DecodeRequest, Draft, GenerationStats, RequestState
+from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, Proposal, RequestState
 from mirrorsd.decoding.proposers import ModelProposer, StreamProposer
 from mirrorsd.decoding.ss import passes as streaming
 from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
 from mirrorsd.exit_heads import ExitTranslators, tuned_exit
 from mirrorsd.kv_cache import KVCache
 from mirrorsd.sampling import SamplingParams
-
-from .conftest import assert_same_or_near_tie, requires_smollm2, tiny_hf
-from .test_mirror import row_exact
-
-
-def random_adapters(model: Transformer, streams: int = 3, layers: int = 2, seed: int = 0,
-                    std: float = 0.3) -> StreamAdapters:
-    """Adapters with every trainable weight random (a trained adapter is just another such point)."""
-    cfg = model.config
-    adapters = StreamAdapters(model, StreamConfig(streams=streams, layers=layers, hidden_size=cfg.hidden_size,
-                                                  n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in adapters.trainable():
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-    return adapters.eval()
+from tests.helpers import assert_same_or_near_tie, random_adapters, requires_smollm2, row_exact, tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +55,7 @@ def test_budget_tree_keeps_the_most_likely_nodes_parents_first():
     lp = math.log
     candidates = streaming.StreamGuesses([[1, 2], [3, 4], [5, 6]], [[lp(0.6), lp(0.4)], [lp(0.9), lp(0.1)],
                                                                   [lp(0.5), lp(0.5)]])
-    def paths(draft: Draft) -> set[tuple[int, ...]]:
+    def paths(draft: Proposal) -> set[tuple[int, ...]]:
         def path(node: int) -> tuple[int, ...]:
             parent = draft.parents[node]
             return (*(path(parent) if parent >= 0 else ()), draft.tokens[node])
@@ -85,8 +70,8 @@ def test_budget_tree_keeps_the_most_likely_nodes_parents_first():
     assert tree.tokens == [1, 3, 2, 3, 5] and tree.parents == [-1, 0, -1, 2, 1]
     tree = candidates.tree(3, 4)
     assert tree.tokens == [1, 3, 2, 3] and tree.parents == [-1, 0, -1, 2]
-    assert candidates.tree(1, 1) == Draft([1], [-1])
-    assert candidates.tree(0, 3) == Draft([], [])
+    assert candidates.tree(1, 1) == Proposal([1], [-1])
+    assert candidates.tree(0, 3) == Proposal([], [])
     assert streaming.StreamGuesses().tree(3, 3).tokens == []
 
 
@@ -184,7 +169,7 @@ def test_stream_rows_in_the_cpp_blocks_give_the_python_blocks_bits(exact_model, 
     model = exact_model
     adapters = random_adapters(model, streams=2, layers=2, seed=3)
     ids = torch.tensor([[3, 9, 27, 14, 5, 60, 2, 33, 7, 41]])
-    tree = Draft([11, 22, 33, 44], [-1, 0, 0, 1])
+    tree = Proposal([11, 22, 33, 44], [-1, 0, 0, 1])
 
     def run() -> tuple[torch.Tensor, KVCache]:
         cache = model.new_cache(capacity=4)  # grows inside the forward, stream rows included
@@ -408,7 +393,7 @@ def test_ss_rollout_equals_the_drafts_own_rollout(exact_model, pending, window, 
     vocab = model.config.vocab_size
     kw = dict(confidence=confidence, rejection=rejection)
     with torch.inference_mode():
-        results: list[tuple[Draft, int]] = []
+        results: list[tuple[Proposal, int]] = []
         for proposer in (ModelProposer(model, vocab, params, window, **kw),
                          StreamProposer(model, adapters, vocab, params, window, **kw)):
             cache = model.new_cache()

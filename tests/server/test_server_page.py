@@ -5,24 +5,24 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 
-from .test_server import MODEL, LiveServer
+from tests.helpers import REPO, LiveServer
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs pip install playwright"),
     pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium package"),
 ]
+MODEL = "smollm2-135m"
 
 
 def test_page_streams_a_coloured_reply(tmp_path):
     import mirrorsd
     from mirrorsd.server import ServerConfig, create_app
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     from page_screenshot import screenshot
 
     target = mirrorsd.load_model(MODEL, progress=False)

@@ -1,7 +1,7 @@
 """The CUDA attention kernel's logic on the CPU, through Triton's interpreter (in a subprocess, which sets
 ``TRITON_INTERPRET=1`` before Triton loads). Skipped where Triton is not installed; ``tests/test_cuda.py`` runs
 the compiled kernel on a GPU. (Triton 3.6's interpreter needs numpy < 2.3: newer numpy refuses its 1-element
-loop bounds.)"""
+loop bounds; the dev extra installs 3.9.)"""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 import torch
+
+from tests.helpers import REPO
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
@@ -43,28 +45,10 @@ for m in (None, mask):
 print("ok")
 """
 
-MODEL = """
-import torch
-import mirrorsd.execution, mirrorsd.linear, mirrorsd.model
-from mirrorsd import Transformer
-from mirrorsd.kernels import cuda_attention
-from tests.conftest import tiny_hf
-from tests.test_model import assert_windows_and_trees_decode_bit_for_bit
-
-for module in (mirrorsd.execution, mirrorsd.linear, mirrorsd.model):
-    module.fixed_shapes = lambda x: True
-cuda_attention.applies = lambda q: True
-cuda_attention.serves = lambda device, head_dim: True
-model = Transformer.from_hf(tiny_hf(vocab=100, std=0.1), linear="dense")
-assert_windows_and_trees_decode_bit_for_bit(model, torch.randint(0, 100, (70,)).tolist())
-print("ok")
-"""
-
-
 def _interpret(code: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=600, cwd=REPO)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -73,18 +57,13 @@ def test_kernel_matches_sdpa_and_one_query_calls():
     _interpret(KERNEL)
 
 
-def test_model_with_the_kernel_decodes_windows_and_trees_bit_for_bit():
-    """The model's CUDA path (the fused layers with this kernel) forced on the CPU."""
-    _interpret(MODEL)
-
-
 GRAPHED = """
 import torch
 import mirrorsd.execution, mirrorsd.linear, mirrorsd.model
 from mirrorsd import Transformer
 from mirrorsd.kernels import cuda_attention
-from tests.conftest import tiny_hf
-from tests.test_model import assert_graphed_windows_decode_bit_for_bit
+from tests.helpers import tiny_hf
+from tests.helpers import assert_graphed_windows_decode_bit_for_bit
 
 for module in (mirrorsd.execution, mirrorsd.linear, mirrorsd.model):
     module.fixed_shapes = lambda x: True
@@ -96,6 +75,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # ~3 min interpreted; tests/kernels/test_cuda_layers.py's methods test replays static inputs too
 def test_windows_through_static_inputs_decode_bit_for_bit():
     """What a captured CUDA graph runs, run eagerly on the CPU (see ``assert_graphed_windows_decode_bit_for_bit``)."""
     _interpret(GRAPHED)

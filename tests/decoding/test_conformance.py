@@ -29,19 +29,22 @@ from mirrorsd import Transformer, generate
 from mirrorsd.api import encode_prompt
 from mirrorsd.decoding import Method, ModelShape, OptionError, get_method, methods
 from mirrorsd.decoding.registry import Option
-
-from . import example_method  # noqa: F401 - registers "ngram-example": a method added by one file is covered too
-from .conftest import assert_same_or_near_tie, requires_smollm2, tiny_hf
-from .test_decoding import _exact_pair_distribution
-from .test_mirror import row_exact
-from .test_streams import random_adapters
+from tests.decoding import example_method  # noqa: F401 - registers "ngram-example": a method added by one file is covered too
+from tests.helpers import (
+    assert_same_or_near_tie,
+    exact_pair_distribution,
+    random_adapters,
+    requires_smollm2,
+    row_exact,
+    tiny_hf,
+)
 
 METHODS = [m.name for m in methods()]
 REJECTION = [m.name for m in methods() if m.rejection]
 SHAPE = ModelShape(n_layers=4, vocab_size=64)  # the row-exact target below
 NEEDS_ACCELERATOR = {"cuda-streams", "devices"}  # backends this CPU suite cannot run
 # Spawns a draft process per draft model, and a sampled tiny channel_timeout would respawn it per example:
-# tests/test_mirror_processes.py covers it (equal to ar and serial, greedy and seeded; dead and hung drafts).
+# tests/runtime/test_mirror_processes.py covers it (equal to ar and serial, greedy and seeded; dead and hung drafts).
 OWN_SUITE = {"processes"}
 ADAPTER_OPTIONS = {"streams": ("target", True), "draft_streams": ("draft", False)}  # name -> (model, required)
 # Frequency tables ship for real tokenizers only; tests/test_draft_vocab.py runs reduced vocabularies on these
@@ -279,7 +282,7 @@ def test_rejection_sampling_matches_target_distribution(small_vocab_pair, name):
     if any(o.name == "model_gate" for o in method.options.fields()):
         options["model_gate"] = "always"  # the gate starts suffix-only: no model window in a 4-token answer
     prompt, n = [5, 6], 1500
-    exact = _exact_pair_distribution(target, prompt, 1.0).flatten()
+    exact = exact_pair_distribution(target, prompt, 1.0).flatten()
     counts = torch.zeros(64)
     windows = Counter()
     for seed in range(n):
@@ -299,7 +302,7 @@ def test_rejection_sampling_matches_target_distribution(small_vocab_pair, name):
 
 REAL_PROMPTS = ["The history of the printing press begins", "def fibonacci(n):"]
 # mirror's defaults roll out no branch on the serial backend (nothing overlaps there): two roots a step, so the
-# real-weight check covers rollouts too (tests/test_mirror.py runs the defaults on real weights already).
+# real-weight check covers rollouts too (tests/decoding/test_mirror.py runs the defaults on real weights already).
 REAL_OPTIONS: dict[str, dict[str, Any]] = {"mirror": {"budget": 2}}
 
 
