@@ -9,9 +9,10 @@ level, so there is no extra layer of calls between it and these.
 from __future__ import annotations
 
 import threading
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -115,6 +116,102 @@ def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool,
     for layer, start in zip(layers, starts, strict=True):
         cache.lengths[layer] = start + kept
     return out
+
+
+class ForwardBatcher(Protocol):
+    """Where a thread's forwards go while it takes part in continuous batching (:mod:`mirrorsd.runtime.batching`):
+    each call waits there and returns what it returns alone, bit for bit."""
+
+    def run_layers(self, model: Transformer, call: LayerCall, start: int, end: int) -> torch.Tensor: ...
+
+    def head(self, model: Transformer, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+_batching = threading.local()
+
+
+def batcher() -> ForwardBatcher | None:
+    """This thread's :class:`ForwardBatcher`, or None when its forwards run as they come."""
+    return getattr(_batching, "hook", None)
+
+
+@contextmanager
+def batched_by(hook: ForwardBatcher | None) -> Iterator[None]:
+    """Send this thread's batchable forwards to ``hook`` (None: run them here) for the block."""
+    old = batcher()
+    _batching.hook = hook
+    try:
+        yield
+    finally:
+        _batching.hook = old
+
+
+def head_batchable(model: Transformer, hidden: torch.Tensor) -> bool:
+    """Whether the final norm and LM head are row-local on ``hidden``: the C++ norm and a fast quantized head
+    (the q4/q8 kernels give a row the same bits in any batch)."""
+    head = model.lm_head
+    return hidden.dim() == 3 and hidden.shape[0] == 1 and model.norm.fused and isinstance(head, QuantLinear) \
+        and head.fast and not torch.is_grad_enabled()
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One sequence's window for :func:`ragged_layers`: what ``Transformer.run_layers`` takes for one row."""
+
+    hidden: torch.Tensor  # [1, T, hidden]
+    positions: torch.Tensor  # [1, T]
+    cache: KVCache
+    mask: torch.Tensor | None = None  # bool [1, T, past + T], or None: causal
+    streams: SSRows | None = None
+
+
+def ragged_blocks(model: Transformer, start: int, end: int) -> list[torch.ScriptObject] | None:
+    """Blocks ``[start, end)`` bound to the C++ op with one activation format, or None when any is not: the windows of
+    several sequences then run through :func:`ragged_layers` with the bits each gets alone."""
+    blocks = list(model.layers)[start:end]
+    bound = [block.kernel() for block in blocks]
+    if not bound or any(kernel is None for kernel in bound):
+        return None
+    return bound if len({block.mlp.down_proj.split_activations for block in blocks}) == 1 else None
+
+
+def ragged_layers(model: Transformer, calls: list[LayerCall], start: int, end: int) -> list[torch.Tensor]:
+    """Blocks ``[start, end)`` on several sequences' windows in one C++ call (``ragged_blocks_forward``): the linears
+    read their weights once for every row, while rotary embedding, the cache writes and attention run per sequence
+    over its own cache. A sequence's outputs have the bits it gets alone (the linears and norms are row-local and
+    its attention is the same call), so batching cannot change a token. Advances each cache's lengths."""
+    bound = ragged_blocks(model, start, end)
+    if bound is None:
+        raise ValueError("ragged_layers needs every block of the range bound to the C++ op")
+    layers = range(start, end)
+    split = model.layers[start].mlp.down_proj.split_activations
+    lengths = [c.hidden.shape[1] for c in calls]
+    streams = [c.streams.count if c.streams is not None else 0 for c in calls]
+    starts = [c.cache.lengths[layer] for layer in layers for c in calls]
+    buffers = [c.cache.buffers(layer, c.cache.lengths[layer] + t) for layer in layers
+               for c, t in zip(calls, lengths, strict=True)]
+    angles = [model.rope(c.positions) for c in calls]
+    cos = torch.cat([a[0][0] for a in angles])
+    sin = torch.cat([a[1][0] for a in angles])
+    x = torch.cat([c.hidden[0] for c in calls])
+    masks = [None if c.mask is None else c.mask[0] for c in calls]
+    adapters = {id(c.streams.adapters): c.streams.adapters for c in calls if c.streams is not None and c.streams.count}
+    if len(adapters) > 1:
+        raise ValueError("ragged_layers: the stream rows of one call must share their adapters")
+    a = b = scale = ()
+    if adapters:
+        lora = next(iter(adapters.values()))
+        a, b, scale = zip(*(lora.weights(layer, name) for layer in layers for name in PROJECTIONS), strict=True)
+    with torch._C.DisableTorchFunction():  # (see run_kernels)
+        out = torch.ops.mirrorsd.ragged_blocks_forward.default(
+            bound, x, cos, sin, lengths, streams, [k for k, _ in buffers], [v for _, v in buffers], starts, masks,
+            split, list(a), list(b), list(scale))
+    i = 0
+    for layer in layers:
+        for c, t, s in zip(calls, lengths, streams, strict=True):
+            c.cache.lengths[layer] = starts[i] + t - s
+            i += 1
+    return list(out.unsqueeze(0).split(lengths, dim=1))
 
 
 def fused_applies(model: Transformer, hidden: torch.Tensor) -> bool:

@@ -27,7 +27,18 @@ from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from . import kernels
-from .execution import KernelBinding, attention_backends, fused_applies, fused_layers, replay, run_kernels
+from .execution import (
+    KernelBinding,
+    LayerCall,
+    attention_backends,
+    batcher,
+    fused_applies,
+    fused_layers,
+    head_batchable,
+    ragged_blocks,
+    replay,
+    run_kernels,
+)
 from .kernels import cuda_attention
 from .kv_cache import KVCache
 from .linear import PackedLinear, QuantLinear, fixed_shapes, in_fixed_rows, make_linear, on_huge_pages
@@ -460,6 +471,10 @@ class Transformer(nn.Module):
             raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
         t = hidden.shape[1]
+        hook = batcher()
+        if hook is not None and cache is not None and hidden.shape[0] == 1 and not torch.is_grad_enabled() \
+                and ragged_blocks(self, start, end) is not None:  # continuous batching: one forward for all requests
+            return hook.run_layers(self, LayerCall(hidden, positions, cache, mask, streams), start, end)
         replayed = None if streams is not None else replay(self, hidden, positions, cache, mask, start, end)
         if replayed is not None:
             return replayed
@@ -489,6 +504,9 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on any layer's hidden states (this is also the early exit)."""
+        hook = batcher()
+        if hook is not None and head_batchable(self, hidden):
+            return hook.head(self, hidden)
         return self.lm_head(self.norm(hidden)).float()
 
     def forward(

@@ -110,48 +110,55 @@ struct LayerCache {
   int64_t capacity, start;
 };
 
-// The window's cos/sin [rows or 1, T, head_dim] and mask [rows or 1, T, start + T] (nullptr: causal).
-struct Window {
-  int64_t rows, t;
+// A part of the window that attends over one cache: `rows` sequences of `t` positions each at token row `offset` of
+// x [M, hidden], sharing one start (blocks_forward's window is one part; ragged_blocks_forward's sequences are one
+// part each, with a cache and a length of their own). cos/sin [rows or 1, t, head_dim]; mask [rows or 1, t,
+// start + t] (nullptr: causal); the last `streams` positions of each row are Speculative Streaming stream rows.
+struct Part {
+  int64_t offset, rows, t, streams;
   const float* cos;
   const float* sin;
   bool shared_angles;
   const bool* mask;
   int64_t mask_row_stride;
+  LayerCache cache;
 };
 
-// Speculative Streaming's stream rows (mirrorsd.model.SSRows): the last `count` positions of each row's window
-// get the stream adapters' low-rank deltas (x A^T) B^T * scale after each base product, as SSRows.project adds
-// them in Python; main rows keep the base weights, so the target's own tokens cannot change.
+// Speculative Streaming's stream adapters (mirrorsd.model.SSRows): stream rows get the low-rank deltas
+// (x A^T) B^T * scale after each base product, as SSRows.project adds them in Python; main rows keep the base
+// weights, so the target's own tokens cannot change.
 struct StreamLora {
-  int64_t count = 0;
   const torch::Tensor* a[kLinears] = {};  // [rank, K] fp32
   const torch::Tensor* b[kLinears] = {};  // [N, rank] fp32
   double scale[kLinears] = {};
 };
 
-// out [rows * T, N] += the delta of linear `which` on its input in [rows * T, K], for the stream rows only. Every
-// row's stream rows go through one pair of products, [rows * count, K] high, as peft's modules take x[:, -count:]:
-// a BLAS product's bits can depend on its height.
+// out [M, N] += the delta of linear `which` on its input in [M, K], for each part's stream rows. A part's stream rows
+// go through one pair of products, [rows * streams, K] high, as peft's modules take x[:, -count:]: a BLAS product's
+// bits can depend on its height, so a sequence gets the same bits alone or beside others.
 void add_stream_delta(const StreamLora* lora, int64_t which, const float* in, int64_t K, float* out, int64_t N,
-                      int64_t rows, int64_t t) {
-  if (lora == nullptr || lora->count == 0) return;
-  const int64_t s = lora->count;
-  const auto all = torch::from_blob(const_cast<float*>(in), {rows, t, K}, torch::kFloat);
-  const torch::Tensor x = all.narrow(1, t - s, s).reshape({rows * s, K});  // a copy when rows > 1
-  const torch::Tensor delta =
-      at::mm(at::mm(x, lora->a[which]->t()), lora->b[which]->t()).mul_(lora->scale[which]).view({rows, s, N});
-  torch::from_blob(out, {rows, t, N}, torch::kFloat).narrow(1, t - s, s).add_(delta);
+                      const std::vector<Part>& parts) {
+  if (lora == nullptr) return;
+  for (const Part& p : parts) {
+    if (p.streams == 0) continue;
+    const int64_t s = p.streams;
+    const auto all = torch::from_blob(const_cast<float*>(in) + p.offset * K, {p.rows, p.t, K}, torch::kFloat);
+    const torch::Tensor x = all.narrow(1, p.t - s, s).reshape({p.rows * s, K});  // a copy when rows > 1
+    const torch::Tensor delta =
+        at::mm(at::mm(x, lora->a[which]->t()), lora->b[which]->t()).mul_(lora->scale[which]).view({p.rows, s, N});
+    torch::from_blob(out + p.offset * N, {p.rows, p.t, N}, torch::kFloat).narrow(1, p.t - s, s).add_(delta);
+  }
 }
 
-// One block on hidden [rows, T, hidden] in place, writing the window's keys and values into the cache at start
-// (stream rows' too, past the main rows: the caller keeps them out of the cache's length). Every intermediate lives
+// One block on hidden [M, hidden] in place, writing each part's keys and values into its cache at its start (stream
+// rows' too, past the main rows: the caller keeps them out of the cache's length). The linears run once over all M
+// rows (the weights are read once for every sequence); norms and linears are row-local, and rotary embedding, the
+// cache write and attention run part by part, so a part's bits do not depend on the others. Every intermediate lives
 // in this thread's scratch: no tensor is made and no ATen op is dispatched, unless stream rows take their deltas.
-void block_forward(const QuantBlock& b, float* hidden, const Window& w, const LayerCache& cache, bool split,
+void block_forward(const QuantBlock& b, float* hidden, int64_t m, const std::vector<Part>& parts, bool split,
                    const StreamLora* lora = nullptr) {
   static thread_local mirrorsd::Scratch scratch;
   scratch.rewind();
-  const int64_t rows = w.rows, t = w.t, m = rows * t, end = cache.start + t;
   const int64_t H = b.heads, Hkv = b.kv_heads, D = b.head_dim, inner = b.linears[4].checked.N;
   float* h = scratch.take<float>(m * b.hidden);
   float* q = scratch.take<float>(m * H * D);
@@ -167,45 +174,91 @@ void block_forward(const QuantBlock& b, float* hidden, const Window& w, const La
   const mirrorsd::QuantWeight qkv[3] = {b.linears[0].view(), b.linears[1].view(), b.linears[2].view()};
   float* const qkv_out[3] = {q, k, v};
   mirrorsd::linear_quant_into(h, m, b.hidden, qkv, 3, qkv_out, split);
-  for (int64_t i = 0; i < 3; ++i) add_stream_delta(lora, i, h, b.hidden, qkv_out[i], qkv[i].N, rows, t);
+  for (int64_t i = 0; i < 3; ++i) add_stream_delta(lora, i, h, b.hidden, qkv_out[i], qkv[i].N, parts);
   if (b.q_norm) {
     mirrorsd::rms_norm_rows(q, b.q_norm->data_ptr<float>(), q, m * H, D, b.eps);
     mirrorsd::rms_norm_rows(k, b.k_norm->data_ptr<float>(), k, m * Hkv, D, b.eps);
   }
-  // Rotated queries in attention's layout [rows, H, T, D]; rotated keys and the values straight into the cache.
-  const int64_t cache_row = Hkv * cache.capacity * D, cache_head = cache.capacity * D;
-  mirrorsd::rope_rows(q, rows, t, H, D, w.cos, w.sin, w.shared_angles, mirrorsd::Heads{q_rot, H * t * D, t * D, D});
-  mirrorsd::rope_rows(k, rows, t, Hkv, D, w.cos, w.sin, w.shared_angles,
-                      mirrorsd::Heads{cache.keys + cache.start * D, cache_row, cache_head, D});
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < t; ++i)
-      for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-        std::memcpy(cache.values + r * cache_row + kvh * cache_head + (cache.start + i) * D,
-                    v + ((r * t + i) * Hkv + kvh) * D, D * sizeof(float));
-  // The output in [rows, T, H, D], which is o_proj's input [rows * T, H * D] as it is.
-  mirrorsd::attend_into(mirrorsd::Heads{q_rot, H * t * D, t * D, D}, mirrorsd::Heads{cache.keys, cache_row, cache_head, D},
-                        mirrorsd::Heads{cache.values, cache_row, cache_head, D}, rows, H, Hkv, t, end, D, w.mask,
-                        w.mask_row_stride, mirrorsd::Heads{attended, t * H * D, D, H * D});
+  for (const Part& p : parts) {
+    // Rotated queries in attention's layout [rows, H, T, D]; rotated keys and the values straight into the cache.
+    const LayerCache& cache = p.cache;
+    const int64_t rows = p.rows, t = p.t, end = cache.start + t;
+    const int64_t cache_row = Hkv * cache.capacity * D, cache_head = cache.capacity * D;
+    float* const pq = q_rot + p.offset * H * D;
+    const float* const pk = k + p.offset * Hkv * D;
+    const float* const pv = v + p.offset * Hkv * D;
+    mirrorsd::rope_rows(q + p.offset * H * D, rows, t, H, D, p.cos, p.sin, p.shared_angles,
+                        mirrorsd::Heads{pq, H * t * D, t * D, D});
+    mirrorsd::rope_rows(pk, rows, t, Hkv, D, p.cos, p.sin, p.shared_angles,
+                        mirrorsd::Heads{cache.keys + cache.start * D, cache_row, cache_head, D});
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < t; ++i)
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+          std::memcpy(cache.values + r * cache_row + kvh * cache_head + (cache.start + i) * D,
+                      pv + ((r * t + i) * Hkv + kvh) * D, D * sizeof(float));
+    // The output in [rows, T, H, D], which is o_proj's input [rows * T, H * D] as it is.
+    mirrorsd::attend_into(mirrorsd::Heads{pq, H * t * D, t * D, D}, mirrorsd::Heads{cache.keys, cache_row, cache_head, D},
+                          mirrorsd::Heads{cache.values, cache_row, cache_head, D}, rows, H, Hkv, t, end, D, p.mask,
+                          p.mask_row_stride, mirrorsd::Heads{attended + p.offset * H * D, t * H * D, D, H * D});
+  }
   const mirrorsd::QuantWeight o_proj = b.linears[3].view();
   mirrorsd::linear_quant_into(attended, m, H * D, &o_proj, 1, &delta, split);
-  add_stream_delta(lora, 3, attended, H * D, delta, b.hidden, rows, t);
+  add_stream_delta(lora, 3, attended, H * D, delta, b.hidden, parts);
   mirrorsd::add_into(hidden, delta, m * b.hidden);
 
   mirrorsd::rms_norm_rows(hidden, b.post_norm.data_ptr<float>(), h, m, b.hidden, b.eps);
   const mirrorsd::QuantWeight gate_up[2] = {b.linears[4].view(), b.linears[5].view()};
   float* const gate_up_out[2] = {gate, up};
   mirrorsd::linear_quant_into(h, m, b.hidden, gate_up, 2, gate_up_out, split);
-  add_stream_delta(lora, 4, h, b.hidden, gate, inner, rows, t);
-  add_stream_delta(lora, 5, h, b.hidden, up, inner, rows, t);
+  add_stream_delta(lora, 4, h, b.hidden, gate, inner, parts);
+  add_stream_delta(lora, 5, h, b.hidden, up, inner, parts);
   mirrorsd::silu_mul_rows(gate, up, gate, m * inner);
   const mirrorsd::QuantWeight down_proj = b.linears[6].view();
   mirrorsd::linear_quant_into(gate, m, inner, &down_proj, 1, &delta, split);
-  add_stream_delta(lora, 6, gate, inner, delta, b.hidden, rows, t);
+  add_stream_delta(lora, 6, gate, inner, delta, b.hidden, parts);
   mirrorsd::add_into(hidden, delta, m * b.hidden);
 }
 
 void check_fp32(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous(), "blocks_forward: ", what, " must be contiguous fp32");
+}
+
+// Block i's 7 stream adapters (q, k, v, o, gate, up, down) from the flat lists, checked against its linears.
+StreamLora bind_lora(const QuantBlock& b, size_t i, const std::vector<torch::Tensor>& lora_a,
+                     const std::vector<torch::Tensor>& lora_b, const std::vector<double>& lora_scale) {
+  StreamLora lora;
+  for (int64_t j = 0; j < kLinears; ++j) {
+    const torch::Tensor &a = lora_a[i * kLinears + j], &bm = lora_b[i * kLinears + j];
+    const mirrorsd::QuantWeight& w = b.linears[j].checked;
+    TORCH_CHECK(a.scalar_type() == torch::kFloat && bm.scalar_type() == torch::kFloat && a.dim() == 2 && bm.dim() == 2 &&
+                    a.size(1) == w.K && bm.size(0) == w.N && bm.size(1) == a.size(0),
+                "stream_blocks_forward: adapter ", j, " of block ", i, " must be fp32 A [rank, ", w.K, "] and B [", w.N,
+                ", rank]");
+    lora.a[j] = &a;
+    lora.b[j] = &bm;
+    lora.scale[j] = lora_scale[i * kLinears + j];
+  }
+  return lora;
+}
+
+void check_lora(size_t blocks, const std::vector<torch::Tensor>& lora_a, const std::vector<torch::Tensor>& lora_b,
+                const std::vector<double>& lora_scale) {
+  const size_t adapters = blocks * kLinears;
+  TORCH_CHECK(lora_a.size() == adapters && lora_b.size() == adapters && lora_scale.size() == adapters,
+              "stream_blocks_forward: ", kLinears, " adapters (A, B, scale) per block");
+}
+
+// Block i's cache buffers [rows, kv_heads, capacity >= end, head_dim], checked against it.
+LayerCache layer_cache(const QuantBlock& b, size_t i, const torch::Tensor& k, const torch::Tensor& v, int64_t rows,
+                       int64_t start, int64_t t) {
+  check_fp32(k, "keys");
+  check_fp32(v, "values");
+  const int64_t end = start + t;
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == rows && k.size(1) == b.kv_heads &&
+                  k.size(3) == b.head_dim && start >= 0 && end <= k.size(2),
+              "blocks_forward: block ", i, "'s cache buffers must be [", rows, ", kv_heads, capacity >= ", end,
+              ", head_dim]");
+  return LayerCache{k.data_ptr<float>(), v.data_ptr<float>(), k.size(2), start};
 }
 
 // Blocks in turn on x [rows, T, hidden], in one op call: the residual stream is one tensor updated in place, and the
@@ -236,43 +289,22 @@ torch::Tensor run_blocks(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks
     TORCH_CHECK(seen->scalar_type() == torch::kBool && seen->dim() == 3 && (seen->size(0) == 1 || seen->size(0) == rows) &&
                     seen->size(1) == t,
                 "blocks_forward: mask must be bool [rows or 1, T, S]");
-  const Window window{rows, t, c.data_ptr<float>(), s.data_ptr<float>(), c.size(0) == 1,
-                      seen ? seen->data_ptr<bool>() : nullptr, seen && seen->size(0) > 1 ? seen->size(1) * seen->size(2) : 0};
   if (stream_rows > 0) {
-    const size_t adapters = n * kLinears;
-    TORCH_CHECK(lora_a.size() == adapters && lora_b.size() == adapters && lora_scale.size() == adapters,
-                "stream_blocks_forward: ", kLinears, " adapters (A, B, scale) per block");
-    TORCH_CHECK(stream_rows <= x.size(1), "stream_blocks_forward: more stream rows than the window holds");
+    check_lora(n, lora_a, lora_b, lora_scale);
+    TORCH_CHECK(stream_rows <= t, "stream_blocks_forward: more stream rows than the window holds");
   }
+  std::vector<Part> parts{Part{0, rows, t, stream_rows, c.data_ptr<float>(), s.data_ptr<float>(), c.size(0) == 1,
+                               seen ? seen->data_ptr<bool>() : nullptr,
+                               seen && seen->size(0) > 1 ? seen->size(1) * seen->size(2) : 0, LayerCache{}}};
   torch::Tensor out = x.clone(at::MemoryFormat::Contiguous);  // the residual stream
   for (size_t i = 0; i < n; ++i) {
     const QuantBlock& b = *blocks.get(i);
-    StreamLora lora;
-    if (stream_rows > 0) {
-      lora.count = stream_rows;
-      for (int64_t j = 0; j < kLinears; ++j) {
-        const torch::Tensor &a = lora_a[i * kLinears + j], &bm = lora_b[i * kLinears + j];
-        const mirrorsd::QuantWeight& w = b.linears[j].checked;
-        TORCH_CHECK(a.scalar_type() == torch::kFloat && bm.scalar_type() == torch::kFloat && a.dim() == 2 &&
-                        bm.dim() == 2 && a.size(1) == w.K && bm.size(0) == w.N && bm.size(1) == a.size(0),
-                    "stream_blocks_forward: adapter ", j, " of block ", i, " must be fp32 A [rank, ", w.K, "] and B [",
-                    w.N, ", rank]");
-        lora.a[j] = &a;
-        lora.b[j] = &bm;
-        lora.scale[j] = lora_scale[i * kLinears + j];
-      }
-    }
-    const torch::Tensor &k = keys[i], &v = values[i];
-    const int64_t start = starts[i], end = start + t;
-    check_fp32(k, "keys");
-    check_fp32(v, "values");
     TORCH_CHECK(x.size(2) == b.hidden && c.size(2) == b.head_dim, "blocks_forward: x or cos/sin do not fit block ", i);
-    TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == rows && k.size(1) == b.kv_heads &&
-                    k.size(3) == b.head_dim && start >= 0 && end <= k.size(2),
-                "blocks_forward: block ", i, "'s cache buffers must be [rows, kv_heads, capacity >= ", end, ", head_dim]");
-    TORCH_CHECK(!seen || seen->size(2) == end, "blocks_forward: the mask must cover ", end, " keys at block ", i);
-    block_forward(b, out.data_ptr<float>(), window, LayerCache{k.data_ptr<float>(), v.data_ptr<float>(), k.size(2), start},
-                  split, stream_rows > 0 ? &lora : nullptr);
+    TORCH_CHECK(!seen || seen->size(2) == starts[i] + t, "blocks_forward: the mask must cover ", starts[i] + t,
+                " keys at block ", i);
+    parts[0].cache = layer_cache(b, i, keys[i], values[i], rows, starts[i], t);
+    const StreamLora lora = stream_rows > 0 ? bind_lora(b, i, lora_a, lora_b, lora_scale) : StreamLora{};
+    block_forward(b, out.data_ptr<float>(), rows * t, parts, split, stream_rows > 0 ? &lora : nullptr);
   }
   return out;
 }
@@ -294,6 +326,71 @@ torch::Tensor stream_blocks_forward(const c10::List<c10::intrusive_ptr<QuantBloc
   return run_blocks(blocks, x, cos, sin, keys, values, starts, mask, split, lora_a, lora_b, lora_scale, stream_rows);
 }
 
+// Blocks in turn on the windows of several sequences at once (continuous batching): x [M, hidden] holds sequence j's
+// lengths[j] positions after sequence j-1's, with its angles in cos/sin [M, head_dim]. Each sequence has a cache of
+// its own: keys/values/starts are block-major (block i, sequence j at i * sequences + j; buffers [1, kv_heads,
+// capacity, head_dim]), and masks[j] is None (causal) or bool [lengths[j], starts + lengths[j]] (every block of the
+// call must then hold the same start). streams[j]: sequence j's trailing Speculative Streaming stream rows (the
+// adapters as stream_blocks_forward takes them; empty lists when no sequence has any). A sequence's outputs have the
+// bits blocks_forward gives it alone.
+torch::Tensor ragged_blocks_forward(const c10::List<c10::intrusive_ptr<QuantBlock>>& blocks, const torch::Tensor& x,
+                                    const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<int64_t>& lengths,
+                                    const std::vector<int64_t>& streams, const std::vector<torch::Tensor>& keys,
+                                    const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                                    const std::vector<OptTensor>& masks, bool split,
+                                    const std::vector<torch::Tensor>& lora_a, const std::vector<torch::Tensor>& lora_b,
+                                    const std::vector<double>& lora_scale) {
+  const size_t n = blocks.size(), sequences = lengths.size();
+  TORCH_CHECK(sequences > 0 && streams.size() == sequences && masks.size() == sequences,
+              "ragged_blocks_forward: one length, stream count and mask per sequence");
+  TORCH_CHECK(keys.size() == n * sequences && values.size() == n * sequences && starts.size() == n * sequences,
+              "ragged_blocks_forward: one cache buffer pair and start per block and sequence");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "ragged_blocks_forward: x must be fp32 [M, hidden]");
+  const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
+  check_fp32(c, "cos");
+  check_fp32(s, "sin");
+  TORCH_CHECK(c.dim() == 2 && c.sizes() == s.sizes() && c.size(0) == x.size(0),
+              "ragged_blocks_forward: cos/sin must be [M, head_dim]");
+  const int64_t D = c.size(1);
+  std::vector<torch::Tensor> seen(sequences);
+  std::vector<Part> parts;
+  int64_t offset = 0;
+  bool any_streams = false;
+  for (size_t j = 0; j < sequences; ++j) {
+    const int64_t t = lengths[j];
+    TORCH_CHECK(t > 0 && streams[j] >= 0 && streams[j] <= t, "ragged_blocks_forward: sequence ", j,
+                " needs a positive length and at most that many stream rows");
+    any_streams = any_streams || streams[j] > 0;
+    const bool* mask = nullptr;
+    if (masks[j]) {
+      seen[j] = masks[j]->contiguous();
+      TORCH_CHECK(seen[j].scalar_type() == torch::kBool && seen[j].dim() == 2 && seen[j].size(0) == t,
+                  "ragged_blocks_forward: sequence ", j, "'s mask must be bool [", t, ", S]");
+      mask = seen[j].data_ptr<bool>();
+    }
+    TORCH_CHECK(streams[j] == 0 || mask, "ragged_blocks_forward: stream rows need a mask");
+    parts.push_back(Part{offset, 1, t, streams[j], c.data_ptr<float>() + offset * D, s.data_ptr<float>() + offset * D,
+                         true, mask, 0, LayerCache{}});
+    offset += t;
+  }
+  TORCH_CHECK(offset == x.size(0), "ragged_blocks_forward: the lengths sum to ", offset, ", x holds ", x.size(0));
+  if (any_streams) check_lora(n, lora_a, lora_b, lora_scale);
+  torch::Tensor out = x.clone(at::MemoryFormat::Contiguous);  // the residual stream
+  for (size_t i = 0; i < n; ++i) {
+    const QuantBlock& b = *blocks.get(i);
+    TORCH_CHECK(x.size(1) == b.hidden && D == b.head_dim, "ragged_blocks_forward: x or cos/sin do not fit block ", i);
+    for (size_t j = 0; j < sequences; ++j) {
+      const int64_t start = starts[i * sequences + j];
+      TORCH_CHECK(!parts[j].mask || seen[j].size(1) == start + parts[j].t, "ragged_blocks_forward: sequence ", j,
+                  "'s mask must cover ", start + parts[j].t, " keys at block ", i);
+      parts[j].cache = layer_cache(b, i, keys[i * sequences + j], values[i * sequences + j], 1, start, parts[j].t);
+    }
+    const StreamLora lora = any_streams ? bind_lora(b, i, lora_a, lora_b, lora_scale) : StreamLora{};
+    block_forward(b, out.data_ptr<float>(), offset, parts, split, any_streams ? &lora : nullptr);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
@@ -303,9 +400,13 @@ TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
   m.def("stream_blocks_forward(__torch__.torch.classes.mirrorsd.QuantBlock[] blocks, Tensor x, Tensor cos, Tensor sin, "
         "Tensor[] keys, Tensor[] values, int[] starts, Tensor mask, bool split, Tensor[] lora_a, Tensor[] lora_b, "
         "float[] lora_scale, int stream_rows) -> Tensor");
+  m.def("ragged_blocks_forward(__torch__.torch.classes.mirrorsd.QuantBlock[] blocks, Tensor x, Tensor cos, Tensor sin, "
+        "int[] lengths, int[] streams, Tensor[] keys, Tensor[] values, int[] starts, Tensor?[] masks, bool split, "
+        "Tensor[] lora_a, Tensor[] lora_b, float[] lora_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
   m.impl("blocks_forward", blocks_forward);
   m.impl("stream_blocks_forward", stream_blocks_forward);
+  m.impl("ragged_blocks_forward", ragged_blocks_forward);
 }
