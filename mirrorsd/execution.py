@@ -175,6 +175,11 @@ def ragged_blocks(model: Transformer, start: int, end: int) -> list[torch.Script
     return bound if len({block.mlp.down_proj.split_activations for block in blocks}) == 1 else None
 
 
+def batches(model: Transformer) -> bool:
+    """Whether ``model``'s forwards can share a continuous batch with the bits each gets alone."""
+    return ragged_blocks(model, 0, model.config.n_layers) is not None
+
+
 def ragged_layers(model: Transformer, calls: list[LayerCall], start: int, end: int) -> list[torch.Tensor]:
     """Blocks ``[start, end)`` on several sequences' windows in one C++ call (``ragged_blocks_forward``): the linears
     read their weights once for every row, while rotary embedding, the cache writes and attention run per sequence

@@ -12,6 +12,7 @@ from rich.console import Console
 import mirrorsd
 from mirrorsd.api import default_method, planned
 from mirrorsd.decoding import get_method
+from mirrorsd.runtime.batching import PREFILL_ROWS
 from mirrorsd.server import ServerConfig, create_app
 
 from .args import COMMANDS, add_dtype, add_formats, add_method, add_method_flags, add_pair, add_sampling
@@ -41,6 +42,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                  top_k=(0, "top_k of requests that send none (0: off)"))
     sv.add_argument("--max-queued", type=int, default=64,
                     help="requests that may wait for the engine; more are answered 429")
+    sv.add_argument("--max-num-seqs", type=int, default=16,
+                    help="requests decoded at once (continuous batching: one forward per step carries every running "
+                         "request's rows, and requests join and leave between steps; vLLM's --max-num-seqs, "
+                         "llama.cpp's -np); 1 decodes one at a time")
+    sv.add_argument("--prefill-rows", type=int, default=PREFILL_ROWS,
+                    help="prompt rows a batched step takes beside the running requests' windows: smaller keeps "
+                         "running streams at pace while a long prompt arrives, larger gives it its first token sooner")
     sv.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted (400 beyond)")
     sv.add_argument("--max-tokens", type=int, default=2048,
                     help="largest max_tokens a request may ask for, and the limit of requests that set none")
@@ -60,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     method = args.method or default_method(args.draft)
     options = checked_options(args, method)
-    for name, value in (("--max-queued", args.max_queued), ("--max-prompt-tokens", args.max_prompt_tokens),
+    for name, value in (("--max-queued", args.max_queued), ("--max-num-seqs", args.max_num_seqs),
+                        ("--prefill-rows", args.prefill_rows), ("--max-prompt-tokens", args.max_prompt_tokens),
                         ("--max-tokens", args.max_tokens), ("--max-request-bytes", args.max_request_bytes)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -79,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"mirrorsd: auto chose {method} {options}", style="dim", highlight=False)
     config = ServerConfig(model_name=args.served_model_name or target.name, method=method, options=options,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, api_key=api_key,
-                          max_queued=args.max_queued, max_prompt_tokens=args.max_prompt_tokens,
+                          max_queued=args.max_queued, max_running=args.max_num_seqs,
+                          prefill_rows=args.prefill_rows, max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens=args.max_tokens, max_request_bytes=args.max_request_bytes,
                           shutdown_timeout=args.shutdown_timeout)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -147,6 +147,11 @@ class MethodOptions:
             raise ValueError("a tensor-parallel target needs suffix_match=0 (--suffix-match 0): the suffix "
                              "proposer's windows depend on timings, which differ between ranks")
 
+    def unbatchable(self) -> str | None:
+        """Why a request with these options must run alone rather than in a continuous batch (its forwards then wait
+        on work outside the batch, a draft in another process or on another stream), or None: it batches."""
+        return None
+
     def priced_layers(self, n_layers: int) -> tuple[int, ...]:
         """Target layers whose prefix cost (layers below them) the method's cost model reads."""
         return ()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,10 +60,12 @@ class _Waiting:
     def rows(self) -> int:
         return self.call.hidden.shape[1] if self.call is not None else self.hidden.shape[1]
 
-    @property
-    def splittable(self) -> bool:
-        """A causal window without stream rows: a prompt, which may run in pieces with the same bits."""
-        return self.call is not None and self.call.mask is None and self.call.streams is None
+    prompt: bool = False  # set by the batcher: a long causal window, run in chunks across steps
+
+    def splittable(self, rows: int) -> bool:
+        """A causal window without stream rows longer than ``rows``: a prompt, which may run in pieces with the same
+        bits (shorter ones, a plain step or a verification window, always run whole)."""
+        return self.call is not None and self.call.mask is None and self.call.streams is None and self.rows > rows
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,16 @@ class StepRecord:
     """One batched step, for the log and ``/metrics``."""
 
     at: float
-    sequences: int  # windows and prompt chunks in it
+    windows: int  # windows in it (a plain step's row, a verification window or tree, a draft's catch-up)
+    prompts: int  # prompt chunks in it
     rows: int  # rows through the layers
     prefill_rows: int  # of them, rows of prompts
     seconds: float
+
+    @property
+    def speculation_rows(self) -> int:
+        """Rows beyond one per window: draft tokens under verification, tree and stream rows, a draft's catch-up."""
+        return self.rows - self.prefill_rows - self.windows
 
 
 class _Member:
@@ -87,7 +95,8 @@ class Batcher:
     ``prefill_rows``: rows of waiting prompts a step takes beside the running windows (a prompt alone on the batcher
     takes at least this many, and ``PREFILL_CHUNK`` rows a step when nothing else waits)."""
 
-    def __init__(self, prefill_rows: int = PREFILL_ROWS, history: int = 4096) -> None:
+    def __init__(self, prefill_rows: int = PREFILL_ROWS, history: int = 4096,
+                 on_step: Callable[[StepRecord], None] | None = None) -> None:
         if prefill_rows < 1:
             raise ValueError(f"prefill_rows must be at least 1, got {prefill_rows}")
         self.prefill_rows = prefill_rows
@@ -98,6 +107,7 @@ class Batcher:
         self._local = threading.local()
         self.steps: deque[StepRecord] = deque(maxlen=history)
         self.total_steps = 0
+        self.on_step = on_step
 
     @property
     def members_running(self) -> int:
@@ -160,6 +170,8 @@ class Batcher:
                 self._executing = False
             self.steps.append(record)
             self.total_steps += 1
+            if self.on_step is not None and record.rows:
+                self.on_step(record)
             for item in [w for w, _ in work if w.finished]:
                 self._waiting.remove(item)
                 self._running += 1
@@ -170,8 +182,10 @@ class Batcher:
     def _select(self) -> list[tuple[_Waiting, int]]:
         """This step's work: each waiting window whole, and chunks of the waiting prompts (oldest first) within
         ``prefill_rows`` (``PREFILL_CHUNK`` when nothing else waits)."""
-        windows = [(w, w.rows) for w in self._waiting if not w.splittable]
-        prompts = [w for w in self._waiting if w.splittable]
+        for w in self._waiting:
+            w.prompt = w.prompt or w.splittable(self.prefill_rows)
+        windows = [(w, w.rows) for w in self._waiting if not w.prompt]
+        prompts = [w for w in self._waiting if w.prompt]
         budget = self.prefill_rows if windows or len(prompts) > 1 else None
         work = list(windows)
         for w in prompts:
@@ -191,20 +205,22 @@ class Batcher:
         for w, rows in work:
             key = (id(w.model), w.start, w.end) if w.call is not None else (id(w.model), "head")
             groups.setdefault(key, []).append((w, rows))
-        rows_run = prefill = 0
+        rows_run = prefill = windows = prompts = 0
         with batched_by(None), torch.inference_mode():
             for members in groups.values():
                 try:
                     if members[0][0].call is not None:
                         self._layers(members)
                         rows_run += sum(rows for _, rows in members)
-                        prefill += sum(rows for w, rows in members if w.splittable)
+                        prefill += sum(rows for w, rows in members if w.prompt)
+                        prompts += sum(w.prompt for w, _ in members)
+                        windows += sum(not w.prompt for w, _ in members)
                     else:
                         self._heads(members)
                 except Exception as e:  # every member of the failed forward gets the error on its own thread
                     for w, _ in members:
                         w.error, w.finished = e, True
-        return StepRecord(began, len(work), rows_run, prefill, time.perf_counter() - began)
+        return StepRecord(began, windows, prompts, rows_run, prefill, time.perf_counter() - began)
 
     @staticmethod
     def _layers(members: list[tuple[_Waiting, int]]) -> None:
@@ -212,7 +228,7 @@ class Batcher:
         pieces = []
         for w, rows in members:
             c = w.call
-            if w.splittable:
+            if w.prompt:
                 a, b = w.done, w.done + rows
                 pieces.append(LayerCall(c.hidden[:, a:b], c.positions[:, a:b], c.cache))
             else:

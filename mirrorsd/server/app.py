@@ -28,6 +28,8 @@ from pydantic import BaseModel, ValidationError
 from .. import api
 from ..decoding import REFERENCE, ModelShape, get_method
 from ..errors import OptionError
+from ..execution import batches
+from ..runtime.batching import PREFILL_ROWS, Batcher
 from ..sampling import SamplingParams
 from .metrics import Metrics
 from .protocol import (
@@ -60,6 +62,10 @@ class ServerConfig:
     top_k: int = 0
     api_key: str | None = None
     max_queued: int = 64
+    # Requests decoded at once, one forward per step (vLLM's max_num_seqs, llama.cpp's -np); `mirrorsd serve`'s
+    # --max-num-seqs defaults to 16, an app built in Python decodes one at a time unless it asks.
+    max_running: int = 1
+    prefill_rows: int = PREFILL_ROWS  # rows of waiting prompts a step takes beside the running windows
     max_prompt_tokens: int = 4096
     max_tokens: int = 2048
     max_request_bytes: int = 1 << 20
@@ -76,6 +82,7 @@ class Prepared:
     params: SamplingParams
     max_new_tokens: int
     stops: list[str]
+    alone: str | None = None  # why it cannot share a batch (MethodOptions.unbatchable)
 
 
 class Server:
@@ -83,9 +90,15 @@ class Server:
 
     def __init__(self, target: api.LoadedModel, draft: api.LoadedModel | None, config: ServerConfig) -> None:
         self.target, self.draft, self.config = target, draft, config
-        self.scheduler = Scheduler(config.max_queued)
+        running = config.max_running
+        if running > 1 and not batches(target.model):
+            log.warning("decoding one request at a time: %s has no batch-invariant batched forward (continuous "
+                        "batching needs the C++ path of a quantized model on the CPU)", config.model_name)
+            running = 1
         self.metrics = Metrics(config.model_name, lambda: self.scheduler.waiting,
-                               lambda: int(self.scheduler.running is not None))
+                               lambda: len(self.scheduler.running))
+        batcher = Batcher(config.prefill_rows, on_step=self.metrics.batch_step)
+        self.scheduler = Scheduler(config.max_queued, running, batcher)
         context = target.config.context_length
         if draft is not None:
             context = min(context, draft.config.context_length)
@@ -122,7 +135,7 @@ class Server:
         options = {**(cfg.options if method == cfg.method else {}), **asked}
         shape = ModelShape(self.target.config.n_layers, self.target.config.vocab_size)
         try:
-            spec.options.parse(options, method, shape)
+            alone = spec.options.parse(options, method, shape).unbatchable()
             params = SamplingParams(
                 temperature=cfg.temperature if req.temperature is None else req.temperature,
                 top_p=cfg.top_p if req.top_p is None else req.top_p,
@@ -144,7 +157,7 @@ class Server:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {limit}, but the "
                            f"model's context is {self.context} tokens", param="max_tokens",
                            code="context_length_exceeded")
-        return Prepared(prompt_ids, method, options, params, min(limit or cfg.max_tokens, room), req.stops)
+        return Prepared(prompt_ids, method, options, params, min(limit or cfg.max_tokens, room), req.stops, alone)
 
     def encode(self, prompt: str | list[int], *, raw: bool) -> list[int]:
         try:
@@ -169,7 +182,7 @@ class Server:
                               top_p=p.params.top_p, seed=p.params.seed if seed_given else None,
                               max_new_tokens=p.max_new_tokens, stop=p.stops, **p.options)
 
-        return Job(make_stream, asyncio.get_running_loop(), on_step=self.metrics.step)
+        return Job(make_stream, asyncio.get_running_loop(), on_step=self.metrics.step, alone=p.alone)
 
     def finish(self, job: Job, reason: str, first_token_at: float | None, completion_tokens: int) -> None:
         """Metrics and the log line of a request that ended (``abort``: its client went away)."""

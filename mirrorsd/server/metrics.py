@@ -8,6 +8,10 @@ Speculative decoding (vLLM's ``spec_decode_*``), per decoding step of every requ
   ``position`` (0-based). Acceptance rate = accepted / draft tokens; mean accepted length (tokens per step) =
   1 + accepted / drafts.
 
+Continuous batching, per step (one batched forward): ``batch_size`` (windows and prompt chunks in it),
+``step_rows`` (rows through the layers) and ``step_speculation_rows`` (rows beyond one per window: draft tokens under
+verification, tree and stream rows, a draft's catch-up).
+
 Latency, per request: time to first token (arrival to the first committed token, queueing included), time
 per output token ``(e2e - ttft) / (completion tokens - 1)``, and end-to-end latency. Under speculative
 decoding one SSE chunk may carry several tokens, so the time between chunks is *not* the time per token.
@@ -19,8 +23,11 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from ..runtime.batching import StepRecord
+
 PREFIX = "mirrorsd:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -55,6 +62,10 @@ class Metrics:
         self.tpot = histogram("request_time_per_output_token_seconds",
                               "(e2e - ttft) / (completion tokens - 1) per request", TOKEN_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "arrival to the last token", LATENCY_BUCKETS)
+        self.batch_size = histogram("batch_size", "windows and prompt chunks per batched step", ROW_BUCKETS)
+        self.step_rows = histogram("step_rows", "rows through the layers per batched step", ROW_BUCKETS)
+        self.step_speculation_rows = histogram("step_speculation_rows", "rows beyond one per window per batched step",
+                                               ROW_BUCKETS)
         for name, doc, read in (("num_requests_waiting", "requests in the queue", waiting),
                                 ("num_requests_running", "requests being decoded", running)):
             Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model).set_function(read)
@@ -68,6 +79,12 @@ class Metrics:
             self.num_accepted_tokens.labels(self.model).inc(accepted)
             for position in range(accepted):
                 self.accepted_per_pos.labels(self.model, str(position)).inc()
+
+    def batch_step(self, record: StepRecord) -> None:
+        """One batched step (called from the engine thread that ran it)."""
+        self.batch_size.labels(self.model).observe(record.windows + record.prompts)
+        self.step_rows.labels(self.model).observe(record.rows)
+        self.step_speculation_rows.labels(self.model).observe(record.speculation_rows)
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int, ttft: float | None,
                  e2e: float) -> None:

@@ -1,8 +1,10 @@
-"""Runs generation jobs on the engine behind a bounded queue.
+"""Runs generation jobs on the engine behind a bounded queue, many at once (continuous batching).
 
-The HTTP layer only ever calls :meth:`Scheduler.submit` and reads a job's events, so a scheduler that batches
-requests (continuous batching) can replace this one without touching the routes. This one runs one job at a
-time on a worker thread: the models' forwards already use every core, and one request's KV caches are its own.
+The HTTP layer only ever calls :meth:`Scheduler.submit` and reads a job's events. Up to ``max_running`` jobs decode
+at once, each on a worker thread of its own that is a member of one :class:`~mirrorsd.runtime.batching.Batcher`:
+every step, one forward carries every running request's rows, and requests join and leave between steps. A job
+that cannot batch (``Job.alone``: its draft runs outside the batch) waits for the running ones to finish and runs
+by itself.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import GenerationStream
+from ..runtime.batching import Batcher
 from .protocol import APIError
 
 log = logging.getLogger("mirrorsd.server")
@@ -37,8 +40,9 @@ class Job:
     """One request: how to build its stream, and the events the worker sends back to the request's loop."""
 
     def __init__(self, make_stream: Callable[[], GenerationStream], loop: asyncio.AbstractEventLoop,
-                 on_step: Callable[[int, int], None] | None = None) -> None:
+                 on_step: Callable[[int, int], None] | None = None, alone: str | None = None) -> None:
         self.make_stream, self.loop, self.on_step = make_stream, loop, on_step
+        self.alone = alone  # why this job cannot share a batch (None: it can)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = threading.Event()
         self.arrival = time.perf_counter()
@@ -59,22 +63,29 @@ class Job:
 
 
 class Scheduler:
-    """One worker thread, a queue of at most ``max_queued`` waiting jobs (429 beyond), one running job."""
+    """``max_running`` worker threads sharing one :class:`Batcher`, and a queue of at most ``max_queued`` waiting
+    jobs (429 beyond)."""
 
-    max_running = 1
-
-    def __init__(self, max_queued: int) -> None:
+    def __init__(self, max_queued: int, max_running: int = 1, batcher: Batcher | None = None) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be at least 1, got {max_running}")
+        self.max_running = max_running
+        self.batcher = batcher if batcher is not None else Batcher()
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queued)
-        self._thread = threading.Thread(target=self._work, name="mirrorsd-engine", daemon=True)
+        self._threads = [threading.Thread(target=self._work, name=f"mirrorsd-engine-{i}", daemon=True)
+                         for i in range(max_running)]
         self._stopping = False
-        self.running: Job | None = None
+        self._admission = threading.Condition()
+        self._solo = False  # a job that runs alone is running or waiting for the others to finish
+        self.running: set[Job] = set()
 
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: Job) -> None:
         if self._stopping:
@@ -86,7 +97,7 @@ class Scheduler:
                            code="queue_full") from None
 
     def stop(self, timeout: float) -> None:
-        """Refuse new jobs, cancel the waiting ones, give the running one ``timeout`` seconds, then cancel it."""
+        """Refuse new jobs, cancel the waiting ones, give the running ones ``timeout`` seconds, then cancel them."""
         self._stopping = True
         while True:
             try:
@@ -95,11 +106,35 @@ class Scheduler:
                 break
             if job is not None:
                 job.send("error", APIError(503, "the server is shutting down", code="shutting_down"))
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive() and self.running is not None:
-            self.running.cancel()
-            self._thread.join(5.0)
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
+            for job in list(self.running):
+                job.cancel()
+            for thread in self._threads:
+                thread.join(5.0)
+
+    def _admit(self, job: Job) -> None:
+        """Wait for a place: a job that runs alone waits until nothing runs, and nothing starts beside it."""
+        with self._admission:
+            self._admission.wait_for(lambda: not self._solo)
+            if job.alone is not None:
+                self._solo = True
+                if self.running:
+                    log.info("request %s runs alone once the %d running finish: %s", job.id, len(self.running),
+                             job.alone)
+                self._admission.wait_for(lambda: not self.running)
+            self.running.add(job)
+
+    def _leave(self, job: Job) -> None:
+        with self._admission:
+            self.running.discard(job)
+            if job.alone is not None:
+                self._solo = False
+            self._admission.notify_all()
 
     def _work(self) -> None:
         while True:
@@ -109,9 +144,10 @@ class Scheduler:
             if job.cancelled.is_set():
                 job.send("cancelled")
                 continue
-            self.running = job
+            self._admit(job)
             try:
-                self._run(job)
+                with self.batcher.member():
+                    self._run(job)
             except APIError as e:
                 job.send("error", e)
             except (ValueError, FileNotFoundError) as e:  # checks in mirrorsd.stream: the request's fault
@@ -120,7 +156,7 @@ class Scheduler:
                 log.exception("generation failed")
                 job.send("error", APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
             finally:
-                self.running = None
+                self._leave(job)
 
     def _run(self, job: Job) -> None:
         stream = job.stream = job.make_stream()

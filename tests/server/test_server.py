@@ -364,6 +364,34 @@ def test_shutdown_cancels_what_outlives_the_timeout(models):
     server.thread.join(60)
     assert not server.thread.is_alive() and time.perf_counter() - start < 30
     assert "data: [DONE]" not in received
-    engine = app.state.server.scheduler._thread
-    engine.join(10)
-    assert not engine.is_alive()  # the engine thread stopped too: nothing decodes for nobody
+    for engine in app.state.server.scheduler._threads:
+        engine.join(10)
+        assert not engine.is_alive()  # the engine threads stopped too: nothing decodes for nobody
+
+
+def test_continuous_batching_serves_concurrent_clients_their_own_answers(models):
+    """Eight clients at once on a server decoding up to eight requests per forward (`--max-num-seqs 8`): each
+    answer is the one `mirrorsd generate` gives alone, and /metrics shows steps that carried several requests."""
+    target, draft = models
+    server = LiveServer(create_app(target, draft, ServerConfig(MODEL, max_running=8, prefill_rows=8,
+                                                               max_tokens=64)))
+    cases = [(p, m, t) for p in PROMPTS for m, t in (("ar", 0.0), ("sd", 0.0), ("suffix", 0.0), ("ar", 0.9))][:8]
+    want = [reference(models, p, method=m, max_new_tokens=24, temperature=t, seed=5).text for p, m, t in cases]
+
+    def ask(case: tuple[str, str, float]) -> str:
+        prompt, method, temperature = case
+        reply = server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=temperature,
+            seed=5, extra_body={"mirrorsd": {"method": method}})
+        return reply.choices[0].message.content
+
+    try:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(ask, cases))
+        assert got == want
+        metrics = server.metrics()
+        steps = metrics[("mirrorsd:batch_size_count", ())]
+        assert steps > 0 and metrics[("mirrorsd:batch_size_sum", ())] / steps > 1.5
+        assert metrics[("mirrorsd:step_rows_sum", ())] >= metrics[("mirrorsd:batch_size_sum", ())]
+    finally:
+        server.stop()

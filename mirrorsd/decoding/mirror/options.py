@@ -131,5 +131,10 @@ class MirrorOptions(MethodOptions):
             raise ValueError("roots='budget' (the default) fits its root count to timings, which differ between "
                              "ranks; give a fixed budget (--budget N) or roots='paper' on a tensor-parallel target")
 
+    def unbatchable(self) -> str | None:
+        if self.backend != "serial":
+            return f"Mirror-SD's {self.backend} backend overlaps its draft with the target outside the batch"
+        return None
+
     def priced_layers(self, n_layers: int) -> tuple[int, ...]:
         return (resolve_exit_layer(self.exit_layer, n_layers),)

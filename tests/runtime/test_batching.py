@@ -1,0 +1,221 @@
+"""Continuous batching (mirrorsd.runtime.batching): a request's tokens are the ones it gets alone, whoever shares
+its forwards, for every registered method, greedy and seeded sampling, whenever requests arrive and leave.
+
+Each request runs with suffix indexes of its own (``isolated_shared_indexes``): the process-wide index of earlier
+answers makes a suffix proposal depend on which answers finished first, batched or not, and under rejection sampling
+a different proposal draws different (equally distributed) tokens."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mirrorsd
+from mirrorsd import generate, kernels
+from mirrorsd.decoding import methods
+from mirrorsd.decoding.suffix_index import isolated_shared_indexes
+from mirrorsd.kv_cache import KVCache
+from mirrorsd.runtime.batching import Batcher
+from tests.helpers import random_adapters, requires_smollm2, row_exact, tiny_hf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+
+METHODS = [m.name for m in methods()]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: tiny forwards are microseconds of work (see test_conformance's fixture)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass(frozen=True)
+class Req:
+    method: str
+    prompt: tuple[int, ...]
+    max_new: int
+    temperature: float
+    seed: int
+    arrival: int  # the batcher step it joins at (or once nothing else runs)
+    stop_after: int | None  # tokens after which its client closes the stream (leaves mid-way)
+
+
+class Pair:
+    def __init__(self) -> None:
+        self.target = row_exact(tiny_hf(layers=4, seed=1))
+        self.draft = row_exact(tiny_hf(layers=2, seed=2))
+        self.adapters = random_adapters(self.target, 2, 2, 0, std=0.1)
+
+    def tokens(self, r: Req) -> list[int]:
+        needs_draft = next(m for m in methods() if m.name == r.method).needs_draft
+        options = {"streams": self.adapters} if r.method == "ss" else {}
+        with isolated_shared_indexes():  # (see the module docstring)
+            return self._tokens(r, needs_draft, options)
+
+    def _tokens(self, r: Req, needs_draft: bool, options: dict) -> list[int]:
+        stream = mirrorsd.stream(self.target, list(r.prompt), method=r.method,
+                                 draft=self.draft if needs_draft else None, max_new_tokens=r.max_new,
+                                 temperature=r.temperature, seed=r.seed, **options)
+        out: list[int] = []
+        for delta in stream.deltas():
+            out.extend(delta.token_ids)
+            if r.stop_after is not None and len(out) >= r.stop_after:
+                stream.close()
+                break
+        return out
+
+
+@pytest.fixture(scope="module")
+def pair() -> Pair:
+    return Pair()
+
+
+def run_batched(pair: Pair, requests: list[Req], batcher: Batcher) -> list[list[int] | BaseException]:
+    """Each request on a thread of its own, joining the batcher at its arrival step."""
+    out: list[list[int] | BaseException] = [[] for _ in requests]
+    done = threading.Event()
+    started = [0]
+    lock = threading.Lock()
+
+    def work(i: int, r: Req) -> None:
+        while batcher.total_steps < r.arrival and batcher.members_running + len(batcher._waiting) > 0:
+            done.wait(0.001)
+        try:
+            with batcher.member():
+                out[i] = pair.tokens(r)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            out[i] = e
+        with lock:
+            started[0] += 1
+
+    threads = [threading.Thread(target=work, args=(i, r)) for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a batched request hung"
+    return out
+
+
+REQUESTS = st.builds(
+    Req,
+    method=st.sampled_from(METHODS),
+    prompt=st.one_of(st.lists(st.integers(0, 63), min_size=1, max_size=12),
+                     st.lists(st.integers(0, 4), min_size=1, max_size=40)).map(tuple),
+    max_new=st.integers(1, 24),
+    temperature=st.sampled_from([0.0, 1.0]),
+    seed=st.integers(0, 3),
+    arrival=st.integers(0, 30),
+    stop_after=st.one_of(st.none(), st.integers(1, 10)),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(requests=st.lists(REQUESTS, min_size=2, max_size=17), prefill_rows=st.sampled_from([1, 4, 32]))
+def test_a_request_gets_its_own_tokens_in_any_batch(pair: Pair, requests: list[Req], prefill_rows: int) -> None:
+    alone = [pair.tokens(r) for r in requests]
+    batcher = Batcher(prefill_rows)
+    got = run_batched(pair, requests, batcher)
+    for r, g, a in zip(requests, got, alone, strict=True):
+        assert not isinstance(g, BaseException), g
+        assert g == a, r
+    assert batcher.members_running == 0 and not batcher._waiting
+    assert max(s.windows + s.prompts for s in batcher.steps) >= 1
+
+
+def test_forwards_are_shared(pair: Pair) -> None:
+    """The rows of several requests do go through one forward (what makes batching pay)."""
+    requests = [Req("ar", (1, 2, 3, i), 16, 0.0, 0, 0, None) for i in range(8)]
+    batcher = Batcher()
+    got = run_batched(pair, requests, batcher)
+    assert got == [pair.tokens(r) for r in requests]
+    assert max(s.windows for s in batcher.steps) >= 4
+    assert batcher.total_steps < sum(len(g) for g in got)
+
+
+def test_no_cache_outlives_its_request_after_thousands_of_rejections(pair: Pair, monkeypatch) -> None:
+    """A draft that is mostly wrong: thousands of rejections and rollbacks across batched requests, then every
+    cache is freed and the batcher holds nothing."""
+    alive: list[weakref.ref] = []
+    init = KVCache.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        alive.append(weakref.ref(self))
+
+    monkeypatch.setattr(KVCache, "__init__", tracked)
+    requests = [Req("sd", (i % 7, 3, 1), 160, 1.0, i, i % 5, None) for i in range(12)]
+    batcher = Batcher()
+    got = run_batched(pair, requests, batcher)
+    assert all(len(g) == 160 for g in got)
+    rejected = sum(s.rows for s in batcher.steps) - sum(s.windows for s in batcher.steps)
+    assert rejected > 1000
+    gc.collect()
+    assert alive and not [ref for ref in alive if ref() is not None]
+    assert batcher.members_running == 0 and not batcher._waiting
+
+
+def test_a_failing_forward_reaches_only_its_request(pair: Pair, monkeypatch) -> None:
+    """An error in a batched forward goes to the threads whose rows were in it; the batcher stays usable."""
+    batcher = Batcher()
+    calls = [0]
+    real = Batcher._layers
+
+    def flaky(members):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("boom")
+        return real(members)
+
+    monkeypatch.setattr(Batcher, "_layers", staticmethod(flaky))
+    requests = [Req("ar", (1, 2, i), 8, 0.0, 0, 0, None) for i in range(3)]
+    got = run_batched(pair, requests, batcher)
+    assert any(isinstance(g, RuntimeError) for g in got)
+    monkeypatch.setattr(Batcher, "_layers", staticmethod(real))
+    assert run_batched(pair, requests, batcher) == [pair.tokens(r) for r in requests]
+
+
+@pytest.mark.real
+@requires_smollm2
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_real_weights_batched_equal_alone(temperature: float) -> None:
+    """SmolLM2-135M's real q8 weights: ar, suffix, sd (a 10-layer self-draft) and mirror side by side."""
+    model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
+    draft = model.model.prefix_model(10)
+    prompts = ["Write a haiku about the sea.", "def fibonacci(n):", "The capital of France is",
+               "List three prime numbers:"]
+    cases = [(m, p) for p in prompts for m in ("ar", "suffix", "sd", "mirror")]
+
+    def one(method: str, prompt: str) -> list[int]:
+        with isolated_shared_indexes():
+            return generate(model, prompt, method=method, draft=draft if method in ("sd", "mirror") else None,
+                            max_new_tokens=24, temperature=temperature, seed=7).token_ids
+
+    alone = [one(m, p) for m, p in cases]
+    batcher = Batcher()
+    got: list[list[int]] = [[] for _ in cases]
+
+    def work(i: int) -> None:
+        with batcher.member():
+            got[i] = one(*cases[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got == alone
+    assert max(s.windows for s in batcher.steps) >= 4
