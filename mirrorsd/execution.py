@@ -124,7 +124,7 @@ class ForwardBatcher(Protocol):
 
     def run_layers(self, model: Transformer, call: LayerCall, start: int, end: int) -> torch.Tensor: ...
 
-    def head(self, model: Transformer, hidden: torch.Tensor) -> torch.Tensor: ...
+    def head(self, model: Transformer, hidden: torch.Tensor, head: nn.Module | None) -> torch.Tensor: ...
 
 
 _batching = threading.local()
@@ -146,12 +146,13 @@ def batched_by(hook: ForwardBatcher | None) -> Iterator[None]:
         _batching.hook = old
 
 
-def head_batchable(model: Transformer, hidden: torch.Tensor) -> bool:
-    """Whether the final norm and LM head are row-local on ``hidden``: the C++ norm and a fast quantized head
-    (the q4/q8 kernels give a row the same bits in any batch)."""
-    head = model.lm_head
-    return hidden.dim() == 3 and hidden.shape[0] == 1 and model.norm.fused and isinstance(head, QuantLinear) \
-        and head.fast and not torch.is_grad_enabled()
+def head_batchable(model: Transformer, hidden: torch.Tensor, head: nn.Module | None = None) -> bool:
+    """Whether the final norm and the head (``model.lm_head``, or ``head``, a module computing through a ``linear``:
+    a draft's reduced vocabulary) are row-local on ``hidden``: the C++ norm and a fast quantized product (the q4/q8
+    kernels give a row the same bits in any batch)."""
+    linear = model.lm_head if head is None else getattr(head, "linear", None)
+    return hidden.dim() == 3 and hidden.shape[0] == 1 and model.norm.fused and isinstance(linear, QuantLinear) \
+        and linear.fast and not torch.is_grad_enabled()
 
 
 @dataclass(eq=False)

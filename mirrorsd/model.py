@@ -502,12 +502,13 @@ class Transformer(nn.Module):
                 hidden = block(hidden, cos, sin, cache, mask, streams)
         return hidden
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on any layer's hidden states (this is also the early exit)."""
+    def logits(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Final norm + LM head on any layer's hidden states (this is also the early exit); ``head``: another head
+        on the normed states (a draft's reduced vocabulary)."""
         hook = batcher()
-        if hook is not None and head_batchable(self, hidden):
-            return hook.head(self, hidden)
-        return self.lm_head(self.norm(hidden)).float()
+        if hook is not None and head_batchable(self, hidden, head):
+            return hook.head(self, hidden, head)
+        return self.lm_head(self.norm(hidden)).float() if head is None else head(self.norm(hidden))
 
     def forward(
         self,
@@ -533,7 +534,7 @@ class Transformer(nn.Module):
             positions = positions.unsqueeze(0).expand_as(tokens)
         hidden = self._run_window(tokens, positions, cache, mask, tokens.shape[1] if last is None else last)
         hidden = hidden if last is None else hidden[:, -last:]
-        return self.logits(hidden) if head is None else head(self.norm(hidden))
+        return self.logits(hidden, head)
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> None:
         """Fill the cache with a prompt's keys and values; no logits (the LM head is skipped entirely)."""

@@ -12,7 +12,7 @@ from rich.console import Console
 import mirrorsd
 from mirrorsd.api import default_method, planned
 from mirrorsd.decoding import get_method
-from mirrorsd.runtime.batching import PREFILL_ROWS
+from mirrorsd.runtime.batching import PREFILL_ROWS, SPECULATION
 from mirrorsd.server import ServerConfig, create_app
 
 from .args import COMMANDS, add_dtype, add_formats, add_method, add_method_flags, add_pair, add_sampling
@@ -49,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--prefill-rows", type=int, default=PREFILL_ROWS,
                     help="prompt rows a batched step takes beside the running requests' windows: smaller keeps "
                          "running streams at pace while a long prompt arrives, larger gives it its first token sooner")
+    sv.add_argument("--speculation", default="goodput", choices=SPECULATION,
+                    help="how a busy batch spends draft rows: goodput drafts only where a row pays for what it costs "
+                         "every running request (the method's own window at concurrency 1, none under heavy load); "
+                         "fixed keeps each method's window whatever the load")
     sv.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted (400 beyond)")
     sv.add_argument("--max-tokens", type=int, default=2048,
                     help="largest max_tokens a request may ask for, and the limit of requests that set none")
@@ -89,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=args.served_model_name or target.name, method=method, options=options,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, api_key=api_key,
                           max_queued=args.max_queued, max_running=args.max_num_seqs,
-                          prefill_rows=args.prefill_rows, max_prompt_tokens=args.max_prompt_tokens,
+                          prefill_rows=args.prefill_rows, speculation=args.speculation,
+                          max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens=args.max_tokens, max_request_bytes=args.max_request_bytes,
                           shutdown_timeout=args.shutdown_timeout)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

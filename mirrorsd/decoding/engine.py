@@ -15,6 +15,7 @@ close the generator; the loop only keeps every window inside ``max_new_tokens`` 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -198,6 +199,7 @@ class RequestState:
     pending: list[int] = field(default_factory=list)
     produced: int = 0
     next_logits: torch.Tensor | None = None
+    limit: int | None = None  # draft rows this step may spend (a batch's speculation budget; None: no cap)
 
     @property
     def params(self) -> SamplingParams:
@@ -209,8 +211,10 @@ class RequestState:
 
     @property
     def room(self) -> int:
-        """Most draft tokens a window may hold: the step's own token must still fit in ``max_new_tokens``."""
-        return self.request.max_new_tokens - self.produced - 1
+        """Most draft tokens a window may hold: the step's own token must still fit in ``max_new_tokens``, and a
+        batch's speculation budget (``limit``) may cap it further (0: a plain step)."""
+        room = self.request.max_new_tokens - self.produced - 1
+        return room if self.limit is None else min(room, self.limit)
 
     def commit(self, draft: Proposal, verdict: Verdict) -> list[int]:
         """Append the verdict's tokens (the caches are the roles' to roll back)."""
@@ -267,6 +271,27 @@ class Scorer(Protocol):
 
 
 Verifier = Callable[[RequestState, Scores], Verdict]
+
+
+class SpeculationBudget(Protocol):
+    """Caps each step's draft rows from outside the method (:mod:`mirrorsd.runtime.batching`'s goodput rule: in a
+    busy batch a draft row costs every request time, so it is spent only where it pays)."""
+
+    def limit(self, state: RequestState) -> int | None: ...
+
+
+_budget = threading.local()
+
+
+@contextmanager
+def budgeted_by(budget: SpeculationBudget | None) -> Iterator[None]:
+    """Cap this thread's windows by ``budget`` for the block (None: no cap)."""
+    old = getattr(_budget, "hook", None)
+    _budget.hook = budget
+    try:
+        yield
+    finally:
+        _budget.hook = old
 
 
 def match(state: RequestState, scores: Scores) -> Verdict:
@@ -380,8 +405,10 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
             with timed(stats, "prefill_s"):
                 stats.target_forwards += scorer.prefill(state)
             proposer.start(state)
+        budget = getattr(_budget, "hook", None)
         while True:
             with torch.inference_mode():
+                state.limit = budget.limit(state) if budget is not None else None
                 with timed(stats, "draft_s"):
                     draft = proposer.propose(state)
                 stats.draft_forwards += draft.forwards
@@ -396,6 +423,8 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
                 detail = roles.log(scores, verdict) if roles.log is not None else {}
                 if scores.draft.forwards:  # what a draft model's forwards read, for the planner's cost model
                     detail.update(draft_forwards=scores.draft.forwards, fed=scores.draft.fed)
+                if state.limit is not None:
+                    detail.update(limit=state.limit)
                 stats.record_step(scores.draft.depth, verdict.accepted, **detail)
             yield new
     finally:

@@ -20,6 +20,7 @@ on its own thread as it does today.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -30,15 +31,68 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..decoding.engine import RequestState, budgeted_by
 from ..execution import LayerCall, batched_by, ragged_layers
 from ..model import PREFILL_CHUNK
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from ..model import Transformer
 
 #: Rows a step may spend on waiting prompts beyond the running windows (llama.cpp's server and vLLM bound a step's
 #: prefill the same way), so running streams keep their pace while a long prompt arrives.
 PREFILL_ROWS = 32
+
+
+#: How a batch spends draft rows: ``goodput`` caps each request's window by the goodput rule (:class:`Goodput`),
+#: ``fixed`` leaves every method its own window whatever the load.
+SPECULATION = ("goodput", "fixed")
+
+
+class Goodput:
+    """The goodput rule (SmartSpec, arXiv 2406.14066, applied per request): a draft row in a step of ``R`` rows
+    costs every request in the batch the step's marginal time ``b / (a + b R)`` (the batch's own measured cost curve),
+    that is ``S * b / (a + b R)`` committed tokens for a batch committing ``S`` tokens a step; the ``k``-th draft token
+    of a request whose tokens are accepted at rate ``α`` yields ``α^k``. So a request drafts the largest ``k`` with
+    ``α^k`` above that price: everything at concurrency 1 (the method's own window, today's single-request speed),
+    less as the batch grows, and none once a row costs more than any draft token brings (the plain batched step).
+
+    ``α`` is the request's own acceptance over its last steps (the maximum-likelihood rate of a geometric run: accepted
+    tokens over accepted tokens plus rejections); a request that has not drafted yet drafts freely until it has."""
+
+    RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher = batcher
+
+    def limit(self, state: RequestState) -> int | None:
+        busy = self.batcher.members
+        if busy <= 1:
+            return None
+        alpha = acceptance(state.stats.accepted[-self.RECENT:], state.stats.drafted[-self.RECENT:])
+        recent = [r.rows - r.prefill_rows for r in list(self.batcher.steps)[-self.RECENT:]]
+        level = sum(recent) / len(recent) if recent else float(busy)
+        curve = self.batcher.cost_curve(level)
+        if alpha is None or curve is None:
+            return None
+        a, b = curve
+        price = busy * (1 + alpha) * b / (a + b * level)  # tokens a row costs the batch; ~1 + α commit per request
+        if price <= 0.0 or alpha >= 0.999:
+            return None  # rows cost nothing, or every draft token is accepted: the method's own window
+        if price >= 1.0 or alpha <= price:
+            return 0
+        return int(math.log(price) / math.log(alpha))
+
+
+def acceptance(accepted: list[int], drafted: list[int]) -> float | None:
+    """Per-token acceptance of recent windows: accepted tokens over accepted tokens plus rejections (a window
+    accepted short of its end ended in one). None when none of them drafted."""
+    tokens = sum(a for a, d in zip(accepted, drafted, strict=True) if d)
+    rejections = sum(a < d for a, d in zip(accepted, drafted, strict=True) if d)
+    if tokens + rejections == 0:
+        return None
+    return tokens / (tokens + rejections)
 
 
 @dataclass(eq=False)
@@ -50,6 +104,7 @@ class _Waiting:
     start: int = 0
     end: int = 0
     hidden: torch.Tensor | None = None  # the head's input [1, T, hidden]
+    head: nn.Module | None = None  # None: the model's LM head
     done: int = 0  # rows of the window run so far (a prompt runs in chunks across steps)
     outputs: list[torch.Tensor] = field(default_factory=list)
     result: torch.Tensor | None = None
@@ -92,18 +147,21 @@ class _Member:
 class Batcher:
     """Runs the waiting forwards of its member threads together (see the module docstring).
 
-    ``prefill_rows``: rows of waiting prompts a step takes beside the running windows (a prompt alone on the batcher
-    takes at least this many, and ``PREFILL_CHUNK`` rows a step when nothing else waits)."""
+    ``prefill_rows``: rows of waiting prompts a step takes beside the running windows (``PREFILL_CHUNK`` when no
+    window waits)."""
 
     def __init__(self, prefill_rows: int = PREFILL_ROWS, history: int = 4096,
-                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+                 on_step: Callable[[StepRecord], None] | None = None, speculation: str = "goodput") -> None:
         if prefill_rows < 1:
             raise ValueError(f"prefill_rows must be at least 1, got {prefill_rows}")
+        if speculation not in SPECULATION:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
+        self.budget = Goodput(self) if speculation == "goodput" else None
         self.prefill_rows = prefill_rows
         self._cond = threading.Condition()
         self._running = 0  # members between forwards
         self._waiting: list[_Waiting] = []
-        self._executing = False
+        self._engine: threading.Thread | None = None  # runs the steps (_run_steps)
         self._local = threading.local()
         self.steps: deque[StepRecord] = deque(maxlen=history)
         self.total_steps = 0
@@ -113,6 +171,25 @@ class Batcher:
     def members_running(self) -> int:
         return self._running
 
+    @property
+    def members(self) -> int:
+        """Members decoding now: between forwards or waiting on one."""
+        return self._running + len({id(w) for w in self._waiting})
+
+    def cost_curve(self, near: float) -> tuple[float, float] | None:
+        """Seconds of a step as ``a + b * rows``, fitted by least squares to the recent steps of at most
+        ``4 * near`` rows (a line fits a CPU's cost over a few dozen rows; a 512-row prompt chunk is off it), or None
+        while they are too few or all of one size."""
+        points = [(r.rows, r.seconds) for r in list(self.steps)[-256:] if 0 < r.rows <= max(8.0, 4 * near)]
+        if len(points) < 8 or len({rows for rows, _ in points}) < 3:
+            return None
+        n = len(points)
+        mx = sum(x for x, _ in points) / n
+        my = sum(y for _, y in points) / n
+        sxx = sum((x - mx) ** 2 for x, _ in points)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx)
+        return max(my - slope * mx, 1e-6), slope
+
     @contextmanager
     def member(self) -> Iterator[None]:
         """This thread's forwards go through the batcher for the block. It counts as a member from its first
@@ -120,22 +197,22 @@ class Batcher:
         me = _Member()
         self._local.member = me
         try:
-            with batched_by(self):
+            with batched_by(self), budgeted_by(self.budget):
                 yield
         finally:
             self._local.member = None
             with self._cond:
                 if me.counted:
                     self._running -= 1
-                    self._steps_while_idle()
+                    self._cond.notify_all()
 
     # -- the hook (mirrorsd.execution.ForwardBatcher) -------------------------------------------------------------
 
     def run_layers(self, model: Transformer, call: LayerCall, start: int, end: int) -> torch.Tensor:
         return self._wait(_Waiting(model, call, start, end))
 
-    def head(self, model: Transformer, hidden: torch.Tensor) -> torch.Tensor:
-        return self._wait(_Waiting(model, hidden=hidden))
+    def head(self, model: Transformer, hidden: torch.Tensor, head: nn.Module | None) -> torch.Tensor:
+        return self._wait(_Waiting(model, hidden=hidden, head=head))
 
     # -- the barrier ----------------------------------------------------------------------------------------------
 
@@ -147,55 +224,60 @@ class Batcher:
             else:
                 self._running -= 1
             self._waiting.append(item)
-            while not item.finished:
-                if not self._steps_while_idle():
-                    self._cond.wait()
+            if self._engine is None:
+                self._engine = threading.Thread(target=self._run_steps, name="mirrorsd-batch", daemon=True)
+                self._engine.start()
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: item.finished)
         if item.error is not None:
             raise item.error
         assert item.result is not None
         return item.result
 
-    def _steps_while_idle(self) -> bool:
-        """Run steps while every member waits (the lock is held on entry and exit, released during a step). Returns
-        whether any ran."""
-        ran = False
-        while self._running == 0 and self._waiting and not self._executing:
-            self._executing = True
-            work = self._select()
-            self._cond.release()
-            try:
-                record = self._step(work)
-            finally:
-                self._cond.acquire()
-                self._executing = False
-            self.steps.append(record)
-            self.total_steps += 1
-            if self.on_step is not None and record.rows:
-                self.on_step(record)
-            for item in [w for w, _ in work if w.finished]:
-                self._waiting.remove(item)
-                self._running += 1
-            self._cond.notify_all()
-            ran = True
-        return ran
+    def _run_steps(self) -> None:
+        """The engine thread: a step each time every member waits. One thread runs every forward because each
+        thread that starts parallel work gets a team of OpenMP workers of its own, which spin for a while after it:
+        steps run by whichever member came last left idle teams spinning on the cores the next step needed (~30%
+        slower steps on 2 cores). It ends when the last member leaves (a daemon thread still waiting at interpreter
+        exit can abort it), and starts again at the next forward."""
+        with self._cond:
+            while True:
+                self._cond.wait_for(lambda: self._running == 0)
+                if not self._waiting:
+                    self._engine = None
+                    return
+                work = self._select()
+                self._cond.release()
+                try:
+                    record = self._step(work)
+                finally:
+                    self._cond.acquire()
+                self.steps.append(record)
+                self.total_steps += 1
+                if self.on_step is not None and record.rows:
+                    self.on_step(record)
+                for item in [w for w, _ in work if w.finished]:
+                    self._waiting.remove(item)
+                    self._running += 1
+                self._cond.notify_all()
 
     def _select(self) -> list[tuple[_Waiting, int]]:
         """This step's work: each waiting window whole, and chunks of the waiting prompts (oldest first) within
-        ``prefill_rows`` (``PREFILL_CHUNK`` when nothing else waits)."""
+        ``prefill_rows``, or within ``PREFILL_CHUNK`` when no window waits (nothing decodes yet to keep at pace)."""
         for w in self._waiting:
             w.prompt = w.prompt or w.splittable(self.prefill_rows)
         windows = [(w, w.rows) for w in self._waiting if not w.prompt]
+        if windows and all(w.call is None for w, _ in windows):
+            return windows  # only LM heads: their windows' step carried a prompt chunk already
         prompts = [w for w in self._waiting if w.prompt]
-        budget = self.prefill_rows if windows or len(prompts) > 1 else None
+        budget = self.prefill_rows if windows else PREFILL_CHUNK
         work = list(windows)
         for w in prompts:
-            left = w.rows - w.done
-            take = min(left, PREFILL_CHUNK if budget is None else budget)
+            take = min(w.rows - w.done, budget)
             if take <= 0:
                 break
             work.append((w, take))
-            if budget is not None:
-                budget -= take
+            budget -= take
         return work
 
     def _step(self, work: list[tuple[_Waiting, int]]) -> StepRecord:
@@ -203,7 +285,7 @@ class Batcher:
         began = time.perf_counter()
         groups: dict[tuple, list[tuple[_Waiting, int]]] = {}
         for w, rows in work:
-            key = (id(w.model), w.start, w.end) if w.call is not None else (id(w.model), "head")
+            key = (id(w.model), w.start, w.end) if w.call is not None else (id(w.model), "head", id(w.head))
             groups.setdefault(key, []).append((w, rows))
         rows_run = prefill = windows = prompts = 0
         with batched_by(None), torch.inference_mode():
@@ -243,8 +325,8 @@ class Batcher:
 
     @staticmethod
     def _heads(members: list[tuple[_Waiting, int]]) -> None:
-        model = members[0][0].model
+        model, head = members[0][0].model, members[0][0].head
         hidden = [w.hidden for w, _ in members]
-        logits = model.logits(torch.cat(hidden, 1))  # row-local (execution.head_batchable): each row's own bits
+        logits = model.logits(torch.cat(hidden, 1), head)  # row-local (execution.head_batchable): each row's own bits
         for (w, _), out in zip(members, logits.split([h.shape[1] for h in hidden], 1), strict=True):
             w.result, w.finished = out, True

@@ -66,6 +66,7 @@ class ServerConfig:
     # --max-num-seqs defaults to 16, an app built in Python decodes one at a time unless it asks.
     max_running: int = 1
     prefill_rows: int = PREFILL_ROWS  # rows of waiting prompts a step takes beside the running windows
+    speculation: str = "goodput"  # how a batch spends draft rows (runtime.batching.SPECULATION)
     max_prompt_tokens: int = 4096
     max_tokens: int = 2048
     max_request_bytes: int = 1 << 20
@@ -97,7 +98,7 @@ class Server:
             running = 1
         self.metrics = Metrics(config.model_name, lambda: self.scheduler.waiting,
                                lambda: len(self.scheduler.running))
-        batcher = Batcher(config.prefill_rows, on_step=self.metrics.batch_step)
+        batcher = Batcher(config.prefill_rows, on_step=self.metrics.batch_step, speculation=config.speculation)
         self.scheduler = Scheduler(config.max_queued, running, batcher)
         context = target.config.context_length
         if draft is not None:

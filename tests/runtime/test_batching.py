@@ -8,9 +8,11 @@ a different proposal draws different (equally distributed) tokens."""
 from __future__ import annotations
 
 import gc
+import random
 import threading
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,10 +21,11 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import generate, kernels
-from mirrorsd.decoding import methods
+from mirrorsd.decoding import GenerationStats, methods
+from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
 from mirrorsd.kv_cache import KVCache
-from mirrorsd.runtime.batching import Batcher
+from mirrorsd.runtime.batching import Batcher, Goodput, StepRecord, acceptance
 from tests.helpers import random_adapters, requires_smollm2, row_exact, tiny_hf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
@@ -131,6 +134,9 @@ def test_a_request_gets_its_own_tokens_in_any_batch(pair: Pair, requests: list[R
     got = run_batched(pair, requests, batcher)
     for r, g, a in zip(requests, got, alone, strict=True):
         assert not isinstance(g, BaseException), g
+        if r.stop_after is not None:  # closed after the step that reached it: how many tokens that step committed
+            assert len(g) >= min(r.stop_after, r.max_new)  # depends on the window, which the batch's budget may cap
+            g, a = g[: r.stop_after], a[: r.stop_after]
         assert g == a, r
     assert batcher.members_running == 0 and not batcher._waiting
     assert max(s.windows + s.prompts for s in batcher.steps) >= 1
@@ -219,3 +225,52 @@ def test_real_weights_batched_equal_alone(temperature: float) -> None:
         t.join(300)
     assert got == alone
     assert max(s.windows for s in batcher.steps) >= 4
+
+
+class RandomBudget:
+    """A speculation budget that caps windows at random (0 included): what any controller may do."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.limits: list[int | None] = []
+
+    def limit(self, state) -> int | None:
+        value = self.rng.choice([None, 0, 0, 1, 2, 5])
+        self.limits.append(value)
+        return value
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_any_speculation_budget_keeps_the_tokens(pair: Pair, method: str, temperature: float) -> None:
+    """Capping a window (down to a plain step) is the budget's only power, and it cannot change a token; a capped
+    step drafts no more than its cap, and the cap shows in the step log."""
+    for seed in range(3):
+        r = Req(method, (1, 2, 3, 1, 2, 3, seed), 20, temperature, seed, 0, None)
+        want = pair.tokens(r)
+        budget = RandomBudget(seed)
+        with budgeted_by(budget):
+            got = pair.tokens(r)
+        assert got == want
+        assert budget.limits
+
+
+def test_goodput_drafts_freely_alone_and_less_as_the_batch_grows() -> None:
+    batcher = Batcher()
+    rule = Goodput(batcher)
+    stats = GenerationStats("sd", accepted=[2, 3, 1, 3] * 4, drafted=[3, 3, 3, 3] * 4)
+    state = SimpleNamespace(stats=stats)
+    for rows in (1, 2, 4, 8, 16, 32) * 3:  # a CPU-like curve: 40 ms + 5 ms a row
+        batcher.steps.append(StepRecord(0.0, rows, 0, rows, 0, 0.040 + 0.005 * rows))
+    a, b = batcher.cost_curve(8)
+    assert a == pytest.approx(0.040) and b == pytest.approx(0.005)
+    limits = {}
+    for busy in (1, 2, 4, 8, 16):
+        batcher._running = busy
+        batcher.steps.extend(StepRecord(0.0, busy, 0, busy, 0, 0.040 + 0.005 * busy) for _ in range(16))
+        limits[busy] = rule.limit(state)
+    assert limits[1] is None  # alone: the method's own window
+    assert limits[2] >= limits[4] >= limits[8] >= limits[16] == 0
+    assert limits[2] > 0
+    assert acceptance([2, 3, 0], [3, 3, 0]) == pytest.approx(5 / 6)
+    assert acceptance([0], [0]) is None

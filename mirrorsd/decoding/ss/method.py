@@ -157,7 +157,12 @@ class StreamGuessProposer:
         self.candidates = StreamGuesses()
 
     def propose(self, state: RequestState) -> Proposal:
-        return self.candidates.tree(min(self.depth, state.room), self.budget)
+        # A batch's speculation budget caps the nodes too: the tree shrinks to its likeliest nodes, down to the best
+        # path (the paper's rule for batches) and to none.
+        budget = self.budget
+        if state.limit is not None and state.limit > 0:  # (budget 0: the whole product, limit 0: room 0, no tree)
+            budget = state.limit if budget <= 0 else min(budget, state.limit)
+        return self.candidates.tree(min(self.depth, state.room), budget)
 
     def feedback(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
         self.candidates = next_guesses(self.model, self.adapters, scores.forward, verdict, self.tree_k, self.head)
