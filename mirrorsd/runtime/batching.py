@@ -53,13 +53,16 @@ SPECULATION = ("goodput", "fixed")
 class Goodput:
     """The goodput rule (SmartSpec, arXiv 2406.14066, applied per request): a draft row in a step of ``R`` rows
     costs every request in the batch the step's marginal time ``b / (a + b R)`` (the batch's own measured cost curve),
-    that is ``S * b / (a + b R)`` committed tokens for a batch committing ``S`` tokens a step; the ``k``-th draft token
+    plus, for a draft model, the time of the draft step the batch waits for (the request's own wall time per draft
+    forward), that is ``S * (b + d) / (a + b R)`` committed tokens for a batch committing ``S`` tokens a step; the
+    ``k``-th draft token
     of a request whose tokens are accepted at rate ``α`` yields ``α^k``. So a request drafts the largest ``k`` with
     ``α^k`` above that price: everything at concurrency 1 (the method's own window, today's single-request speed),
     less as the batch grows, and none once a row costs more than any draft token brings (the plain batched step).
 
-    ``α`` is the request's own acceptance over its last steps (the maximum-likelihood rate of a geometric run: accepted
-    tokens over accepted tokens plus rejections); a request that has not drafted yet drafts freely until it has."""
+    ``α`` is the request's own acceptance over its last steps that drafted (the maximum-likelihood rate of a geometric
+    run: accepted tokens over accepted tokens plus rejections), over all of them when none of the last did; a request
+    that has not drafted yet drafts freely until it has."""
 
     RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
 
@@ -70,14 +73,19 @@ class Goodput:
         busy = self.batcher.members
         if busy <= 1:
             return None
-        alpha = acceptance(state.stats.accepted[-self.RECENT:], state.stats.drafted[-self.RECENT:])
+        stats = state.stats
+        alpha = acceptance(stats.accepted[-self.RECENT:], stats.drafted[-self.RECENT:])
+        if alpha is None:  # no window lately (capped to none): its whole history, so the cap does not lift itself
+            alpha = acceptance(stats.accepted, stats.drafted)
         recent = [r.rows - r.prefill_rows for r in list(self.batcher.steps)[-self.RECENT:]]
         level = sum(recent) / len(recent) if recent else float(busy)
         curve = self.batcher.cost_curve(level)
         if alpha is None or curve is None:
             return None
         a, b = curve
-        price = busy * (1 + alpha) * b / (a + b * level)  # tokens a row costs the batch; ~1 + α commit per request
+        # A draft model's position is a step of its own that the whole batch waits for: its wall time per forward.
+        drafting = stats.draft_s / stats.draft_forwards if stats.draft_forwards else 0.0
+        price = busy * (1 + alpha) * (b + drafting) / (a + b * level)  # tokens a draft token costs the batch
         if price <= 0.0 or alpha >= 0.999:
             return None  # rows cost nothing, or every draft token is accepted: the method's own window
         if price >= 1.0 or alpha <= price:

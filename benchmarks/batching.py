@@ -1,0 +1,168 @@
+"""Continuous batching in one process, without HTTP (issue 57's goals, on the default Qwen pair, q4).
+
+``sweep``: C requests at once (Spec-Bench first turns; ``--short``: only those under 100 tokens, a decode-bound load),
+for each concurrency level and each ``method:speculation`` configuration, in interleaved rounds; aggregate tok/s,
+and each configuration's median as a ratio to batched ``ar`` at the same level. Every batched answer is checked
+against the level's first configuration's.
+
+``serial``: the same C requests one at a time against all of them batched (``ar``), interleaved: the batching gain.
+
+``long-prompt``: 8 decoding streams, then a 4,000-token prompt arrives: the streams' p99 time per output token
+while it is prefilled against their p99 without it, and the prompt's time to first token against an idle batcher,
+for each ``--prefill-rows``::
+
+    python benchmarks/batching.py sweep --levels 1,4,16 --configs ar:fixed,suffix:fixed,suffix:goodput --short
+    python benchmarks/batching.py serial --levels 16 --short
+    python benchmarks/batching.py long-prompt --prefill-rows 8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import mirrorsd
+from mirrorsd.api import encode_chat
+from mirrorsd.decoding.suffix_index import isolated_shared_indexes
+from mirrorsd.runtime.batching import Batcher
+from mirrorsd.specbench import load_suite
+
+
+def prompts(target, short: bool) -> list[list[int]]:
+    ids = [encode_chat(target, [{"role": "user", "content": q.turns[0]}]) for q in load_suite("specbench:2")]
+    return [i for i in ids if len(i) < 100] if short else ids
+
+
+def generate(target, draft, ids: list[int], method: str, max_new: int) -> list[int]:
+    with isolated_shared_indexes():  # no request may find another's answer (the sweep's rounds repeat prompts)
+        return mirrorsd.generate(target, ids, raw=True, method=method,
+                                 draft=draft if method in ("sd", "mirror") else None, max_new_tokens=max_new,
+                                 temperature=0).token_ids
+
+
+def batched(batch: list[list[int]], run, prefill_rows: int = 32, speculation: str = "goodput") -> tuple[list, float]:
+    """Every request on a thread of its own, all members of one batcher; (answers, seconds)."""
+    b = Batcher(prefill_rows, speculation=speculation)
+    out: list = [None] * len(batch)
+
+    def work(i: int) -> None:
+        with b.member():
+            out[i] = run(batch[i])
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(batch))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.perf_counter() - start
+
+
+def sweep(args, target, draft) -> None:
+    ids = prompts(target, args.short)
+    configs = [c.split(":") for c in args.configs.split(",")]
+    results: dict = {}
+    for r in range(args.rounds):
+        for level in args.levels:
+            batch = (ids * (level // len(ids) + 1))[:level]
+            for method, speculation in configs:
+                out, seconds = batched(batch, lambda p, m=method: generate(target, draft, p, m, args.max_new_tokens),
+                                       speculation=speculation)
+                rate = sum(map(len, out)) / seconds
+                reference = results.setdefault(("answers", level), out)
+                results.setdefault((level, method, speculation), []).append(rate)
+                print(f"round {r} C={level} {method}:{speculation} {seconds:.1f} s {rate:.2f} tok/s "
+                      f"equal {out == reference}", flush=True)
+    for level in args.levels:
+        base = statistics.median(results[(level, *configs[0])])
+        cells = [f"{m}:{s} {statistics.median(results[(level, m, s)]):.1f} tok/s "
+                 f"({statistics.median(results[(level, m, s)]) / base:.2f}x)" for m, s in configs]
+        print(f"C={level}: " + ", ".join(cells))
+
+
+def serial(args, target, draft) -> None:
+    ids = prompts(target, args.short)
+    for level in args.levels:
+        batch = (ids * (level // len(ids) + 1))[:level]
+        rates: dict[str, list[float]] = {"one at a time": [], "batched": []}
+        for r in range(args.rounds):
+            start = time.perf_counter()
+            alone = [generate(target, draft, p, "ar", args.max_new_tokens) for p in batch]
+            rates["one at a time"].append(sum(map(len, alone)) / (time.perf_counter() - start))
+            together, seconds = batched(batch, lambda p: generate(target, draft, p, "ar", args.max_new_tokens))
+            rates["batched"].append(sum(map(len, together)) / seconds)
+            print(f"round {r} C={level}: one at a time {rates['one at a time'][-1]:.2f} tok/s, batched "
+                  f"{rates['batched'][-1]:.2f} tok/s, equal {together == alone}", flush=True)
+        one, many = (statistics.median(v) for v in rates.values())
+        print(f"C={level}: batched {many:.2f} tok/s = {many / one:.2f}x one at a time ({one:.2f} tok/s)")
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def long_prompt(args, target, draft) -> None:
+    short = prompts(target, True)[:8]
+    long_ids = [t for i in prompts(target, False) for t in i]
+    long_ids = (long_ids * (4000 // len(long_ids) + 1))[:4000]
+
+    def decode(ids: list[int], out: dict, key: int) -> None:
+        stream = mirrorsd.stream(target, ids, raw=True, method="ar", max_new_tokens=200, temperature=0)
+        last = None
+        for delta in stream.deltas():
+            now = time.perf_counter()
+            if last is not None and delta.token_ids:
+                out.setdefault(key, []).append(((now - last) / len(delta.token_ids), now))
+            last = now
+
+    def first_token(out: dict) -> None:
+        start = time.perf_counter()
+        stream = mirrorsd.stream(target, long_ids, raw=True, method="ar", max_new_tokens=2, temperature=0)
+        next(iter(stream.deltas()))
+        out["ttft"], out["window"] = time.perf_counter() - start, (start, time.perf_counter())
+        stream.close()
+
+    for rows in args.prefill_rows:
+        idle: dict = {}
+        batched([long_ids], lambda _, idle=idle: first_token(idle), rows)
+        base = None
+        for with_prompt in (False, True):
+            seen: dict = {}
+            jobs = [lambda _, i=i, seen=seen: decode(short[i], seen, i) for i in range(len(short))]
+            if with_prompt:
+                jobs.append(lambda _, seen=seen: (time.sleep(3.0), first_token(seen)))
+            batched(jobs, lambda job: job(None), rows)
+            if not with_prompt:
+                base = p99([d for i in range(len(short)) for d, _ in seen.get(i, [])[10:]])
+                print(f"prefill_rows={rows}: 8 streams alone: p99 time per output token {base * 1e3:.0f} ms")
+                continue
+            a, z = seen["window"]
+            during = p99([d for i in range(len(short)) for d, at in seen.get(i, []) if a <= at <= z])
+            print(f"prefill_rows={rows}: with a 4000-token prompt arriving: p99 {during * 1e3:.0f} ms "
+                  f"({during / base:.2f}x); its time to first token {seen['ttft']:.1f} s vs {idle['ttft']:.1f} s idle "
+                  f"({seen['ttft'] / idle['ttft']:.2f}x)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["sweep", "serial", "long-prompt"])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="for sd (loaded only when a config names it)")
+    ap.add_argument("--levels", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--configs", default="ar:fixed,suffix:fixed,suffix:goodput,sd:fixed,sd:goodput")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--short", action="store_true", help="only the prompts under 100 tokens (a decode-bound load)")
+    ap.add_argument("--prefill-rows", default="8,32", type=lambda s: [int(x) for x in s.split(",")])
+    args = ap.parse_args()
+    target = mirrorsd.load_model(args.target, progress=False)
+    needs_draft = args.what == "sweep" and "sd:" in args.configs
+    draft = mirrorsd.load_model(args.draft, progress=False) if needs_draft else None
+    {"sweep": sweep, "serial": serial, "long-prompt": long_prompt}[args.what](args, target, draft)
+
+
+if __name__ == "__main__":
+    main()
