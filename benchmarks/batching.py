@@ -25,8 +25,8 @@ import time
 
 import mirrorsd
 from mirrorsd.api import encode_chat
+from mirrorsd.batching import Batcher
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
-from mirrorsd.runtime.batching import Batcher
 from mirrorsd.specbench import load_suite
 
 

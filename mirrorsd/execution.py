@@ -119,7 +119,7 @@ def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool,
 
 
 class ForwardBatcher(Protocol):
-    """Where a thread's forwards go while it takes part in continuous batching (:mod:`mirrorsd.runtime.batching`):
+    """Where a thread's forwards go while it takes part in continuous batching (:mod:`mirrorsd.batching`):
     each call waits there and returns what it returns alone, bit for bit."""
 
     def run_layers(self, model: Transformer, call: LayerCall, start: int, end: int) -> torch.Tensor: ...

@@ -15,7 +15,7 @@ LAYERS = [
      "loading", "execution", "cuda_graphs", "verify", "runtime", "draft_vocab",
      "exit_heads"},  # the model, kernels, executors
     {"decoding"},  # the loop, the roles, the methods and their registry
-    {"zoo", "plans", "specbench", "api"},  # loading models and the HF-like API
+    {"zoo", "plans", "specbench", "api", "batching"},  # loading models, the HF-like API, continuous batching
     {"perplexity", "quality", "train_streams", "train_exit", "vocab_tables"},  # tools on the API
     {"bench"},  # benchmarks and the planner
     {"server"},  # mirrorsd serve: the OpenAI-compatible HTTP server

@@ -127,7 +127,7 @@ class OracleDraft(Transformer):
         out[..., 0], out[..., 1] = (index % 256).to(out.dtype), (index // 256).to(out.dtype)
         return out
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, head: object = None) -> torch.Tensor:
         index = hidden[..., 0].float().round().long() + 256 * hidden[..., 1].float().round().long()
         wanted = self._positions[index] + 1  # each row predicts the next position's token
         ref = self.reference

@@ -11,8 +11,8 @@ from rich.console import Console
 
 import mirrorsd
 from mirrorsd.api import default_method, planned
+from mirrorsd.batching import PREFILL_ROWS, SPECULATION
 from mirrorsd.decoding import get_method
-from mirrorsd.runtime.batching import PREFILL_ROWS, SPECULATION
 from mirrorsd.server import ServerConfig, create_app
 
 from .args import COMMANDS, add_dtype, add_formats, add_method, add_method_flags, add_pair, add_sampling

@@ -274,7 +274,7 @@ Verifier = Callable[[RequestState, Scores], Verdict]
 
 
 class SpeculationBudget(Protocol):
-    """Caps each step's draft rows from outside the method (:mod:`mirrorsd.runtime.batching`'s goodput rule: in a
+    """Caps each step's draft rows from outside the method (:mod:`mirrorsd.batching`'s goodput rule: in a
     busy batch a draft row costs every request time, so it is spent only where it pays)."""
 
     def limit(self, state: RequestState) -> int | None: ...

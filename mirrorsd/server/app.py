@@ -26,10 +26,10 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
 from .. import api
+from ..batching import PREFILL_ROWS, Batcher
 from ..decoding import REFERENCE, ModelShape, get_method
 from ..errors import OptionError
 from ..execution import batches
-from ..runtime.batching import PREFILL_ROWS, Batcher
 from ..sampling import SamplingParams
 from .metrics import Metrics
 from .protocol import (

@@ -1,7 +1,7 @@
 """Runs generation jobs on the engine behind a bounded queue, many at once (continuous batching).
 
 The HTTP layer only ever calls :meth:`Scheduler.submit` and reads a job's events. Up to ``max_running`` jobs decode
-at once, each on a worker thread of its own that is a member of one :class:`~mirrorsd.runtime.batching.Batcher`:
+at once, each on a worker thread of its own that is a member of one :class:`~mirrorsd.batching.Batcher`:
 every step, one forward carries every running request's rows, and requests join and leave between steps. A job
 that cannot batch (``Job.alone``: its draft runs outside the batch) waits for the running ones to finish and runs
 by itself.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import GenerationStream
-from ..runtime.batching import Batcher
+from ..batching import Batcher
 from .protocol import APIError
 
 log = logging.getLogger("mirrorsd.server")

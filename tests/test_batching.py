@@ -1,4 +1,4 @@
-"""Continuous batching (mirrorsd.runtime.batching): a request's tokens are the ones it gets alone, whoever shares
+"""Continuous batching (mirrorsd.batching): a request's tokens are the ones it gets alone, whoever shares
 its forwards, for every registered method, greedy and seeded sampling, whenever requests arrive and leave.
 
 Each request runs with suffix indexes of its own (``isolated_shared_indexes``): the process-wide index of earlier
@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import generate, kernels
+from mirrorsd.batching import Batcher, Goodput, StepRecord, acceptance
 from mirrorsd.decoding import GenerationStats, methods
 from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
 from mirrorsd.kv_cache import KVCache
-from mirrorsd.runtime.batching import Batcher, Goodput, StepRecord, acceptance
 from tests.helpers import random_adapters, requires_smollm2, row_exact, tiny_hf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")

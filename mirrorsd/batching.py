@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..decoding.engine import RequestState, budgeted_by
-from ..execution import LayerCall, batched_by, ragged_layers
-from ..model import PREFILL_CHUNK
+from .decoding.engine import RequestState, budgeted_by
+from .execution import LayerCall, batched_by, ragged_layers
+from .model import PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..model import Transformer
+    from .model import Transformer
 
 #: Rows a step may spend on waiting prompts beyond the running windows (llama.cpp's server and vLLM bound a step's
 #: prefill the same way), so running streams keep their pace while a long prompt arrives.
@@ -209,10 +209,15 @@ class Batcher:
                 yield
         finally:
             self._local.member = None
+            engine = None
             with self._cond:
                 if me.counted:
                     self._running -= 1
                     self._cond.notify_all()
+                if self._running == 0 and not self._waiting:
+                    engine = self._engine
+            if engine is not None:  # the last member out waits for the engine thread to end: a daemon thread still
+                engine.join(1.0)  # inside torch when the interpreter exits aborts the process
 
     # -- the hook (mirrorsd.execution.ForwardBatcher) -------------------------------------------------------------
 
