@@ -269,8 +269,9 @@ class GenerationStream:
     ``.result`` holds the :class:`Generation` after."""
 
     def __init__(self, target: LoadedModel, prompt_ids: list[int], steps: Iterator[list[int]],
-                 request: DecodeRequest, stop: str | Sequence[str]) -> None:
+                 request: DecodeRequest, stop: str | Sequence[str], ignore_eos: bool = False) -> None:
         self.target, self.prompt_ids, self.request = target, prompt_ids, request
+        self.ignore_eos = ignore_eos  # decode past EOS (kept as output) up to max_new_tokens: fixed-length loads
         self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # "" would match at once
         self._steps: Iterator[list[int]] | None = steps
         self.token_ids: list[int] = []
@@ -311,7 +312,7 @@ class GenerationStream:
                 sources: list[str] = []
                 for i, token in enumerate(chunk):
                     self.token_ids.append(token)
-                    if token in self.target.eos_token_ids:
+                    if token in self.target.eos_token_ids and not self.ignore_eos:
                         self.token_ids.pop()  # like HF, the EOS id is a stop signal, not output
                         finish, done = "eos", True
                         break
@@ -398,10 +399,12 @@ def stream(
     max_new_tokens: int = 128,
     stop: str | Sequence[str] = (),
     raw: bool = False,
+    ignore_eos: bool = False,
     **options: Any,
 ) -> GenerationStream:
     """Like :func:`generate`, but returns an iterator of text deltas (``.result`` is set at the end). Every
-    argument and option is checked here, before the first token."""
+    argument and option is checked here, before the first token. ``ignore_eos`` (vLLM's and llama.cpp's extension):
+    decode past EOS, keeping it as output, up to ``max_new_tokens`` (what load generators ask for fixed lengths)."""
     target = _as_loaded(target)
     method = method or default_method(draft)
     if method == "auto":
@@ -435,7 +438,7 @@ def stream(
     stats = GenerationStats(method, seed=params.seed)
     request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge)
     roles = spec.build(request, opts)  # checks the models against the options now, not at the first token
-    return GenerationStream(target, ids, run(request, roles), request, stop)
+    return GenerationStream(target, ids, run(request, roles), request, stop, ignore_eos)
 
 
 def generate(target: LoadedModel | Transformer, prompt: Prompt, **kwargs: Any) -> Generation:

@@ -84,6 +84,7 @@ class Prepared:
     max_new_tokens: int
     stops: list[str]
     alone: str | None = None  # why it cannot share a batch (MethodOptions.unbatchable)
+    ignore_eos: bool = False
 
 
 class Server:
@@ -158,7 +159,8 @@ class Server:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {limit}, but the "
                            f"model's context is {self.context} tokens", param="max_tokens",
                            code="context_length_exceeded")
-        return Prepared(prompt_ids, method, options, params, min(limit or cfg.max_tokens, room), req.stops, alone)
+        return Prepared(prompt_ids, method, options, params, min(limit or cfg.max_tokens, room), req.stops, alone,
+                        req.ignore_eos)
 
     def encode(self, prompt: str | list[int], *, raw: bool) -> list[int]:
         try:
@@ -181,7 +183,8 @@ class Server:
             return api.stream(self.target, p.prompt_ids, draft=self.draft if get_method(p.method).needs_draft
                               else None, method=p.method, temperature=p.params.temperature, top_k=p.params.top_k,
                               top_p=p.params.top_p, seed=p.params.seed if seed_given else None,
-                              max_new_tokens=p.max_new_tokens, stop=p.stops, **p.options)
+                              max_new_tokens=p.max_new_tokens, stop=p.stops, ignore_eos=p.ignore_eos,
+                              **p.options)
 
         return Job(make_stream, asyncio.get_running_loop(), on_step=self.metrics.step, alone=p.alone)
 

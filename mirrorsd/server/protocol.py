@@ -59,6 +59,7 @@ class SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode past EOS up to max_tokens (load generators send it)
     mirrorsd: MirrorsdOptions | None = None
     # OpenAI fields mirrorsd does not implement: refused unless neutral
     logprobs: bool | int | None = None

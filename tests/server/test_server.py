@@ -395,3 +395,21 @@ def test_continuous_batching_serves_concurrent_clients_their_own_answers(models)
         assert metrics[("mirrorsd:step_rows_sum", ())] >= metrics[("mirrorsd:batch_size_sum", ())]
     finally:
         server.stop()
+
+
+def test_ignore_eos_decodes_to_max_tokens_as_load_generators_ask(live, models):
+    """What aiperf and vLLM's benchmarks send for fixed-length answers: ``ignore_eos`` (decode past EOS to max_tokens),
+    ``stream_options.include_usage`` and ``stop: null``. Without it the same request ends at EOS, and its tokens are
+    the first ones of the ignore_eos answer."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 48,
+            "temperature": 0, "stop": None}
+    short = post(live, "/v1/chat/completions", json=body).json()
+    assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 48
+    with httpx.Client(timeout=120) as h, h.stream("POST", live.url + "/v1/chat/completions", json={
+            **body, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 48
+    assert [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")][-1]["choices"][0][
+        "finish_reason"] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content", "") or "" for c in chunks if c["choices"])
+    assert text.startswith(short["choices"][0]["message"]["content"])
