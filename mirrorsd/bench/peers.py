@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from ..runtime import synchronize
+from ..runtime.processes import free_port
 from .metrics import Turn
 
 HF_METHODS = {"hf-ar", "hf-assisted", "hf-pld"}
@@ -101,20 +101,15 @@ def server_flags(options: dict[str, Any]) -> list[str]:
     return flags
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
-    """One ``llama-server`` process on loopback; ``draft`` adds ``--model-draft`` (its speculative decoding)."""
+    """One ``llama-server`` process on loopback; ``draft`` adds ``--model-draft`` (its speculative decoding);
+    ``parallel`` slots batch that many requests continuously (``-np``), sharing ``context`` tokens."""
 
     def __init__(self, binary: str, model: Path, draft: Path | None, threads: int, context: int,
-                 extra_args: list[str] | None = None, log: Path | None = None) -> None:
-        self.port = _free_port()
+                 extra_args: list[str] | None = None, log: Path | None = None, parallel: int = 1) -> None:
+        self.port = free_port()
         self.command = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t",
-                        str(threads), "-c", str(context), "-np", "1", "--no-cache-prompt", "--no-webui",
+                        str(threads), "-c", str(context), "-np", str(parallel), "--no-cache-prompt", "--no-webui",
                         *(["--model-draft", str(draft)] if draft else []), *(extra_args or [])]
         self._log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from mirrorsd import perplexity, quality
-from mirrorsd.bench import forward, gpu
+from mirrorsd.bench import forward, gpu, serve
+from mirrorsd.bench.peers import find_llama_server
 from mirrorsd.bench.report import write_report
 from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, parse_methods, write_answers
 from mirrorsd.decoding import get_method
@@ -66,10 +67,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run Spec-Bench questions (or your own JSONL) through our methods and the peers (HF "
         "transformers generate / assisted / prompt lookup, llama.cpp's llama-server when found) in one run, "
         "interleaved per question; check every output against its AR reference; write results.json, Spec-Bench "
-        "answer files, report.md and plots to --out. Subcommands: sweep, forward, perplexity, quality.")
+        "answer files, report.md and plots to --out. Subcommands: sweep, forward, gpu, serve, perplexity, quality.")
     _bench_arguments(b, methods=True)
     b.set_defaults(func=run)
-    bsub = b.add_subparsers(dest="bench_command", required=False, metavar="{sweep,forward,gpu,perplexity,quality}")
+    bsub = b.add_subparsers(dest="bench_command", required=False,
+                            metavar="{sweep,forward,gpu,serve,perplexity,quality}")
     bw = bsub.add_parser(
         "sweep", formatter_class=HelpFormatter,
         help="Mirror-SD over γ × κ × ℓe × roots × candidates × backend × threads",
@@ -133,6 +135,35 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="skip HF transformers' generate (eager, and static cache + torch.compile: ~40 s to compile)")
     bg.add_argument("--peer-tokens", type=int, default=128,
                     help="tokens per answer of the HF peer and of the ar run beside it")
+    bs = bsub.add_parser(
+        "serve", formatter_class=HelpFormatter,
+        help="load sweep against live servers (ours and llama.cpp's llama-server), driven by NVIDIA's aiperf",
+        description="Starts each server of --servers once (`mirrorsd serve` in its own process with "
+        "--max-num-seqs set to the top concurrency; llama.cpp's llama-server with -np as many slots), then runs "
+        "NVIDIA's aiperf against them at every concurrency level, in interleaved rounds: streaming chat requests, "
+        "Spec-Bench first turns (each level and round its own, the same for every server), fixed-length greedy "
+        "answers. Reports the median aggregate tok/s, time to first token and time per output token (p50/p99) per "
+        "level and server, and plots throughput against latency. aiperf runs from its own virtual environment "
+        "(installed into the cache on first use unless --aiperf or $MIRRORSD_AIPERF names one). Writes "
+        "results.json, report.md, throughput_latency.png and aiperf's own files into --out.")
+    bs.add_argument("--target", default="qwen2.5-coder-1.5b", help="zoo model name or local HF folder")
+    bs.add_argument("--servers", default=serve.DEFAULT_SERVERS,
+                    help="comma-separated LABEL=KIND[:flag=value...], KIND mirrorsd (flags of `mirrorsd serve`, "
+                         "e.g. ar1=mirrorsd:method=ar:max-num-seqs=1 for the one-at-a-time server) or llama-server "
+                         "(its own flags; skipped with a note when no binary is found)")
+    bs.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated concurrency levels")
+    bs.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
+    bs.add_argument("--max-tokens", type=int, default=128, help="tokens of every answer (ignore_eos)")
+    bs.add_argument("--requests-per-client", type=int, default=2,
+                    help="requests per level: this many times the concurrency")
+    bs.add_argument("--aiperf", metavar="PATH", help="aiperf binary (default: $MIRRORSD_AIPERF, PATH, or the "
+                    "cache's aiperf-venv, made on first use)")
+    bs.add_argument("--llama-server", metavar="PATH",
+                    help="llama.cpp's llama-server binary (default: $MIRRORSD_LLAMA_SERVER or PATH)")
+    bs.add_argument("--slot-context", type=int, default=2048,
+                    help="llama-server context per slot (-c is this times -np; Spec-Bench's longest first turn "
+                         "is ~1,500 tokens)")
+    bs.add_argument("--out", default="bench_out/serve", help="output folder")
     bp = bsub.add_parser(
         "perplexity", formatter_class=HelpFormatter,
         help="perplexity of a model in one or more weight formats on an offline corpus",
@@ -266,6 +297,30 @@ def _sweep(args: argparse.Namespace) -> int:
     return _run_bench(_bench_config(args, specs), Path(args.out))
 
 
+def _serve(args: argparse.Namespace) -> int:
+    levels = sorted(set(_positive_ints(args.concurrency, "--concurrency")))
+    if min(args.rounds, args.max_tokens, args.requests_per_client, args.slot_context) < 1:
+        raise ValueError("--rounds, --max-tokens, --requests-per-client and --slot-context must be positive")
+    specs, notes = serve.parse_servers(args.servers), []
+    if any(s.kind == "llama-server" for s in specs) and find_llama_server(args.llama_server) is None:
+        notes.append("no llama-server binary (--llama-server PATH or $MIRRORSD_LLAMA_SERVER): llama.cpp is left out")
+        print("note: " + notes[-1])
+        specs = [s for s in specs if s.kind != "llama-server"]
+    if not specs:
+        raise ValueError("--servers: nothing left to run")
+    warn_if_busy("bench serve")
+    out = Path(args.out)
+    results = serve.run(serve.ServeConfig(args.target, specs, levels, args.rounds, args.max_tokens,
+                                          args.requests_per_client, args.aiperf, args.llama_server,
+                                          args.slot_context, out, notes))
+    report = serve.markdown(results)
+    (out / "report.md").write_text(report, encoding="utf-8")
+    serve.plot(results, out / "throughput_latency.png")
+    print(report)
+    print(f"written: {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput_latency.png'}")
+    return 0
+
+
 def _perplexity(args: argparse.Namespace) -> int:
     formats = [w.strip() for w in args.weights.split(",") if w.strip()]
     unknown = sorted(set(formats) - set(WEIGHT_FORMATS))
@@ -297,7 +352,8 @@ def _quality(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS = {"sweep": _sweep, "forward": _forward, "gpu": _gpu, "perplexity": _perplexity, "quality": _quality}
+_SUBCOMMANDS = {"sweep": _sweep, "forward": _forward, "gpu": _gpu, "serve": _serve, "perplexity": _perplexity,
+                "quality": _quality}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,7 +42,8 @@ class ChannelError(RuntimeError):
     """The other process timed out, died or reported an error."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -146,7 +147,7 @@ class Worker:
             # sees this process exit and says why.
             raise SystemExit(f"mirrorsd: a draft process was asked for another draft process while it imported "
                              f"the main module. The cause: {_MAIN_GUARD}")
-        port = _free_port()
+        port = free_port()
         context = mp.get_context("spawn")
         inbox = context.Queue()
         inbox.cancel_join_thread()  # a worker that dies before reading must not hold up this process's exit

@@ -1,0 +1,335 @@
+"""``mirrorsd bench serve``: a load sweep against live servers (ours, and llama.cpp's ``llama-server`` beside
+them), driven by NVIDIA's ``aiperf``.
+
+The load generator is aiperf, not ours: it keeps C requests in flight, streams them, and reports throughput, time
+to first token and inter-token latency with percentiles. It runs as a subprocess from its own virtual environment
+(its dependencies are not ours), pointed at the target's local tokenizer folder. With ``HF_HUB_OFFLINE`` set,
+aiperf 0.13 refuses a local folder, so that variable is dropped from its environment: an absolute path loads with
+no network call.
+
+Every server is started once and stays up; the sweep then runs in interleaved rounds (each round: every
+concurrency level, every server in turn), so a noisy host spreads over all servers alike, and each figure is the
+median over rounds. Each (level, round) sends its own slice of shuffled Spec-Bench first turns, the same slice to
+every server, so no request repeats a prompt an earlier one answered (``suffix`` would otherwise copy it).
+Answers are ``max_tokens`` long (``ignore_eos``), greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..cache import cache_dir
+from ..runtime.processes import free_port
+from ..specbench import load_suite
+from .peers import LlamaServer, find_llama_server
+
+AIPERF_VERSION = "0.13.0"
+AIPERF_ENV = "MIRRORSD_AIPERF"
+KINDS = ("mirrorsd", "llama-server")
+DEFAULT_SERVERS = "ar=mirrorsd:method=ar,suffix=mirrorsd:method=suffix,llama.cpp=llama-server"
+# The figures kept from aiperf's per-run JSON: (its metric, its statistic, our key).
+METRICS = (("output_token_throughput", "avg", "tok_s"), ("time_to_first_token", "p50", "ttft_p50_ms"),
+           ("time_to_first_token", "p99", "ttft_p99_ms"), ("inter_token_latency", "p50", "tpot_p50_ms"),
+           ("inter_token_latency", "p99", "tpot_p99_ms"), ("request_latency", "p50", "latency_p50_ms"),
+           ("request_latency", "p99", "latency_p99_ms"), ("completed_request_count", "avg", "completed"))
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """``LABEL=KIND:flag=value:...``: a server to start, its flags those of ``mirrorsd serve`` or ``llama-server``
+    (``ar=mirrorsd:method=ar:max-num-seqs=1`` is the one-at-a-time server)."""
+
+    label: str
+    kind: str
+    flags: dict[str, str] = field(default_factory=dict)
+
+
+def parse_servers(text: str) -> list[ServerSpec]:
+    specs: list[ServerSpec] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        label, _, body = item.partition("=") if "=" in item.split(":")[0] else (item, "", item)
+        kind, *pairs = body.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"unknown server kind {kind!r} in {item!r}; available: {', '.join(KINDS)}")
+        flags = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise ValueError(f"server flag {pair!r} in {item!r} must be flag=value")
+            flags[key] = value
+        specs.append(ServerSpec(label, kind, flags))
+    labels = [s.label for s in specs]
+    if not specs or len(set(labels)) != len(labels):
+        raise ValueError(f"--servers needs one or more uniquely labelled servers, got {text!r}")
+    return specs
+
+
+def find_aiperf(path: str | None = None, install: bool = True) -> str:
+    """``path``, ``$MIRRORSD_AIPERF``, ``aiperf`` on PATH, or the one in the cache's own virtual environment,
+    which is made (pinned version, from the package index) when ``install`` is set and nothing else is found."""
+    venv = cache_dir() / "aiperf-venv"
+    for candidate in (path, os.environ.get(AIPERF_ENV), shutil.which("aiperf"), str(venv / "bin" / "aiperf")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    if path:
+        raise FileNotFoundError(f"--aiperf {path}: no such file")
+    if not install:
+        raise FileNotFoundError(f"aiperf not found: set ${AIPERF_ENV}, put it on PATH, or let `mirrorsd bench "
+                                f"serve` install it into {venv}")
+    print(f"installing aiperf {AIPERF_VERSION} into its own environment {venv} (once)", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"aiperf=={AIPERF_VERSION}"], check=True)
+    return str(venv / "bin" / "aiperf")
+
+
+def prompt_slices(levels: list[int], rounds: int, per_client: int, seed: int = 0) -> dict[tuple[int, int], list[str]]:
+    """(level, round) -> its own ``per_client × level`` Spec-Bench first turns, shuffled once; the suite wraps
+    around only when the sweep needs more than its 480 questions."""
+    turns = [q.turns[0] for q in load_suite("specbench")]
+    random.Random(seed).shuffle(turns)
+    slices, at = {}, 0
+    for r in range(rounds):
+        for level in levels:
+            n = per_client * level
+            slices[level, r] = [turns[(at + i) % len(turns)] for i in range(n)]
+            at += n
+    return slices
+
+
+class OurServer:
+    """``mirrorsd serve`` in its own process on loopback."""
+
+    def __init__(self, target: str, flags: dict[str, str], max_num_seqs: int, log: Path) -> None:
+        self.port = free_port()
+        args = {"target": target, "max-num-seqs": str(max_num_seqs), **flags}
+        self.command = [sys.executable, "-m", "mirrorsd.cli", "serve", "--port", str(self.port),
+                        "--served-model-name", "model", *(x for k, v in args.items() for x in (f"--{k}", v))]
+        self._log = open(log, "w")  # noqa: SIM115 (closed in close())
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        _wait_healthy(self.process, self.url, self.command, timeout=600)
+
+    def close(self) -> None:
+        _stop(self.process)
+        self._log.close()
+
+
+def _wait_healthy(process: subprocess.Popen, url: str, command: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with code {process.returncode}: {' '.join(command)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    _stop(process)
+    raise RuntimeError(f"server not ready in {timeout:.0f} s: {' '.join(command)}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def warm(url: str, model: str) -> None:
+    """One short chat request, so the first timed level pays no lazy setup."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+            "temperature": 0}
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        r.read()
+
+
+def aiperf_command(aiperf: str, url: str, model: str, tokenizer: Path, level: int, requests: int, inputs: Path,
+                   out: Path) -> list[str]:
+    return [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming",
+            "--concurrency", str(level), "--request-count", str(requests), "--input-file", str(inputs),
+            "--custom-dataset-type", "single_turn", "--dataset-sampling-strategy", "sequential",
+            "--tokenizer", str(tokenizer.resolve()), "--output-artifact-dir", str(out), "--ui", "none",
+            "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0", "--use-server-token-count",
+            "--workers-max", "1", "--random-seed", "0"]
+
+
+def aiperf_env() -> dict[str, str]:
+    """aiperf's environment: without the offline switches that make 0.13 refuse a local tokenizer folder."""
+    return {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+
+
+def read_run(folder: Path) -> dict[str, float]:
+    """Our figures from one aiperf run's ``profile_export_aiperf.json``."""
+    files = sorted(folder.rglob("profile_export_aiperf.json"))
+    if not files:
+        raise RuntimeError(f"aiperf wrote no profile_export_aiperf.json under {folder} (see its logs there)")
+    data = json.loads(files[0].read_text())
+    figures = {}
+    for metric, stat, key in METRICS:
+        value = (data.get(metric) or {}).get(stat)
+        if value is not None:
+            figures[key] = float(value)
+    return figures
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for r in runs for k in r}
+    return {k: statistics.median(r[k] for r in runs if k in r) for k in sorted(keys)}
+
+
+@dataclass
+class ServeConfig:
+    target: str
+    servers: list[ServerSpec]
+    levels: list[int]
+    rounds: int
+    max_tokens: int
+    per_client: int
+    aiperf: str | None
+    llama_server: str | None
+    slot_context: int
+    out: Path
+    notes: list[str] = field(default_factory=list)
+
+
+def _start(spec: ServerSpec, cfg: ServeConfig, tokenizer: Path, threads: int) -> tuple[Any, str]:
+    log = cfg.out / f"server-{spec.label}.log"
+    top = max(cfg.levels)
+    if spec.kind == "mirrorsd":
+        return OurServer(cfg.target, {"max-tokens": str(cfg.max_tokens), **spec.flags}, top, log), "model"
+    binary = find_llama_server(cfg.llama_server)
+    if binary is None:
+        raise FileNotFoundError("llama-server not found: pass --llama-server PATH or set $MIRRORSD_LLAMA_SERVER "
+                                "(or leave llama-server out of --servers)")
+    gguf = tokenizer / "model.gguf"
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf}: llama-server needs the target's GGUF file (a zoo model has one)")
+    flags = [x for k, v in spec.flags.items() for x in (f"--{k}", *([v] if v else []))]
+    server = LlamaServer(binary, gguf, None, threads, cfg.slot_context * top, flags, log, parallel=top)
+    return server, "model"
+
+
+def run(cfg: ServeConfig) -> dict[str, Any]:
+    """Start every server, run the interleaved sweep, stop them; the results (also written as results.json)."""
+    import torch
+
+    from ..zoo import resolve
+    from .runner import machine
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    aiperf = find_aiperf(cfg.aiperf)
+    tokenizer = resolve(cfg.target)
+    slices = prompt_slices(cfg.levels, cfg.rounds, cfg.per_client)
+    inputs = cfg.out / "inputs"
+    inputs.mkdir(exist_ok=True)
+    for (level, r), turns in slices.items():
+        (inputs / f"c{level}-r{r}.jsonl").write_text("".join(
+            json.dumps({"text": t, "output_length": cfg.max_tokens}) + "\n" for t in turns))
+    servers: dict[str, Any] = {}
+    results: dict[str, Any] = {"machine": machine(), "target": cfg.target, "levels": cfg.levels,
+                               "rounds": cfg.rounds, "notes": cfg.notes, "max_tokens": cfg.max_tokens,
+                               "per_client": cfg.per_client,
+                               "servers": {s.label: {"kind": s.kind, "flags": s.flags} for s in cfg.servers},
+                               "runs": {s.label: {str(c): [] for c in cfg.levels} for s in cfg.servers}}
+    try:
+        for spec in cfg.servers:
+            print(f"starting {spec.label} ({spec.kind})", file=sys.stderr, flush=True)
+            servers[spec.label] = _start(spec, cfg, tokenizer, torch.get_num_threads())
+            results["servers"][spec.label]["command"] = servers[spec.label][0].command
+            warm(servers[spec.label][0].url, servers[spec.label][1])
+        total, done = cfg.rounds * len(cfg.levels) * len(cfg.servers), 0
+        for r in range(cfg.rounds):
+            for level in cfg.levels:
+                for spec in cfg.servers:
+                    server, model = servers[spec.label]
+                    folder = cfg.out / "aiperf" / spec.label / f"c{level}-r{r}"
+                    shutil.rmtree(folder, ignore_errors=True)
+                    command = aiperf_command(aiperf, server.url, model, tokenizer, level, cfg.per_client * level,
+                                             inputs / f"c{level}-r{r}.jsonl", folder)
+                    done += 1
+                    print(f"[{done}/{total}] round {r + 1}, concurrency {level}, {spec.label}", file=sys.stderr,
+                          flush=True)
+                    folder.mkdir(parents=True)
+                    with open(folder / "aiperf.out", "w") as log:
+                        subprocess.run(command, env=aiperf_env(), stdout=log, stderr=subprocess.STDOUT, check=True)
+                    results["runs"][spec.label][str(level)].append(read_run(folder))
+                    (cfg.out / "results.json").write_text(json.dumps(results, indent=1))
+    finally:
+        for server, _ in servers.values():
+            server.close()
+    results["median"] = {label: {c: median_of(runs) for c, runs in levels.items() if runs}
+                         for label, levels in results["runs"].items()}
+    (cfg.out / "results.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    labels = list(results["median"])
+    lines = [f"# Load sweep: {results['target']}, {results['max_tokens']}-token answers (greedy, ignore_eos), "
+             f"{results['per_client']} requests per client per level",
+             "",
+             f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}, {m.get('date')}. "
+             f"Load generator: aiperf {AIPERF_VERSION}. Median of {results['rounds']} interleaved rounds.",
+             *(f"Note: {n}" for n in results.get("notes", [])), "", "Servers:", ""]
+    lines += [f"- **{label}**: `{' '.join(results['servers'][label].get('command', []))}`" for label in labels]
+    lines += ["", "## Aggregate output tok/s", "", "| concurrency | " + " | ".join(labels) + " |",
+              "|---|" + "---|" * len(labels)]
+    for c in results["levels"]:
+        row = [f"{results['median'][lb].get(str(c), {}).get('tok_s', float('nan')):.2f}" for lb in labels]
+        lines.append(f"| {c} | " + " | ".join(row) + " |")
+    for key, title in (("ttft", "Time to first token, ms (p50 / p99)"),
+                       ("tpot", "Time per output token, ms (p50 / p99)")):
+        lines += ["", f"## {title}", "", "| concurrency | " + " | ".join(labels) + " |",
+                  "|---|" + "---|" * len(labels)]
+        for c in results["levels"]:
+            cells = []
+            for lb in labels:
+                f = results["median"][lb].get(str(c), {})
+                cells.append(f"{f.get(key + '_p50_ms', float('nan')):.0f} / {f.get(key + '_p99_ms', float('nan')):.0f}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Throughput against time per output token, one line per server, each point labelled by its concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for label, levels in results["median"].items():
+        points = [(c, levels[str(c)]) for c in results["levels"] if str(c) in levels]
+        xs = [f.get("tpot_p50_ms", float("nan")) for _, f in points]
+        ys = [f.get("tok_s", float("nan")) for _, f in points]
+        ax.plot(xs, ys, marker="o", label=label)
+        for (c, _), x, y in zip(points, xs, ys, strict=True):
+            ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    ax.set_xlabel("time per output token, p50 (ms)")
+    ax.set_ylabel("aggregate output tok/s")
+    ax.set_title(f"{results['target']}: throughput vs latency (labels: concurrency)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

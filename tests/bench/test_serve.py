@@ -1,0 +1,98 @@
+"""``mirrorsd bench serve``: its server grammar, its prompts, reading aiperf's JSON, the report; and (slow) the whole
+sweep with the real aiperf against real servers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mirrorsd.bench import serve
+from mirrorsd.cli import main
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_servers_parse_with_labels_kinds_and_flags():
+    specs = serve.parse_servers(serve.DEFAULT_SERVERS)
+    assert [(s.label, s.kind) for s in specs] == [("ar", "mirrorsd"), ("suffix", "mirrorsd"),
+                                                   ("llama.cpp", "llama-server")]
+    assert specs[0].flags == {"method": "ar"}
+    one = serve.parse_servers("serial=mirrorsd:method=ar:max-num-seqs=1,llama-server")
+    assert one[0].flags == {"method": "ar", "max-num-seqs": "1"}
+    assert (one[1].label, one[1].kind, one[1].flags) == ("llama-server", "llama-server", {})
+
+
+@pytest.mark.parametrize("text, message", [("vllm", "unknown server kind"), ("a=mirrorsd:method", "flag=value"),
+                                           ("a=mirrorsd,a=llama-server", "uniquely"), ("", "uniquely")])
+def test_bad_servers_are_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        serve.parse_servers(text)
+
+
+def test_every_level_and_round_gets_its_own_prompts():
+    slices = serve.prompt_slices([1, 2, 4], rounds=2, per_client=2)
+    assert {k: len(v) for k, v in slices.items()} == {(c, r): 2 * c for c in (1, 2, 4) for r in (0, 1)}
+    every = [t for v in slices.values() for t in v]
+    assert len(set(every)) == len(every) == 28  # no prompt twice: suffix could copy an earlier answer
+    assert slices == serve.prompt_slices([1, 2, 4], rounds=2, per_client=2)  # the same for every server
+
+
+def test_a_real_aiperf_export_reads_into_our_figures(tmp_path):
+    run = tmp_path / "c2-r0" / "nested"
+    run.mkdir(parents=True)
+    shutil.copy(DATA / "aiperf_profile_export.json", run / "profile_export_aiperf.json")
+    figures = serve.read_run(tmp_path / "c2-r0")
+    raw = json.loads((DATA / "aiperf_profile_export.json").read_text())
+    assert figures["tok_s"] == raw["output_token_throughput"]["avg"]
+    assert figures["tpot_p99_ms"] == raw["inter_token_latency"]["p99"]
+    assert figures["completed"] == 4
+    with pytest.raises(RuntimeError, match="no profile_export_aiperf.json"):
+        serve.read_run(tmp_path / "empty")
+
+
+def test_median_report_and_plot(tmp_path):
+    runs = [{"tok_s": 10.0, "tpot_p50_ms": 50.0}, {"tok_s": 30.0, "tpot_p50_ms": 40.0}, {"tok_s": 20.0}]
+    assert serve.median_of(runs) == {"tok_s": 20.0, "tpot_p50_ms": 45.0}
+    results = {"machine": {"cpu": "test cpu", "cores": 2}, "target": "t", "levels": [1, 2], "rounds": 3,
+               "max_tokens": 16, "per_client": 2, "servers": {"ar": {"command": ["serve"]}},
+               "median": {"ar": {"1": {"tok_s": 12.5, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0},
+                                 "2": {"tok_s": 20.0, "tpot_p50_ms": 30.0}}}}
+    text = serve.markdown(results)
+    assert "| 1 | 12.50 |" in text and "| 2 | 20.00 |" in text and "| 1 | 100 / 200 |" in text
+    serve.plot(results, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_aiperf_runs_without_the_offline_switch(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "HF_HUB_OFFLINE" not in serve.aiperf_env()
+    command = serve.aiperf_command("aiperf", "http://h:1", "model", tmp_path, 4, 8, tmp_path / "in.jsonl",
+                                   tmp_path / "out")
+    assert command[command.index("--concurrency") + 1] == "4"
+    assert command[command.index("--tokenizer") + 1] == str(tmp_path.resolve())
+    assert "ignore_eos:true" in command
+
+
+def test_cli_without_llama_server_leaves_it_out(monkeypatch, capsys):
+    monkeypatch.delenv("MIRRORSD_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main(["bench", "serve", "--servers", "llama.cpp=llama-server"]) == 2
+    err = capsys.readouterr()
+    assert "llama.cpp is left out" in err.out and "nothing left to run" in err.err
+
+
+@pytest.mark.slow
+def test_the_sweep_runs_aiperf_against_real_servers(tmp_path):
+    """The real thing on SmolLM2: our server in its own process, aiperf from its own environment (installed on
+    first use), two levels; every request completes with its fixed-length answer."""
+    out = tmp_path / "sweep"
+    assert main(["bench", "serve", "--target", "smollm2-135m", "--servers", "ar=mirrorsd:method=ar",
+                 "--concurrency", "1,2", "--rounds", "1", "--max-tokens", "8", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for level in (1, 2):
+        (run,) = results["runs"]["ar"][str(level)]
+        assert run["completed"] == 2 * level and run["tok_s"] > 0
+    assert (out / "throughput_latency.png").is_file() and "Aggregate output tok/s" in (out / "report.md").read_text()
