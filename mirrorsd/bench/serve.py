@@ -39,6 +39,10 @@ AIPERF_VERSION = "0.13.0"
 AIPERF_ENV = "MIRRORSD_AIPERF"
 KINDS = ("mirrorsd", "llama-server")
 DEFAULT_SERVERS = "ar=mirrorsd:method=ar,suffix=mirrorsd:method=suffix,llama.cpp=llama-server"
+# With --concurrency alone aiperf 0.13's timing manager polls for a free slot without sleeping and burns a whole core
+# (measured: 85-100% CPU for the run), half of a 2-core server. A request rate that never binds (50 requests/s,
+# evenly spaced) makes it sleep between tries; the concurrency still sets the load.
+PACING = ("--request-rate", "50", "--arrival-pattern", "constant")
 # The figures kept from aiperf's per-run JSON: (its metric, its statistic, our key).
 METRICS = (("output_token_throughput", "avg", "tok_s"), ("time_to_first_token", "p50", "ttft_p50_ms"),
            ("time_to_first_token", "p99", "ttft_p99_ms"), ("inter_token_latency", "p50", "tpot_p50_ms"),
@@ -166,7 +170,7 @@ def warm(url: str, model: str) -> None:
 def aiperf_command(aiperf: str, url: str, model: str, tokenizer: Path, level: int, requests: int, inputs: Path,
                    out: Path) -> list[str]:
     return [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming",
-            "--concurrency", str(level), "--request-count", str(requests), "--input-file", str(inputs),
+            "--concurrency", str(level), "--request-count", str(requests), *PACING, "--input-file", str(inputs),
             "--custom-dataset-type", "single_turn", "--dataset-sampling-strategy", "sequential",
             "--tokenizer", str(tokenizer.resolve()), "--output-artifact-dir", str(out), "--ui", "none",
             "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0", "--use-server-token-count",

@@ -74,6 +74,7 @@ def test_aiperf_runs_without_the_offline_switch(monkeypatch, tmp_path):
     assert command[command.index("--concurrency") + 1] == "4"
     assert command[command.index("--tokenizer") + 1] == str(tmp_path.resolve())
     assert "ignore_eos:true" in command
+    assert command[command.index("--request-rate") + 1] == "50"  # (not a busy-polling timing manager)
 
 
 def test_cli_without_llama_server_leaves_it_out(monkeypatch, capsys):
