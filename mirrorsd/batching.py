@@ -50,7 +50,21 @@ PREFILL_ROWS = 32
 SPECULATION = ("goodput", "fixed")
 
 
-class Goodput:
+class Fixed:
+    """No cap on the windows: each method drafts its own (``speculation="fixed"``); methods still learn the batch
+    size (Mirror-SD's κ and stream count follow it, App. D.1)."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher = batcher
+
+    def batch(self) -> int:
+        return max(1, self.batcher.members)
+
+    def limit(self, state: RequestState) -> int | None:
+        return None
+
+
+class Goodput(Fixed):
     """The goodput rule (SmartSpec, arXiv 2406.14066, applied per request): a draft row in a step of ``R`` rows
     costs every request in the batch the step's marginal time ``b / (a + b R)`` (the batch's own measured cost curve),
     plus, for a draft model, the time of the draft step the batch waits for (the request's own wall time per draft
@@ -65,9 +79,6 @@ class Goodput:
     that has not drafted yet drafts freely until it has."""
 
     RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
-
-    def __init__(self, batcher: Batcher) -> None:
-        self.batcher = batcher
 
     def limit(self, state: RequestState) -> int | None:
         busy = self.batcher.members
@@ -164,7 +175,7 @@ class Batcher:
             raise ValueError(f"prefill_rows must be at least 1, got {prefill_rows}")
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
-        self.budget = Goodput(self) if speculation == "goodput" else None
+        self.budget = Goodput(self) if speculation == "goodput" else Fixed(self)
         self.prefill_rows = prefill_rows
         self._cond = threading.Condition()
         self._running = 0  # members between forwards

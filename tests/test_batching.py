@@ -24,6 +24,7 @@ from mirrorsd import generate, kernels
 from mirrorsd.batching import Batcher, Goodput, StepRecord, acceptance
 from mirrorsd.decoding import GenerationStats, methods
 from mirrorsd.decoding.engine import budgeted_by
+from mirrorsd.decoding.mirror.options import batch_caps
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
 from mirrorsd.kv_cache import KVCache
 from tests.helpers import random_adapters, requires_smollm2, row_exact, tiny_hf
@@ -228,16 +229,22 @@ def test_real_weights_batched_equal_alone(temperature: float) -> None:
 
 
 class RandomBudget:
-    """A speculation budget that caps windows at random (0 included): what any controller may do."""
+    """A speculation budget that caps windows at random (0 included) and reports random batch sizes (Mirror-SD's κ
+    and stream count follow them): what any controller and any load may do."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.limits: list[int | None] = []
+        self.batches: list[int] = []
 
     def limit(self, state) -> int | None:
         value = self.rng.choice([None, 0, 0, 1, 2, 5])
         self.limits.append(value)
         return value
+
+    def batch(self) -> int:
+        self.batches.append(self.rng.choice([1, 8, 12, 16, 32, 64, 200]))
+        return self.batches[-1]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -253,6 +260,28 @@ def test_any_speculation_budget_keeps_the_tokens(pair: Pair, method: str, temper
             got = pair.tokens(r)
         assert got == want
         assert budget.limits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mirror_scales_kappa_and_draft_streams_with_the_batch(pair: Pair, temperature: float) -> None:
+    """App. D.1's schedule: κ 8 → 4 → 2 → 1 and the SS draft's streams down to one as the batch grows, step by step
+    as the batch size changes, without changing a token (roots=paper: every candidate is rolled out)."""
+    adapters = random_adapters(pair.draft, streams=2, layers=1, std=0.1)
+    kwargs = dict(method="mirror", draft=pair.draft, max_new_tokens=30, temperature=temperature, seed=3, gamma=4,
+                  kappa=8, roots="paper", draft_streams=adapters, confidence=0.0)
+    want = generate(pair.target, [1, 2, 3, 1, 2], **kwargs)
+    budget = RandomBudget(7)
+    with budgeted_by(budget):
+        got = generate(pair.target, [1, 2, 3, 1, 2], **kwargs)
+    assert got.token_ids == want.token_ids
+    seen = {}
+    for batch, step in zip(budget.batches, got.stats.step_log, strict=False):
+        if step.get("roots"):
+            seen[batch] = step["kappa"]
+            assert step["roots"] <= (step["drafted"] + 1) * step["kappa"]
+    assert seen and all(kappa == min(8, batch_caps(batch)[0] or 8) for batch, kappa in seen.items())
+    assert batch_caps(1) == batch_caps(8) == (None, None) and batch_caps(16) == (4, 1)
+    assert batch_caps(32) == (2, 1) and batch_caps(64) == (1, 1)
 
 
 def test_goodput_drafts_freely_alone_and_less_as_the_batch_grows() -> None:

@@ -200,6 +200,7 @@ class RequestState:
     produced: int = 0
     next_logits: torch.Tensor | None = None
     limit: int | None = None  # draft rows this step may spend (a batch's speculation budget; None: no cap)
+    batch: int = 1  # requests sharing this step's forwards (1: alone); methods may draft less for a busy batch
 
     @property
     def params(self) -> SamplingParams:
@@ -278,6 +279,10 @@ class SpeculationBudget(Protocol):
     busy batch a draft row costs every request time, so it is spent only where it pays)."""
 
     def limit(self, state: RequestState) -> int | None: ...
+
+    def batch(self) -> int:
+        """Requests sharing each forward now."""
+        ...
 
 
 _budget = threading.local()
@@ -409,6 +414,7 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
         while True:
             with torch.inference_mode():
                 state.limit = budget.limit(state) if budget is not None else None
+                state.batch = budget.batch() if budget is not None else 1
                 with timed(stats, "draft_s"):
                     draft = proposer.propose(state)
                 stats.draft_forwards += draft.forwards
@@ -425,6 +431,8 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
                     detail.update(draft_forwards=scores.draft.forwards, fed=scores.draft.fed)
                 if state.limit is not None:
                     detail.update(limit=state.limit)
+                if state.batch > 1:
+                    detail.update(batch=state.batch)
                 stats.record_step(scores.draft.depth, verdict.accepted, **detail)
             yield new
     finally:

@@ -125,18 +125,20 @@ class StreamProposer(ModelProposer):
         self.adapters, self.tree_k, self.tree_budget = adapters, tree_k, tree_budget
         self.stream_head = adapters.head(draft)  # the vocabulary the streams were trained on
 
-    def propose(self, state: RequestState, window: int | None = None) -> Proposal:
+    def propose(self, state: RequestState, window: int | None = None, streams: int | None = None) -> Proposal:
+        """``streams``: pass with only the first of the adapters' streams (fewer rows for a busy batch)."""
         window = min(self.gamma, state.room) if window is None else window
+        streams = min(streams or self.adapters.config.streams, self.adapters.config.streams)
         cache, position, sampler = state.draft_cache, len(state.tokens), self.sampler
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         tops: list[float] = []
         trunk, guesses, forwards, end = list(state.pending), StreamGuesses(), 0, window
         while len(tokens) < window:
-            depth = min(self.adapters.config.streams, window - len(tokens) - 1)
+            depth = min(streams, window - len(tokens) - 1)
             tree = guesses.tree(depth, self.tree_budget)
             result = ss_pass(self.model, self.adapters, cache, trunk, tree, self.params, noise=sampler.noise,
-                             tree_k=self.tree_k, head=self.stream_head)
+                             tree_k=self.tree_k, head=self.stream_head, streams=streams)
             forwards += 1
             new = [*result.accepted, result.next_token]
             tokens += new

@@ -409,6 +409,27 @@ def test_ss_rollout_equals_the_drafts_own_rollout(exact_model, pending, window, 
     assert streamed.forwards <= plain.forwards
 
 
+@pytest.mark.parametrize("streams", [1, 2])
+def test_fewer_streams_are_the_first_streams_of_the_full_pass(exact_model, streams):
+    """A pass over the first streams only gives their rows the bits of the full pass (stream j sees streams 1..j):
+    the rows a busy batch saves change no stream it keeps."""
+    adapters = random_adapters(exact_model, streams=3, layers=2, std=0.1)
+    tree = streaming.StreamGuesses([[5, 6], [7, 8], [9, 3]], [[-0.1, -2.0], [-0.2, -1.5], [-0.3, -1.0]]).tree(3, 6)
+    outs = {}
+    with torch.inference_mode():
+        for n in (None, streams):
+            cache = exact_model.new_cache()
+            exact_model.prefill(torch.tensor([[3, 1, 4, 1]]), cache)
+            outs[n] = streaming.fused_forward(exact_model, adapters, cache, [5], tree, streams=n)
+    full, few = outs[None], outs[streams]
+    m = len(full.kept)
+    assert few.streams == streams and full.streams == 3 and few.kept == full.kept
+    assert torch.equal(few.out[0, :m], full.out[0, :m])  # main rows
+    for node in range(m):
+        assert torch.equal(few.out[0, m + node * streams: m + (node + 1) * streams],
+                           full.out[0, m + node * 3: m + node * 3 + streams])
+
+
 def test_mirror_with_ss_draft_equals_ar_and_keeps_parity_with_sd():
     target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
     adapters = random_adapters(draft, streams=2, layers=1, std=0.1)

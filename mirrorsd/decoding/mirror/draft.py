@@ -21,7 +21,7 @@ from ..drafting import draft_vocab_size, window_end
 from ..engine import Proposal, RequestState, Scores, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters
-from .options import MirrorOptions
+from .options import MirrorOptions, batch_caps
 from .stats import MirrorRun
 
 
@@ -162,6 +162,8 @@ class LocalDraft:
 
     def fresh(self, state: RequestState) -> Proposal:
         with self.run.tracer.span("draft", "fresh rollout"):
+            if isinstance(self.proposer, StreamProposer):  # fewer stream rows in a busy batch (App. D.1)
+                return self.proposer.propose(state, streams=batch_caps(state.batch)[1])
             return self.proposer.propose(state)
 
     def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:

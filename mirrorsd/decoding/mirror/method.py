@@ -47,7 +47,7 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
 
     def log(scores: Scores, verdict: Verdict) -> dict[str, Any]:
         r = run.record
-        return {"roots": r.roots, "hit": r.hit, "gamma": opts.gamma, "exit_layer": exit_layer,
+        return {"roots": r.roots, "hit": r.hit, "gamma": opts.gamma, "exit_layer": exit_layer, "kappa": run.kappa,
                 "source": proposer.source}
 
     def close() -> None:

@@ -17,7 +17,20 @@ DEFAULT_GAMMA = 7  # the paper's window
 DEFAULT_KAPPA = 8  # the paper's top-κ at batch size 1
 DEFAULT_EXIT = 0.5  # ℓe = N/2
 ROOT_MODES = ("paper", "budget")
+# App. D.1: as the batch grows the draft's κ·γ expansion stops hiding under the target, so κ and the draft's SS stream
+# count come down ("κ = 8 with two SS streams for B ∈ {1, 8}; from B = 16 onward we use a single SS stream";
+# 8/2 → 4/1 → 2/1 → 1/1). Rows: (largest batch, κ cap, stream cap); None: the options' own.
+BATCH_SCHEDULE = ((8, None, None), (16, 4, 1), (63, 2, 1))
+LARGE_BATCH = (1, 1)
 CANDIDATE_SOURCES = ("exit", "draft")
+
+
+def batch_caps(batch: int) -> tuple[int | None, int | None]:
+    """The paper's (κ cap, SS stream cap) for a batch of ``batch`` requests sharing each forward."""
+    for most, kappa, streams in BATCH_SCHEDULE:
+        if batch <= most:
+            return kappa, streams
+    return LARGE_BATCH
 
 
 def thread_split(text: str) -> tuple[int, int]:

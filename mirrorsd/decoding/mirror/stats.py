@@ -129,6 +129,7 @@ class MirrorRun:
         self.budget = RootBudget(opts.budget or opts.kappa, most) if opts.roots == "budget" else None
         self.root_scorer = RootScorer(opts.kappa) if opts.roots == "budget" else None
         self.record: MirrorStep | None = None
+        self.kappa = opts.kappa  # this step's κ: the option's, or less in a busy batch (options.batch_caps)
         self._step: tuple[float, float, Span, ChannelMessage | None, int] | None = None
 
     def scored(self, record: MirrorStep, start: float, submitted: float, upper: Span,

@@ -11,6 +11,7 @@ from ...model import Transformer
 from ..engine import ChainScorer, Proposal, RequestState, Scores
 from .channel import early_exit
 from .draft import BranchProposer
+from .options import batch_caps
 from .roots import select_roots
 from .stats import MirrorRun, MirrorStep
 
@@ -39,10 +40,12 @@ class EarlyExitScorer(ChainScorer):
         steps = min(opts.gamma, state.room - 1)
         message, roots, t_ee, submitted = None, [], 0.0, 0.0
         if not self.draft.failed and steps > 0 and run.rolls_out:
+            kappa = min(opts.kappa, batch_caps(state.batch)[0] or opts.kappa)  # fewer roots in a busy batch
+            run.kappa = kappa
             with run.tracer.span("target", "early exit") as ee:
-                message = early_exit(target, exit_hidden, opts.kappa, state.params, run.translate, run.exit_vocab)
+                message = early_exit(target, exit_hidden, kappa, state.params, run.translate, run.exit_vocab)
                 if opts.candidates == "draft":
-                    message = message.with_draft(draft, opts.kappa)
+                    message = message.with_draft(draft, kappa)
             t_ee = ee.seconds
             budget = run.budget.current if run.budget else 0
             roots = select_roots(message, draft.tokens, opts.roots, run.root_scorer, budget)

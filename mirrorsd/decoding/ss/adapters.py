@@ -113,11 +113,12 @@ class StreamAdapters(nn.Module):
     def rows(self, count: int) -> SSRows:
         return SSRows(count, self)
 
-    def insert(self, main: torch.Tensor) -> torch.Tensor:
+    def insert(self, main: torch.Tensor, streams: int | None = None) -> torch.Tensor:
         """``[rows, m, h]`` main states at layer N - N_s → ``[rows, m + m·γ, h]``: the main rows, then stream
-        ``(i, j)`` at ``m + i·γ + j - 1`` as ``M_i + P_j``."""
+        ``(i, j)`` at ``m + i·γ + j - 1`` as ``M_i + P_j`` (``streams``: only the first γ' of them)."""
         rows, m, h = main.shape
-        streams = (main.unsqueeze(2) + self.stream_embed.to(main.dtype)).reshape(rows, m * self.config.streams, h)
+        embed = self.stream_embed[:streams or self.config.streams].to(main.dtype)
+        streams = (main.unsqueeze(2) + embed).reshape(rows, m * embed.shape[0], h)
         return torch.cat([main, streams], dim=1)
 
     @property

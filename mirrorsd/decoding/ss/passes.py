@@ -113,6 +113,7 @@ class TreeForward:
     out: torch.Tensor  # [1, m + m·γ, d]: main rows of the kept nodes, then their stream rows
     main_logits: torch.Tensor  # [m - root, vocab]: main logits from the root on
     draft: Proposal  # the surviving tree below the root, aligned with main_logits rows 1..
+    streams: int  # stream rows per kept node (the adapters' streams, or the first of them)
 
     @property
     def root_row(self) -> int:
@@ -125,10 +126,13 @@ class TreeForward:
 
 def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
                   threshold: float = 0.0, head: SubsetHead | None = None,
-                  prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TreeForward:
+                  prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  streams: int | None = None) -> TreeForward:
     """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows. ``head``: the
     restricted vocabulary the pruning exit reads (a token outside it has probability 0). ``prune_exit``: a tuned
-    exit's translator for layer ``N - N_s`` to score edges with instead of the adapter's o_θ."""
+    exit's translator for layer ``N - N_s`` to score edges with instead of the adapter's o_θ. ``streams``: run only
+    the first of the adapters' streams (stream ``j`` sees streams ``1..j`` alone, so they are what they are with
+    all of them: fewer rows when a batch has few to spare)."""
     device = model.device
     past = len(cache)
     root = len(trunk) - 1
@@ -163,9 +167,9 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
             alive[i] = alive[parents[i]] and p >= threshold
         kept = [i for i in range(n) if alive[i]]
 
-    m, n_streams = len(kept), adapters.config.streams
+    m, n_streams = len(kept), min(streams or adapters.config.streams, adapters.config.streams)
     sub = torch.tensor(kept, device=device)
-    x = adapters.insert(hidden[:, sub])
+    x = adapters.insert(hidden[:, sub], n_streams)
     up_positions = torch.cat([positions[sub], positions[sub].repeat_interleave(n_streams)])[None]
     up_mask = msa_mask(anc[sub][:, sub], past, n_streams)
     out = model.run_layers(x, up_positions, cache, up_mask, split, None, streams=adapters.rows(m * n_streams))
@@ -173,13 +177,13 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
     below = kept[len(trunk):]
     draft = Proposal([tokens[i] for i in below],
                   [-1 if parents[i] == root else where[parents[i]] - len(trunk) for i in below])
-    return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m]), draft)
+    return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m]), draft, n_streams)
 
 
 def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForward, verdict: Verdict,
                     tree_k: int, head: SubsetHead | None = None) -> StreamGuesses:
     """Top-k of streams 1..γ at the last accepted node (over ``head``'s ids when given): the next tree."""
-    n_streams, m = adapters.config.streams, len(forward.kept)
+    n_streams, m = forward.streams, len(forward.kept)
     last = forward.trunk + verdict.nodes[-1] if verdict.accepted else forward.root_row
     logits, ids = head_logits(model, forward.out[0, m + last * n_streams: m + (last + 1) * n_streams], head)
     logprobs, tokens = top_tokens(logits, ids, tree_k)
@@ -207,9 +211,10 @@ class PassResult:
 
 def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
             params: SamplingParams, *, noise: int = Noise.TARGET, threshold: float = 0.0,
-            tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None) -> PassResult:
-    """One self-verified pass: verify ``tree`` under ``trunk[-1]``, draft the next one, compact."""
-    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head)
+            tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None, streams: int | None = None) -> PassResult:
+    """One self-verified pass: verify ``tree`` under ``trunk[-1]``, draft the next one, compact (``streams``: the
+    first of the adapters' streams only, see :func:`fused_forward`)."""
+    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head, streams=streams)
     verdict = verify_tree(forward.draft.tokens, forward.draft.parents, forward.main_logits,
                           forward.past + forward.trunk, params, noise)
     chose = [0, *(i + 1 for i in verdict.nodes)]
