@@ -448,7 +448,7 @@ def generate(target: LoadedModel | Transformer, prompt: Prompt, **kwargs: Any) -
     ``mirror``, ``ss``), or ``"auto"`` (what `mirrorsd plan` recommended for this target and draft); default
     ``sd`` when a ``draft`` is given, else ``ar``. Method options are keyword arguments (``gamma=4``), checked
     by the method's options class (e.g. :class:`mirrorsd.decoding.mirror.MirrorOptions`); ``ss`` defaults
-    ``streams`` to the target's shipped adapter and ``mirror`` takes ``draft_streams=True`` for the draft's.
+    ``streams`` to the target's shipped adapter, and ``sd`` and ``mirror`` take ``draft_streams=True`` for the draft's.
     ``temperature=0`` is greedy; sampling noise is keyed by ``seed`` (random when None) and position, so ``ar``
     and the speculative methods with match acceptance give the same tokens for the same seed -- up to float
     near-ties, where a k-token and a 1-token forward may order two almost equal logits differently.

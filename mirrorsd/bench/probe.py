@@ -40,6 +40,9 @@ class Probe:
     accepted: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # per group, full windows
     ranks: dict[str, dict[str, list[int]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     draft_ranks: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # candidates=draft
+    # Eq. 9's Ω_κ(ℓe) per step: the target's probability mass on the exit's top-κ at slot A+1, one entry per κ
+    omegas: dict[str, dict[str, list[list[float]]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list)))
 
     def groups(self) -> list[str]:
         return [*self.accepted, "all"]
@@ -76,6 +79,17 @@ class Probe:
                 out[name] = {k: sum(r >= k for r in ranks) / len(ranks) for k in self.kappas}
         return out
 
+    def overlap(self, group: str = "all") -> dict[str, dict[int, float]]:
+        """Per exit depth and κ: mean Ω_κ(ℓe) = Σ_{y ∈ Top-κ(p̃)} q(y) (Eq. 9), q the target's distribution at the
+        slot the correction fills. Proposition 1 bounds the fallback of a correction drawn from q by 1 − Ω_κ."""
+        out = {}
+        for name in self.exit_layers:
+            rows = ([r for by_exit in self.omegas.values() for r in by_exit[name]] if group == "all"
+                    else self.omegas[group][name])
+            if rows:
+                out[name] = {k: statistics.fmean(r[i] for r in rows) for i, k in enumerate(self.kappas)}
+        return out
+
     def draft_fallback(self, group: str = "all") -> dict[int, float]:
         """Per κ: the share of steps whose correction is not among ``candidates=draft``'s κ candidates."""
         ranks = [r for rs in self.draft_ranks.values() for r in rs] if group == "all" else self.draft_ranks[group]
@@ -86,6 +100,7 @@ class Probe:
                 "expected_accepted": {g: self.expected_accepted(g) for g in self.groups()},
                 "per_position_acceptance": self.per_position(),
                 "fallback": {g: self.fallback(g) for g in self.groups()},
+                "overlap": {g: self.overlap(g) for g in self.groups()},
                 "draft_fallback": {g: self.draft_fallback(g) for g in self.groups()}}
 
 
@@ -98,6 +113,7 @@ class ExitReader(ChainScorer):
         self.exit_layers, self.kappa, self.tuned = exit_layers, kappa, tuned
         self.bounds = sorted(set(exit_layers.values()))
         self.exit_ids: dict[str, list[list[int]]] = {}
+        self.final: torch.Tensor | None = None  # the target's logits over the window, for Ω_κ
 
     def score(self, state: RequestState, draft: Proposal) -> Scores:
         model = self.model
@@ -111,7 +127,8 @@ class ExitReader(ChainScorer):
                     read = self.tuned(hidden, layer) if name.endswith(TUNED) and self.tuned else hidden
                     self.exit_ids[name] = model.logits(read)[0].topk(self.kappa, -1).indices.tolist()
             start = end
-        return Scores(model.logits(hidden)[0], draft)
+        self.final = model.logits(hidden)[0]
+        return Scores(self.final, draft)
 
 
 def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int, gamma: int = 7,
@@ -140,8 +157,11 @@ def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
             a, c = request.stats.accepted[-1], new[-1]
             if request.stats.drafted[-1] == gamma:
                 probe.accepted[group].append(a)
+            q = scorer.final[a].float().softmax(-1)
             for name, rows in scorer.exit_ids.items():
                 probe.ranks[group][name].append(rows[a].index(c) if c in rows[a] else max(kappas))
+                mass = q[rows[a]].cumsum(0).tolist()
+                probe.omegas[group][name].append([mass[k - 1] for k in kappas])
             window = proposer.last
             if bonus_exit in scorer.exit_ids:
                 row = (window.alternatives[a] if a < len(window.tokens) else scorer.exit_ids[bonus_exit][a])

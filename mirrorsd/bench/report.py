@@ -148,6 +148,15 @@ def _probe(results: dict[str, Any]) -> list[str]:
     if draft:  # mirror's candidates=draft
         label = "draft's runner-ups, full vocabulary, N/2 exit at the bonus slot (`candidates=draft:draft_vocab=0`)"
         out.append(f"| {label} | " + " | ".join(f"{draft[str(k)]:.2f}" for k in kappas) + " |")
+    omega = p.get("overlap", {}).get("all")
+    if omega:
+        out += ["", "Top-κ overlap mass Ω_κ(ℓe) (Eq. 9: the target's probability on the exit's top-κ at the "
+                "correction's slot) and Proposition 1's bound on the fallback of a correction drawn from the "
+                "target, each cell measured fallback / bound 1 − Ω_κ:", "",
+                "| ℓe | " + " | ".join(f"κ={k}" for k in kappas) + " |", "|---|" + "---|" * len(kappas)]
+        for name, row in omega.items():
+            out.append(f"| {name} | " + " | ".join(f"{fb[name][str(k)]:.2f} / {1 - row[str(k)]:.2f}"
+                                                    for k in kappas) + " |")
     return [*out, ""]
 
 
@@ -208,15 +217,21 @@ def _plot_speedup(results: dict[str, Any], path: Path) -> bool:
 
 
 def _line_plot(path: Path, curves: dict[str, dict[str, float]], xlabel: str, ylabel: str, title: str,
-               log2: bool = False, bold: str | None = None) -> bool:
-    """One line per label over integer x values (JSON's string keys)."""
+               log2: bool = False, bold: str | None = None, dashed: dict[str, dict[str, float]] | None = None) -> bool:
+    """One line per label over integer x values (JSON's string keys); ``dashed``: more curves, each in the colour of
+    the solid one at the same place (a bound beside what it bounds)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     xs: list[int] = []
+    colours = []
     for label, curve in curves.items():
         xs = sorted(int(x) for x in curve)
-        ax.plot(xs, [curve[str(x)] for x in xs], marker="o", lw=2.5 if label == bold else 1, label=label)
+        line, = ax.plot(xs, [curve[str(x)] for x in xs], marker="o", lw=2.5 if label == bold else 1, label=label)
+        colours.append(line.get_color())
+    for (label, curve), colour in zip((dashed or {}).items(), colours, strict=False):
+        xs = sorted(int(x) for x in curve)
+        ax.plot(xs, [curve[str(x)] for x in xs], ls="--", color=colour, lw=1, label=label)
     if log2:
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -244,8 +259,10 @@ def _plot_fallback(results: dict[str, Any], path: Path) -> bool:
     if not p or not p["fallback"]["all"]:
         return False
     curves = {f"ℓe = {name} (layer {p['exit_layers'][name]})": row for name, row in p["fallback"]["all"].items()}
+    bounds = {f"1 − Ω_κ, ℓe = {name}": {k: 1 - v for k, v in row.items()}
+              for name, row in p.get("overlap", {}).get("all", {}).items()}
     return _line_plot(path, curves, "κ (early-exit candidates per position)", "fallback frequency",
-                      "Fallback vs κ × ℓe (cf. Mirror-SD Fig. 7)", log2=True)
+                      "Fallback vs κ × ℓe, dashed: Prop. 1's bound (cf. Mirror-SD Fig. 7)", log2=True, dashed=bounds)
 
 
 def _plot_timeline(results: dict[str, Any], path: Path) -> bool:

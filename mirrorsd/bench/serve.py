@@ -47,7 +47,8 @@ PACING = ("--request-rate", "50", "--arrival-pattern", "constant")
 METRICS = (("output_token_throughput", "avg", "tok_s"), ("time_to_first_token", "p50", "ttft_p50_ms"),
            ("time_to_first_token", "p99", "ttft_p99_ms"), ("inter_token_latency", "p50", "tpot_p50_ms"),
            ("inter_token_latency", "p99", "tpot_p99_ms"), ("request_latency", "p50", "latency_p50_ms"),
-           ("request_latency", "p99", "latency_p99_ms"), ("completed_request_count", "avg", "completed"))
+           ("request_latency", "p99", "latency_p99_ms"), ("completed_request_count", "avg", "completed"),
+           ("input_sequence_length", "avg", "prompt_tokens"), ("output_sequence_length", "avg", "answer_tokens"))
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,10 @@ def markdown(results: dict[str, Any]) -> str:
              f"Load generator: aiperf {AIPERF_VERSION}. Median of {results['rounds']} interleaved rounds.",
              *(f"Note: {n}" for n in results.get("notes", [])), "", "Servers:", ""]
     lines += [f"- **{label}**: `{' '.join(results['servers'][label].get('command', []))}`" for label in labels]
+    lines += ["", "Mean prompt / answer tokens per request as each server counted them (the same prompts through each "
+              "server's own chat template): " + "; ".join(
+                  f"{lb} {_mean(results, lb, 'prompt_tokens'):.0f} / {_mean(results, lb, 'answer_tokens'):.0f}"
+                  for lb in labels) + "."]
     lines += ["", "## Aggregate output tok/s", "", "| concurrency | " + " | ".join(labels) + " |",
               "|---|" + "---|" * len(labels)]
     for c in results["levels"]:
@@ -313,6 +318,11 @@ def markdown(results: dict[str, Any]) -> str:
                 cells.append(f"{f.get(key + '_p50_ms', float('nan')):.0f} / {f.get(key + '_p99_ms', float('nan')):.0f}")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _mean(results: dict[str, Any], label: str, key: str) -> float:
+    values = [f[key] for f in results["median"][label].values() if key in f]
+    return statistics.fmean(values) if values else float("nan")
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

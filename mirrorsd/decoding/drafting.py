@@ -41,6 +41,24 @@ def draft_vocab_option(default: int | None = 0) -> Any:
                   default_text="32768 where a draft table ships" if default is None else None)
 
 
+def draft_streams_option() -> Any:
+    """The option that drafts with the draft model's Speculative Streaming adapter, shared by the methods that draft
+    with a model (``sd``; Mirror-SD's fresh rollouts)."""
+    return option(None, "draft with Speculative Streaming: the draft verifies its last guesses and drafts the next "
+                  "in one forward, so a window takes fewer draft forwards (the same tokens: its main stream "
+                  "verifies). ADAPTER is a folder; alone, the draft's shipped adapter", parse=str, metavar="ADAPTER",
+                  const="auto", default_text="an AR draft")
+
+
+def streams_flag(value: Any) -> Any:
+    """``draft_streams`` as a flag or a method spec writes it: true/auto ask for the draft's shipped adapter (the API
+    fills it in), false/none for an AR draft, anything else is an adapter folder."""
+    flag = str(value).lower()
+    if flag in ("true", "auto", "false", "none"):
+        return "auto" if flag in ("true", "auto") else None
+    return value
+
+
 def draft_vocab_size(option: int | None, draft: Transformer) -> int:
     """The draft vocabulary an option asks for: ``None`` is the default for the draft's tokenizer
     (:func:`~mirrorsd.draft_vocab.default_size` of its ``draft`` table)."""

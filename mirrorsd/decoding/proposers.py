@@ -119,9 +119,10 @@ class StreamProposer(ModelProposer):
     stream, so the window equals the draft's plain autoregressive continuation, in fewer forwards."""
 
     def __init__(self, draft: Transformer, adapters: StreamAdapters, target_vocab: int, params: SamplingParams,
-                 gamma: int, *, confidence: float = 0.0, rejection: bool = False,
+                 gamma: int, *, confidence: float = 0.0, rejection: bool = False, schedule: str = "constant",
                  tree_k: int = DEFAULT_TREE_K, tree_budget: int = DEFAULT_TREE_BUDGET) -> None:
-        super().__init__(draft, target_vocab, params, gamma, confidence=confidence, rejection=rejection)
+        super().__init__(draft, target_vocab, params, gamma, confidence=confidence, rejection=rejection,
+                         schedule=schedule)
         self.adapters, self.tree_k, self.tree_budget = adapters, tree_k, tree_budget
         self.stream_head = adapters.head(draft)  # the vocabulary the streams were trained on
 

@@ -11,16 +11,29 @@ drafts through text (:class:`~mirrorsd.decoding.bridge.BridgedProposer`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 from ..verify import ACCEPTANCE_RULES
 from .bridge import BridgedProposer
-from .drafting import SINK_TOKENS, draft_vocab_option, draft_vocab_size
+from .drafting import SINK_TOKENS, draft_streams_option, draft_vocab_option, draft_vocab_size, streams_flag
 from .engine import VERIFIERS, ChainScorer, DecodeRequest, Proposer, Roles
-from .proposers import SCHEDULES, ModelProposer, check_draft
-from .registry import Method, MethodOptions, OptionError, PlanInputs, Priced, at_least, option, probability, register
+from .proposers import SCHEDULES, ModelProposer, StreamProposer, check_draft
+from .registry import (
+    Method,
+    MethodOptions,
+    ModelShape,
+    OptionError,
+    PlanInputs,
+    Priced,
+    ShippedFiles,
+    at_least,
+    option,
+    probability,
+    register,
+)
+from .ss.adapters import load_adapters
 from .suffix import GATES, HYBRID_LOOKUP, ModelGate, SuffixFirst, suffix_match_option, suffix_proposer
 
 
@@ -39,13 +52,33 @@ class SDOptions(MethodOptions):
     draft_vocab: int | None = draft_vocab_option(None)  # measured: 1.26x ar vs 1.20x full (docs/drafting.md)
     draft_context: int = option(128, "the draft model reads only the prompt's first 4 and last N tokens "
                                 "(StreamingLLM's sink and window; its prompt prefill is what makes a draft lose on "
-                                "long prompts); 0: the whole prompt", check=at_least(0))  # 1.22x ar vs 1.20x at 256
+                                "long prompts); 0: the whole prompt (a draft_streams draft always reads it whole)",
+                                check=at_least(0))  # 1.22x ar vs 1.20x at 256
     acceptance: str = option("match", "match: greedy / sample-and-match (the target's own tokens, as ar); "
                              "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
+    draft_streams: Any = draft_streams_option()  # Mirror-SD paper Fig. 4's "SD × SS draft" cell
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "draft_streams", streams_flag(self.draft_streams))
+
+    def check(self, shape: ModelShape | None) -> None:
+        if self.draft_streams is not None and self.draft_vocab:
+            raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams (the streams read the "
+                              "vocabulary they were trained on)")
+
+    def resolved(self, files: ShippedFiles, shape: ModelShape) -> SDOptions:
+        """``draft_streams`` alone: the draft's shipped adapter."""
+        return replace(self, draft_streams=files.streams("draft")) if self.draft_streams == "auto" else self
 
 
 def model_proposer(req: DecodeRequest, opts: SDOptions, rejection: bool) -> Proposer:
     vocab = req.target.config.vocab_size
+    if opts.draft_streams is not None:  # the draft reads the whole prompt (its passes key noise by true positions)
+        if req.bridge is not None:
+            raise OptionError("draft_streams", "needs a draft sharing the target's tokenizer")
+        check_draft(req.target, req.draft)
+        return StreamProposer(req.draft, load_adapters(req.draft, opts.draft_streams), vocab, req.sampling,
+                              opts.gamma, confidence=opts.confidence, rejection=rejection, schedule=opts.schedule)
     if req.bridge is None:
         check_draft(req.target, req.draft)
         return ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,

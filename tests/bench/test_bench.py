@@ -19,6 +19,7 @@ from mirrorsd.api import encode_chat
 from mirrorsd.bench import metrics, plan
 from mirrorsd.bench.metrics import Answer, Turn
 from mirrorsd.bench.peers import server_flags
+from mirrorsd.bench.probe import Probe
 from mirrorsd.bench.report import render, write_report
 from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, needs_draft, parse_methods
 from mirrorsd.cli import main
@@ -513,6 +514,22 @@ def test_probe_reads_the_exit_head_it_is_given(tmp_path):
     fallback = json.loads((out / "results.json").read_text())["probe"]["fallback"]["all"]
     assert rc == 0 and set(fallback) == {"1/4", "1/2", "3/4", "1/2 tuned"}
     assert fallback["1/2 tuned"] == fallback["1/2"]
+    # Eq. 9's overlap mass beside it: a probability, nondecreasing in κ, the same through the identity translator,
+    # and in the report with Proposition 1's bound
+    omega = json.loads((out / "results.json").read_text())["probe"]["overlap"]["all"]
+    assert set(omega) == set(fallback) and omega["1/2 tuned"] == omega["1/2"]
+    for row in omega.values():
+        masses = [row[str(k)] for k in (1, 2, 4, 8, 16)]
+        assert all(0.0 <= m <= 1.0 + 1e-6 for m in masses) and masses == sorted(masses)
+    assert "Proposition 1's bound" in (out / "report.md").read_text()
+
+
+def test_probe_overlap_is_the_mean_mass_per_exit_and_kappa():
+    probe = Probe(gamma=3, exit_layers={"1/2": 2}, kappas=(1, 4))
+    probe.omegas["qa"]["1/2"] += [[0.2, 0.5], [0.4, 0.9]]
+    probe.omegas["rag"]["1/2"] += [[0.6, 1.0]]
+    assert probe.overlap("qa") == {"1/2": {1: pytest.approx(0.3), 4: pytest.approx(0.7)}}
+    assert probe.overlap() == {"1/2": {1: pytest.approx(0.4), 4: pytest.approx(0.8)}}
 
 
 def test_a_wrong_probe_exit_head_fails_before_any_model_loads(tmp_path):

@@ -430,6 +430,24 @@ def test_fewer_streams_are_the_first_streams_of_the_full_pass(exact_model, strea
                            full.out[0, m + node * 3: m + node * 3 + streams])
 
 
+def test_sd_with_ss_draft_equals_ar_with_the_ar_drafts_windows_in_fewer_forwards():
+    """Fig. 4's SD × SS-draft cell: ``sd`` drafting with the draft's streams proposes the AR draft's windows (its
+    main stream verifies each pass), so acceptance is unchanged and the tokens are ar's."""
+    target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
+    adapters = random_adapters(draft, streams=3, layers=1, std=0.1)
+    for temperature in (0.0, 1.0):
+        kwargs = {"temperature": temperature, "seed": 5, "max_new_tokens": 40}
+        sd = {"draft": draft, "gamma": 6, "confidence": 0.0, "suffix_match": 0, "draft_context": 0, **kwargs}
+        want = generate(target, [7, 8, 9], method="ar", **kwargs)
+        plain = generate(target, [7, 8, 9], method="sd", **sd)
+        got = generate(target, [7, 8, 9], method="sd", draft_streams=adapters, **sd)
+        assert got.token_ids == want.token_ids == plain.token_ids
+        assert got.stats.accepted == plain.stats.accepted and got.stats.drafted == plain.stats.drafted
+        assert got.stats.draft_forwards <= plain.stats.draft_forwards
+    with pytest.raises(mirrorsd.decoding.OptionError, match="draft_vocab"):
+        generate(target, [7, 8, 9], method="sd", draft=draft, draft_streams=adapters, draft_vocab=16)
+
+
 def test_mirror_with_ss_draft_equals_ar_and_keeps_parity_with_sd():
     target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
     adapters = random_adapters(draft, streams=2, layers=1, std=0.1)

@@ -9,7 +9,7 @@ from typing import Any
 from ...exit_heads import layer_or_fraction, resolve_exit_layer
 from ...runtime import BACKENDS
 from ...verify import ACCEPTANCE_RULES
-from ..drafting import draft_vocab_option
+from ..drafting import draft_streams_option, draft_vocab_option, streams_flag
 from ..registry import MethodOptions, ModelShape, OptionError, ShippedFiles, at_least, option, probability
 from ..suffix import suffix_match_option
 
@@ -73,9 +73,7 @@ class MirrorOptions(MethodOptions):
     confidence: float = option(0.6, "end a draft window at the first position where the draft's top probability "
                                "is below this; 0 always drafts γ tokens (the paper)",
                                check=probability())  # Spec-Bench, serial: 1.10x ar vs 0.92x at 0 (docs/mirror_sd.md)
-    draft_streams: Any = option(None, "draft with Speculative Streaming: fresh rollouts take several tokens per "
-                                "draft forward (the same tokens). ADAPTER is a folder; alone, the draft's shipped "
-                                "adapter", parse=str, metavar="ADAPTER", const="auto", default_text="an AR draft")
+    draft_streams: Any = draft_streams_option()
     exit_vocab: int | None = option(None, "score the early exit on the N most frequent token ids only (the "
                                     "correction is rarely outside them, and 32k of 152k ids read a fifth of the "
                                     "head); 0: the full vocabulary, as the paper", parse=int, check=at_least(0),
@@ -89,11 +87,7 @@ class MirrorOptions(MethodOptions):
     draft_vocab: int | None = draft_vocab_option(None)  # measured: 0.69x ar vs 0.62x full (docs/drafting.md)
 
     def __post_init__(self) -> None:
-        # The flag's spellings, also as a method spec writes them: true/auto ask for the draft's shipped adapter
-        # (filled in by resolved), false/none for an AR draft.
-        flag = str(self.draft_streams).lower()
-        if flag in ("true", "auto", "false", "none"):
-            object.__setattr__(self, "draft_streams", "auto" if flag in ("true", "auto") else None)
+        object.__setattr__(self, "draft_streams", streams_flag(self.draft_streams))
 
     def check(self, shape: ModelShape | None) -> None:
         if self.budget is not None and self.roots != "budget":
