@@ -31,6 +31,19 @@ def smollm2():
     return ours, hf
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: a tiny model's forwards are microseconds of work, and on a 2-core machine whose other
+    core is busy, a second thread's barrier waits made even SmolLM2's forwards tens of times slower (modules of
+    tiny-model loops use it for every test: ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test on SmolLM2's real weights (the ``smollm2`` fixture or ``requires_smollm2``) is marked ``real``,
     so ``-m "not real and not slow"`` leaves the random-weight loop."""

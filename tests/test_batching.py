@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,20 +28,10 @@ from mirrorsd.decoding.suffix_index import isolated_shared_indexes
 from mirrorsd.kv_cache import KVCache
 from tests.helpers import random_adapters, requires_smollm2, row_exact, tiny_hf
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels"),
+              pytest.mark.usefixtures("one_thread")]
 
 METHODS = [m.name for m in methods()]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: tiny forwards are microseconds of work (see test_conformance's fixture)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)

@@ -58,16 +58,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scope
 # -- models --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: a tiny model's forwards are microseconds of work, and on a 2-core machine whose other
-    core is busy, a second thread's barrier waits made even SmolLM2's forwards tens of times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 @dataclass
