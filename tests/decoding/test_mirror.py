@@ -127,7 +127,8 @@ def _message() -> ChannelMessage:
 def test_reuse_hit_rules():
     """With paper roots, a hit is exactly the paper's rule: c is a candidate of position A (Π⁺ ∈ Paths_τ(T))."""
     roots = select_roots(_message(), [7, 8], "paper")
-    tree = Tree(roots=roots, tokens=[[0]] * len(roots), top_probs=None, q=None, base=10, forwards=1)
+    tree = Tree(roots=roots, tokens=[[0]] * len(roots), top_probs=None, q=None, entries=[[10]] * len(roots),
+                forwards=1)
     hit = lambda accepted, correction: tree.branch(accepted, correction) is not None  # noqa: E731
     assert hit(0, 3)  # rejected at slot 1, correction among position 0's candidates
     assert not hit(0, 5)  # a candidate of another position does not count
@@ -135,7 +136,7 @@ def test_reuse_hit_rules():
     assert hit(2, 9)  # full acceptance: the bonus token against the last position
     assert not hit(2, 7)
     assert roots[tree.branch(2, 9)] == (2, 9)
-    budget = Tree(roots=[(0, 3), (2, 9)], tokens=[[1], [2]], top_probs=None, q=None, base=10, forwards=1)
+    budget = Tree(roots=[(0, 3), (2, 9)], tokens=[[1], [2]], top_probs=None, q=None, entries=[[10], [11]], forwards=1)
     assert budget.branch(2, 9) == 1 and budget.branch(0, 3) == 0 and budget.branch(1, 5) is None
 
 

@@ -449,19 +449,26 @@ def test_sd_with_ss_draft_equals_ar_with_the_ar_drafts_windows_in_fewer_forwards
 
 
 def test_mirror_with_ss_draft_equals_ar_and_keeps_parity_with_sd():
+    """Fresh rollouts and branch rollouts draft with the streams (every root rolled out: roots=paper). A branch
+    is the draft's own continuation either way, so every step hits and accepts exactly as with the AR draft."""
     target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
     adapters = random_adapters(draft, streams=2, layers=1, std=0.1)
-    for temperature in (0.0, 1.0):
+    for temperature, backend in ((0.0, "serial"), (1.0, "serial"), (0.0, "threads")):
         kwargs = {"temperature": temperature, "seed": 5, "max_new_tokens": 40}
         want = generate(target, [7, 8, 9], method="ar", **kwargs)
-        kwargs["confidence"] = 0.0  # full windows: a stream draft commits at least a token per forward
-        plain = generate(target, [7, 8, 9], method="mirror", draft=draft, gamma=5, kappa=2, **kwargs)
-        got = generate(target, [7, 8, 9], method="mirror", draft=draft, gamma=5, kappa=2, draft_streams=adapters,
-                       **kwargs)
+        mirror = {"draft": draft, "gamma": 5, "kappa": 2, "roots": "paper", "backend": backend,
+                  "confidence": 0.0, **kwargs}  # full windows: a stream draft commits at least a token per forward
+        plain = generate(target, [7, 8, 9], method="mirror", **mirror)
+        got = generate(target, [7, 8, 9], method="mirror", draft_streams=adapters, **mirror)
         assert got.token_ids == want.token_ids
-        assert got.stats.accepted == plain.stats.accepted
-        m = got.stats.to_dict()["mirror"]
-        assert m["draft_streams"] and m["fresh_tokens_per_draft_forward"] >= 1.0
+        m, p = got.stats.extra["mirror"], plain.stats.extra["mirror"]
+        assert [(s.hit, s.accepted) for s in m.steps] == [(s.hit, s.accepted) for s in p.steps]
+        assert any(s.hit for s in m.steps) and any(s.hit is False for s in m.steps)
+        assert all(0 < s.rollout_forwards <= s.rollout_depth for s in m.steps if s.hit is not None)
+        summary = m.to_dict()
+        assert summary["draft_streams"] and summary["fresh_tokens_per_draft_forward"] >= 1.0
+        assert summary["rollout_tokens_per_draft_forward"] >= 1.0
+        assert got.stats.draft_forwards <= plain.stats.draft_forwards
 
 
 # -- real weights, training, shipped adapters ----------------------------------------------------------------

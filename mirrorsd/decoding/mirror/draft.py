@@ -13,14 +13,16 @@ from typing import Protocol
 
 import torch
 
+from ...draft_vocab import head_logits, top_tokens
 from ...model import Transformer
 from ...runtime import Span
 from ...sampling import SamplingParams
-from ...verify import Verdict
+from ...verify import Verdict, verify_tree
 from ..drafting import draft_vocab_size, window_end
 from ..engine import Proposal, RequestState, Scores, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
-from ..ss.adapters import load_adapters
+from ..ss.adapters import load_adapters, stream_mask
+from ..ss.passes import StreamGuesses, ancestors
 from .options import MirrorOptions, batch_caps
 from .stats import MirrorRun
 
@@ -33,7 +35,7 @@ class Tree:
     tokens: list[list[int]]
     top_probs: list[list[float]] | None  # confidence rule
     q: torch.Tensor | None  # [R, γ, vocab] draft distributions (rejection sampling)
-    base: int  # cache index of the first branch entry; branch r's step-s input sits at base + s·R + r
+    entries: list[list[int]]  # branch r's inputs (its root, then its tokens) at these draft-cache indices
     forwards: int
     span: Span | None = None
     alternatives: list[list[list[int]]] | None = None  # [R][γ][κ+1] the draft's likeliest tokens (candidates=draft)
@@ -176,7 +178,10 @@ class LocalDraft:
     def rollout(self, committed: int, window: list[int], spine: list[int], roots: list[tuple[int, int]],
                 steps: int, state: RequestState) -> Tree:
         with self.run.tracer.span("draft", "rollout", roots=len(roots), steps=steps) as span:
-            tree = self._rollout(state, committed, window, spine, roots, steps)
+            if isinstance(self.proposer, StreamProposer):
+                tree = self._stream_rollout(state, committed, window, spine, roots, steps)
+            else:
+                tree = self._rollout(state, committed, window, spine, roots, steps)
         tree.span = span
         return tree
 
@@ -232,7 +237,97 @@ class LocalDraft:
                     alternatives[r].append(likeliest)
             feed = drawn
         q = torch.stack(q_steps, 1) if q_steps else None
-        return Tree(roots, tokens, top_probs, q, base, steps, alternatives=alternatives)
+        entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
+        return Tree(roots, tokens, top_probs, q, entries, steps, alternatives=alternatives)
+
+    def _stream_rollout(self, state: RequestState, committed: int, window: list[int], spine_feed: list[int],
+                        roots: list[tuple[int, int]], steps: int) -> Tree:
+        """:meth:`_rollout` with Speculative Streaming passes (``draft_streams``): in every forward each branch
+        verifies its streams' last guesses and drafts the next, so a rollout takes about ⌈γ/η̄⌉ forwards instead
+        of γ (the paper's J ≤ ⌈γ/η̄⌉), with the same tokens: each branch's main stream verifies, as in
+        :class:`~..proposers.StreamProposer`.
+
+        One forward carries every unfinished branch: its next input (the root, then its last token) and its guess
+        tree, over the spine it sees and its own cache entries. Branches accept different counts, so the cache
+        keeps each branch's inputs wherever they land (``entries``), compacted past the spine after every pass."""
+        proposer = self.proposer
+        assert isinstance(proposer, StreamProposer)
+        model, cache, sampler, adapters = self.model, state.draft_cache, proposer.sampler, proposer.adapters
+        device = model.device
+        if len(cache) + len(spine_feed) != committed + len(window):
+            raise RuntimeError(f"draft cache holds {len(cache)} positions and {len(spine_feed)} are fed, expected "
+                               f"{committed + len(window)} in all")
+        n_streams = min(batch_caps(state.batch)[1] or adapters.config.streams, adapters.config.streams)
+        n_roots, base, split = len(roots), len(cache) + len(spine_feed), adapters.first_layer
+        sees = [committed + j for j, _ in roots]  # root (j, v) sits at committed + j and sees the spine before it
+        entries: list[list[int]] = [[] for _ in roots]
+        tokens: list[list[int]] = [[] for _ in roots]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in roots]
+        tops: list[list[float]] = [[] for _ in roots]
+        inputs = [v for _, v in roots]  # each branch's next input, which the cache lacks
+        guesses = [StreamGuesses() for _ in roots]
+        lead, forwards = list(spine_feed), 0
+        while live := [r for r in range(n_roots) if len(tokens[r]) < steps]:
+            past = len(cache)
+            feed, positions = list(lead), list(range(past, past + len(lead)))
+            blocks: list[tuple[int, int, Proposal]] = []  # (branch, first row, guess tree)
+            for r in live:
+                tree = guesses[r].tree(min(n_streams, steps - len(tokens[r]) - 1), proposer.tree_budget)
+                blocks.append((r, len(feed), tree))
+                at = sees[r] + len(tokens[r])
+                depths = [0]
+                for parent in tree.parents or []:
+                    depths.append(depths[parent + 1] + 1)
+                feed += [inputs[r], *tree.tokens]
+                positions += [at + d for d in depths]
+            n = len(feed)
+            main = torch.zeros(n, past + n, dtype=torch.bool, device=device)
+            for i in range(len(lead)):
+                main[i, : past + i + 1] = True  # the spine's missing tokens, causally
+            for r, first, tree in blocks:
+                size = 1 + len(tree.tokens)
+                block = main[first:first + size]
+                block[:, :sees[r]] = True
+                block[:, entries[r]] = True
+                block[:, past + first:past + first + size] = ancestors([-1, *(p + 1 for p in tree.parents or [])],
+                                                                        device)
+            streamed = torch.arange(len(lead), n, device=device)  # every branch row may be the last accepted
+            pos = torch.tensor(positions, device=device)
+            hidden = model.run_layers(model.embed(draft_tokens(model, feed)), pos[None], cache, main[None], 0, split)
+            x = torch.cat([hidden, adapters.insert(hidden[:, streamed], n_streams)[:, len(streamed):]], 1)
+            up_positions = torch.cat([pos, pos[streamed].repeat_interleave(n_streams)])[None]
+            out = model.run_layers(x, up_positions, cache, stream_mask(main, streamed, n_streams), split, None,
+                                   streams=adapters.rows(len(streamed) * n_streams))[0]
+            forwards += 1
+            logits = model.logits(out[len(lead):n])
+            lasts: list[int] = []  # per block, the stream rows' main row: the last accepted node
+            for r, first, tree in blocks:
+                rows = logits[first - len(lead):first - len(lead) + 1 + len(tree.tokens)]
+                verdict = verify_tree(tree.tokens, tree.parents or [], rows, positions[first] + 1, proposer.params,
+                                      sampler.noise)
+                tokens[r] += [*(tree.tokens[i] for i in verdict.nodes), verdict.next_token]
+                entries[r] += [past + first, *(past + first + 1 + i for i in verdict.nodes)]
+                inputs[r] = verdict.next_token
+                lasts.append(first + (verdict.nodes[-1] + 1 if verdict.accepted else 0))
+                if sampler.need_probs:
+                    q, top = sampler.judge(rows[[0, *(i + 1 for i in verdict.nodes)]])
+                    q_rows[r] += list(q) if q is not None else []
+                    tops[r] += top or []
+            stream_rows = torch.cat([n + (row - len(lead)) * n_streams + torch.arange(n_streams, device=device)
+                                     for row in lasts])
+            logprobs, top_ids = top_tokens(*head_logits(model, out[stream_rows], proposer.stream_head), proposer.tree_k)
+            for b, (r, _, _) in enumerate(blocks):
+                part = slice(b * n_streams, (b + 1) * n_streams)
+                guesses[r] = StreamGuesses(top_ids[part].tolist(), logprobs[part].float().tolist())
+            kept = [e for branch in entries for e in branch]
+            cache.compact(base, [e - base for e in kept])
+            at = base
+            for r in range(n_roots):
+                entries[r], at = list(range(at, at + len(entries[r]))), at + len(entries[r])
+            lead = []
+        q = torch.stack([torch.stack(rows[:steps]) for rows in q_rows]) if any(q_rows) else None
+        top_probs = [t[:steps] for t in tops] if self.confidence > 0 else None
+        return Tree(roots, [t[:steps] for t in tokens], top_probs, q, entries, forwards)
 
     def verdict(self, state: RequestState, verdict: Verdict) -> Proposal | None:
         tree, future, self.future = None, self.future, None
@@ -259,8 +354,7 @@ class LocalDraft:
         else:
             window = min(limit, window_end(tree.top_probs[branch], self.confidence))
         before = len(state.tokens) - 1  # the spine through d_A
-        n = len(tree.roots)
-        state.draft_cache.keep(list(range(before)) + [tree.base + s * n + branch for s in range(max(window, 1))])
+        state.draft_cache.keep(list(range(before)) + tree.entries[branch][:max(window, 1)])
         probs = tree.q[branch, :window] if tree.q is not None and window else None
         alternatives = tree.alternatives[branch][:window] if tree.alternatives is not None else None
         return Proposal(tree.tokens[branch][:window], probs=probs, alternatives=alternatives)

@@ -39,6 +39,8 @@ class MirrorStep:
     t_fallback: float  # fresh rollout after a miss (exposed)
     hidden: float  # rollout time overlapped by the target's upper layers
     step_s: float  # measured: step start to the next window ready
+    rollout_depth: int = 0  # tokens each branch rolled out (the rollout's γ)
+    rollout_forwards: int = 0  # draft forwards that took (J: γ for an AR draft, ~⌈γ/η̄⌉ with SS streams)
 
     @property
     def eq10_s(self) -> float:
@@ -102,6 +104,10 @@ class MirrorStats:
             # η̄: draft tokens per draft forward in fresh rollouts (1 for an AR draft, more with SS streams)
             "fresh_tokens_per_draft_forward": round(self.fresh_tokens / self.fresh_forwards, 4)
             if self.fresh_forwards else None,
+            # the same for the branch rollouts: rollout depth over the forwards it took (the paper's γ / J)
+            "rollout_tokens_per_draft_forward": round(sum(s.rollout_depth for s in with_tree)
+                                                      / sum(s.rollout_forwards for s in with_tree), 4)
+            if any(s.rollout_forwards for s in with_tree) else None,
             # processes backend: send -> the draft process has it, per message (median ms)
             "channel_ms": {name: round(1e3 * sorted(v)[len(v) // 2], 3) for name, v in self.channel_s.items() if v},
         }
@@ -143,6 +149,8 @@ class MirrorRun:
         record, (start, submitted, upper, _, steps) = self.record, self._step
         joined = time.perf_counter()
         rollout = tree.span if tree is not None else None
+        if tree is not None:
+            record.rollout_depth, record.rollout_forwards = steps, tree.forwards
         if rollout is not None:
             record.t_draft = rollout.seconds
             record.t_channel = max(0.0, rollout.start - submitted) if self.overlapped else 0.0

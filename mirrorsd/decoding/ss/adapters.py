@@ -231,14 +231,20 @@ def msa_mask(ancestors: torch.Tensor, past: int, streams: int) -> torch.Tensor:
     ``a`` sees, ``a`` itself and streams ``(a, 1..j)``; main rows see no stream (v1's Eq. 1).
     """
     m = ancestors.shape[0]
-    device = ancestors.device
-    total = past + m + m * streams
-    mask = torch.zeros(m + m * streams, total, dtype=torch.bool, device=device)
-    mask[:, :past] = True
-    mask[:m, past:past + m] = ancestors
-    mask[m:, past:past + m] = ancestors.repeat_interleave(streams, dim=0)
-    j = torch.arange(streams, device=device)
+    main = torch.cat([torch.ones(m, past, dtype=torch.bool, device=ancestors.device), ancestors], 1)
+    return stream_mask(main, torch.arange(m, device=ancestors.device), streams)
+
+
+def stream_mask(main: torch.Tensor, streamed: torch.Tensor, streams: int) -> torch.Tensor:
+    """:func:`msa_mask` for any main mask ``[m, T]`` (what each main row sees of the cache and the window, the
+    window's main rows being the last ``m`` columns) with stream rows beside the main rows ``streamed`` only:
+    ``[1, m + s·γ, T + s·γ]``. Mirror-SD's branch rollouts need it: each branch sees its own part of the cache."""
+    m, total = main.shape
+    s = streamed.numel()
+    mask = torch.zeros(m + s * streams, total + s * streams, dtype=torch.bool, device=main.device)
+    mask[:m, :total] = main
+    mask[m:, :total] = main[streamed].repeat_interleave(streams, dim=0)
+    j = torch.arange(streams, device=main.device)
     own = (j.unsqueeze(1) >= j.unsqueeze(0))  # [γ, γ]: stream j sees streams <= j of its own token
-    block = torch.block_diag(*([own] * m)) if m else own[:0, :0]
-    mask[m:, past + m:] = block
+    mask[m:, total:] = torch.block_diag(*([own] * s)) if s else own[:0, :0]
     return mask.unsqueeze(0)
