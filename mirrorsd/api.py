@@ -106,6 +106,25 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     return LoadedModel(model, tokenizer, str(name_or_path), path, frozenset(eos), weights, activations)
 
 
+SELF_DRAFT = "self:"
+
+
+def self_draft(target: LoadedModel, spec: str) -> LoadedModel:
+    """``self:N`` / ``self:F``: the target's first N layers (or that fraction of them) as a draft, sharing its
+    weights (the early layers are the cheapest draft that needs nothing loaded)."""
+    text = spec.removeprefix(SELF_DRAFT)
+    try:
+        depth: int | float = int(text)
+    except ValueError:
+        depth = float(text)
+    n_layers = target.config.n_layers
+    layers = round(depth * n_layers) if isinstance(depth, float) else depth
+    if not 0 < layers < n_layers:
+        raise ValueError(f"draft {spec}: the self-draft needs 1..{n_layers - 1} of the target's layers")
+    return LoadedModel(target.model.prefix_model(layers), target.tokenizer, f"{target.name}[:{layers}]",
+                       target.path, target.eos_token_ids, target.weights, target.activations)
+
+
 @dataclass
 class Generation:
     text: str

@@ -141,7 +141,8 @@ def pooled_counters(answers: Sequence[Answer], method: str) -> dict[str, float]:
 
 
 def method_extras(answers: Sequence[Answer], method: str) -> dict[str, float]:
-    """Mirror-SD's fallback frequency and hidden-draft fraction, SS's call reduction, from pooled counters."""
+    """Mirror-SD's fallback frequency and hidden-draft fraction, SS's call reduction, the acceptance rate and the
+    draft's η̄, from pooled counters."""
     c = pooled_counters(answers, method)
     out = {}
     if c.get("tree_steps"):
@@ -150,6 +151,14 @@ def method_extras(answers: Sequence[Answer], method: str) -> dict[str, float]:
         out["hidden_draft_fraction"] = c["hidden_s"] / c["draft_s"]
     if c.get("passes"):
         out["call_reduction"] = c["committed"] / c["passes"]
+    if c.get("drafted"):
+        out["acceptance_rate"] = c["accepted"] / c["drafted"]
+    # η̄, draft tokens per draft forward: Mirror-SD's fresh and branch rollouts, or every window's drafting
+    forwards = c.get("fresh_forwards", 0) + c.get("rollout_forwards", 0)
+    if forwards:
+        out["draft_tokens_per_forward"] = (c.get("fresh_tokens", 0) + c.get("rollout_depth", 0)) / forwards
+    elif c.get("draft_forwards"):
+        out["draft_tokens_per_forward"] = c["drafted"] / c["draft_forwards"]
     return out
 
 

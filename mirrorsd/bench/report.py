@@ -59,7 +59,8 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         f"methods interleaved per question with a rotating order; our target weights `{results['target_weights']}`.",
         "",
         "Speedup = mean per-question tok/s of the method ÷ that of `ar` in the same run (Spec-Bench's definition); "
-        "MAT = mean tokens committed per target step, bonus included.",
+        "MAT = mean tokens committed per target step, bonus included; acceptance = accepted ÷ drafted tokens; "
+        "draft η̄ = draft tokens per draft forward (1 for an AR draft, more for one drafting with SS streams).",
         "",
     ]
     for note in results.get("notes", []):
@@ -77,9 +78,9 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         lines.append("| MAT | " + " | ".join(_f(summary[m]["mean_accepted_tokens"]) for m in labels) + " |")
         lines.append("")
     lines += ["## Per method", "",
-              "| method | tok/s | speedup vs ar | vs own AR | MAT | lossless vs reference | fallback | hidden draft "
-              "| call reduction | predicted tok/s (law) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| method | tok/s | speedup vs ar | vs own AR | MAT | acceptance | draft η̄ | lossless vs reference "
+              "| fallback | hidden draft | call reduction | predicted tok/s (law) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in labels:
         s = summary[m]
         tps = s["tokens_per_s"]
@@ -88,11 +89,15 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         own = _x(s["speedup_vs_reference"].get(OVERALL)) if "speedup_vs_reference" in s else "–"
         lines.append(
             f"| `{m}` | {tps['median']:.2f} ({tps['min']:.2f}–{tps['max']:.2f}) | {_x(s['speedup'].get(OVERALL))} "
-            f"| {own} | {_f(s['mean_accepted_tokens'])} | {lossless} | {_f(s.get('fallback_frequency'))} "
+            f"| {own} | {_f(s['mean_accepted_tokens'])} | {_f(s.get('acceptance_rate'))} "
+            f"| {_f(s.get('draft_tokens_per_forward'))} | {lossless} | {_f(s.get('fallback_frequency'))} "
             f"| {_f(s.get('hidden_draft_fraction'))} | {_f(s.get('call_reduction'))} "
             f"| {_f(s.get('predicted_tokens_per_s'))} |")
     lines.append("")
     lines += _per_position(summary) + _divergences(summary) + _probe(results) + _costs(results)
+    table = tradeoff_table([results])
+    if table:
+        lines += ["## Latency and acceptance vs γ (the Mirror-SD paper's Fig. 3a)", "", *table]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     opts = [f"- `{m}`: {summary[m]['kind']} {summary[m]['options'] or ''}".rstrip() for m in labels]
@@ -188,7 +193,83 @@ def plot_all(results: dict[str, Any], out: Path) -> list[str]:
                      ("fallback_kappa_exit.png", _plot_fallback), ("step_timeline.png", _plot_timeline)):
         if fn(results, out / name):
             made.append(name)
+    if plot_tradeoff([results], out / TRADEOFF_PLOT):
+        made.append(TRADEOFF_PLOT)
     return made
+
+
+TRADEOFF_PLOT = "tradeoff_vs_gamma.png"
+
+
+def tradeoff_curves(runs: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
+    """Methods that differ only in ``gamma``, across one or more runs (each with its own draft), as curves: label
+    (kind, draft, the options that tell curves apart) -> γ -> ms per token (median run), accepted draft tokens per
+    step (MAT − 1, the paper's E[A_t]) and tok/s. Curves with a single γ are left out."""
+    points: dict[tuple[str, str, tuple], dict[int, dict[str, float]]] = {}
+    for results in runs:
+        draft = results["config"].get("draft") or ""
+        for s in results["summary"].values():
+            gamma = (s.get("options") or {}).get("gamma")
+            if gamma is None or s.get("mean_accepted_tokens") is None:
+                continue
+            rest = tuple(sorted((k, str(v)) for k, v in s["options"].items() if k != "gamma"))
+            tps = s["tokens_per_s"]["median"]
+            points.setdefault((s["kind"], draft, rest), {})[int(gamma)] = {
+                "ms_per_token": 1e3 / tps if tps else float("nan"), "tokens_per_s": tps,
+                "accepted": s["mean_accepted_tokens"] - 1}
+    points = {key: c for key, c in points.items() if len(c) > 1}
+    shared = set.intersection(*(set(rest) for _, _, rest in points)) if points else set()
+    return {" ".join(x for x in (kind, draft, ":".join(f"{k}={v}" for k, v in rest if (k, v) not in shared)) if x):
+            dict(sorted(c.items())) for (kind, draft, rest), c in points.items()}
+
+
+def tradeoff_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Markdown: per curve and γ, ms per token and accepted draft tokens per step, beside ``ar`` of each run."""
+    curves = tradeoff_curves(runs)
+    if not curves:
+        return []
+    gammas = sorted({g for c in curves.values() for g in c})
+    out = ["| curve | " + " | ".join(f"γ={g}" for g in gammas) + " |", "|---|" + "---|" * len(gammas)]
+    for label, c in curves.items():
+        out.append(f"| {label} | " + " | ".join(
+            f"{c[g]['ms_per_token']:.1f} ms, {c[g]['accepted']:.2f}" if g in c else "" for g in gammas) + " |")
+    refs = [f"{r['config'].get('draft')}: `ar` {r['summary'][REFERENCE]['tokens_per_s']['median']:.2f} tok/s "
+            f"({1e3 / r['summary'][REFERENCE]['tokens_per_s']['median']:.1f} ms per token)"
+            for r in runs if REFERENCE in r["summary"]]
+    return [*out, "", "Each cell: latency per token (median run), accepted draft tokens per step (E[A_t]). "
+            + "; ".join(refs) + ".", ""]
+
+
+def plot_tradeoff(runs: list[dict[str, Any]], path: Path) -> bool:
+    """The Mirror-SD paper's Fig. 3a on our models: latency per token and acceptance against γ, one curve per
+    draft and method (two panels where the paper draws one 3-D surface)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = tradeoff_curves(runs)
+    if not curves:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, c in curves.items():
+        gammas = list(c)
+        left.plot(gammas, [c[g]["ms_per_token"] for g in gammas], marker="o", label=label)
+        right.plot(gammas, [c[g]["accepted"] for g in gammas], marker="o", label=label)
+    for r in runs:
+        if REFERENCE in r["summary"]:
+            left.axhline(1e3 / r["summary"][REFERENCE]["tokens_per_s"]["median"], color="black", lw=0.8, ls=":")
+    left.set_xlabel("γ (draft window)")
+    left.set_ylabel("latency per token, ms (dotted: ar)")
+    right.set_xlabel("γ (draft window)")
+    right.set_ylabel("E[A_t], accepted draft tokens per step")
+    left.set_title("Latency vs γ (cf. Mirror-SD Fig. 3a)")
+    right.set_title("Acceptance vs γ")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def _plot_speedup(results: dict[str, Any], path: Path) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..api import generate, load_model, planned, shares_tokenizer
+from ..api import SELF_DRAFT, generate, load_model, planned, self_draft, shares_tokenizer
 from ..decoding import REFERENCE, get_method, methods
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..errors import OptionError
@@ -197,7 +197,10 @@ class Bench:
         if self.probe_exit is not None:
             for layer in self.probe_exit.layers:
                 self.probe_exit.check(layer, self.target.config.hidden_size)
-        self.draft = load_model(config.draft, **load) if drafting or config.probe else None
+        self.draft = None
+        if drafting or config.probe:
+            self.draft = (self_draft(self.target, config.draft) if config.draft.startswith(SELF_DRAFT)
+                          else load_model(config.draft, **load))
         if self.draft is not None and not shares_tokenizer(self.target, self.draft):
             cannot = [k for k in drafting if k == AUTO or not ours(k) or not get_method(k).bridged]
             if cannot or config.probe:
@@ -282,8 +285,9 @@ class Bench:
         turn = Turn(new_tokens=st.new_tokens, wall_s=wall, token_ids=g.token_ids, text=g.text,
                     prefill_s=st.prefill_s, accept_lengths=[a + 1 for a in st.accepted] or [1] * st.new_tokens,
                     drafted=list(st.drafted) if st.accepted else [0] * st.new_tokens, steps=list(st.step_log))
+        turn.counters = {"drafted": sum(st.drafted), "accepted": sum(st.accepted), "draft_forwards": st.draft_forwards}
         for extra in st.extra.values():
-            turn.counters = extra.counters()
+            turn.counters.update(extra.counters())
             overlapped = extra.timeline()  # the timeline shows the first overlapped run if any
             if overlapped is not None and st.spans and (
                     self.timeline is None or overlapped and not self.timeline["overlapped"]):

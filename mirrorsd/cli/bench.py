@@ -67,11 +67,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run Spec-Bench questions (or your own JSONL) through our methods and the peers (HF "
         "transformers generate / assisted / prompt lookup, llama.cpp's llama-server when found) in one run, "
         "interleaved per question; check every output against its AR reference; write results.json, Spec-Bench "
-        "answer files, report.md and plots to --out. Subcommands: sweep, forward, gpu, serve, perplexity, quality.")
+        "answer files, report.md and plots to --out. Subcommands: sweep, forward, gpu, serve, perplexity, quality, "
+        "tradeoff.")
     _bench_arguments(b, methods=True)
     b.set_defaults(func=run)
     bsub = b.add_subparsers(dest="bench_command", required=False,
-                            metavar="{sweep,forward,gpu,serve,perplexity,quality}")
+                            metavar="{sweep,forward,gpu,serve,perplexity,quality,tradeoff}")
     bw = bsub.add_parser(
         "sweep", formatter_class=HelpFormatter,
         help="Mirror-SD over γ × κ × ℓe × roots × candidates × backend × threads",
@@ -188,6 +189,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     bq.add_argument("--suite", default="specbench:4", help="questions: specbench[:N], assist or FILE.jsonl")
     bq.add_argument("--answer-tokens", type=int, default=64, help="most tokens of each fp32 answer")
     bq.add_argument("--out", required=True, help="output folder")
+    bt = bsub.add_parser(
+        "tradeoff", formatter_class=HelpFormatter,
+        help="latency and acceptance vs γ across runs with different drafts (the Mirror-SD paper's Fig. 3a)",
+        description="Reads the results.json of one or more `mirrorsd bench` runs (one per draft, each with methods "
+        "that differ only in gamma, e.g. sd-g1=sd:gamma=1:confidence=0 ... sd-g7=...) and draws every curve in one "
+        "figure: latency per token and accepted draft tokens per step against γ, with each run's ar dotted. Writes "
+        "tradeoff_vs_gamma.png and tradeoff.md to --out.")
+    bt.add_argument("runs", nargs="+", metavar="RUN", help="bench output folders (or their results.json)")
+    bt.add_argument("--out", default="bench_out/tradeoff", help="output folder")
 
 
 def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
@@ -352,8 +362,29 @@ def _quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tradeoff(args: argparse.Namespace) -> int:
+    from mirrorsd.bench.report import TRADEOFF_PLOT, plot_tradeoff, tradeoff_table
+
+    runs = []
+    for run_path in map(Path, args.runs):
+        path = run_path / "results.json" if run_path.is_dir() else run_path
+        if not path.is_file():
+            raise ValueError(f"{run_path}: no results.json there (give `mirrorsd bench` output folders)")
+        runs.append(json.loads(path.read_text()))
+    table = tradeoff_table(runs)
+    if not table:
+        raise ValueError("no method in these runs comes at two or more values of gamma: nothing to draw")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_tradeoff(runs, out / TRADEOFF_PLOT)
+    (out / "tradeoff.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"wrote {out / TRADEOFF_PLOT} and {out / 'tradeoff.md'}")
+    return 0
+
+
 _SUBCOMMANDS = {"sweep": _sweep, "forward": _forward, "gpu": _gpu, "serve": _serve, "perplexity": _perplexity,
-                "quality": _quality}
+                "quality": _quality, "tradeoff": _tradeoff}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import mirrorsd
 from mirrorsd import zoo
-from mirrorsd.api import LoadedModel
+from mirrorsd.api import SELF_DRAFT, self_draft
 from mirrorsd.decoding import ModelShape, get_method
 from mirrorsd.errors import OptionError
 from mirrorsd.runtime import load
@@ -61,14 +61,8 @@ def load_draft(args: argparse.Namespace, target, console):
     """``--draft`` is a zoo name or folder, or ``self:N`` / ``self:F``: the target's first N layers (or that
     fraction of them), sharing its weights."""
     name = args.draft or DEFAULT_DRAFT
-    if name.startswith("self:"):
-        depth = number(name.removeprefix("self:"))
-        n_layers = target.config.n_layers
-        layers = round(depth * n_layers) if isinstance(depth, float) else depth
-        if not 0 < layers < n_layers:
-            raise ValueError(f"--draft {name}: the self-draft needs 1..{n_layers - 1} of the target's layers")
-        return LoadedModel(target.model.prefix_model(layers), target.tokenizer, f"{target.name}[:{layers}]",
-                           target.path, target.eos_token_ids, target.weights, target.activations)
+    if name.startswith(SELF_DRAFT):
+        return self_draft(target, name)
     with console.status(f"loading draft {name}…"):
         draft = mirrorsd.load_model(name, device=args.draft_device or args.device, dtype=args.dtype,
                                     weights=args.weights, activations=args.activations)

@@ -16,7 +16,7 @@ import torch
 import mirrorsd
 from mirrorsd import plans, zoo
 from mirrorsd.api import encode_chat
-from mirrorsd.bench import metrics, plan
+from mirrorsd.bench import metrics, plan, report
 from mirrorsd.bench.metrics import Answer, Turn
 from mirrorsd.bench.peers import server_flags
 from mirrorsd.bench.probe import Probe
@@ -86,6 +86,47 @@ def test_mirror_and_ss_extras_pool_counters():
             answer("s", 0, 1, "qa", 1, 1.0, counters={"passes": 4, "committed": 6})]
     assert metrics.method_extras(rows, "m") == pytest.approx({"fallback_frequency": 0.2, "hidden_draft_fraction": 0.2})
     assert metrics.method_extras(rows, "s") == pytest.approx({"call_reduction": 1.5})
+
+
+def test_acceptance_and_draft_eta_pool_counters():
+    """η̄ = draft tokens per draft forward: from every window's drafting, or from Mirror-SD's own rollout counters
+    (its windows come from branches, so draft_forwards would count the branch rollouts' forwards against them)."""
+    sd = [answer("sd", 0, q, "qa", 1, 1.0, counters={"drafted": 10, "accepted": 6, "draft_forwards": 8})
+          for q in (1, 2)]
+    assert metrics.method_extras(sd, "sd") == pytest.approx({"acceptance_rate": 0.6, "draft_tokens_per_forward": 1.25})
+    mirror = [answer("m", 0, 1, "qa", 1, 1.0, counters={"drafted": 10, "accepted": 5, "draft_forwards": 30,
+                                                        "fresh_tokens": 6, "fresh_forwards": 4, "rollout_depth": 14,
+                                                        "rollout_forwards": 6})]
+    assert metrics.method_extras(mirror, "m")["draft_tokens_per_forward"] == pytest.approx(2.0)
+
+
+def test_tradeoff_curves_join_runs_by_draft_and_leave_single_points_out(tmp_path):
+    runs = []
+    for draft, slow in (("d", 1.0), ("self:0.5", 2.0)):
+        results = synthetic_results()
+        results["config"]["draft"] = draft
+        base = results["summary"]["sd"]
+        for g in (1, 3):
+            results["summary"][f"sd-g{g}"] = {**base, "options": {"gamma": g, "confidence": 0.0},
+                                             "tokens_per_s": {"median": 10.0 * g / slow}}
+        results["summary"]["lonely"] = {**base, "kind": "mirror", "options": {"gamma": 2}}
+        runs.append(results)
+    curves = report.tradeoff_curves(runs)
+    assert list(curves) == ["sd d", "sd self:0.5"]  # the options every curve shares are left out of the labels
+    assert curves["sd self:0.5"][3]["ms_per_token"] == pytest.approx(1e3 / 15)
+    assert curves["sd d"][1]["accepted"] == pytest.approx(1.0)  # MAT 2.0, bonus excluded
+    table = "\n".join(report.tradeoff_table(runs))
+    assert "| sd d | 100.0 ms, 1.00 | 33.3 ms, 1.00 |" in table
+    assert report.plot_tradeoff(runs, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 1000
+    folders = []
+    for i, results in enumerate(runs):
+        folders.append(tmp_path / f"run{i}")
+        folders[-1].mkdir()
+        (folders[-1] / "results.json").write_text(json.dumps(results))
+    assert main(["bench", "tradeoff", *map(str, folders), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tradeoff_vs_gamma.png").exists() and "γ=3" in (tmp_path / "out" /
+                                                                                "tradeoff.md").read_text()
+    assert main(["bench", "tradeoff", str(tmp_path / "nowhere")]) == 2
 
 
 def test_first_divergence_and_lossless_summary():
