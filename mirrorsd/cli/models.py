@@ -24,6 +24,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     ml.add_argument("--json", action="store_true")
     mp = msub.add_parser("prepare", help="assemble, verify and convert a zoo model into the cache (once)")
     mp.add_argument("names", nargs="+", metavar="NAME")
+    pp = msub.add_parser("params", help="extra parameters of each shipped stream adapter against Medusa heads (the "
+                         "Speculative Streaming paper's Table 1 column)",
+                         description="Extra parameters of each zoo model's shipped Speculative Streaming adapter, "
+                         "read from the file, against Medusa heads for the same model (one residual block and an LM "
+                         "head per head, as the paper's baseline). 'paper counting' is what the paper's column "
+                         "counts: stream embeddings and the pruning adapter, not the LoRA its baseline has too.")
+    pp.add_argument("--heads", type=int, default=4, help="Medusa heads (the paper: 4) (default: %(default)s)")
+    pp.add_argument("--json", action="store_true")
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -72,6 +80,35 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _params(args: argparse.Namespace) -> int:
+    from mirrorsd.decoding.ss.adapters import extra_parameters, medusa_parameters, shipped_adapter
+
+    rows = []
+    for name in zoo.ZOO:
+        folder = shipped_adapter(name)
+        if folder is None:
+            continue
+        config = json.loads((folder / "stream_config.json").read_text())
+        h, v = config["hidden_size"], config["vocab_size"]
+        parts = extra_parameters(folder)
+        paper, medusa = parts["stream_embed"] + parts["prune"], medusa_parameters(h, v, args.heads)
+        rows.append({"model": name, "hidden": h, "vocab": v, "streams": config["streams"], **parts,
+                     "ss_paper_counting": paper, "ss_with_lora": paper + parts["lora"], "medusa_heads": args.heads,
+                     "medusa": medusa, "medusa_over_ss": round(medusa / paper),
+                     "medusa_over_ss_with_lora": round(medusa / (paper + parts["lora"]), 1)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"| model | h | v | streams | SS, paper counting | SS with its LoRA | Medusa, {args.heads} heads "
+          "| Medusa ÷ SS | Medusa ÷ SS with LoRA |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['hidden']} | {r['vocab']} | {r['streams']} | {r['ss_paper_counting']:,} "
+              f"| {r['ss_with_lora']:,} | {r['medusa']:,} | {r['medusa_over_ss']:,}× "
+              f"| {r['medusa_over_ss_with_lora']}× |")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    """The subcommand named: list or prepare."""
-    return {"list": _list, "prepare": _prepare}[args.models_command](args)
+    """The subcommand named: list, prepare or params."""
+    return {"list": _list, "prepare": _prepare, "params": _params}[args.models_command](args)

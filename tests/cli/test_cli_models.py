@@ -173,3 +173,37 @@ def test_version_without_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
     import mirrorsd
 
     assert cli._version() == mirrorsd.__version__
+
+
+# ------------------------------------------------------------------------------------- models params
+
+
+def test_models_params_counts_the_shipped_adapters_against_medusa(capsys) -> None:
+    """The SS paper's Table 1 counting: stream embeddings γ·h + the pruning adapter 2·r·h, against Medusa's
+    heads·(h² + h·v); checked against the paper's own OPT-1.3b figures and against each shipped file's config."""
+    import json
+
+    from mirrorsd.decoding.ss.adapters import medusa_parameters
+
+    assert medusa_parameters(2048, 50272, 4) == 428_605_440  # the paper: 4.28E8 for OPT-1.3b
+    assert cli.main(["models", "params", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["model"] for r in rows} == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    for r in rows:
+        config = json.loads((zoo_adapter(r["model"]) / "stream_config.json").read_text())
+        assert r["stream_embed"] == config["streams"] * r["hidden"]
+        assert r["prune"] == 2 * config["prune_rank"] * r["hidden"]
+        lora_per_layer = r["lora"] / config["layers"]
+        assert lora_per_layer > 0 and lora_per_layer == int(lora_per_layer)
+        assert r["medusa"] == 4 * (r["hidden"] ** 2 + r["hidden"] * r["vocab"])
+        assert r["medusa_over_ss"] > 10_000  # the paper's claim: ~10,000x fewer
+    assert cli.main(["models", "params"]) == 0
+    assert "| qwen2.5-coder-1.5b | 1536 |" in capsys.readouterr().out
+
+
+def zoo_adapter(name: str) -> Path:
+    from mirrorsd.decoding.ss.adapters import shipped_adapter
+
+    folder = shipped_adapter(name)
+    assert folder is not None
+    return folder

@@ -16,6 +16,7 @@ that scores tree edges. The target's own tokens therefore cannot change.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -194,6 +195,28 @@ def resolve_adapter(source: str | Path, model_name: str | None = None) -> Path:
     raise FileNotFoundError(f"no stream adapter at {source!s}{hint}: expected a folder with {CONFIG_FILE} and "
                             f"{WEIGHTS_FILE} (train one with `mirrorsd train-streams`), or a zoo name with a "
                             f"shipped adapter: {', '.join(sorted(p.name for p in SHIPPED.glob('*'))) or 'none'}")
+
+
+def extra_parameters(folder: str | Path) -> dict[str, int]:
+    """A saved adapter's parameters by part, read from the file's header (nothing is loaded): the stream embeddings
+    (γ·h), the pruning adapter o_θ (2·r·h) and the stream rows' LoRA. The SS paper's Table 1 counts the first two
+    only (its baseline is LoRA fine-tuned too); in the lossless mode we ship, the LoRA serves the streams alone."""
+    from safetensors import safe_open
+
+    parts = {"stream_embed": 0, "prune": 0, "lora": 0}
+    with safe_open(str(Path(folder) / WEIGHTS_FILE), "pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            part = key.split(".")[0]
+            if part not in parts:
+                raise ValueError(f"unknown adapter tensor {key!r} in {folder}")
+            parts[part] += math.prod(f.get_slice(key).get_shape())
+    return parts
+
+
+def medusa_parameters(hidden: int, vocab: int, heads: int) -> int:
+    """Medusa-1 heads as the SS paper's baseline sizes them: per head one residual block (an h×h linear) and an LM
+    head of its own (h·v). Its Table 1 column is exactly heads·(h² + h·v): the block's bias is left out there."""
+    return heads * (hidden * hidden + hidden * vocab)
 
 
 # Adapters attached per model and folder, with the file version they were read from: building peft's modules and
