@@ -10,11 +10,12 @@ from pathlib import Path
 from rich.console import Console
 
 import mirrorsd
+from mirrorsd.api import SELF_DRAFT
 from mirrorsd.decoding import get_method, leave_launched_world, methods, serve_launched
 from mirrorsd.plans import saved_recommendation
 from mirrorsd.runtime import write_chrome_trace
 from mirrorsd.runtime.processes import launched_rank
-from mirrorsd.runtime.tensor_parallel import gather_spans, launched_world, shard_target
+from mirrorsd.runtime.tensor_parallel import DRAFT_SYNCS, gather_spans, launched_world, shard_draft, shard_target
 
 from .args import COMMANDS, DEFAULT_DRAFT, add_dtype, add_formats, add_method, add_method_flags, add_pair, add_sampling
 from .common import HelpFormatter, checked_options, load_draft, say_loaded
@@ -65,6 +66,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shard the target's projections over N ranks (tensor parallelism, DTensor) under torchrun: "
                         "--nproc-per-node N, or N + 1 with --backend processes (the last rank serves the draft); "
                         "dense weights (--weights fp32), methods ar, sd and mirror without timing-driven choices")
+    g.add_argument("--draft-tp", type=int, default=1, metavar="G",
+                   help="with --backend processes under torchrun: shard the draft over G ranks (the world's last G; "
+                        "--nproc-per-node = target ranks + G), dense weights (--weights fp32)")
+    g.add_argument("--draft-syncs", choices=DRAFT_SYNCS, default="spd",
+                   help="with --draft-tp: spd, the Mirror-SD paper's draft sharding (two segments of tracks, two "
+                        "all-reduces per draft forward: the draft computes something else and proposes other "
+                        "tokens, the output stays the target's); layer, Megatron tensor parallelism (two per layer, "
+                        "the draft's own tokens)")
     g.set_defaults(func=run)
 
 
@@ -87,7 +96,7 @@ def _auto_choice(args: argparse.Namespace) -> tuple[str, dict]:
     so that the flags are checked against the method it picked; ``("auto", {})`` when there is no plan yet (the
     API then plans briefly after loading)."""
     draft = args.draft or DEFAULT_DRAFT
-    pick = None if draft.startswith("self:") else saved_recommendation(args.target, draft)
+    pick = None if draft.startswith(SELF_DRAFT) else saved_recommendation(args.target, draft)
     return ("auto", {}) if pick is None else (pick["method"], pick["options"])
 
 
@@ -106,14 +115,44 @@ def _checked_target_tp(args: argparse.Namespace) -> int:
     return tp
 
 
-def _serve_draft_rank(args: argparse.Namespace, err) -> int:
-    """The last rank of ``torchrun ... mirrorsd generate --backend processes``: load the draft, serve rank 0."""
+def _checked_draft_tp(args: argparse.Namespace, tp: int, method: str, options: dict) -> int:
+    """``--draft-tp``: the draft's ranks under torchrun, with Mirror-SD's processes backend and dense weights."""
+    draft_tp = args.draft_tp
+    if draft_tp < 1:
+        raise ValueError(f"--draft-tp must be >= 1, got {draft_tp}")
+    if draft_tp > 1 and (method != "mirror" or options.get("backend") != "processes"):
+        raise ValueError("--draft-tp shards the draft's own process: it takes --method mirror --backend processes")
+    if draft_tp > 1 and launched_rank() is None:
+        raise ValueError(f"--draft-tp {draft_tp} runs under torchrun: torchrun --nproc-per-node {tp + draft_tp} -m "
+                         "mirrorsd.cli generate ... (the target's ranks, then the draft's)")
+    if draft_tp > 1 and args.weights not in (None, "fp32"):
+        raise ValueError(f"--draft-tp shards dense weights; --weights {args.weights} cannot be split (use fp32)")
+    if draft_tp > 1 and options.get("draft_streams"):
+        raise ValueError("--draft-tp shards the draft's projections, which its stream adapter cannot follow: "
+                         "drop draft_streams")
+    if draft_tp > 1:
+        args.weights = "fp32"
+    return draft_tp
+
+
+def _serve_draft_rank(args: argparse.Namespace, err, tp: int, draft_tp: int) -> int:
+    """A draft rank of ``torchrun ... mirrorsd generate --backend processes``: load the draft (sharded over the
+    draft's ranks with --draft-tp), serve the target's rank 0."""
     target = None
-    if (args.draft or "").startswith("self:"):  # the self-draft is the target's first layers
+    dense = {"linear": "dense"} if draft_tp > 1 else {}
+    if (args.draft or "").startswith(SELF_DRAFT):  # the self-draft is the target's first layers
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
-                                     activations=args.activations)
-    draft = load_draft(args, target, err)
-    serve_launched(draft.model, args.target_tp)
+                                     activations=args.activations, **dense)
+        draft = load_draft(args, target, err)
+    elif draft_tp > 1:
+        draft = mirrorsd.load_model(args.draft or DEFAULT_DRAFT, device=args.device, dtype=args.dtype,
+                                    weights="fp32", **dense)
+    else:
+        draft = load_draft(args, target, err)
+    syncs = None
+    if draft_tp > 1:
+        syncs = shard_draft(draft.model, launched_world(tp, draft_tp).draft_group, args.draft_syncs)
+    serve_launched(draft.model, tp, draft_tp, syncs)
     return 0
 
 
@@ -130,9 +169,10 @@ def run(args: argparse.Namespace) -> int:
                   "re-plans)".replace("  ", " "), style="dim", highlight=False)
     needs_draft = method == "auto" or get_method(method).needs_draft  # auto: the plan is keyed by the draft too
     tp = _checked_target_tp(args)
+    draft_tp = _checked_draft_tp(args, tp, method, options)
     rank = launched_rank()
-    if options.get("backend") == "processes" and rank == tp:
-        return _serve_draft_rank(args, err)
+    if options.get("backend") == "processes" and rank is not None and rank >= tp:
+        return _serve_draft_rank(args, err, tp, draft_tp)
     if rank not in (None, 0):  # another rank of a sharded target: the same loop, silently
         args.json, err = True, Console(stderr=True, quiet=True)
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import time
 from typing import Any
 
 import torch
@@ -37,43 +38,58 @@ SENT = 0  # relayed after rank 0's send worked (an error is relayed as the chann
 
 @dataclasses.dataclass
 class LaunchedWorld:
-    """The groups of a ``torchrun`` world: ranks ``0..tp-1`` hold the target, rank ``tp`` (if there is one) the
-    draft. Created once per process, in the same order on every rank (``new_group`` is collective)."""
+    """The groups of a ``torchrun`` world: ranks ``0..tp-1`` hold the target, ranks ``tp..tp+draft_tp-1`` (if there
+    are any) the draft. Created once per process, in the same order on every rank (``new_group`` is collective)."""
 
     tp: int
     rank: int
     world: int
     tp_group: Any = None  # the target's ranks (None when tp == 1)
-    channel_group: Any = None  # rank 0 and the draft rank (None without a draft rank)
+    channel_group: Any = None  # rank 0 and the draft's first rank (None without a draft rank)
     owns_default_group: bool = True  # launched_world initialised torch.distributed (else the caller did)
+    draft_tp: int = 1
+    draft_group: Any = None  # the draft's ranks (None when draft_tp == 1)
 
     @property
     def draft_rank(self) -> int | None:
-        return self.tp if self.world == self.tp + 1 else None
+        """The draft's first rank: the one that talks to the target's rank 0."""
+        return self.tp if self.world == self.tp + self.draft_tp else None
+
+    @property
+    def holds_draft(self) -> bool:
+        return self.draft_rank is not None and self.rank >= self.tp
 
 
 _world: LaunchedWorld | None = None
 
 
-def launched_world(tp: int = 1) -> LaunchedWorld:
-    """Join the launcher's world (gloo) and build its groups: ``WORLD_SIZE`` must be ``tp`` (target ranks only)
-    or ``tp + 1`` (and a draft rank)."""
+def launched_world(tp: int = 1, draft_tp: int | None = None) -> LaunchedWorld:
+    """Join the launcher's world (gloo) and build its groups: ``WORLD_SIZE`` is ``tp`` (target ranks only) or
+    ``tp + draft_tp`` (and the draft's ranks). ``draft_tp=None``: whatever the world leaves after the target's
+    ranks (what a target rank knows)."""
     global _world
-    if _world is not None:
-        if _world.tp != tp:
-            raise ValueError(f"this process already joined a world with --target-tp {_world.tp}, not {tp}")
-        return _world
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world not in (tp, tp + 1):
-        raise ValueError(f"--target-tp {tp} takes {tp} ranks, or {tp + 1} with a draft rank "
-                         f"(--backend processes); got WORLD_SIZE={world}")
+    if draft_tp is None:
+        draft_tp = max(1, world - tp)
+    if _world is not None:
+        if (_world.tp, _world.draft_tp) != (tp, draft_tp):
+            raise ValueError(f"this process already joined a world with --target-tp {_world.tp} and --draft-tp "
+                             f"{_world.draft_tp}, not {tp} and {draft_tp}")
+        return _world
+    if world not in (tp, tp + draft_tp):
+        raise ValueError(f"--target-tp {tp} takes {tp} ranks, or {tp + draft_tp} with the draft's "
+                         f"(--backend processes, --draft-tp {draft_tp}); got WORLD_SIZE={world}")
     owns_default_group = not dist.is_initialized()
     if owns_default_group:
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
     long = datetime.timedelta(days=1)  # an idle draft rank waits between requests; receives bound their own waits
     tp_group = dist.new_group(list(range(tp)), backend="gloo", timeout=long) if tp > 1 else None
-    channel_group = dist.new_group([0, tp], backend="gloo", timeout=long) if world == tp + 1 else None
-    _world = LaunchedWorld(tp, dist.get_rank(), world, tp_group, channel_group, owns_default_group)
+    drafts = world == tp + draft_tp
+    channel_group = dist.new_group([0, tp], backend="gloo", timeout=long) if drafts else None
+    draft_group = (dist.new_group(list(range(tp, tp + draft_tp)), backend="gloo", timeout=long)
+                   if drafts and draft_tp > 1 else None)
+    _world = LaunchedWorld(tp, dist.get_rank(), world, tp_group, channel_group, owns_default_group, draft_tp,
+                           draft_group)
     return _world
 
 
@@ -94,34 +110,109 @@ def leave_world(wait: bool = True, timeout: float = 60.0) -> None:
     if _world.owns_default_group:
         dist.destroy_process_group()
     else:
-        for group in (_world.tp_group, _world.channel_group):
+        for group in (_world.tp_group, _world.channel_group, _world.draft_group):
             if group is not None:
                 dist.destroy_process_group(group)
     _world = None
 
 
-def shard_target(model: nn.Module, group: Any) -> nn.Module:
+def shard_target(model: nn.Module, group: Any, partial: bool = False) -> nn.Module:
     """Shard ``model``'s (a :class:`~mirrorsd.model.Transformer` with dense weights) projections over
-    ``group`` in place and give its attention and cache the local head counts; returns it."""
+    ``group`` in place and give its attention and cache the local head counts; returns it. ``partial``: o_proj and
+    down_proj keep each rank's partial sum (no all-reduce; :func:`shard_draft`'s tracks)."""
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     size = dist.get_world_size(group)
     cfg = model.config
     if cfg.n_heads % size or cfg.n_kv_heads % size or cfg.intermediate_size % size:
-        raise ValueError(f"--target-tp {size} must divide the target's {cfg.n_heads} attention heads, "
+        raise ValueError(f"{size} ranks must divide the model's {cfg.n_heads} attention heads, "
                          f"{cfg.n_kv_heads} key/value heads and {cfg.intermediate_size} MLP features")
     mesh = DeviceMesh.from_group(group, model.device.type)
-    plan = {**{name: ColwiseParallel() for name in COLUMNWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
+    rowwise = RowwiseParallel(output_layouts=Partial()) if partial else RowwiseParallel()
+    plan = {**{name: ColwiseParallel() for name in COLUMNWISE}, **{name: rowwise for name in ROWWISE}}
     for block in model.layers:
         for name in (*COLUMNWISE, *ROWWISE):
             _as_nn_linear(block, name)
+            if partial and name in ROWWISE and block.get_submodule(name).bias is not None:
+                raise ValueError(f"a track keeps {name}'s partial sum, which a bias would join once per rank")
         parallelize_module(block, mesh, plan)
         block.self_attn.n_heads //= size
         block.self_attn.n_kv_heads //= size
     model.config = dataclasses.replace(cfg, n_heads=cfg.n_heads // size, n_kv_heads=cfg.n_kv_heads // size)
     model.tp_size = size
     return model
+
+
+DRAFT_SYNCS = ("spd", "layer")  # --draft-syncs
+
+
+@dataclasses.dataclass
+class SyncCount:
+    """The all-reduces a sharded draft made: how many, their time and their summed size in elements (what the
+    latency law's T_allreduce(M; G) = α log G + β M is fitted to)."""
+
+    count: int = 0
+    seconds: float = 0.0
+    elements: int = 0
+
+    def since(self, before: SyncCount) -> SyncCount:
+        return SyncCount(self.count - before.count, self.seconds - before.seconds, self.elements - before.elements)
+
+
+def shard_draft(model: nn.Module, group: Any, syncs: str = "spd", segments: int = 2) -> SyncCount:
+    """The draft over the ranks of ``group``, in place; returns the counter of its all-reduces.
+
+    ``layer``: Megatron tensor parallelism as the target's (:func:`shard_target`): two all-reduces per layer, the
+    draft's own function. ``spd``: the Mirror-SD paper's draft sharding (§3.3, after SPD, "sync-point drop", Kim et
+    al. 2025): the layers form ``segments`` contiguous segments; inside one, each rank is a *track* that runs its
+    heads and its slice of the MLP on a residual stream of its own, with no traffic (o_proj and down_proj keep their
+    partial sums); at the segment's end one all-reduce adds every track's update to the segment's input. Two
+    segments: two all-reduces per draft forward instead of 2·N. The paper trains its drafts in this form; a draft
+    trained whole computes something else once its syncs are dropped, so its proposals change. The target verifies
+    them, so the output cannot."""
+    if syncs not in DRAFT_SYNCS:
+        raise ValueError(f"draft syncs must be one of {', '.join(DRAFT_SYNCS)}, got {syncs!r}")
+    n = model.config.n_layers
+    if not 1 <= segments <= n:
+        raise ValueError(f"segments must be in 1..{n} (the draft's layers), got {segments}")
+    count = SyncCount()
+    partial = syncs == "spd"
+    shard_target(model, group, partial=partial)
+    if not partial:
+        for block in model.layers:  # DTensor all-reduces inside each rowwise projection: count them
+            for name in ROWWISE:
+                block.get_submodule(name).register_forward_hook(partial_hook(count))
+        return count
+    bounds = [round(i * n / segments) for i in range(segments + 1)]
+    for first, last in zip(bounds, bounds[1:], strict=False):
+        held: dict[str, torch.Tensor] = {}
+        model.layers[first].register_forward_pre_hook(lambda _m, args, held=held: held.update(x=args[0]))
+        model.layers[last - 1].register_forward_hook(segment_sync(held, group, count))
+    return count
+
+
+def partial_hook(count: SyncCount):
+    """Counts one all-reduce per call of a rowwise projection (DTensor makes it; its time is not split out)."""
+    def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> None:
+        count.count += 1
+        count.elements += out.numel()
+    return hook
+
+
+def segment_sync(held: dict[str, torch.Tensor], group: Any, count: SyncCount):
+    """The segment's end: input + the all-reduced sum of every track's update to it."""
+    def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        x = held.pop("x")
+        update = (out - x).contiguous()
+        start = time.perf_counter()
+        dist.all_reduce(update, group=group)
+        count.seconds += time.perf_counter() - start
+        count.count += 1
+        count.elements += update.numel()
+        return x + update
+    return hook
 
 
 def gather_spans(spans: list[Span], world: LaunchedWorld) -> list[Span]:
@@ -197,6 +288,14 @@ class RelayedChannel:
             raise
         self._relay(kind, data)
         return kind, data
+
+    def send_error(self, error: BaseException) -> None:
+        """A sharded draft's ranks: the first reports the error to the target, the others hear that it went."""
+        if self.channel is None:
+            self._follow(None)
+            return
+        self.channel.send_error(error)
+        self._relay(SENT, torch.empty(0, dtype=torch.long))
 
     def _relay(self, kind: int, data: torch.Tensor) -> None:
         header = torch.tensor([kind, data.numel()])

@@ -20,6 +20,7 @@ import torch
 from mirrorsd import generate, stream
 from mirrorsd.decoding import OptionError
 from mirrorsd.decoding.mirror import remote as mirror_remote
+from mirrorsd.runtime.processes import free_port
 from tests.helpers import REPO, requires_smollm2, row_exact, tiny_hf
 
 PROMPT = list(range(3, 40))
@@ -184,12 +185,52 @@ def test_tensor_parallel_target_with_a_draft_rank(tmp_path):
     assert rank0["local_heads"] == [2, 1]
 
 
+@pytest.mark.parametrize("syncs", ["spd", "layer"])
+def test_a_draft_sharded_over_two_ranks(tmp_path, syncs):
+    """``--draft-tp 2``: the draft's ranks serve one target rank. ``spd`` (two segments of tracks) makes two
+    all-reduces per draft forward and computes something else than the whole draft; ``layer`` (Megatron) makes two
+    per layer and computes the draft's own logits. Either way Mirror-SD's output is ``ar``'s, and the all-reduces
+    show in the stats and the trace."""
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), "-m", "tests.runtime.spd_world", str(tmp_path),
+                           syncs], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    per_forward = 2 if syncs == "spd" else 2 * 4  # the draft has 4 layers
+    assert rank1["all_reduces"] == per_forward  # one forward
+    if syncs == "spd":
+        assert rank1["gap"] > 1e-3  # dropped syncs: another function
+    else:
+        assert rank1["gap"] < 1e-4  # the same function, summed in another order
+    for label in ("greedy", "seeded"):
+        assert rank0[f"mirror_{label}"] == rank0[f"ar_{label}"] and len(rank0[f"ar_{label}"]) == 24
+        assert rank0[f"mirror_{label}_failed"] is None
+        assert rank0[f"mirror_{label}_per_forward"] == pytest.approx(per_forward, rel=0.05)  # prompt forwards aside
+        assert rank0[f"mirror_{label}_traced"] == rank0[f"mirror_{label}_counted"] > 0
+        assert (rank0[f"mirror_{label}_ms"] is not None) == (syncs == "spd")  # spd times its own all-reduces
+
+
 def test_target_tp_outside_torchrun_is_a_clear_error(capsys):
     from mirrorsd.cli import main
 
     rc = main(["generate", "--method", "ar", "--target-tp", "2", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert rc == 2 and "--target-tp 2 runs under torchrun: torchrun --nproc-per-node 2" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--method", "mirror", "--backend", "processes", "--draft-tp", "2"], "--draft-tp 2 runs under torchrun: torchrun "
+     "--nproc-per-node 3"),
+    (["--method", "sd", "--draft-tp", "2"], "it takes --method mirror --backend processes"),
+    (["--method", "mirror", "--backend", "processes", "--draft-tp", "0"], "--draft-tp must be >= 1"),
+])
+def test_draft_tp_errors_say_what_to_run(capsys, argv, message):
+    from mirrorsd.cli import main
+
+    rc = main(["generate", *argv, "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
 
 
 def test_a_connection_closed_at_the_call_is_a_channel_error_too():

@@ -23,9 +23,11 @@ request's seed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,7 +45,7 @@ from ...runtime.processes import (
     launched_rank,
     now_ns,
 )
-from ...runtime.tensor_parallel import RelayedChannel, current_world, launched_world, leave_world
+from ...runtime.tensor_parallel import RelayedChannel, SyncCount, current_world, launched_world, leave_world
 from ...sampling import SamplingParams
 from ...verify import Verdict
 from ..engine import DecodeRequest, GenerationStats, Proposal, RequestState
@@ -54,6 +56,7 @@ from .stats import MirrorRun
 
 START, FRESH, LAUNCH, VERDICT, END = 1, 2, 3, 4, 5  # message kinds (SHUTDOWN, 0, ends the worker)
 NO_TREE = -1  # VERDICT reply: no rollout was launched this step
+T = TypeVar("T")
 
 
 def pack_window(draft: Proposal) -> list[int]:
@@ -80,7 +83,7 @@ class _Session:
     """One request on the draft rank: the draft model's side (:class:`~.draft.LocalDraft`) over a replica of the
     committed text."""
 
-    def __init__(self, draft: Transformer, config: dict[str, Any]) -> None:
+    def __init__(self, draft: Transformer, config: dict[str, Any], syncs: SyncCount | None = None) -> None:
         sampling = SamplingParams(**config["sampling"])
         opts = MirrorOptions(**config["options"])
         prompt = config["prompt"]
@@ -94,6 +97,18 @@ class _Session:
         self.prompt_len = len(prompt)
         self.tree: Any = None
         self.launch_recv = 0
+        self.syncs = syncs  # a sharded draft's all-reduces
+        self.tree_syncs: list[int] = [0, 0, 0]
+
+    def counted(self, work: Callable[[], T]) -> tuple[T, list[int]]:
+        """``work()``, and the all-reduces it made: [count, microseconds, elements] (zeros for a draft in one
+        process)."""
+        if self.syncs is None:
+            return work(), [0, 0, 0]
+        before = dataclasses.replace(self.syncs)
+        result = work()
+        made = self.syncs.since(before)
+        return result, [made.count, round(made.seconds * 1e6), made.elements]
 
     def sync(self, data: list[int]) -> list[int]:
         """Append the tokens the target committed since the last message; return the rest of the payload."""
@@ -105,8 +120,8 @@ class _Session:
     def fresh(self, data: list[int]) -> list[int]:
         self.sync(data)
         start = now_ns()
-        window = self.draft.proposer.propose(self.state)
-        return [*pack_window(window), window.forwards, start, now_ns()]
+        window, syncs = self.counted(lambda: self.draft.proposer.propose(self.state))
+        return [*pack_window(window), window.forwards, *syncs, start, now_ns()]
 
     def launch(self, data: list[int], received: int) -> None:
         rest = self.sync(data)
@@ -118,7 +133,8 @@ class _Session:
         state = self.state
         spine = [*state.tokens, *window][len(state.draft_cache):]
         self.launch_recv = received
-        self.tree = self.draft.rollout(len(state.tokens), window, spine, roots, steps, state)
+        self.tree, self.tree_syncs = self.counted(
+            lambda: self.draft.rollout(len(state.tokens), window, spine, roots, steps, state))
 
     def verdict(self, data: list[int], received: int) -> list[int]:
         accepted, correction = self.sync(data)
@@ -126,7 +142,7 @@ class _Session:
         state = self.state
         if tree is None:
             ModelProposer.rollback(state, accepted)
-            return [NO_TREE, *pack_window(Proposal()), 0, 0, 0, 0, 0, received]
+            return [NO_TREE, *pack_window(Proposal()), 0, 0, 0, 0, 0, 0, 0, 0, received]
         start = now_ns()
         branch = tree.branch(accepted, correction)
         kept = Proposal()
@@ -136,12 +152,14 @@ class _Session:
             ModelProposer.rollback(state, accepted)
         select = now_ns() - start
         span = tree.span
-        return [int(branch is not None), *pack_window(kept), tree.forwards, int(span.start * 1e9),
+        return [int(branch is not None), *pack_window(kept), tree.forwards, *self.tree_syncs, int(span.start * 1e9),
                 int(span.end * 1e9), select, self.launch_recv, received]
 
 
-def serve_draft(channel: Any, draft: Transformer) -> None:
-    """The draft rank's loop: one request at a time until the caller says stop (or its end of the group closes)."""
+def serve_draft(channel: Any, draft: Transformer, syncs: SyncCount | None = None) -> None:
+    """The draft rank's loop: one request at a time until the caller says stop (or its end of the group closes).
+    A draft sharded over several ranks (``--draft-tp``) runs it on each of them over a relayed channel; ``syncs``
+    counts that draft's all-reduces."""
     kernels.available()  # a quantized draft needs this process to load the CPU kernels too
     session: _Session | None = None
     with torch.inference_mode():
@@ -156,7 +174,7 @@ def serve_draft(channel: Any, draft: Transformer) -> None:
             try:
                 payload = data.tolist()
                 if kind == START:
-                    session = _Session(draft, json.loads(decode_text(data)))
+                    session = _Session(draft, json.loads(decode_text(data)), syncs)
                 elif kind == END:
                     session = None
                 elif session is None:
@@ -203,18 +221,25 @@ def _launched_channel(tp: int) -> Channel | RelayedChannel:
     world = launched_world(tp)
     if world.draft_rank is None:
         raise ChannelError(f"--backend processes under torchrun needs a draft rank: WORLD_SIZE = {tp + 1} "
-                           f"(--target-tp {tp} + 1), got {world.world}")
+                           f"(--target-tp {tp} + 1, or + --draft-tp), got {world.world}")
     if world.rank == 0:
         channel = Channel(world.channel_group, 0)
         return RelayedChannel(world.tp_group, channel) if world.tp_group is not None else channel
     return RelayedChannel(world.tp_group)
 
 
-def serve_launched(draft: Transformer, tp: int = 1) -> None:
-    """The last rank of a ``torchrun`` world: serve the target's rank 0 until it says stop, then leave the world
-    with the target's ranks (:func:`leave_launched_world`)."""
-    world = launched_world(tp)
-    serve_draft(Channel(world.channel_group, 1), draft)
+def serve_launched(draft: Transformer, tp: int = 1, draft_tp: int = 1, syncs: SyncCount | None = None) -> None:
+    """A draft rank of a ``torchrun`` world: serve the target's rank 0 until it says stop, then leave the world
+    with the target's ranks (:func:`leave_launched_world`). With ``draft_tp`` > 1 the draft's first rank talks to
+    the target and relays every message to the draft's other ranks, which run the same loop on them."""
+    world = launched_world(tp, draft_tp)
+    if world.draft_group is None:
+        channel: Channel | RelayedChannel = Channel(world.channel_group, 1)
+    elif world.rank == world.draft_rank:
+        channel = RelayedChannel(world.draft_group, Channel(world.channel_group, 1))
+    else:
+        channel = RelayedChannel(world.draft_group)
+    serve_draft(channel, draft, syncs)
     leave_launched_world()
 
 
@@ -292,8 +317,10 @@ class RemoteDraft:
 
     def fresh(self, state: RequestState) -> Proposal:
         self._send(FRESH, self._new_tokens(state))
-        tokens, alternatives, (forwards, begin, end) = unpack_window(self._reply(FRESH))
-        self.run.tracer.spans.append(Span("draft", "fresh rollout", begin / 1e9, end / 1e9))
+        tokens, alternatives, (forwards, syncs, sync_us, elements, begin, end) = unpack_window(self._reply(FRESH))
+        self.run.synced("fresh", syncs, sync_us, elements)
+        self.run.tracer.spans.append(Span("draft", "fresh rollout", begin / 1e9, end / 1e9,
+                                          {"all_reduces": syncs} if syncs else {}))
         return Proposal(tokens, forwards=forwards, alternatives=alternatives)
 
     def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
@@ -309,7 +336,8 @@ class RemoteDraft:
         self._send(VERDICT, [*self._new_tokens(state), verdict.accepted, verdict.next_token])
         reply = self._reply(VERDICT)
         hit = reply[0]
-        tokens, alternatives, (forwards, begin, end, select, launch_recv, verdict_recv) = unpack_window(reply[1:])
+        tokens, alternatives, (forwards, syncs, sync_us, elements, begin, end, select, launch_recv, verdict_recv) = \
+            unpack_window(reply[1:])
         # The draft process reads the verdict once its rollout is done: the channel's own part starts then.
         self.channel_s.setdefault("final", []).append((verdict_recv - max(sent, end)) / 1e9)
         if hit == NO_TREE:
@@ -317,8 +345,9 @@ class RemoteDraft:
             return None
         if launched is not None:
             self.channel_s.setdefault("early_exit", []).append((launch_recv - launched) / 1e9)
-        span = Span("draft", "rollout", begin / 1e9, end / 1e9)
+        span = Span("draft", "rollout", begin / 1e9, end / 1e9, {"all_reduces": syncs} if syncs else {})
         self.run.tracer.spans.append(span)
+        self.run.synced("rollout", syncs, sync_us, elements)
         state.stats.draft_forwards += forwards
         self.run.joined(_RemoteTree(span, forwards))
         self.run.selected(select / 1e9, bool(hit))

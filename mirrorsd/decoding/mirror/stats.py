@@ -65,6 +65,9 @@ class MirrorStats:
     fresh_tokens: int = 0
     fresh_forwards: int = 0
     channel_s: dict[str, list[float]] = field(default_factory=dict)  # processes backend: message -> latencies
+    # A draft sharded over ranks (--draft-tp): its all-reduces in fresh and branch rollouts, as [count, seconds,
+    # elements] per kind of rollout (the spd form times each; the layer form counts only)
+    draft_syncs: dict[str, list[float]] = field(default_factory=dict)
 
     def summary(self) -> str:
         m = self.to_dict()
@@ -72,13 +75,18 @@ class MirrorStats:
         rollouts = (f"fallback {m['fallback_frequency']}, hidden draft {m['hidden_draft_fraction']}"
                     if m["fallback_frequency"] is not None else "no branch rolled out"
                     + (" (the serial backend's budget: nothing overlaps)" if serial_budget else ""))
-        return f", {rollouts}, step {m['mean_ms']['step_s']:.1f} ms vs Eq. 10 {m['mean_ms']['eq10_s']:.1f} ms"
+        sharded = (f", {m['draft_all_reduces_per_forward']} all-reduces per draft forward"
+                   if m["draft_all_reduces"] else "")
+        return f", {rollouts}, step {m['mean_ms']['step_s']:.1f} ms vs Eq. 10 {m['mean_ms']['eq10_s']:.1f} ms{sharded}"
 
     def counters(self) -> dict[str, float]:
         with_tree = [s for s in self.steps if s.hit is not None]
         return {"tree_steps": len(with_tree), "misses": sum(not s.hit for s in with_tree),
                 "hidden_s": sum(s.hidden for s in self.steps),
-                "draft_s": sum(s.t_draft + s.t_fallback for s in self.steps)}
+                "draft_s": sum(s.t_draft + s.t_fallback for s in self.steps),
+                "fresh_tokens": self.fresh_tokens, "fresh_forwards": self.fresh_forwards,
+                "rollout_depth": sum(s.rollout_depth for s in with_tree),
+                "rollout_forwards": sum(s.rollout_forwards for s in with_tree)}
 
     def timeline(self) -> bool:
         return self.backend != "serial"
@@ -89,6 +97,9 @@ class MirrorStats:
         misses = sum(1 for s in with_tree if not s.hit)
         draft_total = sum(s.t_draft + s.t_fallback for s in steps)
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        forwards = self.fresh_forwards + sum(s.rollout_forwards for s in with_tree)
+        syncs = int(sum(c for c, _, _ in self.draft_syncs.values()))
+        sync_s = sum(t for _, t, _ in self.draft_syncs.values())
         return {
             "backend": self.backend, "exit_layer": self.exit_layer, "kappa": self.kappa, "roots": self.roots_mode,
             "candidates": self.candidates,
@@ -108,6 +119,15 @@ class MirrorStats:
             "rollout_tokens_per_draft_forward": round(sum(s.rollout_depth for s in with_tree)
                                                       / sum(s.rollout_forwards for s in with_tree), 4)
             if any(s.rollout_forwards for s in with_tree) else None,
+            # a sharded draft: all-reduces per draft forward (2 for the spd form, 2 per layer for the layer form)
+            "draft_all_reduces": syncs,
+            "draft_all_reduces_per_forward": round(syncs / forwards, 3) if syncs and forwards else None,
+            "draft_all_reduce_ms": round(1e3 * sync_s / syncs, 4) if syncs and sync_s else None,
+            # per kind (fresh: one row a forward; rollout: one per root): mean ms and elements per all-reduce, what
+            # the latency law's T_allreduce(M; G) = α log G + β M is fitted to
+            "draft_all_reduce_by_kind": {kind: {"count": int(c), "ms": round(1e3 * t / c, 4),
+                                                "elements": round(e / c, 1)} for kind, (c, t, e) in
+                                         self.draft_syncs.items() if c},
             # processes backend: send -> the draft process has it, per message (median ms)
             "channel_ms": {name: round(1e3 * sorted(v)[len(v) // 2], 3) for name, v in self.channel_s.items() if v},
         }
@@ -170,6 +190,14 @@ class MirrorRun:
         message = self._step[3]
         if self.root_scorer is not None and message is not None:
             self.root_scorer.observe(message, window, verdict.accepted, verdict.next_token)
+
+    def synced(self, kind: str, count: int, microseconds: int, elements: int) -> None:
+        """A sharded draft's all-reduces in the last ``kind`` ("fresh" or "rollout") of rollout."""
+        if count:
+            total = self.stats.draft_syncs.setdefault(kind, [0, 0.0, 0])
+            total[0] += count
+            total[1] += microseconds / 1e6
+            total[2] += elements
 
     def fresh_done(self, seconds: float) -> None:
         """A fresh rollout (the first window, or after a miss) took ``seconds``, exposed."""
