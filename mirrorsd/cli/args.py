@@ -20,6 +20,7 @@ COMMANDS = {
     "serve": "an OpenAI-compatible HTTP server (chat, completions, SSE streaming, metrics, a chat page)",
     "train-streams": "train Speculative Streaming adapters (lossless mode) on offline text",
     "train-exit": "fit a tuned early exit (Mirror-SD's --exit-head tuned) on offline text, in closed form",
+    "distill": "a model's own answers to ~21k prompts of our own making, batched, in resumable token shards",
     "bench": "Spec-Bench runner with peers in the same run; sweeps; costs",
     "plan": "measure this machine and recommend a configuration",
     "methods": "the decoding methods and their options",

@@ -1,0 +1,54 @@
+"""``mirrorsd distill``: the data engine behind the drafts' training (:mod:`mirrorsd.distill`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import mirrorsd
+from mirrorsd.decoding import methods
+from mirrorsd.distill.engine import Settings, Shards
+from mirrorsd.distill.engine import run as run_engine
+
+from .args import COMMANDS, add_model
+from .common import HelpFormatter, warn_if_busy
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser(
+        "distill", formatter_class=HelpFormatter, help=COMMANDS["distill"],
+        description="Answer ~21,000 prompts of our own making (code, QA, translation, math word problems, answers "
+        "from a given context, summaries of passages the model writes, multi-turn, the model's own self-instruct "
+        "questions; never a Spec-Bench question) with the model itself, many at once through continuous batching, "
+        "greedy plus a sampled share. Writes compressed token shards to --out; run it again to resume where it "
+        "stopped (Ctrl-C keeps the answers in flight). OUT/index.json counts items, tokens and kinds.")
+    add_model(d)
+    d.add_argument("--out", help="output folder (default: data/distill/MODEL)")
+    d.add_argument("--batch", type=int, default=16, help="conversations decoded at once")
+    d.add_argument("--items", type=int, help="answer at most this many more items in this run (default: all)")
+    d.add_argument("--minutes", type=float, help="stop after this many minutes (the items in flight finish)")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer")
+    d.add_argument("--sampled-share", type=float, default=0.2, help="share of items answered by sampling")
+    d.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
+    d.add_argument("--method", default="ar", choices=[m.name for m in methods() if not m.needs_draft],
+                   help="decoding method (all give the model's own tokens; ar is the reference)")
+    d.add_argument("--shard-items", type=int, default=64, help="items per shard (a stop loses at most these)")
+    d.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch < 1 or args.shard_items < 1 or args.max_new_tokens < 1:
+        raise ValueError("--batch, --shard-items and --max-new-tokens must be >= 1")
+    if not 0 <= args.sampled_share <= 1 or args.temperature <= 0:
+        raise ValueError("--sampled-share must be in [0, 1] and --temperature > 0")
+    warn_if_busy("the generation")
+    out = Path(args.out or f"data/distill/{args.model}")
+    settings = Settings(args.model, args.method, args.max_new_tokens, args.sampled_share, args.temperature)
+    shards = Shards(out, settings)
+    target = mirrorsd.load_model(args.model)
+    summary = run_engine(target, shards, batch=args.batch, shard_items=args.shard_items, items=args.items,
+                         seconds=None if args.minutes is None else 60 * args.minutes)
+    print(json.dumps(summary))
+    print(f"{out}: {summary['done_items']} of {summary['prompts']} items done (OUT/index.json)")
+    return 0

@@ -1,0 +1,82 @@
+"""``mirrorsd distill``: the prompt set (size, kinds, no Spec-Bench text) and the resumable, batched data engine."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import mirrorsd
+from mirrorsd.distill.engine import INDEX_FILE, PROMPTS_FILE, Settings, Shards, read_prompts, records, run, sampled
+from mirrorsd.distill.prompts import KINDS, SELF_INSTRUCT, Prompt, build, digest, leaks
+from mirrorsd.specbench import load_suite
+from tests.helpers import requires_smollm2
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[Prompt]:
+    return build()
+
+
+def test_at_least_20000_distinct_prompts_of_every_kind_built_alike(prompts):
+    assert len(prompts) >= 20_000 and len({p.turns for p in prompts}) == len(prompts)
+    per_kind = Counter(p.kind for p in prompts)
+    assert set(per_kind) == set(KINDS) and min(per_kind.values()) >= 500, per_kind
+    assert [p.id for p in prompts] == list(range(len(prompts)))
+    assert {len(p.turns) for p in prompts if p.kind in ("multi-turn", "summarize-own")} == {2}
+    assert Counter(p.kind for p in prompts[:500]).keys() == per_kind.keys()  # any prefix covers every kind
+    assert digest(build()) == digest(prompts)  # deterministic: a run resumes by id
+
+
+@requires_smollm2
+def test_no_13_token_window_of_a_prompt_occurs_in_spec_bench(prompts):
+    """Spec-Bench stays a test set (checked with the tokenizer CI has; Qwen's agrees, see docs/distill.md)."""
+    tokenizer = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False).tokenizer
+    questions = [turn for q in load_suite("specbench") for turn in q.turns]
+    tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert leaks(prompts, tokenize, questions) == []
+    planted = Prompt(len(prompts), "qa", (f"Please answer this: {questions[7]}",))
+    assert leaks([*prompts[:50], planted], tokenize, questions) == [planted.id]  # the check does catch one
+
+
+MINI = [Prompt(0, "qa", ("Name a colour.",)), Prompt(1, "multi-turn", ("Say hi.", "Say it shorter.")),
+        Prompt(2, SELF_INSTRUCT, ("Write one question about tea. Reply with the question only.",)),
+        Prompt(3, "math", ("What is 2 + 3?",)), Prompt(4, "code", ("Write a Python one-liner that sums a list.",)),
+        Prompt(5, "translation", ("Translate into French: The cat sleeps.",))]
+
+
+@requires_smollm2
+def test_the_engine_answers_in_batches_resumes_and_keeps_each_answer_as_alone(tmp_path):
+    target = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
+    settings = Settings("smollm2-135m", max_new_tokens=12, sampled_share=0.5)
+    shards = Shards(tmp_path, settings, MINI)
+    first = run(target, shards, batch=3, shard_items=2, items=4, progress=False)
+    assert first["answered"] == 4 and len(shards.done) == 4
+    again = Shards(tmp_path, settings)  # a new process: the frozen prompts and the shards on disk
+    assert [p.id for p in again.pending()] == sorted(set(range(6)) - again.done) and len(again.pending()) == 2
+    run(target, again, batch=3, shard_items=2, progress=False)
+    assert again.done == set(range(6)) and read_prompts(tmp_path / PROMPTS_FILE) == MINI
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert index["done_items"] == 6 and index["done_per_kind"]["multi-turn"] == 1 and index["shards"] >= 3
+    assert index["answer_tokens"] > 0 and index["settings"]["max_new_tokens"] == 12
+
+    rows = list(records(tmp_path))
+    assert len(rows) == 6 + 1 + 1  # a second turn, and the self-instruct question asked anew
+    shard = np.load(sorted(tmp_path.glob("shard-*.npz"))[0])
+    assert shard["tokens"].dtype == np.uint32
+    # Every answer is the model's own, alone: greedy or seeded sampling, through the batcher or not.
+    by_item = {}
+    for data in map(np.load, sorted(tmp_path.glob("shard-*.npz"))):
+        for s, a, e, item, turn in zip(data["start"], data["answer"], data["end"], data["item"], data["turn"],
+                                       strict=True):
+            by_item[(int(item), int(turn))] = (data["tokens"][s:a].tolist(), data["tokens"][a:e].tolist())
+    assert any(sampled(i, 0.5) for i in range(6)) and not all(sampled(i, 0.5) for i in range(6))
+    for (item, turn), (prompt_ids, answer_ids) in by_item.items():
+        temperature = 0.7 if sampled(item, 0.5) else 0.0
+        alone = mirrorsd.generate(target, prompt_ids, max_new_tokens=12, temperature=temperature, seed=item)
+        assert alone.token_ids == answer_ids, (item, turn)
+
+    with pytest.raises(ValueError, match="other settings"):
+        Shards(tmp_path, Settings("smollm2-135m", max_new_tokens=99))
