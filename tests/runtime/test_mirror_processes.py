@@ -271,3 +271,19 @@ def test_a_script_without_a_main_guard_is_told_at_once(tmp_path):
     failed = done.stdout.split("FAILED", 1)[1]
     assert "exited (code 1) before it connected" in failed and 'if __name__ == "__main__":' in failed
     assert "a draft process was asked for another draft process" in done.stderr
+
+
+def test_the_all_reduce_law_fits_and_predicts():
+    """T = α log₂G + β·M: the fit recovers α and β from sizes at one G, and the script times real all-reduces."""
+    from mirrorsd.bench.allreduce import fit
+
+    alpha, beta = fit(2, [896, 8 * 896, 64 * 896], [1e-4 + 2e-9 * m for m in (896, 8 * 896, 64 * 896)])
+    assert alpha == pytest.approx(1e-4) and beta == pytest.approx(2e-9)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), "-m", "mirrorsd.bench.allreduce",
+                           "--repeats", "5", "--rows", "1,4"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["ranks"] == 2 and set(out["measured_ms"]) == {"1", "4"} and min(out["measured_ms"].values()) > 0
+    step = out["predicted"]["1"]
+    assert step["layer_step_ms"] == pytest.approx(24 * step["spd_step_ms"], rel=1e-3)
