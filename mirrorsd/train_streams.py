@@ -41,6 +41,8 @@ CORPORA = {
                     "Spec-Bench's), each through its chat template, in 8 texts of ~56 conversations",
 }
 CHAT_TEXTS = 8  # chat-answers: conversations are joined into this many texts, so 256-token windows fill up
+DISTILL = "distill:"  # a `mirrorsd distill` folder: token ids as the model read and wrote them, not re-tokenized
+DISTILL_RECORDS = 32  # records joined per document, so windows fill up
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 CHECKPOINT, CURVE, CURVE_PLOT = "checkpoint.pt", "curve.json", "learning_curve.png"
 CACHE_META, HELD_OUT = "cache.json", "held-out.safetensors"
@@ -64,11 +66,37 @@ def chat_answer_texts(model: str, tokenizer) -> list[str]:
     return ["\n".join(conversations[j::CHAT_TEXTS]) for j in range(CHAT_TEXTS)]
 
 
-def corpus_texts(sources: list[str], model: str | None = None, tokenizer=None) -> list[str]:
-    """Texts from named offline corpora (:data:`CORPORA`), files, or folders (their *.py/*.txt/*.md/*.rst).
-    ``chat-answers`` needs the ``model`` name and its ``tokenizer``."""
-    texts: list[str] = []
+def distill_documents(folder: str | Path) -> list[list[int]]:
+    """A ``mirrorsd distill`` folder's records (prompt and answer ids), :data:`DISTILL_RECORDS` to a document."""
+    from .distill.engine import records
+
+    docs, current = [], []
+    for i, (ids, _, _) in enumerate(records(folder)):
+        current += ids.tolist()
+        if (i + 1) % DISTILL_RECORDS == 0:
+            docs.append(current)
+            current = []
+    if current:
+        docs.append(current)
+    if not docs:
+        raise ValueError(f"{folder} holds no distilled records: run `mirrorsd distill --out {folder}` first")
+    return docs
+
+
+def data_versions(sources: list[str]) -> dict[str, int]:
+    """What a state cache must also match: the shard count of each ``distill:`` folder (shards are only added)."""
+    return {s: len(list(Path(s.removeprefix(DISTILL)).glob("shard-*.npz"))) for s in sources if s.startswith(DISTILL)}
+
+
+def corpus_texts(sources: list[str], model: str | None = None, tokenizer=None) -> list[str | list[int]]:
+    """Texts from named offline corpora (:data:`CORPORA`), files, or folders (their *.py/*.txt/*.md/*.rst), and
+    token-id documents from ``distill:FOLDER`` sources. ``chat-answers`` needs the ``model`` name and its
+    ``tokenizer``."""
+    texts: list[str | list[int]] = []
     for source in sources:
+        if source.startswith(DISTILL):
+            texts.extend(distill_documents(source.removeprefix(DISTILL)))
+            continue
         if source == "chat-answers":
             if model is None or tokenizer is None:
                 raise ValueError("the chat-answers corpus needs the model whose answers it holds (and its tokenizer)")
@@ -99,14 +127,16 @@ class Chunk:
     loss_from: int  # first position whose token is a training target (completion tokens only)
 
 
-def make_chunks(tokenizer, texts: list[str], seq_len: int, count: int, seed: int) -> list[Chunk]:
-    """``count`` windows of ``seq_len`` tokens drawn evenly from the shuffled texts (deterministic)."""
+def make_chunks(tokenizer, texts: list[str | list[int]], seq_len: int, count: int, seed: int) -> list[Chunk]:
+    """``count`` windows of ``seq_len`` tokens drawn evenly from the shuffled texts (deterministic); a text given
+    as token ids is taken as it is."""
     rng = random.Random(seed)
     order = list(range(len(texts)))
     rng.shuffle(order)
     chunks: list[Chunk] = []
     for i in order:
-        ids = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+        text = texts[i]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if isinstance(text, str) else text
         for start in range(0, len(ids) - seq_len + 1, seq_len):
             chunks.append(Chunk(torch.tensor(ids[start:start + seq_len]), 1))
     rng.shuffle(chunks)
@@ -389,6 +419,8 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     meta = {"model": model_name, "weights": decode_format, "data": list(data), "seq_len": seq_len, "chunks": n_train,
             "held_out": held_out, "distill": distill, "seed": seed, "first_layer": first, "n_layers": cfg.n_layers,
             "hidden_size": cfg.hidden_size}
+    if versions := data_versions(list(data)):
+        meta["data_shards"] = versions
     check_cache(cache, meta)
     shards = shard_paths(cache, n_train, SHARD_CHUNKS)
     if not all(p.exists() for p in [*shards, cache / HELD_OUT]):

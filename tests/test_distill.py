@@ -80,3 +80,13 @@ def test_the_engine_answers_in_batches_resumes_and_keeps_each_answer_as_alone(tm
 
     with pytest.raises(ValueError, match="other settings"):
         Shards(tmp_path, Settings("smollm2-135m", max_new_tokens=99))
+
+    # The trainers read the folder as token ids (train-streams / train-exit --data distill:FOLDER).
+    from mirrorsd.train_streams import corpus_texts, data_versions, make_chunks
+
+    source = f"distill:{tmp_path}"
+    docs = corpus_texts([source])
+    assert [t for d in docs for t in d] == [t for ids, _, _ in rows for t in ids.tolist()]
+    chunks = make_chunks(None, docs, 8, 4, 0)
+    assert len(chunks) == 4 and all(c.ids.shape == (8,) for c in chunks)
+    assert data_versions([source, "stdlib"]) == {source: index["shards"]}

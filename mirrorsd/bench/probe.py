@@ -1,4 +1,5 @@
-"""Acceptance and early-exit statistics from one untimed vanilla-SD pass (greedy, fixed γ windows).
+"""Acceptance and early-exit statistics from one untimed vanilla-SD pass (fixed γ windows; greedy, or speculative
+sampling at a temperature).
 
 At every step the target's early exit is read at several depths (N/4, N/2, 3N/4) on the verified window, and
 the rank of the target's correction (or bonus token) among the exit's top candidates at slot A+1 is recorded.
@@ -9,6 +10,12 @@ acceptance of the first γ' tokens of a window does not depend on the tokens aft
 E[A_t] for every γ' ≤ γ as the mean of min(A, γ') (Fig. 3b), and the per-position acceptance the planner uses.
 The same steps give the fallback of ``mirror``'s ``candidates=draft``: the draft's own runner-ups at the slots it
 drafted, the N/2 exit's top-κ (tuned where given) at the bonus slot.
+
+Proposition 1 bounds the fallback by 1 − Ω_κ, Ω_κ being the target's probability q on the exit's top-κ: a bound on
+a correction *drawn from* q. The correction is drawn from q only at a bonus slot. After a rejection it comes from
+the residual norm(max(q − p, 0)) under speculative sampling, and under greedy decoding it is the argmax, a point
+mass. So the probe records Ω twice: with the paper's q (at temperature 1 when greedy), and with the distribution
+the correction was actually drawn from, whose complement is exactly the fallback's expectation.
 """
 
 from __future__ import annotations
@@ -22,10 +29,20 @@ import torch
 from tqdm.auto import tqdm
 
 from ..decoding import engine
-from ..decoding.engine import ChainScorer, DecodeRequest, GenerationStats, Proposal, RequestState, Roles, Scores, match
+from ..decoding.engine import (
+    ChainScorer,
+    DecodeRequest,
+    GenerationStats,
+    Proposal,
+    RequestState,
+    Roles,
+    Scores,
+    match,
+    rejection,
+)
 from ..decoding.proposers import ModelProposer
 from ..exit_heads import ExitTranslators
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, probabilities
 
 EXITS = {"1/4": 0.25, "1/2": 0.5, "3/4": 0.75}
 TUNED = " tuned"  # suffix of the probe's names for tuned exits
@@ -43,6 +60,10 @@ class Probe:
     # Eq. 9's Ω_κ(ℓe) per step: the target's probability mass on the exit's top-κ at slot A+1, one entry per κ
     omegas: dict[str, dict[str, list[list[float]]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    # the same mass under the distribution the correction was drawn from (residual, point mass or q)
+    drawn: dict[str, dict[str, list[list[float]]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    temperature: float = 0.0
 
     def groups(self) -> list[str]:
         return [*self.accepted, "all"]
@@ -79,13 +100,15 @@ class Probe:
                 out[name] = {k: sum(r >= k for r in ranks) / len(ranks) for k in self.kappas}
         return out
 
-    def overlap(self, group: str = "all") -> dict[str, dict[int, float]]:
+    def overlap(self, group: str = "all", drawn: bool = False) -> dict[str, dict[int, float]]:
         """Per exit depth and κ: mean Ω_κ(ℓe) = Σ_{y ∈ Top-κ(p̃)} q(y) (Eq. 9), q the target's distribution at the
-        slot the correction fills. Proposition 1 bounds the fallback of a correction drawn from q by 1 − Ω_κ."""
+        slot the correction fills. Proposition 1 bounds the fallback of a correction drawn from q by 1 − Ω_κ.
+        ``drawn``: q is the distribution the correction was drawn from instead (the module docstring)."""
+        masses = self.drawn if drawn else self.omegas
         out = {}
         for name in self.exit_layers:
-            rows = ([r for by_exit in self.omegas.values() for r in by_exit[name]] if group == "all"
-                    else self.omegas[group][name])
+            rows = ([r for by_exit in masses.values() for r in by_exit[name]] if group == "all"
+                    else masses[group][name])
             if rows:
                 out[name] = {k: statistics.fmean(r[i] for r in rows) for i, k in enumerate(self.kappas)}
         return out
@@ -97,6 +120,7 @@ class Probe:
 
     def to_dict(self) -> dict:
         return {"gamma": self.gamma, "exit_layers": self.exit_layers, "steps": len(self._accepted("all")),
+                "temperature": self.temperature, "overlap_drawn": {g: self.overlap(g, True) for g in self.groups()},
                 "expected_accepted": {g: self.expected_accepted(g) for g in self.groups()},
                 "per_position_acceptance": self.per_position(),
                 "fallback": {g: self.fallback(g) for g in self.groups()},
@@ -133,23 +157,25 @@ class ExitReader(ChainScorer):
 
 def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int, gamma: int = 7,
               kappas: tuple[int, ...] = KAPPAS, exits: dict[str, float] = EXITS, progress: bool = True,
-              tuned: ExitTranslators | None = None) -> Probe:
+              tuned: ExitTranslators | None = None, temperature: float = 0.0, seed: int = 0) -> Probe:
     """``prompts`` are (group, token ids) pairs; ``target``/``draft`` are loaded models. The steps are the decoding
     loop's with the shared draft proposer (fixed γ windows) and a scorer that reads the exits; with ``tuned``,
-    every depth it has a translator for is also read through it (``"1/2 tuned"``)."""
+    every depth it has a translator for is also read through it (``"1/2 tuned"``). ``temperature`` > 0: speculative
+    sampling (the draft's own noise, the target's distribution) with ``seed``."""
     model, dmodel = target.model, draft.model
     n = model.config.n_layers
     exit_layers = {name: min(n - 1, max(1, round(f * n))) for name, f in exits.items()}
     if tuned is not None:
         exit_layers.update({name + TUNED: layer for name, layer in list(exit_layers.items()) if layer in tuned.layers})
-    probe = Probe(gamma, exit_layers, tuple(kappas))
+    probe = Probe(gamma, exit_layers, tuple(kappas), temperature=temperature)
     bonus_exit = "1/2" + TUNED if "1/2" + TUNED in exit_layers else "1/2"
-    params = SamplingParams()
+    params = SamplingParams(temperature=temperature, seed=seed)
+    sampling = not params.greedy
     for group, ids in tqdm(prompts, desc="acceptance probe", unit="prompt", disable=not progress):
         scorer = ExitReader(model, exit_layers, max(kappas), tuned)
-        proposer = ModelProposer(dmodel, model.config.vocab_size, params, gamma)
+        proposer = ModelProposer(dmodel, model.config.vocab_size, params, gamma, rejection=sampling)
         proposer.sampler.runner_ups = max(kappas) + 1
-        roles = Roles(proposer, scorer, match)
+        roles = Roles(proposer, scorer, rejection if sampling else match)
         # Room for full windows up to the last step (the loop keeps windows inside max_new_tokens).
         request = DecodeRequest(model, list(ids), max_new + gamma + 1, params, GenerationStats("probe"), dmodel)
         produced = 0
@@ -157,12 +183,17 @@ def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
             a, c = request.stats.accepted[-1], new[-1]
             if request.stats.drafted[-1] == gamma:
                 probe.accepted[group].append(a)
-            q = scorer.final[a].float().softmax(-1)
+            window = proposer.last
+            q = (probabilities(scorer.final[a:a + 1], params)[0] if sampling else scorer.final[a].double().softmax(-1))
+            source = probabilities(scorer.final[a:a + 1], params)[0]  # greedy: the point mass on the argmax
+            if sampling and a < len(window.tokens):  # a rejection: the residual the correction was drawn from
+                residual = (source - window.probs[a].to(source)).clamp_min(0)
+                source = residual / residual.sum() if residual.sum() > 0 else source
             for name, rows in scorer.exit_ids.items():
                 probe.ranks[group][name].append(rows[a].index(c) if c in rows[a] else max(kappas))
-                mass = q[rows[a]].cumsum(0).tolist()
-                probe.omegas[group][name].append([mass[k - 1] for k in kappas])
-            window = proposer.last
+                for masses, dist in ((probe.omegas, q), (probe.drawn, source)):
+                    mass = dist[rows[a]].cumsum(0).tolist()
+                    masses[group][name].append([mass[k - 1] for k in kappas])
             if bonus_exit in scorer.exit_ids:
                 row = (window.alternatives[a] if a < len(window.tokens) else scorer.exit_ids[bonus_exit][a])
                 row = [v for v in row if a >= len(window.tokens) or v != window.tokens[a]]

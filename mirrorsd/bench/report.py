@@ -141,7 +141,9 @@ def _probe(results: dict[str, Any]) -> list[str]:
     ea = p["expected_accepted"]["all"]
     fb = p["fallback"]["all"]
     kappas = sorted({int(k) for row in fb.values() for k in row})
-    out = [f"## Acceptance probe (one untimed vanilla-SD pass, γ = {p['gamma']}, greedy, {p['steps']} full windows)",
+    decoding = f"temperature {p['temperature']}" if p.get("temperature") else "greedy"
+    out = [f"## Acceptance probe (one untimed vanilla-SD pass, γ = {p['gamma']}, {decoding}, {p['steps']} full "
+           "windows)",
            "", "E[A_t] vs γ: " + ", ".join(f"γ={g}: {v:.2f}" for g, v in ea.items()), "",
            "Fallback frequency of the `paper` reuse rule (correction not among the exit's top-κ) per κ × ℓe:", "",
            "| ℓe | " + " | ".join(f"κ={k}" for k in kappas) + " |", "|---|" + "---|" * len(kappas)]
@@ -154,14 +156,19 @@ def _probe(results: dict[str, Any]) -> list[str]:
         label = "draft's runner-ups, full vocabulary, N/2 exit at the bonus slot (`candidates=draft:draft_vocab=0`)"
         out.append(f"| {label} | " + " | ".join(f"{draft[str(k)]:.2f}" for k in kappas) + " |")
     omega = p.get("overlap", {}).get("all")
+    drawn = p.get("overlap_drawn", {}).get("all") or {}
     if omega:
         out += ["", "Top-κ overlap mass Ω_κ(ℓe) (Eq. 9: the target's probability on the exit's top-κ at the "
                 "correction's slot) and Proposition 1's bound on the fallback of a correction drawn from the "
-                "target, each cell measured fallback / bound 1 − Ω_κ:", "",
+                "target, each cell measured fallback / bound 1 − Ω_κ / 1 − Ω_κ under the distribution the "
+                "correction was drawn from (the residual after a rejection, the argmax's point mass when greedy: "
+                "the fallback's own expectation):", "",
                 "| ℓe | " + " | ".join(f"κ={k}" for k in kappas) + " |", "|---|" + "---|" * len(kappas)]
         for name, row in omega.items():
-            out.append(f"| {name} | " + " | ".join(f"{fb[name][str(k)]:.2f} / {1 - row[str(k)]:.2f}"
-                                                    for k in kappas) + " |")
+            own = drawn.get(name, {})
+            out.append(f"| {name} | " + " | ".join(
+                f"{fb[name][str(k)]:.2f} / {1 - row[str(k)]:.2f}"
+                + (f" / {1 - own[str(k)]:.2f}" if str(k) in own else "") for k in kappas) + " |")
     return [*out, ""]
 
 

@@ -407,7 +407,8 @@ class Bench:
             if tuned is None and (shipped := shipped_exit(self.target.name or "")):
                 tuned = ExitTranslators.load(shipped)
             probe_result = probe.run_probe(self.target, self.draft, prompts, cfg.max_new_tokens,
-                                           progress=self.progress, tuned=tuned).to_dict()
+                                           progress=self.progress, tuned=tuned, temperature=cfg.temperature,
+                                           seed=cfg.seed).to_dict()
         return self.results(costs, probe_result)
 
     def results(self, costs: plan.Costs | None, probe_result: dict | None) -> dict[str, Any]:

@@ -53,7 +53,8 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
     add_dtype(p)
     p.add_argument("--threads-split", metavar="T,D", help="target,draft threads the planner times for the threads "
                                                          "backend (default: half each)")
-    p.add_argument("--no-probe", action="store_true", help="skip the untimed acceptance / early-exit probe")
+    p.add_argument("--no-probe", action="store_true", help="skip the untimed acceptance / early-exit probe (it decodes "
+                   "at --temperature: speculative sampling when > 0)")
     p.add_argument("--probe-exit-head", metavar="FOLDER", help="the tuned exit the probe reads next to the lens "
                    "(a `mirrorsd train-exit` folder), to compare exits on the same rollouts (default: the target's "
                    "shipped one)")

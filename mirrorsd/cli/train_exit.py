@@ -27,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "exit, and saves a learning curve. Minutes on a CPU.")
     add_model(te, required=True)
     te.add_argument("--data", nargs="+", default=["stdlib", "pydoc-topics"],
-                    help="text files or folders, or corpus names: stdlib, pydoc-topics, chat-answers (as "
-                         "train-streams)")
+                    help="text files or folders, or corpus names: stdlib, pydoc-topics, chat-answers, "
+                         "distill:FOLDER (as train-streams)")
     te.add_argument("--out", required=True, help="folder for exit_head.safetensors + exit_head.json")
     te.add_argument("--layers", default="0.25,0.5,0.75", help="exit layers: indices or fractions of the depth")
     te.add_argument("--chunks", type=int, default=64, help="windows of the corpus text")

@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--data", nargs="+", required=True,
                    help="text files or folders (*.py/*.txt/*.md/*.rst), or corpus names: stdlib (this Python's "
                         "standard library source), pydoc-topics (the language reference), chat-answers (the model's "
-                        "own greedy answers to mirrorsd's shipped chat prompts, through its chat template)")
+                        "own greedy answers to mirrorsd's shipped chat prompts, through its chat template), or "
+                        "distill:FOLDER (a `mirrorsd distill` folder: the model's answers as token ids)")
     t.add_argument("--out", required=True, help="folder for stream_config.json + adapter.safetensors")
     t.add_argument("--cache", help="state cache folder (default: OUT/cache); reused by later runs with the same "
                                    "model, data, --seq-len, --chunks, --held-out, --self-distill, --layers, --seed")

@@ -573,6 +573,27 @@ def test_probe_overlap_is_the_mean_mass_per_exit_and_kappa():
     assert probe.overlap() == {"1/2": {1: pytest.approx(0.4), 4: pytest.approx(0.8)}}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_probe_omega_of_the_drawn_distribution_is_the_fallbacks_expectation(temperature):
+    """Greedy, the correction's distribution is a point mass: 1 − Ω of it is the measured fallback, step by step.
+    Sampled, the correction comes from the residual after a rejection (q at a bonus slot): the masses are
+    distributions' and the fallback matches them on average only."""
+    from mirrorsd.api import LoadedModel
+    from mirrorsd.bench.probe import run_probe
+    from tests.helpers import row_exact, tiny_hf
+
+    target, draft = LoadedModel(row_exact(tiny_hf(layers=4, seed=1))), LoadedModel(row_exact(tiny_hf(layers=2, seed=2)))
+    probe = run_probe(target, draft, [("qa", [5, 9, 2, 7]), ("rag", [3, 1, 4])], 24, gamma=3, kappas=(1, 2, 4),
+                      progress=False, temperature=temperature, seed=3)
+    fallback, own, paper = probe.fallback(), probe.overlap(drawn=True), probe.overlap()
+    for name in probe.exit_layers:
+        for k in (1, 2, 4):
+            assert 0.0 <= own[name][k] <= 1.0 + 1e-9 and 0.0 <= paper[name][k] <= 1.0 + 1e-9
+            if temperature == 0.0:
+                assert fallback[name][k] == pytest.approx(1 - own[name][k])
+    assert probe.to_dict()["temperature"] == temperature
+
+
 def test_a_wrong_probe_exit_head_fails_before_any_model_loads(tmp_path):
     with pytest.raises(ValueError, match="holds no tuned exit"):
         Bench(BenchConfig("no-such-model", "no-such-draft", [], probe_exit_head=str(tmp_path)), progress=False)
