@@ -125,21 +125,6 @@ class StreamProposer(ModelProposer):
                          schedule=schedule)
         self.adapters, self.tree_k, self.tree_budget = adapters, tree_k, tree_budget
         self.stream_head = adapters.head(draft)  # the vocabulary the streams were trained on
-        # The last window's end and the streams' guesses read at its last token (see carried)
-        self.carry: tuple[int, list[int], StreamGuesses] | None = None
-
-    def carried(self, state: RequestState) -> StreamGuesses:
-        """The first pass's guesses. A window's last pass reads the streams at its last token, so when the target
-        accepted the whole window, those guesses are for the target's bonus token and beyond: they let the next
-        window's first pass verify guesses instead of drafting a single token. Else no guesses. Only forwards
-        change: the main stream verifies, so the tokens are the draft's own either way."""
-        carry, self.carry = self.carry, None
-        if carry is None:
-            return StreamGuesses()
-        end, window, guesses = carry
-        if len(state.tokens) != end + 1 or state.tokens[end - len(window):end] != window or not guesses.tokens:
-            return StreamGuesses()
-        return StreamGuesses(guesses.tokens[1:], guesses.logprobs[1:])  # level 0 was the bonus slot
 
     def propose(self, state: RequestState, window: int | None = None, streams: int | None = None) -> Proposal:
         """``streams``: pass with only the first of the adapters' streams (fewer rows for a busy batch)."""
@@ -149,7 +134,7 @@ class StreamProposer(ModelProposer):
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         tops: list[float] = []
-        trunk, guesses, forwards, end = list(state.pending), self.carried(state), 0, window
+        trunk, guesses, forwards, end = list(state.pending), StreamGuesses(), 0, window
         while len(tokens) < window:
             depth = min(streams, window - len(tokens) - 1)
             tree = guesses.tree(depth, self.tree_budget)
@@ -167,8 +152,6 @@ class StreamProposer(ModelProposer):
             if self.confidence > 0 and min(tops[:window]) < self.confidence:  # propose() stops at the first doubt
                 end = window_end(tops[:window], self.confidence)
                 break
-        if len(tokens) == end and end and guesses.tokens:  # the last pass ended the window: keep its guesses
-            self.carry = (position + end, tokens[:end], guesses)
         tokens, q_rows = tokens[:end], q_rows[:end]
         cache.truncate(position + max(end, 1) - 1)
         self.last = Proposal(tokens, probs=torch.stack(q_rows) if q_rows else None, forwards=forwards)
