@@ -153,8 +153,9 @@ class Shards:
                 "sampled": np.asarray([r.sampled for r in records], dtype=bool)}
         number = int(self.shards[-1].stem.split("-")[1]) + 1 if self.shards else 0
         path = self.folder / f"shard-{number:05d}.npz"
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez_compressed(tmp, **data)
+        tmp = self.folder / f"incomplete-{number:05d}.npz"  # a crash mid-write leaves no file named shard-*
+        with tmp.open("wb") as f:
+            np.savez_compressed(f, **data)
         os.replace(tmp, path)
         self.shards.append(path)
         self._count(data)
