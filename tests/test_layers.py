@@ -16,7 +16,7 @@ LAYERS = [
      "exit_heads"},  # the model, kernels, executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api", "batching"},  # loading models, the HF-like API, continuous batching
-    {"perplexity", "quality", "train_streams", "train_exit", "vocab_tables"},  # tools on the API
+    {"perplexity", "quality", "train_streams", "train_exit", "vocab_tables", "distill"},  # tools on the API
     {"bench"},  # benchmarks and the planner
     {"server"},  # mirrorsd serve: the OpenAI-compatible HTTP server
     {"cli", "__init__", "__main__"},  # the command line and the package's public names
