@@ -128,7 +128,9 @@ class _Waiting:
     outputs: list[torch.Tensor] = field(default_factory=list)
     result: torch.Tensor | None = None
     error: BaseException | None = None
-    finished: bool = False
+    computed: bool = False  # set by the step, outside the lock
+    finished: bool = False  # published by the engine under the lock, with the running count: a member woken by
+    # another's notify must not leave before the engine counts it as running again
 
     @property
     def rows(self) -> int:
@@ -280,7 +282,8 @@ class Batcher:
                 self.total_steps += 1
                 if self.on_step is not None and record.rows:
                     self.on_step(record)
-                for item in [w for w, _ in work if w.finished]:
+                for item in [w for w, _ in work if w.computed]:
+                    item.finished = True
                     self._waiting.remove(item)
                     self._running += 1
                 self._cond.notify_all()
@@ -325,7 +328,7 @@ class Batcher:
                         self._heads(members)
                 except Exception as e:  # every member of the failed forward gets the error on its own thread
                     for w, _ in members:
-                        w.error, w.finished = e, True
+                        w.error, w.computed = e, True
         return StepRecord(began, windows, prompts, rows_run, prefill, time.perf_counter() - began)
 
     @staticmethod
@@ -345,7 +348,7 @@ class Batcher:
             w.done += rows
             if w.done == w.rows:
                 w.result = w.outputs[0] if len(w.outputs) == 1 else torch.cat(w.outputs, 1)
-                w.outputs, w.finished = [], True
+                w.outputs, w.computed = [], True
 
     @staticmethod
     def _heads(members: list[tuple[_Waiting, int]]) -> None:
@@ -353,4 +356,4 @@ class Batcher:
         hidden = [w.hidden for w, _ in members]
         logits = model.logits(torch.cat(hidden, 1), head)  # row-local (execution.head_batchable): each row's own bits
         for (w, _), out in zip(members, logits.split([h.shape[1] for h in hidden], 1), strict=True):
-            w.result, w.finished = out, True
+            w.result, w.computed = out, True

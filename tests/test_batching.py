@@ -164,6 +164,28 @@ def test_no_cache_outlives_its_request_after_thousands_of_rejections(pair: Pair,
     assert batcher.members_running == 0 and not batcher._waiting
 
 
+def test_a_member_woken_by_another_waits_until_the_engine_counts_it(pair: Pair, monkeypatch) -> None:
+    """A member woken by another thread's notify while its forward is computed but not yet published stays waiting:
+    leaving then took the running count below zero (CI saw -1 after a two-request batch)."""
+    batcher = Batcher()
+    real = Batcher._step
+    seen: list[int] = []
+
+    def step_then_stray_notify(self, work):
+        record = real(self, work)
+        with self._cond:
+            self._cond.notify_all()  # what another member's new forward does while the engine is outside the lock
+        threading.Event().wait(0.05)  # time for a wrongly woken member to leave
+        seen.append(self.members_running)
+        return record
+
+    monkeypatch.setattr(Batcher, "_step", step_then_stray_notify)
+    requests = [Req("ar", (1, 2, i), 3, 0.0, 0, 0, None) for i in range(2)]
+    assert run_batched(pair, requests, batcher) == [pair.tokens(r) for r in requests]
+    assert seen and min(seen) >= 0
+    assert batcher.members_running == 0 and not batcher._waiting
+
+
 def test_a_failing_forward_reaches_only_its_request(pair: Pair, monkeypatch) -> None:
     """An error in a batched forward goes to the threads whose rows were in it; the batcher stays usable."""
     batcher = Batcher()
