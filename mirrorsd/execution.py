@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import cuda_graphs, kernels
 from .kernels import cuda_attention
 from .kv_cache import KVCache
-from .linear import FIXED_ROWS, PACKED_BUFFERS, DenseLinear, QuantLinear, fixed_shapes
+from .linear import FIXED_ROWS, PACKED_BUFFERS, DenseLinear, PackedLinear, QuantLinear, fixed_shapes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -29,6 +29,22 @@ if TYPE_CHECKING:
 
 #: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
 _PACKED_FIELDS = (*PACKED_BUFFERS, "bias")
+_F32_BITS = 32  # what QuantBlock reads as "an fp32 PackedLinear"
+
+
+def row_local(linear: nn.Module) -> bool:
+    """Whether a linear computes each row with bits that do not depend on the others in the call: a fast quantized
+    one, or fp32 packed weights on the row-exact path (``Transformer.make_row_exact``)."""
+    return (isinstance(linear, QuantLinear) and linear.fast) or (isinstance(linear, PackedLinear) and linear.row_exact)
+
+
+def _block_tensors(linear: nn.Module) -> tuple[list[torch.Tensor | None], list[int]]:
+    """One linear's tensors and ints as QuantBlock takes them."""
+    if isinstance(linear, PackedLinear):
+        tensors = [linear.packed, *([None] * (len(_PACKED_FIELDS) - 2)), linear.bias]
+        return tensors, [linear.out_features, _F32_BITS, 0, 0]
+    tensors = [getattr(linear, name) for name in _PACKED_FIELDS]
+    return tensors, [linear.out_features, linear.bits, linear.group, linear.zero]
 #: A block's linears (attention's four, then the MLP's), in the order the C++ block binds them.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -44,7 +60,7 @@ def attention_backends(device: torch.device) -> AbstractContextManager:
 
 class KernelBinding:
     """The C++ side of a decoder block (mixed into :class:`~mirrorsd.model.Block`): the whole block as one
-    ``QuantBlock`` op (``cpu_block.cpp``) when every projection is a fast QuantLinear."""
+    ``QuantBlock`` op (``cpu_block.cpp``) when every projection is row-local (:func:`row_local`)."""
 
     use_kernel: bool  # the whole block in one C++ call (bind_kernel)
     _kernel: torch.ScriptObject | None
@@ -54,12 +70,14 @@ class KernelBinding:
     post_attention_layernorm: nn.Module
 
     def bind_kernel(self) -> None:
-        """Run this block as one C++ ``QuantBlock`` op (``cpu_block.cpp``) when every projection is a fast
-        QuantLinear and the fused norms/attention are on: a window (with stream rows too, outside training) then costs
-        one op call instead of ~17 (the same kernels in the same order, so the same bits). The weights are bound at
-        the next forward; call again after swapping one."""
+        """Run this block as one C++ ``QuantBlock`` op (``cpu_block.cpp``) when every projection is row-local (all
+        quantized or all fp32) and the fused norms/attention are on: a window (with stream rows too, outside
+        training) then costs one op call instead of ~17 (the same kernels in the same order, so the same bits). The
+        weights are bound at the next forward; call again after swapping one."""
         self._kernel = None
-        self.use_kernel = self.self_attn.fused and all(isinstance(x, QuantLinear) and x.fast for x in self._linears())
+        linears = self._linears()
+        self.use_kernel = self.self_attn.fused and all(row_local(x) for x in linears) \
+            and len({isinstance(x, PackedLinear) for x in linears}) == 1
 
     def _linears(self) -> tuple[nn.Module, ...]:
         return tuple(getattr(self.self_attn if name in PROJECTIONS[:4] else self.mlp, name) for name in PROJECTIONS)
@@ -67,10 +85,11 @@ class KernelBinding:
     def _quant_block(self) -> torch.ScriptObject:
         attn = self.self_attn
         linears = self._linears()
-        tensors = [getattr(x, name) for x in linears for name in _PACKED_FIELDS]
+        parts = [_block_tensors(x) for x in linears]
+        tensors = [t for ts, _ in parts for t in ts]
         tensors += [self.input_layernorm.weight, self.post_attention_layernorm.weight,
                     *(None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))]
-        ints = [v for x in linears for v in (x.out_features, x.bits, x.group, x.zero)]
+        ints = [v for _, vs in parts for v in vs]
         ints += [attn.n_heads, attn.n_kv_heads, attn.head_dim]
         return torch.classes.mirrorsd.QuantBlock(tensors, ints, self.input_layernorm.eps)
 
@@ -148,11 +167,10 @@ def batched_by(hook: ForwardBatcher | None) -> Iterator[None]:
 
 def head_batchable(model: Transformer, hidden: torch.Tensor, head: nn.Module | None = None) -> bool:
     """Whether the final norm and the head (``model.lm_head``, or ``head``, a module computing through a ``linear``:
-    a draft's reduced vocabulary) are row-local on ``hidden``: the C++ norm and a fast quantized product (the q4/q8
-    kernels give a row the same bits in any batch)."""
+    a draft's reduced vocabulary) are row-local on ``hidden``: the C++ norm and a :func:`row_local` product."""
     linear = model.lm_head if head is None else getattr(head, "linear", None)
-    return hidden.dim() == 3 and hidden.shape[0] == 1 and model.norm.fused and isinstance(linear, QuantLinear) \
-        and linear.fast and not torch.is_grad_enabled()
+    return hidden.dim() == 3 and hidden.shape[0] == 1 and model.norm.fused and linear is not None \
+        and row_local(linear) and not torch.is_grad_enabled()
 
 
 @dataclass(eq=False)

@@ -105,12 +105,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """fp32 weights interleaved in 16-feature blocks for the small-M kernel."""
 
+    split_activations = False  # fp32 rows are not quantized (QuantBlock's callers read this of every down_proj)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", kernels.pack_f32(weight))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
-        self.row_exact = False  # set in quantized models: every row count then takes the batch-invariant kernel
+        self.row_exact = False  # set on the row-exact path: every row count then takes the batch-invariant kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)

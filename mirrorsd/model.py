@@ -41,7 +41,7 @@ from .execution import (
 )
 from .kernels import cuda_attention
 from .kv_cache import KVCache
-from .linear import PackedLinear, QuantLinear, fixed_shapes, in_fixed_rows, make_linear, on_huge_pages
+from .linear import DenseLinear, PackedLinear, QuantLinear, fixed_shapes, in_fixed_rows, make_linear, on_huge_pages
 from .quant import GroupQuant
 
 #: Activation precision of quantized layers (``--activations``): ``int8`` per 32 features, or ``int8x2``, a second
@@ -349,17 +349,8 @@ class Transformer(nn.Module):
             head = embed  # tied (a quantized copy of the embedding, from q8/q4 loading, is kept as the head)
         self.lm_head = make_linear(head, linear=linear)
         # Quantized models must give bit-identical results however tokens are grouped into forwards.
-        self.row_exact = any(isinstance(m, QuantLinear) for m in self.modules())
-        # The fast path of quantized models: row-local C++ layers, bit-identical however tokens are grouped.
-        fused = self.row_exact and kernels.available() and cfg.head_dim % 16 == 0 and dense_embed.dtype == torch.float32
-        for module in self.modules():
-            if isinstance(module, Attention | PackedLinear):
-                module.row_exact = self.row_exact
-            if isinstance(module, Attention | RMSNorm | MLP):
-                module.fused = fused
+        self._route(any(isinstance(m, QuantLinear) for m in self.modules()))
         on_huge_pages(self)
-        for block in self.layers:
-            block.bind_kernel()
         self.register_buffer("inv_freq", inv_freq.float().to(dense_embed.device), persistent=False)
         self.rope_scale = rope_scale
         self.activations = "int8"
@@ -373,6 +364,35 @@ class Transformer(nn.Module):
                 module.split_activations = activations == "int8x2"
         self.activations = activations
         return self
+
+    def make_row_exact(self) -> bool:
+        """Put an fp32 CPU model on the row-exact path quantized models always take: the C++ fp32 linear for every
+        row count and the C++ norms, rotary embedding and attention, so a row's bits do not depend on the other rows
+        of its forward (a verification window, a tree, or other requests in a continuous batch). PyTorch's GEMM
+        promises no such thing. Prompts run slower than through its GEMM. Returns whether the model is row-exact
+        now (False where the C++ kernels or the shapes do not apply: the model is left as it was)."""
+        if not self.row_exact:
+            if any(isinstance(m, DenseLinear) for m in self.modules()) or not self._fusable():
+                return False
+            self._route(True)
+        return self.fused
+
+    def _fusable(self) -> bool:
+        return kernels.available() and self.config.head_dim % 16 == 0 and self.dtype == torch.float32 \
+            and self.device.type == "cpu"
+
+    def _route(self, row_exact: bool) -> None:
+        """Row-exact models take the row-local C++ layers where they apply, bit-identical however tokens are
+        grouped into forwards."""
+        self.row_exact = row_exact
+        fused = row_exact and self._fusable()
+        for module in self.modules():
+            if isinstance(module, Attention | PackedLinear):
+                module.row_exact = row_exact
+            if isinstance(module, Attention | RMSNorm | MLP):
+                module.fused = fused
+        for block in self.layers:
+            block.bind_kernel()
 
     # -- construction (in mirrorsd.loading) ------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import gc
 import random
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -26,6 +27,7 @@ from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.mirror.options import batch_caps
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
 from mirrorsd.kv_cache import KVCache
+from mirrorsd.model import Transformer
 from tests.helpers import random_adapters, requires_smollm2, row_exact, tiny_hf
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels"),
@@ -45,10 +47,17 @@ class Req:
     stop_after: int | None  # tokens after which its client closes the stream (leaves mid-way)
 
 
+def fp32_row_exact(hf) -> Transformer:
+    """fp32 weights on the row-exact C++ path (what ``mirrorsd serve`` puts an fp32 model on to batch it)."""
+    model = Transformer.from_hf(hf)
+    assert model.make_row_exact()
+    return model
+
+
 class Pair:
-    def __init__(self) -> None:
-        self.target = row_exact(tiny_hf(layers=4, seed=1))
-        self.draft = row_exact(tiny_hf(layers=2, seed=2))
+    def __init__(self, make: Callable = row_exact) -> None:
+        self.target = make(tiny_hf(layers=4, seed=1))
+        self.draft = make(tiny_hf(layers=2, seed=2))
         self.adapters = random_adapters(self.target, 2, 2, 0, std=0.1)
 
     def tokens(self, r: Req) -> list[int]:
@@ -73,6 +82,11 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair() -> Pair:
     return Pair()
+
+
+@pytest.fixture(scope="module")
+def fp32_pair() -> Pair:
+    return Pair(fp32_row_exact)
 
 
 def run_batched(pair: Pair, requests: list[Req], batcher: Batcher) -> list[list[int] | BaseException]:
@@ -132,8 +146,26 @@ def test_a_request_gets_its_own_tokens_in_any_batch(pair: Pair, requests: list[R
     assert max(s.windows + s.prompts for s in batcher.steps) >= 1
 
 
-def test_forwards_are_shared(pair: Pair) -> None:
-    """The rows of several requests do go through one forward (what makes batching pay)."""
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(REQUESTS, min_size=2, max_size=8))
+def test_fp32_weights_on_the_row_exact_path_batch_with_their_alone_bits(fp32_pair: Pair, requests: list[Req]) -> None:
+    """PyTorch's GEMM gives a row bits that depend on the call's row count; on the row-exact path (the C++ fp32
+    linear for every row count, in the C++ blocks) fp32 requests share forwards and keep their tokens."""
+    alone = [fp32_pair.tokens(r) for r in requests]
+    batcher = Batcher()
+    got = run_batched(fp32_pair, requests, batcher)
+    for r, g, a in zip(requests, got, alone, strict=True):
+        assert not isinstance(g, BaseException), g
+        if r.stop_after is not None:
+            g, a = g[: r.stop_after], a[: r.stop_after]
+        assert g == a, r
+    assert max(s.windows + s.prompts for s in batcher.steps) >= 1
+
+
+@pytest.mark.parametrize("weights", ["pair", "fp32_pair"])
+def test_forwards_are_shared(weights: str, request: pytest.FixtureRequest) -> None:
+    """The rows of several requests do go through one forward (what makes batching pay), q8 or fp32."""
+    pair = request.getfixturevalue(weights)
     requests = [Req("ar", (1, 2, 3, i), 16, 0.0, 0, 0, None) for i in range(8)]
     batcher = Batcher()
     got = run_batched(pair, requests, batcher)

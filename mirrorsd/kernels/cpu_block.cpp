@@ -25,20 +25,25 @@ namespace {
 
 using OptTensor = std::optional<torch::Tensor>;
 
-// One QuantLinear's packed weight (mirrorsd.kernels.PackedQuant), checked once when the block is bound. Its raw
-// pointers are taken again at each call, never kept: a storage can move under a tensor (share_memory_() when the
-// processes backend sends the model).
+// One QuantLinear's packed weight (mirrorsd.kernels.PackedQuant), or a PackedLinear's fp32 one (bits 32, in
+// `codes`), checked once when the block is bound. Its raw pointers are taken again at each call, never kept: a
+// storage can move under a tensor (share_memory_() when the processes backend sends the model).
 struct Linear {
-  torch::Tensor codes, scales;
-  OptTensor planes, offsets, super_scales, super_offsets, bias;
+  torch::Tensor codes;
+  OptTensor scales, planes, offsets, super_scales, super_offsets, bias;
   mirrorsd::QuantWeight checked;
 
   mirrorsd::QuantWeight view() const {
     mirrorsd::QuantWeight w = checked;
     const auto data = [](const OptTensor& t) { return t ? t->data_ptr() : nullptr; };
+    if (checked.bits == 32) {
+      w.f32 = codes.data_ptr<float>();
+      w.bias = static_cast<const float*>(data(bias));
+      return w;
+    }
     w.codes = static_cast<const uint8_t*>(codes.data_ptr());
     w.planes = static_cast<const uint64_t*>(data(planes));
-    w.scales = static_cast<const char*>(scales.data_ptr());
+    w.scales = static_cast<const char*>(scales->data_ptr());
     w.offsets = static_cast<const char*>(data(offsets));
     w.super_scales = static_cast<const uint16_t*>(data(super_scales));
     w.super_offsets = static_cast<const uint16_t*>(data(super_offsets));
@@ -59,7 +64,8 @@ struct QuantBlock : torch::CustomClassHolder {
   double eps;
 
   // tensors: 7 per linear (q, k, v, o, gate, up, down), then input_norm, post_attention_norm, q_norm, k_norm;
-  // ints: n, bits, group, zero per linear, then heads, kv_heads, head_dim.
+  // ints: n, bits, group, zero per linear, then heads, kv_heads, head_dim. An fp32 linear has bits 32 and its
+  // packed weight in place of the codes (nothing else but its bias); a block's linears are all fp32 or none.
   QuantBlock(std::vector<OptTensor> tensors, std::vector<int64_t> ints, double eps_) : eps(eps_) {
     TORCH_CHECK(static_cast<int64_t>(tensors.size()) == kLinears * kTensorsPerLinear + 4 &&
                     static_cast<int64_t>(ints.size()) == kLinears * kIntsPerLinear + 3,
@@ -68,9 +74,16 @@ struct QuantBlock : torch::CustomClassHolder {
     for (int64_t i = 0; i < kLinears; ++i) {
       const OptTensor* t = tensors.data() + i * kTensorsPerLinear;
       const int64_t* v = ints.data() + i * kIntsPerLinear;
+      TORCH_CHECK((v[1] == 32) == (ints[1] == 32), "QuantBlock: the linears must be all fp32 or all quantized");
+      if (v[1] == 32) {
+        TORCH_CHECK(t[0], "QuantBlock: fp32 linear ", i, " needs its packed weight");
+        linears.push_back(Linear{*t[0], {}, {}, {}, {}, {}, t[6], mirrorsd::check_f32_weight(t[0]->size(1), *t[0], t[6],
+                                                                                             v[0])});
+        continue;
+      }
       TORCH_CHECK(t[0] && t[2], "QuantBlock: linear ", i, " needs codes and scales");
       const int64_t k = t[0]->size(1) * (v[1] == 8 ? 4 : 8);  // codes [N/16, K/4 or K/8, 64]
-      linears.push_back(Linear{*t[0], *t[2], t[1], t[3], t[4], t[5], t[6],
+      linears.push_back(Linear{*t[0], t[2], t[1], t[3], t[4], t[5], t[6],
                                mirrorsd::check_weight(k, *t[0], t[1], *t[2], t[3], t[4], t[5], t[6], v[0], v[1], v[2],
                                                       v[3])});
     }
@@ -173,7 +186,7 @@ void block_forward(const QuantBlock& b, float* hidden, int64_t m, const std::vec
   mirrorsd::rms_norm_rows(hidden, b.input_norm.data_ptr<float>(), h, m, b.hidden, b.eps);
   const mirrorsd::QuantWeight qkv[3] = {b.linears[0].view(), b.linears[1].view(), b.linears[2].view()};
   float* const qkv_out[3] = {q, k, v};
-  mirrorsd::linear_quant_into(h, m, b.hidden, qkv, 3, qkv_out, split);
+  mirrorsd::linear_into(h, m, b.hidden, qkv, 3, qkv_out, split);
   for (int64_t i = 0; i < 3; ++i) add_stream_delta(lora, i, h, b.hidden, qkv_out[i], qkv[i].N, parts);
   if (b.q_norm) {
     mirrorsd::rms_norm_rows(q, b.q_norm->data_ptr<float>(), q, m * H, D, b.eps);
@@ -202,19 +215,19 @@ void block_forward(const QuantBlock& b, float* hidden, int64_t m, const std::vec
                           p.mask_row_stride, mirrorsd::Heads{attended + p.offset * H * D, t * H * D, D, H * D});
   }
   const mirrorsd::QuantWeight o_proj = b.linears[3].view();
-  mirrorsd::linear_quant_into(attended, m, H * D, &o_proj, 1, &delta, split);
+  mirrorsd::linear_into(attended, m, H * D, &o_proj, 1, &delta, split);
   add_stream_delta(lora, 3, attended, H * D, delta, b.hidden, parts);
   mirrorsd::add_into(hidden, delta, m * b.hidden);
 
   mirrorsd::rms_norm_rows(hidden, b.post_norm.data_ptr<float>(), h, m, b.hidden, b.eps);
   const mirrorsd::QuantWeight gate_up[2] = {b.linears[4].view(), b.linears[5].view()};
   float* const gate_up_out[2] = {gate, up};
-  mirrorsd::linear_quant_into(h, m, b.hidden, gate_up, 2, gate_up_out, split);
+  mirrorsd::linear_into(h, m, b.hidden, gate_up, 2, gate_up_out, split);
   add_stream_delta(lora, 4, h, b.hidden, gate, inner, parts);
   add_stream_delta(lora, 5, h, b.hidden, up, inner, parts);
   mirrorsd::silu_mul_rows(gate, up, gate, m * inner);
   const mirrorsd::QuantWeight down_proj = b.linears[6].view();
-  mirrorsd::linear_quant_into(gate, m, inner, &down_proj, 1, &delta, split);
+  mirrorsd::linear_into(gate, m, inner, &down_proj, 1, &delta, split);
   add_stream_delta(lora, 6, gate, inner, delta, b.hidden, parts);
   mirrorsd::add_into(hidden, delta, m * b.hidden);
 }

@@ -33,6 +33,7 @@ struct QuantWeight {
   const uint16_t* super_scales = nullptr;
   const uint16_t* super_offsets = nullptr;
   const float* bias = nullptr;
+  const float* f32 = nullptr;  // bits == 32: fp32 weights packed [N/16, K, 16] (mirrorsd.kernels.pack_f32), no codes
   int64_t zero = 0;
   int64_t code_block = 0, plane_block = 0, scale_block = 0, super_block = 0;  // per 16-output block (scale: bytes)
 };
@@ -42,6 +43,7 @@ QuantWeight check_weight(int64_t K, const torch::Tensor& codes, const std::optio
                          const std::optional<torch::Tensor>& super_scales,
                          const std::optional<torch::Tensor>& super_offsets, const std::optional<torch::Tensor>& bias,
                          int64_t N, int64_t bits, int64_t group, int64_t zero);
+QuantWeight check_f32_weight(int64_t K, const torch::Tensor& packed, const std::optional<torch::Tensor>& bias, int64_t N);
 
 // Memory a thread reuses from call to call, so a one-token forward allocates nothing: take() hands out 64-byte
 // aligned pieces and rewind() frees them all at once. Pieces never move (a full chunk is followed by another), so a
@@ -100,9 +102,10 @@ inline void parallel_rows(int64_t n, int64_t grain, const F& f) {
 
 // x [M, K] (contiguous) times `count` weights that read it (q/k/v; gate/up) into outs[i] [M, weights[i].N]: the
 // activations are quantized once and one parallel region covers every weight's blocks. Each output is computed
-// exactly as a call of its own computes it.
+// exactly as a call of its own computes it, row by row (a row's bits do not depend on the others). The weights are
+// all quantized or all fp32 (bits == 32: no activation quantization, `split` ignored).
 constexpr int64_t kMaxSharedWeights = 4;
-void linear_quant_into(const float* x, int64_t M, int64_t K, const QuantWeight* weights, int64_t count,
+void linear_into(const float* x, int64_t M, int64_t K, const QuantWeight* weights, int64_t count,
                        float* const* outs, bool split);
 
 // y [M, K] = weight * x / sqrt(mean(x^2) + eps) per row; y may be x.

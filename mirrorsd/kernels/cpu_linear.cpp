@@ -66,31 +66,26 @@ void check_bias(const std::optional<torch::Tensor>& bias, int64_t N) {
                 "bias must be contiguous fp32 [N]");
 }
 
-torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
-                         int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
-  check_bias(bias, N);
-  TORCH_CHECK(w.scalar_type() == torch::kFloat, "w must be fp32");
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == kBlockN && w.size(1) == x.size(1) && w.is_contiguous(),
-              "w must be packed fp32 [N/16, K, 16]");
-  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
-  TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+// y [M, N] for fp32 weights, row by row: the tile a row falls in never changes its bits (each accumulator is its
+// own row's), so a row's output does not depend on how many rows the call carries.
+void f32_linears_into(const float* x, int64_t M, int64_t K, const mirrorsd::QuantWeight* weights, int64_t count,
+                      float* const* outs) {
+  int64_t first[mirrorsd::kMaxSharedWeights + 1] = {0};
+  for (int64_t i = 0; i < count; ++i) first[i + 1] = first[i] + weights[i].blocks;
+  at::parallel_for(0, first[count], 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxTile * kBlockN];
-    for (int64_t nb = begin; nb < end; ++nb) {
+    int64_t wi = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      while (b >= first[wi + 1]) ++wi;
+      const mirrorsd::QuantWeight& w = weights[wi];
+      const int64_t nb = b - first[wi];
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
         const int64_t rows = std::min<int64_t>(kMaxTile, M - m0);
-        kF32Tiles[rows](xp + m0 * K, K, wp + nb * K * kBlockN, K, acc);
-        store_block(acc, rows, yp + m0 * N, N, nb * kBlockN, bp);
+        kF32Tiles[rows](x + m0 * K, K, w.f32 + nb * K * kBlockN, K, acc);
+        store_block(acc, rows, outs[wi] + m0 * w.N, w.N, nb * kBlockN, w.bias);
       }
     }
   });
-  return y;
 }
 
 // ---------------------------------------------------------------- group-quantized weights
@@ -423,10 +418,35 @@ QuantWeight check_weight(int64_t K, const torch::Tensor& codes, const std::optio
   return w;
 }
 
-void linear_quant_into(const float* x, int64_t M, int64_t K, const QuantWeight* weights, int64_t count,
-                       float* const* outs, bool split) {
-  TORCH_CHECK(count >= 1 && count <= kMaxSharedWeights, "linear_quant_into: 1 to ", kMaxSharedWeights, " weights");
+QuantWeight check_f32_weight(int64_t K, const torch::Tensor& packed, const std::optional<torch::Tensor>& bias,
+                             int64_t N) {
+  check_bias(bias, N);
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat, "w must be fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockN && packed.size(1) == K && packed.is_contiguous(),
+              "w must be packed fp32 [N/16, K, 16]");
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK(blocks * kBlockN >= N && blocks * kBlockN < N + kBlockN, "packed weight does not hold N rows");
+  QuantWeight w;
+  w.K = K;
+  w.N = N;
+  w.bits = 32;
+  w.blocks = blocks;
+  w.f32 = packed.data_ptr<float>();
+  w.bias = bias ? bias->data_ptr<float>() : nullptr;
+  return w;
+}
+
+void linear_into(const float* x, int64_t M, int64_t K, const QuantWeight* weights, int64_t count, float* const* outs,
+                 bool split) {
+  TORCH_CHECK(count >= 1 && count <= kMaxSharedWeights, "linear_into: 1 to ", kMaxSharedWeights, " weights");
   for (int64_t i = 0; i < count; ++i) TORCH_CHECK(weights[i].K == K, "every weight must take x's ", K, " inputs");
+  const bool f32 = weights[0].f32 != nullptr;
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK((weights[i].f32 != nullptr) == f32, "linear_into: the weights must be all quantized or all fp32");
+  if (f32) {
+    f32_linears_into(x, M, K, weights, count, outs);
+    return;
+  }
   // The activations' codes and the tables below live in memory this thread reuses: a call allocates nothing.
   static thread_local Scratch scratch;
   scratch.rewind();
@@ -503,6 +523,16 @@ void linear_quant_into(const float* x, int64_t M, int64_t K, const QuantWeight* 
 
 namespace {
 
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
+                         int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  const mirrorsd::QuantWeight weight = mirrorsd::check_f32_weight(x.size(1), w, bias, N);
+  auto y = torch::empty({x.size(0), N}, x.options());
+  float* out = y.data_ptr<float>();
+  mirrorsd::linear_into(x.data_ptr<float>(), x.size(0), x.size(1), &weight, 1, &out, false);
+  return y;
+}
+
 torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, const std::optional<torch::Tensor>& planes,
                            const torch::Tensor& scales, const std::optional<torch::Tensor>& offsets,
                            const std::optional<torch::Tensor>& super_scales,
@@ -513,7 +543,7 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
                                                          super_offsets, bias, N, bits, group, zero);
   auto y = torch::empty({x.size(0), N}, x.options());
   float* out = y.data_ptr<float>();
-  mirrorsd::linear_quant_into(x.data_ptr<float>(), x.size(0), x.size(1), &w, 1, &out, split);
+  mirrorsd::linear_into(x.data_ptr<float>(), x.size(0), x.size(1), &w, 1, &out, split);
   return y;
 }
 

@@ -93,9 +93,15 @@ class Server:
     def __init__(self, target: api.LoadedModel, draft: api.LoadedModel | None, config: ServerConfig) -> None:
         self.target, self.draft, self.config = target, draft, config
         running = config.max_running
+        if running > 1 and not batches(target.model) and target.model.make_row_exact():
+            if draft is not None:
+                draft.model.make_row_exact()
+            log.info("fp32 weights: decoding on the row-exact C++ path, so requests can share forwards with the bits "
+                     "each gets alone")
         if running > 1 and not batches(target.model):
             log.warning("decoding one request at a time: %s has no batch-invariant batched forward (continuous "
-                        "batching needs the C++ path of a quantized model on the CPU)", config.model_name)
+                        "batching needs the C++ path on the CPU: quantized weights, or fp32 ones where the kernels "
+                        "apply)", config.model_name)
             running = 1
         self.metrics = Metrics(config.model_name, lambda: self.scheduler.waiting,
                                lambda: len(self.scheduler.running))

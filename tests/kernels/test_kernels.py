@@ -587,19 +587,25 @@ def test_block_kernel_scratch_grows_without_changing_bits():
 
 @requires_kernels
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+@pytest.mark.parametrize("activations", ["int8", "int8x2", "fp32"])
 def test_block_kernel_gives_the_python_paths_bits(arch, activations):
-    """The whole-block C++ op (cpu_block.cpp) against the per-op Python path of the same quantized model: equal
-    logits and cache contents for a prompt (with cache growth), a tree-masked window, a single token and a two-row
-    batch with per-row positions and masks; biases (qwen2), q/k norms (qwen3) and split activations included."""
+    """The whole-block C++ op (cpu_block.cpp) against the per-op Python path of the same model: equal logits and
+    cache contents for a prompt (with cache growth), a tree-masked window, a single token and a two-row batch with
+    per-row positions and masks; biases (qwen2), q/k norms (qwen3), split activations and fp32 weights on the
+    row-exact path included."""
     from mirrorsd.loading import _is_projection
     from mirrorsd.model import Transformer
     from tests.helpers import tiny_hf
 
     hf = tiny_hf(arch, layers=2, seed=3)
     state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
-    state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
-    model = Transformer.from_state(hf.config, state).use_activations(activations)
+    if activations == "fp32":
+        model = Transformer.from_state(hf.config, state)
+        assert not model.row_exact and not any(block.use_kernel for block in model.layers)
+        assert model.make_row_exact()
+    else:
+        state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
+        model = Transformer.from_state(hf.config, state).use_activations(activations)
     assert all(block.use_kernel for block in model.layers)
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
     tree = torch.ones(1, 3, 12, dtype=torch.bool)  # nodes 1 and 2 are siblings: node 2 does not see node 1

@@ -397,6 +397,31 @@ def test_continuous_batching_serves_concurrent_clients_their_own_answers(models)
         server.stop()
 
 
+def test_fp32_weights_batch_on_the_row_exact_path():
+    """An fp32 model used to be served one request at a time (PyTorch's GEMM gives a row bits that depend on the
+    rows beside it); the server now puts it on the row-exact C++ path, so four clients share forwards, and each
+    answer is the one the same model gives alone."""
+    target = mirrorsd.load_model(MODEL, weights="fp32", progress=False)
+    assert not target.model.row_exact
+    app = create_app(target, None, ServerConfig(MODEL, max_running=4, max_tokens=16))
+    assert target.model.row_exact and app.state.server.scheduler.max_running == 4
+    server = LiveServer(app)
+    want = [reference((target, None), p, max_new_tokens=12, temperature=0).text for p in PROMPTS]
+
+    def ask(prompt: str) -> str:
+        reply = server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0)
+        return reply.choices[0].message.content
+
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(ask, PROMPTS)) == want
+        metrics = server.metrics()
+        assert metrics[("mirrorsd:batch_size_sum", ())] > metrics[("mirrorsd:batch_size_count", ())]
+    finally:
+        server.stop()
+
+
 def test_ignore_eos_decodes_to_max_tokens_as_load_generators_ask(live, models):
     """What aiperf and vLLM's benchmarks send for fixed-length answers: ``ignore_eos`` (decode past EOS to max_tokens),
     ``stream_options.include_usage`` and ``stop: null``. Without it the same request ends at EOS, and its tokens are
