@@ -654,6 +654,10 @@ def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, ca
     args = ["train-streams", "--model", "smollm2-135m", "--data", "pydoc-topics", "--out", str(out),
             "--seq-len", "32", "--held-out", "1", "--layers", "2", "--streams", "2", "--chunks", "3",
             "--eval-every", "2"]
+    bad = ["--out", str(tmp_path / "bad"), "--steps", "2"]
+    assert main([*args, *bad, "--chunks", "1000000"]) != 0  # more chunks than the data gives
+    assert "were asked for" in capsys.readouterr().err
+    assert main([*args, *bad]) == 0  # the cache that run left holds no states: it takes the new settings
     assert main([*args, "--steps", "2"]) == 0
     first = json.loads((out / "summary.json").read_text())
     cached = sorted((out / "cache").glob("*.safetensors"))
