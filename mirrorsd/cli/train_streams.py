@@ -8,7 +8,10 @@ import shlex
 import sys
 from pathlib import Path
 
+import torch
+
 import mirrorsd
+from mirrorsd import kernels
 from mirrorsd.train_streams import train
 
 from .args import COMMANDS, add_model
@@ -49,8 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; "
                         "held-out accuracy always uses the full vocabulary)")
     t.add_argument("--eval-every", type=int, default=50, help="steps between held-out points of the learning curve")
-    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="precision of the frozen weights the streams are trained through (the adapters stay fp32)")
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="precision of the frozen weights the streams are trained through (the adapters stay fp32); "
+                        "auto: bfloat16 on CUDA and on CPUs with bf16 arithmetic (AVX-512 BF16, AMX), else float32")
     t.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     t.add_argument("--init", metavar="ADAPTER", help="start from this adapter folder (same --streams, --layers, "
                                                      "--rank) to train it further, e.g. on more --chunks")
@@ -63,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
     decode = mirrorsd.load_model(args.model, device=args.device)  # the model decoding will run (q4 on CPU)
     print(f"mirrorsd: the state cache comes from {decode.name} {decode.format}", file=sys.stderr, flush=True)
     # The stream rows are trained through dense, autograd-capable copies of the frozen weights.
-    tower = mirrorsd.load_model(args.model, device=args.device, dtype=args.dtype, weights="fp32", linear="dense",
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(args.device).type == "cuda" or kernels.has_bf16_arithmetic() else "float32"
+    tower = mirrorsd.load_model(args.model, device=args.device, dtype=dtype, weights="fp32", linear="dense",
                                 progress=False)
     recipe = {"command": "mirrorsd train-streams " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
               "model": args.model, "data": args.data}

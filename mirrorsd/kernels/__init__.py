@@ -95,6 +95,13 @@ def isa() -> str | None:
     return usable[0] if usable else None
 
 
+def has_bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX): without it PyTorch's bf16 GEMMs convert
+    to fp32 in software and run ~3x slower than fp32 ones (16 against 5.2 s a stream-training step on a 2-core
+    AVX-512 Xeon without it)."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
 def compile_flags(name: str) -> list[str]:
     return ["-O3", *ISAS[name][1], "-std=c++17", "-fopenmp"]
 
