@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 #: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
 _PACKED_FIELDS = (*PACKED_BUFFERS, "bias")
 _F32_BITS = 32  # what QuantBlock reads as "an fp32 PackedLinear"
+#: A block's linears (attention's four, then the MLP's), in the order the C++ block binds them.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def row_local(linear: nn.Module) -> bool:
@@ -45,8 +47,6 @@ def _block_tensors(linear: nn.Module) -> tuple[list[torch.Tensor | None], list[i
         return tensors, [linear.out_features, _F32_BITS, 0, 0]
     tensors = [getattr(linear, name) for name in _PACKED_FIELDS]
     return tensors, [linear.out_features, linear.bits, linear.group, linear.zero]
-#: A block's linears (attention's four, then the MLP's), in the order the C++ block binds them.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def attention_backends(device: torch.device) -> AbstractContextManager:
