@@ -72,7 +72,8 @@ def default_format(name_or_path: str | Path, path: Path, device: str | torch.dev
 def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, weights: str | None = None, activations: str | None = None,
                linear: str = "auto", progress: bool = True) -> LoadedModel:
-    """Load a zoo model by name (prepared on first use) or a local HF checkpoint folder.
+    """Load a zoo model by name (prepared on first use), a local HF checkpoint folder, or a tuned draft (a shipped
+    name or a folder of ``mirrorsd train-draft``: its base model with the deltas merged, :mod:`.tuned_drafts`).
 
     ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.loading.WEIGHT_FORMATS`); ``activations``: ``int8``
     or ``int8x2`` for quantized weights (:data:`mirrorsd.model.ACTIVATION_FORMATS`). None picks
@@ -81,7 +82,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     """
     from transformers import AutoTokenizer, GenerationConfig
 
-    from . import zoo
+    from . import tuned_drafts, zoo
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -89,13 +90,16 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
         dtype = DTYPES[dtype]
     if activations is not None and activations not in ACTIVATION_FORMATS:
         raise ValueError(f"activations must be one of {ACTIVATION_FORMATS}, got {activations!r}")
-    path = zoo.resolve(name_or_path, progress=progress)
-    default_weights, default_acts = default_format(name_or_path, path, device, dtype)
+    base, deltas = name_or_path, None
+    if (tuned := tuned_drafts.resolve(name_or_path)) is not None:
+        base, deltas = tuned_drafts.load_config(tuned).base, tuned_drafts.deltas(tuned)
+    path = zoo.resolve(base, progress=progress)
+    default_weights, default_acts = default_format(base, path, device, dtype)
     weights = weights or default_weights
     activations = "int8" if weights == "fp32" else activations or default_acts  # fp32 has no quantized layer
     with paused_collector():
         model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, linear=linear,
-                                            activations=activations).eval()
+                                            activations=activations, deltas=deltas).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     eos: set[int] = set()
     if tokenizer.eos_token_id is not None:

@@ -17,6 +17,7 @@ from torch import nn
 from .linear import release_freed_heap
 from .model import ModelConfig, Transformer, Weights
 from .quant import quantize_q8
+from .tuned_drafts import merge
 
 #: Weight formats :meth:`Transformer.from_pretrained` can load (``--weights`` on the CLI).
 WEIGHT_FORMATS = ("fp32", "q8", "q4")
@@ -27,15 +28,24 @@ def _is_projection(name: str) -> bool:
 
 
 def from_pretrained(cls: type[Transformer], path: str | Path, device: str | torch.device, dtype: torch.dtype,
-                    weights: str, linear: str, activations: str) -> Transformer:
+                    weights: str, linear: str, activations: str,
+                    deltas: dict[str, torch.Tensor] | None = None) -> Transformer:
     """:meth:`Transformer.from_pretrained` (see there) for ``cls``."""
-    model = _load(cls, path, device, dtype, weights, linear).use_activations(activations)
+    model = _load(cls, path, device, dtype, weights, linear, deltas or {}).use_activations(activations)
     release_freed_heap()  # the checkpoint's tensors, converted and dropped
     return model
 
 
+def _merged(state: dict, deltas: dict[str, torch.Tensor]) -> dict:
+    """``state`` with a tuned draft's deltas added (:mod:`mirrorsd.tuned_drafts`)."""
+    missing = sorted(set(deltas) - set(state))
+    if missing:
+        raise ValueError(f"the tuned draft's deltas name weights this model lacks: {missing[:2]}")
+    return {k: merge(v, deltas[k]) if k in deltas else v for k, v in state.items()}
+
+
 def _load(cls: type[Transformer], path: str | Path, device: str | torch.device, dtype: torch.dtype, weights: str,
-          linear: str) -> Transformer:
+          linear: str, deltas: dict[str, torch.Tensor]) -> Transformer:
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -52,7 +62,7 @@ def _load(cls: type[Transformer], path: str | Path, device: str | torch.device, 
         if not gguf.exists():
             raise FileNotFoundError(f"weights='q4' needs the original GGUF file at {gguf}")
         state = {k.removeprefix("model."): v for k, v in load_gguf_weights(gguf, hf_config).items()}
-        return from_state(cls, hf_config, state, linear)
+        return from_state(cls, hf_config, _merged(state, deltas), linear)
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -65,6 +75,7 @@ def _load(cls: type[Transformer], path: str | Path, device: str | torch.device, 
         with safe_open(path / name, framework="pt", device=str(device)) as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 state[key.removeprefix("model.")] = f.get_tensor(key).to(dtype)
+    state = _merged(state, deltas)
     if weights == "q8":
         if hf_config.tie_word_embeddings or "lm_head.weight" not in state:
             state["lm_head.weight"] = state["embed_tokens.weight"]

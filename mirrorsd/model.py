@@ -406,7 +406,8 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, weights: str = "fp32",
-                        linear: str = "auto", activations: str = "int8") -> Transformer:
+                        linear: str = "auto", activations: str = "int8",
+                        deltas: dict[str, torch.Tensor] | None = None) -> Transformer:
         """Load a local HF checkpoint folder (config.json + *.safetensors).
 
         ``weights`` picks the weight format (see :data:`~mirrorsd.loading.WEIGHT_FORMATS`): ``fp32`` the checkpoint
@@ -414,11 +415,12 @@ class Transformer(nn.Module):
         models keep it; Q4_K_M files mix 4-bit with some 6/8-bit tensors). Quantized formats run on CPU only, with
         ``activations`` as their activation precision (:data:`ACTIVATION_FORMATS`). ``linear`` picks the linear
         implementation (:data:`~mirrorsd.linear.LINEAR_IMPLS`): ``auto`` by format and device (our CPU kernels
-        where they apply), ``dense`` PyTorch's stock GEMMs.
+        where they apply), ``dense`` PyTorch's stock GEMMs. ``deltas``: state-dict name → tensor added to that weight
+        before quantization (a tuned draft's, :mod:`mirrorsd.tuned_drafts`).
         """
         from .loading import from_pretrained
 
-        return from_pretrained(cls, path, device, dtype, weights, linear, activations)
+        return from_pretrained(cls, path, device, dtype, weights, linear, activations, deltas)
 
     @classmethod
     def from_state(cls, hf_config, state: Weights, linear: str = "auto") -> Transformer:

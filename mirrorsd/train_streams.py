@@ -244,6 +244,8 @@ class StateCache(Sequence[Cached]):
     (~7 KB a token on the 1.5B, 28 GB for 4M tokens) the cache does not fit in memory, and reading one chunk
     (~2 MB at 256 tokens) costs milliseconds against a training step's seconds."""
 
+    names = ("hidden", "keys", "values", "labels", "loss_from")  # the tensors a chunk is made of
+
     def __init__(self, paths: list[Path], device: torch.device | str) -> None:
         from safetensors import safe_open
 
@@ -255,10 +257,13 @@ class StateCache(Sequence[Cached]):
     def __len__(self) -> int:
         return len(self._where)
 
-    def __getitem__(self, index: int) -> Cached:  # type: ignore[override]
+    def row(self, index: int) -> dict[str, torch.Tensor]:
+        """Chunk ``index``'s tensors by name."""
         f, i = self._where[index]
-        row = {name: f.get_slice(name)[i].to(self.device) for name in ("hidden", "keys", "values", "labels",
-                                                                          "loss_from")}
+        return {name: f.get_slice(name)[i].to(self.device) for name in self.names}
+
+    def __getitem__(self, index: int) -> Cached:  # type: ignore[override]
+        row = self.row(index)
         return Cached(row["hidden"], row["keys"], row["values"], row["labels"].long(), int(row["loss_from"]))
 
 

@@ -19,6 +19,7 @@ COMMANDS = {
     "generate": "generate text (AR or speculative)",
     "serve": "an OpenAI-compatible HTTP server (chat, completions, SSE streaming, metrics, a chat page)",
     "train-streams": "train Speculative Streaming adapters (lossless mode) on offline text",
+    "train-draft": "distil a draft toward its target: low-rank deltas on its top layers, on the target's answers",
     "train-exit": "fit a tuned early exit (Mirror-SD's --exit-head tuned) on offline text, in closed form",
     "distill": "a model's own answers to ~21k prompts of our own making, batched, in resumable token shards",
     "bench": "Spec-Bench runner with peers in the same run; sweeps; costs",
@@ -27,7 +28,7 @@ COMMANDS = {
     "models": "the offline model zoo",
 }
 
-MODEL_HELP = "zoo model name or local HF folder"
+MODEL_HELP = "zoo model name or local HF folder (a draft: also a tuned draft's name or folder, see train-draft)"
 _SAMPLING_TYPES = {"temperature": float, "top_k": int, "top_p": float, "seed": int, "max_new_tokens": int}
 
 

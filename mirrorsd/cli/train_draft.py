@@ -1,0 +1,81 @@
+"""``mirrorsd train-draft``: a draft distilled toward its target (deltas on its top layers), trained offline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+import mirrorsd
+from mirrorsd import kernels
+from mirrorsd.train_draft import train
+
+from .args import COMMANDS, DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_HELP
+from .common import HelpFormatter, warn_if_busy
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser(
+        "train-draft", formatter_class=HelpFormatter, help=COMMANDS["train-draft"],
+        description="Fine-tune a draft to agree with its target: peft LoRA on every projection of the draft's top "
+        "--layers blocks, trained on the target's teacher-forced greedy tokens (what greedy verification accepts). "
+        "Only proposals change: every method stays lossless. The draft decoding runs fills a state cache once "
+        "(its layer N - layers states and the target's tokens, ~1.8 KB/token on the 0.5B); steps then run the top "
+        "blocks only. Resumes from OUT/checkpoint.pt and the cache's finished shards; saves OUT/draft_tune.json + "
+        "lora.safetensors (use it as --draft OUT; the deltas are merged into the weights as it loads) and a "
+        "learning curve.")
+    t.add_argument("--model", default=DEFAULT_DRAFT, help="the draft: " + MODEL_HELP)
+    t.add_argument("--target", default=DEFAULT_TARGET, help="the model whose tokens it learns: " + MODEL_HELP)
+    t.add_argument("--data", nargs="+", required=True,
+                   help="as train-streams: distill:FOLDER (the target's answers of `mirrorsd distill`), corpus "
+                        "names or text files/folders")
+    t.add_argument("--out", required=True, help="folder for draft_tune.json + lora.safetensors")
+    t.add_argument("--cache", help="state cache folder (default: OUT/cache); reused by later runs with the same "
+                                   "models, data, --seq-len, --chunks, --held-out, --layers, --seed")
+    t.add_argument("--target-cache", metavar="FOLDER",
+                   help="read the target's tokens from its `train-streams` state cache built over the same windows "
+                        "(same --data, --seq-len, --chunks, --held-out, --seed; checked) instead of running it")
+    t.add_argument("--layers", type=int, default=8, help="top layers of the draft that get deltas")
+    t.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
+    t.add_argument("--steps", type=int, default=200, help="optimizer steps (one chunk each)")
+    t.add_argument("--chunks", type=int, help="training chunks to cache (default: --steps, at most 10000); "
+                                              "steps beyond it start further epochs")
+    t.add_argument("--seq-len", type=int, default=256, help="tokens per training chunk")
+    t.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (linear warmup and decay)")
+    t.add_argument("--held-out", type=int, default=16, help="chunks kept out of training to measure agreement")
+    t.add_argument("--vocab", type=int, default=32768,
+                   help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; held-out "
+                        "agreement always uses the full vocabulary)")
+    t.add_argument("--eval-every", type=int, default=50, help="steps between held-out points of the learning curve")
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="precision of the frozen weights the deltas are trained through (the deltas stay fp32); "
+                        "auto: bfloat16 on CUDA and on CPUs with bf16 arithmetic (AVX-512 BF16, AMX), else float32")
+    t.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    t.add_argument("--seed", type=int, default=0, help="data order and initialisation")
+    t.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    warn_if_busy("train-draft")
+    draft = mirrorsd.load_model(args.model, device=args.device)  # the draft decoding will run (q4 on CPU)
+    target = None if args.target_cache else mirrorsd.load_model(args.target, device=args.device).model
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(args.device).type == "cuda" or kernels.has_bf16_arithmetic() else "float32"
+    tower = mirrorsd.load_model(args.model, device=args.device, dtype=dtype, weights="fp32", linear="dense",
+                                progress=False)
+    recipe = {"command": "mirrorsd train-draft " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
+              "model": args.model, "target": args.target, "data": args.data}
+    summary = train(tower.model, draft.model, target, draft.tokenizer, args.data, Path(args.out),
+                    model_name=args.model, target_name=args.target, decode_format=draft.format,
+                    cache=Path(args.cache) if args.cache else None,
+                    target_cache=Path(args.target_cache) if args.target_cache else None, layers=args.layers,
+                    rank=args.rank, steps=args.steps, chunks=args.chunks, seq_len=args.seq_len, lr=args.lr,
+                    held_out=args.held_out, vocab=args.vocab, eval_every=args.eval_every, seed=args.seed,
+                    recipe=recipe)
+    print(json.dumps({k: v for k, v in summary.items() if k != "curve"}, indent=2))
+    return 0

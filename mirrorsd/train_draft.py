@@ -1,0 +1,338 @@
+"""``mirrorsd train-draft``: distil a draft toward its target on the target's own answers.
+
+A draft's weights may change freely (verification keeps the output the target's), and every drafting method gains
+when its proposals agree with the target more often. Low-rank deltas on every projection of the draft's top
+``layers`` blocks are trained to predict the target's teacher-forced greedy token at each position: exactly what
+greedy verification accepts. The lower blocks stay frozen, so their output (layer ``N - layers`` states, ~1.8 KB a
+token in bf16 on the 0.5B) is computed once by the draft decoding runs and cached; a step then runs only the top
+blocks forward and backward through dense copies, and a restricted-vocabulary head.
+
+The labels come from the target's own ``mirrorsd train-streams`` state cache when one was built over the same
+windows (same data, ``--seq-len``, ``--seed``, ``--chunks`` and ``--held-out``: the ids are checked), else from
+the target itself. The result is a :mod:`mirrorsd.tuned_drafts` folder: ``--draft FOLDER`` loads the base draft
+with the deltas merged.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from .draft_vocab import load_table
+from .linear import DenseLinear, batch_invariance
+from .model import Transformer
+from .train_streams import (
+    CHECKPOINT,
+    CURVE,
+    CURVE_PLOT,
+    HELD_OUT,
+    SHARD_CHUNKS,
+    Chunk,
+    StateCache,
+    TrainHead,
+    _save_shard,
+    check_cache,
+    corpus_texts,
+    data_versions,
+    make_chunks,
+    shard_paths,
+)
+from .tuned_drafts import TUNED_PROJECTIONS, TuneConfig
+
+Labeller = Callable[[Path, list[Chunk]], list[torch.Tensor]]  # (shard path, its chunks) -> the target's labels
+
+
+@dataclass
+class DraftItem:
+    """One cached chunk: the draft's frozen layer ``N - layers`` states and the target's tokens."""
+
+    hidden: torch.Tensor  # [T, h]
+    labels: torch.Tensor  # [T] the target's greedy token after each position (teacher-forced)
+    loss_from: int
+
+
+class DraftCache(StateCache):
+    names = ("hidden", "labels", "loss_from")
+
+    def __getitem__(self, index: int) -> DraftItem:  # type: ignore[override]
+        row = self.row(index)
+        return DraftItem(row["hidden"], row["labels"].long(), int(row["loss_from"]))
+
+
+class DraftLoRA(nn.Module):
+    """peft LoRA on every projection of a dense model's top ``layers`` blocks, applied to all rows: unlike the
+    streams' adapters, these change the draft's own tokens, which is the point."""
+
+    def __init__(self, model: Transformer, layers: int, rank: int, alpha: int) -> None:
+        from peft import LoraConfig
+        from peft.tuners.lora.layer import Linear as LoraLinear
+
+        super().__init__()
+        n = model.config.n_layers
+        if not 1 <= layers <= n:
+            raise ValueError(f"--layers must be in 1..{n}, got {layers}")
+        self.first_layer = n - layers
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0)
+        self.lora = nn.ModuleDict()
+        self.keys: list[str] = []
+        for layer in range(self.first_layer, n):
+            for path in TUNED_PROJECTIONS:
+                owner, name = path.split(".")
+                parent = getattr(model.layers[layer], owner)
+                base = getattr(parent, name)
+                if isinstance(base, LoraLinear):
+                    raise ValueError("the model's projections already carry LoRA adapters")
+                if not isinstance(base, DenseLinear):  # our packed/quantized kernels have no autograd
+                    raise ValueError("train through dense weights: load the model with linear='dense'")
+                with warnings.catch_warnings():  # peft warns that our linears are not nn.Linear; it only reads
+                    warnings.simplefilter("ignore")  # their in/out features and calls them for the base product
+                    wrapped = LoraLinear(base, "default", config=config, r=rank, lora_alpha=alpha)
+                wrapped.base_layer.requires_grad_(False)
+                wrapped.lora_A.float()  # the trained parts stay fp32 whatever dtype the base runs in
+                wrapped.lora_B.float()
+                setattr(parent, name, wrapped)  # the model's own forward now runs through the adapter
+                key = f"layers.{layer}.{path}.weight"
+                self.lora[key.replace(".", "_")] = wrapped
+                self.keys.append(key)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """``{weight name}.A`` / ``.B`` of every tuned projection (the :mod:`~mirrorsd.tuned_drafts` file layout)."""
+        out = {}
+        for key in self.keys:
+            lora = self.lora[key.replace(".", "_")]
+            out[f"{key}.A"], out[f"{key}.B"] = lora.lora_A["default"].weight, lora.lora_B["default"].weight
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for key, tensor in self.state().items():
+                tensor.copy_(state[key].to(tensor.dtype))
+
+
+# -- the cache ------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def target_labels(target: Transformer) -> Labeller:
+    """Labels computed by ``target`` (the weights decoding runs, so they are the tokens it verifies with)."""
+
+    @torch.no_grad()
+    @batch_invariance(False)
+    def labels(_: Path, chunks: list[Chunk]) -> list[torch.Tensor]:
+        out = []
+        for chunk in chunks:
+            ids = chunk.ids[None].to(target.device)
+            hidden = target.run_layers(target.embed(ids), torch.arange(ids.shape[1], device=target.device)[None],
+                                       target.new_cache(capacity=ids.shape[1]))
+            out.append(target.logits(hidden[0]).argmax(-1).to(torch.int32).cpu())
+        return out
+
+    return labels
+
+
+def cached_labels(folder: Path) -> Labeller:
+    """Labels read from the target's ``train-streams`` state cache in ``folder``: its shard of the same name holds
+    the same windows (checked token by token)."""
+    from safetensors import safe_open
+
+    def labels(path: Path, chunks: list[Chunk]) -> list[torch.Tensor]:
+        source = folder / path.name
+        if not source.exists():
+            raise FileNotFoundError(f"the target's state cache {folder} has no {path.name}: build it over the same "
+                                    "windows (same --data, --seq-len, --chunks, --held-out, --seed) or omit "
+                                    "--target-cache")
+        with safe_open(str(source), framework="pt") as f:
+            ids, got = f.get_tensor("ids"), f.get_tensor("labels")
+        ours = torch.stack([c.ids for c in chunks]).to(ids.dtype)
+        if ids.shape != ours.shape or not torch.equal(ids, ours):
+            raise ValueError(f"{source} holds other windows than this run's: build the draft's cache with the "
+                             "target cache's --data, --seq-len, --chunks, --held-out and --seed")
+        return list(got.to(torch.int32))
+
+    return labels
+
+
+@torch.no_grad()
+@batch_invariance(False)
+def draft_states(draft: Transformer, first: int, chunk: Chunk) -> torch.Tensor:
+    """Layer ``first`` states of one chunk, from the draft decoding runs."""
+    ids = chunk.ids[None].to(draft.device)
+    positions = torch.arange(ids.shape[1], device=draft.device)[None]
+    hidden = draft.run_layers(draft.embed(ids), positions, draft.new_cache(capacity=ids.shape[1]), None, 0, first)
+    return hidden[0].to(torch.bfloat16)
+
+
+def cache_draft(draft: Transformer, first: int, labels: Labeller, train_chunks: list[Chunk], held_out: list[Chunk],
+                folder: Path, *, progress: bool = True) -> None:
+    """Write the missing shards (training chunks, then ``held-out.safetensors``): an interrupted run resumes at its
+    last shard."""
+    jobs = [(folder / HELD_OUT, held_out)]
+    jobs += [(path, train_chunks[i * SHARD_CHUNKS:(i + 1) * SHARD_CHUNKS])
+             for i, path in enumerate(shard_paths(folder, len(train_chunks), SHARD_CHUNKS))]
+    todo = [(path, chunks) for path, chunks in jobs if not path.exists()]
+    bar = tqdm(total=sum(len(c) for _, c in todo), desc="caching draft states", unit="chunk", disable=not progress)
+    for path, chunks in todo:
+        items = []
+        for chunk, label in zip(chunks, labels(path, chunks), strict=True):
+            items.append({"hidden": draft_states(draft, first, chunk), "labels": label.to(torch.int32),
+                          "ids": chunk.ids.to(torch.int32), "loss_from": torch.tensor(chunk.loss_from)})
+            bar.update()
+        _save_shard(items, path)
+    bar.close()
+
+
+# -- training -------------------------------------------------------------------------------------------------
+
+
+def _valid(item: DraftItem) -> torch.Tensor:
+    """Labels with -100 before the first completion token (positions t with t + 1 < loss_from)."""
+    t = torch.arange(item.labels.shape[0], device=item.labels.device)
+    return torch.where(t + 1 >= item.loss_from, item.labels, -100)
+
+
+@batch_invariance(False)
+def top_forward(model: Transformer, first: int, item: DraftItem) -> torch.Tensor:
+    """Final states ``[T, h]`` of the tuned blocks over the cached layer ``first`` states (plain causal)."""
+    n = item.hidden.shape[0]
+    positions = torch.arange(n, device=model.device)[None]
+    return model.run_layers(item.hidden[None].to(model.dtype), positions, None, None, first, None)[0]
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache) -> dict[str, float]:
+    """Held-out top-1 agreement with the target's token, full vocabulary."""
+    hits = count = 0
+    for item in held_out:
+        labels = _valid(item)
+        predicted = model.logits(top_forward(model, lora.first_layer, item)).argmax(-1)
+        hits += int(((predicted == labels) & (labels >= 0)).sum())
+        count += int((labels >= 0).sum())
+    return {"agreement": round(hits / max(1, count), 4)}
+
+
+def plot_agreement(curve: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot([max(1, p["train_tokens"]) for p in curve], [p["agreement"] for p in curve], "o-")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens (with repeats over epochs)")
+    ax.set_ylabel("held-out top-1 = the target's token")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train(model: Transformer, draft: Transformer, target: Transformer | None, tokenizer, data: list[str], out: Path,
+          *, model_name: str, target_name: str, decode_format: str, cache: Path | None = None,
+          target_cache: Path | None = None, layers: int = 8, rank: int = 16, steps: int = 200,
+          chunks: int | None = None, seq_len: int = 256, lr: float = 3e-4, held_out: int = 16, vocab: int = 32768,
+          eval_every: int = 50, save_every: int = 25, seed: int = 0, recipe: dict | None = None,
+          progress: bool = True) -> dict:
+    """Train (or resume) a tuned draft and save it in ``out``; returns a summary with the learning curve.
+
+    ``model``: dense, autograd-capable copy of the draft (its top blocks get the adapters); ``draft``: the draft
+    decoding runs (it fills the cache); ``target``: the target decoding runs, for labels when ``target_cache`` is
+    None. ``chunks`` training windows (default ``steps``) are cached once in ``cache`` (default ``out/cache``).
+    """
+    torch.manual_seed(seed)
+    model.requires_grad_(False)
+    cfg = model.config
+    lora = DraftLoRA(model, layers, rank, 2 * rank)
+    first = lora.first_layer
+    cache = cache or out / "cache"
+    n_train = chunks or min(steps, 10_000)
+    meta = {"model": model_name, "weights": decode_format, "target": target_name, "data": list(data),
+            "seq_len": seq_len, "chunks": n_train, "held_out": held_out, "seed": seed, "first_layer": first,
+            "n_layers": cfg.n_layers, "hidden_size": cfg.hidden_size}
+    if versions := data_versions(list(data)):
+        meta["data_shards"] = versions
+    check_cache(cache, meta)
+    shards = shard_paths(cache, n_train, SHARD_CHUNKS)
+    if not all(p.exists() for p in [*shards, cache / HELD_OUT]):
+        if target_cache is None and target is None:
+            raise ValueError("labels need the target model or its state cache")
+        all_chunks = make_chunks(tokenizer, corpus_texts(data, model_name, tokenizer), seq_len, n_train + held_out,
+                                 seed)
+        labels = cached_labels(target_cache) if target_cache is not None else target_labels(target)
+        cache_draft(draft, first, labels, all_chunks[held_out:], all_chunks[:held_out], cache, progress=progress)
+    train_items, eval_items = DraftCache(shards, model.device), DraftCache([cache / HELD_OUT], model.device)
+    head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
+
+    optimizer = torch.optim.AdamW(lora.trainable(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+    out.mkdir(parents=True, exist_ok=True)
+    start_step, curve, tokens = 0, [], 0
+    checkpoint = out / CHECKPOINT
+    if checkpoint.exists():
+        state = torch.load(checkpoint, map_location=model.device, weights_only=False)
+        lora.load_state(state["lora"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
+    if not curve:
+        curve.append({"step": 0, "train_tokens": 0} | evaluate(model, lora, eval_items))
+
+    def save(step: int) -> None:
+        torch.save({"step": step, "lora": {k: v.detach() for k, v in lora.state().items()},
+                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "curve": curve,
+                    "train_tokens": tokens}, checkpoint)
+        (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
+
+    bar = tqdm(total=steps, initial=start_step, desc="train draft", unit="step", disable=not progress)
+    started = time.perf_counter()
+    for step in range(start_step, steps):
+        epoch, position = divmod(step, len(train_items))
+        order = list(range(len(train_items)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        item = train_items[order[position]]
+        loss = F.cross_entropy(head.logits(top_forward(model, first, item)), head.labels(_valid(item)),
+                               ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lora.trainable(), 1.0)
+        optimizer.step()
+        schedule.step()
+        tokens += item.labels.shape[0] - item.loss_from + 1
+        bar.set_postfix(ce=f"{loss.item():.3f}", epoch=epoch)
+        bar.update()
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            curve.append({"step": step + 1, "train_tokens": tokens} | evaluate(model, lora, eval_items))
+            bar.write(f"step {step + 1}: held-out {curve[-1]}")
+        if (step + 1) % save_every == 0 or step + 1 == steps:
+            save(step + 1)
+    bar.close()
+    summary = {"held_out_agreement_before": curve[0]["agreement"], "held_out_agreement_after": curve[-1]["agreement"],
+               "labels": f"{target_name}'s greedy tokens (teacher-forced)", "train_vocab": vocab or cfg.vocab_size,
+               "train_seconds_this_run": round(time.perf_counter() - started, 1), "steps": steps,
+               "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
+               "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
+               "dtype": str(model.dtype).removeprefix("torch."), "curve": curve}
+    TuneConfig(base=model_name, target=target_name, layers=layers, rank=rank, alpha=2 * rank,
+               hidden_size=cfg.hidden_size, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
+               recipe=(recipe or {}) | summary).save(out, lora.state())
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_agreement(curve, out / CURVE_PLOT, f"{model_name} toward {target_name}: top {layers} layers, rank {rank}, "
+                   f"{len(train_items)} chunks × {seq_len} tokens")
+    return summary

@@ -1,0 +1,107 @@
+"""Drafts distilled toward a target: a zoo model plus low-rank deltas on its top layers, merged when it loads.
+
+A draft's weights may change freely without touching losslessness (verification decides every token), so a draft
+can be fine-tuned to agree with its target (``mirrorsd train-draft``). What ships is small: a folder holding
+``draft_tune.json`` (the base zoo model, the target it was distilled toward, the shape and the recipe) and
+``lora.safetensors`` (``A [rank, in]`` and ``B [out, rank]`` per tuned projection). Loading adds ``B A · scale`` to
+each tuned weight before quantization, so the tuned draft runs exactly as fast as the base one: every kernel
+sees plain weights. Quantized codes (``q4``: the GGUF's own) are dequantized, merged and re-quantized per 32
+inputs (Q8_0's layout), which is what the base 0.5B ships in anyway.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .quant import GroupQuant, quantize_q8
+
+TUNE_FILE, LORA_FILE = "draft_tune.json", "lora.safetensors"
+SHIPPED = Path(__file__).parent / "data" / "drafts"
+#: The projections a tuned layer adapts (every linear of a block).
+TUNED_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    base: str  # the zoo model (or folder) whose weights the deltas apply to
+    target: str  # the model it was distilled toward (informative: any target of the same tokenizer can use it)
+    layers: int  # the top layers that carry deltas
+    rank: int
+    alpha: int
+    hidden_size: int
+    n_layers: int
+    vocab_size: int
+    recipe: dict = field(default_factory=dict)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def first_layer(self) -> int:
+        return self.n_layers - self.layers
+
+    def weight_names(self) -> list[str]:
+        """State-dict names (without HF's ``model.`` prefix) of the tuned weights."""
+        return [f"layers.{i}.{p}.weight" for i in range(self.first_layer, self.n_layers) for p in TUNED_PROJECTIONS]
+
+    def check(self, hf_config) -> None:
+        got = (hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.vocab_size)
+        if got != (self.hidden_size, self.n_layers, self.vocab_size):
+            raise ValueError(f"tuned draft deltas were trained for hidden/layers/vocab {self.hidden_size}/"
+                             f"{self.n_layers}/{self.vocab_size}; {self.base} has {got[0]}/{got[1]}/{got[2]}")
+
+    def save(self, folder: Path, lora: dict[str, torch.Tensor]) -> None:
+        """``draft_tune.json`` + ``lora.safetensors`` (fp16: a few MB per tuned layer set)."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / TUNE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in lora.items()},
+                  str(folder / LORA_FILE))
+
+
+def shipped() -> list[str]:
+    """Names of the tuned drafts shipped in the package (``mirrorsd models list`` shows them)."""
+    return sorted(p.name for p in SHIPPED.glob("*") if (p / TUNE_FILE).exists())
+
+
+def resolve(name_or_path: str | Path) -> Path | None:
+    """The tuned-draft folder ``name_or_path`` names (a folder with ``draft_tune.json``, or a shipped name);
+    None for anything else (a zoo model or an HF folder)."""
+    for folder in (Path(name_or_path), SHIPPED / str(name_or_path)):
+        if (folder / TUNE_FILE).is_file():
+            return folder
+    return None
+
+
+def load_config(folder: str | Path) -> TuneConfig:
+    return TuneConfig(**json.loads((Path(folder) / TUNE_FILE).read_text()))
+
+
+def deltas(folder: str | Path) -> dict[str, torch.Tensor]:
+    """State-dict name → fp32 ``B A · scale`` of every tuned weight."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = load_config(folder)
+    lora = load_file(str(folder / LORA_FILE))
+    missing = [k for k in config.weight_names() if f"{k}.A" not in lora or f"{k}.B" not in lora]
+    if missing:
+        raise ValueError(f"{folder / LORA_FILE} lacks the deltas of {missing[:2]}")
+    return {k: (lora[f"{k}.B"].float() @ lora[f"{k}.A"].float()) * config.scale for k in config.weight_names()}
+
+
+def merge(weight: torch.Tensor | GroupQuant, delta: torch.Tensor) -> torch.Tensor | GroupQuant:
+    """``weight + delta``, in the weight's own kind: a dense tensor stays dense (its dtype), quantized codes are
+    re-quantized per 32 inputs."""
+    if isinstance(weight, GroupQuant):
+        return quantize_q8(weight.dequantize() + delta)
+    if weight.shape != delta.shape:
+        raise ValueError(f"delta of shape {tuple(delta.shape)} for a weight of shape {tuple(weight.shape)}")
+    return (weight.float() + delta.to(weight.device)).to(weight.dtype)

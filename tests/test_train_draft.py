@@ -1,0 +1,171 @@
+"""``mirrorsd train-draft`` and tuned drafts: the deltas merged at load are the trained adapter's, labels are the
+target's own tokens, the cache resumes, and a tuned draft keeps every method lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mirrorsd
+from mirrorsd import Transformer, generate
+from mirrorsd import tuned_drafts as td
+from mirrorsd.loading import _is_projection
+from mirrorsd.quant import quantize_q8
+from mirrorsd.train_draft import DraftCache, DraftLoRA, cached_labels, target_labels, train
+from mirrorsd.train_streams import HELD_OUT, Chunk, cache_states, shard_paths
+from tests.helpers import requires_smollm2, tiny_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _folder(hf, path) -> str:
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def _random_lora(model: Transformer, layers: int, rank: int = 4, seed: int = 0) -> DraftLoRA:
+    lora = DraftLoRA(model, layers, rank, 2 * rank)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.trainable():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return lora
+
+
+def _tuned(tmp_path, hf, layers: int = 2) -> tuple[str, DraftLoRA, Transformer]:
+    """A tuned-draft folder over ``hf`` saved as an HF folder, with random deltas, and the adapted dense model."""
+    base = _folder(hf, tmp_path / "base")
+    dense = Transformer.from_pretrained(base, weights="fp32", linear="dense")
+    lora = _random_lora(dense, layers)
+    cfg = dense.config
+    td.TuneConfig(base=base, target="a target", layers=layers, rank=4, alpha=8, hidden_size=cfg.hidden_size,
+                  n_layers=cfg.n_layers, vocab_size=cfg.vocab_size).save(tmp_path / "tuned", lora.state())
+    return str(tmp_path / "tuned"), lora, dense
+
+
+def _load(tuned: str, weights: str) -> Transformer:
+    """A tuned tiny draft as load_model builds it (the tiny folders have no tokenizer for load_model itself)."""
+    config = td.load_config(td.resolve(tuned))
+    return Transformer.from_pretrained(config.base, weights=weights, deltas=td.deltas(tuned))
+
+
+def test_merged_deltas_give_the_trained_adapters_logits(tmp_path):
+    tuned, lora, dense = _tuned(tmp_path, tiny_hf(layers=3, seed=3))
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = dense(ids)
+        merged = _load(tuned, "fp32")
+        assert torch.allclose(merged(ids), want, atol=2e-3, rtol=1e-3)  # fp16 file, fp32 merge
+    assert merged.config.n_layers == 3
+    # Quantized weights: merged before quantization, exactly as quantizing the merged fp32 weights.
+    deltas = td.deltas(tuned)
+    assert sorted(deltas) == sorted(td.load_config(td.resolve(tuned)).weight_names())
+    hf = tiny_hf(layers=3, seed=3)
+    state = {k.removeprefix("model."): v.detach() for k, v in hf.state_dict().items()}
+    state = {k: quantize_q8(v + deltas.get(k, 0)) if _is_projection(k) else v for k, v in state.items()}
+    with torch.no_grad():
+        assert torch.equal(_load(tuned, "q8")(ids),
+                           Transformer.from_state(hf.config, state)(ids))
+
+
+def test_merge_requantizes_codes_and_refuses_other_shapes():
+    weight = torch.randn(8, 64)
+    delta = torch.randn(8, 64) * 0.01
+    merged = td.merge(quantize_q8(weight), delta)
+    assert torch.equal(merged.codes, quantize_q8(quantize_q8(weight).dequantize() + delta).codes)
+    assert torch.equal(td.merge(weight, delta), weight + delta)
+    with pytest.raises(ValueError, match="shape"):
+        td.merge(weight, torch.zeros(4, 64))
+
+
+def test_resolve_names_only_tuned_folders(tmp_path):
+    tuned, _, _ = _tuned(tmp_path, tiny_hf(layers=3, seed=3))
+    assert td.resolve(tuned) == tmp_path / "tuned"
+    assert td.resolve(tmp_path / "base") is None and td.resolve("smollm2-135m") is None
+    for name in td.shipped():
+        assert td.resolve(name) is not None and td.load_config(td.resolve(name)).base in mirrorsd.zoo.ZOO
+
+
+@pytest.mark.parametrize("method", ["sd", "mirror"])
+def test_a_tuned_draft_keeps_speculation_equal_to_ar(tmp_path, method):
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    tuned, _, _ = _tuned(tmp_path, tiny_hf(layers=2, seed=2), layers=1)
+    draft = _load(tuned, "fp32")
+    prompt = [1, 5, 9, 12]
+    want = generate(target, prompt, max_new_tokens=24, method="ar").token_ids
+    got = generate(target, prompt, max_new_tokens=24, method=method, draft=draft).token_ids
+    assert got == want
+
+
+def _tokenizer(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+    return {"input_ids": [ord(c) % 64 for c in text]}
+
+
+def test_labels_are_the_targets_tokens_from_it_or_its_state_cache(tmp_path):
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    gen = torch.Generator().manual_seed(1)
+    chunks = [Chunk(torch.randint(0, 64, (12,), generator=gen), 1) for _ in range(3)]
+    computed = target_labels(target)(tmp_path / HELD_OUT, chunks)
+    with torch.no_grad():
+        assert computed[1].tolist() == target(chunks[1].ids[None])[0].argmax(-1).tolist()
+    cache_states(target, 2, [], chunks, tmp_path, progress=False)  # the target's train-streams cache
+    read = cached_labels(tmp_path)(tmp_path / HELD_OUT, chunks)
+    assert all(torch.equal(a, b) for a, b in zip(read, computed, strict=True))
+    other = [Chunk(c.ids.flip(0), 1) for c in chunks]
+    with pytest.raises(ValueError, match="other windows"):
+        cached_labels(tmp_path)(tmp_path / HELD_OUT, other)
+    with pytest.raises(FileNotFoundError, match="no shard-00000"):
+        cached_labels(tmp_path)(tmp_path / "shard-00000.safetensors", chunks)
+
+
+def test_training_raises_agreement_with_the_target_and_resumes(tmp_path):
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    draft_hf = tiny_hf(layers=3, seed=2)
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(65 + (i * 7) % 29) for i in range(2400)))
+    common = dict(model_name="draft", target_name="target", decode_format="fp32", cache=tmp_path / "cache",
+                  layers=2, rank=8, chunks=24, seq_len=32, lr=1e-2, held_out=2, vocab=0, eval_every=60,
+                  progress=False)
+    draft = Transformer.from_hf(draft_hf)
+
+    def tower() -> Transformer:
+        return Transformer.from_hf(draft_hf, linear="dense")
+
+    with pytest.raises(ValueError, match="dense"):
+        DraftLoRA(Transformer.from_hf(draft_hf), 1, 4, 8)
+    summary = train(tower(), draft, target, _tokenizer, [str(text)], tmp_path / "out",
+                    steps=60, **common)
+    before, after = summary["held_out_agreement_before"], summary["held_out_agreement_after"]
+    assert after > before + 0.1, (before, after)
+    shards = shard_paths(tmp_path / "cache", 24, 32)
+    assert all(p.exists() for p in shards) and len(DraftCache(shards, "cpu")) == 24
+    tuned = td.resolve(tmp_path / "out")
+    assert td.load_config(tuned).recipe["held_out_agreement_after"] == after
+    # The checkpoint resumes: asking for more steps continues from step 60, not from scratch.
+    again = train(tower(), draft, target, _tokenizer, [str(text)], tmp_path / "out",
+                  steps=70, **common)
+    assert [p["step"] for p in again["curve"]] == [0, 60, 70]
+    with pytest.raises(ValueError, match="other settings"):
+        train(tower(), draft, target, _tokenizer, [str(text)], tmp_path / "out2",
+              steps=10, **(common | {"seq_len": 16}))
+
+
+@requires_smollm2
+def test_a_tuned_smollm2_draft_keeps_sd_equal_to_ar_on_real_weights(smollm2, tmp_path):
+    """SmolLM2 drafting for itself with random deltas on its top layers (any draft weights are legal): the output is
+    still the target's, token for token, as ar and HF transformers give it."""
+    ours, hf = smollm2
+    dense = mirrorsd.load_model("smollm2-135m", weights="fp32", linear="dense", progress=False).model
+    cfg = dense.config
+    lora = _random_lora(dense, 2)
+    td.TuneConfig(base="smollm2-135m", target="smollm2-135m", layers=2, rank=4, alpha=8, hidden_size=cfg.hidden_size,
+                  n_layers=cfg.n_layers, vocab_size=cfg.vocab_size).save(tmp_path, lora.state())
+    draft = mirrorsd.load_model(tmp_path, progress=False)
+    assert draft.weights == "q4"
+    prompt = ours.tokenizer("def fibonacci(n):", add_special_tokens=False)["input_ids"]
+    want = generate(ours.model, prompt, max_new_tokens=24, method="ar").token_ids
+    got = generate(ours.model, prompt, max_new_tokens=24, method="sd", draft=draft.model).token_ids
+    assert got == want
+    with torch.no_grad():
+        hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    assert got == hf_ids
