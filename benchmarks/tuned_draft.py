@@ -2,8 +2,9 @@
 every answer checked equal to ``ar``'s. Reports per draft the tokens per target step (MAT), the draft tokens accepted
 per drafted one, tok/s and the median speed-up over ``ar`` per run.
 
-Usage: ``python benchmarks/tuned_draft.py --drafts qwen2.5-coder-0.5b qwen2.5-coder-0.5b-distilled
-[--suite specbench:2] [--runs 2] [--max-new-tokens 64] [--sd-options suffix_match=0]``."""
+Usage: ``python benchmarks/tuned_draft.py --drafts qwen2.5-coder-0.5b qwen2.5-coder-0.5b-distilled,confidence=0.8
+[--suite specbench:2] [--runs 2] [--max-new-tokens 64] [--sd-options suffix_match=0]``: a draft is a name, then
+``,key=value`` options of method sd for it alone."""
 
 from __future__ import annotations
 
@@ -15,10 +16,15 @@ import mirrorsd
 from mirrorsd.specbench import load_suite
 
 
+def _options(pairs: list[str]) -> dict:
+    return {k: json.loads(v) if v[:1].isdigit() else v for k, v in (o.split("=", 1) for o in pairs)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--drafts", nargs="+", required=True, help="zoo names or tuned-draft names/folders")
+    parser.add_argument("--drafts", nargs="+", required=True,
+                        help="zoo names or tuned-draft names/folders, each with ,key=value sd options of its own")
     parser.add_argument("--suite", default="specbench:2")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -26,9 +32,11 @@ def main() -> None:
                         help="options of method sd for every draft (e.g. suffix_match=0: the model drafts alone)")
     parser.add_argument("--out", help="write the per-question rows here as JSON")
     args = parser.parse_args()
-    options = {k: json.loads(v) if v[:1].isdigit() else v for k, v in (o.split("=", 1) for o in args.sd_options)}
+    options = _options(args.sd_options)
     target = mirrorsd.load_model(args.target, progress=False)
-    drafts = {name: mirrorsd.load_model(name, progress=False) for name in args.drafts}
+    models = {spec.split(",")[0]: None for spec in args.drafts}
+    models = {name: mirrorsd.load_model(name, progress=False) for name in models}
+    drafts = {spec: (models[spec.split(",")[0]], options | _options(spec.split(",")[1:])) for spec in args.drafts}
     questions = load_suite(args.suite)
     rows = []
     for run in range(args.runs):
@@ -37,8 +45,9 @@ def main() -> None:
             ar = mirrorsd.generate(target, messages, max_new_tokens=args.max_new_tokens, method="ar")
             order = list(drafts) if (run + q.question_id) % 2 == 0 else list(reversed(drafts))
             for name in order:
+                model, kwargs = drafts[name]
                 g = mirrorsd.generate(target, messages, max_new_tokens=args.max_new_tokens, method="sd",
-                                      draft=drafts[name], **options)
+                                      draft=model, **kwargs)
                 if g.token_ids != ar.token_ids:
                     raise SystemExit(f"draft {name}, question {q.question_id}: sd differs from ar")
                 rows.append({"run": run, "question": q.question_id, "group": q.group, "draft": name,

@@ -72,8 +72,8 @@ def default_format(name_or_path: str | Path, path: Path, device: str | torch.dev
 def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, weights: str | None = None, activations: str | None = None,
                linear: str = "auto", progress: bool = True) -> LoadedModel:
-    """Load a zoo model by name (prepared on first use), a local HF checkpoint folder, or a tuned draft (a shipped
-    name or a folder of ``mirrorsd train-draft``: its base model with the deltas merged, :mod:`.tuned_drafts`).
+    """Load a zoo model by name (prepared on first use), a local HF checkpoint folder, or a tuned draft's folder
+    (``mirrorsd train-draft``: its base model with the deltas merged, :mod:`.tuned_drafts`).
 
     ``weights``: ``fp32``, ``q8`` or ``q4`` (see :data:`mirrorsd.loading.WEIGHT_FORMATS`); ``activations``: ``int8``
     or ``int8x2`` for quantized weights (:data:`mirrorsd.model.ACTIVATION_FORMATS`). None picks

@@ -64,3 +64,18 @@ def quantize_q8(weight: torch.Tensor, group: int = 32) -> GroupQuant:
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     codes = (torch.round(w * inv[..., None]).clamp(-127, 127) + 128).to(torch.uint8).view(n, k)
     return GroupQuant(codes, scale, -128.0 * scale, group, 8)
+
+
+def quantize_groups(weight: torch.Tensor, bits: int, group: int = 32) -> GroupQuant:
+    """Asymmetric ``bits``-bit codes per group of ``group`` inputs (fp16 scale and offset: min-max, like GGUF's
+    Q4_1): re-quantizes a weight at the width it was shipped in after something changed it."""
+    n, k = weight.shape
+    if k % group:
+        raise ValueError(f"in_features {k} is not a multiple of the group size {group}")
+    w = weight.float().view(n, k // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / (2**bits - 1)).half().float()
+    offset = low.half().float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = torch.round((w - offset[..., None]) * inv[..., None]).clamp(0, 2**bits - 1).to(torch.uint8).view(n, k)
+    return GroupQuant(codes, scale, offset, group, bits)

@@ -67,18 +67,28 @@ def chat_answer_texts(model: str, tokenizer) -> list[str]:
     return ["\n".join(conversations[j::CHAT_TEXTS]) for j in range(CHAT_TEXTS)]
 
 
-def distill_documents(folder: str | Path) -> list[list[int]]:
+class Tokens(list):
+    """A document given as token ids (taken as they are, not re-tokenized), with ``answer[i]`` true where token i
+    was written by the model rather than read by it: drafting is only ever asked for the written ones."""
+
+    def __init__(self, ids: list[int], answer: list[bool]) -> None:
+        super().__init__(ids)
+        self.answer = answer
+
+
+def distill_documents(folder: str | Path) -> list[Tokens]:
     """A ``mirrorsd distill`` folder's records (prompt and answer ids), :data:`DISTILL_RECORDS` to a document."""
     from .distill.engine import records
 
-    docs, current = [], []
-    for i, (ids, _, _) in enumerate(records(folder)):
+    docs, current, answer = [], [], []
+    for i, (ids, answer_from, _) in enumerate(records(folder)):
         current += ids.tolist()
+        answer += [False] * answer_from + [True] * (len(ids) - answer_from)
         if (i + 1) % DISTILL_RECORDS == 0:
-            docs.append(current)
-            current = []
+            docs.append(Tokens(current, answer))
+            current, answer = [], []
     if current:
-        docs.append(current)
+        docs.append(Tokens(current, answer))
     if not docs:
         raise ValueError(f"{folder} holds no distilled records: run `mirrorsd distill --out {folder}` first")
     return docs
@@ -126,11 +136,12 @@ def corpus_texts(sources: list[str], model: str | None = None, tokenizer=None) -
 class Chunk:
     ids: torch.Tensor  # [T] token ids
     loss_from: int  # first position whose token is a training target (completion tokens only)
+    answer: torch.Tensor | None = None  # [T] bool: the token was written by the model (None: not known)
 
 
 def make_chunks(tokenizer, texts: list[str | list[int]], seq_len: int, count: int, seed: int) -> list[Chunk]:
     """``count`` windows of ``seq_len`` tokens drawn evenly from the shuffled texts (deterministic); a text given
-    as token ids is taken as it is."""
+    as token ids is taken as it is (with its :class:`Tokens` answer marks)."""
     rng = random.Random(seed)
     order = list(range(len(texts)))
     rng.shuffle(order)
@@ -138,8 +149,10 @@ def make_chunks(tokenizer, texts: list[str | list[int]], seq_len: int, count: in
     for i in order:
         text = texts[i]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] if isinstance(text, str) else text
+        answer = getattr(text, "answer", None)
         for start in range(0, len(ids) - seq_len + 1, seq_len):
-            chunks.append(Chunk(torch.tensor(ids[start:start + seq_len]), 1))
+            chunks.append(Chunk(torch.tensor(ids[start:start + seq_len]), 1,
+                                None if answer is None else torch.tensor(answer[start:start + seq_len])))
     rng.shuffle(chunks)
     if len(chunks) < count:
         raise ValueError(f"the data gives {len(chunks)} chunks of {seq_len} tokens; {count} were asked for")

@@ -4,9 +4,9 @@ A draft's weights may change freely without touching losslessness (verification 
 can be fine-tuned to agree with its target (``mirrorsd train-draft``). What ships is small: a folder holding
 ``draft_tune.json`` (the base zoo model, the target it was distilled toward, the shape and the recipe) and
 ``lora.safetensors`` (``A [rank, in]`` and ``B [out, rank]`` per tuned projection). Loading adds ``B A · scale`` to
-each tuned weight before quantization, so the tuned draft runs exactly as fast as the base one: every kernel
-sees plain weights. Quantized codes (``q4``: the GGUF's own) are dequantized, merged and re-quantized per 32
-inputs (Q8_0's layout), which is what the base 0.5B ships in anyway.
+each tuned weight before quantization, so the tuned draft runs as fast as the base one: every kernel sees plain
+weights. Quantized codes (``q4``: the GGUF's own K-quants) are dequantized, merged and re-quantized at the same
+width and group (min-max codes with fp16 scale and offset per group), so the draft reads the same bytes.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .quant import GroupQuant, quantize_q8
+from .quant import GroupQuant, quantize_groups
 
 TUNE_FILE, LORA_FILE = "draft_tune.json", "lora.safetensors"
-SHIPPED = Path(__file__).parent / "data" / "drafts"
 #: The projections a tuned layer adapts (every linear of a block).
 TUNED_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -66,18 +65,11 @@ class TuneConfig:
                   str(folder / LORA_FILE))
 
 
-def shipped() -> list[str]:
-    """Names of the tuned drafts shipped in the package (``mirrorsd models list`` shows them)."""
-    return sorted(p.name for p in SHIPPED.glob("*") if (p / TUNE_FILE).exists())
-
-
 def resolve(name_or_path: str | Path) -> Path | None:
-    """The tuned-draft folder ``name_or_path`` names (a folder with ``draft_tune.json``, or a shipped name);
-    None for anything else (a zoo model or an HF folder)."""
-    for folder in (Path(name_or_path), SHIPPED / str(name_or_path)):
-        if (folder / TUNE_FILE).is_file():
-            return folder
-    return None
+    """``name_or_path`` as a tuned-draft folder (one holding ``draft_tune.json``); None for anything else (a zoo
+    model or an HF folder)."""
+    folder = Path(name_or_path)
+    return folder if (folder / TUNE_FILE).is_file() else None
 
 
 def load_config(folder: str | Path) -> TuneConfig:
@@ -99,9 +91,10 @@ def deltas(folder: str | Path) -> dict[str, torch.Tensor]:
 
 def merge(weight: torch.Tensor | GroupQuant, delta: torch.Tensor) -> torch.Tensor | GroupQuant:
     """``weight + delta``, in the weight's own kind: a dense tensor stays dense (its dtype), quantized codes are
-    re-quantized per 32 inputs."""
+    re-quantized at the width and group they need (a Q5_K tensor stays 5-bit), so the draft reads no more bytes."""
     if isinstance(weight, GroupQuant):
-        return quantize_q8(weight.dequantize() + delta)
+        bits = max(int(weight.codes.max()).bit_length(), 1) if weight.codes.numel() else weight.bits
+        return quantize_groups(weight.dequantize() + delta, bits, weight.group)
     if weight.shape != delta.shape:
         raise ValueError(f"delta of shape {tuple(delta.shape)} for a weight of shape {tuple(weight.shape)}")
     return (weight.float() + delta.to(weight.device)).to(weight.dtype)

@@ -83,3 +83,31 @@ def test_ss_and_mirror_with_ss_draft_equal_ar_with_shipped_adapters(pair, temper
                                **kwargs)
     assert ss.token_ids == ar.token_ids and mirror.token_ids == ar.token_ids
     assert mirror.stats.to_dict()["mirror"]["fresh_tokens_per_draft_forward"] >= 1.0
+
+
+@pytest.mark.parametrize("method", ["sd", "mirror"])
+def test_a_tuned_draft_on_the_real_pair_keeps_speculation_equal_to_ar(pair, method, tmp_path):
+    """The 0.5B with deltas on its top layers merged into its K-quant codes (re-quantized at their own widths),
+    as `mirrorsd train-draft` leaves it: only its proposals change."""
+    from mirrorsd import tuned_drafts
+    from mirrorsd.train_draft import DraftLoRA
+
+    target, stock = pair
+    dense = mirrorsd.load_model("qwen2.5-coder-0.5b", weights="fp32", linear="dense", progress=False).model
+    lora = DraftLoRA(dense, 2, 4, 8)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lora.trainable():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    cfg = dense.config
+    tuned_drafts.TuneConfig(base="qwen2.5-coder-0.5b", target="qwen2.5-coder-1.5b", layers=2, rank=4, alpha=8,
+                            hidden_size=cfg.hidden_size, n_layers=cfg.n_layers,
+                            vocab_size=cfg.vocab_size).save(tmp_path, lora.state())
+    tuned = mirrorsd.load_model(tmp_path)
+    got_down, stock_down = tuned.model.layers[-1].mlp.down_proj, stock.model.layers[-1].mlp.down_proj
+    assert got_down.bits == stock_down.bits  # at the width the GGUF shipped
+    assert not torch.equal(got_down.codes, stock_down.codes)  # the deltas are merged in
+    for kw in ({"temperature": 0.0, "max_new_tokens": 32}, {"temperature": 0.7, "seed": 3, "max_new_tokens": 24}):
+        ar = mirrorsd.generate(target, PROMPT, method="ar", **kw)
+        got = mirrorsd.generate(target, PROMPT, method=method, draft=tuned, **kw)
+        assert got.token_ids == ar.token_ids

@@ -10,7 +10,7 @@ import mirrorsd
 from mirrorsd import Transformer, generate
 from mirrorsd import tuned_drafts as td
 from mirrorsd.loading import _is_projection
-from mirrorsd.quant import quantize_q8
+from mirrorsd.quant import quantize_groups, quantize_q8
 from mirrorsd.train_draft import DraftCache, DraftLoRA, cached_labels, target_labels, train
 from mirrorsd.train_streams import HELD_OUT, Chunk, cache_states, shard_paths
 from tests.helpers import requires_smollm2, tiny_hf
@@ -68,11 +68,17 @@ def test_merged_deltas_give_the_trained_adapters_logits(tmp_path):
                            Transformer.from_state(hf.config, state)(ids))
 
 
-def test_merge_requantizes_codes_and_refuses_other_shapes():
+def test_merge_requantizes_codes_at_their_own_width_and_refuses_other_shapes():
     weight = torch.randn(8, 64)
     delta = torch.randn(8, 64) * 0.01
-    merged = td.merge(quantize_q8(weight), delta)
-    assert torch.equal(merged.codes, quantize_q8(quantize_q8(weight).dequantize() + delta).codes)
+    q8 = quantize_q8(weight)
+    merged = td.merge(q8, delta)
+    assert (merged.bits, merged.group) == (8, 32)
+    assert torch.equal(merged.codes, quantize_groups(q8.dequantize() + delta, 8).codes)
+    q4 = quantize_groups(weight, 4, 16)
+    merged = td.merge(q4, delta)
+    assert (merged.bits, merged.group, int(merged.codes.max()) < 16) == (4, 16, True)
+    assert (merged.dequantize() - (q4.dequantize() + delta)).abs().max() <= merged.scales.max() / 2 + 1e-6
     assert torch.equal(td.merge(weight, delta), weight + delta)
     with pytest.raises(ValueError, match="shape"):
         td.merge(weight, torch.zeros(4, 64))
@@ -82,8 +88,6 @@ def test_resolve_names_only_tuned_folders(tmp_path):
     tuned, _, _ = _tuned(tmp_path, tiny_hf(layers=3, seed=3))
     assert td.resolve(tuned) == tmp_path / "tuned"
     assert td.resolve(tmp_path / "base") is None and td.resolve("smollm2-135m") is None
-    for name in td.shipped():
-        assert td.resolve(name) is not None and td.load_config(td.resolve(name)).base in mirrorsd.zoo.ZOO
 
 
 @pytest.mark.parametrize("method", ["sd", "mirror"])
@@ -169,3 +173,25 @@ def test_a_tuned_smollm2_draft_keeps_sd_equal_to_ar_on_real_weights(smollm2, tmp
     with torch.no_grad():
         hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
     assert got == hf_ids
+
+
+def test_distilled_documents_mark_the_answers_and_the_loss_covers_only_them():
+    from mirrorsd.distill.engine import records
+    from mirrorsd.train_draft import DraftItem, _valid
+    from mirrorsd.train_streams import DISTILL_RECORDS, distill_documents, make_chunks
+    from tests.helpers import REPO
+
+    folder = REPO / "data" / "distill" / "qwen2.5-coder-1.5b"
+    first = distill_documents(folder)[0]
+    marks = []
+    for (ids, answer_from, _), _ in zip(records(folder), range(DISTILL_RECORDS), strict=False):
+        marks += [False] * answer_from + [True] * (len(ids) - answer_from)
+    assert first.answer == marks and len(first) == len(marks) and 0 < sum(marks) < len(marks)
+    chunk = make_chunks(None, [first], 64, 1, seed=0)[0]
+    start = next(i for i in range(0, len(first) - 63, 64) if first[i:i + 64] == chunk.ids.tolist())
+    assert chunk.answer.tolist() == marks[start:start + 64]
+    # Position t is trained on when token t + 1 was written by the target.
+    answer = torch.tensor([False, False, True, True, False, True])
+    item = DraftItem(torch.zeros(6, 4), torch.arange(10, 16), 1, answer)
+    assert _valid(item, True).tolist() == [-100, 11, 12, -100, 14, 15]
+    assert _valid(item, False).tolist() == [10, 11, 12, 13, 14, 15]

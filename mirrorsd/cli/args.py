@@ -28,7 +28,7 @@ COMMANDS = {
     "models": "the offline model zoo",
 }
 
-MODEL_HELP = "zoo model name or local HF folder (a draft: also a tuned draft's name or folder, see train-draft)"
+MODEL_HELP = "zoo model name or local HF folder"
 _SAMPLING_TYPES = {"temperature": float, "top_k": int, "top_p": float, "seed": int, "max_new_tokens": int}
 
 
@@ -36,7 +36,8 @@ def add_pair(p: argparse.ArgumentParser, draft_help: str | None = None) -> None:
     """``--target`` and ``--draft``; with ``draft_help`` the draft has no default: the command picks one."""
     p.add_argument("--target", default=DEFAULT_TARGET, help=MODEL_HELP)
     p.add_argument("--draft", default=None if draft_help else DEFAULT_DRAFT, help=draft_help or MODEL_HELP
-                   + ", or self:N / self:F: the target's first N layers (or that fraction of them)")
+                   + ", a tuned draft's folder (`mirrorsd train-draft`), or self:N / self:F: the target's first N "
+                     "layers (or that fraction of them)")
 
 
 def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from mirrorsd import tuned_drafts, zoo
+from mirrorsd import zoo
 
 from .args import COMMANDS
 
@@ -64,7 +64,6 @@ def _list(args: argparse.Namespace) -> int:
             print("\ninstall with:")
             for r in rows:
                 print(f"  {r['name']}: {r['pip_command']}")
-            _tuned_drafts()
             return 0
     # Not a terminal (or one too narrow for the table): plain rows, two spaces apart, nothing cut.
     table_rows = [("name", "default format", "installed", "prepared", "install with")] + [
@@ -72,20 +71,7 @@ def _list(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in table_rows) for i in range(4)]
     for row in table_rows:
         print("  ".join([cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)] + [row[4]]))
-    _tuned_drafts()
     return 0
-
-
-def _tuned_drafts() -> None:
-    """The shipped drafts distilled toward a target (``--draft NAME``; they need their base model installed)."""
-    names = tuned_drafts.shipped()
-    if names:
-        print("\ntuned drafts (pass as --draft NAME; `mirrorsd train-draft` makes more):")
-    for name in names:
-        config = tuned_drafts.load_config(tuned_drafts.resolve(name))
-        before, after = (config.recipe.get(f"held_out_agreement_{k}") for k in ("before", "after"))
-        print(f"  {name}: {config.base} distilled toward {config.target} (top {config.layers} layers, rank "
-              f"{config.rank}; held-out agreement with the target {before} -> {after})")
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seq-len", type=int, default=256, help="tokens per training chunk")
     t.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (linear warmup and decay)")
     t.add_argument("--held-out", type=int, default=16, help="chunks kept out of training to measure agreement")
+    t.add_argument("--loss-on", choices=["answers", "all"], default="answers",
+                   help="answers: only positions whose next token the target wrote, where the data marks them "
+                        "(distill: folders; drafting only proposes such tokens); all: every position")
     t.add_argument("--vocab", type=int, default=32768,
                    help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; held-out "
                         "agreement always uses the full vocabulary)")
@@ -76,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
                     target_cache=Path(args.target_cache) if args.target_cache else None, layers=args.layers,
                     rank=args.rank, steps=args.steps, chunks=args.chunks, seq_len=args.seq_len, lr=args.lr,
                     held_out=args.held_out, vocab=args.vocab, eval_every=args.eval_every, seed=args.seed,
+                    answers_only=args.loss_on == "answers",
                     recipe=recipe)
     print(json.dumps({k: v for k, v in summary.items() if k != "curve"}, indent=2))
     return 0
