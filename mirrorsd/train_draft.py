@@ -16,7 +16,6 @@ with the deltas merged.
 from __future__ import annotations
 
 import json
-import random
 import time
 import warnings
 from collections.abc import Callable
@@ -45,8 +44,10 @@ from .train_streams import (
     check_cache,
     corpus_texts,
     data_versions,
+    epoch_order,
     make_chunks,
     shard_paths,
+    warmup_decay,
 )
 from .tuned_drafts import TUNED_PROJECTIONS, TuneConfig
 
@@ -295,9 +296,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
     optimizer = torch.optim.AdamW(lora.trainable(), lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+    schedule = warmup_decay(optimizer, steps)
     out.mkdir(parents=True, exist_ok=True)
     start_step, curve, tokens = 0, [], 0
     checkpoint = out / CHECKPOINT
@@ -320,9 +319,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     started = time.perf_counter()
     for step in range(start_step, steps):
         epoch, position = divmod(step, len(train_items))
-        order = list(range(len(train_items)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        item = train_items[order[position]]
+        item = train_items[epoch_order(len(train_items), seed, epoch)[position]]
         labels = head.labels(_valid(item, answers_only))
         trained = int((labels >= 0).sum())
         if trained:  # (a window of prompt text only has nothing to learn from)

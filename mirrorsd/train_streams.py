@@ -408,6 +408,20 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def warmup_decay(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over the first 5% of ``steps``, then linear decay to 0 (the state-cache trainers' schedule)."""
+    warmup = max(1, steps // 20)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+
+
+def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
+    """The chunk order of one epoch: a fresh shuffle per epoch, the same on every resume."""
+    index = list(range(count))
+    random.Random(seed * 1_000_003 + epoch).shuffle(index)
+    return index
+
+
 def warm_start(model: Transformer, adapters: StreamAdapters, folder: Path) -> int:
     """Load a saved adapter's weights into ``adapters`` (its γ, N_s and ranks must match); returns the training
     tokens it had seen (its recipe's ``train_tokens``, 0 when it does not say)."""
@@ -471,9 +485,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
     optimizer = torch.optim.AdamW(adapters.trainable(), lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+    schedule = warmup_decay(optimizer, steps)
     out.mkdir(parents=True, exist_ok=True)
     start_step, curve, tokens = 0, [], 0
     if init is not None:
@@ -494,16 +506,11 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
                     "train_tokens": tokens}, checkpoint)
         (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
 
-    def order(epoch: int) -> list[int]:
-        index = list(range(len(train_items)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(index)
-        return index
-
     bar = tqdm(total=steps, initial=start_step, desc="train streams", unit="step", disable=not progress)
     started = time.perf_counter()
     for step in range(start_step, steps):
         epoch, position = divmod(step, len(train_items))
-        item = train_items[order(epoch)[position]]
+        item = train_items[epoch_order(len(train_items), seed, epoch)[position]]
         stream_ce, prune_ce = train_step(model, adapters, item, head, optimizer)
         schedule.step()
         tokens += item.labels.shape[0] - item.loss_from + 1

@@ -106,3 +106,27 @@ def add_method_flags(parser: argparse.ArgumentParser) -> None:
         if first.const is not None:
             kwargs.update(nargs="?", const=first.const)
         group.add_argument(flag, **kwargs)
+
+
+def add_training(p: argparse.ArgumentParser, *, seq_len: int, lr: float, held_out: int, measured: str,
+                 trained: str) -> None:
+    """The state-cache trainers' flags (``train-streams``, ``train-draft``): steps over cached chunks, the
+    restricted training head, the precision of the frozen tower; ``measured``: what held-out chunks measure,
+    ``trained``: what stays fp32."""
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (one chunk each)")
+    p.add_argument("--chunks", type=int, help="training chunks to cache (default: --steps, at most 10000); "
+                                              "steps beyond it start further epochs")
+    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per training chunk")
+    p.add_argument("--lr", type=float, default=lr, help="AdamW learning rate (linear warmup and decay)")
+    p.add_argument("--held-out", type=int, default=held_out, help=f"chunks kept out of training to measure {measured}")
+    p.add_argument("--vocab", type=int, default=32768,
+                   help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; "
+                        f"held-out {measured} always uses the full vocabulary)")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out points of the learning curve")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help=f"precision of the frozen weights the {trained} are trained through ({trained} stay "
+                        "fp32); auto: bfloat16 on CUDA and on CPUs with bf16 arithmetic (AVX-512 BF16, AMX), else "
+                        "float32")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    p.add_argument("--seed", type=int, default=0, help="data order and initialisation")
+

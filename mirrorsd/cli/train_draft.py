@@ -8,14 +8,11 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 import mirrorsd
-from mirrorsd import kernels
 from mirrorsd.train_draft import train
 
-from .args import COMMANDS, DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_HELP
-from .common import HelpFormatter, warn_if_busy
+from .args import COMMANDS, DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_HELP, add_training
+from .common import HelpFormatter, training_dtype, warn_if_busy
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,24 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(same --data, --seq-len, --chunks, --held-out, --seed; checked) instead of running it")
     t.add_argument("--layers", type=int, default=8, help="top layers of the draft that get deltas")
     t.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
-    t.add_argument("--steps", type=int, default=200, help="optimizer steps (one chunk each)")
-    t.add_argument("--chunks", type=int, help="training chunks to cache (default: --steps, at most 10000); "
-                                              "steps beyond it start further epochs")
-    t.add_argument("--seq-len", type=int, default=256, help="tokens per training chunk")
-    t.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (linear warmup and decay)")
-    t.add_argument("--held-out", type=int, default=16, help="chunks kept out of training to measure agreement")
+    add_training(t, seq_len=256, lr=3e-4, held_out=16, measured="agreement", trained="deltas")
     t.add_argument("--loss-on", choices=["answers", "all"], default="answers",
                    help="answers: only positions whose next token the target wrote, where the data marks them "
                         "(distill: folders; drafting only proposes such tokens); all: every position")
-    t.add_argument("--vocab", type=int, default=32768,
-                   help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; held-out "
-                        "agreement always uses the full vocabulary)")
-    t.add_argument("--eval-every", type=int, default=50, help="steps between held-out points of the learning curve")
-    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="precision of the frozen weights the deltas are trained through (the deltas stay fp32); "
-                        "auto: bfloat16 on CUDA and on CPUs with bf16 arithmetic (AVX-512 BF16, AMX), else float32")
-    t.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
-    t.add_argument("--seed", type=int, default=0, help="data order and initialisation")
     t.set_defaults(func=run)
 
 
@@ -66,11 +49,8 @@ def run(args: argparse.Namespace) -> int:
     warn_if_busy("train-draft")
     draft = mirrorsd.load_model(args.model, device=args.device)  # the draft decoding will run (q4 on CPU)
     target = None if args.target_cache else mirrorsd.load_model(args.target, device=args.device).model
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if torch.device(args.device).type == "cuda" or kernels.has_bf16_arithmetic() else "float32"
-    tower = mirrorsd.load_model(args.model, device=args.device, dtype=dtype, weights="fp32", linear="dense",
-                                progress=False)
+    tower = mirrorsd.load_model(args.model, device=args.device, dtype=training_dtype(args.dtype, args.device),
+                                weights="fp32", linear="dense", progress=False)
     recipe = {"command": "mirrorsd train-draft " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
               "model": args.model, "target": args.target, "data": args.data}
     summary = train(tower.model, draft.model, target, draft.tokenizer, args.data, Path(args.out),

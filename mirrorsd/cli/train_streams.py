@@ -8,14 +8,11 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 import mirrorsd
-from mirrorsd import kernels
 from mirrorsd.train_streams import train
 
-from .args import COMMANDS, add_model
-from .common import HelpFormatter, warn_if_busy
+from .args import COMMANDS, add_model, add_training
+from .common import HelpFormatter, training_dtype, warn_if_busy
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,26 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--streams", type=int, default=3, help="γ speculative streams")
     t.add_argument("--layers", type=int, default=4, help="N_s: top layers with multi-stream attention")
     t.add_argument("--rank", type=int, default=8, help="LoRA rank of the stream-row adapters")
-    t.add_argument("--steps", type=int, default=200, help="optimizer steps (one chunk each)")
-    t.add_argument("--chunks", type=int, help="training chunks to cache (default: --steps, at most 10000); "
-                                              "steps beyond it start further epochs")
-    t.add_argument("--seq-len", type=int, default=128, help="tokens per training chunk")
-    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (linear warmup and decay)")
-    t.add_argument("--held-out", type=int, default=8, help="chunks kept out of training to measure stream accuracy")
+    add_training(t, seq_len=128, lr=1e-3, held_out=8, measured="stream accuracy", trained="adapters")
     t.add_argument("--self-distill", type=int, default=0, metavar="N",
                    help="replace N training chunks by the model's own greedy continuations of their first tokens "
                         "(the text decoding will actually ask the streams to predict)")
-    t.add_argument("--vocab", type=int, default=32768,
-                   help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; "
-                        "held-out accuracy always uses the full vocabulary)")
-    t.add_argument("--eval-every", type=int, default=50, help="steps between held-out points of the learning curve")
-    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="precision of the frozen weights the streams are trained through (the adapters stay fp32); "
-                        "auto: bfloat16 on CUDA and on CPUs with bf16 arithmetic (AVX-512 BF16, AMX), else float32")
-    t.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     t.add_argument("--init", metavar="ADAPTER", help="start from this adapter folder (same --streams, --layers, "
                                                      "--rank) to train it further, e.g. on more --chunks")
-    t.add_argument("--seed", type=int, default=0, help="data order and initialisation")
     t.set_defaults(func=run)
 
 
@@ -67,10 +50,8 @@ def run(args: argparse.Namespace) -> int:
     decode = mirrorsd.load_model(args.model, device=args.device)  # the model decoding will run (q4 on CPU)
     print(f"mirrorsd: the state cache comes from {decode.name} {decode.format}", file=sys.stderr, flush=True)
     # The stream rows are trained through dense, autograd-capable copies of the frozen weights.
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if torch.device(args.device).type == "cuda" or kernels.has_bf16_arithmetic() else "float32"
-    tower = mirrorsd.load_model(args.model, device=args.device, dtype=dtype, weights="fp32", linear="dense",
+    tower = mirrorsd.load_model(args.model, device=args.device, dtype=training_dtype(args.dtype, args.device),
+                                weights="fp32", linear="dense",
                                 progress=False)
     recipe = {"command": "mirrorsd train-streams " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
               "model": args.model, "data": args.data}
