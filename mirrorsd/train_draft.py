@@ -87,7 +87,7 @@ class DraftLoRA(nn.Module):
         self.first_layer = n - layers
         config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0)
         self.lora = nn.ModuleDict()
-        self.keys: list[str] = []
+        self.weight_names: list[str] = []
         for layer in range(self.first_layer, n):
             for path in TUNED_PROJECTIONS:
                 owner, name = path.split(".")
@@ -106,7 +106,7 @@ class DraftLoRA(nn.Module):
                 setattr(parent, name, wrapped)  # the model's own forward now runs through the adapter
                 key = f"layers.{layer}.{path}.weight"
                 self.lora[key.replace(".", "_")] = wrapped
-                self.keys.append(key)
+                self.weight_names.append(key)
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -114,7 +114,7 @@ class DraftLoRA(nn.Module):
     def state(self) -> dict[str, torch.Tensor]:
         """``{weight name}.A`` / ``.B`` of every tuned projection (the :mod:`~mirrorsd.tuned_drafts` file layout)."""
         out = {}
-        for key in self.keys:
+        for key in self.weight_names:
             lora = self.lora[key.replace(".", "_")]
             out[f"{key}.A"], out[f"{key}.B"] = lora.lora_A["default"].weight, lora.lora_B["default"].weight
         return out

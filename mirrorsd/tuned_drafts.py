@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from .execution import PROJECTIONS
 from .quant import GroupQuant, quantize_groups
 
 TUNE_FILE, LORA_FILE = "draft_tune.json", "lora.safetensors"
-#: The projections a tuned layer adapts (every linear of a block).
-TUNED_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+#: The projections a tuned layer adapts (every linear of a block), as paths below the block.
+TUNED_PROJECTIONS = tuple(f"{'self_attn' if name in PROJECTIONS[:4] else 'mlp'}.{name}" for name in PROJECTIONS)
 
 
 @dataclass(frozen=True)
