@@ -621,6 +621,40 @@ def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tm
         check_cache(tmp_path, {"seq_len": 16, "chunks": 5})
 
 
+def test_held_out_accuracy_on_written_tokens_where_the_cache_marks_them(dense_model, tmp_path):
+    from mirrorsd.train_streams import (
+        HELD_OUT,
+        Chunk,
+        cache_states,
+        evaluate,
+        load_cache,
+        stream_forward,
+        stream_targets,
+    )
+
+    adapters = random_adapters(dense_model, streams=2, layers=2)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, dense_model.config.vocab_size, (16,), generator=gen)
+    all_written = Chunk(ids, 1, torch.ones(16, dtype=torch.bool))
+    cache_states(dense_model, adapters.first_layer, [], [all_written], tmp_path, progress=False)
+    item = load_cache([tmp_path / HELD_OUT], "cpu")[0]
+    got = evaluate(dense_model, adapters, [item])
+    assert got["stream_accuracy_answers"] == got["stream_accuracy"]  # every token written: the same measure
+    # Only the last 4 tokens written: stream j at t counts when token t + 1 + j is one of them.
+    item.answer = torch.arange(16) >= 12
+    hand = evaluate(dense_model, adapters, [item])["stream_accuracy_answers"]
+    streams, _ = stream_targets(item, 2)
+    with torch.no_grad():
+        predicted = dense_model.logits(stream_forward(dense_model, adapters, item)).argmax(-1)
+    for j in range(2):
+        rows = [t for t in range(16) if streams[t, j] >= 0 and t + 2 + j < 16 and t + 2 + j >= 12]
+        rows += [t for t in range(16) if streams[t, j] >= 0 and t + 2 + j >= 16]  # past the window: the last mark
+        want = sum(int(predicted[t, j] == streams[t, j]) for t in rows) / len(rows)
+        assert hand[j] == round(want, 4)
+    item.answer = None  # a cache from before the marks: no such measure
+    assert "stream_accuracy_answers" not in evaluate(dense_model, adapters, [item])
+
+
 def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_path):
     from mirrorsd.train_streams import HELD_OUT, Chunk, TrainHead, cache_states, load_cache, losses
 
