@@ -13,10 +13,10 @@ PACKAGE = Path(mirrorsd.__file__).parent
 LAYERS = [
     {"errors", "cache", "collector", "quant", "sampling", "kv_cache", "kernels", "linear", "gguf_weights", "model",
      "loading", "execution", "cuda_graphs", "verify", "runtime", "draft_vocab",
-     "exit_heads"},  # the model, kernels, executors
+     "exit_heads", "tuned_drafts"},  # the model, kernels, executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api", "batching"},  # loading models, the HF-like API, continuous batching
-    {"perplexity", "quality", "train_streams", "train_exit", "vocab_tables", "distill"},  # tools on the API
+    {"perplexity", "quality", "train_streams", "train_draft", "train_exit", "vocab_tables", "distill"},  # tools
     {"bench"},  # benchmarks and the planner
     {"server"},  # mirrorsd serve: the OpenAI-compatible HTTP server
     {"cli", "__init__", "__main__"},  # the command line and the package's public names
