@@ -49,12 +49,6 @@ class TuneConfig:
         """State-dict names (without HF's ``model.`` prefix) of the tuned weights."""
         return [f"layers.{i}.{p}.weight" for i in range(self.first_layer, self.n_layers) for p in TUNED_PROJECTIONS]
 
-    def check(self, hf_config) -> None:
-        got = (hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.vocab_size)
-        if got != (self.hidden_size, self.n_layers, self.vocab_size):
-            raise ValueError(f"tuned draft deltas were trained for hidden/layers/vocab {self.hidden_size}/"
-                             f"{self.n_layers}/{self.vocab_size}; {self.base} has {got[0]}/{got[1]}/{got[2]}")
-
     def save(self, folder: Path, lora: dict[str, torch.Tensor]) -> None:
         """``draft_tune.json`` + ``lora.safetensors`` (fp16: a few MB per tuned layer set)."""
         from safetensors.torch import save_file
@@ -92,9 +86,9 @@ def deltas(folder: str | Path) -> dict[str, torch.Tensor]:
 def merge(weight: torch.Tensor | GroupQuant, delta: torch.Tensor) -> torch.Tensor | GroupQuant:
     """``weight + delta``, in the weight's own kind: a dense tensor stays dense (its dtype), quantized codes are
     re-quantized at the width and group they need (a Q5_K tensor stays 5-bit), so the draft reads no more bytes."""
+    if tuple(weight.shape) != tuple(delta.shape):  # deltas trained for another model
+        raise ValueError(f"delta of shape {tuple(delta.shape)} for a weight of shape {tuple(weight.shape)}")
     if isinstance(weight, GroupQuant):
         bits = max(int(weight.codes.max()).bit_length(), 1) if weight.codes.numel() else weight.bits
         return quantize_groups(weight.dequantize() + delta, bits, weight.group)
-    if weight.shape != delta.shape:
-        raise ValueError(f"delta of shape {tuple(delta.shape)} for a weight of shape {tuple(weight.shape)}")
     return (weight.float() + delta.to(weight.device)).to(weight.dtype)

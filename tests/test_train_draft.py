@@ -80,8 +80,9 @@ def test_merge_requantizes_codes_at_their_own_width_and_refuses_other_shapes():
     assert (merged.bits, merged.group, int(merged.codes.max()) < 16) == (4, 16, True)
     assert (merged.dequantize() - (q4.dequantize() + delta)).abs().max() <= merged.scales.max() / 2 + 1e-6
     assert torch.equal(td.merge(weight, delta), weight + delta)
-    with pytest.raises(ValueError, match="shape"):
-        td.merge(weight, torch.zeros(4, 64))
+    for other in (weight, q8):
+        with pytest.raises(ValueError, match="shape"):
+            td.merge(other, torch.zeros(4, 64))
 
 
 def test_resolve_names_only_tuned_folders(tmp_path):
