@@ -11,7 +11,7 @@ against the level's first configuration's.
 while it is prefilled against their p99 without it, and the prompt's time to first token against an idle batcher,
 for each ``--prefill-rows``::
 
-    python benchmarks/batching.py sweep --levels 1,4,16 --configs ar:fixed,suffix:fixed,suffix:goodput --short
+    python benchmarks/batching.py sweep --levels 1,2,4,8,16,32 --short --json sweep.json
     python benchmarks/batching.py serial --levels 16 --short
     python benchmarks/batching.py long-prompt --prefill-rows 8,32
 """
@@ -19,14 +19,17 @@ for each ``--prefill-rows``::
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import mirrorsd
 from mirrorsd.api import encode_chat
 from mirrorsd.batching import Batcher
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
+from mirrorsd.plans import cpu_name
 from mirrorsd.specbench import load_suite
 
 
@@ -42,9 +45,11 @@ def generate(target, draft, ids: list[int], method: str, max_new: int) -> list[i
                                  temperature=0).token_ids
 
 
-def batched(batch: list[list[int]], run, prefill_rows: int = 32, speculation: str = "goodput") -> tuple[list, float]:
-    """Every request on a thread of its own, all members of one batcher; (answers, seconds)."""
-    b = Batcher(prefill_rows, speculation=speculation)
+def batched(batch: list[list[int]], run, prefill_rows: int = 32, speculation: str = "goodput",
+            batcher: Batcher | None = None) -> tuple[list, float]:
+    """Every request on a thread of its own, all members of one batcher (``batcher``, or a new one); (answers,
+    seconds)."""
+    b = batcher or Batcher(prefill_rows, speculation=speculation)
     out: list = [None] * len(batch)
 
     def work(i: int) -> None:
@@ -63,13 +68,16 @@ def batched(batch: list[list[int]], run, prefill_rows: int = 32, speculation: st
 def sweep(args, target, draft) -> None:
     ids = prompts(target, args.short)
     configs = [c.split(":") for c in args.configs.split(",")]
+    # One batcher per configuration for the whole sweep, as a server keeps one: its cost curve and the goodput
+    # rule's acceptance of earlier requests carry over from level to level.
+    batchers = {(m, s): Batcher(speculation=s) for m, s in configs}
     results: dict = {}
     for r in range(args.rounds):
         for level in args.levels:
             batch = (ids * (level // len(ids) + 1))[:level]
             for method, speculation in configs:
                 out, seconds = batched(batch, lambda p, m=method: generate(target, draft, p, m, args.max_new_tokens),
-                                       speculation=speculation)
+                                       batcher=batchers[(method, speculation)])
                 rate = sum(map(len, out)) / seconds
                 reference = results.setdefault(("answers", level), out)
                 results.setdefault((level, method, speculation), []).append(rate)
@@ -80,6 +88,10 @@ def sweep(args, target, draft) -> None:
         cells = [f"{m}:{s} {statistics.median(results[(level, m, s)]):.1f} tok/s "
                  f"({statistics.median(results[(level, m, s)]) / base:.2f}x)" for m, s in configs]
         print(f"C={level}: " + ", ".join(cells))
+    if args.json:
+        rows = [{"level": level, "method": m, "speculation": s, "tok_s": results[(level, m, s)]}
+                for level in args.levels for m, s in configs]
+        Path(args.json).write_text(json.dumps({"machine": cpu_name(), "rows": rows}, indent=1) + "\n")
 
 
 def serial(args, target, draft) -> None:
@@ -156,6 +168,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--short", action="store_true", help="only the prompts under 100 tokens (a decode-bound load)")
+    ap.add_argument("--json", help="sweep: write every round's tok/s here")
     ap.add_argument("--prefill-rows", default="8,32", type=lambda s: [int(x) for x in s.split(",")])
     args = ap.parse_args()
     target = mirrorsd.load_model(args.target, progress=False)

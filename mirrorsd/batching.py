@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .decoding.engine import RequestState, budgeted_by
+from .decoding.engine import GenerationStats, RequestState, budgeted_by
 from .execution import LayerCall, batched_by, ragged_layers
 from .model import PREFILL_CHUNK
 
@@ -69,49 +69,73 @@ class Goodput(Fixed):
     costs every request in the batch the step's marginal time ``b / (a + b R)`` (the batch's own measured cost curve),
     plus, for a draft model, the time of the draft step the batch waits for (the request's own wall time per draft
     forward), that is ``S * (b + d) / (a + b R)`` committed tokens for a batch committing ``S`` tokens a step; the
-    ``k``-th draft token
-    of a request whose tokens are accepted at rate ``α`` yields ``α^k``. So a request drafts the largest ``k`` with
-    ``α^k`` above that price: everything at concurrency 1 (the method's own window, today's single-request speed),
-    less as the batch grows, and none once a row costs more than any draft token brings (the plain batched step).
+    ``k``-th draft token of a request whose tokens are accepted at rate ``α`` yields ``α^k``. So a request drafts the
+    largest ``k`` with ``α^k`` above that price: less as the batch grows, and none once a row costs more than any
+    draft token brings (the plain batched step). Alone, a request drafts its method's own window (today's
+    single-request speed) unless not even the first draft token pays: then it decodes plainly, as ``ar`` would.
 
     ``α`` is the request's own acceptance over its last steps that drafted (the maximum-likelihood rate of a geometric
-    run: accepted tokens over accepted tokens plus rejections), over all of them when none of the last did; a request
-    that has not drafted yet drafts freely until it has."""
+    run: accepted tokens over accepted tokens plus rejections; over all of them when none of the last did, so the cap
+    does not lift itself), shrunk toward its method's pooled rate over the last ``PEERS`` requests by ``PRIOR``
+    pseudo-observations: one early rejected window must not cap a request for good (a suffix match, say), and a new
+    request starts from what its method earns here (one of a method that does not pay never pays for a first window,
+    nor for its draft's prompt). The first request of a method drafts freely until it has a figure."""
 
     RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
+    PEERS = 32  # requests of a method whose recent acceptance a new request starts from
+    PRIOR = 4.0  # pseudo-observations of the pooled rate in each request's own
+
+    def __init__(self, batcher: Batcher) -> None:
+        super().__init__(batcher)
+        self._peers: dict[str, deque[GenerationStats]] = {}  # method -> its latest requests' statistics
 
     def limit(self, state: RequestState) -> int | None:
         busy = self.batcher.members
-        if busy <= 1:
-            return None
-        stats = state.stats
-        alpha = acceptance(stats.accepted[-self.RECENT:], stats.drafted[-self.RECENT:])
-        if alpha is None:  # no window lately (capped to none): its whole history, so the cap does not lift itself
-            alpha = acceptance(stats.accepted, stats.drafted)
+        alpha = self.acceptance(state.stats)
         recent = [r.rows - r.prefill_rows for r in list(self.batcher.steps)[-self.RECENT:]]
         level = sum(recent) / len(recent) if recent else float(busy)
         curve = self.batcher.cost_curve(level)
         if alpha is None or curve is None:
             return None
         a, b = curve
+        stats = state.stats
         # A draft model's position is a step of its own that the whole batch waits for: its wall time per forward.
-        drafting = stats.draft_s / stats.draft_forwards if stats.draft_forwards else 0.0
+        drafting = stats.draft_s / stats.draft_forwards if stats.draft_forwards else self._drafting(stats)
         price = busy * (1 + alpha) * (b + drafting) / (a + b * level)  # tokens a draft token costs the batch
         if price <= 0.0 or alpha >= 0.999:
             return None  # rows cost nothing, or every draft token is accepted: the method's own window
         if price >= 1.0 or alpha <= price:
             return 0
-        return int(math.log(price) / math.log(alpha))
+        return None if busy <= 1 else int(math.log(price) / math.log(alpha))
+
+    def acceptance(self, stats: GenerationStats) -> float | None:
+        """``α`` for a request (see the class docstring), or None while no request of its method has drafted."""
+        peers = self._peers.setdefault(stats.method, deque(maxlen=self.PEERS))
+        if not any(p is stats for p in peers):
+            peers.append(stats)
+        pooled_tokens = pooled_rejections = 0
+        for peer in list(peers):
+            n = min(len(peer.accepted), len(peer.drafted))  # (another thread may be between the two appends)
+            tokens, rejections = outcomes(peer.accepted[:n][-self.RECENT:], peer.drafted[:n][-self.RECENT:])
+            pooled_tokens, pooled_rejections = pooled_tokens + tokens, pooled_rejections + rejections
+        if pooled_tokens + pooled_rejections == 0:
+            return None
+        pooled = (pooled_tokens + 1) / (pooled_tokens + pooled_rejections + 2)  # (Laplace: a few windows say little)
+        tokens, rejections = outcomes(stats.accepted[-self.RECENT:], stats.drafted[-self.RECENT:])
+        if tokens + rejections == 0:
+            tokens, rejections = outcomes(stats.accepted, stats.drafted)
+        return (tokens + self.PRIOR * pooled) / (tokens + rejections + self.PRIOR)
+
+    def _drafting(self, stats: GenerationStats) -> float:
+        """Seconds per draft forward of the method's peers (a request that has not drafted yet)."""
+        peers = [p for p in self._peers.get(stats.method, ()) if p.draft_forwards]
+        return sum(p.draft_s for p in peers) / sum(p.draft_forwards for p in peers) if peers else 0.0
 
 
-def acceptance(accepted: list[int], drafted: list[int]) -> float | None:
-    """Per-token acceptance of recent windows: accepted tokens over accepted tokens plus rejections (a window
-    accepted short of its end ended in one). None when none of them drafted."""
+def outcomes(accepted: list[int], drafted: list[int]) -> tuple[int, int]:
+    """Accepted draft tokens and rejections of windows (a window accepted short of its end ended in one)."""
     tokens = sum(a for a, d in zip(accepted, drafted, strict=True) if d)
-    rejections = sum(a < d for a, d in zip(accepted, drafted, strict=True) if d)
-    if tokens + rejections == 0:
-        return None
-    return tokens / (tokens + rejections)
+    return tokens, sum(a < d for a, d in zip(accepted, drafted, strict=True) if d)
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import generate, kernels
-from mirrorsd.batching import Batcher, Goodput, StepRecord, acceptance
+from mirrorsd.batching import Batcher, Goodput, StepRecord, outcomes
 from mirrorsd.decoding import GenerationStats, methods
 from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.mirror.options import batch_caps
@@ -344,5 +344,43 @@ def test_goodput_drafts_freely_alone_and_less_as_the_batch_grows() -> None:
     assert limits[1] is None  # alone: the method's own window
     assert limits[2] >= limits[4] >= limits[8] >= limits[16] == 0
     assert limits[2] > 0
-    assert acceptance([2, 3, 0], [3, 3, 0]) == pytest.approx(5 / 6)
-    assert acceptance([0], [0]) is None
+    assert outcomes([2, 3, 0], [3, 3, 0]) == (5, 1) and outcomes([0], [0]) == (0, 0)
+
+
+def _rule_at(busy: int) -> Goodput:
+    """A goodput rule over a batcher of ``busy`` members whose steps cost 40 ms + 5 ms a row."""
+    batcher = Batcher()
+    batcher._running = busy
+    for rows in (1, 2, 4, 8, 16, 32) * 3:
+        batcher.steps.append(StepRecord(0.0, rows, 0, rows, 0, 0.040 + 0.005 * rows))
+    return Goodput(batcher)
+
+
+def test_goodput_alone_decodes_plainly_when_not_even_the_first_draft_token_pays() -> None:
+    cheap = GenerationStats("sd", accepted=[1, 2, 0, 1] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=0.048)
+    dear = GenerationStats("sd", accepted=[1, 2, 0, 1] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=48 * 0.035)
+    rule = _rule_at(1)
+    assert rule.limit(SimpleNamespace(stats=cheap)) is None  # alone, a draft forward of 1 ms pays: its own window
+    assert rule.limit(SimpleNamespace(stats=dear)) == 0  # one of 35 ms (α = .5) does not: ar's plain step
+
+
+def test_goodput_starts_a_new_request_from_its_methods_peers() -> None:
+    rule = _rule_at(8)
+    fresh = SimpleNamespace(stats=GenerationStats("sd"))
+    assert rule.limit(fresh) is None  # the first request of a method drafts freely until it has a figure
+    poor = GenerationStats("sd", accepted=[0, 1, 0, 0] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=1.0)
+    assert rule.limit(SimpleNamespace(stats=poor)) == 0
+    assert rule.acceptance(fresh.stats) == pytest.approx((4 + 1) / (4 + 16 + 2))  # the pooled rate (Laplace)
+    assert rule.limit(fresh) == 0  # it starts capped, as its peer is: no first window, no draft prefill
+    assert rule.limit(SimpleNamespace(stats=GenerationStats("suffix"))) is None  # another method's peers don't count
+    prior = rule.acceptance(fresh.stats)
+    fresh.stats.accepted.append(3)
+    fresh.stats.drafted.append(3)
+    assert prior < rule.acceptance(fresh.stats) < 1  # its own windows count, shrunk toward its method's rate
+
+
+def test_goodput_one_early_rejection_does_not_cap_a_request_for_good() -> None:
+    rule = _rule_at(1)
+    unlucky = SimpleNamespace(stats=GenerationStats("suffix", accepted=[0], drafted=[4]))
+    assert 0 < rule.acceptance(unlucky.stats) < 0.5
+    assert rule.limit(unlucky) is None  # alone, free draft rows still pay at that rate: its own window
