@@ -313,13 +313,20 @@ class Batcher:
                 self._cond.notify_all()
 
     def _select(self) -> list[tuple[_Waiting, int]]:
-        """This step's work: each waiting window whole, and chunks of the waiting prompts (oldest first) within
-        ``prefill_rows``, or within ``PREFILL_CHUNK`` when no window waits (nothing decodes yet to keep at pace)."""
+        """This step's work: the waiting LM heads alone if any wait, else each waiting window whole and chunks of
+        the waiting prompts (oldest first) within ``prefill_rows``, or within ``PREFILL_CHUNK`` when no window waits
+        (nothing decodes yet to keep at pace).
+
+        Heads go first, alone: a member past its head joins the next layer step. Run beside another member's layers
+        instead, the two would stay a half-step apart for good (each step one's layers and the other's head), and
+        their layers would never share a forward again: a draft forward or a prompt that one of them alone runs
+        puts them so."""
+        heads = [(w, w.rows) for w in self._waiting if w.call is None]
+        if heads:
+            return heads
         for w in self._waiting:
             w.prompt = w.prompt or w.splittable(self.prefill_rows)
         windows = [(w, w.rows) for w in self._waiting if not w.prompt]
-        if windows and all(w.call is None for w, _ in windows):
-            return windows  # only LM heads: their windows' step carried a prompt chunk already
         prompts = [w for w in self._waiting if w.prompt]
         budget = self.prefill_rows if windows else PREFILL_CHUNK
         work = list(windows)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -172,6 +173,29 @@ def test_forwards_are_shared(weights: str, request: pytest.FixtureRequest) -> No
     assert got == [pair.tokens(r) for r in requests]
     assert max(s.windows for s in batcher.steps) >= 4
     assert batcher.total_steps < sum(len(g) for g in got)
+
+
+def test_members_a_half_step_apart_fall_back_into_one_forward(pair: Pair) -> None:
+    """One member runs an LM head alone first (as a draft's extra forward or a prompt chunk puts it out of step):
+    the heads-first rule brings it back, so the two members' plain steps still share their layer forwards."""
+    batcher = Batcher()
+    d = pair.target.config.hidden_size
+    out: list[list[int]] = [[], []]
+
+    def work(i: int) -> None:
+        with batcher.member():
+            if i:
+                pair.target.logits(torch.zeros(1, 1, d))
+            out[i] = pair.tokens(Req("ar", (1, 2, 3 + i), 24, 0.0, 0, 0, None))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == [pair.tokens(Req("ar", (1, 2, 3 + i), 24, 0.0, 0, 0, None)) for i in range(2)]
+    layer_steps = [s for s in batcher.steps if s.rows]
+    assert sum(s.windows == 2 for s in layer_steps) >= 20  # both plain steps in one forward, nearly every time
 
 
 def test_no_cache_outlives_its_request_after_thousands_of_rejections(pair: Pair, monkeypatch) -> None:
