@@ -78,6 +78,22 @@ def _with_bias(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
 
 
+def _greedy(model: Transformer, final: torch.Tensor) -> torch.Tensor:
+    """The model's greedy next token at every row of its raw final states (in batches: a 152k head is large)."""
+    return torch.cat([model.logits(final[None, i:i + 1024])[0].argmax(-1) for i in range(0, len(final), 1024)])
+
+
+def _corrections(draft: Transformer, ids: torch.Tensor, want: torch.Tensor,
+                 answer: torch.Tensor | None) -> torch.Tensor:
+    """Rows where ``draft``'s greedy next token differs from the target's (``want``): where Mirror-SD's early exit
+    has to hold the correction. With answer marks, only rows whose next token the model wrote (a window Mirror-SD
+    verifies is always the model's own text)."""
+    hard = _greedy(draft, _states(draft, ids, [])[1]) != want
+    if answer is not None:
+        hard &= torch.cat([answer[1:].bool(), torch.zeros(1, dtype=torch.bool)])
+    return hard
+
+
 def _selecting_kappa(kappas: tuple[int, ...]) -> int:
     """The κ whose held-out hit rate picks the ridge λ and the best KL step: Mirror-SD's κ = 8 when measured."""
     return 8 if 8 in kappas else max(kappas)
@@ -131,11 +147,12 @@ class _RestrictedHead:
 
 def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, finals: torch.Tensor,
               held: torch.Tensor, want: torch.Tensor, opts: KLRefine, kappas: tuple[int, ...] = KAPPAS,
-              seed: int = 0, progress: bool = True, desc: str = "KL"
+              seed: int = 0, progress: bool = True, desc: str = "KL", weights: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[int, float], dict[str, Any]]:
     """Fine-tune translator ``start`` on unit-RMS ``states`` → final ``finals`` (rows matched) by KL to the
-    final distribution. Returns the best translator by held-out top-8 (``start`` itself when no step beats it),
-    its hit rates, and a record (vocabulary, best step, held-out curve over steps)."""
+    final distribution, drawing rows in proportion to ``weights`` (None: uniformly). Returns the best translator by
+    held-out top-8 (``start`` itself when no step beats it), its hit rates, and a record (vocabulary, best step,
+    held-out curve over steps)."""
     head = _RestrictedHead(model, opts.vocab)
     gen = torch.Generator().manual_seed(seed)
     a = start.clone().requires_grad_()
@@ -146,7 +163,11 @@ def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, fin
     every = max(1, opts.steps // opts.checks)
     bar = tqdm(range(1, opts.steps + 1), desc=desc, disable=not progress)
     for step in bar:
-        rows = torch.randint(0, states.shape[0], (opts.batch,), generator=gen).to(states.device)
+        if weights is None:
+            rows = torch.randint(0, states.shape[0], (opts.batch,), generator=gen)
+        else:
+            rows = torch.multinomial(weights, opts.batch, replacement=True, generator=gen)
+        rows = rows.to(states.device)
         with torch.no_grad():
             target = head.log_probs(finals[rows].float())
         exit_lp = head.log_probs(_with_bias(states[rows].float()) @ a)
@@ -164,57 +185,91 @@ def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, fin
     return best[2], best[0], {"vocab": head.vocab, "best_step": best[1], "curve": curve}
 
 
-def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int], *, chunks: int = 64,
+def fit_exit(model: Transformer, tokenizer, texts: list[str | list[int]], layers: list[int], *, chunks: int = 64,
              held_out: int = 8, seq_len: int = 256, ridges: tuple[float, ...] = RIDGES,
              kappas: tuple[int, ...] = KAPPAS, seed: int = 0, progress: bool = True,
-             transcripts: list[torch.Tensor] = (), refine: KLRefine | None = None) -> ExitTranslators:
+             transcripts: list[torch.Tensor] = (), refine: KLRefine | None = None,
+             corrections: Transformer | None = None, correction_weight: float = 4.0) -> ExitTranslators:
     """Fit translators for ``layers`` on ``chunks`` windows of ``seq_len`` tokens of ``texts`` plus whole
     ``transcripts`` (:func:`self_distilled`), ``held_out`` of the shuffled windows kept out, then (``refine``)
     fine-tune each by KL; ``meta`` holds the recipe, the held-out top-κ hit rates (lens, ridge, tuned) and the
-    learning curves."""
+    learning curves.
+
+    ``corrections``: a draft model whose disagreements with the target mark the rows Mirror-SD's exit must get
+    right (the correction after a rejected draft token; issue 17 measured these as the hard tokens). Those rows
+    count ``correction_weight`` times in the ridge sums and the KL's row draws, the held-out hit rates are also
+    reported on them, and λ and the KL step are chosen by them."""
     n_layers = model.config.n_layers
     bad = [layer for layer in layers if not 0 < layer < n_layers]
     if bad:
         raise ValueError(f"exit layers must be in 1..{n_layers - 1}, got {bad}")
-    windows = [c.ids for c in make_chunks(tokenizer, texts, seq_len, chunks + held_out, seed)] + list(transcripts)
+    if corrections is not None and corrections.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the corrections' draft has a vocabulary of {corrections.config.vocab_size} tokens, the "
+                         f"model {model.config.vocab_size}: it must share the model's tokenizer")
+    if correction_weight < 1:
+        raise ValueError(f"correction_weight must be at least 1, got {correction_weight}")
+    windows = [(c.ids, c.answer) for c in make_chunks(tokenizer, texts, seq_len, chunks + held_out, seed)]
+    windows += [(t, None) for t in transcripts]
     random.Random(seed).shuffle(windows)
     test, train = windows[:held_out], windows[held_out:]
     d = model.config.hidden_size
     start = time.perf_counter()
     with torch.inference_mode():
         test_x: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
-        test_final = []
-        for w in tqdm(test, desc="held-out states", disable=not progress):
-            states, final = _states(model, w, layers)
+        test_want, test_hard = [], []
+        for ids, answer in tqdm(test, desc="held-out states", disable=not progress):
+            states, final = _states(model, ids, layers)
             for layer in layers:
                 test_x[layer].append(states[layer])
-            test_final.append(final)
-        final = torch.cat(test_final)
-        want = torch.cat([model.logits(final[None, i:i + 1024])[0].argmax(-1) for i in range(0, len(final), 1024)])
+            test_want.append(_greedy(model, final))
+            if corrections is not None:
+                test_hard.append(_corrections(corrections, ids, test_want[-1], answer))
+        want = torch.cat(test_want)
         held = {layer: torch.cat(xs) for layer, xs in test_x.items()}
-        # the logit lens on unit-RMS states is the lens itself: the final RMSNorm ignores scale
-        lens = {layer: _hits(model, held[layer].float(), want, kappas) for layer in layers}
+        hard = torch.cat(test_hard).nonzero()[:, 0] if corrections is not None else None
+        if hard is not None and not len(hard):
+            raise ValueError("the held-out windows hold no row where the draft and the model disagree on text the "
+                             "model wrote: give more held-out windows, or data with the model's own answers")
+
+        def scores(layer: int, a: torch.Tensor | None) -> dict[str, dict[int, float]]:
+            """Held-out hit rates on all rows and on the corrections (``a`` None: the lens itself, since the final
+            RMSNorm ignores the unit-RMS scale)."""
+            x = held[layer].float() if a is None else _with_bias(held[layer]).float() @ a
+            out = {"all": _hits(model, x, want, kappas)}
+            if hard is not None:
+                out["corrections"] = _hits(model, x[hard], want[hard], kappas)
+            return out
+
+        chosen = "all" if hard is None else "corrections"  # what picks λ and the KL step
+        lens = {layer: scores(layer, None) for layer in layers}
 
         gram = {layer: torch.zeros(d + 1, d + 1, dtype=torch.float64) for layer in layers}
         cross = {layer: torch.zeros(d + 1, d, dtype=torch.float64) for layer in layers}
         checkpoints = sorted({max(1, len(train) * f // 8) for f in (1, 2, 4, 8)})
-        seen = 0
+        seen = marked = 0
         curve: list[dict[str, Any]] = []
-        best: dict[int, tuple[float, float, torch.Tensor, dict[int, float]]] = {}
-        kept: dict[int | str, list[torch.Tensor]] = {key: [] for key in [*layers, "final"]} if refine else {}
+        best: dict[int, tuple[float, float, torch.Tensor, dict[str, dict[int, float]]]] = {}
+        kept: dict[int | str, list[torch.Tensor]] = {key: [] for key in [*layers, "final", "w"]} if refine else {}
         bar = tqdm(train, desc="fitting exits", disable=not progress)
-        for n, w in enumerate(bar, 1):
-            states, final = _states(model, w, layers)
-            seen += len(w)
+        for n, (ids, answer) in enumerate(bar, 1):
+            states, final = _states(model, ids, layers)
+            seen += len(ids)
+            w = torch.ones(len(ids), dtype=torch.float64)
+            if corrections is not None:
+                rows = _corrections(corrections, ids, _greedy(model, final), answer)
+                marked += int(rows.sum())
+                w[rows] = correction_weight
+            root = w.sqrt()[:, None]
             y = unit_rms(final).double()
             if refine:
                 kept["final"].append(y.to(torch.bfloat16))
+                kept["w"].append(w)
             for layer in layers:
                 if refine:
                     kept[layer].append(states[layer].to(torch.bfloat16))
-                x = _with_bias(states[layer])
+                x = _with_bias(states[layer]) * root
                 gram[layer] += x.T @ x
-                cross[layer] += x.T @ y
+                cross[layer] += x.T @ (y * root)
             if n not in checkpoints:
                 continue
             point: dict[str, Any] = {"train_tokens": seen}
@@ -224,22 +279,37 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
                 scored = []
                 for ridge in ridges:
                     a = torch.linalg.solve(gram[layer] + ridge * eye, cross[layer] + ridge * identity).float()
-                    hits = _hits(model, _with_bias(held[layer]).float() @ a, want, kappas)
-                    scored.append((hits[_selecting_kappa(kappas)], ridge, a, hits))
+                    hits = scores(layer, a)
+                    scored.append((hits[chosen][_selecting_kappa(kappas)], ridge, a, hits))
                 top = max(scored, key=lambda s: s[0])
                 best[layer] = top
-                point[str(layer)] = {"ridge": top[1], **_rates(top[3])}
+                point[str(layer)] = {"ridge": top[1], **_rates(top[3]["all"])}
+                if hard is not None:
+                    point[str(layer)]["corrections"] = _rates(top[3]["corrections"])
             curve.append(point)
-            bar.set_postfix_str(", ".join(f"ℓ{layer} top8 {best[layer][3].get(8, 0):.2f}" for layer in layers))
+            bar.set_postfix_str(", ".join(f"ℓ{layer} top8 {best[layer][3][chosen].get(8, 0):.2f}" for layer in layers))
     ridge_hits = {layer: best[layer][3] for layer in layers}
     refined: dict[int, dict[str, Any]] = {}
     if refine:
-        finals = torch.cat(kept.pop("final"))
+        finals, weights = torch.cat(kept.pop("final")), torch.cat(kept.pop("w"))
+        select = slice(None) if hard is None else hard
         for layer in layers:
-            a, hits, refined[layer] = refine_kl(model, best[layer][2], torch.cat(kept.pop(layer)), finals,
-                                                held[layer].float(), want, refine, kappas, seed, progress,
-                                                desc=f"KL, layer {layer}")
-            best[layer] = (best[layer][0], best[layer][1], a, hits)
+            a, _, refined[layer] = refine_kl(model, best[layer][2], torch.cat(kept.pop(layer)), finals,
+                                             held[layer][select].float(), want[select], refine, kappas, seed,
+                                             progress, desc=f"KL, layer {layer}",
+                                             weights=None if hard is None else weights)
+            best[layer] = (best[layer][0], best[layer][1], a, scores(layer, a))
+
+    rates = {}
+    for layer in layers:
+        row = {"lens": _rates(lens[layer]["all"]), "tuned": _rates(best[layer][3]["all"]), "ridge": best[layer][1]}
+        if refine:
+            row |= {"ridge_fit": _rates(ridge_hits[layer]["all"]), "kl": refined[layer]}
+        if hard is not None:
+            row["corrections"] = {"rows": len(hard), "lens": _rates(lens[layer]["corrections"]),
+                                  "tuned": _rates(best[layer][3]["corrections"]),
+                                  **({"ridge_fit": _rates(ridge_hits[layer]["corrections"])} if refine else {})}
+        rates[str(layer)] = row
     meta = {
         "kind": "tuned-lens (affine, closed-form ridge on unit-RMS states"
                 + (", then KL to the final distribution)" if refine else ")"),
@@ -248,12 +318,11 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
                    "held_out_tokens": len(want),
                    "self_distilled_transcripts": len(transcripts),
                    "ridges_tried": list(ridges), "seed": seed, "labels": "the model's own greedy next token",
-                   **({"kl": asdict(refine)} if refine else {})},
-        "held_out": {str(layer): {"lens": _rates(lens[layer]),
-                                  "tuned": _rates(best[layer][3]),
-                                  "ridge": best[layer][1],
-                                  **({"ridge_fit": _rates(ridge_hits[layer]),
-                                      "kl": refined[layer]} if refine else {})} for layer in layers},
+                   **({"kl": asdict(refine)} if refine else {}),
+                   **({"corrections": {"weight": correction_weight, "train_rows": marked,
+                                       "selected_by": "held-out top-8 on the corrections"}}
+                      if corrections is not None else {})},
+        "held_out": rates,
         "curve": curve,
         "fit_s": round(time.perf_counter() - start, 1),
     }
@@ -261,8 +330,8 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str], layers: list[int],
 
 
 def plot_curve(meta: dict[str, Any], path: Path) -> None:
-    """Held-out top-8 hit rate against training tokens per layer (ridge fits), the KL-refined exit as a star at
-    the full data, the lens as a dashed line."""
+    """Held-out top-8 hit rate against training tokens per layer (ridge fits; dotted: on the draft's corrections
+    when the fit marked them), the KL-refined exit as a star at the full data, the lens as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,6 +348,9 @@ def plot_curve(meta: dict[str, Any], path: Path) -> None:
             ax.plot([xs[-1]], [held["tuned"]["top8"]], "*", ms=12, color=colour, label=f"+ KL, layer {layer}")
         ax.axhline(meta["held_out"][str(layer)]["lens"]["top8"], color=colour, ls="--", lw=1,
                    label=f"logit lens, layer {layer}")
+        if "corrections" in held:  # the rows a draft gets wrong, which the exit must hold for Mirror-SD
+            ax.plot(xs, [p[str(layer)]["corrections"]["top8"] for p in meta["curve"]], "s:", color=colour,
+                    label=f"tuned, layer {layer}, on the draft's corrections")
     ax.set_xscale("log")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out: next token in the exit's top-8")

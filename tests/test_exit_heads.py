@@ -9,8 +9,8 @@ import mirrorsd
 from mirrorsd.decoding.mirror import early_exit
 from mirrorsd.exit_heads import ExitTranslators, shipped_exit, tuned_exit, unit_rms
 from mirrorsd.sampling import SamplingParams
-from mirrorsd.train_exit import KLRefine, fit_exit, plot_curve, refine_kl
-from mirrorsd.train_streams import corpus_texts
+from mirrorsd.train_exit import KLRefine, _corrections, fit_exit, plot_curve, refine_kl
+from mirrorsd.train_streams import Tokens, corpus_texts
 from tests.helpers import requires_smollm2
 
 
@@ -205,3 +205,45 @@ def test_zoo_models_ship_tuned_exits_at_quarter_half_three_quarters(name):
     assert sorted(translators.layers) == sorted({round(f * n) for f in (0.25, 0.5, 0.75)})
     for layer, row in translators.meta["held_out"].items():
         assert row["tuned"]["top8"] >= row["lens"]["top8"], (name, layer)
+
+
+def _documents(vocab: int, count: int = 10, length: int = 64, seed: int = 0) -> list[Tokens]:
+    """Token-id documents whose second half the model "wrote" (as distilled records mark their answers)."""
+    gen = torch.Generator().manual_seed(seed)
+    written = [i >= length // 2 for i in range(length)]
+    return [Tokens(torch.randint(0, vocab, (length,), generator=gen).tolist(), written) for _ in range(count)]
+
+
+def test_corrections_are_the_rows_where_the_draft_and_the_model_disagree_on_written_text(tiny_pair):
+    target, draft = tiny_pair
+    doc = _documents(target.config.vocab_size, 1)[0]
+    ids, answer = torch.tensor(doc), torch.tensor(doc.answer)
+    with torch.inference_mode():
+        want = target(ids[None])[0].argmax(-1)
+        guess = draft(ids[None])[0].argmax(-1)
+        hard = _corrections(draft, ids, want, answer)
+        unmarked = _corrections(draft, ids, want, None)
+    assert torch.equal(unmarked, guess != want) and unmarked.any()
+    written_next = torch.tensor([bool(a) for a in doc.answer[1:]] + [False])
+    assert torch.equal(hard, (guess != want) & written_next)  # row t predicts token t + 1, which must be written
+
+
+def test_a_fit_weighted_toward_corrections_reports_them_and_weighs_them(tiny_pair):
+    target, draft = tiny_pair
+    docs = _documents(target.config.vocab_size)
+    common = dict(chunks=6, held_out=2, seq_len=32, ridges=(10.0,), progress=False)
+    plain = fit_exit(target, None, docs, [2], **common)
+    same = fit_exit(target, None, docs, [2], corrections=draft, correction_weight=1.0, **common)
+    heavy = fit_exit(target, None, docs, [2], corrections=draft, correction_weight=8.0, **common,
+                     refine=KLRefine(steps=4, batch=16, vocab=0, checks=2))
+    assert torch.equal(same.layers[2], plain.layers[2])  # weight 1: the plain ridge fit
+    assert not torch.allclose(heavy.layers[2], plain.layers[2])
+    held = heavy.meta["held_out"]["2"]
+    assert 0 < held["corrections"]["rows"] <= 2 * 32 // 2  # written rows of the two held-out windows at most
+    assert set(held["corrections"]) == {"rows", "lens", "tuned", "ridge_fit"}
+    assert "corrections" not in plain.meta["held_out"]["2"]
+    assert heavy.meta["recipe"]["corrections"]["weight"] == 8.0 and heavy.meta["recipe"]["corrections"]["train_rows"]
+    assert all("corrections" in point["2"] for point in heavy.meta["curve"])
+    with pytest.raises(ValueError, match="no row where the draft and the model disagree"):
+        unmarked = [Tokens(list(d), [False] * len(d)) for d in docs]
+        fit_exit(target, None, unmarked, [2], corrections=draft, **common)

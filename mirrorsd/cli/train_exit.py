@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="then fine-tune each translator for N steps of 256 tokens by KL to the final distribution "
                          "(the tuned lens's objective; the best held-out step is kept). 300 is the shipped recipe")
     te.add_argument("--kl-lr", type=float, default=1e-4, help="Adam learning rate of the KL fine-tune")
+    te.add_argument("--corrections", metavar="DRAFT",
+                    help="a draft model (zoo name or folder, the model's tokenizer): rows where its greedy next "
+                         "token differs from the model's are the corrections Mirror-SD's exit must hold; they weigh "
+                         "--correction-weight times in the fit, and pick λ and the KL step by their held-out top-8")
+    te.add_argument("--correction-weight", type=float, default=4.0, metavar="W",
+                    help="how much more a correction row counts (with --corrections)")
     add_formats(te, "the format decoding will use (default: as generate)", "(default: as generate)")
     te.set_defaults(func=run)
 
@@ -55,14 +61,21 @@ def run(args: argparse.Namespace) -> int:
     loaded = mirrorsd.load_model(args.model, weights=args.weights, activations=args.activations)
     say_loaded("model", loaded, args)
     layers = sorted({resolve_exit_layer(x, loaded.config.n_layers) for x in layers_asked})
+    corrections = None
+    if args.corrections:
+        corrections = mirrorsd.load_model(args.corrections, weights=args.weights, activations=args.activations)
+        say_loaded("corrections' draft", corrections, args)
     transcripts = self_distilled(loaded, args.self_distill, args.distill_tokens) if args.self_distill else []
     texts = corpus_texts(args.data, args.model, loaded.tokenizer)
     translators = fit_exit(loaded.model, loaded.tokenizer, texts, layers, chunks=args.chunks,
                            held_out=args.held_out, seq_len=args.seq_len, seed=args.seed, transcripts=transcripts,
-                           refine=KLRefine(args.kl_steps, args.kl_lr) if args.kl_steps else None)
+                           refine=KLRefine(args.kl_steps, args.kl_lr) if args.kl_steps else None,
+                           corrections=corrections.model if corrections else None,
+                           correction_weight=args.correction_weight)
     translators.meta["recipe"].update(
         command="mirrorsd train-exit " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []), model=args.model,
-        data=args.data, weights=loaded.weights, activations=loaded.activations)
+        data=args.data, weights=loaded.weights, activations=loaded.activations,
+        **({"corrections_draft": args.corrections} if args.corrections else {}))
     out = Path(args.out)
     translators.save(out)
     plot_curve(translators.meta, out / "learning_curve.png")
