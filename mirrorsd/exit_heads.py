@@ -58,6 +58,21 @@ class ExitTranslators:
             raise ValueError(f"the tuned exit was fitted for hidden size {self.layers[layer].shape[1]}, the target "
                              f"has {hidden_size}: it belongs to another model")
 
+    def merged_into(self, base: ExitTranslators) -> ExitTranslators:
+        """``base`` with this fit's layers in place of its own: a refit of some layers (on other data, say) that
+        keeps the rest. Each refitted layer's recipe and learning curve go under ``meta["refits"]``."""
+        for layer, a in self.layers.items():
+            for other in base.layers.values():
+                if other.shape != a.shape:
+                    raise ValueError(f"layer {layer}'s translator has shape {tuple(a.shape)}, the exit it would join "
+                                     f"{tuple(other.shape)}: they belong to different models")
+        meta = {**base.meta, "layers": sorted({*base.layers, *self.layers}),
+                "held_out": {**base.meta.get("held_out", {}), **self.meta.get("held_out", {})},
+                "refits": {**base.meta.get("refits", {}),
+                           **{str(layer): {key: self.meta.get(key) for key in ("kind", "recipe", "curve", "fit_s")}
+                              for layer in self.layers}}}
+        return ExitTranslators({**base.layers, **self.layers}, meta)
+
     def save(self, folder: str | Path) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

@@ -247,3 +247,23 @@ def test_a_fit_weighted_toward_corrections_reports_them_and_weighs_them(tiny_pai
     with pytest.raises(ValueError, match="no row where the draft and the model disagree"):
         unmarked = [Tokens(list(d), [False] * len(d)) for d in docs]
         fit_exit(target, None, unmarked, [2], corrections=draft, **common)
+
+
+def test_a_refit_of_some_layers_joins_an_exit_and_keeps_its_other_layers(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    d = target.config.hidden_size
+    held = {"1": {"tuned": {"top8": 0.5}}, "2": {"tuned": {"top8": 0.4}}}
+    base = ExitTranslators({1: torch.randn(d + 1, d), 2: torch.randn(d + 1, d)},
+                           {"layers": [1, 2], "held_out": held, "recipe": {"data": ["stdlib"]}})
+    refit = fit_exit(target, None, _documents(target.config.vocab_size), [2], chunks=6, held_out=2, seq_len=32,
+                     progress=False, corrections=draft)
+    merged = refit.merged_into(base)
+    assert torch.equal(merged.layers[1], base.layers[1]) and torch.equal(merged.layers[2], refit.layers[2])
+    assert merged.meta["held_out"]["1"] == base.meta["held_out"]["1"]
+    assert merged.meta["held_out"]["2"] == refit.meta["held_out"]["2"] and merged.meta["layers"] == [1, 2]
+    assert merged.meta["recipe"] == base.meta["recipe"]  # the kept layers' recipe; the refit's is under refits
+    assert merged.meta["refits"]["2"]["recipe"]["corrections"]["weight"] == 4.0
+    merged.save(tmp_path / "exit")
+    assert ExitTranslators.load(tmp_path / "exit").meta["refits"]["2"]["recipe"] == refit.meta["recipe"]
+    with pytest.raises(ValueError, match="different models"):
+        ExitTranslators({2: torch.zeros(d + 2, d + 1)}, {}).merged_into(base)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import mirrorsd
-from mirrorsd.exit_heads import resolve_exit_layer
+from mirrorsd.exit_heads import ExitTranslators, resolve_exit_layer
 from mirrorsd.train_exit import KLRefine, fit_exit, plot_curve, self_distilled
 from mirrorsd.train_streams import corpus_texts
 
@@ -29,7 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     te.add_argument("--data", nargs="+", default=["stdlib", "pydoc-topics"],
                     help="text files or folders, or corpus names: stdlib, pydoc-topics, chat-answers, "
                          "distill:FOLDER (as train-streams)")
-    te.add_argument("--out", required=True, help="folder for exit_head.safetensors + exit_head.json")
+    where = te.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="folder for exit_head.safetensors + exit_head.json")
+    where.add_argument("--into", metavar="FOLDER",
+                       help="an existing tuned exit: the fitted layers replace its own, its other layers stay (their "
+                            "recipes are kept; the refit's recipe and curve go under refits in its exit_head.json)")
     te.add_argument("--layers", default="0.25,0.5,0.75", help="exit layers: indices or fractions of the depth")
     te.add_argument("--chunks", type=int, default=64, help="windows of the corpus text")
     te.add_argument("--self-distill", type=int, default=0, metavar="N",
@@ -76,9 +80,15 @@ def run(args: argparse.Namespace) -> int:
         command="mirrorsd train-exit " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []), model=args.model,
         data=args.data, weights=loaded.weights, activations=loaded.activations,
         **({"corrections_draft": args.corrections} if args.corrections else {}))
-    out = Path(args.out)
-    translators.save(out)
-    plot_curve(translators.meta, out / "learning_curve.png")
+    if args.into:
+        out, refit = Path(args.into), translators
+        translators = refit.merged_into(ExitTranslators.load(out))
+        translators.save(out)
+        plot_curve(refit.meta, out / f"learning_curve_refit_{'_'.join(map(str, layers))}.png")
+    else:
+        out = Path(args.out)
+        translators.save(out)
+        plot_curve(translators.meta, out / "learning_curve.png")
     print(json.dumps(translators.meta["held_out"], indent=2))
-    print(f"written: {out}/exit_head.safetensors, exit_head.json, learning_curve.png", file=sys.stderr)
+    print(f"written: {out}/exit_head.safetensors, exit_head.json and the learning curve", file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mirrorsd.cli import main
 from tests.helpers import requires_smollm2
@@ -288,3 +289,23 @@ def test_default_method_runs_the_saved_plan_without_loading_an_unused_draft(caps
     rc, out, _ = run(capsys, "generate", "--target", "smollm2-135m", "--method", "ar", "--prompt", "Say hi.",
                      "--max-new-tokens", "6", "--json")
     assert json.loads(out)["token_ids"] == row["token_ids"]
+
+
+@requires_smollm2
+def test_train_exit_refits_one_layer_into_an_existing_exit(capsys, tmp_path):
+    import shutil
+
+    from mirrorsd.exit_heads import ExitTranslators, shipped_exit
+
+    folder = tmp_path / "exit"
+    shutil.copytree(shipped_exit("smollm2-135m"), folder)
+    before = ExitTranslators.load(folder)
+    rc, _, err = run(capsys, "train-exit", "--model", "smollm2-135m", "--data", "pydoc-topics", "--layers", "15",
+                     "--chunks", "4", "--held-out", "2", "--seq-len", "64", "--into", str(folder))
+    after = ExitTranslators.load(folder)
+    assert rc == 0 and "written" in err
+    assert sorted(after.layers) == sorted(before.layers)
+    assert torch.equal(after.layers[8], before.layers[8]) and not torch.equal(after.layers[15], before.layers[15])
+    assert after.meta["refits"]["15"]["recipe"]["chunks"] == 4 and (folder / "learning_curve_refit_15.png").exists()
+    with pytest.raises(SystemExit):
+        main(["train-exit", "--model", "smollm2-135m", "--out", str(tmp_path / "a"), "--into", str(folder)])
