@@ -40,6 +40,8 @@ class ForwardReport:
     relative: dict[str, float]
     ar_tok_s: float
     ar_tokens: int
+    prompt_tokens: int  # 0: not measured
+    prompt_tok_s: float | None
     fast_kernels: str  # the kernels' instruction set (kernels.isa()), or "off" on the PyTorch fallbacks
     threads: int
     machine: str
@@ -93,6 +95,23 @@ def ar_tokens_per_second(model: Transformer, tokens: int = 32, context: int = 12
     return statistics.median(rates)
 
 
+@torch.inference_mode()
+def prompt_tokens_per_second(model: Transformer, tokens: int = 512, rounds: int = 3) -> float:
+    """Prompt processing speed: one ``tokens``-token forward into an empty cache with the LM head on its last row only
+    (as prefill runs it, and as llama-bench's pp test does), median over rounds."""
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, tokens), generator=generator).to(model.device)
+    rates = []
+    for _ in range(rounds):
+        cache = model.new_cache(capacity=tokens + 1)
+        synchronize(model.device)
+        start = time.perf_counter()
+        model(prompt, cache=cache, last=1)
+        synchronize(model.device)
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
 def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], tokens: int, threads: int,
                 repetitions: int = 3) -> dict:
     """llama.cpp's own numbers on the same file: tg tok/s and ms per k-token prompt batch."""
@@ -119,8 +138,9 @@ def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], token
 
 def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, context: int = 128, rounds: int = 5,
         ar_tokens: int = 32, llama_bench_path: str | None = None, linear: str = "auto",
-        activations: str = "int8") -> ForwardReport:
-    """Load a zoo model (or local folder) and measure it; see the module docstring."""
+        activations: str = "int8", prompt_tokens: int = 512) -> ForwardReport:
+    """Load a zoo model (or local folder) and measure it; see the module docstring. ``prompt_tokens``: also time a
+    prompt of that many tokens (0: not), alternating with llama.cpp's pp test of the same size where it runs."""
     from ..zoo import resolve
 
     path = resolve(name)
@@ -128,16 +148,23 @@ def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, contex
     costs = forward_costs(model, ks, context, rounds)
     threads = torch.get_num_threads()
     ours: list[float] = []
+    prompts: list[float] = []
     theirs: list[dict] = []
+    if prompt_tokens:
+        prompt_tokens_per_second(model, prompt_tokens, rounds=1)  # warm-up: the larger activation buffers
+    their_sizes = tuple(sorted({*ks, prompt_tokens} - {0}))
     for _ in range(rounds if llama_bench_path else 1):
         ours.append(ar_tokens_per_second(model, ar_tokens, context, rounds=1 if llama_bench_path else 3))
+        if prompt_tokens:
+            prompts.append(prompt_tokens_per_second(model, prompt_tokens, rounds=1 if llama_bench_path else 3))
         if llama_bench_path:
-            theirs.append(llama_bench(llama_bench_path, Path(path) / "model.gguf", ks, ar_tokens, threads, 1))
+            theirs.append(llama_bench(llama_bench_path, Path(path) / "model.gguf", their_sizes, ar_tokens, threads, 1))
     report = ForwardReport(
         model=name, weights=weights, activations=activations, linear=linear, context=context, rounds=rounds,
         forward_ms={str(k): round(v, 3) for k, v in costs.items()},
         relative={str(k): round(v / costs[min(ks)], 3) for k, v in costs.items()},
-        ar_tok_s=round(statistics.median(ours), 3), ar_tokens=ar_tokens,
+        ar_tok_s=round(statistics.median(ours), 3), ar_tokens=ar_tokens, prompt_tokens=prompt_tokens,
+        prompt_tok_s=round(statistics.median(prompts), 2) if prompts else None,
         fast_kernels=kernels.isa() if kernels.available() else "off", threads=threads, machine=cpu_name(),
     )
     if theirs:
@@ -151,4 +178,10 @@ def run(name: str, weights: str = "q4", ks: tuple[int, ...] = DEFAULT_KS, contex
             "ar_ratio_median": round(statistics.median(o / t["ar_tok_s"]
                                                        for o, t in zip(ours, theirs, strict=True)), 3),
         }
+        if prompts:
+            their_prompt = [prompt_tokens * 1e3 / t["forward_ms"][str(prompt_tokens)] for t in theirs]
+            report.llama_cpp |= {
+                "prompt_tok_s": round(statistics.median(their_prompt), 2),
+                "prompt_ratio_median": round(statistics.median(o / t for o, t in zip(prompts, their_prompt,
+                                                                                     strict=True)), 3)}
     return report

@@ -105,6 +105,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bf.add_argument("--context", type=int, default=128, help="cached tokens before each timed forward")
     bf.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
     bf.add_argument("--ar-tokens", type=int, default=32, help="tokens decoded for the AR tok/s figure")
+    bf.add_argument("--prompt", type=int, default=512, metavar="N",
+                    help="also time an N-token prompt into an empty cache (prefill; llama-bench's ppN); 0: skip")
     bf.add_argument("--llama-bench", metavar="PATH",
                     help="llama.cpp's llama-bench binary: also time llama.cpp on the same GGUF file")
     bf.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -239,9 +241,11 @@ def _forward(args: argparse.Namespace) -> int:
         raise ValueError("--ks must be positive")
     if args.rounds < 1 or args.ar_tokens < 1 or args.context < 1:
         raise ValueError("--rounds, --ar-tokens and --context must be positive")
+    if args.prompt < 0:
+        raise ValueError("--prompt must be 0 (skip) or a positive token count")
     warn_if_busy("bench forward")
     report = forward.run(args.model, args.weights, ks, args.context, args.rounds, args.ar_tokens, args.llama_bench,
-                         args.linear, args.activations)
+                         args.linear, args.activations, args.prompt)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
@@ -251,12 +255,17 @@ def _forward(args: argparse.Namespace) -> int:
     for k, ms in report.forward_ms.items():
         print(f"  k={k:>3}: {ms:9.1f} ms  ({report.relative[k]:.2f}x k={ks[0]})")
     print(f"  AR: {report.ar_tok_s:.2f} tok/s")
+    if report.prompt_tok_s:
+        print(f"  prompt of {report.prompt_tokens} tokens: {report.prompt_tok_s:.1f} tok/s")
     if report.llama_cpp:
         lc = report.llama_cpp
         print(f"  llama.cpp ({lc.get('build')}): AR {lc.get('ar_tok_s', float('nan')):.2f} tok/s; " + ", ".join(
             f"k={k}: {ms:.1f} ms" for k, ms in lc["forward_ms"].items()))
         print(f"  ours / llama.cpp AR: {lc['ar_ratio_median']:.2f}x (median of {len(lc['ar_tok_s_rounds'])} "
               "alternating rounds)")
+        if "prompt_ratio_median" in lc:
+            print(f"  ours / llama.cpp prompt ({report.prompt_tokens} tokens, llama.cpp {lc['prompt_tok_s']:.1f} "
+                  f"tok/s): {lc['prompt_ratio_median']:.2f}x")
     return 0
 
 

@@ -58,6 +58,10 @@ EXTENSION = "mirrorsd_cpu_linear"
 #: flags. The sources are written in AVX-512 (+VNNI); on AVX2 CPUs cpu_avx2.h runs them on pairs of 256-bit
 #: registers, with the same bits.
 ISAS = {
+    # AMX-INT8 tiles for multi-row calls (Sapphire Rapids and later); one-row calls stay on the VNNI code.
+    "avx512-amx": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma", "amx_tile", "amx_int8"),
+                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-mamx-tile",
+                    "-mamx-int8"]),
     "avx512-vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
                     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]),
     "avx2": (("avx2", "f16c", "fma"), ["-mavx2", "-mf16c", "-mfma"]),
@@ -82,11 +86,44 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def isa() -> str | None:
-    """The best instruction set in :data:`ISAS` this CPU has, or None; ``MIRRORSD_KERNEL_ISA=avx2`` picks AVX2 on an
-    AVX-512 CPU (to compare the two builds)."""
+#: Linux's arch_prctl(2) request for an extended-state component, and AMX's tile data component: a process must ask
+#: before its first tile instruction (the kernel then saves the 8 KB of tiles on context switches).
+SYS_ARCH_PRCTL = 158
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+
+
+@cache
+def _amx_denied() -> str | None:
+    """Ask Linux once per process for the AMX tile state: None when granted, else why not (a one-line warning then
+    says the kernels run their VNNI build)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0:
+            return None
+        reason = os.strerror(ctypes.get_errno())
+    except (OSError, AttributeError) as exc:
+        reason = repr(exc)
+    warnings.warn(f"mirrorsd: Linux refused AMX tile state (arch_prctl XTILEDATA: {reason}); using the "
+                  "avx512-vnni kernels", RuntimeWarning, stacklevel=3)
+    return reason
+
+
+def usable_isas() -> list[str]:
+    """The :data:`ISAS` this CPU (and, for AMX, Linux) lets this process run, best first."""
     flags = _cpu_flags()
     usable = [name for name, (needs, _) in ISAS.items() if all(f in flags for f in needs)]
+    if "avx512-amx" in usable and platform.system() == "Linux" and _amx_denied() is not None:
+        usable.remove("avx512-amx")
+    return usable
+
+
+def isa() -> str | None:
+    """The best instruction set in :data:`ISAS` this CPU has, or None; ``MIRRORSD_KERNEL_ISA`` forces one of those
+    it can run (``avx2`` on an AVX-512 CPU, ``avx512-vnni`` on an AMX one: to compare the builds)."""
+    usable = usable_isas()
     wanted = os.environ.get("MIRRORSD_KERNEL_ISA")
     if wanted:
         if wanted not in usable:
@@ -259,6 +296,12 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` fp32 → ``[N/16, K, 16]`` (rows padded with zeros)."""
     w = _pad_rows(weight.float())
     return w.reshape(-1, BLOCK_N, w.shape[1]).transpose(1, 2).contiguous()
+
+
+def set_amx_min_rows(rows: int) -> int:
+    """Send calls from ``rows`` quantized rows on through AMX tiles (default: the measured crossover); returns the
+    previous threshold, or -1 where the build has no AMX. For measurements and the bit tests, which force 1."""
+    return int(ops().set_amx_min_rows(rows))
 
 
 def code_widths() -> tuple[int, ...]:

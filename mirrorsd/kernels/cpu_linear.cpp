@@ -205,6 +205,45 @@ __m512 load_scales(const void* base, const uint16_t* super, int64_t g, int64_t s
   }
 }
 
+// Step s (4 k for 16 outputs: one 64-byte vector of u8 codes) of a weight group's codes, unpacked for the integer dot.
+// 8-bit codes are stored that way; 4-bit codes hold step 2p in the low nibbles of vector p and step 2p+1 in the high
+// nibbles, and 5/6-bit codes add their high bits from the planes.
+template <int BITS>
+inline __m512i code_step(const uint8_t* c, const uint64_t* pl, int s) {
+  if constexpr (BITS == 8) {
+    return _mm512_loadu_si512(c + s * 64);
+  } else {
+    constexpr int P = planes_for(BITS);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i packed = _mm512_loadu_si512(c + (s / 2) * 64);
+    __m512i wv = s % 2 ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4) : _mm512_and_si512(packed, low4);
+    for (int b = 0; b < P; ++b)  // bit 4+b of each code, from its plane
+      wv = _mm512_mask_add_epi8(wv, static_cast<__mmask64>(pl[s * P + b]), wv, _mm512_set1_epi8(0x10 << b));
+    return wv;
+  }
+}
+
+// One weight group's exact integer dot (`total`, 16 outputs of one activation row) into that row's float
+// accumulator: the one epilogue both the VNNI tiles and the AMX tiles run, in the same order, so a row's bits never
+// depend on which path computed its integer sums. xscale: the row's activation scale for the group; xsum: its
+// dequantized activation sum (offset term, asymmetric formats only); half: kPairs' even group, until the odd one.
+template <bool SYM, bool kPairs>
+inline void group_epilogue(__m512& accf, __m512& half, __m512i total, __m512 sw, __m512 ow, float xscale, float xsum,
+                           int64_t g) {
+  const __m512 dot = _mm512_cvtepi32_ps(total);
+  if constexpr (kPairs) {
+    if (g % 2 == 0) {
+      half = _mm512_mul_ps(dot, sw);
+    } else {
+      accf = _mm512_fmadd_ps(_mm512_fmadd_ps(dot, sw, half), _mm512_set1_ps(xscale), accf);
+    }
+  } else {
+    const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(xscale));
+    accf = _mm512_fmadd_ps(dot, scale, accf);
+    if constexpr (!SYM) accf = _mm512_fmadd_ps(ow, _mm512_set1_ps(xsum), accf);
+  }
+}
+
 // Symmetric formats (SYM: no offsets, W = scale * (code - Z)) take the zero point in integers: each row's chain
 // starts at -Z * (the group's activation code sum), so the dot product is sum((code - Z) * a), exact, and the
 // offset term needs no float work. With 16-weight groups (Q6_K) the two groups of one 32-wide activation group are
@@ -227,7 +266,6 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, const int3
   __m512 accf[MT];
   __m512 half[kPairs ? MT : 1];  // kPairs: the even group's scaled dot, until the odd group completes it
   for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   // Two-level scales: group g's super-group and its place in it, counted instead of divided out per group (a
   // 64-bit division per group; counting made 1- and 8-row products 3-10% faster hot in L2).
   const int64_t supers = TWO ? (groups + gs.per_super - 1) / gs.per_super : 0;
@@ -263,15 +301,7 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, const int3
     }
 #pragma GCC unroll 8
     for (int s = 0; s < kSteps; ++s) {
-      __m512i wv;
-      if constexpr (BITS == 8) {
-        wv = _mm512_loadu_si512(c + s * 64);
-      } else {  // step 2p in the low nibbles of vector p, step 2p+1 in the high nibbles
-        const __m512i packed = _mm512_loadu_si512(c + (s / 2) * 64);
-        wv = s % 2 ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4) : _mm512_and_si512(packed, low4);
-        for (int b = 0; b < P; ++b)  // bit 4+b of each code, from its plane
-          wv = _mm512_mask_add_epi8(wv, static_cast<__mmask64>(pl[s * P + b]), wv, _mm512_set1_epi8(0x10 << b));
-      }
+      const __m512i wv = code_step<BITS>(c, pl, s);
       for (int m = 0; m < MT; ++m) {
         int32_t xv;  // four int8 activations, broadcast to every lane
         std::memcpy(&xv, xq + m * K + k0 + 4 * s, sizeof(xv));
@@ -284,18 +314,8 @@ void quant_tile(const int8_t* xq, const float* xs, const float* xsum, const int3
     for (int m = 0; m < MT; ++m) {
       __m512i total = acci[m][0];
       for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, acci[m][a]);
-      const __m512 dot = _mm512_cvtepi32_ps(total);
-      if constexpr (kPairs) {
-        if (g % 2 == 0) {
-          half[m] = _mm512_mul_ps(dot, sw);
-        } else {
-          accf[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(dot, sw, half[m]), _mm512_set1_ps(xs[m * act_groups + ag]), accf[m]);
-        }
-      } else {
-        const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(xs[m * act_groups + ag]));
-        accf[m] = _mm512_fmadd_ps(dot, scale, accf[m]);
-        if constexpr (!SYM) accf[m] = _mm512_fmadd_ps(ow, _mm512_set1_ps(xsum[m * groups + g]), accf[m]);
-      }
+      group_epilogue<SYM, kPairs>(accf[m], half[kPairs ? m : 0], total, sw, ow, xs[m * act_groups + ag],
+                                  SYM ? 0.f : xsum[m * groups + g], g);
     }
     if (TWO && ++in_sup == gs.per_super) {
       in_sup = 0;
@@ -340,6 +360,228 @@ QuantTile pick_layout(int64_t bits, int64_t group, bool two_level, int64_t rows)
 QuantTile pick_tile(int64_t bits, int64_t group, bool two_level, bool symmetric, int64_t rows) {
   return symmetric ? pick_layout<true>(bits, group, two_level, rows) : pick_layout<false>(bits, group, two_level, rows);
 }
+
+// One 16-output block of weight w for every quantized row, VNNI tiles of up to kMaxTile rows, into out [M, w.N].
+// term: the weight's per-row, per-group table (offset sums or zero-point sums, see linear_into); next: whether the
+// thread computes w's next block after this one (worth prefetching).
+void vnni_block(const mirrorsd::QuantWeight& w, int64_t nb, const int8_t* qp, const float* sp, const void* term,
+                int64_t rows_q, bool split, bool next, float* out) {
+  alignas(64) float acc[kMaxTile * kBlockN];
+  const int64_t K = w.K, groups = K / w.group, act_groups = K / kActGroup;
+  const bool symmetric = w.offsets == nullptr;
+  const float* xsp = symmetric ? nullptr : static_cast<const float*>(term);
+  const int32_t* zsp = symmetric ? static_cast<const int32_t*>(term) : nullptr;
+  const GroupScales gs{w.scales + nb * w.scale_block, w.offsets ? w.offsets + nb * w.scale_block : nullptr,
+                       w.super_scales ? w.super_scales + nb * w.super_block : nullptr,
+                       w.super_offsets ? w.super_offsets + nb * w.super_block : nullptr, w.per_super};
+  for (int64_t m0 = 0; m0 < rows_q; m0 += kMaxTile) {  // kMaxTile is even: split pairs share a tile
+    const int64_t rows = std::min<int64_t>(kMaxTile, rows_q - m0);
+    const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && next;
+    pick_tile(w.bits, w.group, w.two_level, symmetric, rows)(
+        qp + m0 * K, sp + m0 * act_groups, symmetric ? nullptr : xsp + m0 * groups,
+        symmetric ? zsp + m0 * groups : nullptr, K, w.codes + nb * w.code_block,
+        w.planes ? w.planes + nb * w.plane_block : nullptr, gs, acc, prefetch);
+    if (split) fold_pairs(acc, rows / 2);
+    const int64_t out_rows = split ? rows / 2 : rows, out_m0 = split ? m0 / 2 : m0;
+    store_block(acc, out_rows, out + out_m0 * w.N, w.N, nb * kBlockN, w.bias);
+  }
+}
+
+#if defined(__AMX_INT8__)
+// ---------------------------------------------------------------- AMX tiles (Intel Sapphire Rapids and later)
+// Multi-row calls on CPUs with AMX-INT8. One tile multiply (tdpbsud: s8 activations x u8 codes into int32) gives a
+// weight group's exact integer dots for 16 activation rows and 16 outputs, where VNNI spends G/4 instructions per row.
+// The codes' 64-byte steps (4 k of 16 outputs) are already a B tile's rows: 8-bit codes load straight from the weight;
+// 4/5/6-bit codes are unpacked once per 16-output block into a per-thread buffer (code_step, as VNNI unpacks them),
+// so the weights keep their packed size in memory and a one-token step reads no more bytes. Each group's int32 sums
+// then go through VNNI's own group_epilogue, group after group in the same order: a row's bits do not depend on the
+// path or on how many rows came with it (the cross-build bit test checks every layout for 1-64 rows).
+
+constexpr int64_t kAmxRows = 16;  // rows of an A (activations) and a C (int32 sums) tile
+// From how many quantized rows (2 per row with split) linear_into takes the AMX path: measured on a 2-core Sapphire
+// Rapids VM (benchmarks/amx_crossover.py), see docs/amx.md. set_amx_min_rows moves it (tests force 1 to check bits).
+int64_t amx_min_rows = 2;
+
+// ldtilecfg's 64-byte operand: tiles 0-3 hold C (four groups in flight), 4-5 A and 6-7 B (alternating).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Load this thread's tile shapes for groups of G weights. Done per call and weight (not cached per thread): other
+// libraries on the same threads (oneDNN's AMX GEMMs) configure the tiles their own way in between.
+void configure_tiles(int64_t G) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t < 6 ? kAmxRows : static_cast<uint8_t>(G / 4);
+    cfg.colsb[t] = t >= 4 && t < 6 ? static_cast<uint16_t>(G) : 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Tile numbers are immediates in the instructions, so the two group shapes are spelt out: `n` = 4 groups in flight
+// (C 0-3), or one (C 0). a: the rows' codes at the first group, lda = K; b: the first group's B tile (G/4 x 64 bytes).
+template <int64_t G>
+inline void amx_dots(const int8_t* a, int64_t lda, const uint8_t* b, int n, int32_t* dots) {
+  constexpr int64_t kB = G * kBlockN;  // bytes of one group's B tile
+  if (n == 4) {
+    _tile_loadd(4, a, lda);
+    _tile_loadd(6, b, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 4, 6);
+    _tile_loadd(5, a + G, lda);
+    _tile_loadd(7, b + kB, 64);
+    _tile_zero(1);
+    _tile_dpbsud(1, 5, 7);
+    _tile_loadd(4, a + 2 * G, lda);
+    _tile_loadd(6, b + 2 * kB, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 4, 6);
+    _tile_loadd(5, a + 3 * G, lda);
+    _tile_loadd(7, b + 3 * kB, 64);
+    _tile_zero(3);
+    _tile_dpbsud(3, 5, 7);
+    _tile_stored(0, dots, 64);
+    _tile_stored(1, dots + kAmxRows * kBlockN, 64);
+    _tile_stored(2, dots + 2 * kAmxRows * kBlockN, 64);
+    _tile_stored(3, dots + 3 * kAmxRows * kBlockN, 64);
+  } else {
+    _tile_loadd(4, a, lda);
+    _tile_loadd(6, b, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 4, 6);
+    _tile_stored(0, dots, 64);
+  }
+}
+
+// One 16-output block for `rows` quantized rows into acc [rows, 16], each row exactly as quant_tile computes it.
+// xq holds at least ceil(rows / 16) * 16 rows (A tiles always load 16; the rows past `rows` are never read back).
+template <int BITS, int G, bool TWO, bool SYM>
+void amx_block(const int8_t* xq, int64_t rows, const float* xs, const float* xsum, const int32_t* zsum, int64_t K,
+               const uint8_t* codes, const uint64_t* planes, const GroupScales& gs, float* acc, uint8_t* unpacked,
+               int32_t* dots, __m512* halves, int64_t next_block_bytes) {
+  constexpr int P = planes_for(BITS);
+  constexpr int CB = code_bits(BITS);
+  constexpr int kSteps = G / 4;
+  constexpr bool kPairs = SYM && 2 * G == kActGroup;
+  constexpr int64_t kGroupCodes = G * kBlockN * CB / 8;  // bytes of one group's packed codes
+  const int64_t groups = K / G, act_groups = K / kActGroup;
+  const uint8_t* b = codes;
+  if constexpr (BITS != 8) {  // unpack the block's codes once for all its rows, prefetching the next block's
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* c = codes + g * kGroupCodes;
+      if (next_block_bytes)
+        for (int line = 0; line < kGroupCodes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(c) + next_block_bytes + line, _MM_HINT_T0);
+      for (int s = 0; s < kSteps; ++s)
+        _mm512_store_si512(unpacked + (g * kSteps + s) * 64, code_step<BITS>(c, planes + g * kSteps * P, s));
+    }
+    b = unpacked;
+  }
+  for (int64_t m0 = 0; m0 < rows; m0 += kAmxRows) {
+    const int64_t valid = std::min<int64_t>(kAmxRows, rows - m0);
+    for (int64_t g0 = 0; g0 < groups;) {
+      const int n = groups - g0 >= 4 ? 4 : 1;
+      if (BITS == 8 && m0 == 0 && next_block_bytes)
+        for (int line = 0; line < n * kGroupCodes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + g0 * kGroupCodes) + next_block_bytes + line, _MM_HINT_T0);
+      amx_dots<G>(xq + m0 * K + g0 * G, K, b + g0 * G * kBlockN, n, dots);
+      __m512 sw[4], ow[4];
+      for (int j = 0; j < n; ++j) {
+        const int64_t g = g0 + j, sup = TWO ? g / gs.per_super : 0;
+        sw[j] = load_scales<TWO>(gs.scales, gs.super_scales, g, sup);
+        ow[j] = SYM ? sw[j] : load_scales<TWO>(gs.offsets, gs.super_offsets, g, sup);
+      }
+      for (int64_t m = 0; m < valid; ++m) {
+        const int64_t row = m0 + m;
+        __m512 accf = g0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(acc + row * kBlockN);
+        __m512 half = kPairs ? halves[m] : _mm512_setzero_ps();
+        for (int j = 0; j < n; ++j) {
+          const int64_t g = g0 + j;
+          __m512i total = _mm512_load_si512(dots + (j * kAmxRows + m) * kBlockN);
+          if constexpr (SYM) total = _mm512_add_epi32(_mm512_set1_epi32(zsum[row * groups + g]), total);
+          group_epilogue<SYM, kPairs>(accf, half, total, sw[j], ow[j], xs[row * act_groups + g * G / kActGroup],
+                                      SYM ? 0.f : xsum[row * groups + g], g);
+        }
+        if constexpr (kPairs) halves[m] = half;
+        _mm512_store_ps(acc + row * kBlockN, accf);
+      }
+      g0 += n;
+    }
+  }
+}
+
+using AmxBlock = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
+                          const uint64_t*, const GroupScales&, float*, uint8_t*, int32_t*, __m512*, int64_t);
+
+template <bool TWO, bool SYM>
+AmxBlock pick_amx_scales(int64_t bits, int64_t group) {
+  if (bits == 4 && group == 32) return amx_block<4, 32, TWO, SYM>;
+  if (bits == 5 && group == 32) return amx_block<5, 32, TWO, SYM>;
+  if (bits == 6 && group == 16) return amx_block<6, 16, TWO, SYM>;
+  if (bits == 8 && group == 32) return amx_block<8, 32, TWO, SYM>;
+  if (bits == 8 && group == 16) return amx_block<8, 16, TWO, SYM>;
+  if (!TWO && bits == 6 && group == 32) return amx_block<6, 32, TWO, SYM>;
+  TORCH_CHECK(false, "unsupported quantized layout: bits=", bits, " group=", group, " two-level=", TWO);
+}
+
+AmxBlock pick_amx(int64_t bits, int64_t group, bool two_level, bool symmetric) {
+  if (two_level) return symmetric ? pick_amx_scales<true, true>(bits, group) : pick_amx_scales<true, false>(bits, group);
+  return symmetric ? pick_amx_scales<false, true>(bits, group) : pick_amx_scales<false, false>(bits, group);
+}
+
+// Rows per panel of an AMX call: a thread runs its blocks over one panel of rows at a time, so the panel's activation
+// codes (64 x K bytes) stay in L2 across blocks instead of every block streaming all rows' (a 512-token prompt's
+// 4.5 MB for the MLP's down projection). Even: split pairs stay together.
+constexpr int64_t kAmxPanel = 64;
+
+// linear_into's multi-row path: every weight's blocks split over the threads as VNNI's are, each block computing a
+// panel of rows (int32 sums by tiles, VNNI's epilogue), then VNNI's split fold and store. Weights in groups of 16
+// (Q6_K) stay on VNNI tiles: a 16-deep tile multiply does half the work per tile store, and measured no faster.
+void amx_linears(const int8_t* qp, const float* sp, const void* const* term, int64_t rows_q, int64_t K, bool split,
+                 const mirrorsd::QuantWeight* weights, const int64_t* first, int64_t count, float* const* outs) {
+  at::parallel_for(0, first[count], 1, [&](int64_t begin, int64_t end) {
+    static thread_local mirrorsd::Scratch scratch;
+    scratch.rewind();
+    uint8_t* unpacked = scratch.take<uint8_t>(K * kBlockN);
+    int32_t* dots = scratch.take<int32_t>(4 * kAmxRows * kBlockN);
+    float* acc = scratch.take<float>(kAmxPanel * kBlockN);
+    __m512* halves = scratch.take<__m512>(kAmxRows);
+    const int64_t act_groups = K / kActGroup;
+    int64_t configured = 0;
+    for (int64_t p0 = 0; p0 < rows_q; p0 += kAmxPanel) {
+      const int64_t rows = std::min<int64_t>(kAmxPanel, rows_q - p0);
+      int64_t wi = 0;
+      for (int64_t b = begin; b < end; ++b) {
+        while (b >= first[wi + 1]) ++wi;
+        const mirrorsd::QuantWeight& w = weights[wi];
+        const int64_t nb = b - first[wi], groups = K / w.group;
+        const bool next = b + 1 < std::min(end, first[wi + 1]);
+        if (w.group != kActGroup) {  // VNNI, all rows at once
+          if (p0 == 0) vnni_block(w, nb, qp, sp, term[wi], rows_q, split, next, outs[wi]);
+          continue;
+        }
+        if (w.group != configured) configure_tiles(configured = w.group);
+        const bool symmetric = w.offsets == nullptr;
+        const GroupScales gs{w.scales + nb * w.scale_block, w.offsets ? w.offsets + nb * w.scale_block : nullptr,
+                             w.super_scales ? w.super_scales + nb * w.super_block : nullptr,
+                             w.super_offsets ? w.super_offsets + nb * w.super_block : nullptr, w.per_super};
+        pick_amx(w.bits, w.group, w.two_level, symmetric)(
+            qp + p0 * K, rows, sp + p0 * act_groups,
+            symmetric ? nullptr : static_cast<const float*>(term[wi]) + p0 * groups,
+            symmetric ? static_cast<const int32_t*>(term[wi]) + p0 * groups : nullptr, K,
+            w.codes + nb * w.code_block, w.planes ? w.planes + nb * w.plane_block : nullptr, gs, acc, unpacked, dots,
+            halves, next ? w.code_block : 0);
+        if (split) fold_pairs(acc, rows / 2);
+        store_block(acc, split ? rows / 2 : rows, outs[wi] + (split ? p0 / 2 : p0) * w.N, w.N, nb * kBlockN,
+                    w.bias);
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+#endif  // __AMX_INT8__
 
 bool supported_layout(int64_t bits, int64_t group) {
   return (group == 32 && (bits == 4 || bits == 5 || bits == 6 || bits == 8)) || (group == 16 && (bits == 6 || bits == 8));
@@ -451,7 +693,13 @@ void linear_into(const float* x, int64_t M, int64_t K, const QuantWeight* weight
   static thread_local Scratch scratch;
   scratch.rewind();
   const int64_t rows_q = split ? 2 * M : M;  // quantized rows
-  int8_t* qp = scratch.take<int8_t>(rows_q * K);
+#if defined(__AMX_INT8__)
+  const bool amx = rows_q >= amx_min_rows;
+#else
+  constexpr bool amx = false;
+#endif
+  // AMX tiles load 16 rows at a time: room for the last tile's rows past rows_q (never read back)
+  int8_t* qp = scratch.take<int8_t>((amx ? (rows_q + 15) / 16 * 16 : rows_q) * K);
   float* sp = scratch.take<float>(rows_q * (K / kActGroup));
   int32_t* sums = scratch.take<int32_t>(rows_q * (K / 16));
   quantize_acts(x, M, K, split, qp, sp, sums);
@@ -489,32 +737,18 @@ void linear_into(const float* x, int64_t M, int64_t K, const QuantWeight* weight
   }
   int64_t first[kMaxSharedWeights + 1] = {0};  // the weights' blocks end to end: one parallel region covers them all
   for (int64_t i = 0; i < count; ++i) first[i + 1] = first[i] + weights[i].blocks;
-  const int64_t act_groups = K / kActGroup;
+#if defined(__AMX_INT8__)
+  if (amx) {
+    amx_linears(qp, sp, term, rows_q, K, split, weights, first, count, outs);
+    return;
+  }
+#endif
   at::parallel_for(0, first[count], 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMaxTile * kBlockN];
     int64_t wi = 0;
     for (int64_t b = begin; b < end; ++b) {
       while (b >= first[wi + 1]) ++wi;
-      const QuantWeight& w = weights[wi];
-      const int64_t nb = b - first[wi], groups = K / w.group;
-      const bool symmetric = w.offsets == nullptr;
-      const float* xsp = symmetric ? nullptr : static_cast<const float*>(term[wi]);
-      const int32_t* zsp = symmetric ? static_cast<const int32_t*>(term[wi]) : nullptr;
-      float* yp = outs[wi];
-      for (int64_t m0 = 0; m0 < rows_q; m0 += kMaxTile) {  // kMaxTile is even: split pairs share a tile
-        const int64_t rows = std::min<int64_t>(kMaxTile, rows_q - m0);
-        const bool prefetch = kPrefetchBlocks > 0 && m0 == 0 && b + kPrefetchBlocks < std::min(end, first[wi + 1]);
-        const GroupScales gs{w.scales + nb * w.scale_block, w.offsets ? w.offsets + nb * w.scale_block : nullptr,
-                             w.super_scales ? w.super_scales + nb * w.super_block : nullptr,
-                             w.super_offsets ? w.super_offsets + nb * w.super_block : nullptr, w.per_super};
-        pick_tile(w.bits, w.group, w.two_level, symmetric, rows)(
-            qp + m0 * K, sp + m0 * act_groups, symmetric ? nullptr : xsp + m0 * groups,
-            symmetric ? zsp + m0 * groups : nullptr, K, w.codes + nb * w.code_block,
-            w.planes ? w.planes + nb * w.plane_block : nullptr, gs, acc, prefetch);
-        if (split) fold_pairs(acc, rows / 2);
-        const int64_t out_rows = split ? rows / 2 : rows, out_m0 = split ? m0 / 2 : m0;
-        store_block(acc, out_rows, yp + out_m0 * w.N, w.N, nb * kBlockN, w.bias);
-      }
+      vnni_block(weights[wi], b - first[wi], qp, sp, term[wi], rows_q, split, b + 1 < std::min(end, first[wi + 1]),
+                 outs[wi]);
     }
   });
 }
@@ -547,6 +781,19 @@ torch::Tensor linear_quant(const torch::Tensor& x, const torch::Tensor& codes, c
   return y;
 }
 
+// The row count from which multi-row calls take AMX tiles (measurements, tests); returns the previous one, or -1 in
+// a build without AMX (where nothing changes).
+int64_t set_amx_min_rows(int64_t rows) {
+#if defined(__AMX_INT8__)
+  TORCH_CHECK(rows >= 1, "set_amx_min_rows: at least 1 row");
+  const int64_t previous = amx_min_rows;
+  amx_min_rows = rows;
+  return previous;
+#else
+  return -1;
+#endif
+}
+
 }  // namespace
 
 // Registered for the CPU dispatch key only: a CUDA (or meta) tensor gets the dispatcher's clear error instead
@@ -555,6 +802,7 @@ TORCH_LIBRARY(mirrorsd, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor codes, Tensor? planes, Tensor scales, Tensor? offsets, Tensor? super_scales, "
         "Tensor? super_offsets, Tensor? bias, int n, int bits, int group, bool split=False, int zero=0) -> Tensor");
+  m.def("set_amx_min_rows(int rows) -> int", set_amx_min_rows);
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {

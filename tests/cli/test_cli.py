@@ -112,31 +112,38 @@ def test_malformed_prompts_file(capsys, tmp_path):
 @requires_smollm2
 def test_bench_forward_json(capsys):
     rc, out, _ = run(capsys, "bench", "forward", "--model", "smollm2-135m", "--weights", "q4", "--ks", "1,4",
-                     "--rounds", "1", "--ar-tokens", "2", "--context", "8", "--json")
+                     "--rounds", "1", "--ar-tokens", "2", "--context", "8", "--prompt", "16", "--json")
     report = json.loads(out)
     assert rc == 0 and set(report["forward_ms"]) == {"1", "4"} and report["ar_tok_s"] > 0
+    assert report["prompt_tokens"] == 16 and report["prompt_tok_s"] > 0
     assert report["weights"] == "q4" and report["relative"]["1"] == 1.0
 
 
 @requires_smollm2
 def test_bench_forward_alternates_with_llama_bench(capsys, tmp_path):
-    """llama-bench runs once per round between our AR rounds, and the ratio is the median of per-round ratios."""
+    """llama-bench runs once per round between our AR and prompt rounds, and each ratio is the median of per-round
+    ratios."""
     calls = tmp_path / "calls"
     fake = tmp_path / "llama-bench"
     fake.write_text(f"""#!{sys.executable}
 import json, sys
 with open({str(calls)!r}, "a") as fh:
     fh.write(" ".join(sys.argv[1:]) + "\\n")
-print(json.dumps([{{"n_prompt": 1, "n_gen": 0, "avg_ts": 100.0, "build_commit": "fake"}},
-                  {{"n_prompt": 0, "n_gen": 2, "avg_ts": 50.0}}]))
+sizes = sys.argv[sys.argv.index("-p") + 1].split(",")
+print(json.dumps([{{"n_prompt": int(n), "n_gen": 0, "avg_ts": 100.0, "build_commit": "fake"}} for n in sizes]
+                 + [{{"n_prompt": 0, "n_gen": 2, "avg_ts": 50.0}}]))
 """)
     fake.chmod(0o755)
     rc, out, _ = run(capsys, "bench", "forward", "--model", "smollm2-135m", "--weights", "q4", "--ks", "1",
-                     "--rounds", "3", "--ar-tokens", "2", "--context", "8", "--llama-bench", str(fake), "--json")
-    lc = json.loads(out)["llama_cpp"]
-    assert rc == 0 and len(calls.read_text().splitlines()) == 3 and "-r 1" in calls.read_text()
-    assert lc["ar_tok_s_rounds"] == [50.0] * 3 and lc["forward_ms"] == {"1": 10.0} and lc["build"] == "fake"
+                     "--rounds", "3", "--ar-tokens", "2", "--context", "8", "--prompt", "16", "--llama-bench",
+                     str(fake), "--json")
+    report = json.loads(out)
+    lc = report["llama_cpp"]
+    assert rc == 0 and len(calls.read_text().splitlines()) == 3 and "-r 1 -o json -p 1,16 " in calls.read_text()
+    assert lc["ar_tok_s_rounds"] == [50.0] * 3 and lc["forward_ms"] == {"1": 10.0, "16": 160.0}
+    assert lc["build"] == "fake" and lc["prompt_tok_s"] == 100.0
     assert lc["ar_ratio_median"] == round(statistics.median(x / 50.0 for x in lc["ours_ar_tok_s_rounds"]), 3)
+    assert lc["prompt_ratio_median"] > 0 and report["prompt_tok_s"] > 0
 
 
 @requires_smollm2

@@ -7,10 +7,13 @@ only in the order its fp32 group terms are added (relative 1e-5 of the output sc
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -652,9 +655,10 @@ def test_block_kernel_gives_the_python_paths_bits(arch, activations):
                            model(ids[:, :9], cache=model.new_cache(capacity=16)))
 
 
-# Every kernel on fixed inputs, for test_avx2_build_gives_the_avx512_bits: run here and in a process that builds the
-# AVX2 flavour (MIRRORSD_KERNEL_ISA=avx2), which must give the same bits. Every packed layout (one- and two-level
-# scales, symmetric and with offsets, narrow and whole-byte codes), row counts across the kernels' 4/8/16-row tiles,
+# Every kernel on fixed inputs, for test_every_build_gives_the_same_bits: run here (the host's best build) and in a
+# process that builds another flavour the host can run (MIRRORSD_KERNEL_ISA), which must give the same bits. Every
+# packed layout (one- and two-level scales, symmetric and with offsets, narrow and whole-byte codes), row counts
+# 1-64 across the kernels' 4/8/16-row tiles (the AMX build takes every row count, one included, through its tiles),
 # the fp32 linear, attention, the elementwise ops and the whole fused block.
 CROSS_BUILD_OUTPUTS = '''
 import torch
@@ -665,7 +669,7 @@ from mirrorsd.loading import _is_projection
 from mirrorsd.model import Transformer
 from mirrorsd.quant import GroupQuant, quantize_q8
 
-ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33)
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 48, 64)
 
 
 def quant_weights(g):
@@ -731,6 +735,15 @@ def block_outputs(g):
 
 
 def outputs():
+    previous = kernels.set_amx_min_rows(1)  # the AMX build: every call through the tiles (others: -1, no change)
+    try:
+        return all_outputs()
+    finally:
+        if previous > 0:
+            kernels.set_amx_min_rows(previous)
+
+
+def all_outputs():
     g = torch.Generator().manual_seed(0)
     out = {}
     for name, q in quant_weights(g).items():
@@ -767,28 +780,83 @@ def outputs():
 
 
 @pytest.fixture(scope="session")
-def avx2_build_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """CROSS_BUILD_OUTPUTS from a process that runs the AVX2 build: built once into the kernel cache (keyed by its
-    flags, so later runs reuse it), run once per test session."""
-    script = CROSS_BUILD_OUTPUTS + "\nimport sys\ntorch.save(outputs(), sys.argv[1])\n"
-    path = tmp_path_factory.mktemp("avx2") / "avx2.pt"
-    env = {**os.environ, "MIRRORSD_KERNEL_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=900)
-    return torch.load(path)
+def build_outputs(tmp_path_factory) -> Callable[[str], dict[str, torch.Tensor]]:
+    """CROSS_BUILD_OUTPUTS from a process that runs a given build: built once into the kernel cache (keyed by its
+    flags, so later runs reuse it), run once per flavour and test session."""
+    made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def outputs(flavour: str) -> dict[str, torch.Tensor]:
+        if flavour not in made:
+            script = CROSS_BUILD_OUTPUTS + "\nimport sys\ntorch.save(outputs(), sys.argv[1])\n"
+            path = tmp_path_factory.mktemp(flavour) / "outputs.pt"
+            env = {**os.environ, "MIRRORSD_KERNEL_ISA": flavour}
+            subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=900)
+            made[flavour] = torch.load(path)
+        return made[flavour]
+
+    return outputs
 
 
 @requires_kernels
-@pytest.mark.skipif(kernels.isa() != "avx512-vnni", reason="needs an AVX-512 CPU to compare with its AVX2 build")
-def test_avx2_build_gives_the_avx512_bits(avx2_build_outputs):
-    """cpu_avx2.h runs the AVX-512 sources on pairs of AVX2 registers with the same bits (exact integer dots, the same
-    IEEE ops per lane, GCC's reduction trees): every kernel, every layout and row count, bit for bit."""
+@pytest.mark.parametrize("flavour", [name for name in kernels.ISAS if name != "avx512-amx"])
+def test_every_build_gives_the_same_bits(build_outputs, flavour):
+    """Every build this host can run gives the host's best build's bits: cpu_avx2.h runs the AVX-512 sources on pairs
+    of AVX2 registers (exact integer dots, the same IEEE ops per lane, GCC's reduction trees), and the AMX build's
+    tiles make the same int32 group sums as VNNI, then run VNNI's epilogue. Every kernel, layout and row count."""
+    if flavour == kernels.isa() or flavour not in kernels.usable_isas():
+        pytest.skip(f"compares the {flavour} build with a better one: this host's best is {kernels.isa()}")
     namespace: dict = {}
     exec(CROSS_BUILD_OUTPUTS, namespace)
     here = namespace["outputs"]()
-    assert here.keys() == avx2_build_outputs.keys()
-    assert len(here) > 400
-    differ = [key for key in here if not torch.equal(here[key], avx2_build_outputs[key])]
-    assert not differ, f"{len(differ)} of {len(here)} outputs differ between the builds, e.g. {differ[:5]}"
+    other = build_outputs(flavour)
+    assert here.keys() == other.keys()
+    assert len(here) > 500
+    differ = [key for key in here if not torch.equal(here[key], other[key])]
+    assert not differ, (f"{len(differ)} of {len(here)} outputs differ between the {kernels.isa()} and {flavour} "
+                        f"builds, e.g. {differ[:5]}")
+
+
+@requires_kernels
+def test_amx_build_runs_multi_row_calls_through_its_tiles():
+    """On an AMX host the default build is the AMX one, from 2 rows on; elsewhere the op says there are no tiles."""
+    previous = kernels.set_amx_min_rows(3)
+    try:
+        if kernels.isa() == "avx512-amx":
+            assert previous == 2
+            assert kernels.set_amx_min_rows(previous) == 3
+            with pytest.raises(RuntimeError, match="at least 1 row"):
+                kernels.set_amx_min_rows(0)
+        else:
+            assert previous == -1
+    finally:
+        if previous > 0:
+            kernels.set_amx_min_rows(previous)
+
+
+def test_amx_denied_by_linux_falls_back_to_vnni_with_one_warning(monkeypatch):
+    """A kernel that refuses the tile state (arch_prctl XTILEDATA) leaves the AMX build out of the usable ones, with
+    one warning, and a forced MIRRORSD_KERNEL_ISA=avx512-amx names what this process can run."""
+    import ctypes
+    import errno
+
+    class RefusingLibc:
+        def syscall(self, *args: int) -> int:
+            assert args == (kernels.SYS_ARCH_PRCTL, kernels.ARCH_REQ_XCOMP_PERM, kernels.XFEATURE_XTILEDATA)
+            return -1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *args, **kwargs: RefusingLibc())
+    monkeypatch.setattr(ctypes, "get_errno", lambda: errno.EPERM)
+    monkeypatch.setattr(kernels, "_amx_denied", functools.cache(kernels._amx_denied.__wrapped__))
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({*kernels.ISAS["avx512-amx"][0], "avx2"}))
+    monkeypatch.setattr(kernels.platform, "system", lambda: "Linux")
+    with pytest.warns(RuntimeWarning, match="Linux refused AMX tile state .*Operation not permitted.*avx512-vnni"):
+        assert kernels.usable_isas() == ["avx512-vnni", "avx2"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked once per process: no second warning
+        assert kernels.isa() == "avx512-vnni"
+    monkeypatch.setenv("MIRRORSD_KERNEL_ISA", "avx512-amx")
+    with pytest.raises(RuntimeError, match=r"MIRRORSD_KERNEL_ISA=avx512-amx: this CPU runs \['avx512-vnni', 'avx2'\]"):
+        kernels.isa()
 
 
 def test_kernel_entry_points_load_the_extension_in_a_fresh_process():
