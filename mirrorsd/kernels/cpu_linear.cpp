@@ -398,9 +398,12 @@ void vnni_block(const mirrorsd::QuantWeight& w, int64_t nb, const int8_t* qp, co
 // path or on how many rows came with it (the cross-build bit test checks every layout for 1-64 rows).
 
 constexpr int64_t kAmxRows = 16;  // rows of an A (activations) and a C (int32 sums) tile
-// From how many quantized rows (2 per row with split) linear_into takes the AMX path: measured on a 2-core Sapphire
-// Rapids VM (benchmarks/amx_crossover.py), see docs/amx.md. set_amx_min_rows moves it (tests force 1 to check bits).
-int64_t amx_min_rows = 2;
+// From how many quantized rows (2 per row with split) linear_into takes the AMX path. Measured on a 2-core Sapphire
+// Rapids VM (benchmarks/amx_crossover.py, docs/benchmarks.md): whole 1.5B q4 forwards through the tiles cost 1.81x
+// VNNI's at 1-4 rows, 1.43x at 8, 1.29x at 16, 0.65x at 32, and a 512-token prompt 0.85x. Each group of 32 weights
+// still needs its own tile store and float epilogue (activation scales are per 32), which bounds the tiles at few
+// rows. set_amx_min_rows moves it (the bit tests force 1).
+int64_t amx_min_rows = 32;
 
 // ldtilecfg's 64-byte operand: tiles 0-3 hold C (four groups in flight), 4-5 A and 6-7 B (alternating).
 struct alignas(64) TileConfig {
