@@ -535,9 +535,11 @@ AmxBlock pick_amx(int64_t bits, int64_t group, bool two_level, bool symmetric) {
 }
 
 // Rows per panel of an AMX call: a thread runs its blocks over one panel of rows at a time, so the panel's activation
-// codes (64 x K bytes) stay in L2 across blocks instead of every block streaming all rows' (a 512-token prompt's
-// 4.5 MB for the MLP's down projection). Even: split pairs stay together.
-constexpr int64_t kAmxPanel = 64;
+// codes (about kAmxPanelBytes) stay in L2 across blocks instead of every block streaming all rows' (a 512-token
+// prompt's 4.5 MB for the MLP's down projection), while a block's codes are unpacked once per panel. A multiple of 16
+// (whole A tiles), so even: split pairs stay together.
+constexpr int64_t kAmxPanelBytes = 512 * 1024;
+int64_t amx_panel(int64_t K) { return std::max<int64_t>(kAmxRows, kAmxPanelBytes / K / kAmxRows * kAmxRows); }
 
 // linear_into's multi-row path: every weight's blocks split over the threads as VNNI's are, each block computing a
 // panel of rows (int32 sums by tiles, VNNI's epilogue), then VNNI's split fold and store. Weights in groups of 16
@@ -549,12 +551,13 @@ void amx_linears(const int8_t* qp, const float* sp, const void* const* term, int
     scratch.rewind();
     uint8_t* unpacked = scratch.take<uint8_t>(K * kBlockN);
     int32_t* dots = scratch.take<int32_t>(4 * kAmxRows * kBlockN);
-    float* acc = scratch.take<float>(kAmxPanel * kBlockN);
+    const int64_t panel = amx_panel(K);
+    float* acc = scratch.take<float>(panel * kBlockN);
     __m512* halves = scratch.take<__m512>(kAmxRows);
     const int64_t act_groups = K / kActGroup;
     int64_t configured = 0;
-    for (int64_t p0 = 0; p0 < rows_q; p0 += kAmxPanel) {
-      const int64_t rows = std::min<int64_t>(kAmxPanel, rows_q - p0);
+    for (int64_t p0 = 0; p0 < rows_q; p0 += panel) {
+      const int64_t rows = std::min<int64_t>(panel, rows_q - p0);
       int64_t wi = 0;
       for (int64_t b = begin; b < end; ++b) {
         while (b >= first[wi + 1]) ++wi;
