@@ -412,21 +412,21 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Load this thread's tile shapes for groups of G weights. Done per call and weight (not cached per thread): other
-// libraries on the same threads (oneDNN's AMX GEMMs) configure the tiles their own way in between.
-void configure_tiles(int64_t G) {
+// Load this thread's tile shapes (groups of 32 weights). Done per call (not cached per thread): other libraries on
+// the same threads (oneDNN's AMX GEMMs) configure the tiles their own way in between.
+void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = t < 6 ? kAmxRows : static_cast<uint8_t>(G / 4);
-    cfg.colsb[t] = t >= 4 && t < 6 ? static_cast<uint16_t>(G) : 64;
+    cfg.rows[t] = t < 6 ? kAmxRows : kActGroup / 4;
+    cfg.colsb[t] = t >= 4 && t < 6 ? kActGroup : 64;
   }
   _tile_loadconfig(&cfg);
 }
 
 // Tile numbers are immediates in the instructions, so the two group shapes are spelt out: `n` = 4 groups in flight
-// (C 0-3), or one (C 0). a: the rows' codes at the first group, lda = K; b: the first group's B tile (G/4 x 64 bytes).
-template <int64_t G>
+// (C 0-3), or one (C 0). a: the rows' codes at the first group, lda = K; b: the first group's B tile (8 x 64 bytes).
 inline void amx_dots(const int8_t* a, int64_t lda, const uint8_t* b, int n, int32_t* dots) {
+  constexpr int64_t G = kActGroup;
   constexpr int64_t kB = G * kBlockN;  // bytes of one group's B tile
   if (n == 4) {
     _tile_loadd(4, a, lda);
@@ -458,16 +458,17 @@ inline void amx_dots(const int8_t* a, int64_t lda, const uint8_t* b, int n, int3
   }
 }
 
-// One 16-output block for `rows` quantized rows into acc [rows, 16], each row exactly as quant_tile computes it.
-// xq holds at least ceil(rows / 16) * 16 rows (A tiles always load 16; the rows past `rows` are never read back).
-template <int BITS, int G, bool TWO, bool SYM>
+// One 16-output block of a weight in groups of 32 for `rows` quantized rows into acc [rows, 16], each row exactly as
+// quant_tile computes it. xq holds at least ceil(rows / 16) * 16 rows (A tiles always load 16; the rows past `rows`
+// are never read back).
+template <int BITS, bool TWO, bool SYM>
 void amx_block(const int8_t* xq, int64_t rows, const float* xs, const float* xsum, const int32_t* zsum, int64_t K,
                const uint8_t* codes, const uint64_t* planes, const GroupScales& gs, float* acc, uint8_t* unpacked,
-               int32_t* dots, __m512* halves, int64_t next_block_bytes) {
+               int32_t* dots, int64_t next_block_bytes) {
+  constexpr int G = kActGroup;
   constexpr int P = planes_for(BITS);
   constexpr int CB = code_bits(BITS);
   constexpr int kSteps = G / 4;
-  constexpr bool kPairs = SYM && 2 * G == kActGroup;
   constexpr int64_t kGroupCodes = G * kBlockN * CB / 8;  // bytes of one group's packed codes
   const int64_t groups = K / G, act_groups = K / kActGroup;
   const uint8_t* b = codes;
@@ -489,7 +490,7 @@ void amx_block(const int8_t* xq, int64_t rows, const float* xs, const float* xsu
       if (BITS == 8 && m0 == 0 && next_block_bytes)
         for (int line = 0; line < n * kGroupCodes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(codes + g0 * kGroupCodes) + next_block_bytes + line, _MM_HINT_T0);
-      amx_dots<G>(xq + m0 * K + g0 * G, K, b + g0 * G * kBlockN, n, dots);
+      amx_dots(xq + m0 * K + g0 * G, K, b + g0 * G * kBlockN, n, dots);
       __m512 sw[4], ow[4];
       for (int j = 0; j < n; ++j) {
         const int64_t g = g0 + j, sup = TWO ? g / gs.per_super : 0;
@@ -499,15 +500,14 @@ void amx_block(const int8_t* xq, int64_t rows, const float* xs, const float* xsu
       for (int64_t m = 0; m < valid; ++m) {
         const int64_t row = m0 + m;
         __m512 accf = g0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(acc + row * kBlockN);
-        __m512 half = kPairs ? halves[m] : _mm512_setzero_ps();
+        __m512 no_pairs = _mm512_setzero_ps();  // group pairing is for 16-wide groups, which never come here
         for (int j = 0; j < n; ++j) {
           const int64_t g = g0 + j;
           __m512i total = _mm512_load_si512(dots + (j * kAmxRows + m) * kBlockN);
           if constexpr (SYM) total = _mm512_add_epi32(_mm512_set1_epi32(zsum[row * groups + g]), total);
-          group_epilogue<SYM, kPairs>(accf, half, total, sw[j], ow[j], xs[row * act_groups + g * G / kActGroup],
-                                      SYM ? 0.f : xsum[row * groups + g], g);
+          group_epilogue<SYM, false>(accf, no_pairs, total, sw[j], ow[j], xs[row * act_groups + g],
+                                     SYM ? 0.f : xsum[row * groups + g], g);
         }
-        if constexpr (kPairs) halves[m] = half;
         _mm512_store_ps(acc + row * kBlockN, accf);
       }
       g0 += n;
@@ -516,22 +516,21 @@ void amx_block(const int8_t* xq, int64_t rows, const float* xs, const float* xsu
 }
 
 using AmxBlock = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t, const uint8_t*,
-                          const uint64_t*, const GroupScales&, float*, uint8_t*, int32_t*, __m512*, int64_t);
+                          const uint64_t*, const GroupScales&, float*, uint8_t*, int32_t*, int64_t);
 
 template <bool TWO, bool SYM>
-AmxBlock pick_amx_scales(int64_t bits, int64_t group) {
-  if (bits == 4 && group == 32) return amx_block<4, 32, TWO, SYM>;
-  if (bits == 5 && group == 32) return amx_block<5, 32, TWO, SYM>;
-  if (bits == 6 && group == 16) return amx_block<6, 16, TWO, SYM>;
-  if (bits == 8 && group == 32) return amx_block<8, 32, TWO, SYM>;
-  if (bits == 8 && group == 16) return amx_block<8, 16, TWO, SYM>;
-  if (!TWO && bits == 6 && group == 32) return amx_block<6, 32, TWO, SYM>;
-  TORCH_CHECK(false, "unsupported quantized layout: bits=", bits, " group=", group, " two-level=", TWO);
+AmxBlock pick_amx_scales(int64_t bits) {
+  if (bits == 4) return amx_block<4, TWO, SYM>;
+  if (bits == 5) return amx_block<5, TWO, SYM>;
+  if (bits == 8) return amx_block<8, TWO, SYM>;
+  if (!TWO && bits == 6) return amx_block<6, TWO, SYM>;
+  TORCH_CHECK(false, "unsupported quantized layout for AMX: bits=", bits, " group=32 two-level=", TWO);
 }
 
-AmxBlock pick_amx(int64_t bits, int64_t group, bool two_level, bool symmetric) {
-  if (two_level) return symmetric ? pick_amx_scales<true, true>(bits, group) : pick_amx_scales<true, false>(bits, group);
-  return symmetric ? pick_amx_scales<false, true>(bits, group) : pick_amx_scales<false, false>(bits, group);
+// Weights in groups of 32 (the callers send groups of 16 to VNNI).
+AmxBlock pick_amx(int64_t bits, bool two_level, bool symmetric) {
+  if (two_level) return symmetric ? pick_amx_scales<true, true>(bits) : pick_amx_scales<true, false>(bits);
+  return symmetric ? pick_amx_scales<false, true>(bits) : pick_amx_scales<false, false>(bits);
 }
 
 // Rows per panel of an AMX call: a thread runs its blocks over one panel of rows at a time, so the panel's activation
@@ -553,9 +552,8 @@ void amx_linears(const int8_t* qp, const float* sp, const void* const* term, int
     int32_t* dots = scratch.take<int32_t>(4 * kAmxRows * kBlockN);
     const int64_t panel = amx_panel(K);
     float* acc = scratch.take<float>(panel * kBlockN);
-    __m512* halves = scratch.take<__m512>(kAmxRows);
     const int64_t act_groups = K / kActGroup;
-    int64_t configured = 0;
+    bool configured = false;
     for (int64_t p0 = 0; p0 < rows_q; p0 += panel) {
       const int64_t rows = std::min<int64_t>(panel, rows_q - p0);
       int64_t wi = 0;
@@ -563,22 +561,25 @@ void amx_linears(const int8_t* qp, const float* sp, const void* const* term, int
         while (b >= first[wi + 1]) ++wi;
         const mirrorsd::QuantWeight& w = weights[wi];
         const int64_t nb = b - first[wi], groups = K / w.group;
-        const bool next = b + 1 < std::min(end, first[wi + 1]);
+        const bool next = b + kPrefetchBlocks < std::min(end, first[wi + 1]);
         if (w.group != kActGroup) {  // VNNI, all rows at once
           if (p0 == 0) vnni_block(w, nb, qp, sp, term[wi], rows_q, split, next, outs[wi]);
           continue;
         }
-        if (w.group != configured) configure_tiles(configured = w.group);
+        if (!configured) {
+          configure_tiles();
+          configured = true;
+        }
         const bool symmetric = w.offsets == nullptr;
         const GroupScales gs{w.scales + nb * w.scale_block, w.offsets ? w.offsets + nb * w.scale_block : nullptr,
                              w.super_scales ? w.super_scales + nb * w.super_block : nullptr,
                              w.super_offsets ? w.super_offsets + nb * w.super_block : nullptr, w.per_super};
-        pick_amx(w.bits, w.group, w.two_level, symmetric)(
+        pick_amx(w.bits, w.two_level, symmetric)(
             qp + p0 * K, rows, sp + p0 * act_groups,
             symmetric ? nullptr : static_cast<const float*>(term[wi]) + p0 * groups,
             symmetric ? static_cast<const int32_t*>(term[wi]) + p0 * groups : nullptr, K,
             w.codes + nb * w.code_block, w.planes ? w.planes + nb * w.plane_block : nullptr, gs, acc, unpacked, dots,
-            halves, next ? w.code_block : 0);
+            next ? kPrefetchBlocks * w.code_block : 0);
         if (split) fold_pairs(acc, rows / 2);
         store_block(acc, split ? rows / 2 : rows, outs[wi] + (split ? p0 / 2 : p0) * w.N, w.N, nb * kBlockN,
                     w.bias);
@@ -753,8 +754,8 @@ void linear_into(const float* x, int64_t M, int64_t K, const QuantWeight* weight
     int64_t wi = 0;
     for (int64_t b = begin; b < end; ++b) {
       while (b >= first[wi + 1]) ++wi;
-      vnni_block(weights[wi], b - first[wi], qp, sp, term[wi], rows_q, split, b + 1 < std::min(end, first[wi + 1]),
-                 outs[wi]);
+      vnni_block(weights[wi], b - first[wi], qp, sp, term[wi], rows_q, split,
+                 b + kPrefetchBlocks < std::min(end, first[wi + 1]), outs[wi]);
     }
   });
 }
