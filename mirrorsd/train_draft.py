@@ -11,6 +11,10 @@ The labels come from the target's own ``mirrorsd train-streams`` state cache whe
 windows (same data, ``--seq-len``, ``--seed``, ``--chunks`` and ``--held-out``: the ids are checked), else from
 the target itself. The result is a :mod:`mirrorsd.tuned_drafts` folder: ``--draft FOLDER`` loads the base draft
 with the deltas merged.
+
+``spd_tracks`` > 1 trains the draft in the sharded form Mirror-SD runs it in (``--draft-tp G --draft-syncs spd``):
+G tracks that re-align only at the segments' ends (:func:`~mirrorsd.runtime.tensor_parallel.run_tracks`). A draft
+trained whole proposes far worse tokens once its syncs are dropped; the paper trains its drafts in that form.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tqdm import tqdm
 from .draft_vocab import load_table
 from .linear import DenseLinear, batch_invariance
 from .model import Transformer
+from .runtime.tensor_parallel import run_tracks, segment_bounds
 from .train_streams import (
     CHECKPOINT,
     CURVE,
@@ -169,16 +174,20 @@ def cached_labels(folder: Path) -> Labeller:
 
 @torch.no_grad()
 @batch_invariance(False)
-def draft_states(draft: Transformer, first: int, chunk: Chunk) -> torch.Tensor:
-    """Layer ``first`` states of one chunk, from the draft decoding runs."""
+def draft_states(draft: Transformer, first: int, chunk: Chunk, spd_tracks: int = 1) -> torch.Tensor:
+    """Layer ``first`` states of one chunk, from the draft decoding runs (``spd_tracks`` > 1: in that sharded form,
+    from the dense copy it runs as)."""
     ids = chunk.ids[None].to(draft.device)
     positions = torch.arange(ids.shape[1], device=draft.device)[None]
-    hidden = draft.run_layers(draft.embed(ids), positions, draft.new_cache(capacity=ids.shape[1]), None, 0, first)
+    if spd_tracks > 1:
+        hidden = run_tracks(draft, draft.embed(ids), positions, 0, first, spd_tracks)
+    else:
+        hidden = draft.run_layers(draft.embed(ids), positions, draft.new_cache(capacity=ids.shape[1]), None, 0, first)
     return hidden[0].to(torch.bfloat16)
 
 
 def cache_draft(draft: Transformer, first: int, labels: Labeller, train_chunks: list[Chunk], held_out: list[Chunk],
-                folder: Path, *, progress: bool = True) -> None:
+                folder: Path, *, spd_tracks: int = 1, progress: bool = True) -> None:
     """Write the missing shards (training chunks, then ``held-out.safetensors``): an interrupted run resumes at its
     last shard."""
     jobs = [(folder / HELD_OUT, held_out)]
@@ -190,7 +199,7 @@ def cache_draft(draft: Transformer, first: int, labels: Labeller, train_chunks: 
         items = []
         for chunk, label in zip(chunks, labels(path, chunks), strict=True):
             answer = chunk.answer if chunk.answer is not None else torch.ones(len(chunk.ids), dtype=torch.bool)
-            items.append({"hidden": draft_states(draft, first, chunk), "labels": label.to(torch.int32),
+            items.append({"hidden": draft_states(draft, first, chunk, spd_tracks), "labels": label.to(torch.int32),
                           "ids": chunk.ids.to(torch.int32), "loss_from": torch.tensor(chunk.loss_from),
                           "answer": answer.to(torch.uint8)})
             bar.update()
@@ -215,21 +224,25 @@ def _valid(item: DraftItem, answers_only: bool) -> torch.Tensor:
 
 
 @batch_invariance(False)
-def top_forward(model: Transformer, first: int, item: DraftItem) -> torch.Tensor:
-    """Final states ``[T, h]`` of the tuned blocks over the cached layer ``first`` states (plain causal)."""
+def top_forward(model: Transformer, first: int, item: DraftItem, spd_tracks: int = 1) -> torch.Tensor:
+    """Final states ``[T, h]`` of the tuned blocks over the cached layer ``first`` states (plain causal; in the spd
+    form over ``spd_tracks`` tracks when > 1)."""
     n = item.hidden.shape[0]
     positions = torch.arange(n, device=model.device)[None]
-    return model.run_layers(item.hidden[None].to(model.dtype), positions, None, None, first, None)[0]
+    hidden = item.hidden[None].to(model.dtype)
+    if spd_tracks > 1:
+        return run_tracks(model, hidden, positions, first, model.config.n_layers, spd_tracks)[0]
+    return model.run_layers(hidden, positions, None, None, first, None)[0]
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache) -> dict[str, float]:
+def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache, spd_tracks: int = 1) -> dict[str, float]:
     """Held-out top-1 agreement with the target's token (full vocabulary) at the positions whose next token the
     target wrote (``agreement``: what drafting meets) and at all of them (``agreement_all``)."""
     hits = {True: 0, False: 0}
     count = {True: 0, False: 0}
     for item in held_out:
-        predicted = model.logits(top_forward(model, lora.first_layer, item)).argmax(-1)
+        predicted = model.logits(top_forward(model, lora.first_layer, item, spd_tracks)).argmax(-1)
         for answers_only in (True, False):
             labels = _valid(item, answers_only)
             hits[answers_only] += int(((predicted == labels) & (labels >= 0)).sum())
@@ -261,18 +274,24 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
           target_cache: Path | None = None, layers: int = 8, rank: int = 16, steps: int = 200,
           chunks: int | None = None, seq_len: int = 256, lr: float = 3e-4, held_out: int = 16, vocab: int = 32768,
           eval_every: int = 50, save_every: int = 25, seed: int = 0, answers_only: bool = False,
-          recipe: dict | None = None, progress: bool = True) -> dict:
+          spd_tracks: int = 1, recipe: dict | None = None, progress: bool = True) -> dict:
     """Train (or resume) a tuned draft and save it in ``out``; returns a summary with the learning curve.
 
     ``model``: dense, autograd-capable copy of the draft (its top blocks get the adapters); ``draft``: the draft
     decoding runs (it fills the cache); ``target``: the target decoding runs, for labels when ``target_cache`` is
     None. ``chunks`` training windows (default ``steps``) are cached once in ``cache`` (default ``out/cache``).
     ``answers_only``: the loss covers only positions whose next token the target wrote (where the data marks them:
-    ``distill:`` folders), else every position.
+    ``distill:`` folders), else every position. ``spd_tracks`` > 1: trained, cached and evaluated in the spd form
+    over that many tracks (the cache then comes from ``model``, dense as the sharded draft runs); the tuned layers
+    must start at a segment bound.
     """
     torch.manual_seed(seed)
     model.requires_grad_(False)
     cfg = model.config
+    if spd_tracks > 1 and (first := cfg.n_layers - layers) not in (bounds := segment_bounds(cfg.n_layers)):
+        raise ValueError(f"in the spd form the tracks re-align only at layers {bounds}: --layers must leave a "
+                         f"segment bound below the tuned layers (one of {[cfg.n_layers - b for b in bounds[:-1]]}), "
+                         f"got {layers} (layer {first})")
     lora = DraftLoRA(model, layers, rank, 2 * rank)
     first = lora.first_layer
     cache = cache or out / "cache"
@@ -282,6 +301,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
             "n_layers": cfg.n_layers, "hidden_size": cfg.hidden_size}
     if versions := data_versions(list(data)):
         meta["data_shards"] = versions
+    if spd_tracks > 1:
+        meta["spd_tracks"] = spd_tracks
     check_cache(cache, meta)
     shards = shard_paths(cache, n_train, SHARD_CHUNKS)
     if not all(p.exists() for p in [*shards, cache / HELD_OUT]):
@@ -290,7 +311,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
         all_chunks = make_chunks(tokenizer, corpus_texts(data, model_name, tokenizer), seq_len, n_train + held_out,
                                  seed)
         labels = cached_labels(target_cache) if target_cache is not None else target_labels(target)
-        cache_draft(draft, first, labels, all_chunks[held_out:], all_chunks[:held_out], cache, progress=progress)
+        cache_draft(model if spd_tracks > 1 else draft, first, labels, all_chunks[held_out:], all_chunks[:held_out],
+                    cache, spd_tracks=spd_tracks, progress=progress)
     train_items, eval_items = DraftCache(shards, model.device), DraftCache([cache / HELD_OUT], model.device)
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
@@ -306,7 +328,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
         schedule.load_state_dict(state["schedule"])
         start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
     if not curve:
-        curve.append({"step": 0, "train_tokens": 0} | evaluate(model, lora, eval_items))
+        curve.append({"step": 0, "train_tokens": 0} | evaluate(model, lora, eval_items, spd_tracks))
 
     def save(step: int) -> None:
         torch.save({"step": step, "lora": {k: v.detach() for k, v in lora.state().items()},
@@ -322,7 +344,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
         labels = head.labels(_valid(item, answers_only))
         trained = int((labels >= 0).sum())
         if trained:  # (a window of prompt text only has nothing to learn from)
-            loss = F.cross_entropy(head.logits(top_forward(model, first, item)), labels, ignore_index=-100)
+            loss = F.cross_entropy(head.logits(top_forward(model, first, item, spd_tracks)), labels,
+                                   ignore_index=-100)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(lora.trainable(), 1.0)
@@ -332,7 +355,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
         tokens += trained
         bar.update()
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            curve.append({"step": step + 1, "train_tokens": tokens} | evaluate(model, lora, eval_items))
+            curve.append({"step": step + 1, "train_tokens": tokens} | evaluate(model, lora, eval_items, spd_tracks))
             bar.write(f"step {step + 1}: held-out {curve[-1]}")
         if (step + 1) % save_every == 0 or step + 1 == steps:
             save(step + 1)
@@ -346,11 +369,12 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
                "train_seconds_this_run": round(time.perf_counter() - started, 1), "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
-               "dtype": str(model.dtype).removeprefix("torch."), "curve": curve}
+               "dtype": str(model.dtype).removeprefix("torch."), "spd_tracks": spd_tracks, "curve": curve}
     TuneConfig(base=model_name, target=target_name, layers=layers, rank=rank, alpha=2 * rank,
                hidden_size=cfg.hidden_size, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
-               recipe=(recipe or {}) | summary).save(out, lora.state())
+               spd_tracks=spd_tracks, recipe=(recipe or {}) | summary).save(out, lora.state())
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    form = f", spd form over {spd_tracks} tracks" if spd_tracks > 1 else ""
     plot_agreement(curve, out / CURVE_PLOT, f"{model_name} toward {target_name}: top {layers} layers, rank {rank}, "
-                   f"{len(train_items)} chunks × {seq_len} tokens")
+                   f"{len(train_items)} chunks × {seq_len} tokens{form}")
     return summary

@@ -35,6 +35,7 @@ class TuneConfig:
     hidden_size: int
     n_layers: int
     vocab_size: int
+    spd_tracks: int = 1  # > 1: trained in the spd form over that many tracks (run with --draft-tp G --draft-syncs spd)
     recipe: dict = field(default_factory=dict)
 
     @property

@@ -11,6 +11,7 @@ from mirrorsd import Transformer, generate
 from mirrorsd import tuned_drafts as td
 from mirrorsd.loading import _is_projection
 from mirrorsd.quant import quantize_groups, quantize_q8
+from mirrorsd.runtime.tensor_parallel import run_tracks
 from mirrorsd.train_draft import DraftCache, DraftLoRA, cached_labels, target_labels, train
 from mirrorsd.train_streams import HELD_OUT, Chunk, cache_states, shard_paths
 from tests.helpers import requires_smollm2, tiny_hf
@@ -153,6 +154,63 @@ def test_training_raises_agreement_with_the_target_and_resumes(tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         train(tower(), draft, target, _tokenizer, [str(text)], tmp_path / "out2",
               steps=10, **(common | {"seq_len": 16}))
+
+
+def test_training_in_the_spd_form_caches_trains_and_saves_that_form(tmp_path):
+    """--spd-tracks 2: the cache holds the lower segment's output as the two tracks compute it, the top segment
+    learns in that form, and the folder says which form it was trained for."""
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    draft_hf = tiny_hf(layers=4, seed=2)
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(65 + (i * 7) % 29) for i in range(2400)))
+    common = dict(model_name="draft", target_name="target", decode_format="fp32", cache=tmp_path / "cache",
+                  rank=8, chunks=24, seq_len=32, lr=1e-2, held_out=2, vocab=0, eval_every=60, spd_tracks=2,
+                  progress=False)
+    draft = Transformer.from_hf(draft_hf)
+
+    def tower() -> Transformer:
+        return Transformer.from_hf(draft_hf, linear="dense")
+
+    with pytest.raises(ValueError, match=r"re-align only at layers \[0, 2, 4\]"):
+        train(tower(), draft, target, _tokenizer, [str(text)], tmp_path / "bad", layers=1, steps=1, **common)
+    summary = train(tower(), draft, target, _tokenizer, [str(text)], tmp_path / "out", layers=2, steps=60,
+                    **common)
+    assert summary["held_out_agreement_after"] > summary["held_out_agreement_before"] + 0.1, summary
+    assert td.load_config(td.resolve(tmp_path / "out")).spd_tracks == 2
+    dense = tower()
+    item = DraftCache([tmp_path / "cache" / HELD_OUT], "cpu")[0]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "cache" / HELD_OUT), framework="pt") as f:
+        held_ids = f.get_tensor("ids")[0].long()
+    positions = torch.arange(held_ids.shape[0])[None]
+    with torch.no_grad():
+        spd = run_tracks(dense, dense.embed(held_ids[None]), positions, 0, 2, 2)[0].to(torch.bfloat16)
+        whole = dense.run_layers(dense.embed(held_ids[None]), positions, None, None, 0, 2)[0].to(torch.bfloat16)
+    assert torch.equal(item.hidden, spd) and not torch.equal(item.hidden, whole)
+
+
+def test_a_draft_run_in_another_form_than_it_was_trained_in_is_warned_about(tmp_path):
+    from argparse import Namespace
+
+    from rich.console import Console
+
+    from mirrorsd.cli.generate import _warn_draft_form
+
+    hf = tiny_hf(layers=4, seed=3)
+    dense = Transformer.from_hf(hf, linear="dense")
+    cfg = dense.config
+    td.TuneConfig(base=_folder(hf, tmp_path / "base"), target="t", layers=2, rank=4, alpha=8,
+                  hidden_size=cfg.hidden_size, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
+                  spd_tracks=2).save(tmp_path / "tuned", _random_lora(dense, 2).state())
+    said = []
+    for draft_tp, syncs in ((1, "spd"), (2, "layer"), (2, "spd")):
+        console = Console(record=True, width=300)
+        _warn_draft_form(Namespace(draft=str(tmp_path / "tuned"), draft_syncs=syncs), draft_tp, console)
+        said.append(console.export_text())
+    assert "trained in the spd form over 2 tracks and runs whole" in said[0]
+    assert "runs whole" in said[1] and said[2] == ""
+    _warn_draft_form(Namespace(draft="qwen2.5-coder-0.5b", draft_syncs="spd"), 1, Console(record=True))  # no folder
 
 
 @requires_smollm2

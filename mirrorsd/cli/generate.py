@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 import mirrorsd
+from mirrorsd import tuned_drafts
 from mirrorsd.api import SELF_DRAFT
 from mirrorsd.decoding import get_method, leave_launched_world, methods, serve_launched
 from mirrorsd.plans import saved_recommendation
@@ -135,6 +136,21 @@ def _checked_draft_tp(args: argparse.Namespace, tp: int, method: str, options: d
     return draft_tp
 
 
+def _warn_draft_form(args: argparse.Namespace, draft_tp: int, err: Console) -> None:
+    """A tuned draft proposes well only in the form it was trained in: whole, or the spd form over G tracks."""
+    folder = tuned_drafts.resolve(args.draft) if args.draft else None
+    if folder is None:
+        return
+    trained = tuned_drafts.load_config(folder).spd_tracks
+    runs = draft_tp if draft_tp > 1 and args.draft_syncs == "spd" else 1
+    if trained != runs:
+        def form(tracks: int) -> str:
+            return f"in the spd form over {tracks} tracks" if tracks > 1 else "whole"
+        err.print(f"mirrorsd: warning: the draft {args.draft} was trained {form(trained)} and runs {form(runs)} "
+                  "here: it will propose worse tokens (the output stays the target's)", style="yellow",
+                  highlight=False)
+
+
 def _serve_draft_rank(args: argparse.Namespace, err, tp: int, draft_tp: int) -> int:
     """A draft rank of ``torchrun ... mirrorsd generate --backend processes``: load the draft (sharded over the
     draft's ranks with --draft-tp), serve the target's rank 0."""
@@ -175,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         return _serve_draft_rank(args, err, tp, draft_tp)
     if rank not in (None, 0):  # another rank of a sharded target: the same loop, silently
         args.json, err = True, Console(stderr=True, quiet=True)
+    if needs_draft:
+        _warn_draft_form(args, draft_tp, err)
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,

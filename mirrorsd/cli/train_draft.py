@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import mirrorsd
+from mirrorsd.runtime.tensor_parallel import segment_bounds
 from mirrorsd.train_draft import train
 
 from .args import COMMANDS, DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_HELP, add_training
@@ -36,31 +37,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--target-cache", metavar="FOLDER",
                    help="read the target's tokens from its `train-streams` state cache built over the same windows "
                         "(same --data, --seq-len, --chunks, --held-out, --seed; checked) instead of running it")
-    t.add_argument("--layers", type=int, default=8, help="top layers of the draft that get deltas")
+    t.add_argument("--layers", type=int,
+                   help="top layers of the draft that get deltas (default: 8; with --spd-tracks, the top segment)")
     t.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     add_training(t, seq_len=256, lr=3e-4, held_out=16, measured="agreement", trained="deltas")
     t.add_argument("--loss-on", choices=["answers", "all"], default="all",
                    help="all: every position (measured better at 253k tokens: prompts act as more data); answers: "
                         "only positions whose next token the target wrote, where the data marks them (distill: "
                         "folders), the only ones drafting proposes")
+    t.add_argument("--spd-tracks", type=int, default=1, metavar="G",
+                   help="train the draft in the sharded form Mirror-SD runs it in with --draft-tp G --draft-syncs "
+                        "spd: G tracks of heads and MLP slices that re-align only at the ends of its two segments "
+                        "(the paper trains its drafts so; a draft trained whole proposes far worse tokens there). "
+                        "1: the draft whole")
     t.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.spd_tracks < 1:
+        raise ValueError(f"--spd-tracks must be >= 1, got {args.spd_tracks}")
     warn_if_busy("train-draft")
     draft = mirrorsd.load_model(args.model, device=args.device)  # the draft decoding will run (q4 on CPU)
     target = None if args.target_cache else mirrorsd.load_model(args.target, device=args.device).model
     tower = mirrorsd.load_model(args.model, device=args.device, dtype=training_dtype(args.dtype, args.device),
                                 weights="fp32", linear="dense", progress=False)
+    layers = args.layers
+    if layers is None:
+        n = tower.model.config.n_layers
+        layers = n - segment_bounds(n)[-2] if args.spd_tracks > 1 else 8
     recipe = {"command": "mirrorsd train-draft " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
               "model": args.model, "target": args.target, "data": args.data}
     summary = train(tower.model, draft.model, target, draft.tokenizer, args.data, Path(args.out),
                     model_name=args.model, target_name=args.target, decode_format=draft.format,
                     cache=Path(args.cache) if args.cache else None,
-                    target_cache=Path(args.target_cache) if args.target_cache else None, layers=args.layers,
+                    target_cache=Path(args.target_cache) if args.target_cache else None, layers=layers,
                     rank=args.rank, steps=args.steps, chunks=args.chunks, seq_len=args.seq_len, lr=args.lr,
                     held_out=args.held_out, vocab=args.vocab, eval_every=args.eval_every, seed=args.seed,
-                    answers_only=args.loss_on == "answers",
-                    recipe=recipe)
+                    answers_only=args.loss_on == "answers", spd_tracks=args.spd_tracks, recipe=recipe)
     print(json.dumps({k: v for k, v in summary.items() if k != "curve"}, indent=2))
     return 0

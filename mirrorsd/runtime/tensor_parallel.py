@@ -126,9 +126,7 @@ def shard_target(model: nn.Module, group: Any, partial: bool = False) -> nn.Modu
 
     size = dist.get_world_size(group)
     cfg = model.config
-    if cfg.n_heads % size or cfg.n_kv_heads % size or cfg.intermediate_size % size:
-        raise ValueError(f"{size} ranks must divide the model's {cfg.n_heads} attention heads, "
-                         f"{cfg.n_kv_heads} key/value heads and {cfg.intermediate_size} MLP features")
+    check_split(cfg, size)
     mesh = DeviceMesh.from_group(group, model.device.type)
     rowwise = RowwiseParallel(output_layouts=Partial()) if partial else RowwiseParallel()
     plan = {**{name: ColwiseParallel() for name in COLUMNWISE}, **{name: rowwise for name in ROWWISE}}
@@ -146,6 +144,7 @@ def shard_target(model: nn.Module, group: Any, partial: bool = False) -> nn.Modu
 
 
 DRAFT_SYNCS = ("spd", "layer")  # --draft-syncs
+SPD_SEGMENTS = 2  # the Mirror-SD paper's draft: two segments, two all-reduces per forward
 
 
 @dataclasses.dataclass
@@ -161,7 +160,22 @@ class SyncCount:
         return SyncCount(self.count - before.count, self.seconds - before.seconds, self.elements - before.elements)
 
 
-def shard_draft(model: nn.Module, group: Any, syncs: str = "spd", segments: int = 2) -> SyncCount:
+def check_split(cfg: Any, size: int) -> None:
+    """``size`` ranks (or tracks) must split a model's heads, key/value heads and MLP features evenly."""
+    if cfg.n_heads % size or cfg.n_kv_heads % size or cfg.intermediate_size % size:
+        raise ValueError(f"{size} ranks must divide the model's {cfg.n_heads} attention heads, "
+                         f"{cfg.n_kv_heads} key/value heads and {cfg.intermediate_size} MLP features")
+
+
+def segment_bounds(n_layers: int, segments: int = SPD_SEGMENTS) -> list[int]:
+    """The first layer of each of the spd form's contiguous segments, then ``n_layers``: its all-reduces follow
+    the layers just before each bound."""
+    if not 1 <= segments <= n_layers:
+        raise ValueError(f"segments must be in 1..{n_layers} (the draft's layers), got {segments}")
+    return [round(i * n_layers / segments) for i in range(segments + 1)]
+
+
+def shard_draft(model: nn.Module, group: Any, syncs: str = "spd", segments: int = SPD_SEGMENTS) -> SyncCount:
     """The draft over the ranks of ``group``, in place; returns the counter of its all-reduces.
 
     ``layer``: Megatron tensor parallelism as the target's (:func:`shard_target`): two all-reduces per layer, the
@@ -174,9 +188,7 @@ def shard_draft(model: nn.Module, group: Any, syncs: str = "spd", segments: int 
     them, so the output cannot."""
     if syncs not in DRAFT_SYNCS:
         raise ValueError(f"draft syncs must be one of {', '.join(DRAFT_SYNCS)}, got {syncs!r}")
-    n = model.config.n_layers
-    if not 1 <= segments <= n:
-        raise ValueError(f"segments must be in 1..{n} (the draft's layers), got {segments}")
+    bounds = segment_bounds(model.config.n_layers, segments)
     count = SyncCount()
     partial = syncs == "spd"
     shard_target(model, group, partial=partial)
@@ -185,12 +197,55 @@ def shard_draft(model: nn.Module, group: Any, syncs: str = "spd", segments: int 
             for name in ROWWISE:
                 block.get_submodule(name).register_forward_hook(partial_hook(count))
         return count
-    bounds = [round(i * n / segments) for i in range(segments + 1)]
     for first, last in zip(bounds, bounds[1:], strict=False):
         held: dict[str, torch.Tensor] = {}
         model.layers[first].register_forward_pre_hook(lambda _m, args, held=held: held.update(x=args[0]))
         model.layers[last - 1].register_forward_hook(segment_sync(held, group, count))
     return count
+
+
+def run_tracks(model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, start: int, end: int,
+               tracks: int, segments: int = SPD_SEGMENTS) -> torch.Tensor:
+    """Blocks ``[start, end)`` of a whole model, in one process, as :func:`shard_draft`'s spd form computes them
+    over ``tracks`` ranks (causal over the window, no cache): differentiable, so a draft can be trained in the form
+    it will run in, as the paper trains its drafts. Inside a segment each track runs every layer on a residual
+    stream of its own with only its key/value heads' values and its slice of MLP features (the rest masked to
+    zero: what a rank that does not hold them adds); the segment's end adds every track's update to its input.
+    ``start`` and ``end`` must be segment bounds, where the tracks agree."""
+    check_split(model.config, tracks)
+    bounds = segment_bounds(model.config.n_layers, segments)
+    if start not in bounds or end not in bounds:
+        raise ValueError(f"the spd form's tracks re-align only at layers {bounds}: got layers {start}..{end}")
+    for first, last in zip(bounds, bounds[1:], strict=False):
+        if start <= first and last <= end:
+            updates = []
+            for track in range(tracks):
+                with _one_track(model, range(first, last), track, tracks):
+                    updates.append(model.run_layers(hidden, positions, None, None, first, last) - hidden)
+            hidden = hidden + sum(updates)
+    return hidden
+
+
+@contextlib.contextmanager
+def _one_track(model: nn.Module, layers: range, track: int, tracks: int):
+    """Masks v_proj's and up_proj's outputs (bias included) to ``track``'s share in ``layers``: a query head
+    whose key/value head gives zero values adds nothing to o_proj, and SiLU(gate) · 0 adds nothing to down_proj."""
+    def mask_hook(size: int):
+        def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+            keep = torch.arange(size, device=out.device) // (size // tracks) == track
+            return out * keep.to(out.dtype)
+        return hook
+
+    handles = []
+    try:
+        for layer in layers:
+            block = model.layers[layer]
+            for proj in (block.self_attn.v_proj, block.mlp.up_proj):
+                handles.append(proj.register_forward_hook(mask_hook(proj.out_features)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def partial_hook(count: SyncCount):

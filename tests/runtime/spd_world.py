@@ -1,7 +1,7 @@
 """One rank of the sharded-draft world of ``test_mirror_processes.py``: ``torchrun --nproc-per-node 3`` runs it with
 rank 0 holding the target and ranks 1-2 a draft sharded over both (``--draft-tp 2``) in the ``spd`` or ``layer``
-form. Rank 0 writes what it decoded to ``OUT/rank0.json``, rank 1 what its sharded draft computes to
-``OUT/rank1.json``."""
+form. Rank 0 writes what it decoded to ``OUT/rank0.json``, rank 1 what its sharded draft computes (against the
+whole draft and against :func:`run_tracks`, the spd form in one process) to ``OUT/rank1.json``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from mirrorsd import generate
 from mirrorsd.decoding.mirror.remote import leave_launched_world, serve_launched
 from mirrorsd.model import Transformer
-from mirrorsd.runtime.tensor_parallel import launched_world, shard_draft
+from mirrorsd.runtime.tensor_parallel import launched_world, run_tracks, shard_draft
 from tests.helpers import tiny_hf
 
 PROMPT = [5, 9, 2, 7, 3]
@@ -32,9 +32,13 @@ def main(out: Path, syncs: str) -> None:
         with torch.inference_mode():
             want = whole(torch.tensor([PROMPT]), cache=whole.new_cache(capacity=16))
             got = draft(torch.tensor([PROMPT]), cache=draft.new_cache(capacity=16))
+            # the spd form as train-draft computes it in one process (what a draft trained for it learns)
+            one_process = whole.logits(run_tracks(whole, whole.embed(torch.tensor([PROMPT])),
+                                                  torch.arange(len(PROMPT))[None], 0, 4, 2))
         if world.rank == world.draft_rank:
             (out / "rank1.json").write_text(json.dumps({"all_reduces": count.count,
-                                                        "gap": (got - want).abs().max().item()}))
+                                                        "gap": (got - want).abs().max().item(),
+                                                        "tracks_gap": (got - one_process).abs().max().item()}))
         serve_launched(draft, 1, 2, count)
         return
     target = Transformer.from_hf(tiny_hf(layers=4, seed=1), linear="dense")
