@@ -151,8 +151,8 @@ def target_labels(target: Transformer) -> Labeller:
 
 
 def cached_labels(folder: Path) -> Labeller:
-    """Labels read from the target's ``train-streams`` state cache in ``folder``: its shard of the same name holds
-    the same windows (checked token by token)."""
+    """Labels read from the target's ``train-streams`` state cache in ``folder`` (or another draft cache: the same
+    ``ids`` and ``labels``): its shard of the same name holds the same windows (checked token by token)."""
     from safetensors import safe_open
 
     def labels(path: Path, chunks: list[Chunk]) -> list[torch.Tensor]:

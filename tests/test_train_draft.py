@@ -188,6 +188,10 @@ def test_training_in_the_spd_form_caches_trains_and_saves_that_form(tmp_path):
         spd = run_tracks(dense, dense.embed(held_ids[None]), positions, 0, 2, 2)[0].to(torch.bfloat16)
         whole = dense.run_layers(dense.embed(held_ids[None]), positions, None, None, 0, 2)[0].to(torch.bfloat16)
     assert torch.equal(item.hidden, spd) and not torch.equal(item.hidden, whole)
+    # Another form over the same windows reads the labels from this cache: no target needed.
+    common |= {"cache": tmp_path / "cache4", "target_cache": tmp_path / "cache"}
+    train(tower(), draft, None, _tokenizer, [str(text)], tmp_path / "all", layers=4, steps=1, **common)
+    assert torch.equal(DraftCache([tmp_path / "cache4" / HELD_OUT], "cpu")[0].labels, item.labels)
 
 
 def test_a_draft_run_in_another_form_than_it_was_trained_in_is_warned_about(tmp_path):

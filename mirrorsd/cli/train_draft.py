@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--cache", help="state cache folder (default: OUT/cache); reused by later runs with the same "
                                    "models, data, --seq-len, --chunks, --held-out, --layers, --seed")
     t.add_argument("--target-cache", metavar="FOLDER",
-                   help="read the target's tokens from its `train-streams` state cache built over the same windows "
+                   help="read the target's tokens from its `train-streams` state cache, or from another "
+                        "`train-draft` cache (e.g. of other --layers or --spd-tracks), built over the same windows "
                         "(same --data, --seq-len, --chunks, --held-out, --seed; checked) instead of running it")
     t.add_argument("--layers", type=int,
                    help="top layers of the draft that get deltas (default: 8; with --spd-tracks, the top segment)")
