@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <chrono>
 #include <cstring>
+// ldtilecfg through asm naming all 64 bytes: GCC 12's _tile_loadconfig declares 8, and may drop the shapes' stores.
+static inline void load_config(const void* c) { asm volatile("ldtilecfg %0" : : "m"(*static_cast<const char(*)[64]>(c))); }
 struct alignas(64) Cfg { uint8_t p = 1, s = 0, r[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
 alignas(64) int8_t A[16 * 1536];
 alignas(64) uint8_t B[16 * 64 * 8];
@@ -16,7 +18,7 @@ static double now() { return std::chrono::duration<double>(std::chrono::steady_c
 int main() {
   if (syscall(SYS_arch_prctl, 0x1023, 18)) { perror("perm"); return 1; }
   Cfg c; for (int t = 0; t < 8; ++t) { c.rows[t] = t >= 6 ? 8 : 16; c.colsb[t] = (t == 4 || t == 5) ? 32 : 64; }
-  _tile_loadconfig(&c);
+  load_config(&c);
   const long N = 2000000; double t0, t1;
   // 1: tdp only, 4 independent accumulators
   _tile_loadd(4, A, 1536); _tile_loadd(6, B, 64); _tile_loadd(5, A, 1536); _tile_loadd(7, B, 64);
@@ -43,7 +45,7 @@ int main() {
   printf("tileloadd A only:    %.1f ns per load\n", (t1 - t0) / (2.0 * N) * 1e9);
   t0 = now(); for (long i = 0; i < N; ++i) { _tile_loadd(6, B, 64); _tile_loadd(7, B + 512, 64);} t1 = now();
   printf("tileloadd B only:    %.1f ns per load\n", (t1 - t0) / (2.0 * N) * 1e9);
-  t0 = now(); for (long i = 0; i < N / 10; ++i) { _tile_loadconfig(&c); _tile_zero(0); _tile_stored(0, C[0], 64); } t1 = now();
+  t0 = now(); for (long i = 0; i < N / 10; ++i) { load_config(&c); _tile_zero(0); _tile_stored(0, C[0], 64); } t1 = now();
   printf("ldtilecfg+zero+store: %.1f ns\n", (t1 - t0) / (N / 10) * 1e9);
   _tile_release();
   return 0;

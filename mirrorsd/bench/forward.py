@@ -122,8 +122,9 @@ def llama_bench(binary: str | Path, gguf: str | Path, ks: tuple[int, ...], token
         how = (f"was killed by {signal.Signals(-result.returncode).name}" if result.returncode < 0
                else f"exited with code {result.returncode}")
         tail = "\n".join(result.stderr.strip().splitlines()[-5:])
-        hint = (" (SIGILL: built for instructions this CPU lacks or faults on, e.g. AMX; rebuild without "
-                "-DGGML_NATIVE=ON or with -mno-amx-tile)" if result.returncode == -signal.SIGILL else "")
+        hint = (" (SIGILL: built for instructions this CPU lacks, or its AMX path built by GCC 12, whose "
+                "_tile_loadconfig lets the compiler drop the tile shapes: patch that call as docs/benchmarks.md "
+                "shows, or rebuild with -mno-amx-tile -mno-amx-int8)" if result.returncode == -signal.SIGILL else "")
         raise ValueError(f"llama-bench {how}{hint}: {' '.join(cmd)}\n{tail}")
     rows = json.loads(result.stdout)
     out: dict = {"command": " ".join(cmd), "forward_ms": {}}

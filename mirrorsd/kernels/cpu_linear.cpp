@@ -414,13 +414,17 @@ struct alignas(64) TileConfig {
 
 // Load this thread's tile shapes (groups of 32 weights). Done per call (not cached per thread): other libraries on
 // the same threads (oneDNN's AMX GEMMs) configure the tiles their own way in between.
+// Not through _tile_loadconfig: GCC 12's intrinsic declares that ldtilecfg reads 8 of its 64 bytes, so the compiler
+// may drop the stores of the shapes and the next tile instruction faults (SIGILL). That is what kills llama.cpp's AMX
+// path built with GCC 12 here (its config is all zeros but the palette in the disassembly); the asm below names
+// all 64 bytes as read.
 void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = t < 6 ? kAmxRows : kActGroup / 4;
     cfg.colsb[t] = t >= 4 && t < 6 ? kActGroup : 64;
   }
-  _tile_loadconfig(&cfg);
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 // Tile numbers are immediates in the instructions, so the two group shapes are spelt out: `n` = 4 groups in flight

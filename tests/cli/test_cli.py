@@ -148,8 +148,8 @@ print(json.dumps([{{"n_prompt": int(n), "n_gen": 0, "avg_ts": 100.0, "build_comm
 
 @requires_smollm2
 def test_bench_forward_names_a_crashed_llama_bench(capsys, tmp_path):
-    """A llama-bench that dies (SIGILL from AMX code on a host whose tiles fault, here) is reported in one line
-    with its signal and last stderr lines, not as a traceback."""
+    """A llama-bench that dies (SIGILL, as its AMX path built by GCC 12 does) is reported in one line with its
+    signal, the likely cause and its last stderr lines, not as a traceback."""
     fake = tmp_path / "llama-bench"
     fake.write_text(f"""#!{sys.executable}
 import os, signal, sys
@@ -160,7 +160,7 @@ os.kill(os.getpid(), signal.SIGILL)
     rc, _, err = run(capsys, "bench", "forward", "--model", "smollm2-135m", "--weights", "q4", "--ks", "1",
                      "--rounds", "1", "--ar-tokens", "2", "--context", "8", "--llama-bench", str(fake))
     assert rc == 2 and "llama-bench was killed by SIGILL" in err and "AMX model buffer" in err
-    assert "Traceback" not in err
+    assert "_tile_loadconfig" in err and "Traceback" not in err
 
 
 @requires_smollm2
