@@ -344,21 +344,59 @@ def stream_forward(model: Transformer, adapters: StreamAdapters, item: Cached) -
     return out[0].view(n, n_streams, -1)
 
 
-def losses(model: Transformer, adapters: StreamAdapters, item: Cached, head: TrainHead
+LOSSES = ("ce", "kl")  # the streams' training loss: see :func:`losses`
+LABELS = {"ce": "the model's own greedy tokens (teacher-forced)",
+          "kl": "the model's own next-token distributions (teacher-forced, restricted vocabulary)"}
+
+
+@torch.no_grad()
+@batch_invariance(False)
+def main_states(model: Transformer, first: int, item: Cached) -> torch.Tensor:
+    """``[T, h]`` the main rows' final states, run through the frozen top layers from the cached layer ``first``
+    states. The cache keeps only the model's argmax; its distributions cost this forward, a third of the stream
+    rows' (γ = 3) and without their backward."""
+    n = item.hidden.shape[0]
+    positions = torch.arange(n, device=model.device)[None]
+    return model.run_layers(item.hidden[None].to(model.dtype), positions, model.new_cache(capacity=n), None,
+                            first, None)[0]
+
+
+def teacher_logits(model: Transformer, first: int, item: Cached, head: TrainHead) -> torch.Tensor:
+    """``[T, V']`` the model's own next-token logits at every position of the chunk, on the restricted head."""
+    return head.logits(main_states(model, first, item))
+
+
+def losses(model: Transformer, adapters: StreamAdapters, item: Cached, head: TrainHead, loss: str = "ce"
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stream CE, pruning CE) of one chunk on the restricted head."""
+    """(stream loss, pruning CE) of one chunk on the restricted head.
+
+    ``ce``: cross-entropy on the model's greedy token t+1+j (what greedy verification accepts). ``kl``: forward
+    KL from the model's own distribution over token t+1+j to stream j's, on the restricted vocabulary (the soft
+    target DistillSpec and Medusa-2's self-distillation train on): a stream also learns how sure the model is,
+    where the argmax label says only which token won. The pruning head keeps CE in both."""
     streams, prune = stream_targets(item, adapters.config.streams)
     out = stream_forward(model, adapters, item)
-    stream_ce = F.cross_entropy(head.logits(out).flatten(0, 1), head.labels(streams).flatten(), ignore_index=-100)
+    logits = head.logits(out)
+    if loss == "ce":
+        stream_loss = F.cross_entropy(logits.flatten(0, 1), head.labels(streams).flatten(), ignore_index=-100)
+    elif loss == "kl":
+        n, n_streams = streams.shape
+        source = (torch.arange(n, device=logits.device).unsqueeze(1)  # as stream_targets: stream j's token t+1+j
+                  + torch.arange(1, n_streams + 1, device=logits.device)).clamp(max=n - 1)  # is scored at t + j
+        target = F.log_softmax(teacher_logits(model, adapters.first_layer, item, head)[source][streams >= 0], -1)
+        stream_loss = F.kl_div(F.log_softmax(logits[streams >= 0], -1), target, log_target=True,
+                               reduction="batchmean")
+    else:
+        raise ValueError(f"unknown loss {loss!r}: one of {', '.join(LOSSES)}")
     hidden = item.hidden.to(model.dtype)
     prune_ce = F.cross_entropy(head.logits(adapters.prune(hidden)), head.labels(prune), ignore_index=-100)
-    return stream_ce, prune_ce
+    return stream_loss, prune_ce
 
 
 def train_step(model: Transformer, adapters: StreamAdapters, item: Cached, head: TrainHead,
-               optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on one cached chunk; returns its (stream CE, pruning CE)."""
-    stream_ce, prune_ce = losses(model, adapters, item, head)
+               optimizer: torch.optim.Optimizer, loss: str = "ce") -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on one cached chunk; returns its (stream loss, pruning CE)."""
+    stream_ce, prune_ce = losses(model, adapters, item, head, loss)
     optimizer.zero_grad(set_to_none=True)
     (stream_ce + prune_ce).backward()
     torch.nn.utils.clip_grad_norm_(adapters.trainable(), 1.0)
@@ -371,18 +409,29 @@ def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Cached
     """Held-out top-1 agreement with the model's own tokens, full vocabulary: per stream, and of the pruning
     head (the early exit that scores tree edges). Where the cache marks which tokens the model wrote, also per
     stream on those alone (``stream_accuracy_answers``): decoding only ever asks the streams for written tokens,
-    and on distilled data the draft's agreement differs by .11 between written and read ones."""
+    and on distilled data the draft's agreement differs by .11 between written and read ones.
+    ``stream_overlap``: the mean of Σ_v min(p, q) between the model's next-token distribution p and stream j's q,
+    the chance that speculative sampling accepts the stream's token after a correct prefix (Leviathan et al.'s β);
+    top-1 agreement is greedy decoding's measure, this one sampling's."""
     n_streams = adapters.config.streams
     hits, counts = torch.zeros(n_streams), torch.zeros(n_streams)
+    overlap = torch.zeros(n_streams)
     answer_hits, answer_counts = torch.zeros(n_streams), torch.zeros(n_streams)
     marked = all(item.answer is not None for item in held_out)
     prune_hits = prune_count = 0
     for item in held_out:
         streams, prune = stream_targets(item, n_streams)
-        predicted = model.logits(stream_forward(model, adapters, item)).argmax(-1)
+        logits = model.logits(stream_forward(model, adapters, item))
+        predicted = logits.argmax(-1)
         valid = streams >= 0
         hits += ((predicted == streams) & valid).sum(0).cpu()
         counts += valid.sum(0).cpu()
+        model_logits = model.logits(main_states(model, adapters.first_layer, item))
+        for j in range(n_streams):  # stream j + 1's token t + 2 + j is the model's next token at t + 1 + j
+            rows = valid[:, j].nonzero()[:, 0]
+            p = model_logits[rows + j + 1].float().softmax(-1)
+            q = logits[rows, j].float().softmax(-1)
+            overlap[j] += float(torch.minimum(p, q).sum())
         if marked:  # stream j at t predicts token t + 1 + j
             n = item.answer.shape[0]
             source = torch.arange(n).unsqueeze(1) + torch.arange(2, n_streams + 2)
@@ -393,6 +442,7 @@ def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Cached
         prune_hits += int(((exit_predicted == prune) & (prune >= 0)).sum())
         prune_count += int((prune >= 0).sum())
     out = {"stream_accuracy": [round(x, 4) for x in (hits / counts.clamp(min=1)).tolist()],
+           "stream_overlap": [round(x, 4) for x in (overlap / counts.clamp(min=1)).tolist()],
            "prune_accuracy": round(prune_hits / max(1, prune_count), 4)}
     if marked:
         out["stream_accuracy_answers"] = [round(x, 4) for x in (answer_hits / answer_counts.clamp(min=1)).tolist()]
@@ -461,7 +511,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
           streams: int = 3, layers: int = 4, rank: int = 8,
           steps: int = 200, chunks: int | None = None, seq_len: int = 128, lr: float = 1e-3, held_out: int = 8,
           distill: int = 0, vocab: int = 32768, eval_every: int = 50, save_every: int = 25, seed: int = 0,
-          init: Path | None = None, recipe: dict | None = None, progress: bool = True) -> dict:
+          init: Path | None = None, loss: str = "ce", recipe: dict | None = None, progress: bool = True) -> dict:
     """Train (or resume) adapters and save them in ``out``; returns a summary with the learning curve.
 
     ``model`` holds the frozen weights the stream rows are trained through (dense, autograd-capable: bf16 on a
@@ -470,10 +520,13 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     ``cache`` (default ``out/cache``) and visited in a fresh shuffled order each epoch. ``vocab`` restricts the
     training head to that many most frequent ids (0: the full vocabulary). ``init``: an adapter folder to start
     from (same γ, N_s and rank) instead of a fresh initialisation; the curve then counts its training tokens too.
+    ``loss``: the streams' loss, ``ce`` or ``kl`` (:func:`losses`).
     ``model_name``: the model whose own chat answers the ``chat-answers`` corpus holds; it and ``decode_format``
     (``decode_model``'s weight format) are recorded in the cache, so that another model of the same shape, or
     the same model in other weights, cannot reuse states it did not compute.
     """
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}: one of {', '.join(LOSSES)}")
     torch.manual_seed(seed)
     model.requires_grad_(False)
     cfg = model.config
@@ -529,10 +582,11 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     for step in range(start_step, steps):
         epoch, position = divmod(step, len(train_items))
         item = train_items[epoch_order(len(train_items), seed, epoch)[position]]
-        stream_ce, prune_ce = train_step(model, adapters, item, head, optimizer)
+        stream_loss, prune_ce = train_step(model, adapters, item, head, optimizer, loss)
         schedule.step()
         tokens += item.labels.shape[0] - item.loss_from + 1
-        bar.set_postfix(stream_ce=f"{stream_ce.item():.3f}", prune_ce=f"{prune_ce.item():.3f}", epoch=epoch)
+        bar.set_postfix({f"stream_{loss}": f"{stream_loss.item():.3f}", "prune_ce": f"{prune_ce.item():.3f}",
+                         "epoch": epoch})
         bar.update()
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append({"step": step + 1, "train_tokens": tokens} | evaluate(model, adapters, eval_items))
@@ -544,16 +598,17 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
                "held_out_stream_accuracy_after": curve[-1]["stream_accuracy"],
                "held_out_prune_accuracy_before": curve[0]["prune_accuracy"],
                "held_out_prune_accuracy_after": curve[-1]["prune_accuracy"],
-               "labels": "the model's own greedy tokens (teacher-forced)", "train_vocab": vocab or cfg.vocab_size,
+               "labels": LABELS[loss], "loss": loss, "train_vocab": vocab or cfg.vocab_size,
                "train_seconds_this_run": round(time.perf_counter() - started, 1), "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
                "self_distilled_chunks": distill, "dtype": str(model.dtype).removeprefix("torch.")}
-    if "stream_accuracy_answers" in curve[0] and "stream_accuracy_answers" in curve[-1]:
-        summary["held_out_stream_accuracy_answers_before"] = curve[0]["stream_accuracy_answers"]
-        summary["held_out_stream_accuracy_answers_after"] = curve[-1]["stream_accuracy_answers"]
+    for key in ("stream_accuracy_answers", "stream_overlap"):  # measures older curves' points may lack
+        if key in curve[0] and key in curve[-1]:
+            summary[f"held_out_{key}_before"], summary[f"held_out_{key}_after"] = curve[0][key], curve[-1][key]
     if init is not None:
         summary["init"] = str(init)
+    (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")  # also after --steps 0: an evaluation alone
     adapters.save(out, recipe=(recipe or {}) | summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_curve(curve, out / CURVE_PLOT, f"{recipe.get('model', '') if recipe else ''} streams: γ={streams}, "

@@ -653,6 +653,14 @@ def test_held_out_accuracy_on_written_tokens_where_the_cache_marks_them(dense_mo
         assert hand[j] == round(want, 4)
     item.answer = None  # a cache from before the marks: no such measure
     assert "stream_accuracy_answers" not in evaluate(dense_model, adapters, [item])
+    # The overlap with the model's own distribution of the token a stream predicts (its logits at t + 1 + j).
+    with torch.no_grad():
+        p = dense_model(ids[None])[0].softmax(-1)
+        q = dense_model.logits(stream_forward(dense_model, adapters, item)).softmax(-1)
+    for j in range(2):
+        rows = [t for t in range(16) if streams[t, j] >= 0]
+        want = sum(float(torch.minimum(p[t + 1 + j], q[t, j]).sum()) for t in rows) / len(rows)
+        assert 0 < got["stream_overlap"][j] <= 1 and got["stream_overlap"][j] == pytest.approx(want, abs=2e-3)
 
 
 def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_path):
@@ -678,6 +686,53 @@ def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_pat
         (stream_ce + prune_ce).backward()
         optimizer.step()
     assert stream_ce.item() < 0.5 * first[0] and prune_ce.item() < 0.5 * first[1]
+
+
+def test_kl_loss_targets_the_models_own_distribution_j_places_ahead(tmp_path):
+    from mirrorsd.train_streams import (
+        HELD_OUT,
+        Chunk,
+        TrainHead,
+        cache_states,
+        load_cache,
+        losses,
+        stream_targets,
+        teacher_logits,
+    )
+
+    model = Transformer.from_hf(tiny_hf(layers=4, seed=3))
+    model.requires_grad_(False)
+    cfg = model.config
+    adapters = StreamAdapters(model, StreamConfig(streams=2, layers=2, hidden_size=cfg.hidden_size,
+                                                  n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+    ids = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
+    cache_states(model, adapters.first_layer, [], [Chunk(ids, 3)], tmp_path, progress=False)
+    item = load_cache([tmp_path / HELD_OUT], "cpu")[0]
+    item.hidden = item.hidden.float()  # the cache keeps bf16; compare the recomputation on the same states
+    head = TrainHead(model, torch.arange(cfg.vocab_size))
+    teacher = teacher_logits(model, adapters.first_layer, item, head)
+    with torch.no_grad():
+        final = model.run_layers(item.hidden[None], torch.arange(16)[None], model.new_cache(capacity=16), None,
+                                 adapters.first_layer, None)
+    torch.testing.assert_close(teacher, model.logits(final[0]))
+    streams, _ = stream_targets(item, 2)
+    for t, j in zip(*torch.nonzero(streams >= 0).T.tolist(), strict=True):  # the soft target's argmax is the label
+        assert int(teacher[t + j + 1].argmax()) == int(streams[t, j]) == int(item.labels[t + j + 1])
+    tower = Transformer.from_hf(tiny_hf(layers=4, seed=3).to(torch.bfloat16))  # trained through, as the CLI does
+    tower.requires_grad_(False)
+    adapters = StreamAdapters(tower, adapters.config)
+    head = TrainHead(tower, torch.arange(cfg.vocab_size))
+    optimizer = torch.optim.Adam(adapters.trainable(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        stream_kl, prune_ce = losses(tower, adapters, item, head, "kl")
+        first = first if first is not None else stream_kl.item()
+        optimizer.zero_grad()
+        (stream_kl + prune_ce).backward()
+        optimizer.step()
+    assert 0 <= stream_kl.item() < 0.5 * first
+    with pytest.raises(ValueError, match="unknown loss"):
+        losses(tower, adapters, item, head, "mse")
 
 
 @requires_smollm2
@@ -721,6 +776,13 @@ def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, ca
     assert curve[0]["train_tokens"] == trained["train_tokens"] > 0
     assert curve[0]["stream_accuracy"] == trained["held_out_stream_accuracy_after"]
     assert json.loads((more / "summary.json").read_text())["train_tokens"] > trained["train_tokens"]
+    alone = tmp_path / "evaluated"  # --steps 0 evaluates an adapter and trains nothing
+    assert main([*args, "--out", str(alone), "--cache", str(out / "cache"), "--init", str(out), "--steps", "0",
+                 "--loss", "kl"]) == 0
+    evaluated = json.loads((alone / "summary.json").read_text())
+    assert len(json.loads((alone / "curve.json").read_text())) == 1 and evaluated["loss"] == "kl"
+    assert evaluated["held_out_stream_accuracy_after"] == trained["held_out_stream_accuracy_after"]
+    assert evaluated["held_out_stream_overlap_before"] == evaluated["held_out_stream_overlap_after"]
     assert main([*args, "--out", str(tmp_path / "other"), "--init", str(out), "--rank", "4", "--steps", "2"]) != 0
     assert "--init adapter has streams/layers/rank" in capsys.readouterr().err
     model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
