@@ -396,12 +396,12 @@ def losses(model: Transformer, adapters: StreamAdapters, item: Cached, head: Tra
 def train_step(model: Transformer, adapters: StreamAdapters, item: Cached, head: TrainHead,
                optimizer: torch.optim.Optimizer, loss: str = "ce") -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on one cached chunk; returns its (stream loss, pruning CE)."""
-    stream_ce, prune_ce = losses(model, adapters, item, head, loss)
+    stream_loss, prune_ce = losses(model, adapters, item, head, loss)
     optimizer.zero_grad(set_to_none=True)
-    (stream_ce + prune_ce).backward()
+    (stream_loss + prune_ce).backward()
     torch.nn.utils.clip_grad_norm_(adapters.trainable(), 1.0)
     optimizer.step()
-    return stream_ce.detach(), prune_ce.detach()
+    return stream_loss.detach(), prune_ce.detach()
 
 
 @torch.no_grad()
