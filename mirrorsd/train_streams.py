@@ -311,13 +311,18 @@ class TrainHead:
         return torch.where(labels >= 0, self.index[labels.clamp(min=0)], -100)
 
 
+def stream_sources(n: int, n_streams: int, device: torch.device | str) -> torch.Tensor:
+    """``[T, γ]``: the row whose next token stream j (from 0) at t is trained to predict, t + 1 + j. The labels,
+    the model's own logits and (plus one) the answer marks are read there; rows ≥ T have no target."""
+    return torch.arange(n, device=device).unsqueeze(1) + torch.arange(1, n_streams + 1, device=device)
+
+
 def stream_targets(item: Cached, n_streams: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, γ]`` labels (-100 = none) of stream j at t, the model's token at t+1+j, and ``[T]`` labels of the
     pruning head at t (the model's next token), completion tokens only."""
     n = item.labels.shape[0]
-    device = item.labels.device
-    t = torch.arange(n, device=device)
-    source = t.unsqueeze(1) + torch.arange(1, n_streams + 1, device=device)  # labels[t + j] is token t + 1 + j
+    t = torch.arange(n, device=item.labels.device)
+    source = stream_sources(n, n_streams, item.labels.device)
     valid = (source < n) & (source + 1 >= item.loss_from)
     streams = torch.where(valid, item.labels[source.clamp(max=n - 1)], -100)
     prune = torch.where(t + 1 >= item.loss_from, item.labels, -100)
@@ -381,8 +386,7 @@ def losses(model: Transformer, adapters: StreamAdapters, item: Cached, head: Tra
         stream_loss = F.cross_entropy(logits.flatten(0, 1), head.labels(streams).flatten(), ignore_index=-100)
     elif loss == "kl":
         n, n_streams = streams.shape
-        source = (torch.arange(n, device=logits.device).unsqueeze(1)  # as stream_targets: stream j's token t+1+j
-                  + torch.arange(1, n_streams + 1, device=logits.device)).clamp(max=n - 1)  # is scored at t + j
+        source = stream_sources(n, n_streams, logits.device).clamp(max=n - 1)
         target = F.log_softmax(teacher_logits(model, adapters.first_layer, item, head)[source][streams >= 0], -1)
         stream_loss = F.kl_div(F.log_softmax(logits[streams >= 0], -1), target, log_target=True,
                                reduction="batchmean")
@@ -427,15 +431,15 @@ def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Cached
         hits += ((predicted == streams) & valid).sum(0).cpu()
         counts += valid.sum(0).cpu()
         model_logits = model.logits(main_states(model, adapters.first_layer, item))
-        for j in range(n_streams):  # stream j + 1's token t + 2 + j is the model's next token at t + 1 + j
+        n = streams.shape[0]
+        source = stream_sources(n, n_streams, streams.device)
+        for j in range(n_streams):
             rows = valid[:, j].nonzero()[:, 0]
-            p = model_logits[rows + j + 1].float().softmax(-1)
+            p = model_logits[source[rows, j]].float().softmax(-1)
             q = logits[rows, j].float().softmax(-1)
             overlap[j] += float(torch.minimum(p, q).sum())
-        if marked:  # stream j at t predicts token t + 1 + j
-            n = item.answer.shape[0]
-            source = torch.arange(n).unsqueeze(1) + torch.arange(2, n_streams + 2)
-            written = valid & item.answer[source.clamp(max=n - 1).to(item.answer.device)]
+        if marked:  # the answer marks index tokens: the one stream j predicts at t is token source + 1
+            written = valid & item.answer[(source + 1).clamp(max=n - 1).to(item.answer.device)]
             answer_hits += ((predicted == streams) & written).sum(0).cpu()
             answer_counts += written.sum(0).cpu()
         exit_predicted = adapters.prune_logits(model, item.hidden.to(model.dtype))[0].argmax(-1)
