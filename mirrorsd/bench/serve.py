@@ -54,11 +54,17 @@ METRICS = (("output_token_throughput", "avg", "tok_s"), ("time_to_first_token", 
 @dataclass(frozen=True)
 class ServerSpec:
     """``LABEL=KIND:flag=value:...``: a server to start, its flags those of ``mirrorsd serve`` or ``llama-server``
-    (``ar=mirrorsd:method=ar:max-num-seqs=1`` is the one-at-a-time server)."""
+    (``ar=mirrorsd:method=ar:max-num-seqs=1`` is the one-at-a-time server). The one flag of the sweep's own,
+    ``max-concurrency=N``, skips this server's levels above N: a one-at-a-time server's throughput stays flat past
+    1 while its run time grows with the level, so measuring it at 32 costs the sweep most of a round."""
 
     label: str
     kind: str
     flags: dict[str, str] = field(default_factory=dict)
+    max_concurrency: int | None = None
+
+    def runs_at(self, level: int) -> bool:
+        return self.max_concurrency is None or level <= self.max_concurrency
 
 
 def parse_servers(text: str) -> list[ServerSpec]:
@@ -76,7 +82,10 @@ def parse_servers(text: str) -> list[ServerSpec]:
             if not sep or not key:
                 raise ValueError(f"server flag {pair!r} in {item!r} must be flag=value")
             flags[key] = value
-        specs.append(ServerSpec(label, kind, flags))
+        cap = flags.pop("max-concurrency", None)
+        if cap is not None and not (cap.isdigit() and int(cap) > 0):
+            raise ValueError(f"max-concurrency={cap} in {item!r} must be a positive integer")
+        specs.append(ServerSpec(label, kind, flags, int(cap) if cap is not None else None))
     labels = [s.label for s in specs]
     if not specs or len(set(labels)) != len(labels):
         raise ValueError(f"--servers needs one or more uniquely labelled servers, got {text!r}")
@@ -254,18 +263,20 @@ def run(cfg: ServeConfig) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine(), "target": cfg.target, "levels": cfg.levels,
                                "rounds": cfg.rounds, "notes": cfg.notes, "max_tokens": cfg.max_tokens,
                                "per_client": cfg.per_client,
-                               "servers": {s.label: {"kind": s.kind, "flags": s.flags} for s in cfg.servers},
-                               "runs": {s.label: {str(c): [] for c in cfg.levels} for s in cfg.servers}}
+                               "servers": {s.label: {"kind": s.kind, "flags": s.flags,
+                                                     "max_concurrency": s.max_concurrency} for s in cfg.servers},
+                               "runs": {s.label: {str(c): [] for c in cfg.levels if s.runs_at(c)}
+                                        for s in cfg.servers}}
     try:
         for spec in cfg.servers:
             print(f"starting {spec.label} ({spec.kind})", file=sys.stderr, flush=True)
             servers[spec.label] = _start(spec, cfg, tokenizer, torch.get_num_threads())
             results["servers"][spec.label]["command"] = servers[spec.label][0].command
             warm(servers[spec.label][0].url, servers[spec.label][1])
-        total, done = cfg.rounds * len(cfg.levels) * len(cfg.servers), 0
+        total, done = cfg.rounds * sum(s.runs_at(c) for c in cfg.levels for s in cfg.servers), 0
         for r in range(cfg.rounds):
             for level in cfg.levels:
-                for spec in cfg.servers:
+                for spec in (s for s in cfg.servers if s.runs_at(level)):
                     server, model = servers[spec.label]
                     folder = cfg.out / "aiperf" / spec.label / f"c{level}-r{r}"
                     shutil.rmtree(folder, ignore_errors=True)
@@ -305,19 +316,25 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "## Aggregate output tok/s", "", "| concurrency | " + " | ".join(labels) + " |",
               "|---|" + "---|" * len(labels)]
     for c in results["levels"]:
-        row = [f"{results['median'][lb].get(str(c), {}).get('tok_s', float('nan')):.2f}" for lb in labels]
+        row = [_cell(results["median"][lb].get(str(c)), lambda f: f"{f['tok_s']:.2f}") for lb in labels]
         lines.append(f"| {c} | " + " | ".join(row) + " |")
     for key, title in (("ttft", "Time to first token, ms (p50 / p99)"),
                        ("tpot", "Time per output token, ms (p50 / p99)")):
         lines += ["", f"## {title}", "", "| concurrency | " + " | ".join(labels) + " |",
                   "|---|" + "---|" * len(labels)]
         for c in results["levels"]:
-            cells = []
-            for lb in labels:
-                f = results["median"][lb].get(str(c), {})
-                cells.append(f"{f.get(key + '_p50_ms', float('nan')):.0f} / {f.get(key + '_p99_ms', float('nan')):.0f}")
+            cells = [_cell(results["median"][lb].get(str(c)),
+                           lambda f, k=key: f"{f[k + '_p50_ms']:.0f} / {f[k + '_p99_ms']:.0f}") for lb in labels]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(figures: dict[str, float] | None, text) -> str:
+    """A level a server skipped (``max-concurrency``) or a figure aiperf did not report reads "–"."""
+    try:
+        return text(figures) if figures else "–"
+    except KeyError:
+        return "–"
 
 
 def _mean(results: dict[str, Any], label: str, key: str) -> float:

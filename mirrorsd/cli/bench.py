@@ -154,7 +154,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--servers", default=serve.DEFAULT_SERVERS,
                     help="comma-separated LABEL=KIND[:flag=value...], KIND mirrorsd (flags of `mirrorsd serve`, "
                          "e.g. ar1=mirrorsd:method=ar:max-num-seqs=1 for the one-at-a-time server) or llama-server "
-                         "(its own flags; skipped with a note when no binary is found)")
+                         "(its own flags; skipped with a note when no binary is found); max-concurrency=N on any "
+                         "entry skips that server's levels above N")
     bs.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated concurrency levels")
     bs.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     bs.add_argument("--max-tokens", type=int, default=128, help="tokens of every answer (ignore_eos)")

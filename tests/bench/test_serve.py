@@ -23,10 +23,16 @@ def test_servers_parse_with_labels_kinds_and_flags():
     one = serve.parse_servers("serial=mirrorsd:method=ar:max-num-seqs=1,llama-server")
     assert one[0].flags == {"method": "ar", "max-num-seqs": "1"}
     assert (one[1].label, one[1].kind, one[1].flags) == ("llama-server", "llama-server", {})
+    capped = serve.parse_servers("ar1=mirrorsd:method=ar:max-num-seqs=1:max-concurrency=16")[0]
+    assert capped.flags == {"method": "ar", "max-num-seqs": "1"}  # (the sweep's own flag is not the server's)
+    assert capped.max_concurrency == 16 and capped.runs_at(16) and not capped.runs_at(32)
+    assert one[0].max_concurrency is None and one[0].runs_at(10**6)
 
 
 @pytest.mark.parametrize("text, message", [("vllm", "unknown server kind"), ("a=mirrorsd:method", "flag=value"),
-                                           ("a=mirrorsd,a=llama-server", "uniquely"), ("", "uniquely")])
+                                           ("a=mirrorsd,a=llama-server", "uniquely"), ("", "uniquely"),
+                                           ("a=mirrorsd:max-concurrency=0", "positive integer"),
+                                           ("a=mirrorsd:max-concurrency=x", "positive integer")])
 def test_bad_servers_are_refused(text, message):
     with pytest.raises(ValueError, match=message):
         serve.parse_servers(text)
@@ -57,11 +63,14 @@ def test_median_report_and_plot(tmp_path):
     runs = [{"tok_s": 10.0, "tpot_p50_ms": 50.0}, {"tok_s": 30.0, "tpot_p50_ms": 40.0}, {"tok_s": 20.0}]
     assert serve.median_of(runs) == {"tok_s": 20.0, "tpot_p50_ms": 45.0}
     results = {"machine": {"cpu": "test cpu", "cores": 2}, "target": "t", "levels": [1, 2], "rounds": 3,
-               "max_tokens": 16, "per_client": 2, "servers": {"ar": {"command": ["serve"]}},
+               "max_tokens": 16, "per_client": 2,
+               "servers": {"ar": {"command": ["serve"]}, "ar1": {"command": ["serve", "one"]}},
                "median": {"ar": {"1": {"tok_s": 12.5, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0},
-                                 "2": {"tok_s": 20.0, "tpot_p50_ms": 30.0}}}}
+                                 "2": {"tok_s": 20.0, "tpot_p50_ms": 30.0}},
+                          "ar1": {"1": {"tok_s": 11.0}}}}  # (ar1 skipped level 2: max-concurrency=1)
     text = serve.markdown(results)
-    assert "| 1 | 12.50 |" in text and "| 2 | 20.00 |" in text and "| 1 | 100 / 200 |" in text
+    assert "| 1 | 12.50 | 11.00 |" in text and "| 2 | 20.00 | – |" in text
+    assert "| 1 | 100 / 200 | – |" in text and "| 2 | – | – |" in text
     serve.plot(results, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
 
@@ -90,10 +99,12 @@ def test_the_sweep_runs_aiperf_against_real_servers(tmp_path):
     """The real thing on SmolLM2: our server in its own process, aiperf from its own environment (installed on
     first use), two levels; every request completes with its fixed-length answer."""
     out = tmp_path / "sweep"
-    assert main(["bench", "serve", "--target", "smollm2-135m", "--servers", "ar=mirrorsd:method=ar",
+    assert main(["bench", "serve", "--target", "smollm2-135m", "--servers",
+                 "ar=mirrorsd:method=ar,ar1=mirrorsd:method=ar:max-num-seqs=1:max-concurrency=1",
                  "--concurrency", "1,2", "--rounds", "1", "--max-tokens", "8", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     for level in (1, 2):
         (run,) = results["runs"]["ar"][str(level)]
         assert run["completed"] == 2 * level and run["tok_s"] > 0
+    assert list(results["runs"]["ar1"]) == ["1"] and results["runs"]["ar1"]["1"][0]["completed"] == 2
     assert (out / "throughput_latency.png").is_file() and "Aggregate output tok/s" in (out / "report.md").read_text()
