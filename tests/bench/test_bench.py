@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -427,6 +428,9 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     saved = tmp_path / "plan.json"
     monkeypatch.setattr(plan, "plan_path", lambda target, draft: saved)
     monkeypatch.setattr(plans, "plan_path", lambda target, draft: saved)
+    # (this checks the wiring, not the timings: one timed call per size, and fewer sizes, instead of five)
+    monkeypatch.setattr(plan, "measure_costs", functools.partial(plan.measure_costs, rounds=1, target_ks=(1, 4, 16),
+                                                                 draft_ks=(1, 4, 16, 64)))
     rc = main(["plan", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", "specbench:1",
                "--max-new-tokens", "8", "--json"])
     assert rc == 0
