@@ -28,6 +28,7 @@ from ..draft_vocab import default_size, draft_table_kind, subset_head
 from ..model import Transformer
 from ..sampling import Noise, SamplingParams, probabilities, sample
 from .registry import at_least, option
+from .ss.passes import DEFER_STREAMS
 
 SINK_TOKENS = 4  # first prompt tokens a ``context``-limited draft always keeps (StreamingLLM's attention sinks)
 
@@ -48,6 +49,13 @@ def draft_streams_option() -> Any:
                   "in one forward, so a window takes fewer draft forwards (the same tokens: its main stream "
                   "verifies). ADAPTER is a folder; alone, the draft's shipped adapter", parse=str, metavar="ADAPTER",
                   const="auto", default_text="an AR draft")
+
+
+def defer_streams_option() -> Any:
+    """When a Speculative Streaming pass runs its streams, shared by ``ss`` and ``sd``'s ``draft_streams``."""
+    return option("auto", "run the streams after verification, for the last accepted node only, instead of beside "
+                  "every tree node in the pass: never, always, or auto (on a CPU from 3 kept nodes up); the same "
+                  "bits either way", choices=DEFER_STREAMS)
 
 
 def streams_flag(value: Any) -> Any:

@@ -120,10 +120,10 @@ class StreamProposer(ModelProposer):
 
     def __init__(self, draft: Transformer, adapters: StreamAdapters, target_vocab: int, params: SamplingParams,
                  gamma: int, *, confidence: float = 0.0, rejection: bool = False, schedule: str = "constant",
-                 tree_k: int = DEFAULT_TREE_K, tree_budget: int = DEFAULT_TREE_BUDGET) -> None:
+                 tree_k: int = DEFAULT_TREE_K, tree_budget: int = DEFAULT_TREE_BUDGET, defer: str = "auto") -> None:
         super().__init__(draft, target_vocab, params, gamma, confidence=confidence, rejection=rejection,
                          schedule=schedule)
-        self.adapters, self.tree_k, self.tree_budget = adapters, tree_k, tree_budget
+        self.adapters, self.tree_k, self.tree_budget, self.defer = adapters, tree_k, tree_budget, defer
         self.stream_head = adapters.head(draft)  # the vocabulary the streams were trained on
 
     def propose(self, state: RequestState, window: int | None = None, streams: int | None = None) -> Proposal:
@@ -139,7 +139,7 @@ class StreamProposer(ModelProposer):
             depth = min(streams, window - len(tokens) - 1)
             tree = guesses.tree(depth, self.tree_budget)
             result = ss_pass(self.model, self.adapters, cache, trunk, tree, self.params, noise=sampler.noise,
-                             tree_k=self.tree_k, head=self.stream_head, streams=streams)
+                             tree_k=self.tree_k, head=self.stream_head, streams=streams, defer=self.defer)
             forwards += 1
             new = [*result.accepted, result.next_token]
             tokens += new

@@ -17,7 +17,14 @@ from typing import Any
 
 from ..verify import ACCEPTANCE_RULES
 from .bridge import BridgedProposer
-from .drafting import SINK_TOKENS, draft_streams_option, draft_vocab_option, draft_vocab_size, streams_flag
+from .drafting import (
+    SINK_TOKENS,
+    defer_streams_option,
+    draft_streams_option,
+    draft_vocab_option,
+    draft_vocab_size,
+    streams_flag,
+)
 from .engine import VERIFIERS, ChainScorer, DecodeRequest, Proposer, Roles
 from .proposers import SCHEDULES, ModelProposer, StreamProposer, check_draft
 from .registry import (
@@ -57,11 +64,14 @@ class SDOptions(MethodOptions):
     acceptance: str = option("match", "match: greedy / sample-and-match (the target's own tokens, as ar); "
                              "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
     draft_streams: Any = draft_streams_option()  # Mirror-SD paper Fig. 4's "SD × SS draft" cell
+    defer_streams: str = defer_streams_option()  # with draft_streams
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draft_streams", streams_flag(self.draft_streams))
 
     def check(self, shape: ModelShape | None) -> None:
+        if self.draft_streams is None and self.defer_streams != "auto":
+            raise OptionError("defer_streams", "applies to an SS draft: give draft_streams too")
         if self.draft_streams is not None and self.draft_vocab:
             raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams (the streams read the "
                               "vocabulary they were trained on)")
@@ -78,7 +88,8 @@ def model_proposer(req: DecodeRequest, opts: SDOptions, rejection: bool) -> Prop
             raise OptionError("draft_streams", "needs a draft sharing the target's tokenizer")
         check_draft(req.target, req.draft)
         return StreamProposer(req.draft, load_adapters(req.draft, opts.draft_streams), vocab, req.sampling,
-                              opts.gamma, confidence=opts.confidence, rejection=rejection, schedule=opts.schedule)
+                              opts.gamma, confidence=opts.confidence, rejection=rejection, schedule=opts.schedule,
+                              defer=opts.defer_streams)
     if req.bridge is None:
         check_draft(req.target, req.draft)
         return ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,

@@ -503,6 +503,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return ops().silu_mul(gate, up)
 
 
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``((x a^T) b^T) · scale`` over ``x``'s last dimension, fp32 (``cpu_elementwise.cpp``), row-local: a LoRA
+    adapter's delta as the C++ blocks add it to Speculative Streaming's stream rows."""
+    return ops().lora_delta(x.contiguous(), a.contiguous(), b.contiguous(), scale)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` ``[rows, T, heads, dim]`` with ``cos``/``sin`` ``[rows or 1, T, dim]``, returned
     as ``[rows, heads, T, dim]`` (attention's layout) in one call."""

@@ -31,25 +31,8 @@ constexpr int kTile = 6;          // queries of one kv head sharing each key loa
 constexpr int kValueRegisters = 24;  // zmm registers for a value tile's accumulators (the rest: loads)
 
 using mirrorsd::exp16;
-
-// Sixteen dot products summed at once: lane L of the result is the sum of acc[L]'s lanes. Every accumulator goes
-// through the same tree ((a_i + a_i+8) + (a_i+4 + a_i+12), then pairs), so a score does not depend on which slot
-// of which block it took: where a key or query sits in a tile cannot change its value. Slot L must hold what
-// lane kSlot[L] reports (the shuffles leave the sums in this order; kSlot is its own inverse).
-constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-
-inline __m512 sum16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int p = 0; p < 8; ++p)  // [a_p: lane i + lane i+8 (8 lanes) | a_p+8: the same]
-    b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[p], a[p + 8], 0x44), _mm512_shuffle_f32x4(a[p], a[p + 8], 0xEE));
-  for (int p = 0; p < 4; ++p)  // four lanes each of a_p, a_p+8, a_p+4, a_p+12
-    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[p], b[p + 4], 0x88), _mm512_shuffle_f32x4(b[p], b[p + 4], 0xDD));
-  for (int p = 0; p < 2; ++p)  // two lanes each, per 128-bit block: c_p's accumulator, then c_p+2's
-    d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[p], c[p + 2], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(c[p], c[p + 2], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+using mirrorsd::kSlot;
+using mirrorsd::sum16;
 
 // Scores of NQ queries (1 or 2) against 16 / NQ keys: each (query, key) pair accumulates over head_dim in order
 // in its own accumulator, then sum16. Two queries share each key load, one query shares its loads over 16 keys.

@@ -146,20 +146,25 @@ struct StreamLora {
   double scale[kLinears] = {};
 };
 
-// out [M, N] += the delta of linear `which` on its input in [M, K], for each part's stream rows. A part's stream rows
-// go through one pair of products, [rows * streams, K] high, as peft's modules take x[:, -count:]: a BLAS product's
-// bits can depend on its height, so a sequence gets the same bits alone or beside others.
+// out [M, N] += the delta of linear `which` on its input in [M, K], for each part's stream rows (lora_delta_rows: row
+// by row, the bits of mirrorsd.decoding.ss.adapters' delta outside training, whoever shares the call).
 void add_stream_delta(const StreamLora* lora, int64_t which, const float* in, int64_t K, float* out, int64_t N,
                       const std::vector<Part>& parts) {
   if (lora == nullptr) return;
+  static thread_local std::vector<float> delta, u;
+  const torch::Tensor& a = *lora->a[which];
+  const torch::Tensor& b = *lora->b[which];
+  u.resize(a.size(0));
   for (const Part& p : parts) {
     if (p.streams == 0) continue;
     const int64_t s = p.streams;
-    const auto all = torch::from_blob(const_cast<float*>(in) + p.offset * K, {p.rows, p.t, K}, torch::kFloat);
-    const torch::Tensor x = all.narrow(1, p.t - s, s).reshape({p.rows * s, K});  // a copy when rows > 1
-    const torch::Tensor delta =
-        at::mm(at::mm(x, lora->a[which]->t()), lora->b[which]->t()).mul_(lora->scale[which]).view({p.rows, s, N});
-    torch::from_blob(out + p.offset * N, {p.rows, p.t, N}, torch::kFloat).narrow(1, p.t - s, s).add_(delta);
+    delta.resize(s * N);
+    for (int64_t row = 0; row < p.rows; ++row) {
+      const int64_t first = p.offset + row * p.t + p.t - s;  // this row's stream rows, consecutive
+      mirrorsd::lora_delta_rows(in + first * K, s, K, a.data_ptr<float>(), a.size(0), b.data_ptr<float>(), N,
+                                static_cast<float>(lora->scale[which]), delta.data(), u.data());
+      mirrorsd::add_into(out + first * N, delta.data(), s * N);
+    }
   }
 }
 

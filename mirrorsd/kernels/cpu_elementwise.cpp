@@ -102,9 +102,56 @@ void add_into(float* x, const float* delta, int64_t n) {
   });
 }
 
+namespace {
+
+// Sixteen dot products of length n (lane L: row L of `rows`, rows past `count` left out) against `v`, masked tail.
+inline __m512 dots16(const float* rows, int64_t stride, int64_t count, const float* v, int64_t n) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = tail_mask(n - i);
+    const __m512 vv = _mm512_maskz_loadu_ps(mask, v + i);
+    for (int64_t j = 0; j < count; ++j)
+      acc[kSlot[j]] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, rows + j * stride + i), vv, acc[kSlot[j]]);
+  }
+  return sum16(acc);
+}
+
+}  // namespace
+
+void lora_delta_rows(const float* x, int64_t s, int64_t K, const float* A, int64_t r, const float* B, int64_t N,
+                     float scale, float* out, float* u) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t row = 0; row < s; ++row) {
+    for (int64_t j = 0; j < r; j += kLanes)  // u = x A^T
+      _mm512_mask_storeu_ps(u + j, tail_mask(r - j), dots16(A + j * K, K, std::min(kLanes, r - j), x + row * K, K));
+    for (int64_t n = 0; n < N; n += kLanes)  // out = (u B^T) * scale
+      _mm512_mask_storeu_ps(out + row * N + n, tail_mask(N - n),
+                            _mm512_mul_ps(dots16(B + n * r, r, std::min(kLanes, N - n), u, r), sv));
+  }
+}
+
 }  // namespace mirrorsd
 
 namespace {
+
+// ((x A^T) B^T) * scale over x's last dimension: the stream adapters' delta as the C++ blocks add it
+// (mirrorsd.decoding.ss.adapters uses it outside training, so the Python blocks give the same bits).
+torch::Tensor lora_delta(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b, double scale) {
+  check_rows(x, "lora_delta: x");
+  check_rows(a, "lora_delta: a");
+  check_rows(b, "lora_delta: b");
+  const int64_t K = x.size(-1), r = a.size(0), N = b.size(0);
+  TORCH_CHECK(a.dim() == 2 && a.size(1) == K && b.dim() == 2 && b.size(1) == r,
+              "lora_delta: a must be [rank, ", K, "] and b [out, rank]");
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  std::vector<float> u(r);
+  mirrorsd::lora_delta_rows(x.data_ptr<float>(), x.numel() / K, K, a.data_ptr<float>(), r, b.data_ptr<float>(), N,
+                            static_cast<float>(scale), y.data_ptr<float>(), u.data());
+  return y;
+}
 
 // y = weight * x / sqrt(mean(x^2) + eps), per row of the last dimension.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -150,10 +197,12 @@ TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("lora_delta(Tensor x, Tensor a, Tensor b, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("rope", rope);
   m.impl("silu_mul", silu_mul);
+  m.impl("lora_delta", lora_delta);
 }

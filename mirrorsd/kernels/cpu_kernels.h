@@ -133,6 +133,13 @@ void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n);
 // x [n] += delta (a residual connection: the same sums as ATen's x + delta).
 void add_into(float* x, const float* delta, int64_t n);
 
+// out [s, N] = ((x [s, K] A^T) B^T) * scale for A [r, K] and B [N, r] (fp32): a LoRA adapter's delta, each row on its
+// own in a fixed order (sixteen dots at a time through sum16), so a row's bits do not depend on the others. The
+// Speculative Streaming stream rows take it after each base product; ATen's two tiny products per projection cost
+// more in dispatch than in arithmetic (~2 ms of a 0.5B pass). u: scratch for r floats.
+void lora_delta_rows(const float* x, int64_t s, int64_t K, const float* A, int64_t r, const float* B, int64_t N,
+                     float scale, float* out, float* u);
+
 // Exact integer dots of a weight group: per int32 lane, the sum over its steps of 4 u8 codes (at most kMaxCode) times
 // 4 s8 activations (|a| <= 127). AVX-512 VNNI adds each step into the int32 lanes (vpdpbusd). AVX2 has no such
 // instruction: vpmaddubsw's int16 pair sums (2 * kMaxCode * 127 at most) add up in int16 for as many steps as
@@ -157,6 +164,25 @@ struct CodeDots {
   }
 #endif
 };
+
+// Sixteen dot products summed at once: lane L of the result is the sum of acc[L]'s lanes. Every accumulator goes
+// through the same tree ((a_i + a_i+8) + (a_i+4 + a_i+12), then pairs), so a score does not depend on which slot
+// of which block it took: where a key or query sits in a tile cannot change its value. Slot L must hold what
+// lane kSlot[L] reports (the shuffles leave the sums in this order; kSlot is its own inverse).
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int p = 0; p < 8; ++p)  // [a_p: lane i + lane i+8 (8 lanes) | a_p+8: the same]
+    b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[p], a[p + 8], 0x44), _mm512_shuffle_f32x4(a[p], a[p + 8], 0xEE));
+  for (int p = 0; p < 4; ++p)  // four lanes each of a_p, a_p+8, a_p+4, a_p+12
+    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[p], b[p + 4], 0x88), _mm512_shuffle_f32x4(b[p], b[p + 4], 0xDD));
+  for (int p = 0; p < 2; ++p)  // two lanes each, per 128-bit block: c_p's accumulator, then c_p+2's
+    d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[p], c[p + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[p], c[p + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 
 // exp on 16 lanes, ~1.5 ulp (the polynomial of ggml's ggml_v_expf, MIT licence). Elementwise: a lane's value does
 // not depend on its neighbours, so where an element sits in a vector cannot change its result.

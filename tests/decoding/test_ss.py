@@ -231,14 +231,15 @@ def test_stream_rows_of_two_rows_in_the_cpp_blocks_give_the_python_blocks_bits(e
     prompt=st.lists(st.integers(0, 63), min_size=1, max_size=10),
     max_new=st.integers(1, 24),
     adapter_seed=st.integers(0, 3),
+    defer=st.sampled_from(streaming.DEFER_STREAMS),
 )
 def test_ss_equals_ar_on_row_exact_models(exact_model, streams, layers, tree_k, depth, threshold, budget,
-                                          temperature, seed, prompt, max_new, adapter_seed):
+                                          temperature, seed, prompt, max_new, adapter_seed, defer):
     adapters = random_adapters(exact_model, streams, layers, adapter_seed, std=0.1)
     kwargs = {"temperature": temperature, "seed": seed, "max_new_tokens": max_new}
     want = generate(exact_model, prompt, method="ar", **kwargs)
     got = generate(exact_model, prompt, method="ss", streams=adapters, tree_k=tree_k, depth=depth,
-                   threshold=threshold, tree_budget=budget, **kwargs)
+                   threshold=threshold, tree_budget=budget, defer_streams=defer, **kwargs)
     assert got.token_ids == want.token_ids
     x = got.stats.extra["ss"]
     if budget:
@@ -430,6 +431,41 @@ def test_fewer_streams_are_the_first_streams_of_the_full_pass(exact_model, strea
                            full.out[0, m + node * 3: m + node * 3 + streams])
 
 
+@pytest.mark.parametrize("budget, threshold", [(6, 0.0), (6, 0.3), (2, 0.0), (0, 0.0)])
+def test_deferred_streams_give_the_one_pass_bits(exact_model, budget, threshold):
+    """Streams after verification (the last accepted node's only, over the cache compacted to the accepted path) see
+    the keys they see beside every node in one pass, in the same order: the same next tree bit for bit, the same
+    main logits and the same cache, whatever was accepted and pruned."""
+    model = exact_model
+    adapters = random_adapters(model, streams=3, layers=2, std=0.1)
+    prompt = [5, 17, 3, 44]
+    future = generate(model, prompt, method="ar", max_new_tokens=4).token_ids
+    params = SamplingParams()
+    for accepted in (0, 1, 3):  # the oracle's first `accepted` levels are right, then decoys
+        levels = [[future[g] if g < accepted else (future[g] + 1) % 64, (future[g] + 2) % 64] for g in range(3)]
+        guesses = streaming.StreamGuesses(levels, [[-0.2, -1.0]] * 3)
+        runs = {}
+        with torch.inference_mode():
+            for defer in ("never", "always"):
+                cache = model.new_cache()
+                model.prefill(torch.tensor([prompt[:-1]]), cache)
+                result = streaming.ss_pass(model, adapters, cache, [prompt[-1]], guesses.tree(3, budget), params,
+                                           threshold=threshold, defer=defer)
+                runs[defer] = result, cache
+        (one, one_cache), (deferred, deferred_cache) = runs["never"], runs["always"]
+        assert len(one.accepted) == (min(accepted, budget) if budget else accepted) or threshold
+        assert (one.accepted, one.next_token) == (deferred.accepted, deferred.next_token)
+        assert one.candidates == deferred.candidates  # tokens and log-probabilities, exactly
+        assert torch.equal(one.path_logits, deferred.path_logits) and _same_cache(one_cache, deferred_cache)
+
+
+def test_deferring_is_a_cpu_rule_for_trees_of_three_nodes_and_more():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert streaming.defers("auto", 3, 2, cpu) and not streaming.defers("auto", 2, 3, cpu)
+    assert not streaming.defers("auto", 4, 1, cpu) and not streaming.defers("auto", 8, 3, cuda)
+    assert streaming.defers("always", 1, 1, cuda) and not streaming.defers("never", 8, 3, cpu)
+
+
 def test_sd_with_ss_draft_equals_ar_with_the_ar_drafts_windows_in_fewer_forwards():
     """Fig. 4's SD × SS-draft cell: ``sd`` drafting with the draft's streams proposes the AR draft's windows (its
     main stream verifies each pass), so acceptance is unchanged and the tokens are ar's."""
@@ -440,12 +476,15 @@ def test_sd_with_ss_draft_equals_ar_with_the_ar_drafts_windows_in_fewer_forwards
         sd = {"draft": draft, "gamma": 6, "confidence": 0.0, "suffix_match": 0, "draft_context": 0, **kwargs}
         want = generate(target, [7, 8, 9], method="ar", **kwargs)
         plain = generate(target, [7, 8, 9], method="sd", **sd)
-        got = generate(target, [7, 8, 9], method="sd", draft_streams=adapters, **sd)
-        assert got.token_ids == want.token_ids == plain.token_ids
-        assert got.stats.accepted == plain.stats.accepted and got.stats.drafted == plain.stats.drafted
-        assert got.stats.draft_forwards <= plain.stats.draft_forwards
+        for defer in ("never", "always"):
+            got = generate(target, [7, 8, 9], method="sd", draft_streams=adapters, defer_streams=defer, **sd)
+            assert got.token_ids == want.token_ids == plain.token_ids
+            assert got.stats.accepted == plain.stats.accepted and got.stats.drafted == plain.stats.drafted
+            assert got.stats.draft_forwards <= plain.stats.draft_forwards
     with pytest.raises(mirrorsd.decoding.OptionError, match="draft_vocab"):
         generate(target, [7, 8, 9], method="sd", draft=draft, draft_streams=adapters, draft_vocab=16)
+    with pytest.raises(mirrorsd.decoding.OptionError, match="defer_streams"):
+        generate(target, [7, 8, 9], method="sd", draft=draft, defer_streams="always")
 
 
 def test_mirror_with_ss_draft_equals_ar_and_keeps_parity_with_sd():

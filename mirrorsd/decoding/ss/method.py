@@ -21,6 +21,7 @@ from ...draft_vocab import SubsetHead
 from ...exit_heads import tuned_exit
 from ...model import Transformer
 from ...verify import Verdict
+from ..drafting import defer_streams_option
 from ..engine import ChainScorer, DecodeRequest, Proposal, RequestState, Roles, Scores, match
 from ..registry import (
     Method,
@@ -69,6 +70,7 @@ class SSOptions(MethodOptions):
     stream_vocab: int | None = option(None, "read stream rows and the pruning exit through the N most frequent token "
                                       "ids only (0: the full vocabulary)", parse=int, check=at_least(0),
                                       default_text="the adapter's training vocabulary")
+    defer_streams: str = defer_streams_option()
     suffix_match: int = suffix_match_option()
 
     def check(self, shape: ModelShape | None) -> None:
@@ -126,14 +128,15 @@ class StreamTreeScorer(ChainScorer):
     """The fused pass over ``[last committed] + tree``; commit compacts the cache to the accepted path."""
 
     def __init__(self, model: Transformer, adapters: StreamAdapters, threshold: float, stats: SSStats,
-                 head: SubsetHead | None, prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 head: SubsetHead | None, prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 defer: str = "never") -> None:
         super().__init__(model)
         self.adapters, self.threshold, self.stats, self.head = adapters, threshold, stats, head
-        self.prune_exit = prune_exit
+        self.prune_exit, self.defer = prune_exit, defer
 
     def score(self, state: RequestState, draft: Proposal) -> TreeScores:
         forward = fused_forward(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
-                                self.threshold, self.head, self.prune_exit)
+                                self.threshold, self.head, self.prune_exit, defer=self.defer)
         self.stats.tree_before.append(forward.nodes)
         self.stats.tree_after.append(len(forward.kept))
         return TreeScores(forward.main_logits, forward.draft, forward=forward)
@@ -165,7 +168,8 @@ class StreamGuessProposer:
         return self.candidates.tree(min(self.depth, state.room), budget)
 
     def feedback(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
-        self.candidates = next_guesses(self.model, self.adapters, scores.forward, verdict, self.tree_k, self.head)
+        self.candidates = next_guesses(self.model, self.adapters, scores.forward, verdict, self.tree_k, self.head,
+                                       state.target_cache)
 
 
 def build(req: DecodeRequest, opts: SSOptions) -> Roles:
@@ -191,17 +195,21 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
 
     def log(scores: TreeScores, verdict: Verdict) -> dict[str, Any]:
         return {"tree": scores.forward.nodes, "kept": len(scores.forward.kept), "streams": streams,
-                "top_fraction": top_fraction, **(proposer.log(scores, verdict) if lookup else {})}
+                "deferred": scores.forward.deferred is not None, "top_fraction": top_fraction,
+                **(proposer.log(scores, verdict) if lookup else {})}
 
-    scorer = StreamTreeScorer(req.target, adapters, opts.threshold, stats, head, prune_exit)
+    scorer = StreamTreeScorer(req.target, adapters, opts.threshold, stats, head, prune_exit, opts.defer_streams)
     return Roles(proposer, scorer, match, gamma=window,
                  log=log, close=lookup.close if lookup else None)
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: SSOptions) -> float:
-    """The whole tree runs the bottom layers; the kept nodes and their streams run the top N_s layers."""
-    top = step["top_fraction"]
-    return (1 - top) * costs.target(step["tree"]) + top * costs.target(step["kept"] * (1 + step["streams"]))
+    """The whole tree runs the bottom layers; the kept nodes and their streams run the top N_s layers (deferred: the
+    kept nodes, then one node's streams in a second call)."""
+    top, kept, streams = step["top_fraction"], step["kept"], step["streams"]
+    if step.get("deferred"):
+        return (1 - top) * costs.target(step["tree"]) + top * (costs.target(kept) + costs.target(streams))
+    return (1 - top) * costs.target(step["tree"]) + top * costs.target(kept * (1 + streams))
 
 
 def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
@@ -216,11 +224,9 @@ def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
     if not runs:
         return []
     stats = [run.extra[method.name] for run in runs]
-    first = runs[0].step_log[0]
-    step = {"tree": fmean(n for s in stats for n in s.tree_before),
-            "kept": fmean(n for s in stats for n in s.tree_after), "streams": int(first["streams"]),
-            "top_fraction": first["top_fraction"]}
-    return [Priced({}, fmean(c for s in stats for c in s.committed), method.price(inputs.costs, step))]
+    steps = [step for run in runs for step in run.step_log]
+    return [Priced({}, fmean(c for s in stats for c in s.committed),
+                   fmean(method.price(inputs.costs, step) for step in steps))]
 
 
 register("ss", "Speculative Streaming: one model with stream adapters verifies a tree and drafts the next in one "

@@ -27,7 +27,7 @@ from ...model import Transformer
 from ...sampling import Noise, SamplingParams
 from ...verify import Verdict, verify_tree
 from ..engine import Proposal, draft_tokens
-from .adapters import StreamAdapters, msa_mask
+from .adapters import StreamAdapters, msa_mask, stream_mask
 
 DEFAULT_TREE_K = 3  # PMLR: γ = 3, k = 3 (a 40-node tree)
 DEFAULT_TREE_BUDGET = 3  # the most likely nodes of that tree a pass runs (0: all); 2-4 measured alike, 6 slower
@@ -110,10 +110,12 @@ class TreeForward:
     trunk: int  # trunk length (the root is node ``trunk - 1``)
     nodes: int  # tree size before pruning, trunk included
     kept: list[int]  # surviving nodes in order (the trunk always survives); their rows in ``out``
-    out: torch.Tensor  # [1, m + m·γ, d]: main rows of the kept nodes, then their stream rows
+    out: torch.Tensor  # [1, m + m·γ, d]: main rows of the kept nodes, then their stream rows (none when deferred)
     main_logits: torch.Tensor  # [m - root, vocab]: main logits from the root on
     draft: Proposal  # the surviving tree below the root, aligned with main_logits rows 1..
     streams: int  # stream rows per kept node (the adapters' streams, or the first of them)
+    positions: torch.Tensor | None = None  # [m] the kept nodes' positions
+    deferred: torch.Tensor | None = None  # [1, m, d] kept nodes' states at layer N - N_s: streams run after compaction
 
     @property
     def root_row(self) -> int:
@@ -127,12 +129,13 @@ class TreeForward:
 def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
                   threshold: float = 0.0, head: SubsetHead | None = None,
                   prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  streams: int | None = None) -> TreeForward:
+                  streams: int | None = None, defer: str = "never") -> TreeForward:
     """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows. ``head``: the
     restricted vocabulary the pruning exit reads (a token outside it has probability 0). ``prune_exit``: a tuned
     exit's translator for layer ``N - N_s`` to score edges with instead of the adapter's o_θ. ``streams``: run only
     the first of the adapters' streams (stream ``j`` sees streams ``1..j`` alone, so they are what they are with
-    all of them: fewer rows when a batch has few to spare)."""
+    all of them: fewer rows when a batch has few to spare). ``defer`` (:data:`DEFER_STREAMS`): run the top layers
+    over the main rows only, and only the last accepted node's streams after compaction (:func:`next_guesses`)."""
     device = model.device
     past = len(cache)
     root = len(trunk) - 1
@@ -169,23 +172,58 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
 
     m, n_streams = len(kept), min(streams or adapters.config.streams, adapters.config.streams)
     sub = torch.tensor(kept, device=device)
-    x = adapters.insert(hidden[:, sub], n_streams)
-    up_positions = torch.cat([positions[sub], positions[sub].repeat_interleave(n_streams)])[None]
-    up_mask = msa_mask(anc[sub][:, sub], past, n_streams)
-    out = model.run_layers(x, up_positions, cache, up_mask, split, None, streams=adapters.rows(m * n_streams))
+    deferred = None
+    if defers(defer, m, n_streams, device):
+        deferred = hidden[:, sub]
+        main_mask = torch.cat([torch.ones(m, past, dtype=torch.bool, device=device), anc[sub][:, sub]], 1)[None]
+        out = model.run_layers(deferred, positions[sub][None], cache, main_mask, split, None)
+    else:
+        x = adapters.insert(hidden[:, sub], n_streams)
+        up_positions = torch.cat([positions[sub], positions[sub].repeat_interleave(n_streams)])[None]
+        up_mask = msa_mask(anc[sub][:, sub], past, n_streams)
+        out = model.run_layers(x, up_positions, cache, up_mask, split, None, streams=adapters.rows(m * n_streams))
     where = {node: r for r, node in enumerate(kept)}
     below = kept[len(trunk):]
     draft = Proposal([tokens[i] for i in below],
                   [-1 if parents[i] == root else where[parents[i]] - len(trunk) for i in below])
-    return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m]), draft, n_streams)
+    return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m]), draft, n_streams, positions[sub],
+                       deferred)
+
+
+DEFER_STREAMS = ("auto", "always", "never")
+
+
+def defers(defer: str, kept: int, streams: int, device: torch.device) -> bool:
+    """Whether a pass runs its streams after verification. One pass carries ``kept · (1 + γ)`` rows through the top
+    layers; deferred, ``kept`` rows and then γ rows in a second call, which reads those layers' weights again. A
+    GPU's row curve is flat, so one call wins there; on a CPU rows cost (16 rows ~3x one on AVX-512, ~6x on AVX2,
+    ``docs/benchmarks.md``), and ``auto`` defers from 3 kept nodes up, where the rows saved outweigh the second read
+    (measured in ``docs/speculative_streaming.md``, "Streams after verification")."""
+    if defer == "auto":
+        return device.type == "cpu" and kept >= 3 and streams > 1
+    return defer == "always"
 
 
 def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForward, verdict: Verdict,
-                    tree_k: int, head: SubsetHead | None = None) -> StreamGuesses:
-    """Top-k of streams 1..γ at the last accepted node (over ``head``'s ids when given): the next tree."""
+                    tree_k: int, head: SubsetHead | None = None, cache: KVCache | None = None) -> StreamGuesses:
+    """Top-k of streams 1..γ at the last accepted node (over ``head``'s ids when given): the next tree. A deferred
+    pass runs that node's stream rows now, over ``cache`` compacted to the accepted path (the node is its last
+    entry, and a stream sees what its node sees)."""
     n_streams, m = forward.streams, len(forward.kept)
     last = forward.trunk + verdict.nodes[-1] if verdict.accepted else forward.root_row
-    logits, ids = head_logits(model, forward.out[0, m + last * n_streams: m + (last + 1) * n_streams], head)
+    if forward.deferred is not None:
+        if cache is None:
+            raise ValueError("a deferred pass reads its streams over the compacted cache: pass it")
+        length, device = len(cache), forward.deferred.device
+        x = adapters.insert(forward.deferred[:, [last]], n_streams)[:, 1:]
+        mask = stream_mask(torch.ones(1, length, dtype=torch.bool, device=device),
+                           torch.zeros(1, dtype=torch.long, device=device), n_streams)[:, 1:]
+        positions = forward.positions[last].expand(1, n_streams)
+        rows = model.run_layers(x, positions, cache, mask, adapters.first_layer, None,
+                                streams=adapters.rows(n_streams))[0]
+    else:
+        rows = forward.out[0, m + last * n_streams: m + (last + 1) * n_streams]
+    logits, ids = head_logits(model, rows, head)
     logprobs, tokens = top_tokens(logits, ids, tree_k)
     return StreamGuesses(tokens.tolist(), logprobs.float().tolist())
 
@@ -211,14 +249,14 @@ class PassResult:
 
 def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
             params: SamplingParams, *, noise: int = Noise.TARGET, threshold: float = 0.0,
-            tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None, streams: int | None = None) -> PassResult:
-    """One self-verified pass: verify ``tree`` under ``trunk[-1]``, draft the next one, compact (``streams``: the
-    first of the adapters' streams only, see :func:`fused_forward`)."""
-    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head, streams=streams)
+            tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None, streams: int | None = None,
+            defer: str = "never") -> PassResult:
+    """One self-verified pass: verify ``tree`` under ``trunk[-1]``, compact, draft the next one (``streams``: the
+    first of the adapters' streams only; ``defer``: see :func:`fused_forward`)."""
+    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head, streams=streams, defer=defer)
     verdict = verify_tree(forward.draft.tokens, forward.draft.parents, forward.main_logits,
                           forward.past + forward.trunk, params, noise)
     chose = [0, *(i + 1 for i in verdict.nodes)]
-    result = PassResult([forward.draft.tokens[i] for i in verdict.nodes], verdict.next_token,
-                        next_guesses(model, adapters, forward, verdict, tree_k, head), forward.main_logits[chose])
     compact(model, adapters, cache, forward, verdict)
-    return result
+    return PassResult([forward.draft.tokens[i] for i in verdict.nodes], verdict.next_token,
+                      next_guesses(model, adapters, forward, verdict, tree_k, head, cache), forward.main_logits[chose])
