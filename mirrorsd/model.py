@@ -118,8 +118,8 @@ class SSDeltas(Protocol):
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor: ...
 
     def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """The adapter of one projection as fp32 ``(A [rank, in], B [out, rank], scale)``: what the C++ blocks add
-        to stream rows (``delta`` is ``(x A^T) B^T · scale``)."""
+        """The adapter of one projection as fp32 ``(A [rank, in], B^T [rank, out], scale)``: what the C++ blocks
+        add to stream rows (``delta`` is ``(x A^T) B^T · scale``)."""
         ...
 
 

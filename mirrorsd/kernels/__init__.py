@@ -503,10 +503,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return ops().silu_mul(gate, up)
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``((x a^T) b^T) · scale`` over ``x``'s last dimension, fp32 (``cpu_elementwise.cpp``), row-local: a LoRA
-    adapter's delta as the C++ blocks add it to Speculative Streaming's stream rows."""
-    return ops().lora_delta(x.contiguous(), a.contiguous(), b.contiguous(), scale)
+def lora_delta(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: float) -> torch.Tensor:
+    """``((x a^T) b^T) · scale`` over ``x``'s last dimension, given ``bt`` = b^T ``[rank, out]``, fp32
+    (``cpu_elementwise.cpp``), row-local: a LoRA adapter's delta as the C++ blocks add it to Speculative Streaming's
+    stream rows."""
+    return ops().lora_delta(x.contiguous(), a.contiguous(), bt.contiguous(), scale)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

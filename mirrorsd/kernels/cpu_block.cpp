@@ -142,7 +142,7 @@ struct Part {
 // weights, so the target's own tokens cannot change.
 struct StreamLora {
   const torch::Tensor* a[kLinears] = {};  // [rank, K] fp32
-  const torch::Tensor* b[kLinears] = {};  // [N, rank] fp32
+  const torch::Tensor* b[kLinears] = {};  // B^T [rank, N] fp32
   double scale[kLinears] = {};
 };
 
@@ -153,15 +153,15 @@ void add_stream_delta(const StreamLora* lora, int64_t which, const float* in, in
   if (lora == nullptr) return;
   static thread_local std::vector<float> delta, u;
   const torch::Tensor& a = *lora->a[which];
-  const torch::Tensor& b = *lora->b[which];
-  u.resize(a.size(0));
+  const torch::Tensor& bt = *lora->b[which];
   for (const Part& p : parts) {
     if (p.streams == 0) continue;
     const int64_t s = p.streams;
     delta.resize(s * N);
+    u.resize(s * a.size(0));
     for (int64_t row = 0; row < p.rows; ++row) {
       const int64_t first = p.offset + row * p.t + p.t - s;  // this row's stream rows, consecutive
-      mirrorsd::lora_delta_rows(in + first * K, s, K, a.data_ptr<float>(), a.size(0), b.data_ptr<float>(), N,
+      mirrorsd::lora_delta_rows(in + first * K, s, K, a.data_ptr<float>(), a.size(0), bt.data_ptr<float>(), N,
                                 static_cast<float>(lora->scale[which]), delta.data(), u.data());
       mirrorsd::add_into(out + first * N, delta.data(), s * N);
     }
@@ -249,9 +249,10 @@ StreamLora bind_lora(const QuantBlock& b, size_t i, const std::vector<torch::Ten
     const torch::Tensor &a = lora_a[i * kLinears + j], &bm = lora_b[i * kLinears + j];
     const mirrorsd::QuantWeight& w = b.linears[j].checked;
     TORCH_CHECK(a.scalar_type() == torch::kFloat && bm.scalar_type() == torch::kFloat && a.dim() == 2 && bm.dim() == 2 &&
-                    a.size(1) == w.K && bm.size(0) == w.N && bm.size(1) == a.size(0),
-                "stream_blocks_forward: adapter ", j, " of block ", i, " must be fp32 A [rank, ", w.K, "] and B [", w.N,
-                ", rank]");
+                    a.is_contiguous() && bm.is_contiguous() && a.size(1) == w.K && bm.size(1) == w.N &&
+                    bm.size(0) == a.size(0),
+                "stream_blocks_forward: adapter ", j, " of block ", i, " must be contiguous fp32 A [rank, ", w.K,
+                "] and B^T [rank, ", w.N, "]");
     lora.a[j] = &a;
     lora.b[j] = &bm;
     lora.scale[j] = lora_scale[i * kLinears + j];

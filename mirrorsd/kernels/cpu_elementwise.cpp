@@ -119,36 +119,56 @@ inline __m512 dots16(const float* rows, int64_t stride, int64_t count, const flo
 
 }  // namespace
 
-void lora_delta_rows(const float* x, int64_t s, int64_t K, const float* A, int64_t r, const float* B, int64_t N,
+void lora_delta_rows(const float* x, int64_t s, int64_t K, const float* A, int64_t r, const float* Bt, int64_t N,
                      float scale, float* out, float* u) {
+  constexpr int64_t kGrainMacs = 262144;  // ~25 us on one core: below it a parallel region costs more than it saves
+  parallel_rows(s, std::max<int64_t>(1, kGrainMacs / (K * r)), [=](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)  // u = x A^T
+      for (int64_t j = 0; j < r; j += kLanes)
+        _mm512_mask_storeu_ps(u + row * r + j, tail_mask(r - j),
+                              dots16(A + j * K, K, std::min(kLanes, r - j), x + row * K, K));
+  });
+  constexpr int64_t kRows = 8;  // rows sharing each load of Bt (their accumulators stay in registers)
   const __m512 sv = _mm512_set1_ps(scale);
-  for (int64_t row = 0; row < s; ++row) {
-    for (int64_t j = 0; j < r; j += kLanes)  // u = x A^T
-      _mm512_mask_storeu_ps(u + j, tail_mask(r - j), dots16(A + j * K, K, std::min(kLanes, r - j), x + row * K, K));
-    for (int64_t n = 0; n < N; n += kLanes)  // out = (u B^T) * scale
-      _mm512_mask_storeu_ps(out + row * N + n, tail_mask(N - n),
-                            _mm512_mul_ps(dots16(B + n * r, r, std::min(kLanes, N - n), u, r), sv));
-  }
+  const int64_t blocks = (N + kLanes - 1) / kLanes;
+  parallel_rows(blocks, std::max<int64_t>(1, kGrainMacs / (kLanes * r * s)), [=](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < s; first += kRows) {
+      const int64_t rows = std::min(kRows, s - first);
+      for (int64_t n = begin * kLanes; n < std::min(N, end * kLanes); n += kLanes) {  // out = (u Bt) * scale
+        const __mmask16 mask = tail_mask(N - n);
+        __m512 acc[kRows];
+        for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < r; ++j) {
+          const __m512 b = _mm512_maskz_loadu_ps(mask, Bt + j * N + n);
+          for (int64_t i = 0; i < rows; ++i)
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(u[(first + i) * r + j]), b, acc[i]);
+        }
+        for (int64_t i = 0; i < rows; ++i)
+          _mm512_mask_storeu_ps(out + (first + i) * N + n, mask, _mm512_mul_ps(acc[i], sv));
+      }
+    }
+  });
 }
 
 }  // namespace mirrorsd
 
 namespace {
 
-// ((x A^T) B^T) * scale over x's last dimension: the stream adapters' delta as the C++ blocks add it
+// ((x A^T) B^T) * scale over x's last dimension, given B^T: the stream adapters' delta as the C++ blocks add it
 // (mirrorsd.decoding.ss.adapters uses it outside training, so the Python blocks give the same bits).
-torch::Tensor lora_delta(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b, double scale) {
+torch::Tensor lora_delta(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt, double scale) {
   check_rows(x, "lora_delta: x");
   check_rows(a, "lora_delta: a");
-  check_rows(b, "lora_delta: b");
-  const int64_t K = x.size(-1), r = a.size(0), N = b.size(0);
-  TORCH_CHECK(a.dim() == 2 && a.size(1) == K && b.dim() == 2 && b.size(1) == r,
-              "lora_delta: a must be [rank, ", K, "] and b [out, rank]");
+  check_rows(bt, "lora_delta: bt");
+  const int64_t K = x.size(-1), r = a.size(0), N = bt.size(-1);
+  TORCH_CHECK(a.dim() == 2 && a.size(1) == K && bt.dim() == 2 && bt.size(0) == r,
+              "lora_delta: a must be [rank, ", K, "] and bt [rank, out]");
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
-  std::vector<float> u(r);
-  mirrorsd::lora_delta_rows(x.data_ptr<float>(), x.numel() / K, K, a.data_ptr<float>(), r, b.data_ptr<float>(), N,
+  const int64_t s = x.numel() / K;
+  std::vector<float> u(s * r);
+  mirrorsd::lora_delta_rows(x.data_ptr<float>(), s, K, a.data_ptr<float>(), r, bt.data_ptr<float>(), N,
                             static_cast<float>(scale), y.data_ptr<float>(), u.data());
   return y;
 }
@@ -197,7 +217,7 @@ TORCH_LIBRARY_FRAGMENT(mirrorsd, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
-  m.def("lora_delta(Tensor x, Tensor a, Tensor b, float scale) -> Tensor");
+  m.def("lora_delta(Tensor x, Tensor a, Tensor bt, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mirrorsd, CPU, m) {

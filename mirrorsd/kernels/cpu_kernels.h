@@ -133,11 +133,12 @@ void silu_mul_rows(const float* gate, const float* up, float* y, int64_t n);
 // x [n] += delta (a residual connection: the same sums as ATen's x + delta).
 void add_into(float* x, const float* delta, int64_t n);
 
-// out [s, N] = ((x [s, K] A^T) B^T) * scale for A [r, K] and B [N, r] (fp32): a LoRA adapter's delta, each row on its
-// own in a fixed order (sixteen dots at a time through sum16), so a row's bits do not depend on the others. The
-// Speculative Streaming stream rows take it after each base product; ATen's two tiny products per projection cost
-// more in dispatch than in arithmetic (~2 ms of a 0.5B pass). u: scratch for r floats.
-void lora_delta_rows(const float* x, int64_t s, int64_t K, const float* A, int64_t r, const float* B, int64_t N,
+// out [s, N] = ((x [s, K] A^T) B^T) * scale for A [r, K] and Bt = B^T [r, N] (fp32): a LoRA adapter's delta, each
+// row in a fixed order of its own (u = x A^T sixteen dots at a time through sum16, then out = sum over j of u_j Bt_j,
+// FMA by FMA), so a row's bits do not depend on the other rows. The Speculative Streaming stream rows take it after
+// each base product: ATen's two tiny products per projection cost more in dispatch than in arithmetic (~2 ms of a
+// 0.5B pass), and rows share each load of Bt here. u: scratch for s * r floats.
+void lora_delta_rows(const float* x, int64_t s, int64_t K, const float* A, int64_t r, const float* Bt, int64_t N,
                      float scale, float* out, float* u);
 
 // Exact integer dots of a weight group: per int32 lane, the sum over its steps of 4 u8 codes (at most kMaxCode) times

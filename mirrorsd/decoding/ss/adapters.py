@@ -97,6 +97,7 @@ class StreamAdapters(nn.Module):
                                                               r=config.rank, lora_alpha=config.alpha)
         self.prune = PruneAdapter(hidden, config.prune_rank).to(model.device)
         self.cpu_op = model.device.type == "cpu" and kernels.available()  # :meth:`delta`'s C++ path
+        self._transposed: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}  # :meth:`weights`' B^T
         for module in self.lora.values():
             module.base_layer.requires_grad_(False)  # the wrapped base layers stay frozen
             module.lora_A.float()  # the trained parts stay fp32 whatever dtype the base runs in
@@ -110,13 +111,20 @@ class StreamAdapters(nn.Module):
         lora = self.lora[f"{layer}_{name}"]
         down = lora.lora_A["default"]
         if self.cpu_op and not torch.is_grad_enabled() and x.device.type == "cpu":
-            return kernels.lora_delta(x.to(down.weight.dtype), down.weight, lora.lora_B["default"].weight,
-                                      float(lora.scaling["default"]))
+            return kernels.lora_delta(x.to(down.weight.dtype), *self.weights(layer, name))
         return lora.lora_B["default"](down(x.to(down.weight.dtype))) * lora.scaling["default"]
 
     def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        lora = self.lora[f"{layer}_{name}"]
-        return lora.lora_A["default"].weight, lora.lora_B["default"].weight, float(lora.scaling["default"])
+        """``(A, B^T, scale)``: B^T is kept transposed beside the adapter (the C++ rows share its loads), made again
+        when training has changed B."""
+        key = f"{layer}_{name}"
+        lora = self.lora[key]
+        b = lora.lora_B["default"].weight
+        stamp = (b.data_ptr(), b._version)
+        cached = self._transposed.get(key)
+        if cached is None or cached[0] != stamp:
+            cached = self._transposed[key] = (stamp, b.detach().t().contiguous())
+        return lora.lora_A["default"].weight, cached[1], float(lora.scaling["default"])
 
     def rows(self, count: int) -> SSRows:
         return SSRows(count, self)
