@@ -63,7 +63,9 @@ class Pair:
 
     def tokens(self, r: Req) -> list[int]:
         needs_draft = next(m for m in methods() if m.name == r.method).needs_draft
-        options = {"streams": self.adapters} if r.method == "ss" else {}
+        # ss: streams in the pass or after verification (a second, stream-only window through the batcher)
+        options = {"streams": self.adapters, "defer_streams": ("never", "always")[r.seed % 2]} if r.method == "ss" \
+            else {}
         with isolated_shared_indexes():  # (see the module docstring)
             return self._tokens(r, needs_draft, options)
 

@@ -114,7 +114,7 @@ class TreeForward:
     main_logits: torch.Tensor  # [m - root, vocab]: main logits from the root on
     draft: Proposal  # the surviving tree below the root, aligned with main_logits rows 1..
     streams: int  # stream rows per kept node (the adapters' streams, or the first of them)
-    positions: torch.Tensor | None = None  # [m] the kept nodes' positions
+    positions: torch.Tensor  # [m] the kept nodes' positions
     deferred: torch.Tensor | None = None  # [1, m, d] kept nodes' states at layer N - N_s: streams run after compaction
 
     @property
@@ -198,7 +198,8 @@ def defers(defer: str, kept: int, streams: int, device: torch.device) -> bool:
     layers; deferred, ``kept`` rows and then γ rows in a second call, which reads those layers' weights again. A
     GPU's row curve is flat, so one call wins there; on a CPU rows cost (16 rows ~3x one on AVX-512, ~6x on AVX2,
     ``docs/benchmarks.md``), and ``auto`` defers from 3 kept nodes up, where the rows saved outweigh the second read
-    (measured in ``docs/speculative_streaming.md``, "Streams after verification")."""
+    (``benchmarks/ss_pass_cost.py``; ``docs/speculative_streaming.md``, "Stream deltas in one call, and streams
+    after verification")."""
     if defer == "auto":
         return device.type == "cpu" and kept >= 3 and streams > 1
     return defer == "always"
