@@ -195,6 +195,19 @@ def random_adapters(model: Transformer, streams: int = 3, layers: int = 2, seed:
     return adapters.eval()
 
 
+def random_head(model: Transformer, seed: int = 0, std: float = 0.05):
+    """An EAGLE head for ``model``: its target-initialized weights moved at random (a trained head is just another
+    such point)."""
+    from mirrorsd.decoding.eagle.head import EagleHead
+
+    head = EagleHead(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * std)
+    return head.eval()
+
+
 def exact_pair_distribution(model: Transformer, prompt: list[int], temperature: float) -> torch.Tensor:
     """P(x1, x2 | prompt) by enumeration, from the target alone."""
     with torch.no_grad():

@@ -29,7 +29,7 @@ from mirrorsd.decoding.mirror.options import batch_caps
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
 from mirrorsd.kv_cache import KVCache
 from mirrorsd.model import Transformer
-from tests.helpers import random_adapters, requires_smollm2, row_exact, tiny_hf
+from tests.helpers import random_adapters, random_head, requires_smollm2, row_exact, tiny_hf
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels"),
               pytest.mark.usefixtures("one_thread")]
@@ -60,12 +60,13 @@ class Pair:
         self.target = make(tiny_hf(layers=4, seed=1))
         self.draft = make(tiny_hf(layers=2, seed=2))
         self.adapters = random_adapters(self.target, 2, 2, 0, std=0.1)
+        self.head = random_head(self.target)
 
     def tokens(self, r: Req) -> list[int]:
         needs_draft = next(m for m in methods() if m.name == r.method).needs_draft
         # ss: streams in the pass or after verification (a second, stream-only window through the batcher)
         options = {"streams": self.adapters, "defer_streams": ("never", "always")[r.seed % 2]} if r.method == "ss" \
-            else {}
+            else {"head": self.head} if r.method == "eagle" else {}
         with isolated_shared_indexes():  # (see the module docstring)
             return self._tokens(r, needs_draft, options)
 
@@ -268,17 +269,20 @@ def test_a_failing_forward_reaches_only_its_request(pair: Pair, monkeypatch) -> 
 @requires_smollm2
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_real_weights_batched_equal_alone(temperature: float) -> None:
-    """SmolLM2-135M's real q8 weights: ar, suffix, sd (a 10-layer self-draft) and mirror side by side."""
+    """SmolLM2-135M's real q8 weights: ar, suffix, sd (a 10-layer self-draft), mirror and eagle (a random head)
+    side by side."""
     model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
     draft = model.model.prefix_model(10)
+    head = random_head(model.model)
     prompts = ["Write a haiku about the sea.", "def fibonacci(n):", "The capital of France is",
                "List three prime numbers:"]
-    cases = [(m, p) for p in prompts for m in ("ar", "suffix", "sd", "mirror")]
+    cases = [(m, p) for p in prompts for m in ("ar", "suffix", "sd", "mirror", "eagle")]
 
     def one(method: str, prompt: str) -> list[int]:
         with isolated_shared_indexes():
             return generate(model, prompt, method=method, draft=draft if method in ("sd", "mirror") else None,
-                            max_new_tokens=24, temperature=temperature, seed=7).token_ids
+                            max_new_tokens=24, temperature=temperature, seed=7,
+                            **({"head": head} if method == "eagle" else {})).token_ids
 
     alone = [one(m, p) for m, p in cases]
     batcher = Batcher()

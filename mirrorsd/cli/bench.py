@@ -16,6 +16,7 @@ from mirrorsd.bench.peers import find_llama_server
 from mirrorsd.bench.report import write_report
 from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, parse_methods, write_answers
 from mirrorsd.decoding import get_method
+from mirrorsd.decoding import methods as registered_methods
 from mirrorsd.linear import LINEAR_IMPLS
 from mirrorsd.loading import WEIGHT_FORMATS
 from mirrorsd.specbench import load_suite
@@ -29,10 +30,10 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
     add_pair(p)
     if methods:
         p.add_argument("--methods", default="ar,suffix,sd,mirror,ss,hf-assisted,hf-pld,llama-server",
-                       help="comma-separated: ar, suffix, sd, mirror, ss, hf-ar, hf-assisted, hf-pld, llama-server, "
-                            "llama-server-ar, llama-server-ngram (llama.cpp's draft-free n-gram speculation; its "
-                            "options are llama-server flags, default spec-type=ngram-simple); options as "
-                            "KIND:key=value:key=value, a label as LABEL=KIND:... "
+                       help=f"comma-separated: {', '.join(m.name for m in registered_methods())}, hf-ar, "
+                            "hf-assisted, hf-pld, llama-server, llama-server-ar, llama-server-ngram (llama.cpp's "
+                            "draft-free n-gram speculation; its options are llama-server flags, default "
+                            "spec-type=ngram-simple); options as KIND:key=value:key=value, a label as LABEL=KIND:... "
                             "(e.g. mirror:roots=budget:backend=threads); auto runs what `mirrorsd plan` recommends "
                             "for the pair (planned first if needed). References (ar, hf-ar, llama-server-ar) "
                             "are added as needed")

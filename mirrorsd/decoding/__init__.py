@@ -4,6 +4,7 @@
 from . import ar, sd  # noqa: F401, I001
 from . import suffix, mirror  # noqa: F401
 from .ss import method as _ss  # noqa: F401
+from .eagle import method as _eagle  # noqa: F401
 from .engine import DecodeRequest, Proposal, GenerationStats, RequestState, Roles, Scores
 # The processes backend's draft rank under torchrun (``mirrorsd generate --target-tp``): the CLI starts and ends it.
 from .mirror.remote import leave_launched_world, serve_launched

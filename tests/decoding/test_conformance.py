@@ -7,8 +7,8 @@ on SmolLM2's real weights (``-m real``; ``-m 'not real'`` leaves a seconds-long 
 
 Options come from :meth:`MethodOptions.fields`: choices are sampled (backends that need an accelerator are left
 out), ints and floats are the smallest values their check accepts, ``None`` defaults are None or such a value,
-stream adapters are random ones. Combinations the options class refuses are not run: the option it names goes
-back to its default.
+stream adapters and EAGLE heads are random ones. Combinations the options class refuses are not run: the option it
+names goes back to its default.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tests.helpers import (
     assert_same_or_near_tie,
     exact_pair_distribution,
     random_adapters,
+    random_head,
     requires_smollm2,
     row_exact,
     tiny_hf,
@@ -75,6 +76,23 @@ def models() -> Models:
 
 
 @dataclass(frozen=True)
+class RandomHead:
+    """Stands for a random EAGLE head of the target until the test resolves it."""
+
+    seed: int
+
+
+_heads: dict[tuple[int, int], tuple[Transformer, Any]] = {}
+
+
+def head_for(model: Transformer, seed: int):
+    key = (id(model), seed)
+    if key not in _heads:
+        _heads[key] = (model, random_head(model, seed))
+    return _heads[key][1]
+
+
+@dataclass(frozen=True)
 class RandomAdapter:
     """Stands for a random stream adapter of the target or the draft until the test resolves it."""
 
@@ -95,8 +113,12 @@ def adapter_for(model: Transformer, streams: int, seed: int):
 
 
 def resolve(values: dict[str, Any], target: Transformer, draft: Transformer | None) -> dict[str, Any]:
-    return {k: adapter_for(target if v.of == "target" else draft, v.streams, v.seed)
-            if isinstance(v, RandomAdapter) else v for k, v in values.items()}
+    def one(v: Any) -> Any:
+        if isinstance(v, RandomAdapter):
+            return adapter_for(target if v.of == "target" else draft, v.streams, v.seed)
+        return head_for(target, v.seed) if isinstance(v, RandomHead) else v
+
+    return {k: one(v) for k, v in values.items()}
 
 
 # -- option strategies from the options classes -----------------------------------------------------------------
@@ -114,6 +136,8 @@ def option_values(opt: Option, method: Method) -> st.SearchStrategy:
     """Small valid values of one option."""
     if opt.name in FIXED_OPTIONS:
         return st.just(FIXED_OPTIONS[opt.name])
+    if opt.name == "head":  # an EAGLE head (required)
+        return st.builds(RandomHead, st.integers(0, 2))
     if opt.name in ADAPTER_OPTIONS:
         of, required = ADAPTER_OPTIONS[opt.name]
         if of == "draft" and not method.needs_draft:
@@ -294,7 +318,7 @@ def test_rejection_sampling_matches_target_distribution(small_vocab_pair, name):
 REAL_PROMPTS = ["The history of the printing press begins", "def fibonacci(n):"]
 # mirror's defaults roll out no branch on the serial backend (nothing overlaps there): two roots a step, so the
 # real-weight check covers rollouts too (tests/decoding/test_mirror.py runs the defaults on real weights already).
-REAL_OPTIONS: dict[str, dict[str, Any]] = {"mirror": {"budget": 2}}
+REAL_OPTIONS: dict[str, dict[str, Any]] = {"mirror": {"budget": 2}, "eagle": {"head": RandomHead(0)}}
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +350,7 @@ def test_real_weights_greedy_and_seeded_equal_ar(real_target, name, prompt):
     for sampling in ((), (("temperature", 0.8), ("top_p", 0.95), ("seed", 7))):
         want = _real_ar(real_target, prompt, sampling)
         got = generate(real_target, prompt, method=name, draft=draft, max_new_tokens=24, **dict(sampling),
-                       **REAL_OPTIONS.get(name, {}))
+                       **resolve(REAL_OPTIONS.get(name, {}), real_target.model, draft))
         assert got.stats.method == name
         if real_target.model.row_exact:  # quantized: any grouping of tokens gives the same bits
             assert got.token_ids == want, (name, prompt, sampling)

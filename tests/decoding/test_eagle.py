@@ -1,0 +1,88 @@
+"""``eagle``: the head decoding runs drafts what training unrolled, and the proposer's cache bookkeeping (catch-up on
+accepted rows, chain rows dropped after each verdict) gives the chain a fresh head would draft from the committed
+text. Losslessness is the conformance suite's (tests/decoding/test_conformance.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mirrorsd import generate
+from mirrorsd.decoding import RequestState
+from mirrorsd.decoding.eagle import method as eagle_method
+from mirrorsd.decoding.eagle import runtime
+from mirrorsd.decoding.eagle.head import HEAD_CONFIG, HeadConfig, feature_layers, load_head
+from mirrorsd.decoding.eagle.runtime import HeadRunner
+from mirrorsd.train_eagle import target_features, unroll
+from mirrorsd.train_streams import Chunk
+from tests.helpers import random_head, row_exact, tiny_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return row_exact(tiny_hf("qwen2", layers=8, seed=1, attention_bias=True))
+
+
+def test_the_runner_drafts_what_training_unrolled(target, monkeypatch):
+    """With dense weights the runner's rows are the unroll's states: the same positions, tokens and fed-back
+    states (to fp32 rounding of the C++ block against PyTorch's: 1e-4 of the states' scale, where a position off by
+    one moves them by their whole scale)."""
+    monkeypatch.setattr(runtime, "_weight", lambda w, target: w.detach().float())
+    head = random_head(target, seed=3)
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1))
+    features = target_features(target, Chunk(ids, 1))["features"].float()
+    with torch.no_grad():
+        states = unroll(head, target, features, ids, 3)
+    runner = HeadRunner(target, head)
+    for start in (0, 7, 15):
+        cache = runner.new_cache(32)
+        state, _ = runner.rows(ids[1:start + 2].tolist(), features[:start + 1], 0, cache, fused=False)
+        for j in range(3):
+            if j:
+                state, _ = runner.rows([int(ids[start + 1 + j])], state, start + j, cache, fused=True)
+            want = states[j][start]
+            assert (state[0] - want).abs().max() <= 1e-4 * want.abs().max(), (start, j)
+
+
+def test_each_chain_is_what_a_fresh_head_drafts_from_the_committed_text(target, monkeypatch):
+    head = random_head(target, seed=1)
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = eagle_method.HeadProposer.propose
+
+    def recording(self, state):
+        proposal = propose(self, state)
+        seen.append((list(state.tokens), proposal.tokens))
+        return proposal
+
+    monkeypatch.setattr(eagle_method.HeadProposer, "propose", recording)
+    out = generate(target, [3, 1, 4, 1, 5, 9, 2, 6], method="eagle", head=head, gamma=3, max_new_tokens=30)
+    assert len(seen) == out.stats.steps and sum(out.stats.drafted) > 0
+    runner = eagle_method.runner_for(target, head, 0)
+    for committed, chain in seen:
+        scorer = eagle_method.FeatureScorer(target)  # (batch-invariant, as decoding: the training cache is not)
+        scorer.prefill(RequestState(None, committed, target.new_cache(capacity=64)))  # type: ignore[arg-type]
+        features = scorer.features
+        cache = runner.new_cache(64)
+        state, token = runner.rows(committed[1:], features, 0, cache, fused=False)
+        fresh = [token]
+        while len(fresh) < len(chain):
+            state, token = runner.rows([fresh[-1]], state, len(committed) - 2 + len(fresh), cache, fused=True)
+            fresh.append(token)
+        assert fresh == chain, committed
+
+
+def test_a_saved_head_loads_and_refuses_another_target(target, tmp_path):
+    head = random_head(target, seed=2)
+    HeadConfig("tiny", feature_layers(8), 64, 8, 3, {}).save(tmp_path / "head", head)
+    loaded = load_head(target, tmp_path / "head")
+    for (name, want), got in zip(head.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(want, got), name
+    other = row_exact(tiny_hf("qwen2", layers=6, seed=1, attention_bias=True))
+    with pytest.raises(ValueError, match="trained for tiny"):
+        load_head(other, tmp_path / "head")
+    with pytest.raises(FileNotFoundError, match=HEAD_CONFIG):
+        load_head(target, tmp_path)
+    with pytest.raises(ValueError, match="head.*required"):
+        generate(target, [1, 2], method="eagle", max_new_tokens=2)

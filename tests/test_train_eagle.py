@@ -1,0 +1,86 @@
+"""``mirrorsd train-eagle``: the training-time-test unroll computes what drafting step by step computes, and
+training raises held-out chain acceptance and resumes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mirrorsd import Transformer
+from mirrorsd.decoding.eagle.head import EagleHead, feature_layers, rotary
+from mirrorsd.train_eagle import FeatureCache, target_features, train, unroll
+from mirrorsd.train_streams import HELD_OUT, Chunk
+from tests.helpers import tiny_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tokenizer(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+    return {"input_ids": [ord(c) % 64 for c in text]}
+
+
+def _drafted(head: EagleHead, target: Transformer, features: torch.Tensor, ids: torch.Tensor, start: int,
+             depth: int) -> list[torch.Tensor]:
+    """Drafting after position ``start``, one row at a time with a growing key list: rows 0..start from the
+    target's features, then the head's own states fed back."""
+    keys, values = [], []
+
+    def row(token: int, feature: torch.Tensor, position: int) -> torch.Tensor:
+        x = head.join(target.embed(torch.tensor([token])), feature[None])
+        cos, sin = (c[None] for c in target.rope(torch.tensor([position])))
+        q, k, v = head.qkv(x, cos, sin)
+        keys.append(k)
+        values.append(v)
+        attended = F.scaled_dot_product_attention(q, torch.cat(keys, 1), torch.cat(values, 1), enable_gqa=True)
+        return head.finish(x, attended)[0]
+
+    fused = head.fc3(features.float())
+    for t in range(start):
+        row(int(ids[t + 1]), fused[t], t)
+    states, feature = [], fused[start]
+    for j in range(depth):
+        feature = row(int(ids[start + 1 + j]), feature, start + j)
+        states.append(feature)
+    return states
+
+
+def test_the_unroll_is_what_drafting_computes():
+    target = Transformer.from_hf(tiny_hf("qwen2", layers=8, seed=1, attention_bias=True))
+    assert feature_layers(8) == (2, 4, 5)
+    ids = torch.randint(0, 64, (24,), generator=torch.Generator().manual_seed(0))
+    item = target_features(target, Chunk(ids, 1))
+    assert item["features"].shape == (24, 3 * 64) and item["labels"].shape == (24,)
+    torch.manual_seed(0)
+    head = EagleHead(target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # off the identity-like start, so every path matters
+        states = unroll(head, target, item["features"], ids, 3)
+        for start in (0, 5, 19):
+            for j, want in enumerate(_drafted(head, target, item["features"], ids, start, 3)):
+                torch.testing.assert_close(states[j][start], want, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_rotates_pairs_of_halves():
+    x = torch.randn(2, 3, 8)
+    angle = torch.rand(3, 4)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    got = rotary(x, cos, sin)
+    torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
+
+
+def test_training_raises_chain_acceptance_and_resumes(tmp_path):
+    target = Transformer.from_hf(tiny_hf(layers=8, seed=1))
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(65 + (i * 7) % 29) for i in range(2400)))
+    common = dict(model_name="target", decode_format="fp32", cache=tmp_path / "cache", chunks=24, seq_len=32,
+                  lr=1e-2, held_out=2, vocab=0, depth=3, eval_every=120, dtype=torch.float32, progress=False)
+    summary = train(target, _tokenizer, [str(text)], tmp_path / "out", steps=120, **common)
+    before, after = summary["tokens_per_pass_before"], summary["tokens_per_pass_after"]
+    assert after > before + 0.1, (before, after)
+    assert len(summary["accept_after"]) == 3 and summary["accept_after"] == sorted(summary["accept_after"])[::-1]
+    assert len(FeatureCache([tmp_path / "cache" / HELD_OUT], "cpu")) == 2
+    assert (tmp_path / "out" / "eagle_head.safetensors").exists()
+    again = train(target, _tokenizer, [str(text)], tmp_path / "out", steps=130, **common)
+    assert [p["step"] for p in again["curve"]] == [0, 120, 130]
