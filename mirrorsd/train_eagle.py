@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .decoding.eagle.head import EagleHead, HeadConfig, feature_layers, rms_norm
-from .draft_vocab import head_weight, load_table
+from .draft_vocab import draft_table_kind, head_weight, load_table
 from .linear import batch_invariance
 from .model import Transformer
 from .train_streams import (
@@ -210,7 +210,9 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
     train_items, eval_items = FeatureCache(shards, target.device), FeatureCache([cache / HELD_OUT], target.device)
 
     full = head_weight(target.lm_head, target.embed_tokens.weight, cfg.tie_word_embeddings).to(dtype)
-    ids = (load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size)).sort().values
+    # The draft table: the subset decoding's head reads by default (--draft-vocab), ranked by the target's answers.
+    table = load_table(cfg.vocab_size, draft_table_kind(cfg.vocab_size)) if vocab else None
+    ids = (table[:vocab] if table is not None else torch.arange(cfg.vocab_size)).sort().values
     subset = full[ids]
     index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
     index[ids] = torch.arange(len(ids))

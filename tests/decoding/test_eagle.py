@@ -38,10 +38,10 @@ def test_the_runner_drafts_what_training_unrolled(target, monkeypatch):
     runner = HeadRunner(target, head)
     for start in (0, 7, 15):
         cache = runner.new_cache(32)
-        state, _ = runner.rows(ids[1:start + 2].tolist(), features[:start + 1], 0, cache, fused=False)
+        state, _ = runner.rows(ids[1:start + 2].tolist(), features[:start + 1], 0, cache, fed_back=False)
         for j in range(3):
             if j:
-                state, _ = runner.rows([int(ids[start + 1 + j])], state, start + j, cache, fused=True)
+                state, _ = runner.rows([int(ids[start + 1 + j])], state, start + j, cache, fed_back=True)
             want = states[j][start]
             assert (state[0] - want).abs().max() <= 1e-4 * want.abs().max(), (start, j)
 
@@ -65,10 +65,10 @@ def test_each_chain_is_what_a_fresh_head_drafts_from_the_committed_text(target, 
         scorer.prefill(RequestState(None, committed, target.new_cache(capacity=64)))  # type: ignore[arg-type]
         features = scorer.features
         cache = runner.new_cache(64)
-        state, token = runner.rows(committed[1:], features, 0, cache, fused=False)
+        state, token = runner.rows(committed[1:], features, 0, cache, fed_back=False)
         fresh = [token]
         while len(fresh) < len(chain):
-            state, token = runner.rows([fresh[-1]], state, len(committed) - 2 + len(fresh), cache, fused=True)
+            state, token = runner.rows([fresh[-1]], state, len(committed) - 2 + len(fresh), cache, fed_back=True)
             fresh.append(token)
         assert fresh == chain, committed
 

@@ -79,7 +79,7 @@ class HeadProposer:
 
     def __init__(self, runner: HeadRunner, scorer: FeatureScorer, gamma: int) -> None:
         self.runner, self.scorer, self.gamma = runner, scorer, gamma
-        self.state: torch.Tensor | None = None  # the last exact row's output state
+        self.head_state: torch.Tensor | None = None  # the last exact row's output state
         self.first: int | None = None  # the token it drafts: the next window's first
         self.forwards = 0  # head forwards behind the last proposal (not a draft model's: ``head_forwards``)
 
@@ -90,16 +90,16 @@ class HeadProposer:
             self._catch_up(state, state.tokens[1:], self.scorer.features, 0)
 
     def _catch_up(self, state: RequestState, tokens: list[int], features: torch.Tensor, position: int) -> None:
-        self.state, self.first = self.runner.rows(tokens, features, position, state.draft_cache, fused=False)
+        self.head_state, self.first = self.runner.rows(tokens, features, position, state.draft_cache, fed_back=False)
 
     def propose(self, state: RequestState) -> Proposal:
         window = min(self.gamma, state.room)
         if window <= 0 or self.first is None:
             return Proposal()
-        tokens, feature = [self.first], self.state
+        tokens, feature = [self.first], self.head_state
         position = len(state.tokens) - 1  # of the second drafted token's row (the last committed token's)
         for i in range(1, window):
-            feature, token = self.runner.rows([tokens[-1]], feature, position + i - 1, state.draft_cache, fused=True)
+            feature, token = self.runner.rows([tokens[-1]], feature, position + i - 1, state.draft_cache, fed_back=True)
             tokens.append(token)
         self.forwards = window  # (the catch-up that drafted the first token, and one per further token)
         return Proposal(tokens)

@@ -25,22 +25,24 @@ def _weight(w: torch.Tensor, target: Transformer) -> torch.Tensor:
 
 
 class HeadRunner:
-    """One request-independent copy of a head for a target: ``start`` a request's cache, ``rows`` to run it."""
+    """A head made ready for one target, shared by every request: ``new_cache`` for a request, ``rows`` to run."""
 
     def __init__(self, target: Transformer, head: EagleHead, vocab: int = 0, table: str = "corpus") -> None:
         cfg = target.config
-        self.target = target
         self.ids = load_table(cfg.vocab_size, table)[:vocab].sort().values if 0 < vocab < cfg.vocab_size else None
         rows = head_weight(target.lm_head, target.embed_tokens.weight, cfg.tie_word_embeddings).float()
-        weights = {"embed_tokens.weight": target.embed_tokens.weight, "norm.weight": head.norm.detach().float(),
+        def vector(p: torch.Tensor) -> torch.Tensor:
+            return p.detach().float().to(target.device)
+
+        weights = {"embed_tokens.weight": target.embed_tokens.weight, "norm.weight": vector(head.norm),
                    "lm_head.weight": _weight(rows if self.ids is None else rows[self.ids], target),
-                   "layers.0.input_layernorm.weight": head.input_norm.detach().float(),
-                   "layers.0.post_attention_layernorm.weight": head.post_norm.detach().float()}
+                   "layers.0.input_layernorm.weight": vector(head.input_norm),
+                   "layers.0.post_attention_layernorm.weight": vector(head.post_norm)}
         for name, linear in head.proj.items():
             kind = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             weights[f"layers.0.{kind}.{name}.weight"] = _weight(linear.weight, target)
             if linear.bias is not None:
-                weights[f"layers.0.{kind}.{name}.bias"] = linear.bias.detach().float()
+                weights[f"layers.0.{kind}.{name}.bias"] = vector(linear.bias)
         # One block of the target's shape; its LM head has the (reduced) vocabulary's rows, in ``ids`` order.
         self.model = Transformer(dataclasses.replace(cfg, n_layers=1, tie_word_embeddings=False), weights,
                                  target.inv_freq, target.rope_scale).eval()
@@ -48,21 +50,20 @@ class HeadRunner:
         self.fc = make_linear(_weight(head.fc.weight, target))
         # The model's own norm (the C++ one on its fused path): a row's bits must not depend on how many rows ran
         # with it, or a chain would depend on how the accepted rows were grouped into catch-ups.
-        self.norm_e, self.norm_h = (RMSNorm(w.detach().float().to(target.device), head.eps)
-                                    for w in (head.norm_e, head.norm_h))
+        self.norm_e, self.norm_h = (RMSNorm(vector(w), head.eps) for w in (head.norm_e, head.norm_h))
         self.norm_e.fused = self.norm_h.fused = self.model.norm.fused
 
     def new_cache(self, capacity: int) -> KVCache:
         return self.model.new_cache(capacity=capacity)
 
     def rows(self, tokens: list[int], features: torch.Tensor, position: int, cache: KVCache, *,
-             fused: bool) -> tuple[torch.Tensor, int]:
-        """Run rows at ``position``, ``position + 1``... reading ``tokens`` and ``features`` (the target's three
-        states, ``fused=False``, or the head's own output states); returns the last row's output state and the
-        token it drafts."""
+             fed_back: bool) -> tuple[torch.Tensor, int]:
+        """Run rows at ``position``, ``position + 1``... reading ``tokens`` and ``features``: the target's three
+        states, or (``fed_back``) the head's own output states. Returns the last row's output state and the token
+        it drafts."""
         model = self.model
         ids = torch.tensor(tokens, device=model.device)
-        g = self.fc3(features) if not fused else features
+        g = features if fed_back else self.fc3(features)
         x = self.fc(torch.cat([self.norm_e(model.embed(ids)), self.norm_h(g)], -1))
         positions = torch.arange(position, position + len(tokens), device=model.device)[None]
         state = model.run_layers(x[None], positions, cache)[0, -1:]
