@@ -81,7 +81,7 @@ class HeadProposer:
         self.runner, self.scorer, self.gamma = runner, scorer, gamma
         self.head_state: torch.Tensor | None = None  # the last exact row's output state
         self.first: int | None = None  # the token it drafts: the next window's first
-        self.forwards = 0  # head forwards behind the last proposal (not a draft model's: ``head_forwards``)
+        self.fed = 0  # rows the last catch-up read (the one that drafted ``first``)
 
     def start(self, state: RequestState) -> None:
         request = state.request
@@ -91,6 +91,7 @@ class HeadProposer:
 
     def _catch_up(self, state: RequestState, tokens: list[int], features: torch.Tensor, position: int) -> None:
         self.head_state, self.first = self.runner.rows(tokens, features, position, state.draft_cache, fed_back=False)
+        self.fed = len(tokens)
 
     def propose(self, state: RequestState) -> Proposal:
         window = min(self.gamma, state.room)
@@ -101,12 +102,9 @@ class HeadProposer:
         for i in range(1, window):
             feature, token = self.runner.rows([tokens[-1]], feature, position + i - 1, state.draft_cache, fed_back=True)
             tokens.append(token)
-        self.forwards = window  # (the catch-up that drafted the first token, and one per further token)
-        return Proposal(tokens)
-
-    def log(self, scores: Scores, verdict: Verdict) -> dict[str, Any]:
-        forwards, self.forwards = self.forwards, 0
-        return {"head_forwards": forwards} if forwards else {}
+        # The head's forwards are draft forwards (a step the batch waits for, which the goodput rule prices): the
+        # catch-up that drafted the first token, then one per further token.
+        return Proposal(tokens, forwards=window, fed=self.fed)
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         before = len(state.tokens) - verdict.accepted - 1  # committed tokens before the step
@@ -132,8 +130,7 @@ def build(req: DecodeRequest, opts: EagleOptions) -> Roles:
         raise OptionError("head", "is required: a folder from `mirrorsd train-eagle` (--head FOLDER)")
     runner = runner_for(req.target, opts.head, draft_vocab_size(opts.draft_vocab, req.target))
     scorer = FeatureScorer(req.target)
-    proposer = HeadProposer(runner, scorer, opts.gamma)
-    return Roles(proposer, scorer, match, gamma=opts.gamma, log=proposer.log)
+    return Roles(HeadProposer(runner, scorer, opts.gamma), scorer, match, gamma=opts.gamma)
 
 
 register("eagle", "an EAGLE-3-style head drafts a chain from the target's own hidden states (`mirrorsd "
