@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,6 @@ from .train_streams import (
     Chunk,
     StateCache,
     TrainHead,
-    _save_shard,
     check_cache,
     corpus_texts,
     data_versions,
@@ -53,6 +52,7 @@ from .train_streams import (
     make_chunks,
     shard_paths,
     warmup_decay,
+    write_shards,
 )
 from .tuned_drafts import TUNED_PROJECTIONS, TuneConfig
 
@@ -188,23 +188,16 @@ def draft_states(draft: Transformer, first: int, chunk: Chunk, spd_tracks: int =
 
 def cache_draft(draft: Transformer, first: int, labels: Labeller, train_chunks: list[Chunk], held_out: list[Chunk],
                 folder: Path, *, spd_tracks: int = 1, progress: bool = True) -> None:
-    """Write the missing shards (training chunks, then ``held-out.safetensors``): an interrupted run resumes at its
-    last shard."""
-    jobs = [(folder / HELD_OUT, held_out)]
-    jobs += [(path, train_chunks[i * SHARD_CHUNKS:(i + 1) * SHARD_CHUNKS])
-             for i, path in enumerate(shard_paths(folder, len(train_chunks), SHARD_CHUNKS))]
-    todo = [(path, chunks) for path, chunks in jobs if not path.exists()]
-    bar = tqdm(total=sum(len(c) for _, c in todo), desc="caching draft states", unit="chunk", disable=not progress)
-    for path, chunks in todo:
-        items = []
+    """The draft's layer ``first`` states and the target's labels per chunk, by :func:`write_shards`."""
+
+    def rows(path: Path, chunks: list[Chunk]) -> Iterator[dict[str, torch.Tensor]]:
         for chunk, label in zip(chunks, labels(path, chunks), strict=True):
             answer = chunk.answer if chunk.answer is not None else torch.ones(len(chunk.ids), dtype=torch.bool)
-            items.append({"hidden": draft_states(draft, first, chunk, spd_tracks), "labels": label.to(torch.int32),
-                          "ids": chunk.ids.to(torch.int32), "loss_from": torch.tensor(chunk.loss_from),
-                          "answer": answer.to(torch.uint8)})
-            bar.update()
-        _save_shard(items, path)
-    bar.close()
+            yield {"hidden": draft_states(draft, first, chunk, spd_tracks), "labels": label.to(torch.int32),
+                   "ids": chunk.ids.to(torch.int32), "loss_from": torch.tensor(chunk.loss_from),
+                   "answer": answer.to(torch.uint8)}
+
+    write_shards(folder, train_chunks, held_out, rows, desc="caching draft states", progress=progress)
 
 
 # -- training -------------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ from .train_streams import (
     SHARD_CHUNKS,
     Chunk,
     StateCache,
-    _save_shard,
     check_cache,
     corpus_texts,
     data_versions,
@@ -46,6 +45,7 @@ from .train_streams import (
     make_chunks,
     shard_paths,
     warmup_decay,
+    write_shards,
 )
 
 # -- the cache ------------------------------------------------------------------------------------------------
@@ -74,21 +74,9 @@ def target_features(model: Transformer, chunk: Chunk) -> dict[str, torch.Tensor]
 
 def cache_features(model: Transformer, train_chunks: list[Chunk], held_out: list[Chunk], folder: Path, *,
                    progress: bool = True) -> None:
-    """Write the missing shards (held-out first, then training chunks): an interrupted run resumes at its last
-    shard."""
-    jobs = [(folder / HELD_OUT, held_out)]
-    jobs += [(path, train_chunks[i * SHARD_CHUNKS:(i + 1) * SHARD_CHUNKS])
-             for i, path in enumerate(shard_paths(folder, len(train_chunks), SHARD_CHUNKS))]
-    todo = [(path, chunks) for path, chunks in jobs if not path.exists()]
-    bar = tqdm(total=sum(len(c) for _, c in todo), desc="caching target features", unit="chunk",
-               disable=not progress)
-    for path, chunks in todo:
-        items = []
-        for chunk in chunks:
-            items.append(target_features(model, chunk))
-            bar.update()
-        _save_shard(items, path)
-    bar.close()
+    """The target's features and labels per chunk (:func:`target_features`), by :func:`write_shards`."""
+    write_shards(folder, train_chunks, held_out, lambda _, chunks: (target_features(model, c) for c in chunks),
+                 desc="caching target features", progress=progress)
 
 
 @dataclass

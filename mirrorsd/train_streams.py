@@ -20,7 +20,7 @@ import json
 import random
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,22 +236,31 @@ def check_cache(folder: Path, meta: dict[str, Any]) -> None:
                          "give another --cache folder or delete this one")
 
 
-def cache_states(model: Transformer, first: int, train_chunks: list[Chunk], held_out: list[Chunk], folder: Path,
-                 *, shard_size: int = SHARD_CHUNKS, progress: bool = True) -> None:
-    """Write the shards of :func:`shard_paths` (training chunks) and ``held-out.safetensors`` that are missing:
-    an interrupted run resumes at its last shard."""
+def write_shards(folder: Path, train_chunks: list[Chunk], held_out: list[Chunk],
+                 rows: Callable[[Path, list[Chunk]], Iterable[dict[str, torch.Tensor]]], *, desc: str,
+                 shard_size: int = SHARD_CHUNKS, progress: bool = True) -> None:
+    """Write a state cache's missing shards: ``held-out.safetensors``, then the training chunks in the shards of
+    :func:`shard_paths`; ``rows(path, chunks)`` gives a shard's rows, one per chunk. An interrupted run resumes at
+    its last shard (the cache every state-cache trainer builds)."""
     jobs = [(folder / HELD_OUT, held_out)]
     jobs += [(path, train_chunks[i * shard_size:(i + 1) * shard_size])
              for i, path in enumerate(shard_paths(folder, len(train_chunks), shard_size))]
     todo = [(path, chunks) for path, chunks in jobs if not path.exists()]
-    bar = tqdm(total=sum(len(c) for _, c in todo), desc="caching frozen states", unit="chunk", disable=not progress)
+    bar = tqdm(total=sum(len(c) for _, c in todo), desc=desc, unit="chunk", disable=not progress)
     for path, chunks in todo:
         items = []
-        for chunk in chunks:
-            items.append(freeze(model, first, chunk))
+        for item in rows(path, chunks):
+            items.append(item)
             bar.update()
         _save_shard(items, path)
     bar.close()
+
+
+def cache_states(model: Transformer, first: int, train_chunks: list[Chunk], held_out: list[Chunk], folder: Path,
+                 *, shard_size: int = SHARD_CHUNKS, progress: bool = True) -> None:
+    """The frozen model's cache (:func:`freeze` per chunk), by :func:`write_shards`."""
+    write_shards(folder, train_chunks, held_out, lambda _, chunks: (freeze(model, first, c) for c in chunks),
+                 desc="caching frozen states", shard_size=shard_size, progress=progress)
 
 
 class StateCache(Sequence[Cached]):
