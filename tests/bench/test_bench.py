@@ -288,7 +288,7 @@ def test_parse_methods_options_labels_and_references():
     assert by["hf-pld"].reference == "hf-ar" and "hf-ar" in by
     assert by["llama-server"].reference == "llama-server-ar" and "llama-server-ar" in by
     with pytest.raises(ValueError, match="unknown method"):
-        parse_methods("ar,eagle")
+        parse_methods("ar,medusa")
     with pytest.raises(ValueError, match="key=value"):
         parse_methods("sd:gamma")
     with pytest.raises(ValueError, match="unique"):
