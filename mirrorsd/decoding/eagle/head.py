@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...model import Transformer
+from ...model import Transformer, _rotate_half
 
 HEAD_CONFIG, HEAD_WEIGHTS = "eagle_head.json", "eagle_head.safetensors"
 
@@ -108,9 +108,8 @@ class EagleHead(nn.Module):
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+    """The model's rotary embedding (its eager path), in ``x``'s dtype (bf16 under autocast in training)."""
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
 
 @dataclass
@@ -132,8 +131,6 @@ class HeadConfig:
                                                      indent=1) + "\n")
         save_file({k: v.detach().float().contiguous() for k, v in head.state_dict().items()},
                   str(folder / HEAD_WEIGHTS))
-
-
 
 
 def load_head(target: Transformer, source: str | Path | EagleHead) -> EagleHead:
