@@ -15,7 +15,7 @@ import torch
 
 import mirrorsd
 from mirrorsd.train_eagle import FeatureCache, chain, step_labels
-from mirrorsd.train_streams import HELD_OUT
+from mirrorsd.training import HELD_OUT
 
 
 def main() -> None:

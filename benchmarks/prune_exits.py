@@ -17,7 +17,7 @@ import torch
 import mirrorsd
 from mirrorsd.decoding.ss.adapters import load_adapters
 from mirrorsd.exit_heads import ExitTranslators
-from mirrorsd.train_streams import corpus_texts, make_chunks
+from mirrorsd.training import corpus_texts, make_chunks
 
 MODEL = "qwen2.5-coder-1.5b"
 THRESHOLD = 0.05  # ss's default pruning threshold

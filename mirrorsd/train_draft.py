@@ -20,38 +20,31 @@ trained whole proposes far worse tokens once its syncs are dropped; the paper tr
 from __future__ import annotations
 
 import json
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from .draft_vocab import load_table
 from .linear import DenseLinear, batch_invariance
 from .model import Transformer
 from .runtime.tensor_parallel import run_tracks, segment_bounds
-from .train_streams import (
-    CHECKPOINT,
-    CURVE,
+from .training import (
     CURVE_PLOT,
     HELD_OUT,
-    SHARD_CHUNKS,
     Chunk,
-    StateCache,
+    ShardCache,
+    Trainable,
     TrainHead,
-    check_cache,
     corpus_texts,
-    data_versions,
-    epoch_order,
+    fit,
     make_chunks,
-    shard_paths,
-    warmup_decay,
+    open_cache,
+    plot_learning_curve,
     write_shards,
 )
 from .tuned_drafts import TUNED_PROJECTIONS, TuneConfig
@@ -69,7 +62,7 @@ class DraftItem:
     answer: torch.Tensor  # [T] bool: the token was written by the target (all true where the data does not say)
 
 
-class DraftCache(StateCache):
+class DraftCache(ShardCache[DraftItem]):
     names = ("hidden", "labels", "loss_from", "answer")
 
     def __getitem__(self, index: int) -> DraftItem:  # type: ignore[override]
@@ -244,24 +237,6 @@ def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache, spd_trac
             "agreement_all": round(hits[False] / max(1, count[False]), 4)}
 
 
-def plot_agreement(curve: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    ax.plot([max(1, p["train_tokens"]) for p in curve], [p["agreement"] for p in curve], "o-")
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens (with repeats over epochs)")
-    ax.set_ylabel("held-out top-1 = the target's token")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def train(model: Transformer, draft: Transformer, target: Transformer | None, tokenizer, data: list[str], out: Path,
           *, model_name: str, target_name: str, decode_format: str, cache: Path | None = None,
           target_cache: Path | None = None, layers: int = 8, rank: int = 16, steps: int = 200,
@@ -292,13 +267,10 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     meta = {"model": model_name, "weights": decode_format, "target": target_name, "data": list(data), "version": 2,
             "seq_len": seq_len, "chunks": n_train, "held_out": held_out, "seed": seed, "first_layer": first,
             "n_layers": cfg.n_layers, "hidden_size": cfg.hidden_size}
-    if versions := data_versions(list(data)):
-        meta["data_shards"] = versions
     if spd_tracks > 1:
         meta["spd_tracks"] = spd_tracks
-    check_cache(cache, meta)
-    shards = shard_paths(cache, n_train, SHARD_CHUNKS)
-    if not all(p.exists() for p in [*shards, cache / HELD_OUT]):
+    shards, complete = open_cache(cache, meta, data, n_train)
+    if not complete:
         if target_cache is None and target is None:
             raise ValueError("labels need the target model or its state cache")
         all_chunks = make_chunks(tokenizer, corpus_texts(data, model_name, tokenizer), seq_len, n_train + held_out,
@@ -309,57 +281,25 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     train_items, eval_items = DraftCache(shards, model.device), DraftCache([cache / HELD_OUT], model.device)
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
-    optimizer = torch.optim.AdamW(lora.trainable(), lr=lr, weight_decay=0.0)
-    schedule = warmup_decay(optimizer, steps)
-    out.mkdir(parents=True, exist_ok=True)
-    start_step, curve, tokens = 0, [], 0
-    checkpoint = out / CHECKPOINT
-    if checkpoint.exists():
-        state = torch.load(checkpoint, map_location=model.device, weights_only=False)
-        lora.load_state(state["lora"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
-    if not curve:
-        curve.append({"step": 0, "train_tokens": 0} | evaluate(model, lora, eval_items, spd_tracks))
-
-    def save(step: int) -> None:
-        torch.save({"step": step, "lora": {k: v.detach() for k, v in lora.state().items()},
-                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "curve": curve,
-                    "train_tokens": tokens}, checkpoint)
-        (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
-
-    bar = tqdm(total=steps, initial=start_step, desc="train draft", unit="step", disable=not progress)
-    started = time.perf_counter()
-    for step in range(start_step, steps):
-        epoch, position = divmod(step, len(train_items))
-        item = train_items[epoch_order(len(train_items), seed, epoch)[position]]
+    def step(item: DraftItem) -> tuple[torch.Tensor | None, int, dict[str, str]]:
         labels = head.labels(_valid(item, answers_only))
-        trained = int((labels >= 0).sum())
-        if trained:  # (a window of prompt text only has nothing to learn from)
-            loss = F.cross_entropy(head.logits(top_forward(model, first, item, spd_tracks)), labels,
-                                   ignore_index=-100)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(lora.trainable(), 1.0)
-            optimizer.step()
-            bar.set_postfix(ce=f"{loss.item():.3f}", epoch=epoch)
-        schedule.step()
-        tokens += trained
-        bar.update()
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            curve.append({"step": step + 1, "train_tokens": tokens} | evaluate(model, lora, eval_items, spd_tracks))
-            bar.write(f"step {step + 1}: held-out {curve[-1]}")
-        if (step + 1) % save_every == 0 or step + 1 == steps:
-            save(step + 1)
-    bar.close()
+        if not (trained := int((labels >= 0).sum())):  # a window of prompt text only has nothing to learn from
+            return None, 0, {}
+        loss = F.cross_entropy(head.logits(top_forward(model, first, item, spd_tracks)), labels, ignore_index=-100)
+        return loss, trained, {"ce": f"{loss.item():.3f}"}
+
+    fitted = fit(out, Trainable(list(lora.trainable()), lora.state, lora.load_state, "lora"), train_items, step,
+                 lambda: evaluate(model, lora, eval_items, spd_tracks), steps=steps, lr=lr, seed=seed,
+                 eval_every=eval_every, save_every=save_every, desc="train draft", device=model.device,
+                 progress=progress)
+    curve, tokens = fitted.curve, fitted.tokens
     summary = {"held_out_agreement_before": curve[0]["agreement"], "held_out_agreement_after": curve[-1]["agreement"],
                "held_out_agreement_all_before": curve[0]["agreement_all"],
                "held_out_agreement_all_after": curve[-1]["agreement_all"],
                "labels": f"{target_name}'s greedy tokens (teacher-forced)"
                + (", at positions whose next token it wrote" if answers_only else ", at every position"),
                "train_vocab": vocab or cfg.vocab_size,
-               "train_seconds_this_run": round(time.perf_counter() - started, 1), "steps": steps,
+               "train_seconds_this_run": fitted.seconds, "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
                "dtype": str(model.dtype).removeprefix("torch."), "spd_tracks": spd_tracks, "curve": curve}
@@ -368,6 +308,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
                spd_tracks=spd_tracks, recipe=(recipe or {}) | summary).save(out, lora.state())
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     form = f", spd form over {spd_tracks} tracks" if spd_tracks > 1 else ""
-    plot_agreement(curve, out / CURVE_PLOT, f"{model_name} toward {target_name}: top {layers} layers, rank {rank}, "
-                   f"{len(train_items)} chunks × {seq_len} tokens{form}")
+    plot_learning_curve(curve, out / CURVE_PLOT, {"agreement": [p["agreement"] for p in curve]},
+                        "held-out top-1 = the target's token", f"{model_name} toward {target_name}: top {layers} "
+                        f"layers, rank {rank}, {len(train_items)} chunks × {seq_len} tokens{form}")
     return summary

@@ -17,34 +17,28 @@ CPU) and cached (3 x hidden bf16 per token, 9 KB on the 1.5B); a step then runs 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from .decoding.eagle.head import EagleHead, HeadConfig, feature_layers, rms_norm
 from .draft_vocab import draft_table_kind, head_weight, load_table
 from .linear import batch_invariance
 from .model import Transformer
-from .train_streams import (
-    CHECKPOINT,
-    CURVE,
+from .training import (
     CURVE_PLOT,
     HELD_OUT,
-    SHARD_CHUNKS,
     Chunk,
-    StateCache,
-    check_cache,
+    ShardCache,
+    Trainable,
     corpus_texts,
-    data_versions,
-    epoch_order,
+    fit,
     make_chunks,
-    shard_paths,
-    warmup_decay,
+    open_cache,
+    plot_learning_curve,
     write_shards,
 )
 
@@ -88,7 +82,7 @@ class FeatureItem:
     answer: torch.Tensor  # [T] bool: the token was written by the target
 
 
-class FeatureCache(StateCache):
+class FeatureCache(ShardCache[FeatureItem]):
     names = ("features", "labels", "ids", "loss_from", "answer")
     optional = ()
 
@@ -187,11 +181,8 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
     n_train = chunks or min(steps, 10_000)
     meta = {"model": model_name, "weights": decode_format, "data": list(data), "seq_len": seq_len,
             "chunks": n_train, "held_out": held_out, "seed": seed, "features": list(layers)}
-    if versions := data_versions(list(data)):
-        meta["data_shards"] = versions
-    check_cache(cache, meta)
-    shards = shard_paths(cache, n_train, SHARD_CHUNKS)
-    if not all(p.exists() for p in [*shards, cache / HELD_OUT]):
+    shards, complete = open_cache(cache, meta, data, n_train)
+    if not complete:
         all_chunks = make_chunks(tokenizer, corpus_texts(data, model_name, tokenizer), seq_len, n_train + held_out,
                                  seed)
         cache_features(target, all_chunks[held_out:], all_chunks[:held_out], cache, progress=progress)
@@ -206,30 +197,8 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
     index[ids] = torch.arange(len(ids))
     head = EagleHead(target)  # fp32 master weights; the products run in ``dtype`` (autocast)
     weights = [0.8 ** j for j in range(depth)]  # EAGLE-3's per-step loss weights
-    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    schedule = warmup_decay(optimizer, steps)
-    out.mkdir(parents=True, exist_ok=True)
-    start_step, curve, tokens = 0, [], 0
-    checkpoint = out / CHECKPOINT
-    if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
-    if not curve:
-        curve.append({"step": 0, "train_tokens": 0} | evaluate(head, target, full, eval_items, depth))
 
-    def save(step: int) -> None:
-        torch.save({"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(), "curve": curve, "train_tokens": tokens}, checkpoint)
-        (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
-
-    bar = tqdm(total=steps, initial=start_step, desc="train eagle head", unit="step", disable=not progress)
-    started = time.perf_counter()
-    for step in range(start_step, steps):
-        epoch, position = divmod(step, len(train_items))
-        item = train_items[epoch_order(len(train_items), seed, epoch)[position]]
+    def step(item: FeatureItem) -> tuple[torch.Tensor, int, dict[str, str]]:
         labels = [torch.where(lab >= 0, index[lab.clamp(min=0)], -100)
                   for lab in step_labels(item, depth, answers_only=False)]
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
@@ -237,24 +206,17 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
             loss = sum(w * F.cross_entropy(F.linear(rms_norm(s, head.norm, head.eps), subset).float(), lab,
                                            ignore_index=-100)
                        for w, s, lab in zip(weights, states, labels, strict=True))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        tokens += int((labels[0] >= 0).sum())
-        bar.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
-        bar.update()
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            curve.append({"step": step + 1, "train_tokens": tokens} | evaluate(head, target, full, eval_items, depth))
-            bar.write(f"step {step + 1}: held-out {curve[-1]}")
-        if (step + 1) % save_every == 0 or step + 1 == steps:
-            save(step + 1)
-    bar.close()
+        return loss, int((labels[0] >= 0).sum()), {"loss": f"{loss.item():.3f}"}
+
+    trainable = Trainable(list(head.parameters()), head.state_dict, head.load_state_dict, "head")
+    fitted = fit(out, trainable, train_items, step, lambda: evaluate(head, target, full, eval_items, depth),
+                 steps=steps, lr=lr, seed=seed, eval_every=eval_every, save_every=save_every,
+                 desc="train eagle head", progress=progress)
+    curve, tokens = fitted.curve, fitted.tokens
     summary = {"tokens_per_pass_before": curve[0]["tokens_per_pass"],
                "tokens_per_pass_after": curve[-1]["tokens_per_pass"], "accept_after": curve[-1]["accept"],
                "depth": depth, "train_vocab": vocab or cfg.vocab_size,
-               "train_seconds_this_run": round(time.perf_counter() - started, 1), "steps": steps,
+               "train_seconds_this_run": fitted.seconds, "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
                "dtype": str(dtype).removeprefix("torch."), "curve": curve}
@@ -266,21 +228,6 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
 
 
 def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    x = [max(1, p["train_tokens"]) for p in curve]
-    for j in range(len(curve[0]["accept"])):
-        ax.plot(x, [p["accept"][j] for p in curve], "o-", label=f"first {j + 1} drafted tokens right")
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens (with repeats over epochs)")
-    ax.set_ylabel("held-out share (target-written positions)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series = {f"first {j + 1} drafted tokens right": [p["accept"][j] for p in curve]
+              for j in range(len(curve[0]["accept"]))}
+    plot_learning_curve(curve, path, series, "held-out share (target-written positions)", title)

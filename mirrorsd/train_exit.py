@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from .draft_vocab import default_size, head_weight, load_table
 from .exit_heads import ExitTranslators, unit_rms
 from .model import Transformer
-from .train_streams import make_chunks
+from .training import make_chunks
 
 KAPPAS = (1, 4, 8, 16)
 RIDGES = (1.0, 10.0, 100.0, 1000.0, 10000.0)

@@ -17,10 +17,6 @@ accuracy is measured with the full vocabulary.
 from __future__ import annotations
 
 import json
-import random
-import sysconfig
-import time
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,133 +26,26 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .decoding.ss.adapters import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, msa_mask
-from .draft_vocab import head_weight, load_table
+from .draft_vocab import load_table
 from .kv_cache import KVCache
 from .linear import batch_invariance
 from .model import Transformer
-
-CORPORA = {
-    "stdlib": "Python standard library source (top-level *.py files of this interpreter)",
-    "pydoc-topics": "the Python language reference topics shipped in pydoc_data (English technical prose)",
-    "chat-answers": "the model's own greedy answers (128 tokens) to mirrorsd's 448 shipped chat prompts (never "
-                    "Spec-Bench's), each through its chat template, in 8 texts of ~56 conversations",
-}
-CHAT_TEXTS = 8  # chat-answers: conversations are joined into this many texts, so 256-token windows fill up
-DISTILL = "distill:"  # a `mirrorsd distill` folder: token ids as the model read and wrote them, not re-tokenized
-DISTILL_RECORDS = 32  # records joined per document, so windows fill up
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
-CHECKPOINT, CURVE, CURVE_PLOT = "checkpoint.pt", "curve.json", "learning_curve.png"
-CACHE_META, HELD_OUT = "cache.json", "held-out.safetensors"
-SHARD_CHUNKS = 32  # chunks per cache shard: the unit of resuming
-
-
-def chat_answer_texts(model: str, tokenizer) -> list[str]:
-    """``chat-answers``: ``model``'s greedy answers to every shipped chat prompt set
-    (:data:`mirrorsd.vocab_tables.PROMPT_SETS`; generated once and cached by :func:`mirrorsd.vocab_tables.answers_of`),
-    each conversation through the chat template, joined into :data:`CHAT_TEXTS` texts (conversation i in text
-    i mod CHAT_TEXTS). Streams trained on code and reference prose read chat answers poorly; these are the text
-    decoding actually asks them for."""
-    from .vocab_tables import PROMPT_SETS, answers_of, prompts
-
-    conversations = []
-    for prompt_set in PROMPT_SETS:
-        for p, ids in zip(prompts(prompt_set), answers_of(model, prompt_set=prompt_set), strict=True):
-            answer = tokenizer.decode(ids, skip_special_tokens=True)
-            messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": answer}]
-            conversations.append(tokenizer.apply_chat_template(messages, tokenize=False))
-    return ["\n".join(conversations[j::CHAT_TEXTS]) for j in range(CHAT_TEXTS)]
-
-
-class Tokens(list):
-    """A document given as token ids (taken as they are, not re-tokenized), with ``answer[i]`` true where token i
-    was written by the model rather than read by it: drafting is only ever asked for the written ones."""
-
-    def __init__(self, ids: list[int], answer: list[bool]) -> None:
-        super().__init__(ids)
-        self.answer = answer
-
-
-def distill_documents(folder: str | Path) -> list[Tokens]:
-    """A ``mirrorsd distill`` folder's records (prompt and answer ids), :data:`DISTILL_RECORDS` to a document."""
-    from .distill.engine import records
-
-    docs, current, answer = [], [], []
-    for i, (ids, answer_from, _) in enumerate(records(folder)):
-        current += ids.tolist()
-        answer += [False] * answer_from + [True] * (len(ids) - answer_from)
-        if (i + 1) % DISTILL_RECORDS == 0:
-            docs.append(Tokens(current, answer))
-            current, answer = [], []
-    if current:
-        docs.append(Tokens(current, answer))
-    if not docs:
-        raise ValueError(f"{folder} holds no distilled records: run `mirrorsd distill --out {folder}` first")
-    return docs
-
-
-def data_versions(sources: list[str]) -> dict[str, int]:
-    """What a state cache must also match: the shard count of each ``distill:`` folder (shards are only added)."""
-    return {s: len(list(Path(s.removeprefix(DISTILL)).glob("shard-*.npz"))) for s in sources if s.startswith(DISTILL)}
-
-
-def corpus_texts(sources: list[str], model: str | None = None, tokenizer=None) -> list[str | list[int]]:
-    """Texts from named offline corpora (:data:`CORPORA`), files, or folders (their *.py/*.txt/*.md/*.rst), and
-    token-id documents from ``distill:FOLDER`` sources. ``chat-answers`` needs the ``model`` name and its
-    ``tokenizer``."""
-    texts: list[str | list[int]] = []
-    for source in sources:
-        if source.startswith(DISTILL):
-            texts.extend(distill_documents(source.removeprefix(DISTILL)))
-            continue
-        if source == "chat-answers":
-            if model is None or tokenizer is None:
-                raise ValueError("the chat-answers corpus needs the model whose answers it holds (and its tokenizer)")
-            texts.extend(chat_answer_texts(model, tokenizer))
-            continue
-        if source == "stdlib":
-            files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-        elif source == "pydoc-topics":
-            from pydoc_data.topics import topics
-
-            texts.extend(topics[key] for key in sorted(topics))
-            continue
-        else:
-            path = Path(source)
-            if not path.exists():
-                raise FileNotFoundError(f"no such data file or folder: {source} (or a corpus name: "
-                                        f"{', '.join(CORPORA)})")
-            files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
-        texts.extend(f.read_text(encoding="utf-8", errors="replace") for f in files)
-    if not texts:
-        raise ValueError(f"no training text found in {sources}")
-    return texts
-
-
-@dataclass
-class Chunk:
-    ids: torch.Tensor  # [T] token ids
-    loss_from: int  # first position whose token is a training target (completion tokens only)
-    answer: torch.Tensor | None = None  # [T] bool: the token was written by the model (None: not known)
-
-
-def make_chunks(tokenizer, texts: list[str | list[int]], seq_len: int, count: int, seed: int) -> list[Chunk]:
-    """``count`` windows of ``seq_len`` tokens drawn evenly from the shuffled texts (deterministic); a text given
-    as token ids is taken as it is (with its :class:`Tokens` answer marks)."""
-    rng = random.Random(seed)
-    order = list(range(len(texts)))
-    rng.shuffle(order)
-    chunks: list[Chunk] = []
-    for i in order:
-        text = texts[i]
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if isinstance(text, str) else text
-        answer = getattr(text, "answer", None)
-        for start in range(0, len(ids) - seq_len + 1, seq_len):
-            chunks.append(Chunk(torch.tensor(ids[start:start + seq_len]), 1,
-                                None if answer is None else torch.tensor(answer[start:start + seq_len])))
-    rng.shuffle(chunks)
-    if len(chunks) < count:
-        raise ValueError(f"the data gives {len(chunks)} chunks of {seq_len} tokens; {count} were asked for")
-    return chunks[:count]
+from .training import (
+    CURVE_PLOT,
+    HELD_OUT,
+    SHARD_CHUNKS,
+    Chunk,
+    ShardCache,
+    Trainable,
+    TrainHead,
+    corpus_texts,
+    fit,
+    make_chunks,
+    open_cache,
+    optimize,
+    plot_learning_curve,
+    write_shards,
+)
 
 
 def self_distill(model: Transformer, chunks: list[Chunk], prompt_len: int) -> list[Chunk]:
@@ -208,54 +97,6 @@ def freeze(model: Transformer, first: int, chunk: Chunk) -> dict[str, torch.Tens
             "answer": (chunk.answer if chunk.answer is not None else torch.ones(n, dtype=torch.bool)).to(torch.uint8)}
 
 
-def _save_shard(items: list[dict[str, torch.Tensor]], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_suffix(".tmp")  # a shard is complete or absent: an interrupted run redoes only the last one
-    save_file({k: torch.stack([x[k] for x in items]).cpu().contiguous() for k in items[0]}, str(tmp))
-    tmp.replace(path)
-
-
-def shard_paths(folder: Path, count: int, shard_size: int) -> list[Path]:
-    return [folder / f"shard-{i:05d}.safetensors" for i in range(-(-count // shard_size))]
-
-
-def check_cache(folder: Path, meta: dict[str, Any]) -> None:
-    """Record ``meta`` (model, weight format, shape, data, seq_len, seed...) in a new cache; refuse one built with
-    other settings rather than mix them. A cache that holds no states yet (a run that failed before caching, on bad
-    flags) takes the new settings."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / CACHE_META
-    if not path.exists() or not any(folder.glob("*.safetensors")):
-        path.write_text(json.dumps(meta, indent=1) + "\n")
-        return
-    old = json.loads(path.read_text())
-    if old != meta:
-        changed = sorted(k for k in meta.keys() | old.keys() if old.get(k) != meta.get(k))
-        raise ValueError(f"the state cache in {folder} was built with other settings ({', '.join(changed)}); "
-                         "give another --cache folder or delete this one")
-
-
-def write_shards(folder: Path, train_chunks: list[Chunk], held_out: list[Chunk],
-                 rows: Callable[[Path, list[Chunk]], Iterable[dict[str, torch.Tensor]]], *, desc: str,
-                 shard_size: int = SHARD_CHUNKS, progress: bool = True) -> None:
-    """Write a state cache's missing shards: ``held-out.safetensors``, then the training chunks in the shards of
-    :func:`shard_paths`; ``rows(path, chunks)`` gives a shard's rows, one per chunk. An interrupted run resumes at
-    its last shard (the cache every state-cache trainer builds)."""
-    jobs = [(folder / HELD_OUT, held_out)]
-    jobs += [(path, train_chunks[i * shard_size:(i + 1) * shard_size])
-             for i, path in enumerate(shard_paths(folder, len(train_chunks), shard_size))]
-    todo = [(path, chunks) for path, chunks in jobs if not path.exists()]
-    bar = tqdm(total=sum(len(c) for _, c in todo), desc=desc, unit="chunk", disable=not progress)
-    for path, chunks in todo:
-        items = []
-        for item in rows(path, chunks):
-            items.append(item)
-            bar.update()
-        _save_shard(items, path)
-    bar.close()
-
-
 def cache_states(model: Transformer, first: int, train_chunks: list[Chunk], held_out: list[Chunk], folder: Path,
                  *, shard_size: int = SHARD_CHUNKS, progress: bool = True) -> None:
     """The frozen model's cache (:func:`freeze` per chunk), by :func:`write_shards`."""
@@ -263,30 +104,12 @@ def cache_states(model: Transformer, first: int, train_chunks: list[Chunk], held
                  desc="caching frozen states", shard_size=shard_size, progress=progress)
 
 
-class StateCache(Sequence[Cached]):
-    """The cached chunks of some shards, read one chunk at a time from the memory-mapped files: at the issue's scale
-    (~7 KB a token on the 1.5B, 28 GB for 4M tokens) the cache does not fit in memory, and reading one chunk
-    (~2 MB at 256 tokens) costs milliseconds against a training step's seconds."""
+class StateCache(ShardCache[Cached]):
+    """The streams' cache: per chunk, the layer ``N - N_s`` states, the top layers' main keys and values, and the
+    model's labels (~7 KB a token on the 1.5B, 28 GB for 4M tokens: read a chunk at a time)."""
 
-    names = ("hidden", "keys", "values", "labels", "loss_from")  # the tensors a chunk is made of
+    names = ("hidden", "keys", "values", "labels", "loss_from")
     optional = ("answer",)  # read where the shard has them (older caches do not)
-
-    def __init__(self, paths: list[Path], device: torch.device | str) -> None:
-        from safetensors import safe_open
-
-        self.device = str(device)
-        self._files = [safe_open(str(path), framework="pt") for path in paths]
-        counts = [f.get_slice("labels").get_shape()[0] for f in self._files]
-        self._where = [(f, i) for f, n in zip(self._files, counts, strict=True) for i in range(n)]
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def row(self, index: int) -> dict[str, torch.Tensor]:
-        """Chunk ``index``'s tensors by name."""
-        f, i = self._where[index]
-        names = [*self.names, *(name for name in self.optional if name in f.keys())]  # noqa: SIM118 (not a dict)
-        return {name: f.get_slice(name)[i].to(self.device) for name in names}
 
     def __getitem__(self, index: int) -> Cached:  # type: ignore[override]
         row = self.row(index)
@@ -299,25 +122,6 @@ def load_cache(paths: list[Path], device: torch.device | str) -> StateCache:
 
 
 # -- the loss ------------------------------------------------------------------------------------------------
-
-
-class TrainHead:
-    """The LM head on a vocabulary subset, for the training loss only (held-out accuracy reads the full head)."""
-
-    def __init__(self, model: Transformer, ids: torch.Tensor) -> None:
-        ids = ids.sort().values.to(model.device)
-        self.weight = head_weight(model.lm_head, model.embed_tokens.weight, model.config.tie_word_embeddings)[ids]
-        self.weight = self.weight.to(model.dtype)
-        self.index = torch.full((model.config.vocab_size,), -100, dtype=torch.long, device=model.device)
-        self.index[ids] = torch.arange(len(ids), device=model.device)
-        self.norm = model.norm
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(hidden), self.weight).float()
-
-    def labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary labels (-100 = none) as subset indices; ids outside the subset are not trained on."""
-        return torch.where(labels >= 0, self.index[labels.clamp(min=0)], -100)
 
 
 def stream_sources(n: int, n_streams: int, device: torch.device | str) -> torch.Tensor:
@@ -410,10 +214,7 @@ def train_step(model: Transformer, adapters: StreamAdapters, item: Cached, head:
                optimizer: torch.optim.Optimizer, loss: str = "ce") -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on one cached chunk; returns its (stream loss, pruning CE)."""
     stream_loss, prune_ce = losses(model, adapters, item, head, loss)
-    optimizer.zero_grad(set_to_none=True)
-    (stream_loss + prune_ce).backward()
-    torch.nn.utils.clip_grad_norm_(adapters.trainable(), 1.0)
-    optimizer.step()
+    optimize(optimizer, stream_loss + prune_ce, adapters.trainable())
     return stream_loss.detach(), prune_ce.detach()
 
 
@@ -467,40 +268,10 @@ def evaluate(model: Transformer, adapters: StreamAdapters, held_out: list[Cached
 
 def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     """Held-out top-1 of each stream (and the pruning exit) against training tokens."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    xs = [max(1, p["train_tokens"]) for p in curve]
-    for j in range(len(curve[0]["stream_accuracy"])):
-        ax.plot(xs, [p["stream_accuracy"][j] for p in curve], "o-", label=f"stream {j + 1} (token t+{j + 2})")
-    ax.plot(xs, [p["prune_accuracy"] for p in curve], "s--", color="grey", label="pruning exit (token t+1)")
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens (with repeats over epochs)")
-    ax.set_ylabel("held-out top-1 = the model's own token")
-    ax.set_ylim(0, 1)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def warmup_decay(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over the first 5% of ``steps``, then linear decay to 0 (the state-cache trainers' schedule)."""
-    warmup = max(1, steps // 20)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
-
-
-def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
-    """The chunk order of one epoch: a fresh shuffle per epoch, the same on every resume."""
-    index = list(range(count))
-    random.Random(seed * 1_000_003 + epoch).shuffle(index)
-    return index
+    series = {f"stream {j + 1} (token t+{j + 2})": [p["stream_accuracy"][j] for p in curve]
+              for j in range(len(curve[0]["stream_accuracy"]))}
+    series["pruning exit (token t+1)"] = [p["prune_accuracy"] for p in curve]
+    plot_learning_curve(curve, path, series, "held-out top-1 = the model's own token", title)
 
 
 def warm_start(model: Transformer, adapters: StreamAdapters, folder: Path) -> int:
@@ -552,11 +323,8 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     meta = {"model": model_name, "weights": decode_format, "data": list(data), "seq_len": seq_len, "chunks": n_train,
             "held_out": held_out, "distill": distill, "seed": seed, "first_layer": first, "n_layers": cfg.n_layers,
             "hidden_size": cfg.hidden_size}
-    if versions := data_versions(list(data)):
-        meta["data_shards"] = versions
-    check_cache(cache, meta)
-    shards = shard_paths(cache, n_train, SHARD_CHUNKS)
-    if not all(p.exists() for p in [*shards, cache / HELD_OUT]):
+    shards, complete = open_cache(cache, meta, data, n_train)
+    if not complete:
         texts = corpus_texts(data, model_name, tokenizer)
         all_chunks = make_chunks(tokenizer, texts, seq_len, n_train + held_out, seed)
         train_chunks, eval_chunks = all_chunks[held_out:], all_chunks[:held_out]
@@ -568,51 +336,23 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     train_items, eval_items = load_cache(shards, model.device), load_cache([cache / HELD_OUT], model.device)
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
-    optimizer = torch.optim.AdamW(adapters.trainable(), lr=lr, weight_decay=0.0)
-    schedule = warmup_decay(optimizer, steps)
-    out.mkdir(parents=True, exist_ok=True)
-    start_step, curve, tokens = 0, [], 0
-    if init is not None:
-        tokens = warm_start(model, adapters, init)
-    checkpoint = out / CHECKPOINT
-    if checkpoint.exists():
-        state = torch.load(checkpoint, map_location=model.device, weights_only=False)
-        adapters.load_adapter_state(state["adapter"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
-    if not curve:
-        curve.append({"step": 0, "train_tokens": tokens} | evaluate(model, adapters, eval_items))
+    def step(item: Cached) -> tuple[torch.Tensor, int, dict[str, str]]:
+        stream_loss, prune_ce = losses(model, adapters, item, head, loss)
+        return (stream_loss + prune_ce, item.labels.shape[0] - item.loss_from + 1,
+                {f"stream_{loss}": f"{stream_loss.item():.3f}", "prune_ce": f"{prune_ce.item():.3f}"})
 
-    def save(step: int) -> None:
-        torch.save({"step": step, "adapter": {k: v.detach() for k, v in adapters.adapter_state().items()},
-                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "curve": curve,
-                    "train_tokens": tokens}, checkpoint)
-        (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
-
-    bar = tqdm(total=steps, initial=start_step, desc="train streams", unit="step", disable=not progress)
-    started = time.perf_counter()
-    for step in range(start_step, steps):
-        epoch, position = divmod(step, len(train_items))
-        item = train_items[epoch_order(len(train_items), seed, epoch)[position]]
-        stream_loss, prune_ce = train_step(model, adapters, item, head, optimizer, loss)
-        schedule.step()
-        tokens += item.labels.shape[0] - item.loss_from + 1
-        bar.set_postfix({f"stream_{loss}": f"{stream_loss.item():.3f}", "prune_ce": f"{prune_ce.item():.3f}",
-                         "epoch": epoch})
-        bar.update()
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            curve.append({"step": step + 1, "train_tokens": tokens} | evaluate(model, adapters, eval_items))
-            bar.write(f"step {step + 1}: held-out {curve[-1]}")
-        if (step + 1) % save_every == 0 or step + 1 == steps:
-            save(step + 1)
-    bar.close()
+    trainable = Trainable(list(adapters.trainable()), adapters.adapter_state, adapters.load_adapter_state, "adapter")
+    fitted = fit(out, trainable, train_items, step, lambda: evaluate(model, adapters, eval_items), steps=steps, lr=lr,
+                 seed=seed, eval_every=eval_every, save_every=save_every, desc="train streams",
+                 tokens=warm_start(model, adapters, init) if init is not None else 0, device=model.device,
+                 progress=progress)
+    curve, tokens = fitted.curve, fitted.tokens
     summary = {"held_out_stream_accuracy_before": curve[0]["stream_accuracy"],
                "held_out_stream_accuracy_after": curve[-1]["stream_accuracy"],
                "held_out_prune_accuracy_before": curve[0]["prune_accuracy"],
                "held_out_prune_accuracy_after": curve[-1]["prune_accuracy"],
                "labels": LABELS[loss], "loss": loss, "train_vocab": vocab or cfg.vocab_size,
-               "train_seconds_this_run": round(time.perf_counter() - started, 1), "steps": steps,
+               "train_seconds_this_run": fitted.seconds, "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
                "self_distilled_chunks": distill, "dtype": str(model.dtype).removeprefix("torch.")}
@@ -621,7 +361,6 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
             summary[f"held_out_{key}_before"], summary[f"held_out_{key}_after"] = curve[0][key], curve[-1][key]
     if init is not None:
         summary["init"] = str(init)
-    (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")  # also after --steps 0: an evaluation alone
     adapters.save(out, recipe=(recipe or {}) | summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_curve(curve, out / CURVE_PLOT, f"{recipe.get('model', '') if recipe else ''} streams: γ={streams}, "

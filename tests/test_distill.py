@@ -82,7 +82,7 @@ def test_the_engine_answers_in_batches_resumes_and_keeps_each_answer_as_alone(tm
         Shards(tmp_path, Settings("smollm2-135m", max_new_tokens=99))
 
     # The trainers read the folder as token ids (train-streams / train-exit --data distill:FOLDER).
-    from mirrorsd.train_streams import corpus_texts, data_versions, make_chunks
+    from mirrorsd.training import corpus_texts, data_versions, make_chunks
 
     source = f"distill:{tmp_path}"
     docs = corpus_texts([source])

@@ -10,7 +10,7 @@ from mirrorsd.decoding.mirror import early_exit
 from mirrorsd.exit_heads import ExitTranslators, shipped_exit, tuned_exit, unit_rms
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.train_exit import KLRefine, _corrections, fit_exit, plot_curve, refine_kl
-from mirrorsd.train_streams import Tokens, corpus_texts
+from mirrorsd.training import Tokens, corpus_texts
 from tests.helpers import requires_smollm2
 
 

@@ -16,7 +16,7 @@ LAYERS = [
      "exit_heads", "tuned_drafts"},  # the model, kernels, executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api", "batching"},  # loading models, the HF-like API, continuous batching
-    {"perplexity", "quality", "train_streams", "train_draft", "train_eagle", "train_exit", "vocab_tables",
+    {"perplexity", "quality", "training", "train_streams", "train_draft", "train_eagle", "train_exit", "vocab_tables",
      "distill"},  # tools
     {"bench"},  # benchmarks and the planner
     {"server"},  # mirrorsd serve: the OpenAI-compatible HTTP server

@@ -13,7 +13,8 @@ from mirrorsd.loading import _is_projection
 from mirrorsd.quant import quantize_groups, quantize_q8
 from mirrorsd.runtime.tensor_parallel import run_tracks
 from mirrorsd.train_draft import DraftCache, DraftLoRA, cached_labels, target_labels, train
-from mirrorsd.train_streams import HELD_OUT, Chunk, cache_states, shard_paths
+from mirrorsd.train_streams import cache_states
+from mirrorsd.training import HELD_OUT, Chunk, shard_paths
 from tests.helpers import requires_smollm2, tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,7 +242,7 @@ def test_a_tuned_smollm2_draft_keeps_sd_equal_to_ar_on_real_weights(smollm2, tmp
 def test_distilled_documents_mark_the_answers_and_the_loss_covers_only_them():
     from mirrorsd.distill.engine import records
     from mirrorsd.train_draft import DraftItem, _valid
-    from mirrorsd.train_streams import DISTILL_RECORDS, distill_documents, make_chunks
+    from mirrorsd.training import DISTILL_RECORDS, distill_documents, make_chunks
     from tests.helpers import REPO
 
     folder = REPO / "data" / "distill" / "qwen2.5-coder-1.5b"

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mirrorsd import Transformer
 from mirrorsd.decoding.eagle.head import EagleHead, feature_layers, rotary
 from mirrorsd.train_eagle import FeatureCache, target_features, train, unroll
-from mirrorsd.train_streams import HELD_OUT, Chunk
+from mirrorsd.training import HELD_OUT, Chunk
 from tests.helpers import tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")

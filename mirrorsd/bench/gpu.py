@@ -206,7 +206,8 @@ def train_costs(target: Transformer, *, steps: int = 8, chunks: int = 4, recipe:
     """Speculative Streaming training on this device, through `train-streams`' own functions: ms to cache one
     chunk's frozen states (:func:`~mirrorsd.train_streams.freeze`) and ms per optimizer step
     (:func:`~mirrorsd.train_streams.train_step`), median over ``steps`` after two warm-up steps."""
-    from ..train_streams import Cached, Chunk, TrainHead, freeze, train_step
+    from ..train_streams import Cached, freeze, train_step
+    from ..training import Chunk, TrainHead
 
     recipe = TRAIN_RECIPE | (recipe or {})
     cfg, seq_len = target.config, recipe["seq_len"]

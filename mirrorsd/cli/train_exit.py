@@ -11,7 +11,7 @@ from pathlib import Path
 import mirrorsd
 from mirrorsd.exit_heads import ExitTranslators, resolve_exit_layer
 from mirrorsd.train_exit import KLRefine, fit_exit, plot_curve, self_distilled
-from mirrorsd.train_streams import corpus_texts
+from mirrorsd.training import corpus_texts
 
 from .args import COMMANDS, add_formats, add_model
 from .common import HelpFormatter, number, parse_csv, say_loaded, warn_if_busy

@@ -14,7 +14,7 @@ from mirrorsd.decoding.eagle import runtime
 from mirrorsd.decoding.eagle.head import HEAD_CONFIG, HeadConfig, feature_layers, load_head
 from mirrorsd.decoding.eagle.runtime import HeadRunner
 from mirrorsd.train_eagle import target_features, unroll
-from mirrorsd.train_streams import Chunk
+from mirrorsd.training import Chunk
 from tests.helpers import random_head, row_exact, tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -554,7 +554,8 @@ def test_mirror_draft_streams_flag_takes_the_drafts_shipped_adapter(draft_stream
 
 @requires_smollm2
 def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smollm2, tmp_path):
-    from mirrorsd.train_streams import HELD_OUT, cache_states, corpus_texts, evaluate, load_cache, make_chunks
+    from mirrorsd.train_streams import cache_states, evaluate, load_cache
+    from mirrorsd.training import HELD_OUT, corpus_texts, make_chunks
 
     ours, _ = smollm2
     folder = shipped_adapter("smollm2-135m")
@@ -574,7 +575,7 @@ def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smol
 
 
 def test_the_chat_answers_corpus_needs_the_model_it_quotes():
-    from mirrorsd.train_streams import corpus_texts
+    from mirrorsd.training import corpus_texts
 
     with pytest.raises(ValueError, match="chat-answers corpus needs the model"):
         corpus_texts(["chat-answers"])
@@ -585,7 +586,7 @@ def test_the_chat_answers_corpus_is_the_models_own_answers_through_its_chat_temp
     """Each shipped prompt of every set with the model's own answer, rendered by the model's chat template;
     conversation i in text i mod CHAT_TEXTS, so that training windows span several conversations."""
     from mirrorsd import vocab_tables
-    from mirrorsd.train_streams import CHAT_TEXTS, corpus_texts
+    from mirrorsd.training import CHAT_TEXTS, corpus_texts
 
     tokenizer = smollm2[0].tokenizer
     sets = {"draft_vocab": range(6), "streams": range(6, 10)}
@@ -622,7 +623,7 @@ def test_stream_targets_are_the_models_own_tokens_j_places_ahead():
 
 
 def test_training_head_is_the_full_head_on_its_subset(dense_model):
-    from mirrorsd.train_streams import TrainHead
+    from mirrorsd.training import TrainHead
 
     ids = torch.tensor([5, 1, 40, 7])
     head = TrainHead(dense_model, ids)
@@ -633,7 +634,8 @@ def test_training_head_is_the_full_head_on_its_subset(dense_model):
 
 
 def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tmp_path):
-    from mirrorsd.train_streams import HELD_OUT, Chunk, cache_states, check_cache, load_cache, shard_paths
+    from mirrorsd.train_streams import cache_states, load_cache
+    from mirrorsd.training import HELD_OUT, Chunk, check_cache, shard_paths
 
     gen = torch.Generator().manual_seed(0)
     chunks = [Chunk(torch.randint(0, dense_model.config.vocab_size, (12,), generator=gen), 1) for _ in range(5)]
@@ -661,15 +663,8 @@ def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tm
 
 
 def test_held_out_accuracy_on_written_tokens_where_the_cache_marks_them(dense_model, tmp_path):
-    from mirrorsd.train_streams import (
-        HELD_OUT,
-        Chunk,
-        cache_states,
-        evaluate,
-        load_cache,
-        stream_forward,
-        stream_targets,
-    )
+    from mirrorsd.train_streams import cache_states, evaluate, load_cache, stream_forward, stream_targets
+    from mirrorsd.training import HELD_OUT, Chunk
 
     adapters = random_adapters(dense_model, streams=2, layers=2)
     gen = torch.Generator().manual_seed(2)
@@ -703,7 +698,8 @@ def test_held_out_accuracy_on_written_tokens_where_the_cache_marks_them(dense_mo
 
 
 def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_path):
-    from mirrorsd.train_streams import HELD_OUT, Chunk, TrainHead, cache_states, load_cache, losses
+    from mirrorsd.train_streams import cache_states, load_cache, losses
+    from mirrorsd.training import HELD_OUT, Chunk, TrainHead
 
     model = Transformer.from_hf(tiny_hf(layers=4, seed=1))
     tower = Transformer.from_hf(tiny_hf(layers=4, seed=1).to(torch.bfloat16))
@@ -728,16 +724,8 @@ def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_pat
 
 
 def test_kl_loss_targets_the_models_own_distribution_j_places_ahead(tmp_path):
-    from mirrorsd.train_streams import (
-        HELD_OUT,
-        Chunk,
-        TrainHead,
-        cache_states,
-        load_cache,
-        losses,
-        stream_targets,
-        teacher_logits,
-    )
+    from mirrorsd.train_streams import cache_states, load_cache, losses, stream_targets, teacher_logits
+    from mirrorsd.training import HELD_OUT, Chunk, TrainHead
 
     model = Transformer.from_hf(tiny_hf(layers=4, seed=3))
     model.requires_grad_(False)

@@ -1,0 +1,72 @@
+"""The trainers' shared loop: a run stopped at any step resumes to exactly the run that was never stopped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mirrorsd.training import CURVE, Trainable, fit
+
+
+class Stop(Exception):
+    pass
+
+
+def _run(out, steps: int, stop_at: int | None = None) -> tuple[torch.nn.Linear, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = [torch.randn(8, 4) for _ in range(3)]
+    targets = [x.sum(-1, keepdim=True) for x in data]
+    calls = {"n": 0}
+
+    def step(i: int):
+        calls["n"] += 1
+        if stop_at is not None and calls["n"] == stop_at:
+            raise Stop
+        if i == 2:  # a window with nothing to learn: the schedule moves, the weights do not
+            return None, 0, {}
+        loss = torch.nn.functional.mse_loss(model(data[i]), targets[i])
+        return loss, 8, {"mse": f"{loss.item():.3f}"}
+
+    def evaluate() -> dict:
+        with torch.no_grad():
+            return {"mse": sum(torch.nn.functional.mse_loss(model(x), y).item()
+                               for x, y in zip(data, targets, strict=True))}
+
+    trainable = Trainable(list(model.parameters()), model.state_dict, model.load_state_dict, "linear")
+    try:
+        fitted = fit(out, trainable, [0, 1, 2], step, evaluate, steps=steps, lr=0.05, seed=3, eval_every=2,
+                     save_every=1, desc="test", progress=False)
+    except Stop:
+        return model, {}
+    return model, {"curve": fitted.curve, "tokens": fitted.tokens}
+
+
+def test_fit_resumes_to_the_run_that_was_never_stopped(tmp_path):
+    whole, done = _run(tmp_path / "whole", 7)
+    _, stopped = _run(tmp_path / "resumed", 7, stop_at=5)  # stopped after 4 steps, each checkpointed
+    assert not stopped
+    resumed, done_again = _run(tmp_path / "resumed", 7)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert done_again == done
+    # Seven steps over three windows, one of them empty: 7 - 2 visits of window 2 (epochs 0 and 1) = 5 x 8 tokens.
+    assert done["tokens"] == 40
+    assert [p["step"] for p in done["curve"]] == [0, 2, 4, 6, 7]
+    assert done["curve"][-1]["mse"] < done["curve"][0]["mse"]
+    assert json.loads((tmp_path / "whole" / CURVE).read_text()) == done["curve"]
+
+
+def test_fit_with_zero_steps_only_evaluates(tmp_path):
+    _, done = _run(tmp_path / "none", 0)
+    assert done["tokens"] == 0 and [p["step"] for p in done["curve"]] == [0]
+
+
+@pytest.mark.parametrize("stop_at", [1, 2])
+def test_fit_stopped_before_its_first_checkpoint_starts_over(tmp_path, stop_at):
+    _run(tmp_path / "x", 5, stop_at=stop_at)
+    _, again = _run(tmp_path / "x", 5)
+    _, fresh = _run(tmp_path / "y", 5)
+    assert again == fresh
