@@ -413,7 +413,10 @@ def test_lossless_check_reports_the_logit_gap_at_a_divergence(smollm2):
 @requires_smollm2
 def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     out = tmp_path / "sweep"
-    rc = main(["bench", "sweep", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", "specbench:1",
+    suite = tmp_path / "suite.jsonl"  # short prompts: this checks the wiring (Spec-Bench's long ones cost minutes)
+    suite.write_text('{"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]}\n'
+                     '{"question_id": 2, "category": "writing", "turns": ["Name a colour."]}\n')
+    rc = main(["bench", "sweep", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", str(suite),
                "--gammas", "2", "--kappas", "1", "--exit-layers", "0.5", "--candidates", "exit,draft",
                "--max-new-tokens", "4", "--runs", "1", "--warmup", "0", "--no-probe", "--no-predict",
                "--out", str(out)])
@@ -431,7 +434,7 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     # (this checks the wiring, not the timings: one timed call per size, and fewer sizes, instead of five)
     monkeypatch.setattr(plan, "measure_costs", functools.partial(plan.measure_costs, rounds=1, target_ks=(1, 4, 16),
                                                                  draft_ks=(1, 4, 16, 64)))
-    rc = main(["plan", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", "specbench:1",
+    rc = main(["plan", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", str(suite),
                "--max-new-tokens", "8", "--json"])
     assert rc == 0
     stored = json.loads(saved.read_text())
@@ -455,7 +458,7 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     assert rc == 0 and row["stats"]["method"] == "sd" and row["stats"]["gamma"] <= 3
 
     rc = main(["bench", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--methods", "ar,auto", "--suite",
-               "specbench:1", "--max-new-tokens", "4", "--runs", "1", "--warmup", "0", "--no-probe", "--no-predict",
+               str(suite), "--max-new-tokens", "4", "--runs", "1", "--warmup", "0", "--no-probe", "--no-predict",
                "--out", str(tmp_path / "auto")])
     results = json.loads((tmp_path / "auto" / "results.json").read_text())
     assert rc == 0 and results["summary"]["auto"]["kind"] == "sd"  # the plan's recommendation ran
