@@ -117,10 +117,6 @@ class StateCache(ShardCache[Cached]):
         return Cached(row["hidden"], row["keys"], row["values"], row["labels"].long(), int(row["loss_from"]), answer)
 
 
-def load_cache(paths: list[Path], device: torch.device | str) -> StateCache:
-    return StateCache(paths, device)
-
-
 # -- the loss ------------------------------------------------------------------------------------------------
 
 
@@ -270,8 +266,9 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     """Held-out top-1 of each stream (and the pruning exit) against training tokens."""
     series = {f"stream {j + 1} (token t+{j + 2})": [p["stream_accuracy"][j] for p in curve]
               for j in range(len(curve[0]["stream_accuracy"]))}
-    series["pruning exit (token t+1)"] = [p["prune_accuracy"] for p in curve]
-    plot_learning_curve(curve, path, series, "held-out top-1 = the model's own token", title)
+    exit_label = "pruning exit (token t+1)"
+    series[exit_label] = [p["prune_accuracy"] for p in curve]
+    plot_learning_curve(curve, path, series, "held-out top-1 = the model's own token", title, dashed={exit_label})
 
 
 def warm_start(model: Transformer, adapters: StreamAdapters, folder: Path) -> int:
@@ -333,7 +330,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
             train_chunks = self_distill(decode_model, train_chunks[:distill], prompt_len) + train_chunks[distill:]
         cache_states(decode_model, first, train_chunks, eval_chunks, cache, shard_size=SHARD_CHUNKS,
                      progress=progress)
-    train_items, eval_items = load_cache(shards, model.device), load_cache([cache / HELD_OUT], model.device)
+    train_items, eval_items = StateCache(shards, model.device), StateCache([cache / HELD_OUT], model.device)
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
     def step(item: Cached) -> tuple[torch.Tensor, int, dict[str, str]]:

@@ -12,7 +12,7 @@ import json
 import random
 import sysconfig
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -343,8 +343,9 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
 
 
 def plot_learning_curve(curve: list[dict[str, Any]], path: Path, series: dict[str, list[float]], ylabel: str,
-                        title: str) -> None:
-    """``series`` (label -> one value per curve point) against training tokens, log scale."""
+                        title: str, dashed: Collection[str] = ()) -> None:
+    """``series`` (label -> one value per curve point) against training tokens, log scale; the ``dashed`` labels
+    (a series trained beside the main ones, such as the streams' pruning exit) drawn apart."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -353,7 +354,7 @@ def plot_learning_curve(curve: list[dict[str, Any]], path: Path, series: dict[st
     fig, ax = plt.subplots(figsize=(6.4, 4))
     xs = [max(1, p["train_tokens"]) for p in curve]
     for label, ys in series.items():
-        ax.plot(xs, ys, "s--" if "exit" in label else "o-", label=label)
+        ax.plot(xs, ys, "s--" if label in dashed else "o-", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("training tokens (with repeats over epochs)")
     ax.set_ylabel(ylabel)

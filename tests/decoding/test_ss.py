@@ -554,7 +554,7 @@ def test_mirror_draft_streams_flag_takes_the_drafts_shipped_adapter(draft_stream
 
 @requires_smollm2
 def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smollm2, tmp_path):
-    from mirrorsd.train_streams import cache_states, evaluate, load_cache
+    from mirrorsd.train_streams import StateCache, cache_states, evaluate
     from mirrorsd.training import HELD_OUT, corpus_texts, make_chunks
 
     ours, _ = smollm2
@@ -568,7 +568,7 @@ def test_shipped_adapter_beats_an_untrained_one_on_held_out_stream_accuracy(smol
     trained = load_adapters(ours.model, folder)
     untrained = StreamAdapters(ours.model, trained.config)
     cache_states(ours.model, trained.first_layer, [], held_out, tmp_path, progress=False)
-    items = load_cache([tmp_path / HELD_OUT], "cpu")
+    items = StateCache([tmp_path / HELD_OUT], "cpu")
     good, base = evaluate(ours.model, trained, items), evaluate(ours.model, untrained, items)
     assert all(g > b + 0.02 for g, b in zip(good["stream_accuracy"], base["stream_accuracy"], strict=True)), (
         good, base)
@@ -634,7 +634,7 @@ def test_training_head_is_the_full_head_on_its_subset(dense_model):
 
 
 def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tmp_path):
-    from mirrorsd.train_streams import cache_states, load_cache
+    from mirrorsd.train_streams import StateCache, cache_states
     from mirrorsd.training import HELD_OUT, Chunk, check_cache, shard_paths
 
     gen = torch.Generator().manual_seed(0)
@@ -644,7 +644,7 @@ def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tm
     cache_states(dense_model, 2, chunks[1:], chunks[:1], tmp_path, shard_size=2, progress=False)
     shards = shard_paths(tmp_path, 4, 2)
     assert [p.exists() for p in shards] == [True, True] and (tmp_path / HELD_OUT).exists()
-    first = load_cache(shards, "cpu")
+    first = StateCache(shards, "cpu")
     assert len(first) == 4 and first[0].keys.shape == (2, dense_model.config.n_kv_heads, 12,
                                                        dense_model.config.head_dim)
     # The labels are the model's own greedy tokens.
@@ -654,7 +654,7 @@ def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tm
     shards[1].unlink()  # an interrupted run: only the missing shard is computed again
     cache_states(dense_model, 2, chunks[1:], chunks[:1], tmp_path, shard_size=2, progress=False)
     assert shards[0].stat().st_mtime_ns == kept and shards[1].exists()
-    again = load_cache(shards, "cpu")
+    again = StateCache(shards, "cpu")
     assert all(torch.equal(a.hidden, b.hidden) and torch.equal(a.labels, b.labels)
                for a, b in zip(first, again, strict=True))
     check_cache(tmp_path, meta)  # the same settings reuse it
@@ -663,7 +663,7 @@ def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tm
 
 
 def test_held_out_accuracy_on_written_tokens_where_the_cache_marks_them(dense_model, tmp_path):
-    from mirrorsd.train_streams import cache_states, evaluate, load_cache, stream_forward, stream_targets
+    from mirrorsd.train_streams import StateCache, cache_states, evaluate, stream_forward, stream_targets
     from mirrorsd.training import HELD_OUT, Chunk
 
     adapters = random_adapters(dense_model, streams=2, layers=2)
@@ -671,7 +671,7 @@ def test_held_out_accuracy_on_written_tokens_where_the_cache_marks_them(dense_mo
     ids = torch.randint(0, dense_model.config.vocab_size, (16,), generator=gen)
     all_written = Chunk(ids, 1, torch.ones(16, dtype=torch.bool))
     cache_states(dense_model, adapters.first_layer, [], [all_written], tmp_path, progress=False)
-    item = load_cache([tmp_path / HELD_OUT], "cpu")[0]
+    item = StateCache([tmp_path / HELD_OUT], "cpu")[0]
     got = evaluate(dense_model, adapters, [item])
     assert got["stream_accuracy_answers"] == got["stream_accuracy"]  # every token written: the same measure
     # Only the last 4 tokens written: stream j at t counts when token t + 1 + j is one of them.
@@ -698,7 +698,7 @@ def test_held_out_accuracy_on_written_tokens_where_the_cache_marks_them(dense_mo
 
 
 def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_path):
-    from mirrorsd.train_streams import cache_states, load_cache, losses
+    from mirrorsd.train_streams import StateCache, cache_states, losses
     from mirrorsd.training import HELD_OUT, Chunk, TrainHead
 
     model = Transformer.from_hf(tiny_hf(layers=4, seed=1))
@@ -710,7 +710,7 @@ def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_pat
     assert all(p.dtype == torch.float32 for p in adapters.trainable())
     ids = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
     cache_states(model, adapters.first_layer, [], [Chunk(ids, 1)], tmp_path, progress=False)
-    item = load_cache([tmp_path / HELD_OUT], "cpu")[0]
+    item = StateCache([tmp_path / HELD_OUT], "cpu")[0]
     head = TrainHead(tower, torch.arange(cfg.vocab_size))
     optimizer = torch.optim.Adam(adapters.trainable(), lr=1e-2)
     first = None
@@ -724,7 +724,7 @@ def test_training_lowers_the_loss_and_keeps_adapters_fp32_on_a_bf16_base(tmp_pat
 
 
 def test_kl_loss_targets_the_models_own_distribution_j_places_ahead(tmp_path):
-    from mirrorsd.train_streams import cache_states, load_cache, losses, stream_targets, teacher_logits
+    from mirrorsd.train_streams import StateCache, cache_states, losses, stream_targets, teacher_logits
     from mirrorsd.training import HELD_OUT, Chunk, TrainHead
 
     model = Transformer.from_hf(tiny_hf(layers=4, seed=3))
@@ -734,7 +734,7 @@ def test_kl_loss_targets_the_models_own_distribution_j_places_ahead(tmp_path):
                                                   n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
     ids = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
     cache_states(model, adapters.first_layer, [], [Chunk(ids, 3)], tmp_path, progress=False)
-    item = load_cache([tmp_path / HELD_OUT], "cpu")[0]
+    item = StateCache([tmp_path / HELD_OUT], "cpu")[0]
     item.hidden = item.hidden.float()  # the cache keeps bf16; compare the recomputation on the same states
     head = TrainHead(model, torch.arange(cfg.vocab_size))
     teacher = teacher_logits(model, adapters.first_layer, item, head)
