@@ -9,11 +9,11 @@ against the level's first configuration's.
 
 ``long-prompt``: 8 decoding streams, then a 4,000-token prompt arrives: the streams' p99 time per output token
 while it is prefilled against their p99 without it, and the prompt's time to first token against an idle batcher,
-for each ``--prefill-rows``::
+for each ``--prefill-rows`` (``auto``: paced by the batch's cost)::
 
     python benchmarks/batching.py sweep --levels 1,2,4,8,16,32 --short --json sweep.json
     python benchmarks/batching.py serial --levels 16 --short
-    python benchmarks/batching.py long-prompt --prefill-rows 8,32
+    python benchmarks/batching.py long-prompt --prefill-rows 8,32,auto
 """
 
 from __future__ import annotations
@@ -117,45 +117,63 @@ def p99(values: list[float]) -> float:
 
 
 def long_prompt(args, target, draft) -> None:
+    """The 8 streams decode past EOS until the prompt's first token, so they run beside its whole prefill (streams
+    that ended first would hand the prompt an idle machine and flatter its time to first token)."""
     short = prompts(target, True)[:8]
     long_ids = [t for i in prompts(target, False) for t in i]
     long_ids = (long_ids * (4000 // len(long_ids) + 1))[:4000]
 
-    def decode(ids: list[int], out: dict, key: int) -> None:
-        stream = mirrorsd.stream(target, ids, raw=True, method="ar", max_new_tokens=200, temperature=0)
+    def decode(ids: list[int], out: dict, key: int, until: threading.Event, tokens: int) -> None:
+        stream = mirrorsd.stream(target, ids, raw=True, method="ar", max_new_tokens=tokens, temperature=0,
+                                 ignore_eos=True)
         last = None
         for delta in stream.deltas():
             now = time.perf_counter()
             if last is not None and delta.token_ids:
                 out.setdefault(key, []).append(((now - last) / len(delta.token_ids), now))
             last = now
+            out.setdefault("decoding", {})[key] = out.get("decoding", {}).get(key, now)  # its first token
+            if until.is_set():
+                break
+        stream.close()
 
-    def first_token(out: dict) -> None:
+    def first_token(out: dict, done: threading.Event) -> None:
         start = time.perf_counter()
         stream = mirrorsd.stream(target, long_ids, raw=True, method="ar", max_new_tokens=2, temperature=0)
         next(iter(stream.deltas()))
         out["ttft"], out["window"] = time.perf_counter() - start, (start, time.perf_counter())
+        done.set()
         stream.close()
 
+    def streams(rows: int | None, prompt: bool) -> dict:
+        """The 8 streams (48 tokens each; with ``prompt``, until the prompt's first token), and the prompt."""
+        seen: dict = {}
+        done = threading.Event()
+        jobs = [lambda _, i=i: decode(short[i], seen, i, done, 4000 if prompt else 48) for i in range(len(short))]
+        if prompt:
+            jobs.append(lambda _: (time.sleep(3.0), first_token(seen, done)))
+        batched(jobs, lambda job: job(None), rows)
+        return seen
+
+    idle: dict = {}
+    batched([long_ids], lambda _: first_token(idle, threading.Event()))  # no window runs: 512-row chunks
+    print(f"idle: the 4000-token prompt's time to first token {idle['ttft']:.1f} s", flush=True)
+    results = []
     for rows in args.prefill_rows:
-        idle: dict = {}
-        batched([long_ids], lambda _, idle=idle: first_token(idle), rows)
-        base = None
-        for with_prompt in (False, True):
-            seen: dict = {}
-            jobs = [lambda _, i=i, seen=seen: decode(short[i], seen, i) for i in range(len(short))]
-            if with_prompt:
-                jobs.append(lambda _, seen=seen: (time.sleep(3.0), first_token(seen)))
-            batched(jobs, lambda job: job(None), rows)
-            if not with_prompt:
-                base = p99([d for i in range(len(short)) for d, _ in seen.get(i, [])[10:]])
-                print(f"prefill_rows={rows}: 8 streams alone: p99 time per output token {base * 1e3:.0f} ms")
-                continue
-            a, z = seen["window"]
-            during = p99([d for i in range(len(short)) for d, at in seen.get(i, []) if a <= at <= z])
-            print(f"prefill_rows={rows}: with a 4000-token prompt arriving: p99 {during * 1e3:.0f} ms "
-                  f"({during / base:.2f}x); its time to first token {seen['ttft']:.1f} s vs {idle['ttft']:.1f} s idle "
-                  f"({seen['ttft'] / idle['ttft']:.2f}x)", flush=True)
+        seen = streams(rows, False)
+        steady = max(seen["decoding"].values())  # every stream decodes: the short prompts' own prefill is over
+        base = p99([d for i in range(len(short)) for d, at in seen.get(i, []) if at > steady])
+        seen = streams(rows, True)
+        a, z = seen["window"]
+        during = p99([d for i in range(len(short)) for d, at in seen.get(i, []) if a <= at <= z])
+        name = "auto" if rows is None else rows
+        print(f"prefill_rows={name}: 8 streams' p99 time per output token {base * 1e3:.0f} ms alone, "
+              f"{during * 1e3:.0f} ms while a 4000-token prompt arrives ({during / base:.2f}x); its time to first "
+              f"token {seen['ttft']:.1f} s ({seen['ttft'] / idle['ttft']:.2f}x idle)", flush=True)
+        results.append({"prefill_rows": name, "p99_alone_s": base, "p99_during_s": during, "ttft_s": seen["ttft"],
+                        "ttft_idle_s": idle["ttft"]})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": cpu_name(), "rows": results}, indent=1) + "\n")
 
 
 def main() -> None:
@@ -168,8 +186,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--short", action="store_true", help="only the prompts under 100 tokens (a decode-bound load)")
-    ap.add_argument("--json", help="sweep: write every round's tok/s here")
-    ap.add_argument("--prefill-rows", default="8,32", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--json", help="sweep: write every round's tok/s here; long-prompt: each setting's figures")
+    ap.add_argument("--prefill-rows", default="8,32,auto",
+                    type=lambda s: [None if x == "auto" else int(x) for x in s.split(",")])
     args = ap.parse_args()
     target = mirrorsd.load_model(args.target, progress=False)
     needs_draft = args.what == "sweep" and "sd:" in args.configs

@@ -21,6 +21,7 @@ on its own thread as it does today.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -40,9 +41,16 @@ if TYPE_CHECKING:
 
     from .model import Transformer
 
-#: Rows a step may spend on waiting prompts beyond the running windows (llama.cpp's server and vLLM bound a step's
-#: prefill the same way), so running streams keep their pace while a long prompt arrives.
-PREFILL_ROWS = 32
+#: What a step with prompt rows may cost, in running windows' own steps, when the prompt rows are paced
+#: (``prefill_rows=None``, the default): the running streams' time per token at most doubles while a prompt arrives,
+#: and the prompt gets half the machine. On a CPU a prompt row costs about the same in any step, so these two halves
+#: trade against each other: a smaller pace keeps streams faster and the prompt's first token later in proportion.
+PREFILL_PACE = 2.0
+#: Prompt rows a paced step takes before the batch has measured its cost line (and a second step size to fit it by).
+PREFILL_START = 8
+#: With paced prompt rows, a causal window of up to this many rows (a short prompt, a draft's catch-up) runs whole in
+#: one step, as a verification window does; a longer one is a prompt, run in paced chunks.
+WHOLE_ROWS = 32
 
 
 #: How a batch spends draft rows: ``goodput`` caps each request's window by the goodput rule (:class:`Goodput`),
@@ -193,11 +201,11 @@ class Batcher:
     """Runs the waiting forwards of its member threads together (see the module docstring).
 
     ``prefill_rows``: rows of waiting prompts a step takes beside the running windows (``PREFILL_CHUNK`` when no
-    window waits)."""
+    window waits); None paces them by the batch's measured cost (:data:`PREFILL_PACE`)."""
 
-    def __init__(self, prefill_rows: int = PREFILL_ROWS, history: int = 4096,
+    def __init__(self, prefill_rows: int | None = None, history: int = 4096,
                  on_step: Callable[[StepRecord], None] | None = None, speculation: str = "goodput") -> None:
-        if prefill_rows < 1:
+        if prefill_rows is not None and prefill_rows < 1:
             raise ValueError(f"prefill_rows must be at least 1, got {prefill_rows}")
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
@@ -221,12 +229,12 @@ class Batcher:
         """Members decoding now: between forwards or waiting on one."""
         return self._running + len({id(w) for w in self._waiting})
 
-    def cost_curve(self, near: float) -> tuple[float, float] | None:
+    def cost_curve(self, near: float, sizes: int = 3) -> tuple[float, float] | None:
         """Seconds of a step as ``a + b * rows``, fitted by least squares to the recent steps of at most
         ``4 * near`` rows (a line fits a CPU's cost over a few dozen rows; a 512-row prompt chunk is off it), or None
-        while they are too few or all of one size."""
+        while they are too few or of fewer than ``sizes`` sizes."""
         points = [(r.rows, r.seconds) for r in list(self.steps)[-256:] if 0 < r.rows <= max(8.0, 4 * near)]
-        if len(points) < 8 or len({rows for rows, _ in points}) < 3:
+        if len(points) < 8 or len({rows for rows, _ in points}) < sizes:
             return None
         n = len(points)
         mx = sum(x for x, _ in points) / n
@@ -314,8 +322,8 @@ class Batcher:
 
     def _select(self) -> list[tuple[_Waiting, int]]:
         """This step's work: the waiting LM heads alone if any wait, else each waiting window whole and chunks of
-        the waiting prompts (oldest first) within ``prefill_rows``, or within ``PREFILL_CHUNK`` when no window waits
-        (nothing decodes yet to keep at pace).
+        the waiting prompts (oldest first) within :meth:`prefill_budget`, or within ``PREFILL_CHUNK`` when no window
+        waits (nothing decodes yet to keep at pace).
 
         Heads go first, alone: a member past its head joins the next layer step. Run beside another member's layers
         instead, the two would stay a half-step apart for good (each step one's layers and the other's head), and
@@ -325,10 +333,10 @@ class Batcher:
         if heads:
             return heads
         for w in self._waiting:
-            w.prompt = w.prompt or w.splittable(self.prefill_rows)
+            w.prompt = w.prompt or w.splittable(self.prefill_rows or WHOLE_ROWS)
         windows = [(w, w.rows) for w in self._waiting if not w.prompt]
         prompts = [w for w in self._waiting if w.prompt]
-        budget = self.prefill_rows if windows else PREFILL_CHUNK
+        budget = self.prefill_budget(sum(rows for _, rows in windows)) if windows else PREFILL_CHUNK
         work = list(windows)
         for w in prompts:
             take = min(w.rows - w.done, budget)
@@ -337,6 +345,31 @@ class Batcher:
             work.append((w, take))
             budget -= take
         return work
+
+    def prefill_budget(self, window_rows: int) -> int:
+        """Prompt rows a step takes beside ``window_rows`` rows of running windows: ``prefill_rows``, or, paced, as many
+        as keep the step's cost on the batch's cost line within ``PREFILL_PACE`` times the windows' own step, their
+        LM heads' step included (a prompt chunk has no head to run, so a pace of the layers alone would give the
+        prompt less than its share).
+
+        The line is never extrapolated: a paced step takes at most twice the prompt rows the recent steps took, and
+        the line is fitted over steps up to that size. A line fitted on a few noisy steps may come out flat; a
+        512-row chunk taken on its word would cost the streams seconds, and, beyond the fitted range, would never
+        correct the line."""
+        if self.prefill_rows is not None:
+            return self.prefill_rows
+        recent = list(self.steps)[-64:]
+        cap = max(PREFILL_START, 2 * max((r.prefill_rows for r in recent if r.windows), default=0))
+        curve = self.cost_curve((window_rows + cap) / 4, sizes=2)
+        if curve is None:
+            return PREFILL_START
+        a, b = curve
+        if b <= 0.0:
+            return min(cap, PREFILL_CHUNK)  # rows look free: take more, and see
+        heads = [r.seconds for r in recent if r.rows == 0]
+        head = statistics.median(heads) if heads else 0.0
+        rows = (PREFILL_PACE - 1.0) * (a + b * window_rows + head) / b
+        return max(1, min(cap, PREFILL_CHUNK, int(rows + 1e-6)))  # (a fitted line's rounding must not cost a row)
 
     def _step(self, work: list[tuple[_Waiting, int]]) -> StepRecord:
         """One forward per (model, layer range) and one head product per model, outside the lock."""

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import generate, kernels
-from mirrorsd.batching import Batcher, Goodput, StepRecord, outcomes
+from mirrorsd.batching import PREFILL_START, Batcher, Goodput, StepRecord, outcomes
 from mirrorsd.decoding import GenerationStats, methods
 from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.mirror.options import batch_caps
@@ -135,8 +135,8 @@ REQUESTS = st.builds(
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
-@given(requests=st.lists(REQUESTS, min_size=2, max_size=17), prefill_rows=st.sampled_from([1, 4, 32]))
-def test_a_request_gets_its_own_tokens_in_any_batch(pair: Pair, requests: list[Req], prefill_rows: int) -> None:
+@given(requests=st.lists(REQUESTS, min_size=2, max_size=17), prefill_rows=st.sampled_from([1, 4, 32, None]))
+def test_a_request_gets_its_own_tokens_in_any_batch(pair: Pair, requests: list[Req], prefill_rows: int | None) -> None:
     alone = [pair.tokens(r) for r in requests]
     batcher = Batcher(prefill_rows)
     got = run_batched(pair, requests, batcher)
@@ -375,6 +375,33 @@ def test_goodput_drafts_freely_alone_and_less_as_the_batch_grows() -> None:
     assert limits[2] >= limits[4] >= limits[8] >= limits[16] == 0
     assert limits[2] > 0
     assert outcomes([2, 3, 0], [3, 3, 0]) == (5, 1) and outcomes([0], [0]) == (0, 0)
+
+
+def test_paced_prompt_rows_keep_a_step_within_twice_the_windows_own() -> None:
+    assert Batcher(12).prefill_budget(8) == 12  # a fixed number is a fixed number
+    batcher = Batcher()
+    assert batcher.prefill_budget(8) == PREFILL_START  # no cost line measured yet
+    for rows in (8, 16) * 4:  # a CPU-like line: 40 ms + 10 ms a row; two step sizes are enough to draw it
+        batcher.steps.append(StepRecord(0.0, 8, rows > 8, rows, rows - 8, 0.040 + 0.010 * rows))
+    # 8 window rows cost 120 ms a step; 12 prompt rows beside them make 240 ms, twice that
+    assert batcher.prefill_budget(8) == 12
+    batcher.steps.extend(StepRecord(0.0, 0, 0, 0, 0, 0.030) for _ in range(4))  # the windows' heads: 30 ms a step
+    assert batcher.prefill_budget(8) == 15  # their step is 150 ms with its head: 15 rows make it 300 ms
+    batcher.steps.extend(StepRecord(0.0, 1, rows > 1, rows, rows - 1, 0.040 + 0.010 * rows) for rows in (1, 4) * 4)
+    assert batcher.prefill_budget(1) == 8  # one stream: (50 + 30) ms a step, so 8 rows
+
+
+def test_paced_prompt_rows_grow_by_steps_they_have_seen_never_to_a_whole_chunk_at_once() -> None:
+    """A flat or noisy line (rows look free) doubles the prompt rows of the recent steps, no more: each larger step
+    is measured, within the fitted range, before the next; a jump to a 512-row chunk would stall every stream."""
+    batcher = Batcher()
+    for rows in (8, 16) * 4:
+        batcher.steps.append(StepRecord(0.0, 8, rows > 8, rows, rows - 8, 0.100))  # 16 rows cost what 8 do
+    assert batcher.prefill_budget(8) == 16
+    batcher.steps.append(StepRecord(0.0, 8, 1, 24, 16, 0.100))
+    assert batcher.prefill_budget(8) == 32
+    batcher.steps.extend(StepRecord(0.0, 8, 1, 40, 32, 0.100 + 0.010 * 32) for _ in range(8))  # 10 ms a row after all
+    assert batcher.prefill_budget(8) < 32
 
 
 def _rule_at(busy: int) -> Goodput:

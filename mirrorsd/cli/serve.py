@@ -11,7 +11,7 @@ from rich.console import Console
 
 import mirrorsd
 from mirrorsd.api import default_method, planned
-from mirrorsd.batching import PREFILL_ROWS, SPECULATION
+from mirrorsd.batching import PREFILL_PACE, SPECULATION
 from mirrorsd.decoding import get_method
 from mirrorsd.server import ServerConfig, create_app
 
@@ -46,9 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="requests decoded at once (continuous batching: one forward per step carries every running "
                          "request's rows, and requests join and leave between steps; vLLM's --max-num-seqs, "
                          "llama.cpp's -np); 1 decodes one at a time")
-    sv.add_argument("--prefill-rows", type=int, default=PREFILL_ROWS,
-                    help="prompt rows a batched step takes beside the running requests' windows: smaller keeps "
-                         "running streams at pace while a long prompt arrives, larger gives it its first token sooner")
+    sv.add_argument("--prefill-rows", type=prefill_rows, default=None, metavar="auto|N",
+                    help="prompt rows a batched step takes beside the running requests' windows. auto (default): as "
+                         f"many as keep a step within {PREFILL_PACE:g}x the running windows' own step on the batch's "
+                         "measured cost, so running streams at most halve their pace while a long prompt arrives and "
+                         "the prompt gets the other half of the machine; N: a fixed number (smaller keeps streams "
+                         "faster, larger gives the prompt its first token sooner)")
     sv.add_argument("--speculation", default="goodput", choices=SPECULATION,
                     help="how a busy batch spends draft rows: goodput drafts only where a row pays for what it costs "
                          "every running request (the method's own window at concurrency 1, none under heavy load); "
@@ -68,12 +71,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.set_defaults(func=run)
 
 
+def prefill_rows(text: str) -> int | None:
+    """``--prefill-rows``: ``auto`` (None: paced by the batch's cost) or a number of rows."""
+    if text == "auto":
+        return None
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of rows >= 1, got {text!r}")
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     method = args.method or default_method(args.draft)
     options = checked_options(args, method)
     for name, value in (("--max-queued", args.max_queued), ("--max-num-seqs", args.max_num_seqs),
-                        ("--prefill-rows", args.prefill_rows), ("--max-prompt-tokens", args.max_prompt_tokens),
+                        ("--max-prompt-tokens", args.max_prompt_tokens),
                         ("--max-tokens", args.max_tokens), ("--max-request-bytes", args.max_request_bytes)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")

@@ -26,7 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
 from .. import api
-from ..batching import PREFILL_ROWS, Batcher
+from ..batching import Batcher
 from ..decoding import REFERENCE, ModelShape, get_method
 from ..errors import OptionError
 from ..execution import batches
@@ -65,7 +65,7 @@ class ServerConfig:
     # Requests decoded at once, one forward per step (vLLM's max_num_seqs, llama.cpp's -np); `mirrorsd serve`'s
     # --max-num-seqs defaults to 16, an app built in Python decodes one at a time unless it asks.
     max_running: int = 1
-    prefill_rows: int = PREFILL_ROWS  # rows of waiting prompts a step takes beside the running windows
+    prefill_rows: int | None = None  # rows of waiting prompts a step takes beside the running windows (None: paced)
     speculation: str = "goodput"  # how a batch spends draft rows (runtime.batching.SPECULATION)
     max_prompt_tokens: int = 4096
     max_tokens: int = 2048

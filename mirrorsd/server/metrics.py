@@ -9,8 +9,9 @@ Speculative decoding (vLLM's ``spec_decode_*``), per decoding step of every requ
   1 + accepted / drafts.
 
 Continuous batching, per step (one batched forward): ``batch_size`` (windows and prompt chunks in it),
-``step_rows`` (rows through the layers) and ``step_speculation_rows`` (rows beyond one per window: draft tokens under
-verification, tree and stream rows, a draft's catch-up).
+``step_rows`` (rows through the layers), ``step_prefill_rows`` (of them, rows of prompts: what the prefill pace chose)
+and ``step_speculation_rows`` (rows beyond one per window: draft tokens under verification, tree and stream rows, a
+draft's catch-up).
 
 Latency, per request: time to first token (arrival to the first committed token, queueing included), time
 per output token ``(e2e - ttft) / (completion tokens - 1)``, and end-to-end latency. Under speculative
@@ -64,6 +65,7 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "arrival to the last token", LATENCY_BUCKETS)
         self.batch_size = histogram("batch_size", "windows and prompt chunks per batched step", ROW_BUCKETS)
         self.step_rows = histogram("step_rows", "rows through the layers per batched step", ROW_BUCKETS)
+        self.step_prefill_rows = histogram("step_prefill_rows", "rows of prompts per batched step", ROW_BUCKETS)
         self.step_speculation_rows = histogram("step_speculation_rows", "rows beyond one per window per batched step",
                                                ROW_BUCKETS)
         for name, doc, read in (("num_requests_waiting", "requests in the queue", waiting),
@@ -84,6 +86,7 @@ class Metrics:
         """One batched step (called from the engine thread that ran it)."""
         self.batch_size.labels(self.model).observe(record.windows + record.prompts)
         self.step_rows.labels(self.model).observe(record.rows)
+        self.step_prefill_rows.labels(self.model).observe(record.prefill_rows)
         self.step_speculation_rows.labels(self.model).observe(record.speculation_rows)
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int, ttft: float | None,

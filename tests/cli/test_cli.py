@@ -218,6 +218,14 @@ def test_every_flag_is_checked_before_loading_and_named(capsys, no_loading, extr
     assert err.count("\n") == 1  # one line, no traceback
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_serve_prefill_rows_is_auto_or_a_positive_number(capsys, no_loading, value):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--prefill-rows", value])
+    assert e.value.code == 2
+    assert f"--prefill-rows: expected auto or a number of rows >= 1, got '{value}'" in capsys.readouterr().err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])

@@ -393,6 +393,8 @@ def test_continuous_batching_serves_concurrent_clients_their_own_answers(models)
         steps = metrics[("mirrorsd:batch_size_count", ())]
         assert steps > 0 and metrics[("mirrorsd:batch_size_sum", ())] / steps > 1.5
         assert metrics[("mirrorsd:step_rows_sum", ())] >= metrics[("mirrorsd:batch_size_sum", ())]
+        prompt_rows = metrics[("mirrorsd:step_prefill_rows_sum", ())]
+        assert 0 < prompt_rows < metrics[("mirrorsd:step_rows_sum", ())]  # the prompts, and each step's window rows
     finally:
         server.stop()
 
