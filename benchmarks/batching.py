@@ -132,7 +132,7 @@ def long_prompt(args, target, draft) -> None:
             if last is not None and delta.token_ids:
                 out.setdefault(key, []).append(((now - last) / len(delta.token_ids), now))
             last = now
-            out.setdefault("decoding", {})[key] = out.get("decoding", {}).get(key, now)  # its first token
+            out.setdefault("decoding", {}).setdefault(key, now)  # its first token
             if until.is_set():
                 break
         stream.close()

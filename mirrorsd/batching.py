@@ -20,6 +20,7 @@ on its own thread as it does today.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import threading
@@ -358,7 +359,7 @@ class Batcher:
         correct the line."""
         if self.prefill_rows is not None:
             return self.prefill_rows
-        recent = list(self.steps)[-64:]
+        recent = list(itertools.islice(reversed(self.steps), 64))  # (not a copy of the whole history each step)
         cap = max(PREFILL_START, 2 * max((r.prefill_rows for r in recent if r.windows), default=0))
         curve = self.cost_curve((window_rows + cap) / 4, sizes=2)
         if curve is None:

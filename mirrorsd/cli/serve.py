@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--prefill-rows", type=prefill_rows, default=None, metavar="auto|N",
                     help="prompt rows a batched step takes beside the running requests' windows. auto (default): as "
                          f"many as keep a step within {PREFILL_PACE:g}x the running windows' own step on the batch's "
-                         "measured cost, so running streams at most halve their pace while a long prompt arrives and "
+                         "measured cost, so running streams keep about half their pace while a long prompt arrives and "
                          "the prompt gets the other half of the machine; N: a fixed number (smaller keeps streams "
                          "faster, larger gives the prompt its first token sooner)")
     sv.add_argument("--speculation", default="goodput", choices=SPECULATION,
