@@ -38,11 +38,17 @@ def prompts(target, short: bool) -> list[list[int]]:
     return [i for i in ids if len(i) < 100] if short else ids
 
 
-def generate(target, draft, ids: list[int], method: str, max_new: int) -> list[int]:
+def generate(target, draft, ids: list[int], method: str, max_new: int, **options) -> list[int]:
     with isolated_shared_indexes():  # no request may find another's answer (the sweep's rounds repeat prompts)
         return mirrorsd.generate(target, ids, raw=True, method=method,
                                  draft=draft if method in ("sd", "mirror") else None, max_new_tokens=max_new,
-                                 temperature=0).token_ids
+                                 temperature=0, **options).token_ids
+
+
+def parse_config(config: str) -> tuple[str, str, dict[str, str]]:
+    """``method:speculation[:option=value...]`` (``ss:fixed:tree_k=1``) -> (method, speculation, options)."""
+    method, speculation, *rest = config.split(":")
+    return method, speculation, dict(item.split("=", 1) for item in rest)
 
 
 def batched(batch: list[list[int]], run, prefill_rows: int = 32, speculation: str = "goodput",
@@ -67,30 +73,32 @@ def batched(batch: list[list[int]], run, prefill_rows: int = 32, speculation: st
 
 def sweep(args, target, draft) -> None:
     ids = prompts(target, args.short)
-    configs = [c.split(":") for c in args.configs.split(",")]
+    configs = {c: parse_config(c) for c in args.configs.split(",")}
     # One batcher per configuration for the whole sweep, as a server keeps one: its cost curve and the goodput
     # rule's acceptance of earlier requests carry over from level to level.
-    batchers = {(m, s): Batcher(speculation=s) for m, s in configs}
+    batchers = {c: Batcher(speculation=speculation) for c, (_, speculation, _) in configs.items()}
     results: dict = {}
     for r in range(args.rounds):
         for level in args.levels:
             batch = (ids * (level // len(ids) + 1))[:level]
-            for method, speculation in configs:
-                out, seconds = batched(batch, lambda p, m=method: generate(target, draft, p, m, args.max_new_tokens),
-                                       batcher=batchers[(method, speculation)])
+            for config, (method, _, options) in configs.items():
+                out, seconds = batched(batch, lambda p, m=method, o=options: generate(target, draft, p, m,
+                                                                                       args.max_new_tokens, **o),
+                                       batcher=batchers[config])
                 rate = sum(map(len, out)) / seconds
                 reference = results.setdefault(("answers", level), out)
-                results.setdefault((level, method, speculation), []).append(rate)
-                print(f"round {r} C={level} {method}:{speculation} {seconds:.1f} s {rate:.2f} tok/s "
-                      f"equal {out == reference}", flush=True)
+                results.setdefault((level, config), []).append(rate)
+                print(f"round {r} C={level} {config} {seconds:.1f} s {rate:.2f} tok/s equal {out == reference}",
+                      flush=True)
+    first = next(iter(configs))
     for level in args.levels:
-        base = statistics.median(results[(level, *configs[0])])
-        cells = [f"{m}:{s} {statistics.median(results[(level, m, s)]):.1f} tok/s "
-                 f"({statistics.median(results[(level, m, s)]) / base:.2f}x)" for m, s in configs]
+        base = statistics.median(results[(level, first)])
+        cells = [f"{c} {statistics.median(results[(level, c)]):.1f} tok/s "
+                 f"({statistics.median(results[(level, c)]) / base:.2f}x)" for c in configs]
         print(f"C={level}: " + ", ".join(cells))
     if args.json:
-        rows = [{"level": level, "method": m, "speculation": s, "tok_s": results[(level, m, s)]}
-                for level in args.levels for m, s in configs]
+        rows = [{"level": level, "method": m, "speculation": sp, "options": o, "tok_s": results[(level, c)]}
+                for level in args.levels for c, (m, sp, o) in configs.items()]
         Path(args.json).write_text(json.dumps({"machine": cpu_name(), "rows": rows}, indent=1) + "\n")
 
 
@@ -182,7 +190,9 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="for sd (loaded only when a config names it)")
     ap.add_argument("--levels", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--configs", default="ar:fixed,suffix:fixed,suffix:goodput,sd:fixed,sd:goodput")
+    ap.add_argument("--configs", default="ar:fixed,suffix:fixed,suffix:goodput,sd:fixed,sd:goodput",
+                    help="method:speculation[:option=value...] each, the first the reference (ss:fixed:tree_k=1: "
+                         "Speculative Streaming's best path, no tree)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--short", action="store_true", help="only the prompts under 100 tokens (a decode-bound load)")
@@ -191,7 +201,7 @@ def main() -> None:
                     type=lambda s: [None if x == "auto" else int(x) for x in s.split(",")])
     args = ap.parse_args()
     target = mirrorsd.load_model(args.target, progress=False)
-    needs_draft = args.what == "sweep" and "sd:" in args.configs
+    needs_draft = args.what == "sweep" and any(parse_config(c)[0] in ("sd", "mirror") for c in args.configs.split(","))
     draft = mirrorsd.load_model(args.draft, progress=False) if needs_draft else None
     {"sweep": sweep, "serial": serial, "long-prompt": long_prompt}[args.what](args, target, draft)
 

@@ -20,3 +20,9 @@ def test_benchmark_script_imports(script: Path):
     """Runs the module body (its imports and definitions) without its ``__main__`` block."""
     namespace = runpy.run_path(str(script), run_name="benchmark_import_check")
     assert callable(namespace.get("main")), f"{script.name} has no main()"
+
+
+def test_batching_sweep_configs_carry_method_options():
+    namespace = runpy.run_path(str(SCRIPTS[0].parent / "batching.py"), run_name="benchmark_import_check")
+    assert namespace["parse_config"]("ss:fixed:tree_k=1") == ("ss", "fixed", {"tree_k": "1"})
+    assert namespace["parse_config"]("ar:fixed") == ("ar", "fixed", {})

@@ -26,6 +26,7 @@ import torch
 
 from ..runtime import synchronize
 from ..runtime.processes import free_port
+from ..sampling import SamplingParams
 from .metrics import Turn
 
 HF_METHODS = {"hf-ar", "hf-assisted", "hf-pld"}
@@ -49,7 +50,7 @@ class HFPeers:
             self.assistant = AutoModelForCausalLM.from_pretrained(draft.path, dtype=dtype).to(self.device).eval()
 
     @torch.inference_mode()
-    def generate(self, method: str, ids: list[int], max_new: int, temperature: float, seed: int,
+    def generate(self, method: str, ids: list[int], max_new: int, params: SamplingParams,
                  options: dict[str, Any]) -> Turn:
         x = torch.tensor([ids], device=self.device)
         kw: dict[str, Any] = dict(options)
@@ -60,9 +61,9 @@ class HFPeers:
         elif method == "hf-pld":
             kw.setdefault("prompt_lookup_num_tokens", PLD_TOKENS)
             kw.setdefault("max_matching_ngram_size", PLD_NGRAM)
-        if temperature > 0:
-            torch.manual_seed(seed)
-            kw |= {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if not params.greedy:
+            torch.manual_seed(params.seed)
+            kw |= {"do_sample": True, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
         else:
             kw["do_sample"] = False
         synchronize(self.device)
@@ -132,10 +133,11 @@ class LlamaServer:
         self.close()
         raise RuntimeError(f"llama-server did not become ready in {timeout:.0f} s")
 
-    def complete(self, ids: list[int], max_new: int, temperature: float, seed: int, eos: frozenset[int]) -> Turn:
-        body = {"prompt": ids, "n_predict": max_new, "temperature": temperature, "seed": seed % 2**32,
-                "cache_prompt": False, "return_tokens": True, "stream": False}
-        if temperature <= 0:
+    def complete(self, ids: list[int], max_new: int, params: SamplingParams, eos: frozenset[int]) -> Turn:
+        body = {"prompt": ids, "n_predict": max_new, "temperature": params.temperature, "seed": params.seed % 2**32,
+                "cache_prompt": False, "return_tokens": True, "stream": False, "top_k": params.top_k,
+                "top_p": params.top_p, "min_p": 0.0}  # (llama.cpp's own default filters off: the same law as ours)
+        if params.greedy:
             body["top_k"] = 1  # greedy: the argmax token (llama.cpp's sampler chain keeps only the top one)
         request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})

@@ -157,11 +157,13 @@ class ExitReader(ChainScorer):
 
 def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int, gamma: int = 7,
               kappas: tuple[int, ...] = KAPPAS, exits: dict[str, float] = EXITS, progress: bool = True,
-              tuned: ExitTranslators | None = None, temperature: float = 0.0, seed: int = 0) -> Probe:
+              tuned: ExitTranslators | None = None, temperature: float = 0.0, seed: int = 0, top_k: int = 0,
+              top_p: float = 1.0) -> Probe:
     """``prompts`` are (group, token ids) pairs; ``target``/``draft`` are loaded models. The steps are the decoding
     loop's with the shared draft proposer (fixed γ windows) and a scorer that reads the exits; with ``tuned``,
     every depth it has a translator for is also read through it (``"1/2 tuned"``). ``temperature`` > 0: speculative
-    sampling (the draft's own noise, the target's distribution) with ``seed``."""
+    sampling (the draft's own noise, the target's distribution) with ``seed``, after the ``top_k`` / ``top_p``
+    filters."""
     model, dmodel = target.model, draft.model
     n = model.config.n_layers
     exit_layers = {name: min(n - 1, max(1, round(f * n))) for name, f in exits.items()}
@@ -169,7 +171,7 @@ def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
         exit_layers.update({name + TUNED: layer for name, layer in list(exit_layers.items()) if layer in tuned.layers})
     probe = Probe(gamma, exit_layers, tuple(kappas), temperature=temperature)
     bonus_exit = "1/2" + TUNED if "1/2" + TUNED in exit_layers else "1/2"
-    params = SamplingParams(temperature=temperature, seed=seed)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     sampling = not params.greedy
     for group, ids in tqdm(prompts, desc="acceptance probe", unit="prompt", disable=not progress):
         scorer = ExitReader(model, exit_layers, max(kappas), tuned)

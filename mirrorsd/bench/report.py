@@ -30,6 +30,13 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+def _filters(cfg: dict[str, Any]) -> str:
+    """The sampling filters a run used, when any (results of runs before they existed have neither key)."""
+    parts = [f"top-k {cfg['top_k']}" if cfg.get("top_k") else "", f"top-p {cfg['top_p']}" if cfg.get("top_p", 1) < 1
+             else ""]
+    return "".join(f", {p}" for p in parts if p)
+
+
 def _machine(m: dict[str, Any]) -> str:
     parts = [m.get("cpu", "?"), f"{m.get('cores')} cores", f"{m.get('torch_threads')} torch threads"]
     if m.get("memory_gib"):
@@ -55,7 +62,8 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         "",
         f"Machine: {_machine(results['machine'])}.",
         f"Suite `{cfg['suite']}` ({results['questions']} questions), max {cfg['max_new_tokens']} new tokens, "
-        f"temperature {cfg['temperature']}, {runs} run(s) (median; range in brackets), warm-up {cfg['warmup']}, "
+        f"temperature {cfg['temperature']}{_filters(cfg)}, {runs} run(s) (median; range in brackets), "
+        f"warm-up {cfg['warmup']}, "
         f"methods interleaved per question with a rotating order; our target weights `{results['target_weights']}`.",
         "",
         "Speedup = mean per-question tok/s of the method ÷ that of `ar` in the same run (Spec-Bench's definition); "

@@ -34,6 +34,7 @@ from ..plans import cpu_name
 from ..runtime import synchronize
 from ..runtime.executors import split_threads
 from ..runtime.load import busy_warning, others_cpu_share
+from ..sampling import SamplingParams
 from ..specbench import GROUPS, Question, load_suite
 from . import metrics, plan, probe
 from .metrics import Answer, Turn
@@ -158,6 +159,8 @@ class BenchConfig:
     suite: str = "specbench:1"
     max_new_tokens: int = 128
     temperature: float = 0.0
+    top_k: int = 0  # sampling filters (0 / 1: off), as generate takes them
+    top_p: float = 1.0
     seed: int = 0
     runs: int = 3
     warmup: int = 1
@@ -169,6 +172,12 @@ class BenchConfig:
     probe_exit_head: str | None = None  # a tuned-exit folder for the probe (None: the target's shipped one)
     predict: bool = True
     threads_split: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.sampling(self.seed)  # bad sampling values fail before any model loads
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(vars(self))
@@ -269,15 +278,16 @@ class Bench:
     def _generate(self, spec: MethodSpec, ids: list[int], seed: int, max_new: int) -> Turn:
         cfg = self.config
         if spec.kind in HF_METHODS:
-            turn = self.hf.generate(spec.kind, ids, max_new, cfg.temperature, seed, spec.options)
+            turn = self.hf.generate(spec.kind, ids, max_new, cfg.sampling(seed), spec.options)
             turn.text = self.target.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
             return turn
         if spec.kind in LLAMA_METHODS:
-            return self.servers[spec.label].complete(ids, max_new, cfg.temperature, seed, self.target.eos_token_ids)
+            return self.servers[spec.label].complete(ids, max_new, cfg.sampling(seed), self.target.eos_token_ids)
         draft = self.draft if get_method(spec.kind).needs_draft else None
         synchronize(self.device)
         start = time.perf_counter()
-        g = generate(self.target, ids, method=spec.kind, draft=draft, temperature=cfg.temperature, seed=seed,
+        g = generate(self.target, ids, method=spec.kind, draft=draft, temperature=cfg.temperature, top_k=cfg.top_k,
+                     top_p=cfg.top_p, seed=seed,
                      max_new_tokens=max_new, **spec.options)
         synchronize(self.device)
         wall = time.perf_counter() - start
@@ -408,7 +418,7 @@ class Bench:
                 tuned = ExitTranslators.load(shipped)
             probe_result = probe.run_probe(self.target, self.draft, prompts, cfg.max_new_tokens,
                                            progress=self.progress, tuned=tuned, temperature=cfg.temperature,
-                                           seed=cfg.seed).to_dict()
+                                           top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed).to_dict()
         return self.results(costs, probe_result)
 
     def results(self, costs: plan.Costs | None, probe_result: dict | None) -> dict[str, Any]:

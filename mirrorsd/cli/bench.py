@@ -17,6 +17,7 @@ from mirrorsd.bench.report import write_report
 from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, parse_methods, write_answers
 from mirrorsd.decoding import get_method
 from mirrorsd.decoding import methods as registered_methods
+from mirrorsd.errors import OptionError
 from mirrorsd.linear import LINEAR_IMPLS
 from mirrorsd.loading import WEIGHT_FORMATS
 from mirrorsd.specbench import load_suite
@@ -46,6 +47,9 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
                         'file of {"turns": [...]} / {"prompt": ...}')
     add_sampling(p, max_new_tokens=(128, "most new tokens per turn"),
                  temperature=(0.0, "0 is greedy (Spec-Bench's setting)"),
+                 top_k=(0, "keep the k likeliest tokens when sampling (0: off; the SS paper's ablation samples at "
+                           "T = 1 with k = 10-50)"),
+                 top_p=(1.0, "nucleus filter when sampling (1: off)"),
                  seed=(0, "sampling seed (per question: seed and question id)"))
     p.add_argument("--runs", type=int, default=3, help="timed runs (median and range reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up passes of every method")
@@ -275,12 +279,16 @@ def _bench_config(args: argparse.Namespace, methods) -> object:
     split = None
     if getattr(args, "threads_split", None):
         split = tuple(int(x) for x in args.threads_split.split(","))
-    return BenchConfig(target=args.target, draft=args.draft, methods=methods, suite=args.suite,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       runs=args.runs, warmup=args.warmup, weights=args.weights, device=args.device, dtype=args.dtype,
-                       llama_server=getattr(args, "llama_server", None), probe=not args.no_probe,
-                       probe_exit_head=getattr(args, "probe_exit_head", None), predict=not args.no_predict,
-                       threads_split=split)
+    try:
+        return BenchConfig(target=args.target, draft=args.draft, methods=methods, suite=args.suite,
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0), seed=args.seed,
+                           runs=args.runs, warmup=args.warmup, weights=args.weights, device=args.device,
+                           dtype=args.dtype, llama_server=getattr(args, "llama_server", None), probe=not args.no_probe,
+                           probe_exit_head=getattr(args, "probe_exit_head", None), predict=not args.no_predict,
+                           threads_split=split)
+    except OptionError as e:
+        raise ValueError(f"--{e.option.replace('_', '-')} {e.message}") from None
 
 
 def _run_bench(config, out: Path) -> int:

@@ -388,6 +388,27 @@ def test_bench_end_to_end_with_peers(tmp_path, monkeypatch, capsys):
 
 
 @requires_smollm2
+def test_bench_samples_through_the_filters_it_is_given(tmp_path, monkeypatch, capsys):
+    """--top-k reaches our methods and the HF peers: at top-k 1 sampling keeps only the argmax, so every answer,
+    sampled at T = 1, is the greedy one; a bad filter value fails before any model loads, naming its flag."""
+    monkeypatch.setattr("mirrorsd.bench.runner.find_llama_server", lambda path=None: None)
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]}\n')
+    out = tmp_path / "out"
+    args = ["bench", "--target", "smollm2-135m", "--suite", str(suite), "--methods", "ar,ss,hf-pld",
+            "--max-new-tokens", "8", "--runs", "1", "--warmup", "0", "--no-probe", "--no-predict", "--out", str(out)]
+    assert main([*args, "--top-p", "0"]) == 2 and "--top-p must be in (0, 1]" in capsys.readouterr().err
+    assert main([*args, "--temperature", "1", "--top-k", "1"]) == 0
+    target = mirrorsd.load_model("smollm2-135m", progress=False)
+    greedy = mirrorsd.generate(target, [{"role": "user", "content": "What is the capital of France?"}],
+                               max_new_tokens=8).text
+    for label in ("ar", "ss", "hf-ar", "hf-pld"):
+        line = json.loads((out / "answers" / f"{label}.jsonl").read_text().splitlines()[0])
+        assert line["choices"][0]["turns"] == [greedy], label
+    assert "temperature 1.0, top-k 1," in (out / "report.md").read_text()
+
+
+@requires_smollm2
 def test_lossless_check_reports_the_logit_gap_at_a_divergence(smollm2):
     import mirrorsd
     from mirrorsd.bench.runner import Bench, BenchConfig

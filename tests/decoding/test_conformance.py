@@ -248,13 +248,14 @@ def test_greedy_equals_ar(models, name, data, prompt, max_new, draft):
 @pytest.mark.parametrize("name", METHODS)
 @settings(max_examples=25, **SETTINGS)
 @given(data=st.data(), prompt=PROMPTS, max_new=st.integers(1, 20), draft=st.sampled_from(["other", "self"]),
-       temperature=st.sampled_from([0.5, 1.0]), top_p=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 2**31))
-def test_seeded_sampling_equals_ar(models, name, data, prompt, max_new, draft, temperature, top_p, seed):
+       temperature=st.sampled_from([0.5, 1.0]), top_k=st.sampled_from([0, 3]), top_p=st.sampled_from([1.0, 0.9]),
+       seed=st.integers(0, 2**31))
+def test_seeded_sampling_equals_ar(models, name, data, prompt, max_new, draft, temperature, top_k, top_p, seed):
     values = data.draw(options_of(name), label="options")
     if "acceptance" in values:
         values["acceptance"] = "match"  # rejection sampling keeps the distribution, not the tokens (test 4)
     got, want, opts = run_pair(models, name, prompt, values, draft, max_new_tokens=max_new,
-                               temperature=temperature, top_p=top_p, seed=seed)
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     assert got.token_ids == want.token_ids, (name, values, prompt, seed)
     check_stats(name, prompt, max_new, got, opts)
 
