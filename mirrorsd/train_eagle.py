@@ -34,6 +34,7 @@ from .training import (
     Chunk,
     ShardCache,
     Trainable,
+    TrainHead,
     corpus_texts,
     fit,
     make_chunks,
@@ -191,20 +192,16 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
     full = head_weight(target.lm_head, target.embed_tokens.weight, cfg.tie_word_embeddings).to(dtype)
     # The draft table: the subset decoding's head reads by default (--draft-vocab), ranked by the target's answers.
     table = load_table(cfg.vocab_size, draft_table_kind(cfg.vocab_size)) if vocab else None
-    ids = (table[:vocab] if table is not None else torch.arange(cfg.vocab_size)).sort().values
-    subset = full[ids]
-    index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
-    index[ids] = torch.arange(len(ids))
+    train_head = TrainHead(target, table[:vocab] if table is not None else torch.arange(cfg.vocab_size))
     head = EagleHead(target)  # fp32 master weights; the products run in ``dtype`` (autocast)
     weights = [0.8 ** j for j in range(depth)]  # EAGLE-3's per-step loss weights
 
     def step(item: FeatureItem) -> tuple[torch.Tensor, int, dict[str, str]]:
-        labels = [torch.where(lab >= 0, index[lab.clamp(min=0)], -100)
-                  for lab in step_labels(item, depth, answers_only=False)]
+        labels = [train_head.labels(lab) for lab in step_labels(item, depth, answers_only=False)]
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             states = unroll(head, target, item.features, item.ids, depth)
-            loss = sum(w * F.cross_entropy(F.linear(rms_norm(s, head.norm, head.eps), subset).float(), lab,
-                                           ignore_index=-100)
+            loss = sum(w * F.cross_entropy(F.linear(rms_norm(s, head.norm, head.eps), train_head.weight).float(),
+                                           lab, ignore_index=-100)
                        for w, s, lab in zip(weights, states, labels, strict=True))
         return loss, int((labels[0] >= 0).sum()), {"loss": f"{loss.item():.3f}"}
 
