@@ -7,6 +7,8 @@ against the level's first configuration's.
 
 ``serial``: the same C requests one at a time against all of them batched (``ar``), interleaved: the batching gain.
 
+``one``: each configuration alone and as a batcher's only member, interleaved per prompt: what the batcher costs.
+
 ``long-prompt``: 8 decoding streams, then a 4,000-token prompt arrives: the streams' p99 time per output token
 while it is prefilled against their p99 without it, and the prompt's time to first token against an idle batcher,
 for each ``--prefill-rows`` (``auto``: paced by the batch's cost)::
@@ -19,6 +21,7 @@ for each ``--prefill-rows`` (``auto``: paced by the batch's cost)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import threading
@@ -119,6 +122,28 @@ def serial(args, target, draft) -> None:
         print(f"C={level}: batched {many:.2f} tok/s = {many / one:.2f}x one at a time ({one:.2f} tok/s)")
 
 
+def one(args, target, draft) -> None:
+    """Each method alone and as a batcher's only member, interleaved per prompt: what the batcher itself costs."""
+    rates: dict = {}
+    cells = [(c, inside) for c in args.configs.split(",") for inside in (False, True)]
+    for r in range(args.rounds):
+        for i, ids in enumerate(prompts(target, args.short)):
+            k = (i + r) % len(cells)
+            for config, inside in cells[k:] + cells[:k]:
+                method, speculation, options = parse_config(config)
+                run = functools.partial(generate, target, draft, method=method, max_new=args.max_new_tokens, **options)
+                if inside:
+                    (out,), seconds = batched([ids], run, speculation=speculation)
+                else:
+                    start = time.perf_counter()
+                    out = run(ids)
+                    seconds = time.perf_counter() - start
+                rates.setdefault((config, inside), []).append(len(out) / seconds)
+    for config in args.configs.split(","):
+        alone, inside = (statistics.median(rates[(config, x)]) for x in (False, True))
+        print(f"{config}: alone {alone:.2f} tok/s, a batcher's only member {inside:.2f} ({inside / alone:.2f}x)")
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -186,7 +211,7 @@ def long_prompt(args, target, draft) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["sweep", "serial", "long-prompt"])
+    ap.add_argument("what", choices=["sweep", "serial", "one", "long-prompt"])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="for sd (loaded only when a config names it)")
     ap.add_argument("--levels", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
@@ -201,9 +226,10 @@ def main() -> None:
                     type=lambda s: [None if x == "auto" else int(x) for x in s.split(",")])
     args = ap.parse_args()
     target = mirrorsd.load_model(args.target, progress=False)
-    needs_draft = args.what == "sweep" and any(parse_config(c)[0] in ("sd", "mirror") for c in args.configs.split(","))
+    needs_draft = args.what in ("sweep", "one") and any(parse_config(c)[0] in ("sd", "mirror")
+                                                        for c in args.configs.split(","))
     draft = mirrorsd.load_model(args.draft, progress=False) if needs_draft else None
-    {"sweep": sweep, "serial": serial, "long-prompt": long_prompt}[args.what](args, target, draft)
+    {"sweep": sweep, "serial": serial, "one": one, "long-prompt": long_prompt}[args.what](args, target, draft)
 
 
 if __name__ == "__main__":
