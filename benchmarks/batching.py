@@ -32,6 +32,7 @@ import mirrorsd
 from mirrorsd.api import encode_chat
 from mirrorsd.batching import Batcher
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
+from mirrorsd.execution import release_thread_team
 from mirrorsd.plans import cpu_name
 from mirrorsd.specbench import load_suite
 
@@ -59,6 +60,7 @@ def batched(batch: list[list[int]], run, prefill_rows: int = 32, speculation: st
     """Every request on a thread of its own, all members of one batcher (``batcher``, or a new one); (answers,
     seconds)."""
     b = batcher or Batcher(prefill_rows, speculation=speculation)
+    release_thread_team()  # this thread's forwards (the alone runs between) would slow the engine's
     out: list = [None] * len(batch)
 
     def work(i: int) -> None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .decoding.engine import GenerationStats, RequestState, budgeted_by
-from .execution import LayerCall, batched_by, ragged_layers
+from .execution import LayerCall, batched_by, ragged_layers, release_thread_team
 from .model import PREFILL_CHUNK
 
 if TYPE_CHECKING:
@@ -247,7 +247,10 @@ class Batcher:
     @contextmanager
     def member(self) -> Iterator[None]:
         """This thread's forwards go through the batcher for the block. It counts as a member from its first
-        forward (what it does before, a plan or a tokenizer call, holds nobody up) until the block ends."""
+        forward (what it does before, a plan or a tokenizer call, holds nobody up) until the block ends. Its idle
+        OpenMP team, if it has one, ends here: its forwards run on the engine's
+        (:func:`~mirrorsd.execution.release_thread_team`)."""
+        release_thread_team()
         me = _Member()
         self._local.member = me
         try:
@@ -276,6 +279,7 @@ class Batcher:
     # -- the barrier ----------------------------------------------------------------------------------------------
 
     def _wait(self, item: _Waiting) -> torch.Tensor:
+        release_thread_team()  # (see member(): a member's own ops between forwards, an argmax, may start a team)
         me = getattr(self._local, "member", None)
         with self._cond:
             if me is not None and not me.counted:

@@ -1,0 +1,114 @@
+"""OpenMP teams (:func:`mirrorsd.execution.release_thread_team`): a thread whose forwards move to other threads ends
+its idle team, because one idle team anywhere makes every other team's workers sleep between parallel regions
+(libgomp then manages more threads than there are cores), which cost a batcher's engine ~25% of each forward.
+
+A team's workers are native threads of the process, so ``/proc/self/task`` counts them: after a release, a second
+one has nothing left to end."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from mirrorsd import kernels
+from mirrorsd.batching import Batcher
+from mirrorsd.execution import release_thread_team
+from mirrorsd.server.scheduler import Scheduler
+from tests.helpers import row_exact, tiny_hf
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or torch.get_num_threads() < 2,
+                                reason="counts a team's native threads in /proc (needs 2 intra-op threads)")
+
+
+def tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def parallel_work() -> None:
+    """A reduction well above ATen's grain: it runs on a team of ``torch.get_num_threads()`` threads."""
+    torch.rand(1 << 22).sum()
+
+
+def holds_a_team() -> bool:
+    """Whether the calling thread has a team to end (ending it, if so)."""
+    before = tasks()
+    release_thread_team()
+    return tasks() < before
+
+
+def on_a_thread(body: Callable[[], object]) -> object:
+    """``body``'s result on a fresh thread (whose team starts and ends with it); its error is raised here."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            with torch.inference_mode():
+                out["value"] = body()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_release_ends_the_callers_idle_team_and_a_new_region_starts_another() -> None:
+    def body() -> tuple[int, int, int, bool]:
+        before = tasks()
+        parallel_work()
+        with_team = tasks()
+        release_thread_team()
+        after = tasks()
+        parallel_work()
+        return before, with_team, after, holds_a_team()
+
+    before, with_team, after, again = on_a_thread(body)
+    assert with_team == before + torch.get_num_threads() - 1
+    assert after == before
+    assert again
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+def test_a_batcher_member_keeps_no_team_at_entry_nor_through_its_forwards() -> None:
+    """Its forwards run on the engine's team: its own team ends when it joins, and again before each forward it
+    hands over (an op of its own between forwards, an argmax, may have started one)."""
+    model = row_exact(tiny_hf(layers=2))
+    cache = model.new_cache()
+    batcher = Batcher()
+
+    def body() -> tuple[bool, bool, bool]:
+        parallel_work()
+        with batcher.member():
+            at_entry = holds_a_team()
+            parallel_work()
+            model(torch.tensor([[1, 2, 3]]), cache=cache)
+            after_forward = holds_a_team()
+        return at_entry, after_forward, batcher.total_steps > 0
+
+    at_entry, after_forward, batched = on_a_thread(body)
+    assert batched  # the forward did go through the batcher
+    assert not at_entry
+    assert not after_forward
+
+
+def test_starting_the_servers_workers_ends_the_callers_team() -> None:
+    """The thread that loaded the models (``mirrorsd serve``'s main thread) runs no forward once the workers run."""
+    scheduler = Scheduler(max_queued=1)
+
+    def body() -> bool:
+        parallel_work()
+        scheduler.start()
+        return holds_a_team()
+
+    try:
+        assert not on_a_thread(body)
+    finally:
+        scheduler.stop(timeout=5.0)
