@@ -15,11 +15,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import mirrorsd
 from mirrorsd import kernels
 from mirrorsd.batching import Batcher
+from mirrorsd.distill.engine import Settings, Shards, run
+from mirrorsd.distill.prompts import Prompt
 from mirrorsd.execution import release_thread_team
 from mirrorsd.server.scheduler import Scheduler
-from tests.helpers import row_exact, tiny_hf
+from tests.helpers import requires_smollm2, row_exact, tiny_hf
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or torch.get_num_threads() < 2,
                                 reason="counts a team's native threads in /proc (needs 2 intra-op threads)")
@@ -112,3 +115,17 @@ def test_starting_the_servers_workers_ends_the_callers_team() -> None:
         assert not on_a_thread(body)
     finally:
         scheduler.stop(timeout=5.0)
+
+
+@requires_smollm2
+def test_distillation_hands_its_callers_team_over_to_the_engine(tmp_path) -> None:
+    target = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
+    shards = Shards(tmp_path, Settings("smollm2-135m", max_new_tokens=4), [Prompt(0, "qa", ("Name a colour.",)),
+                                                                          Prompt(1, "math", ("What is 2 + 3?",))])
+
+    def body() -> tuple[int, bool]:
+        parallel_work()
+        answered = run(target, shards, batch=2, progress=False)["answered"]
+        return answered, holds_a_team()
+
+    assert on_a_thread(body) == (2, False)

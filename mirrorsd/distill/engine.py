@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..api import LoadedModel, encode_chat, generate
 from ..batching import Batcher
+from ..execution import release_thread_team
 from .prompts import KINDS, SELF_INSTRUCT, VERSION, Prompt, build, digest
 
 PROMPTS_FILE, INDEX_FILE = "prompts.jsonl.gz", "index.json"
@@ -224,6 +225,7 @@ def run(target: LoadedModel, shards: Shards, *, batch: int = 16, shard_items: in
     buffer: list[Record] = []
     answered = new_tokens = 0
     bar = tqdm(total=len(todo), desc="distilling", unit="item", disable=not progress)
+    release_thread_team()  # every forward runs on the batcher's engine now (see release_thread_team)
     for t in threads:
         t.start()
     try:
