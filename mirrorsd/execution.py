@@ -140,21 +140,15 @@ def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool,
     return out
 
 
-#: OpenMP runtimes PyTorch wheels ship in ``torch/lib`` (Linux builds: GNU's; others: LLVM's or Intel's).
-_OPENMP_LIBRARIES = ("libgomp.so.1", "libomp.so", "libiomp5.so", "libomp.dylib")
-
-
 @functools.cache
 def _omp_pause() -> Callable[[int], int] | None:
-    """``omp_pause_resource_all`` of the OpenMP runtime torch runs on, or None where none is found."""
-    here = Path(torch.__file__).parent / "lib"
-    for name in _OPENMP_LIBRARIES:
-        if (here / name).exists():
-            try:
-                return getattr(ctypes.CDLL(str(here / name)), "omp_pause_resource_all", None)
-            except OSError:
-                return None
-    return getattr(ctypes.CDLL(None), "omp_pause_resource_all", None)
+    """GNU OpenMP's ``omp_pause_resource_all``, from the copy Linux wheels of torch ship and load, or None (builds
+    that link LLVM's or Intel's runtime are left alone: their pause acts on the whole process)."""
+    gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    try:
+        return getattr(ctypes.CDLL(str(gomp)), "omp_pause_resource_all", None) if gomp.exists() else None
+    except OSError:
+        return None
 
 
 def release_thread_team() -> None:
@@ -167,7 +161,7 @@ def release_thread_team() -> None:
     31 → 39 ms, ~270 futex wakes). So a thread whose parallel work moves elsewhere calls this."""
     pause = _omp_pause()
     if pause is not None:
-        pause(1)  # omp_pause_soft: only this thread's pool goes; a thread inside a parallel region is refused
+        pause(1)  # omp_pause_soft: libgomp ends only the caller's pool, and refuses inside a parallel region
 
 
 class ForwardBatcher(Protocol):

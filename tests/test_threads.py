@@ -20,12 +20,13 @@ from mirrorsd import kernels
 from mirrorsd.batching import Batcher
 from mirrorsd.distill.engine import Settings, Shards, run
 from mirrorsd.distill.prompts import Prompt
-from mirrorsd.execution import release_thread_team
+from mirrorsd.execution import _omp_pause, release_thread_team
 from mirrorsd.server.scheduler import Scheduler
 from tests.helpers import requires_smollm2, row_exact, tiny_hf
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or torch.get_num_threads() < 2,
-                                reason="counts a team's native threads in /proc (needs 2 intra-op threads)")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or torch.get_num_threads() < 2
+                                or _omp_pause() is None,
+                                reason="counts a GNU OpenMP team's native threads in /proc (needs 2 intra-op threads)")
 
 
 def tasks() -> int:
