@@ -247,16 +247,16 @@ class Batcher:
     @contextmanager
     def member(self) -> Iterator[None]:
         """This thread's forwards go through the batcher for the block. It counts as a member from its first
-        forward (what it does before, a plan or a tokenizer call, holds nobody up) until the block ends. Its idle
-        OpenMP team, if it has one, ends here: its forwards run on the engine's
-        (:func:`~mirrorsd.execution.release_thread_team`)."""
-        release_thread_team()
+        forward (what it does before, a plan or a tokenizer call, holds nobody up) until the block ends."""
         me = _Member()
         self._local.member = me
         try:
             with batched_by(self), budgeted_by(self.budget):
                 yield
         finally:
+            # An idle team kept by a thread between requests (one that ran a request alone, on its own team) would
+            # slow the engine's forwards for everyone else (:func:`~mirrorsd.execution.release_thread_team`).
+            release_thread_team()
             self._local.member = None
             engine = None
             with self._cond:
@@ -279,7 +279,7 @@ class Batcher:
     # -- the barrier ----------------------------------------------------------------------------------------------
 
     def _wait(self, item: _Waiting) -> torch.Tensor:
-        release_thread_team()  # (see member(): a member's own ops between forwards, an argmax, may start a team)
+        release_thread_team()  # its forwards run on the engine's team; its own ops, an argmax, may have started one
         me = getattr(self._local, "member", None)
         with self._cond:
             if me is not None and not me.counted:
