@@ -9,6 +9,7 @@ from . import plans
 from .api import Generation, GenerationStream, LoadedModel, StreamDelta, generate, load_model, stream
 from .decoding import GenerationStats, methods
 from .model import Transformer
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 
 
@@ -28,6 +29,7 @@ __all__ = [
     "GenerationStats",
     "GenerationStream",
     "LoadedModel",
+    "PrefixCache",
     "SamplingParams",
     "StreamDelta",
     "Transformer",

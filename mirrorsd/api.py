@@ -22,6 +22,7 @@ from .decoding.bridge import TokenBridge
 from .decoding.engine import run
 from .errors import OptionError
 from .model import ACTIVATION_FORMATS, Transformer
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -423,12 +424,17 @@ def stream(
     stop: str | Sequence[str] = (),
     raw: bool = False,
     ignore_eos: bool = False,
+    prefix_cache: PrefixCache | None = None,
     **options: Any,
 ) -> GenerationStream:
     """Like :func:`generate`, but returns an iterator of text deltas (``.result`` is set at the end). Every
     argument and option is checked here, before the first token. ``ignore_eos`` (vLLM's and llama.cpp's extension):
-    decode past EOS, keeping it as output, up to ``max_new_tokens`` (what load generators ask for fixed lengths)."""
+    decode past EOS, keeping it as output, up to ``max_new_tokens`` (what load generators ask for fixed lengths).
+    ``prefix_cache``: a :class:`~mirrorsd.prefix_cache.PrefixCache` of the target; the prompt's longest stored
+    prefix is not prefilled again, and the request's own keys and values are stored when it ends."""
     target = _as_loaded(target)
+    if prefix_cache is not None and prefix_cache.model is not target.model:
+        raise ValueError("prefix_cache belongs to another model than the target")
     method = method or default_method(draft)
     if method == "auto":
         method, options, draft = planned(target, draft, options)
@@ -459,7 +465,7 @@ def stream(
         seed = secrets.randbits(63)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))
     stats = GenerationStats(method, seed=params.seed)
-    request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge)
+    request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge, prefix_cache)
     roles = spec.build(request, opts)  # checks the models against the options now, not at the first token
     return GenerationStream(target, ids, run(request, roles), request, stop, ignore_eos)
 

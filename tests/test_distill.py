@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -54,6 +57,7 @@ def test_the_engine_answers_in_batches_resumes_and_keeps_each_answer_as_alone(tm
     shards = Shards(tmp_path, settings, MINI)
     first = run(target, shards, batch=3, shard_items=2, items=4, progress=False)
     assert first["answered"] == 4 and len(shards.done) == 4
+    assert first["prefix_cache_hit_tokens"] > 0  # the chat template's shared start, prefilled once
     again = Shards(tmp_path, settings)  # a new process: the frozen prompts and the shards on disk
     assert [p.id for p in again.pending()] == sorted(set(range(6)) - again.done) and len(again.pending()) == 2
     run(target, again, batch=3, shard_items=2, progress=False)
@@ -90,3 +94,24 @@ def test_the_engine_answers_in_batches_resumes_and_keeps_each_answer_as_alone(tm
     chunks = make_chunks(None, docs, 8, 4, 0)
     assert len(chunks) == 4 and all(c.ids.shape == (8,) for c in chunks)
     assert data_versions([source, "stdlib"]) == {source: index["shards"]}
+
+
+@requires_smollm2
+def test_sigterm_stops_a_run_and_keeps_the_answers_in_flight(tmp_path):
+    """A run in the background (where the shell leaves SIGINT ignored) is stopped by SIGTERM as by Ctrl-C: the items
+    in flight finish and are written, though no shard was due yet."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "mirrorsd.cli", "distill", "--model", "smollm2-135m", "--out",
+                             str(out), "--max-new-tokens", "6", "--batch", "2", "--shard-items", "1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    progress = b""
+    while b"| 1/" not in progress and b"| 2/" not in progress:  # tqdm: an item is done
+        byte = proc.stderr.read(1)
+        assert byte, progress.decode(errors="replace")
+        progress += byte
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr.decode(errors="replace")[-2000:]
+    summary = json.loads(stdout.decode().splitlines()[0])
+    index = json.loads((out / INDEX_FILE).read_text())
+    assert index["done_items"] == summary["done_items"] >= 2  # the answered item and the one in flight

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 from pathlib import Path
 
 import mirrorsd
@@ -22,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "from a given context, summaries of passages the model writes, multi-turn, the model's own self-instruct "
         "questions; never a Spec-Bench question) with the model itself, many at once through continuous batching, "
         "greedy plus a sampled share. Writes compressed token shards to --out; run it again to resume where it "
-        "stopped (Ctrl-C keeps the answers in flight). OUT/index.json counts items, tokens and kinds.")
+        "stopped (Ctrl-C or SIGTERM keeps the answers in flight). OUT/index.json counts items, tokens and kinds.")
     add_model(d)
     d.add_argument("--out", help="output folder (default: data/distill/MODEL)")
     d.add_argument("--batch", type=int, default=16, help="conversations decoded at once")
@@ -34,12 +35,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--method", default="ar", choices=[m.name for m in methods() if not m.needs_draft],
                    help="decoding method (all give the model's own tokens; ar is the reference)")
     d.add_argument("--shard-items", type=int, default=64, help="items per shard (a stop loses at most these)")
+    d.add_argument("--prefix-cache-mib", type=int, default=1024,
+                   help="memory for finished turns' keys and values, so a conversation's next turn and the chat "
+                        "template's shared start are not prefilled again (the answers stay the same bits); 0: off")
     d.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.shard_items < 1 or args.max_new_tokens < 1:
         raise ValueError("--batch, --shard-items and --max-new-tokens must be >= 1")
+    if args.prefix_cache_mib < 0:
+        raise ValueError(f"--prefix-cache-mib must be >= 0, got {args.prefix_cache_mib}")
     if not 0 <= args.sampled_share <= 1 or args.temperature <= 0:
         raise ValueError("--sampled-share must be in [0, 1] and --temperature > 0")
     warn_if_busy("the generation")
@@ -47,8 +53,13 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings(args.model, args.method, args.max_new_tokens, args.sampled_share, args.temperature)
     shards = Shards(out, settings)
     target = mirrorsd.load_model(args.model)
+    # Stop as Ctrl-C does on SIGTERM too, and on SIGINT where a shell started the run in the background (which
+    # leaves SIGINT ignored): the answers in flight finish and are written.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     summary = run_engine(target, shards, batch=args.batch, shard_items=args.shard_items, items=args.items,
-                         seconds=None if args.minutes is None else 60 * args.minutes)
+                         seconds=None if args.minutes is None else 60 * args.minutes,
+                         prefix_cache_bytes=args.prefix_cache_mib << 20)
     print(json.dumps(summary))
     print(f"{out}: {summary['done_items']} of {summary['prompts']} items done (OUT/index.json)")
     return 0

@@ -56,6 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="how a busy batch spends draft rows: goodput drafts only where a row pays for what it costs "
                          "every running request (the method's own window at concurrency 1, none under heavy load); "
                          "fixed keeps each method's window whatever the load")
+    sv.add_argument("--prefix-cache-mib", type=int, default=1024,
+                    help="memory for finished requests' keys and values, so a prompt that starts like an earlier "
+                         "sequence (a conversation's next turn, a shared system prompt) prefills only the rest "
+                         "(vLLM's prefix caching, llama.cpp's cache_prompt); used where it cannot change a token: "
+                         "on the batch-invariant C++ path; 0: off")
     sv.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted (400 beyond)")
     sv.add_argument("--max-tokens", type=int, default=2048,
                     help="largest max_tokens a request may ask for, and the limit of requests that set none")
@@ -93,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
                         ("--max-tokens", args.max_tokens), ("--max-request-bytes", args.max_request_bytes)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if args.prefix_cache_mib < 0:
+        raise ValueError(f"--prefix-cache-mib must be >= 0, got {args.prefix_cache_mib}")
     api_key = args.api_key or os.environ.get("MIRRORSD_API_KEY") or None
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
@@ -112,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
                           prefill_rows=args.prefill_rows, speculation=args.speculation,
                           max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens=args.max_tokens, max_request_bytes=args.max_request_bytes,
-                          shutdown_timeout=args.shutdown_timeout)
+                          shutdown_timeout=args.shutdown_timeout, prefix_cache_bytes=args.prefix_cache_mib << 20)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"mirrorsd: warning: serving on {args.host} without --api-key: anyone who can reach this "

@@ -26,6 +26,7 @@ import torch
 
 from ..kv_cache import KVCache
 from ..model import Transformer
+from ..prefix_cache import PrefixCache
 from ..runtime.trace import Span
 from ..sampling import SamplingParams
 from ..verify import Verdict, verify_match, verify_rejection, verify_tree
@@ -97,6 +98,7 @@ class GenerationStats:
     method: str
     seed: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values a prefix cache held (not prefilled)
     new_tokens: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -149,6 +151,7 @@ class GenerationStats:
             "method": self.method,
             "seed": self.seed,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
@@ -180,6 +183,7 @@ class DecodeRequest:
     draft: Transformer | None = None
     options: Any = None  # the method's options (a MethodOptions)
     bridge: TokenBridge | None = None  # the draft has a tokenizer of its own (methods registered ``bridged``)
+    prefix_cache: PrefixCache | None = None  # the target's keys and values of earlier requests, to prefill less
 
 
 @dataclass
@@ -346,6 +350,11 @@ class ChainScorer:
 
     def prefill(self, state: RequestState) -> int:
         prompt = state.tokens if self.whole_prompt else state.tokens[:-1]
+        store = state.request.prefix_cache
+        if store is not None:  # a whole-prompt prefill keeps its last token to score
+            state.stats.cached_tokens = store.restore(prompt[:-1] if self.whole_prompt else prompt,
+                                                      state.target_cache)
+        prompt = prompt[len(state.target_cache):]
         if not prompt:
             return 0
         ids = torch.tensor([prompt], device=self.model.device)
@@ -435,6 +444,10 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
                     detail.update(batch=state.batch)
                 stats.record_step(scores.draft.depth, verdict.accepted, **detail)
             yield new
+    except GeneratorExit:  # the caller stopped it between steps, where the target cache holds committed tokens
+        if request.prefix_cache is not None:
+            request.prefix_cache.store(state.tokens, state.target_cache)
+        raise
     finally:
         if roles.close is not None:
             roles.close()

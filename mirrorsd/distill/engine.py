@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from ..api import LoadedModel, encode_chat, generate
 from ..batching import Batcher
 from ..execution import release_thread_team
+from ..prefix_cache import PrefixCache
 from .prompts import KINDS, SELF_INSTRUCT, VERSION, Prompt, build, digest
 
 PROMPTS_FILE, INDEX_FILE = "prompts.jsonl.gz", "index.json"
@@ -66,12 +67,15 @@ def sampled(item: int, share: float) -> bool:
     return (item * 2654435761) % 10_000 < share * 10_000
 
 
-def answer(target: LoadedModel, item: Prompt, settings: Settings) -> list[Record]:
+def answer(target: LoadedModel, item: Prompt, settings: Settings, prefix_cache: PrefixCache | None = None
+           ) -> list[Record]:
     """Every turn of ``item`` answered in one conversation; a self-instruct item's answer (a question) is then
-    asked in a conversation of its own."""
+    asked in a conversation of its own. ``prefix_cache``: a later turn (and the shared chat template's start)
+    is not prefilled again."""
     sample = sampled(item.id, settings.sampled_share)
     kw: dict[str, Any] = {"method": settings.method, "max_new_tokens": settings.max_new_tokens,
-                          "temperature": settings.temperature if sample else 0.0, "seed": item.id}
+                          "temperature": settings.temperature if sample else 0.0, "seed": item.id,
+                          "prefix_cache": prefix_cache}
     records, conversation = [], []
     text = ""
     for turn, content in enumerate(item.turns):
@@ -197,10 +201,12 @@ def records(folder: str | Path) -> Iterator[tuple[np.ndarray, int, str]]:
 
 
 def run(target: LoadedModel, shards: Shards, *, batch: int = 16, shard_items: int = 64, items: int | None = None,
-        seconds: float | None = None, progress: bool = True) -> dict[str, Any]:
+        seconds: float | None = None, progress: bool = True, prefix_cache_bytes: int = 1 << 30) -> dict[str, Any]:
     """Answer pending items, ``batch`` at a time through one batcher, until all are done, ``items`` more are, or
-    ``seconds`` have passed; flush a shard every ``shard_items`` items. Ctrl-C stops after the items in flight."""
+    ``seconds`` have passed; flush a shard every ``shard_items`` items. Ctrl-C stops after the items in flight.
+    ``prefix_cache_bytes``: a :class:`PrefixCache` of that size is shared by the conversations (0: none)."""
     todo = shards.pending()[:items] if items is not None else shards.pending()
+    store = PrefixCache(target.model, prefix_cache_bytes) if prefix_cache_bytes else None
     work = iter(todo)
     lock, stop = threading.Lock(), threading.Event()
     done: queue.Queue[tuple[Prompt, list[Record]] | BaseException] = queue.Queue()
@@ -214,7 +220,7 @@ def run(target: LoadedModel, shards: Shards, *, batch: int = 16, shard_items: in
                 return
             try:
                 with batcher.member():
-                    done.put((item, answer(target, item, shards.settings)))
+                    done.put((item, answer(target, item, shards.settings, store)))
             except BaseException as error:  # noqa: BLE001 - handed to the main thread, which stops the run
                 done.put(error)
                 return
@@ -264,5 +270,7 @@ def run(target: LoadedModel, shards: Shards, *, batch: int = 16, shard_items: in
             shards.write(buffer, time.perf_counter() - flushed)
     elapsed = time.perf_counter() - start
     return {"answered": answered, "answer_tokens": new_tokens, "seconds": round(elapsed, 1),
+            "prefix_cache_queried_tokens": store.queried_tokens if store else 0,
+            "prefix_cache_hit_tokens": store.hit_tokens if store else 0,
             "answer_tokens_per_s": round(new_tokens / elapsed, 2) if elapsed else None,
             "done_items": len(shards.done), "prompts": len(shards.prompts)}

@@ -30,6 +30,7 @@ from ..batching import Batcher
 from ..decoding import REFERENCE, ModelShape, get_method
 from ..errors import OptionError
 from ..execution import batches
+from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
 from .metrics import Metrics
 from .protocol import (
@@ -71,6 +72,7 @@ class ServerConfig:
     max_tokens: int = 2048
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
+    prefix_cache_bytes: int = 1 << 30  # finished requests' keys and values kept for prompts that start alike (0: off)
 
 
 @dataclass
@@ -107,6 +109,10 @@ class Server:
                                lambda: len(self.scheduler.running))
         batcher = Batcher(config.prefill_rows, on_step=self.metrics.batch_step, speculation=config.speculation)
         self.scheduler = Scheduler(config.max_queued, running, batcher)
+        self.prefix_cache = PrefixCache(target.model, config.prefix_cache_bytes)
+        if config.prefix_cache_bytes and not self.prefix_cache.enabled:
+            log.info("no prefix cache: %s is not on the batch-invariant C++ path, where restored keys and values are "
+                     "the bits a prefill writes", config.model_name)
         context = target.config.context_length
         if draft is not None:
             context = min(context, draft.config.context_length)
@@ -190,7 +196,7 @@ class Server:
                               else None, method=p.method, temperature=p.params.temperature, top_k=p.params.top_k,
                               top_p=p.params.top_p, seed=p.params.seed if seed_given else None,
                               max_new_tokens=p.max_new_tokens, stop=p.stops, ignore_eos=p.ignore_eos,
-                              **p.options)
+                              prefix_cache=self.prefix_cache, **p.options)
 
         return Job(make_stream, asyncio.get_running_loop(), on_step=self.metrics.step, alone=p.alone)
 
@@ -200,11 +206,12 @@ class Server:
         ttft = first_token_at - job.arrival if first_token_at is not None else None
         stats = job.stream.request.stats if job.stream is not None else None
         prompt_tokens = len(job.stream.prompt_ids) if job.stream is not None else 0
-        self.metrics.finished(reason, prompt_tokens, completion_tokens, ttft, end - job.arrival)
+        cached = stats.cached_tokens if stats is not None else 0
+        self.metrics.finished(reason, prompt_tokens, cached, completion_tokens, ttft, end - job.arrival)
         if stats is not None:
             decode_s = end - (first_token_at or end)
-            log.info("request %s: method=%s prompt=%d tokens=%d mean_accepted_length=%.2f tok/s=%.1f "
-                     "ttft=%.2fs e2e=%.2fs finish=%s", job.id, stats.method, prompt_tokens, completion_tokens,
+            log.info("request %s: method=%s prompt=%d cached=%d tokens=%d mean_accepted_length=%.2f tok/s=%.1f "
+                     "ttft=%.2fs e2e=%.2fs finish=%s", job.id, stats.method, prompt_tokens, cached, completion_tokens,
                      stats.mean_accepted_length, (completion_tokens - 1) / decode_s if decode_s > 0 else 0.0,
                      ttft or 0.0, end - job.arrival, reason)
 
@@ -214,6 +221,7 @@ def usage(result: api.Generation) -> dict[str, Any]:
     drafted, accepted = sum(st.drafted), sum(st.accepted)
     return {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
             "total_tokens": len(result.prompt_ids) + len(result.token_ids),
+            "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": accepted,
                                           "rejected_prediction_tokens": drafted - accepted},
             "drafted_tokens": drafted, "accepted_tokens": accepted}

@@ -13,6 +13,9 @@ Continuous batching, per step (one batched forward): ``batch_size`` (windows and
 and ``step_speculation_rows`` (rows beyond one per window: draft tokens under verification, tree and stream rows, a
 draft's catch-up).
 
+Prefix caching (vLLM's names), per finished request: ``prefix_cache_queries`` (its prompt tokens) and
+``prefix_cache_hits`` (of them, tokens whose keys and values the prefix cache held, so they were not prefilled).
+
 Latency, per request: time to first token (arrival to the first committed token, queueing included), time
 per output token ``(e2e - ttft) / (completion tokens - 1)``, and end-to-end latency. Under speculative
 decoding one SSE chunk may carry several tokens, so the time between chunks is *not* the time per token.
@@ -58,6 +61,8 @@ class Metrics:
                                 ("finished_reason",))
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "completion tokens of finished requests")
+        self.prefix_queries = counter("prefix_cache_queries", "prompt tokens of finished requests")
+        self.prefix_hits = counter("prefix_cache_hits", "prompt tokens restored from the prefix cache, not prefilled")
         self.ttft = histogram("time_to_first_token_seconds", "arrival to the first committed token",
                               LATENCY_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds",
@@ -89,10 +94,12 @@ class Metrics:
         self.step_prefill_rows.labels(self.model).observe(record.prefill_rows)
         self.step_speculation_rows.labels(self.model).observe(record.speculation_rows)
 
-    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int, ttft: float | None,
-                 e2e: float) -> None:
+    def finished(self, reason: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                 ttft: float | None, e2e: float) -> None:
         self.requests.labels(self.model, reason).inc()
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.prefix_queries.labels(self.model).inc(prompt_tokens)
+        self.prefix_hits.labels(self.model).inc(cached_tokens)
         self.generation_tokens.labels(self.model).inc(completion_tokens)
         if ttft is not None:
             self.ttft.labels(self.model).observe(ttft)

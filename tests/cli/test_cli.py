@@ -226,6 +226,12 @@ def test_serve_prefill_rows_is_auto_or_a_positive_number(capsys, no_loading, val
     assert f"--prefill-rows: expected auto or a number of rows >= 1, got '{value}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "distill"])
+def test_prefix_cache_mib_is_checked_before_loading(capsys, no_loading, command):
+    rc, _, err = run(capsys, command, "--method", "ar", "--prefix-cache-mib", "-1")
+    assert rc == 2 and "--prefix-cache-mib must be >= 0, got -1" in err, err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import mirrorsd
-from mirrorsd import Transformer, generate
+from mirrorsd import PrefixCache, Transformer, generate
 from mirrorsd.api import encode_prompt
 from mirrorsd.decoding import Method, ModelShape, OptionError, get_method, methods
 from mirrorsd.decoding.registry import Option
@@ -53,6 +53,7 @@ ADAPTER_OPTIONS = {"streams": ("target", True), "draft_streams": ("draft", False
 FIXED_OPTIONS = {"draft_vocab": 0, "exit_vocab": None, "stream_vocab": None}  # None: the full vocabulary here
 WHOLE_PROMPT = {"ar", "suffix"}  # methods whose scorer prefills the whole prompt (ChainScorer(whole_prompt=True))
 OWN_DRAFTER = {"eagle"}  # methods that draft with a network of their own (its forwards count), not a draft model
+OWN_PREFILL = {"eagle"}  # methods whose scorer prefills by itself (it needs every prompt row): nothing is restored
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -314,7 +315,46 @@ def test_rejection_sampling_matches_target_distribution(small_vocab_pair, name):
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
 
 
-# -- 5. real weights ---------------------------------------------------------------------------------------------
+# -- 5. a prefix cache changes no token -------------------------------------------------------------------------
+
+
+def assert_stored_as_prefilled(model: Transformer, store: PrefixCache) -> None:
+    """Every stored sequence holds the bits a fresh prefill of its tokens writes, whatever forwards made them."""
+    assert len(store)
+    for entry in store._entries.values():
+        cache = model.new_cache(capacity=len(entry.tokens))
+        model.prefill(torch.tensor([entry.tokens.tolist()]), cache)
+        for layer in range(model.config.n_layers):
+            assert torch.equal(cache.keys[layer][0, :, :len(entry.tokens)], entry.keys[layer])
+            assert torch.equal(cache.values[layer][0, :, :len(entry.tokens)], entry.values[layer])
+
+
+@pytest.mark.parametrize("name", METHODS)
+@settings(max_examples=10, **SETTINGS)
+@given(data=st.data(), prompt=PROMPTS, more=st.lists(st.integers(0, 63), min_size=1, max_size=6),
+       max_new=st.integers(1, 12), draft=st.sampled_from(["other", "self"]), temperature=st.sampled_from([0.0, 1.0]),
+       seed=st.integers(0, 2**31))
+def test_prefix_cache_changes_no_token(models, name, data, prompt, more, max_new, draft, temperature, seed):
+    """A conversation's next turn (the last prompt and answer, then more tokens) and a prompt that shares only the
+    first turn's start, each decoded on what the earlier requests left in one store, give ``ar``'s tokens."""
+    values = data.draw(options_of(name), label="options")
+    if "acceptance" in values:
+        values["acceptance"] = "match"
+    method = get_method(name)
+    draft_model = models.drafts[draft] if method.needs_draft else None
+    options = resolve(values, models.target, draft_model)
+    store = PrefixCache(models.target)
+    kw: dict[str, Any] = {"max_new_tokens": max_new, "temperature": temperature, "seed": seed}
+    first = generate(models.target, prompt, method=name, draft=draft_model, prefix_cache=store, **kw, **options)
+    for turn in (prompt + first.token_ids + more, prompt[:1] + more):
+        got = generate(models.target, turn, method=name, draft=draft_model, prefix_cache=store, **kw, **options)
+        assert got.token_ids == generate(models.target, turn, method="ar", **kw).token_ids, (name, values, turn)
+    if name not in OWN_PREFILL:  # the next turn found at least the first prompt (all of what its prefill fed)
+        assert store.hit_tokens >= len(prompt) - (name not in WHOLE_PROMPT)
+    assert_stored_as_prefilled(models.target, store)
+
+
+# -- 6. real weights ---------------------------------------------------------------------------------------------
 
 
 REAL_PROMPTS = ["The history of the printing press begins", "def fibonacci(n):"]
@@ -358,3 +398,26 @@ def test_real_weights_greedy_and_seeded_equal_ar(real_target, name, prompt):
             assert got.token_ids == want, (name, prompt, sampling)
         else:
             assert_same_or_near_tie(real_target.model, ids, got.token_ids, want)
+
+
+@pytest.mark.real
+@requires_smollm2
+@pytest.mark.parametrize("name", METHODS)
+def test_real_weights_next_turn_on_a_prefix_cache_equals_ar(real_target, name):
+    """A chat's second turn, prefilled only past what the first turn left in the store: ``ar``'s tokens, greedy
+    and seeded, and every stored sequence holds a fresh prefill's bits."""
+    method = get_method(name)
+    draft = real_target.model.prefix_model(15) if method.needs_draft else None
+    options = resolve(REAL_OPTIONS.get(name, {}), real_target.model, draft)
+    turns = [{"role": "user", "content": REAL_PROMPTS[1]}]
+    for sampling in ({}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}):
+        store = PrefixCache(real_target.model)
+        first = generate(real_target, turns, method=name, draft=draft, max_new_tokens=24, prefix_cache=store,
+                         **sampling, **options)
+        chat = [*turns, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Shorter."}]
+        got = generate(real_target, chat, method=name, draft=draft, max_new_tokens=24, prefix_cache=store,
+                       **sampling, **options)
+        assert got.token_ids == generate(real_target, chat, method="ar", max_new_tokens=24, **sampling).token_ids
+        if name not in OWN_PREFILL:
+            assert store.hit_tokens >= len(first.prompt_ids)
+        assert_stored_as_prefilled(real_target.model, store)

@@ -72,6 +72,23 @@ def test_chat_greedy_equals_generate(live, models, method):
     assert got.model_extra["mirrorsd"]["method"] == method
 
 
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_next_turn_prefills_only_what_is_new(live, models, method):
+    """A conversation's second turn restores the first turn's keys and values from the prefix cache (OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` says how many) and still gets ``generate``'s answer."""
+    client = live.client()
+    turns = [{"role": "user", "content": PROMPTS[2] + f" ({method})"}]  # a prompt no other test sends
+    first = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=12, temperature=0,
+                                           extra_body={"mirrorsd": {"method": method}})
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    turns += [{"role": "assistant", "content": first.choices[0].message.content},
+              {"role": "user", "content": "And one more?"}]
+    second = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=12, temperature=0,
+                                            extra_body={"mirrorsd": {"method": method}})
+    assert second.choices[0].message.content == reference(models, turns, max_new_tokens=12, temperature=0).text
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
 def test_chat_stream_equals_generate_and_carries_segments(live, models):
     want = reference(models, PROMPTS[0], max_new_tokens=48, temperature=0.8, seed=11)
     chunks = list(live.client().chat.completions.create(
@@ -318,6 +335,9 @@ def test_load_16_clients_correct_answers_and_consistent_metrics(live, models):
     assert grew("mirrorsd:spec_decode_num_accepted_tokens_per_pos_total") == grew(
         "mirrorsd:spec_decode_num_accepted_tokens_total")
     assert grew("mirrorsd:e2e_request_latency_seconds_count") == 32
+    assert grew("mirrorsd:prefix_cache_queries_total") == grew("mirrorsd:prompt_tokens_total")
+    assert grew("mirrorsd:prefix_cache_hits_total") == sum(
+        r.usage.prompt_tokens_details.cached_tokens for _, r, _ in results) > 0  # 4 prompts asked 32 times
     assert grew("mirrorsd:num_decode_steps_total") >= grew("mirrorsd:spec_decode_num_drafts_total") > 0
     latencies = sorted(t for _, _, t in results)
     print(f"\nload: 32 requests, 16 clients, {wall:.1f} s, "
