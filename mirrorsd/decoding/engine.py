@@ -409,7 +409,8 @@ def new_state(request: DecodeRequest) -> RequestState:
 
 
 def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
-    """Decode ``request`` with ``roles``: yields the tokens each step commits, forever (the caller stops)."""
+    """Decode ``request`` with ``roles``: yields the tokens each step commits, forever (the caller stops; the
+    target's keys and values then go to the request's prefix cache, if it has one)."""
     state = new_state(request)
     stats = request.stats
     stats.gamma = roles.gamma
