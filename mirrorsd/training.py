@@ -33,6 +33,9 @@ CORPORA = {
 CHAT_TEXTS = 8  # chat-answers: conversations are joined into this many texts, so 256-token windows fill up
 DISTILL = "distill:"  # a `mirrorsd distill` folder: token ids as the model read and wrote them, not re-tokenized
 DISTILL_RECORDS = 32  # records joined per document, so windows fill up
+# How distill_documents builds documents; a state cache records it, so one built from other documents is refused.
+# 2: a conversation's earlier turn is dropped where the next turn's record holds it whole.
+DISTILL_DOCUMENTS = 2
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 CHECKPOINT, CURVE, CURVE_PLOT = "checkpoint.pt", "curve.json", "learning_curve.png"
 CACHE_META, HELD_OUT = "cache.json", "held-out.safetensors"
@@ -67,20 +70,27 @@ class Tokens(list):
 
 
 def distill_documents(folder: str | Path) -> list[Tokens]:
-    """A ``mirrorsd distill`` folder's records (prompt and answer ids), :data:`DISTILL_RECORDS` to a document."""
+    """A ``mirrorsd distill`` folder's records (prompt and answer ids), :data:`DISTILL_RECORDS` to a document.
+
+    A conversation's next turn is recorded with the earlier turns as its prompt, ids for ids, so the earlier record
+    is dropped and its answer marks carried over: read twice, those turns were ~17% of the folder's tokens and
+    weighed double in training."""
     from .distill.engine import records
 
-    docs, current, answer = [], [], []
-    for i, (ids, answer_from, _) in enumerate(records(folder)):
-        current += ids.tolist()
-        answer += [False] * answer_from + [True] * (len(ids) - answer_from)
-        if (i + 1) % DISTILL_RECORDS == 0:
-            docs.append(Tokens(current, answer))
-            current, answer = [], []
-    if current:
-        docs.append(Tokens(current, answer))
-    if not docs:
+    kept: list[tuple[list[int], list[bool]]] = []
+    for ids, answer_from, _ in records(folder):
+        ids = ids.tolist()
+        answer = [False] * answer_from + [True] * (len(ids) - answer_from)
+        if kept and len(ids) > len(kept[-1][0]) and ids[:len(kept[-1][0])] == kept[-1][0]:
+            earlier = kept.pop()[1]
+            answer[:len(earlier)] = earlier
+        kept.append((ids, answer))
+    if not kept:
         raise ValueError(f"{folder} holds no distilled records: run `mirrorsd distill --out {folder}` first")
+    docs = []
+    for start in range(0, len(kept), DISTILL_RECORDS):
+        group = kept[start:start + DISTILL_RECORDS]
+        docs.append(Tokens([t for ids, _ in group for t in ids], [a for _, answer in group for a in answer]))
     return docs
 
 
@@ -261,7 +271,7 @@ def open_cache(folder: Path, meta: dict[str, Any], sources: list[str], count: in
     held-out shard exist). ``meta`` gains the ``distill:`` sources' shard counts and is checked by
     :func:`check_cache`."""
     if versions := data_versions(list(sources)):
-        meta = meta | {"data_shards": versions}
+        meta = meta | {"data_shards": versions, "distill_documents": DISTILL_DOCUMENTS}
     check_cache(folder, meta)
     shards = shard_paths(folder, count, SHARD_CHUNKS)
     return shards, all(p.exists() for p in [*shards, folder / HELD_OUT])

@@ -90,7 +90,20 @@ def test_the_engine_answers_in_batches_resumes_and_keeps_each_answer_as_alone(tm
 
     source = f"distill:{tmp_path}"
     docs = corpus_texts([source])
-    assert [t for d in docs for t in d] == [t for ids, _, _ in rows for t in ids.tolist()]
+    # The multi-turn item's second record holds its first whole, ids for ids: the first is read only there, its
+    # answer still marked as the model's.
+    extended = [k for k in range(len(rows) - 1) if len(rows[k + 1][0]) > len(rows[k][0])
+                and rows[k + 1][0][:len(rows[k][0])].tolist() == rows[k][0].tolist()]
+    assert len(extended) == 1
+    k = extended[0]
+    kept = [ids.tolist() for j, (ids, _, _) in enumerate(rows) if j != k]
+    assert [t for d in docs for t in d] == [t for ids in kept for t in ids]
+    marks = [m for d in docs for m in d.answer]
+    start = sum(len(ids) for ids in kept[:k])  # where the second turn's record begins
+    (first, first_answer, _), (second, second_answer, _) = rows[k], rows[k + 1]
+    want = [False] * first_answer + [True] * (len(first) - first_answer)
+    want += [False] * (second_answer - len(first)) + [True] * (len(second) - second_answer)
+    assert marks[start:start + len(second)] == want
     chunks = make_chunks(None, docs, 8, 4, 0)
     assert len(chunks) == 4 and all(c.ids.shape == (8,) for c in chunks)
     assert data_versions([source, "stdlib"]) == {source: index["shards"]}
