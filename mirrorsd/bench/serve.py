@@ -12,6 +12,11 @@ concurrency level, every server in turn), so a noisy host spreads over all serve
 median over rounds. Each (level, round) sends its own slice of shuffled Spec-Bench first turns, the same slice to
 every server, so no request repeats a prompt an earlier one answered (``suffix`` would otherwise copy it).
 Answers are ``max_tokens`` long (``ignore_eos``), greedy.
+
+With ``turns`` 2 each request is a conversation instead: Spec-Bench's two-turn questions as aiperf multi-turn
+sessions, whose second turn carries the first turn and the server's own answer to it, as a chat client sends it.
+That is the load a prefix cache serves, and the share of prompt tokens our server restored instead of prefilling is
+read from its ``/metrics`` around each run.
 """
 
 from __future__ import annotations
@@ -110,18 +115,51 @@ def find_aiperf(path: str | None = None, install: bool = True) -> str:
     return str(venv / "bin" / "aiperf")
 
 
-def prompt_slices(levels: list[int], rounds: int, per_client: int, seed: int = 0) -> dict[tuple[int, int], list[str]]:
-    """(level, round) -> its own ``per_client × level`` Spec-Bench first turns, shuffled once; the suite wraps
-    around only when the sweep needs more than its 480 questions."""
-    turns = [q.turns[0] for q in load_suite("specbench")]
-    random.Random(seed).shuffle(turns)
+def prompt_slices(levels: list[int], rounds: int, per_client: int, seed: int = 0,
+                  turns: int = 1) -> dict[tuple[int, int], list[tuple[str, ...]]]:
+    """(level, round) -> its own ``per_client × level`` conversations: Spec-Bench's questions with at least ``turns``
+    turns (all 480 for one, the 80 MT-bench ones for two), their first ``turns`` turns, shuffled once. Where the
+    sweep needs more conversations than there are, the suite wraps around with each pass's first turns marked
+    (``[pass 2]``), so no request repeats an earlier prompt, which ``suffix`` or a prefix cache would replay."""
+    chats = [q.turns[:turns] for q in load_suite("specbench") if len(q.turns) >= turns]
+    random.Random(seed).shuffle(chats)
     slices, at = {}, 0
     for r in range(rounds):
         for level in levels:
-            n = per_client * level
-            slices[level, r] = [turns[(at + i) % len(turns)] for i in range(n)]
-            at += n
+            picked = []
+            for i in range(at, at + per_client * level):
+                chat, again = chats[i % len(chats)], i // len(chats)
+                picked.append((f"[pass {again + 1}] {chat[0]}", *chat[1:]) if again else tuple(chat))
+            slices[level, r] = picked
+            at += per_client * level
     return slices
+
+
+def input_lines(conversations: list[tuple[str, ...]], max_tokens: int) -> str:
+    """aiperf's custom dataset: ``single_turn`` lines for one-turn conversations, ``multi_turn`` sessions else."""
+    lines = []
+    for i, chat in enumerate(conversations):
+        turns = [{"text": text, "output_length": max_tokens} for text in chat]
+        lines.append(turns[0] if len(chat) == 1 else {"session_id": f"chat-{i}", "turns": turns})
+    return "".join(json.dumps(line) + "\n" for line in lines)
+
+
+def prefix_cache_counts(url: str) -> tuple[float, float] | None:
+    """(prompt tokens queried, of them restored) so far, from a ``mirrorsd serve``'s ``/metrics``; None where the
+    server exports no such counters (llama-server, or ours with the cache off)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+    totals = {"queries": 0.0, "hits": 0.0}
+    seen = False
+    for line in text.splitlines():
+        for key in totals:
+            if line.startswith(f"mirrorsd:prefix_cache_{key}"):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+                seen = True
+    return (totals["queries"], totals["hits"]) if seen else None
 
 
 class OurServer:
@@ -178,10 +216,12 @@ def warm(url: str, model: str) -> None:
 
 
 def aiperf_command(aiperf: str, url: str, model: str, tokenizer: Path, level: int, requests: int, inputs: Path,
-                   out: Path) -> list[str]:
+                   out: Path, turns: int = 1) -> list[str]:
+    """One aiperf run: ``requests`` requests (every turn of every conversation), ``level`` in flight."""
     return [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming",
             "--concurrency", str(level), "--request-count", str(requests), *PACING, "--input-file", str(inputs),
-            "--custom-dataset-type", "single_turn", "--dataset-sampling-strategy", "sequential",
+            "--custom-dataset-type", "single_turn" if turns == 1 else "multi_turn",
+            "--dataset-sampling-strategy", "sequential",
             "--tokenizer", str(tokenizer.resolve()), "--output-artifact-dir", str(out), "--ui", "none",
             "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0", "--use-server-token-count",
             "--workers-max", "1", "--random-seed", "0"]
@@ -224,6 +264,7 @@ class ServeConfig:
     slot_context: int
     out: Path
     notes: list[str] = field(default_factory=list)
+    turns: int = 1
 
 
 def _start(spec: ServerSpec, cfg: ServeConfig, tokenizer: Path, threads: int) -> tuple[Any, str]:
@@ -253,16 +294,15 @@ def run(cfg: ServeConfig) -> dict[str, Any]:
     cfg.out.mkdir(parents=True, exist_ok=True)
     aiperf = find_aiperf(cfg.aiperf)
     tokenizer = resolve(cfg.target)
-    slices = prompt_slices(cfg.levels, cfg.rounds, cfg.per_client)
+    slices = prompt_slices(cfg.levels, cfg.rounds, cfg.per_client, turns=cfg.turns)
     inputs = cfg.out / "inputs"
     inputs.mkdir(exist_ok=True)
-    for (level, r), turns in slices.items():
-        (inputs / f"c{level}-r{r}.jsonl").write_text("".join(
-            json.dumps({"text": t, "output_length": cfg.max_tokens}) + "\n" for t in turns))
+    for (level, r), conversations in slices.items():
+        (inputs / f"c{level}-r{r}.jsonl").write_text(input_lines(conversations, cfg.max_tokens))
     servers: dict[str, Any] = {}
     results: dict[str, Any] = {"machine": machine(), "target": cfg.target, "levels": cfg.levels,
                                "rounds": cfg.rounds, "notes": cfg.notes, "max_tokens": cfg.max_tokens,
-                               "per_client": cfg.per_client,
+                               "per_client": cfg.per_client, "turns": cfg.turns,
                                "servers": {s.label: {"kind": s.kind, "flags": s.flags,
                                                      "max_concurrency": s.max_concurrency} for s in cfg.servers},
                                "runs": {s.label: {str(c): [] for c in cfg.levels if s.runs_at(c)}
@@ -280,15 +320,21 @@ def run(cfg: ServeConfig) -> dict[str, Any]:
                     server, model = servers[spec.label]
                     folder = cfg.out / "aiperf" / spec.label / f"c{level}-r{r}"
                     shutil.rmtree(folder, ignore_errors=True)
-                    command = aiperf_command(aiperf, server.url, model, tokenizer, level, cfg.per_client * level,
-                                             inputs / f"c{level}-r{r}.jsonl", folder)
+                    command = aiperf_command(aiperf, server.url, model, tokenizer, level,
+                                             cfg.per_client * level * cfg.turns, inputs / f"c{level}-r{r}.jsonl",
+                                             folder, cfg.turns)
                     done += 1
                     print(f"[{done}/{total}] round {r + 1}, concurrency {level}, {spec.label}", file=sys.stderr,
                           flush=True)
                     folder.mkdir(parents=True)
+                    before = prefix_cache_counts(server.url) if spec.kind == "mirrorsd" else None
                     with open(folder / "aiperf.out", "w") as log:
                         subprocess.run(command, env=aiperf_env(), stdout=log, stderr=subprocess.STDOUT, check=True)
-                    results["runs"][spec.label][str(level)].append(read_run(folder))
+                    figures = read_run(folder)
+                    after = prefix_cache_counts(server.url) if before is not None else None
+                    if before is not None and after is not None and after[0] > before[0]:
+                        figures["cached_prompt_share"] = (after[1] - before[1]) / (after[0] - before[0])
+                    results["runs"][spec.label][str(level)].append(figures)
                     (cfg.out / "results.json").write_text(json.dumps(results, indent=1))
     finally:
         for server, _ in servers.values():
@@ -302,8 +348,10 @@ def run(cfg: ServeConfig) -> dict[str, Any]:
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     labels = list(results["median"])
+    chats = "conversations" if results.get("turns", 1) > 1 else "requests"
     lines = [f"# Load sweep: {results['target']}, {results['max_tokens']}-token answers (greedy, ignore_eos), "
-             f"{results['per_client']} requests per client per level",
+             f"{results['per_client']} {chats} per client per level"
+             + (f" ({results['turns']} turns each)" if results.get("turns", 1) > 1 else ""),
              "",
              f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}, {m.get('date')}. "
              f"Load generator: aiperf {AIPERF_VERSION}. Median of {results['rounds']} interleaved rounds.",
@@ -326,6 +374,14 @@ def markdown(results: dict[str, Any]) -> str:
             cells = [_cell(results["median"][lb].get(str(c)),
                            lambda f, k=key: f"{f[k + '_p50_ms']:.0f} / {f[k + '_p99_ms']:.0f}") for lb in labels]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    cached = [lb for lb in labels if any("cached_prompt_share" in f for f in results["median"][lb].values())]
+    if cached:
+        lines += ["", "## Prompt tokens the prefix cache restored (share of all prompt tokens)", "",
+                  "| concurrency | " + " | ".join(cached) + " |", "|---|" + "---|" * len(cached)]
+        for c in results["levels"]:
+            row = [_cell(results["median"][lb].get(str(c)), lambda f: f"{f['cached_prompt_share']:.0%}")
+                   for lb in cached]
+            lines.append(f"| {c} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -150,7 +150,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Starts each server of --servers once (`mirrorsd serve` in its own process with "
         "--max-num-seqs set to the top concurrency; llama.cpp's llama-server with -np as many slots), then runs "
         "NVIDIA's aiperf against them at every concurrency level, in interleaved rounds: streaming chat requests, "
-        "Spec-Bench first turns (each level and round its own, the same for every server), fixed-length greedy "
+        "Spec-Bench first turns (each level and round its own, the same for every server; --turns 2: two-turn "
+        "conversations), fixed-length greedy "
         "answers. Reports the median aggregate tok/s, time to first token and time per output token (p50/p99) per "
         "level and server, and plots throughput against latency. aiperf runs from its own virtual environment "
         "(installed into the cache on first use unless --aiperf or $MIRRORSD_AIPERF names one). Writes "
@@ -165,7 +166,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     bs.add_argument("--max-tokens", type=int, default=128, help="tokens of every answer (ignore_eos)")
     bs.add_argument("--requests-per-client", type=int, default=2,
-                    help="requests per level: this many times the concurrency")
+                    help="requests per level: this many times the concurrency (conversations, with --turns 2)")
+    bs.add_argument("--turns", type=int, choices=(1, 2), default=1,
+                    help="turns per conversation. 2: Spec-Bench's two-turn (MT-bench) questions as aiperf "
+                         "multi-turn sessions, the second turn sent with the first and the server's answer to it, "
+                         "as a chat client sends it; the report adds the share of prompt tokens a mirrorsd server's "
+                         "prefix cache restored")
     bs.add_argument("--aiperf", metavar="PATH", help="aiperf binary (default: $MIRRORSD_AIPERF, PATH, or the "
                     "cache's aiperf-venv, made on first use)")
     bs.add_argument("--llama-server", metavar="PATH",
@@ -342,7 +348,7 @@ def _serve(args: argparse.Namespace) -> int:
     out = Path(args.out)
     results = serve.run(serve.ServeConfig(args.target, specs, levels, args.rounds, args.max_tokens,
                                           args.requests_per_client, args.aiperf, args.llama_server,
-                                          args.slot_context, out, notes))
+                                          args.slot_context, out, notes, args.turns))
     report = serve.markdown(results)
     (out / "report.md").write_text(report, encoding="utf-8")
     serve.plot(results, out / "throughput_latency.png")

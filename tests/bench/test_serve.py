@@ -46,6 +46,54 @@ def test_every_level_and_round_gets_its_own_prompts():
     assert slices == serve.prompt_slices([1, 2, 4], rounds=2, per_client=2)  # the same for every server
 
 
+def test_two_turn_conversations_come_from_mt_bench_and_never_repeat():
+    """Spec-Bench has 80 two-turn questions: a sweep that needs more marks each further pass's first turns, so no
+    conversation repeats one a server has cached."""
+    slices = serve.prompt_slices([16, 32], rounds=2, per_client=1, turns=2)
+    chats = [c for v in slices.values() for c in v]
+    assert len(chats) == 96 and all(len(c) == 2 for c in chats) and len(set(chats)) == 96
+    assert sum(c[0].startswith("[pass 2] ") for c in chats) == 16
+    mt_bench = {q.turns for q in serve.load_suite("specbench") if len(q.turns) == 2}
+    assert len(mt_bench) == 80 and all(c in mt_bench for c in chats[:80])
+    lines = [json.loads(line) for line in serve.input_lines(chats[:2], 16).splitlines()]
+    assert lines[0] == {"session_id": "chat-0", "turns": [{"text": chats[0][0], "output_length": 16},
+                                                          {"text": chats[0][1], "output_length": 16}]}
+    single = serve.input_lines([("Name a colour.",)], 8)
+    assert json.loads(single) == {"text": "Name a colour.", "output_length": 8}  # aiperf's single_turn line
+    command = serve.aiperf_command("aiperf", "http://h:1", "model", Path("."), 2, 8, Path("in"), Path("out"), turns=2)
+    assert command[command.index("--custom-dataset-type") + 1] == "multi_turn"
+    assert command[command.index("--request-count") + 1] == "8"
+
+
+def test_prefix_cache_counts_read_a_live_metrics_page():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    page = ('# TYPE mirrorsd:prefix_cache_queries_total counter\n'
+            'mirrorsd:prefix_cache_queries_total{model_name="model"} 120.0\n'
+            'mirrorsd:prefix_cache_hits_total{model_name="model"} 90.0\n')
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = (page if self.path == "/metrics" else "").encode()
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert serve.prefix_cache_counts(f"http://127.0.0.1:{server.server_port}") == (120.0, 90.0)
+        page = "# llama-server exports other names\nllamacpp:prompt_tokens_total 5\n"
+        assert serve.prefix_cache_counts(f"http://127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+    assert serve.prefix_cache_counts("http://127.0.0.1:9") is None  # nothing listening
+
+
 def test_a_real_aiperf_export_reads_into_our_figures(tmp_path):
     run = tmp_path / "c2-r0" / "nested"
     run.mkdir(parents=True)
@@ -71,6 +119,11 @@ def test_median_report_and_plot(tmp_path):
     text = serve.markdown(results)
     assert "| 1 | 12.50 | 11.00 |" in text and "| 2 | 20.00 | – |" in text
     assert "| 1 | 100 / 200 | – |" in text and "| 2 | – | – |" in text
+    assert "prefix cache" not in text and "2 requests per client" in text
+    results["turns"], results["median"]["ar"]["2"]["cached_prompt_share"] = 2, 0.625
+    text = serve.markdown(results)
+    assert "2 conversations per client per level (2 turns each)" in text
+    assert "## Prompt tokens the prefix cache restored" in text and "| 2 | 62% |" in text and "| 1 | – |" in text
     serve.plot(results, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
 
@@ -108,3 +161,17 @@ def test_the_sweep_runs_aiperf_against_real_servers(tmp_path):
         assert run["completed"] == 2 * level and run["tok_s"] > 0
     assert list(results["runs"]["ar1"]) == ["1"] and results["runs"]["ar1"]["1"][0]["completed"] == 2
     assert (out / "throughput_latency.png").is_file() and "Aggregate output tok/s" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_two_turn_sweep_sends_conversations_and_reads_the_prefix_cache(tmp_path):
+    """aiperf's multi-turn sessions against our server on SmolLM2: every turn completes, and the second turns'
+    prompts (the first turn and its answer) are mostly restored by the prefix cache."""
+    out = tmp_path / "sweep"
+    assert main(["bench", "serve", "--target", "smollm2-135m", "--servers", "ar=mirrorsd:method=ar",
+                 "--concurrency", "2", "--rounds", "1", "--max-tokens", "8", "--turns", "2",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    (run,) = results["runs"]["ar"]["2"]
+    assert run["completed"] == 2 * 2 * 2 and 0.3 < run["cached_prompt_share"] < 1
+    assert "## Prompt tokens the prefix cache restored" in (out / "report.md").read_text()
