@@ -1,0 +1,97 @@
+"""Do stream adapters that gain on distilled answers gain on Spec-Bench's answers too? Held-out top-1 of every stream
+(teacher-forced, against the model's own greedy tokens, full vocabulary: ``train_streams.evaluate``) for each adapter,
+on two sets of windows: distilled records from a folder's newest shards (``--distill``; shards an adapter trained
+on earlier do not reach them), and the model's own greedy answers to a Spec-Bench subset's first turns. Both sets
+mark which tokens the model wrote, and ``stream_accuracy_answers`` is measured on those alone, as decoding asks.
+
+Usage: ``python benchmarks/streams_transfer.py --adapters chat=FOLDER shipped=mirrorsd/data/streams/qwen2.5-coder-1.5b
+[--model qwen2.5-coder-1.5b] [--distill data/distill/qwen2.5-coder-1.5b] [--suite specbench:2] [--json OUT]``"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import mirrorsd
+from mirrorsd.api import encode_prompt
+from mirrorsd.decoding.ss.adapters import CONFIG_FILE, StreamAdapters, StreamConfig
+from mirrorsd.specbench import load_suite
+from mirrorsd.train_streams import Cached, evaluate, freeze, warm_start
+from mirrorsd.training import Chunk
+
+
+def distilled_chunks(folder: Path, shards: int, count: int, max_len: int) -> list[Chunk]:
+    """The first ``count`` records of the folder's last ``shards`` shards, each cut to ``max_len`` tokens."""
+    chunks: list[Chunk] = []
+    for shard in sorted(folder.glob("shard-*.npz"))[-shards:]:
+        data = np.load(shard)
+        for start, answer, end in zip(data["start"], data["answer"], data["end"], strict=True):
+            ids = torch.from_numpy(data["tokens"][start:end][:max_len].astype(np.int64))
+            written = torch.zeros(len(ids), dtype=torch.bool)
+            written[int(answer - start):] = True
+            chunks.append(Chunk(ids, 0, written))
+            if len(chunks) == count:
+                return chunks
+    return chunks
+
+
+def specbench_chunks(decode: mirrorsd.LoadedModel, suite: str, answer_tokens: int, max_prompt: int) -> list[Chunk]:
+    """Each first turn through the chat template (its last ``max_prompt`` tokens) and the model's greedy answer."""
+    chunks = []
+    for question in load_suite(suite):
+        prompt = encode_prompt(decode, [{"role": "user", "content": question.turns[0]}])[-max_prompt:]
+        answer = mirrorsd.generate(decode, prompt, max_new_tokens=answer_tokens).token_ids
+        written = torch.zeros(len(prompt) + len(answer), dtype=torch.bool)
+        written[len(prompt):] = True
+        chunks.append(Chunk(torch.tensor(prompt + answer), 0, written))
+    return chunks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--adapters", nargs="+", required=True, help="LABEL=FOLDER stream adapters of the model")
+    parser.add_argument("--distill", type=Path, help="a `mirrorsd distill` folder of the model's answers")
+    parser.add_argument("--shards", type=int, default=3, help="its newest shards read")
+    parser.add_argument("--windows", type=int, default=24, help="distilled records read")
+    parser.add_argument("--suite", default="specbench:2")
+    parser.add_argument("--answer-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    decode = mirrorsd.load_model(args.model, progress=False)  # the states decoding sees
+    tower = mirrorsd.load_model(args.model, weights="fp32", linear="dense", dtype=torch.float32, progress=False)
+    tower.model.requires_grad_(False)
+    adapters = dict(a.split("=", 1) for a in args.adapters)
+    saved = StreamConfig(**json.loads((Path(next(iter(adapters.values()))) / CONFIG_FILE).read_text()))
+    first = StreamAdapters(tower.model, saved).first_layer
+
+    def cached(chunk: Chunk) -> Cached:
+        row = freeze(decode.model, first, chunk)
+        return Cached(row["hidden"], row["keys"], row["values"], row["labels"].long(), int(row["loss_from"]),
+                      row["answer"].bool())
+
+    sets = {}
+    if args.distill:
+        sets[f"distilled, newest {args.shards} shards"] = [
+            cached(c) for c in distilled_chunks(args.distill, args.shards, args.windows, 384)]
+    sets[f"{args.suite} answers"] = [cached(c) for c in specbench_chunks(decode, args.suite, args.answer_tokens, 448)]
+    out: dict = {"model": args.model, "windows": {name: len(items) for name, items in sets.items()},
+                 "written_tokens": {name: int(sum(i.answer.sum() for i in items)) for name, items in sets.items()}}
+    for label, folder in adapters.items():
+        streams = StreamAdapters(tower.model, saved)
+        warm_start(tower.model, streams, Path(folder))
+        with torch.no_grad():
+            out[label] = {name: evaluate(tower.model, streams, items) for name, items in sets.items()}
+        print(label, json.dumps(out[label]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
