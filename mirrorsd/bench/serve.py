@@ -145,8 +145,8 @@ def input_lines(conversations: list[tuple[str, ...]], max_tokens: int) -> str:
 
 
 def prefix_cache_counts(url: str) -> tuple[float, float] | None:
-    """(prompt tokens queried, of them restored) so far, from a ``mirrorsd serve``'s ``/metrics``; None where the
-    server exports no such counters (llama-server, or ours with the cache off)."""
+    """(prompt tokens queried, of them restored) so far, from a ``mirrorsd serve``'s ``/metrics`` (a server with the
+    cache off counts no hits); None where the server exports no such counters or does not answer."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             text = r.read().decode()
