@@ -5,7 +5,8 @@ on earlier do not reach them), and the model's own greedy answers to a Spec-Benc
 mark which tokens the model wrote, and ``stream_accuracy_answers`` is measured on those alone, as decoding asks.
 
 Usage: ``python benchmarks/streams_transfer.py --adapters chat=FOLDER shipped=mirrorsd/data/streams/qwen2.5-coder-1.5b
-[--model qwen2.5-coder-1.5b] [--distill data/distill/qwen2.5-coder-1.5b] [--suite specbench:2] [--json OUT]``"""
+[--model qwen2.5-coder-1.5b] [--distill [LABEL=]data/distill/qwen2.5-coder-1.5b ...] [--suite specbench:2]
+[--json OUT]``"""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--adapters", nargs="+", required=True, help="LABEL=FOLDER stream adapters of the model")
-    parser.add_argument("--distill", type=Path, help="a `mirrorsd distill` folder of the model's answers")
+    parser.add_argument("--distill", nargs="+", default=[], metavar="[LABEL=]FOLDER",
+                        help="`mirrorsd distill` folders of the model's answers (or folders of links to some of "
+                             "their shards), each a set of windows")
     parser.add_argument("--shards", type=int, default=3, help="its newest shards read")
     parser.add_argument("--windows", type=int, default=24, help="distilled records read")
     parser.add_argument("--suite", default="specbench:2")
@@ -77,9 +80,10 @@ def main() -> None:
                       row["answer"].bool())
 
     sets = {}
-    if args.distill:
-        sets[f"distilled, newest {args.shards} shards"] = [
-            cached(c) for c in distilled_chunks(args.distill, args.shards, args.windows, 384)]
+    for source in args.distill:
+        label, folder = source.split("=", 1) if "=" in source else ("distilled", source)
+        sets[f"{label}, newest {args.shards} shards"] = [
+            cached(c) for c in distilled_chunks(Path(folder), args.shards, args.windows, 384)]
     sets[f"{args.suite} answers"] = [cached(c) for c in specbench_chunks(decode, args.suite, args.answer_tokens, 448)]
     out: dict = {"model": args.model, "windows": {name: len(items) for name, items in sets.items()},
                  "written_tokens": {name: int(sum(i.answer.sum() for i in items)) for name, items in sets.items()}}

@@ -12,8 +12,18 @@ import numpy as np
 import pytest
 
 import mirrorsd
-from mirrorsd.distill.engine import INDEX_FILE, PROMPTS_FILE, Settings, Shards, read_prompts, records, run, sampled
-from mirrorsd.distill.prompts import KINDS, SELF_INSTRUCT, Prompt, build, digest, leaks
+from mirrorsd.distill.engine import (
+    INDEX_FILE,
+    PROMPTS_FILE,
+    Record,
+    Settings,
+    Shards,
+    read_prompts,
+    records,
+    run,
+    sampled,
+)
+from mirrorsd.distill.prompts import KINDS, SELF_INSTRUCT, Prompt, build, chat_items, digest, extend, leaks
 from mirrorsd.specbench import load_suite
 from tests.helpers import requires_smollm2
 
@@ -24,12 +34,15 @@ def prompts() -> list[Prompt]:
 
 
 def test_at_least_20000_distinct_prompts_of_every_kind_built_alike(prompts):
-    assert len(prompts) >= 20_000 and len({p.turns for p in prompts}) == len(prompts)
+    assert len(prompts) >= 25_000 and len({p.turns for p in prompts}) == len(prompts)
     per_kind = Counter(p.kind for p in prompts)
-    assert set(per_kind) == set(KINDS) and min(per_kind.values()) >= 500, per_kind
+    assert set(per_kind) == set(KINDS) and min(per_kind.values()) >= 300, per_kind
     assert [p.id for p in prompts] == list(range(len(prompts)))
-    assert {len(p.turns) for p in prompts if p.kind in ("multi-turn", "summarize-own")} == {2}
-    assert Counter(p.kind for p in prompts[:500]).keys() == per_kind.keys()  # any prefix covers every kind
+    assert {len(p.turns) for p in prompts if p.kind in ("multi-turn", "summarize-own", "to-english")} == {2}
+    first_chat = next(i for i, p in enumerate(prompts) if p.kind in KINDS[8:])  # version 2's kinds follow 1's
+    assert {p.kind for p in prompts[first_chat:]} == set(KINDS[8:]) and first_chat == len(prompts) - len(chat_items())
+    assert Counter(p.kind for p in prompts[:500]).keys() == set(KINDS[:8])  # any prefix covers every kind
+    assert Counter(p.kind for p in prompts[first_chat:first_chat + 500]).keys() == set(KINDS[8:])
     assert digest(build()) == digest(prompts)  # deterministic: a run resumes by id
 
 
@@ -48,6 +61,20 @@ MINI = [Prompt(0, "qa", ("Name a colour.",)), Prompt(1, "multi-turn", ("Say hi."
         Prompt(2, SELF_INSTRUCT, ("Write one question about tea. Reply with the question only.",)),
         Prompt(3, "math", ("What is 2 + 3?",)), Prompt(4, "code", ("Write a Python one-liner that sums a list.",)),
         Prompt(5, "translation", ("Translate into French: The cat sleeps.",))]
+
+
+def test_a_folder_frozen_before_the_chat_kinds_gains_them_with_its_ids_and_shards_kept(tmp_path):
+    settings = Settings("smollm2-135m")
+    shards = Shards(tmp_path, settings, MINI)
+    shards.write([Record(1, 0, "multi-turn", False, [1, 2], [3])], 1.0)
+    new = chat_items()[:5]
+    assert shards.add_prompts(new) == 5 and shards.add_prompts(new) == 0  # appended once
+    again = Shards(tmp_path, settings)  # a new process reads the grown frozen set
+    assert again.prompts == extend(MINI, new) and [p.id for p in again.prompts[6:]] == [6, 7, 8, 9, 10]
+    assert again.prompts[:6] == MINI and again.done == {1}
+    kinds = {kind for kind, _ in new}
+    assert [p.id for p in again.pending(kinds)] == [p.id for p in again.prompts[6:] if p.kind in kinds]
+    assert [p.id for p in again.pending()] == [0, *range(2, 11)]
 
 
 @requires_smollm2

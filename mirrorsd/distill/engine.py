@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from ..api import LoadedModel, encode_chat, generate
 from ..batching import Batcher
 from ..execution import release_thread_team
 from ..prefix_cache import PrefixCache
-from .prompts import KINDS, SELF_INSTRUCT, VERSION, Prompt, build, digest
+from .prompts import ASKED_ANEW, KINDS, VERSION, Prompt, build, digest, extend
 
 PROMPTS_FILE, INDEX_FILE = "prompts.jsonl.gz", "index.json"
 
@@ -69,8 +69,8 @@ def sampled(item: int, share: float) -> bool:
 
 def answer(target: LoadedModel, item: Prompt, settings: Settings, prefix_cache: PrefixCache | None = None
            ) -> list[Record]:
-    """Every turn of ``item`` answered in one conversation; a self-instruct item's answer (a question) is then
-    asked in a conversation of its own. ``prefix_cache``: a later turn (and the shared chat template's start)
+    """Every turn of ``item`` answered in one conversation; the answer of an :data:`ASKED_ANEW` kind (a question)
+    is then asked in a conversation of its own. ``prefix_cache``: a later turn (and the shared chat template's start)
     is not prefilled again."""
     sample = sampled(item.id, settings.sampled_share)
     kw: dict[str, Any] = {"method": settings.method, "max_new_tokens": settings.max_new_tokens,
@@ -85,7 +85,7 @@ def answer(target: LoadedModel, item: Prompt, settings: Settings, prefix_cache: 
         records.append(Record(item.id, turn, item.kind, sample, ids, g.token_ids))
         text = g.text
         conversation.append({"role": "assistant", "content": text})
-    if item.kind == SELF_INSTRUCT and text.strip():
+    if item.kind in ASKED_ANEW and text.strip():
         ids = encode_chat(target, [{"role": "user", "content": text.strip()}])
         g = generate(target, ids, **kw)
         records.append(Record(item.id, len(item.turns), item.kind, sample, ids, g.token_ids))
@@ -104,8 +104,7 @@ class Shards:
             self.prompts = read_prompts(path)
         else:
             self.prompts = list(prompts) if prompts is not None else build()
-            write_atomic(path, gzip.compress("".join(json.dumps(asdict(p)) + "\n" for p in self.prompts).encode(),
-                                             mtime=0))
+            self.freeze()
         index = self.folder / INDEX_FILE
         if index.exists():
             recorded = json.loads(index.read_text())["settings"]
@@ -136,8 +135,23 @@ class Shards:
         self.stats["answer_tokens"] += int((ends - answers).sum())
         self.stats["sampled_records"] += int(data["sampled"].sum())
 
-    def pending(self) -> list[Prompt]:
-        return [p for p in self.prompts if p.id not in self.done]
+    def pending(self, kinds: Collection[str] | None = None) -> list[Prompt]:
+        """The items no shard holds yet, of ``kinds`` only if given."""
+        return [p for p in self.prompts if p.id not in self.done and (kinds is None or p.kind in kinds)]
+
+    def add_prompts(self, items: Sequence[tuple[str, tuple[str, ...]]]) -> int:
+        """Append the (kind, turns) the frozen set lacks, ids going on, so a folder made before a prompt kind
+        existed answers it too; returns how many were added."""
+        grown = extend(self.prompts, items)
+        added = len(grown) - len(self.prompts)
+        if added:
+            self.prompts = grown
+            self.freeze()
+        return added
+
+    def freeze(self) -> None:
+        write_atomic(self.folder / PROMPTS_FILE,
+                     gzip.compress("".join(json.dumps(asdict(p)) + "\n" for p in self.prompts).encode(), mtime=0))
 
     def write(self, records: Sequence[Record], seconds: float) -> Path:
         """One shard for ``records``, then the index."""
@@ -201,11 +215,13 @@ def records(folder: str | Path) -> Iterator[tuple[np.ndarray, int, str]]:
 
 
 def run(target: LoadedModel, shards: Shards, *, batch: int = 16, shard_items: int = 64, items: int | None = None,
-        seconds: float | None = None, progress: bool = True, prefix_cache_bytes: int = 1 << 30) -> dict[str, Any]:
-    """Answer pending items, ``batch`` at a time through one batcher, until all are done, ``items`` more are, or
-    ``seconds`` have passed; flush a shard every ``shard_items`` items. Ctrl-C stops after the items in flight.
-    ``prefix_cache_bytes``: a :class:`PrefixCache` of that size is shared by the conversations (0: none)."""
-    todo = shards.pending()[:items] if items is not None else shards.pending()
+        seconds: float | None = None, progress: bool = True, prefix_cache_bytes: int = 1 << 30,
+        kinds: Collection[str] | None = None) -> dict[str, Any]:
+    """Answer pending items (of ``kinds`` only, if given), ``batch`` at a time through one batcher, until all are
+    done, ``items`` more are, or ``seconds`` have passed; flush a shard every ``shard_items`` items. Ctrl-C stops
+    after the items in flight. ``prefix_cache_bytes``: a :class:`PrefixCache` of that size is shared by the
+    conversations (0: none)."""
+    todo = shards.pending(kinds)[:items]
     store = PrefixCache(target.model, prefix_cache_bytes) if prefix_cache_bytes else None
     work = iter(todo)
     lock, stop = threading.Lock(), threading.Event()

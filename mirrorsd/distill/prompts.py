@@ -19,9 +19,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-VERSION = 1  # bump when the prompts change: an output folder records it and refuses another
-KINDS = ("code", "qa", "translation", "math", "context", "summarize-own", "multi-turn", "self-instruct")
-SELF_INSTRUCT = "self-instruct"  # its answer (a question) becomes a new conversation's prompt
+# 2: the chat kinds (:func:`chat_items`), appended after version 1's prompts, whose ids stay as they were.
+VERSION = 2
+# A shard stores a kind as its index here: append only.
+KINDS = ("code", "qa", "translation", "math", "context", "summarize-own", "multi-turn", "self-instruct",
+         "chat", "user-voice", "trivia", "to-english")
+SELF_INSTRUCT = "self-instruct"
+ASKED_ANEW = frozenset({SELF_INSTRUCT, "user-voice", "trivia"})  # the last answer (a question) is then asked anew
 LEAK_WINDOW = 13
 
 
@@ -160,6 +164,107 @@ SELF = ("Write one question a student might ask about {t}. Reply with the questi
         "Write one practical question someone might ask an assistant about {t}. Reply with the question only.")
 
 
+# The chat kinds (version 2). Streams trained on version 1's answers gained on more of them but not on Spec-Bench's
+# (docs/speculative_streaming.md, "Why the distilled gain does not reach Spec-Bench"): those prompts are about Python
+# and templated. These are what a chat assistant's users ask: writing, role-play, advice, reasoning, in a user's own
+# voice, short facts, and translation *into* English. Built from the lists below alone, the same on every machine.
+FORMS = ("a short poem", "a limerick", "the opening paragraph of a short story", "a persuasive paragraph",
+         "a polite email to a colleague", "a product description for an online shop", "a travel blog introduction",
+         "a two-minute motivational speech", "a dialogue between two friends", "a diary entry",
+         "a letter to my future self", "five catchy headlines", "a short review, as if you had just tried it",
+         "a children's bedtime story", "a job advert", "a funny text message to a friend")
+ROLES = ("a tour guide in Rome", "a history teacher", "a chef in a busy kitchen", "a personal trainer",
+         "a detective in 1920s London", "a ship's captain in a storm", "a museum curator", "a librarian",
+         "a startup founder pitching to investors", "a park ranger", "a medieval blacksmith", "an astronaut on the "
+         "space station", "a kind grandmother", "a sports commentator", "a customer support agent", "a wizard")
+ROLE_ASKS = ("Pretend you are {r}. Introduce yourself and describe a typical day.",
+             "Act as {r}. I am a visitor who knows nothing: what should I know first?",
+             "Stay in character as {r} and tell me about the hardest moment of your career.",
+             "You are {r}. Answer in character: what do you wish people understood about your work?")
+SITUATIONS = ("I just moved to a new city and know nobody", "my roommate never cleans the kitchen",
+              "I have an exam in three days and have not started", "my manager gives me vague feedback",
+              "I want to start running but always give up after a week", "my phone distracts me while I work",
+              "I have to give a toast at my sister's wedding", "my small bakery has fewer customers this year",
+              "I keep forgetting my friends' birthdays", "I want to change careers at forty",
+              "my team disagrees about which project to do first", "I feel tired every afternoon",
+              "my neighbour plays loud music at night", "I want to save for a house", "I am nervous about flying",
+              "my teenage son spends all day gaming", "I was offered two jobs and cannot choose",
+              "I want to read more books this year", "my garden tomatoes keep dying", "I procrastinate on emails",
+              "I have to fire an employee for the first time", "my parents want me to visit more often",
+              "I would like to learn to cook healthy meals on a budget", "I want to plan a surprise party",
+              "my dog barks whenever I leave the house", "I have trouble falling asleep",
+              "I want to ask for a raise", "I made a mistake that cost my company money",
+              "my friend always cancels plans at the last minute", "I want to volunteer but have little time")
+ADVICE = ("{s}. What should I do?", "Can you help me? {s}. Give me a short plan.",
+          "{s}. What are three things I could try this week?")
+NAMES = ("Alice", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira", "Luca")
+REASONING = (
+    "{a}, {b} and {c} finished a race. {a} was not first, and {c} finished right after {b}. Who won? Explain.",
+    "{a} is older than {b}, and {c} is younger than {b}. Who is the youngest? Show your reasoning.",
+    "{a} says {b} is lying. {b} says {c} is lying. {c} says both {a} and {b} are lying. Who tells the truth?",
+    "{a} has twice as many books as {b}, and {c} has {n} fewer than {a}. Together they have {m}. How many does "
+    "each have?",
+    "If it takes {n} machines {n} minutes to make {n} widgets, how long would {m} machines take to make {m} "
+    "widgets? Explain carefully.",
+    "{a} sits to the left of {b}, and {c} sits opposite {a} at a square table with four seats. Where can the "
+    "fourth person sit? Reason step by step.",
+)
+PERSONAS = ("a busy parent", "a retired teacher", "a high-school student", "a small business owner", "a nurse on "
+            "night shifts", "a software engineer", "a tourist abroad", "a first-time novelist", "a farmer",
+            "a university professor")
+USER_VOICE = "Write a message that {p} might send to an AI assistant about {t}. Reply with the message only."
+TRIVIA = ("Write one short factual question about {t} that has a one-sentence answer. Reply with the question only.",
+          "Write one quiz question about {t} whose answer is a name, a date or a number. Reply with the question "
+          "only.")
+PLACES = ("Japan", "Brazil", "Kenya", "Norway", "Canada", "India", "Mexico", "Egypt", "Australia", "Peru",
+          "Iceland", "Vietnam", "Morocco", "Argentina", "Turkey", "Greece", "Portugal", "Indonesia", "Chile",
+          "New Zealand", "Scotland", "Poland", "Thailand", "South Korea", "Ireland", "Nigeria", "Cuba", "Finland",
+          "Switzerland", "Mongolia", "Paris", "Tokyo", "New York", "Cairo", "Istanbul", "Sydney", "Buenos Aires",
+          "Mumbai", "Venice", "Prague", "the Amazon river", "the Sahara", "the Himalayas", "the Alps", "the Nile",
+          "Antarctica", "the Pacific Ocean", "the Mediterranean Sea", "the Great Barrier Reef", "Mount Everest")
+FOREIGN = ("German", "French", "Spanish", "Italian")
+TO_ENGLISH = (("Write three sentences about {t} in {lang}.", "Translate what you wrote into English."),
+              ("Describe {t} in {lang}, in one paragraph.", "Now translate your text into natural English."),
+              ("Write a short {lang} paragraph about {t}, as a newspaper would.", "Translate it into English."))
+
+
+def chat_items(seed: int = 2) -> list[tuple[str, tuple[str, ...]]]:
+    """The chat kinds' prompts as (kind, turns), in a seeded order (any prefix covers every kind)."""
+    rng = random.Random(seed)
+    items: list[tuple[str, tuple[str, ...]]] = []
+    for t in GENERAL:
+        for form in FORMS:
+            items.append(("chat", (f"Write {form} about {t}.",)))
+        for p in PERSONAS:
+            items.append(("user-voice", (USER_VOICE.format(p=p, t=t),)))
+    for r in ROLES:
+        for ask in ROLE_ASKS:
+            items.append(("chat", (ask.format(r=r),)))
+    for s in SITUATIONS:
+        for ask in ADVICE:
+            items.append(("chat", (ask.format(s=s),)))
+    for i in range(600):
+        a, b, c = rng.sample(NAMES, 3)
+        n = rng.randint(2, 9)
+        items.append(("chat", (REASONING[i % len(REASONING)].format(a=a, b=b, c=c, n=n, m=n * rng.randint(3, 12)),)))
+    for t in (*GENERAL, *PLACES):
+        for q in TRIVIA:
+            items.append(("trivia", (q.format(t=t),)))
+    for i, t in enumerate((*GENERAL, *PLACES)):
+        for j, (first, then) in enumerate(TO_ENGLISH):
+            items.append(("to-english", (first.format(t=t, lang=FOREIGN[(i + j) % len(FOREIGN)]), then)))
+    unique = list(dict.fromkeys(items))
+    rng.shuffle(unique)
+    return unique
+
+
+def extend(prompts: Sequence[Prompt], items: Sequence[tuple[str, tuple[str, ...]]]) -> list[Prompt]:
+    """``prompts`` with the ``items`` they lack appended, ids going on: a frozen set grows without renumbering."""
+    have = {(p.kind, p.turns) for p in prompts}
+    new = [item for item in dict.fromkeys(items) if item not in have]
+    return [*prompts, *(Prompt(len(prompts) + i, kind, turns) for i, (kind, turns) in enumerate(new))]
+
+
 def stdlib_docs() -> tuple[dict[str, str], dict[str, str]]:
     """The interpreter's own standard library, read and never imported: module name → docstring, and
     ``module.name`` → docstring of its public top-level functions and classes."""
@@ -216,7 +321,8 @@ def passages(texts: Iterable[str], lo: int = 40, hi: int = 220) -> list[str]:
 
 
 def build(seed: int = 0) -> list[Prompt]:
-    """Every distillation prompt, kinds interleaved (any prefix covers all of them), ids in that order."""
+    """Every distillation prompt: version 1's eight kinds interleaved (any prefix covers all of them), ids in that
+    order, then the chat kinds (:func:`extend`)."""
     from pydoc_data.topics import topics
 
     docs, members = stdlib_docs()
@@ -262,7 +368,7 @@ def build(seed: int = 0) -> list[Prompt]:
 
     unique = list(dict.fromkeys(items))  # distinct prompts only
     rng.shuffle(unique)
-    return [Prompt(i, kind, turns) for i, (kind, turns) in enumerate(unique)]
+    return extend([Prompt(i, kind, turns) for i, (kind, turns) in enumerate(unique)], chat_items())
 
 
 def digest(prompts: Sequence[Prompt]) -> str:
