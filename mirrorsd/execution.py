@@ -360,6 +360,7 @@ def fused_layers(model: Transformer, hidden: torch.Tensor, positions: torch.Tens
     gate_up = hidden.new_empty(padded, 2 * cfg.intermediate_size)
     act = hidden.new_zeros(padded, cfg.intermediate_size)
     s = streams.count if streams is not None else 0
+    ticket = cuda_attention.tickets(n * heads, h.device)  # every layer's attention hands them back
     if cache is None:
         cache = model.new_cache(rows=rows, capacity=t)
     visible: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by cache length
@@ -389,7 +390,7 @@ def fused_layers(model: Transformer, hidden: torch.Tensor, positions: torch.Tens
         cuda_layers.rope_write(qkv, cos, sin, q, keys, values, slots, t, heads, kv_heads, w.qk_norm)
         queries = q.view(rows, t, heads, dim).transpose(1, 2)
         cuda_attention.attend(queries, keys, values, index, count,
-                              out=attn[:n].view(rows, t, heads, dim).transpose(1, 2))
+                              out=attn[:n].view(rows, t, heads, dim).transpose(1, 2), ticket=ticket)
         for slab in slabs:
             _add_product(h[slab], attn[slab], w.o)
         if w.o_bias is not None:

@@ -9,13 +9,10 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
-import openai
 import pytest
 import torch
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from mirrorsd import Transformer, generate
@@ -23,6 +20,9 @@ from mirrorsd.cuda_graphs import cuda_graphs
 from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
 from mirrorsd.loading import _is_projection
 from mirrorsd.quant import quantize_q8
+
+if TYPE_CHECKING:
+    import openai
 
 #: The repository's root (tests run from anywhere).
 REPO = Path(__file__).resolve().parents[1]
@@ -219,9 +219,14 @@ def exact_pair_distribution(model: Transformer, prompt: list[int], temperature: 
 
 
 class LiveServer:
-    """A uvicorn server on a free loopback port, in a thread (how `mirrorsd serve` runs it, minus the CLI)."""
+    """A uvicorn server on a free loopback port, in a thread (how `mirrorsd serve` runs it, minus the CLI).
+
+    The server's client packages are imported here, not at the top: a GPU machine's image runs the CUDA tests
+    through this module without them."""
 
     def __init__(self, app, shutdown_timeout: float = 10.0) -> None:
+        import uvicorn
+
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -235,9 +240,14 @@ class LiveServer:
             time.sleep(0.02)
 
     def client(self, key: str = "none") -> openai.OpenAI:
+        import openai
+
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
     def metrics(self, key: str | None = None) -> dict[tuple[str, tuple], float]:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         text = httpx.get(self.url + "/metrics", headers=headers).text
         return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 CUDA = torch.device("cuda")
 PROMPT = list(range(7, 71))
+#: Long enough that every attention split walks two key blocks (BLOCK_KEYS * SPLITS is 1,024).
+LONG_PROMPT = [7 + (i * 7919) % 30000 for i in range(1100)]
 
 
 def _pair(dtype: torch.dtype, draft_device: torch.device = CUDA):
@@ -151,13 +153,15 @@ def test_train_costs_on_cuda():
     assert costs["step_ms"] > 0 and costs["cache_ms_per_chunk"] > 0 and costs["train_tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_windows_and_trees_on_cuda_give_one_token_decodings_bits(dtype):
+def test_windows_and_trees_on_cuda_give_one_token_decodings_bits(dtype, prompt):
     """What every lossless check above rests on, at a shape where cuBLAS's 1-row and k-row products round
     differently: GEMMs and norms run in fixed-row slabs and attention through the batch-invariant Triton kernel,
-    so a verification window or tree reproduces one-token decoding bit for bit."""
+    so a verification window or tree reproduces one-token decoding bit for bit (after a long context too, where
+    each query's keys are split over programs and merged)."""
     model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, dtype, seed=3)
-    assert_windows_and_trees_decode_bit_for_bit(model, PROMPT)
+    assert_windows_and_trees_decode_bit_for_bit(model, prompt)
 
 
 def test_training_opts_out_of_fixed_shapes():
@@ -171,12 +175,13 @@ def test_training_opts_out_of_fixed_shapes():
     assert fixed_shapes(x)
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_replay_eager_windows_bit_for_bit(dtype):
+def test_cuda_graphs_replay_eager_windows_bit_for_bit(dtype, prompt):
     """Windows replayed as CUDA graphs: eager decoding's logits and cache, and every answer (see
     ``assert_graphed_windows_decode_bit_for_bit``), at the shape where 1-row and k-row products round apart."""
     model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, dtype, seed=3)
-    assert_graphed_windows_decode_bit_for_bit(model, PROMPT, model.prefix_model(1))
+    assert_graphed_windows_decode_bit_for_bit(model, prompt, model.prefix_model(1))
 
 
 def test_mirror_on_cuda_streams_with_graphs_equals_ar():

@@ -294,6 +294,39 @@ def kernels_per_layer(model: Transformer, context: int = 128) -> float | None:
     return (counts[1] - counts[0]) / (model.config.n_layers - 1)
 
 
+@torch.inference_mode()
+def kernel_times(model: Transformer, context: int = 128, rounds: int = 5, top: int = 10) -> dict[str, Any] | None:
+    """Where a one-token forward's device time goes, as ``ar`` runs it (graphs on): each kernel name's launches
+    and microseconds per forward (the ``top`` dearest), their sum, and the forward's wall time. A sum near the
+    wall time means the device is busy; far below, the host is what the forward waits for. None off CUDA."""
+    if model.device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = model.new_cache(capacity=context + 2)
+    model(torch.zeros(1, context, dtype=torch.long, device=model.device), cache=cache, last=1)
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    for _ in range(3):  # a shape is captured on its third sight
+        model(token, cache=cache)
+        cache.truncate(context)
+    synchronize(model.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(rounds):
+            model(token, cache=cache)
+            cache.truncate(context)
+        synchronize(model.device)
+        wall_ms = (time.perf_counter() - start) * 1e3 / rounds
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            kernels.setdefault(e.name[:70], []).append(e.device_time)
+    rows = sorted(((name, len(t) / rounds, sum(t) / rounds) for name, t in kernels.items()), key=lambda r: -r[2])
+    return {"wall_ms": wall_ms, "kernel_us": sum(r[2] for r in rows), "launches": sum(r[1] for r in rows),
+            "top": [{"name": n, "launches": c, "us": us} for n, c, us in rows[:top]]}
+
+
 def host_syncs_per_token(target: Transformer, prompt: list[int], tokens: int = 16, **options: Any) -> float | None:
     """Synchronising CUDA calls (PyTorch's sync debug mode) per generated token, over a whole ``generate``."""
     if target.device.type != "cuda":
@@ -342,7 +375,8 @@ def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.
     row = {"target": name, "k1_ms": target_ms, "floor_ms": floor["target"], "draft_k1_ms": draft_ms,
            "draft_floor_ms": floor["draft"], "long_context": LONG_CONTEXT, "long_k1_ms": long_ms,
            "kernels_per_layer": kernels_per_layer(target), "draft_kernels_per_layer": kernels_per_layer(draft),
-           "host_syncs_per_token": host_syncs_per_token(target, prompt)}
+           "host_syncs_per_token": host_syncs_per_token(target, prompt),
+           "kernel_times": kernel_times(target, len(prompt)), "draft_kernel_times": kernel_times(draft, len(prompt))}
     if hf is not None:
         say("  HF transformers' generate (eager, static cache + compile)…", flush=True)
         ours, secs = timed_generate(target, prompt, ar_tokens, method="ar")
@@ -508,6 +542,18 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{c['draft_k1_ms'] / c['k1_ms']:.2f} | {c['long_k1_ms']:.2f} ms at {c['long_context']} "
                 f"({c['long_k1_ms'] / c['k1_ms']:.2f}×) | {fmt(c['kernels_per_layer'], '.1f')} "
                 f"({fmt(c['draft_kernels_per_layer'], '.1f')}) | {fmt(c['host_syncs_per_token'], '.1f')} |")
+        for c in report["costs"]:
+            for who in ("kernel_times", "draft_kernel_times"):
+                k = c.get(who)
+                if not k:
+                    continue
+                model = c["target"] + ("'s 0.5B-shaped draft" if who.startswith("draft") else "")
+                lines += ["", f"### Where a one-token forward's device time goes: {model}", "",
+                          f"{k['launches']:.0f} device activities, {k['kernel_us']:.0f} µs of kernel time in a "
+                          f"{k['wall_ms'] * 1e3:.0f} µs forward (graphs on, {len(k['top'])} dearest below).", "",
+                          "| kernel | launches | µs per forward | share |", "|---|---|---|---|"]
+                lines += [f"| `{t['name']}` | {t['launches']:.0f} | {t['us']:.1f} | {t['us'] / k['kernel_us']:.0%} |"
+                          for t in k["top"]]
         peers = [c for c in report["costs"] if "peer" in c]
         if peers:
             lines += ["", "## HF transformers' `generate` on the same weights (greedy, tok/s)", "",

@@ -88,6 +88,12 @@ def test_dry_run_report(tmp_path):
         assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"target", "draft"}
     assert report["forced"][0]["sd"]["mean_accepted"] == pytest.approx(3.0, abs=0.5)  # A accepted + the correction
     assert "DRY RUN" in (tmp_path / "report.md").read_text()
+    # on CUDA each forward's kernels are listed (None on the CPU): the table renders from the report's fields
+    from mirrorsd.bench.gpu import markdown
+
+    report["costs"][0]["kernel_times"] = {"wall_ms": 2.8, "kernel_us": 2500.0, "launches": 290.0,
+                                          "top": [{"name": "attend", "launches": 28.0, "us": 400.0}]}
+    assert "| `attend` | 28 | 400.0 | 16% |" in markdown(report)
 
 
 @pytest.mark.parametrize("argv, message", [

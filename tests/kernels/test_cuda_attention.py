@@ -26,15 +26,17 @@ import torch, torch.nn.functional as F
 from mirrorsd.kernels import cuda_attention as ca
 
 torch.manual_seed(0)
-past, t = 70, 5
+past, t = PAST, 5
 q = torch.randn(1, t, 4, 16).transpose(1, 2)
 k, v = torch.randn(1, 2, past + t, 16), torch.randn(1, 2, past + t, 16)
+ticket = ca.tickets(t * 4, q.device)
 mask = torch.zeros(1, t, past + t, dtype=torch.bool)
 mask[..., :past] = True
 for i, j in [(0, 0), (1, 0), (1, 1), (2, 2), (3, 2), (3, 3), (4, 2), (4, 3), (4, 4)]:
     mask[0, i, past + j] = True
 for m in (None, mask):
-    out = ca.attend(q, k, v, *ca.visible_keys(m, t, past + t, q.device))
+    out = ca.attend(q, k, v, *ca.visible_keys(m, t, past + t, q.device), ticket=ticket)
+    assert not ticket.any()  # the merging splits gave their tickets back
     for i in range(t):
         seen = torch.arange(past + i + 1) if m is None else m[0, i].nonzero().squeeze(1)
         want = F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, seen], v[:, :, seen], enable_gqa=True)
@@ -52,9 +54,15 @@ def _interpret(code: str) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
-def test_kernel_matches_sdpa_and_one_query_calls():
-    """Windows and trees: close to SDPA over each query's visible keys, and bit-equal to that query alone."""
-    _interpret(KERNEL)
+@pytest.mark.parametrize("past", [40, 70, 1100])
+def test_kernel_matches_sdpa_and_one_query_calls(past):
+    """Windows and trees: close to SDPA over each query's visible keys, and bit-equal to that query alone. At 40
+    keys a query is one program; at 70 two splits of one block, merged by the last to finish; at 1,100 every
+    split walks one or two blocks."""
+    from mirrorsd.kernels.cuda_attention import BLOCK_KEYS, SPLITS
+
+    assert 40 + 5 <= BLOCK_KEYS < 70 < BLOCK_KEYS * SPLITS < 1100 < 2 * BLOCK_KEYS * SPLITS
+    _interpret(KERNEL.replace("PAST", str(past)))
 
 
 GRAPHED = """

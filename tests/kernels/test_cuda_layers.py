@@ -58,6 +58,18 @@ for arch, dtype, tol, config in CASES:
 print("ok")
 """
 
+LONG = FORCE_CUDA_PATH + """
+from mirrorsd import Transformer
+from tests.helpers import tiny_hf
+from tests.helpers import assert_windows_and_trees_decode_bit_for_bit
+
+force(True)
+model = Transformer.from_hf(tiny_hf("qwen2", vocab=100, layers=1, std=0.1), linear="dense")
+long = cuda_attention.BLOCK_KEYS * 2 + 10  # three splits (the kernel's own test walks two blocks a split)
+assert_windows_and_trees_decode_bit_for_bit(model, torch.randint(0, 100, (long,)).tolist())
+print("ok")
+"""
+
 METHODS = FORCE_CUDA_PATH + """
 from mirrorsd import Transformer, generate
 from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
@@ -148,6 +160,13 @@ def test_fused_layers_match_the_eager_layers_and_decode_windows_and_trees_bit_fo
     """Qwen2 (QKV biases), Qwen3 (per-head norms) and Llama with an output bias, in fp32 and bf16: logits within
     rounding of the eager layers, the same with no cache, and windows and trees bit for bit one-token decoding."""
     _interpret(ARCHS)
+
+
+@pytest.mark.slow  # ~1 min interpreted; test_cuda_attention.py checks the split kernel alone in the default suite
+def test_windows_and_trees_after_a_long_context_decode_bit_for_bit():
+    """After a context where each query's keys are split over programs and merged by the last split to finish:
+    windows and trees still decode bit for bit."""
+    _interpret(LONG)
 
 
 def test_methods_on_the_fused_path_equal_ar():
