@@ -8,9 +8,9 @@ replays a whole layer range with one call (gpt-fast's ``reduce-overhead`` idea, 
 Bit for bit the eager layers: the same kernels on the same shapes (:func:`~mirrorsd.execution.fused_layers`: GEMMs
 on 64-row slabs, Triton kernels that compute each row alone, attention that takes each query's visible keys as a
 gather list and a count). What moves from call to call moves to device tensors that the graph reads at replay: the
-hidden states, the rotary positions, the cache slots where keys and values are written, and the gather lists and
-counts (a causal window's from its slots; a tree's from its mask, gathered eagerly). A cache that grows gets new
-buffers, and so new graphs.
+hidden states (or a whole forward's token ids), the rotary positions, the cache slots where keys and values are
+written, and the gather lists and counts (a causal window's from its slots; a tree's from its mask, gathered
+eagerly). A cache that grows gets new buffers, and so new graphs.
 """
 
 from __future__ import annotations
@@ -63,13 +63,13 @@ class LayerGraph:
     then (the warm-up a capture needs), captured on the third and replayed after. The graphs of one cache share a
     memory pool: they run one after another and each output is copied out at once."""
 
-    def __init__(self, hidden: torch.Tensor, capacity: int, mask_rows: int | None, pool: tuple | None) -> None:
-        rows, t, _ = hidden.shape
-        device = hidden.device
+    def __init__(self, inputs: torch.Tensor, capacity: int, mask_rows: int | None, pool: tuple | None) -> None:
+        rows, t = inputs.shape[:2]
+        device = inputs.device
         with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
-            self.hidden = torch.zeros_like(hidden)
-            self.offsets = torch.arange(t, device=device)
+            self.inputs = torch.zeros_like(inputs)  # hidden states [rows, t, width], or a whole forward's token ids
             keys = torch.arange(capacity, dtype=torch.int32, device=device)
+            self.offsets = torch.arange(t, device=device)
             self.static = StaticStep(
                 positions=torch.zeros(rows, t, dtype=torch.long, device=device),
                 slots=torch.zeros(t, dtype=torch.long, device=device),
@@ -82,15 +82,15 @@ class LayerGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, length: int,
+    def __call__(self, inputs: torch.Tensor, positions: torch.Tensor, length: int,
                  visible: tuple[torch.Tensor, torch.Tensor] | None,
                  layers: Callable[[StaticStep], torch.Tensor]) -> torch.Tensor:
-        """The layers' output for ``hidden`` at ``positions``, written to the cache slots after ``length``;
+        """The layers' output for ``inputs`` at ``positions``, written to the cache slots after ``length``;
         ``visible``: a masked window's (index, count), else the window is causal. ``layers`` runs the layers on
-        :attr:`hidden` and the static inputs it is given: as it is on first use, after a failed capture and off CUDA
+        :attr:`inputs` and the static inputs it is given: as it is on first use, after a failed capture and off CUDA
         (where Triton's interpreter runs the tests), and once more to capture."""
         static = self.static
-        self.hidden.copy_(hidden)
+        self.inputs.copy_(inputs)
         static.positions.copy_(positions)
         torch.add(self.offsets, length, out=static.slots)
         if visible is None:
@@ -100,7 +100,7 @@ class LayerGraph:
             static.index[..., : index.shape[-1]].copy_(index)
             static.count.copy_(count)
         self.uses += 1
-        if self.graph is None and not self.failed and self.uses > 1 and self.hidden.is_cuda:
+        if self.graph is None and not self.failed and self.uses > 1 and self.inputs.is_cuda:
             self._capture(layers)
         if self.graph is None:
             return layers(static)
@@ -108,7 +108,7 @@ class LayerGraph:
         return self.out.clone()  # the next replay overwrites the static output
 
     def _capture(self, layers: Callable[[StaticStep], torch.Tensor]) -> None:
-        device = self.hidden.device
+        device = self.inputs.device
         try:
             graph = torch.cuda.CUDAGraph()
             # On the model's own device and a capture stream of that device (PyTorch's default capture stream

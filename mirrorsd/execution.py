@@ -432,15 +432,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         torch.addmm(bias, x, weight.t(), out=out)
 
 
-def replay(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-             mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
-    """Blocks ``[start, end)`` through this shape's :class:`~mirrorsd.cuda_graphs.LayerGraph` of
-    :func:`fused_layers`, where one applies: that path, at most one fixed-row slab, those layers at one cache
-    length with room for the window in each, and a mask (if any) over exactly the cache and the window. None
-    otherwise, and the first time a shape is seen (a one-off costs no static buffers): the caller runs the
-    layers without a graph."""
-    rows, t, _ = hidden.shape
-    if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fused_applies(model, hidden) \
+def _layer_graph(model: Transformer, inputs: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None,
+                 start: int, end: int, last: int | None
+                 ) -> tuple[cuda_graphs.LayerGraph, int, tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """The :class:`~mirrorsd.cuda_graphs.LayerGraph` for this window shape over blocks ``[start, end)`` (``last``:
+    a whole forward's, keeping that many rows' logits), its cache length and a masked window's visible keys;
+    None where graphs do not apply, and on a shape's first sight."""
+    rows, t = inputs.shape[:2]
+    if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fused_applies(model, inputs) \
             or cache.rows != rows:
         return None
     lengths = set(cache.lengths[start:end])
@@ -450,19 +449,55 @@ def replay(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, ca
             mask.dtype == torch.bool and mask.shape[-2:] == (t, length + t) and mask.shape[0] in (1, rows))):
         return None
     captured = cache.graphs()
-    key = (model, start, end, t, None if mask is None else mask.shape[0])  # (weights are baked into a graph)
+    key = (model, start, end, t, None if mask is None else mask.shape[0], last)  # (weights are baked into a graph)
     graph = captured.get(key)
     if graph is None:
         captured[key] = False  # seen once
         return None
     if graph is False:
         pool = next((g.pool for g in captured.values() if g), None)
-        graph = captured[key] = cuda_graphs.LayerGraph(hidden, capacity, key[-1], pool)
-    visible = None if mask is None else cuda_attention.visible_keys(mask, t, length + t, hidden.device)
+        graph = captured[key] = cuda_graphs.LayerGraph(inputs, capacity, key[-2], pool)
+    visible = None if mask is None else cuda_attention.visible_keys(mask, t, length + t, inputs.device)
+    return graph, length, visible
+
+
+def replay(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+           mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """Blocks ``[start, end)`` through this shape's :class:`~mirrorsd.cuda_graphs.LayerGraph` of
+    :func:`fused_layers`, where one applies: that path, at most one fixed-row slab, those layers at one cache
+    length with room for the window in each, and a mask (if any) over exactly the cache and the window. None
+    otherwise, and the first time a shape is seen (a one-off costs no static buffers): the caller runs the
+    layers without a graph."""
+    found = _layer_graph(model, hidden, cache, mask, start, end, None)
+    if found is None:
+        return None
+    graph, length, visible = found
 
     def layers(static: cuda_graphs.StaticStep) -> torch.Tensor:
-        return fused_layers(model, graph.hidden, static.positions, cache, None, start, end, static=static)
+        return fused_layers(model, graph.inputs, static.positions, cache, None, start, end, static=static)
 
     out = graph(hidden, positions.expand(hidden.shape[:2]), length, visible, layers)
-    cache.lengths[start:end] = [length + t] * (end - start)
+    cache.lengths[start:end] = [length + hidden.shape[1]] * (end - start)
+    return out
+
+
+def replay_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                   mask: torch.Tensor | None, last: int) -> torch.Tensor | None:
+    """A whole forward's logits (embedding, every block, final norm and LM head on the last ``last`` rows) as one
+    graph, where :func:`replay` would replay its layers and no :func:`batcher` takes the forward: the embedding's
+    and the head's kernels then run without the host issuing them one by one. None otherwise."""
+    if batcher() is not None:
+        return None
+    end = model.config.n_layers
+    found = _layer_graph(model, tokens, cache, mask, 0, end, last)
+    if found is None:
+        return None
+    graph, length, visible = found
+
+    def forward(static: cuda_graphs.StaticStep) -> torch.Tensor:
+        hidden = fused_layers(model, model.embed(graph.inputs), static.positions, cache, None, 0, end, static=static)
+        return model.logits(hidden[:, -last:])
+
+    out = graph(tokens, positions.expand(tokens.shape), length, visible, forward)
+    cache.lengths[:end] = [length + tokens.shape[1]] * end
     return out

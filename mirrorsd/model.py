@@ -37,6 +37,7 @@ from .execution import (
     head_batchable,
     ragged_blocks,
     replay,
+    replay_forward,
     run_kernels,
 )
 from .kernels import cuda_attention
@@ -335,6 +336,10 @@ class Transformer(nn.Module):
     """Decoder-only LM. Build with :meth:`from_pretrained` (local HF folder), :meth:`from_hf` (an HF model) or
     :meth:`from_state` (an HF config and a state dict)."""
 
+    #: Whether :meth:`forward` may replay a whole forward as one CUDA graph (a subclass that reshapes what
+    #: :meth:`run_layers` or :meth:`logits` return turns it off: a captured forward would not call them).
+    whole_forward_graphs = True
+
     def __init__(self, cfg: ModelConfig, weights: Weights, inv_freq: torch.Tensor, rope_scale: float = 1.0,
                  linear: str = "auto") -> None:
         super().__init__()
@@ -554,7 +559,12 @@ class Transformer(nn.Module):
             positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
         elif positions.dim() == 1:
             positions = positions.unsqueeze(0).expand_as(tokens)
-        hidden = self._run_window(tokens, positions, cache, mask, tokens.shape[1] if last is None else last)
+        keep = tokens.shape[1] if last is None else last
+        if head is None and self.whole_forward_graphs:
+            logits = replay_forward(self, tokens, positions, cache, mask, keep)
+            if logits is not None:
+                return logits
+        hidden = self._run_window(tokens, positions, cache, mask, keep)
         hidden = hidden if last is None else hidden[:, -last:]
         return self.logits(hidden, head)
 

@@ -122,9 +122,9 @@ def assert_graphed_windows_decode_bit_for_bit(model: Transformer, prompt: list[i
     """Layers through CUDA graphs' static inputs (keys and values written at device-side slots, each query's
     visible keys and count read from tensors; captured and replayed on CUDA from a shape's third sight) give the
     eager path's logits and cache bit for bit: passes split at layer 1, the first crossing the cache's capacity
-    (the layers grow one range at a time), then 3-token windows, one-token steps, a two-branch tree and a 2-token
-    split pass (Mirror-SD's rollouts and target), three times each; and ``ar``'s, ``sd``'s, ``suffix``'s
-    and ``mirror``'s answers are unchanged."""
+    (the layers grow one range at a time), then 3-token windows, one-token steps, a two-branch tree (these three
+    as whole forwards: embedding to logits) and a 2-token split pass (Mirror-SD's rollouts and target), three
+    times each; and ``ar``'s, ``sd``'s, ``suffix``'s and ``mirror``'s answers are unchanged."""
     device = model.device
     a, b = [10, 11, 12], [20, 21]
 
@@ -155,10 +155,13 @@ def assert_graphed_windows_decode_bit_for_bit(model: Transformer, prompt: list[i
 
     eager, eager_cache = decode(False)
     graphed, graphed_cache = decode(True)
-    # since the growth: one-token steps, 3-token windows, trees, and both halves of 1- and 2-token split passes
+    # since the growth: whole forwards of one-token steps, 3-token windows and trees (their layer ranges alone were
+    # seen once), and both halves of 1- and 2-token split passes
     graphs = graphed_cache.graphs()
-    assert not eager_cache.graphs() and len(graphs) == 7 and all(graphs.values())
-    assert all(g.graph is not None for g in graphs.values()) == (device.type == "cuda")
+    made = {key: g for key, g in graphs.items() if g}
+    assert not eager_cache.graphs() and len(made) == 7 and len(graphs) == 10
+    assert sorted(key[3] for key in made if key[-1] is not None) == [1, 3, 5]  # (key: ..., t, mask rows, last)
+    assert all(g.graph is not None for g in made.values()) == (device.type == "cuda")
     assert torch.equal(graphed, eager), (graphed - eager).abs().max()
     n = len(eager_cache)
     assert graphed_cache.lengths == eager_cache.lengths == [n] * model.config.n_layers

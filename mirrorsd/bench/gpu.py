@@ -107,6 +107,7 @@ class OracleDraft(Transformer):
     (base 256: exact even in bf16), so :meth:`logits` finds the row's position whichever rows a caller kept (SD's
     last row, Mirror-SD's tree rollouts) without the methods knowing about the oracle."""
 
+    whole_forward_graphs = False  # its tokens come from the two methods below, which a captured forward skips
     reference: torch.Tensor  # prompt + the target's greedy answer, on the draft's device
     prompt_len: int
     accept: int | None
