@@ -15,6 +15,7 @@ dispatches to (bound C++ blocks, CUDA-graph replay) in :mod:`mirrorsd.execution`
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -332,6 +333,11 @@ def causal_mask(past: int, t: int, device: torch.device | str = "cpu") -> torch.
     return (k <= q).unsqueeze(0)
 
 
+#: Caches kept per model for later requests (:meth:`Transformer.lease_cache`), with the graphs captured over them.
+SPARE_CACHES = 2
+_SPARE_LOCK = threading.Lock()
+
+
 class Transformer(nn.Module):
     """Decoder-only LM. Build with :meth:`from_pretrained` (local HF folder), :meth:`from_hf` (an HF model) or
     :meth:`from_state` (an HF config and a state dict)."""
@@ -470,6 +476,38 @@ class Transformer(nn.Module):
         cfg = self.config
         return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, rows=rows, capacity=capacity,
                        dtype=self.dtype, device=self.device)
+
+    @property
+    def spare_caches(self) -> list[KVCache]:
+        """Returned caches waiting for a request (on the model itself: their graphs' keys hold the model)."""
+        return self.__dict__.setdefault("_spare_caches", [])
+
+    def lease_cache(self, capacity: int) -> KVCache:
+        """A one-row cache for one request, to hand back with :meth:`return_cache`. On CUDA it is a returned cache
+        that fits, when there is one: the CUDA graphs captured over its buffers then replay from the request's first
+        step, where a new cache's shapes run eagerly twice (issued kernel by kernel) and are captured on the third.
+        New ones get a power-of-two capacity, so caches of similar requests fit each other."""
+        if self.device.type != "cuda":
+            return self.new_cache(capacity=capacity)
+        with _SPARE_LOCK:
+            spare = self.spare_caches
+            fits = [cache for cache in spare if cache.capacity >= capacity]
+            if fits:
+                cache = min(fits, key=lambda c: c.capacity)
+                spare.remove(cache)
+                cache.truncate(0)
+                return cache
+        return self.new_cache(capacity=1 << max(8, (capacity - 1).bit_length()))
+
+    def return_cache(self, cache: KVCache) -> None:
+        """Hand back a cache from :meth:`lease_cache` once its request is over (keeping the last few on CUDA)."""
+        if self.device.type != "cuda" or cache.rows != 1:
+            return
+        torch.cuda.synchronize(self.device)  # every stream's work on it is done before another request writes it
+        with _SPARE_LOCK:
+            spare = self.spare_caches
+            spare.append(cache)
+            del spare[:-SPARE_CACHES]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-import numpy as np
 import torch
 
 from .errors import OptionError
@@ -53,28 +52,53 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser: a well-mixed 64-bit hash (numpy uint64 arithmetic wraps mod 2**64)."""
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+def _int64(value: int) -> int:
+    """A 64-bit pattern as torch's int64 holds it (two's complement)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
 
 
-def keyed_uniforms(seed: int, positions: Sequence[int], size: int, noise: int = Noise.TARGET) -> torch.Tensor:
-    """Uniforms in (0, 1), ``[len(positions), size]`` float64, a pure function of their arguments."""
-    pos = np.asarray(positions, dtype=np.uint64)[:, None]
-    base = _splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _splitmix64(np.uint64(noise)))
-    with np.errstate(over="ignore"):
-        keys = _splitmix64(base ^ (pos * np.uint64(0xD1B54A32D192ED03)))
-        bits = _splitmix64(keys + np.arange(size, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15))
-    u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
-    return torch.from_numpy(u)
+_MASK64 = (1 << 64) - 1
+_GOLDEN = _int64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+_POSITION = _int64(0xD1B54A32D192ED03)
 
 
-def gumbel_noise(seed: int, positions: Sequence[int], size: int, noise: int = Noise.TARGET) -> torch.Tensor:
-    return -torch.log(-torch.log(keyed_uniforms(seed, positions, size, noise)))
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical right shift of uint64 (torch's ``>>`` on int64 is arithmetic: mask the sign's copies off)."""
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finaliser, in place on int64 tensors holding uint64 bits: a well-mixed 64-bit hash (torch's int64
+    adds and multiplies wrap mod 2**64, as uint64 arithmetic does)."""
+    x.add_(_GOLDEN)
+    x.bitwise_xor_(_shift(x, 30)).mul_(_MIX1)
+    x.bitwise_xor_(_shift(x, 27)).mul_(_MIX2)
+    return x.bitwise_xor_(_shift(x, 31))
+
+
+def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int, noise: int = Noise.TARGET,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """Uniforms in (0, 1), ``[len(positions), size]`` float64, a pure function of their arguments.
+
+    Torch ops on ``device`` (the positions' own, if a tensor; else the CPU), so a GPU draws its noise where its
+    logits are, with no host work or copy per row, and a CUDA graph can capture it (positions as a device tensor)."""
+    if isinstance(positions, torch.Tensor):
+        device = positions.device if device is None else device
+        pos = positions.to(device=device, dtype=torch.long).reshape(-1, 1)
+    else:
+        pos = torch.tensor(list(positions), dtype=torch.long, device=device).reshape(-1, 1)
+    key = torch.tensor(_int64(seed)) ^ _splitmix64(torch.tensor(_int64(noise)))
+    base = int(_splitmix64(key))  # a host scalar (a CPU tensor: no device sync)
+    keys = _splitmix64((pos * _POSITION).bitwise_xor_(base))
+    bits = _splitmix64(torch.arange(size, device=pos.device).mul_(_GOLDEN) + keys)
+    return _shift(bits, 11).double().add_(0.5).mul_(1.0 / (1 << 53))
+
+
+def gumbel_noise(seed: int, positions: Sequence[int] | torch.Tensor, size: int, noise: int = Noise.TARGET,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    return -torch.log(-torch.log(keyed_uniforms(seed, positions, size, noise, device)))
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -99,16 +123,30 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return warp(logits, params).double().softmax(-1)
 
 
-def sample(logits: torch.Tensor, positions: Sequence[int], params: SamplingParams,
+def choose(logits: torch.Tensor, positions: Sequence[int] | torch.Tensor, params: SamplingParams,
+           noise: int = Noise.TARGET) -> torch.Tensor:
+    """:func:`sample`'s tokens as a tensor on the logits' device (no host read: a caller reads many rows at once)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    gumbel = gumbel_noise(params.seed, positions, logits.shape[-1], noise, logits.device)
+    return (warp(logits, params).double() + gumbel).argmax(-1)
+
+
+def sample(logits: torch.Tensor, positions: Sequence[int] | torch.Tensor, params: SamplingParams,
            noise: int = Noise.TARGET) -> list[int]:
     """One token per row of ``[n, vocab]`` logits; row i is the token at absolute position ``positions[i]``."""
-    if params.greedy:
-        return logits.argmax(-1).tolist()
-    gumbel = gumbel_noise(params.seed, positions, logits.shape[-1], noise).to(logits.device)
-    return (warp(logits, params).double() + gumbel).argmax(-1).tolist()
+    return choose(logits, positions, params, noise).tolist()
+
+
+def rows_apart(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether :func:`choose` on many rows at once gives each row the token it gets alone, and is cheap enough that
+    drawing rows past a window's first disagreement costs less than reading them one by one: greedy (an argmax),
+    and off the CPU sampling without top-p (elementwise, a top-k threshold and an argmax per row; top-p sorts and
+    sums, whose order a kernel may choose by the row count). On the CPU, each sampled row's noise costs ~1 ms."""
+    return params.greedy or (params.top_p == 1.0 and logits.device.type != "cpu")
 
 
 def sample_from_probs(probs: torch.Tensor, positions: Sequence[int], seed: int, noise: int) -> list[int]:
     """Exact draws from explicit distributions ``[n, vocab]`` via Gumbel-max on their logs."""
-    gumbel = gumbel_noise(seed, positions, probs.shape[-1], noise).to(probs.device)
+    gumbel = gumbel_noise(seed, positions, probs.shape[-1], noise, probs.device)
     return (probs.double().log() + gumbel).argmax(-1).tolist()

@@ -16,8 +16,10 @@ import torch
 from .sampling import (
     Noise,
     SamplingParams,
+    choose,
     keyed_uniforms,
     probabilities,
+    rows_apart,
     sample,
     sample_from_probs,
 )
@@ -46,12 +48,20 @@ def verify_match(draft: Sequence[int], target_logits: torch.Tensor, positions: S
     target alone would produce with the same seed. ``positions[i]`` is the absolute position of the token
     predicted by row ``i`` of ``target_logits``.
     """
+    n = len(draft)
+    if rows_apart(target_logits, params):  # every row's own token in one op and one host read
+        return chain_verdict(draft, choose(target_logits[:n + 1], positions[:n + 1], params).tolist())
     for i, proposed in enumerate(draft):  # row by row: no noise is drawn past the first disagreement
         own = sample(target_logits[i:i + 1], positions[i:i + 1], params)[0]
         if own != proposed:
             return Verdict(i, own)
-    n = len(draft)
     return Verdict(n, sample(target_logits[n:n + 1], positions[n:n + 1], params)[0])
+
+
+def chain_verdict(draft: Sequence[int], own: Sequence[int]) -> Verdict:
+    """:func:`verify_match`'s verdict from the target's own token at every row (``len(draft) + 1`` of them)."""
+    accepted = next((i for i, proposed in enumerate(draft) if own[i] != proposed), len(draft))
+    return Verdict(accepted, own[accepted])
 
 
 def verify_rejection(draft: Sequence[int], draft_probs: torch.Tensor, target_logits: torch.Tensor,
@@ -86,11 +96,17 @@ def verify_tree(tokens: Sequence[int], parents: Sequence[int], logits: torch.Ten
     (``parents = [-1, 0, 1, ...]``) gives :func:`verify_match`'s verdict.
     """
     children: dict[int, dict[int, int]] = {}
+    depth: list[int] = []  # of each node; the root's row predicts ``position``, a node's row ``position + depth``
     for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
         children.setdefault(parent, {}).setdefault(token, node)
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    rows = len(tokens) + 1
+    every = choose(logits[:rows], [position, *(position + d for d in depth)], params, noise).tolist() \
+        if rows_apart(logits, params) else None  # every row's own token in one op and one host read
     node, path = -1, []
     while True:
-        own = sample(logits[node + 1:node + 2], [position + len(path)], params, noise)[0]
+        own = every[node + 1] if every is not None else \
+            sample(logits[node + 1:node + 2], [position + len(path)], params, noise)[0]
         child = children.get(node, {}).get(own)
         if child is None:
             return Verdict(len(path), own, tuple(path))

@@ -13,6 +13,7 @@ import torch
 from mirrorsd import generate
 from mirrorsd.bench import gpu
 from mirrorsd.bench.forward import forward_costs
+from mirrorsd.cuda_graphs import cuda_graphs
 from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
 from mirrorsd.linear import DenseLinear, make_linear
 from mirrorsd.quant import GroupQuant, quantize_q8
@@ -51,11 +52,32 @@ def test_methods_on_cuda_equal_ar(dtype, method, options):
     _assert_lossless(target, got.token_ids, want)
 
 
-def test_seeded_sampling_on_cuda_equals_ar():
+@pytest.mark.parametrize("params", [{"temperature": 0.8}, {"temperature": 0.8, "top_k": 20},
+                                    {"temperature": 0.9, "top_p": 0.8}])
+def test_seeded_sampling_on_cuda_equals_ar(params):
+    """``ar`` draws each token on the device as it runs ahead; ``sd`` draws a window's rows in one op (``top_p``:
+    row by row): the same position-keyed noise either way."""
     target, draft = _pair(torch.float32)
-    want = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.8, seed=5).token_ids
-    got = generate(target, PROMPT, method="sd", draft=draft, max_new_tokens=24, temperature=0.8, seed=5).token_ids
+    want = generate(target, PROMPT, method="ar", max_new_tokens=24, seed=5, **params).token_ids
+    got = generate(target, PROMPT, method="sd", draft=draft, max_new_tokens=24, seed=5, **params).token_ids
     _assert_lossless(target, got, want)
+
+
+def test_the_next_request_reuses_a_returned_cache_and_its_graphs():
+    target, _ = _pair(torch.bfloat16)
+    first = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0)
+    (cache,) = target.spare_caches
+    graphs = {key: graph for key, graph in cache.graphs().items() if graph}
+    assert graphs  # captured while the first request decoded
+    sampled = generate(target, PROMPT[:40], method="ar", max_new_tokens=24, temperature=0.7, seed=1)
+    assert target.spare_caches == [cache]
+    again = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0)
+    assert again.token_ids == first.token_ids
+    assert all(cache.graphs()[key] is graph for key, graph in graphs.items())  # replayed, not captured again
+    with cuda_graphs(False):
+        fresh = generate(gpu.random_model(gpu.DRY_SHAPES["qwen2.5-1.5b"], CUDA, torch.bfloat16, seed=1), PROMPT[:40],
+                         method="ar", max_new_tokens=24, temperature=0.7, seed=1)
+    assert sampled.token_ids == fresh.token_ids
 
 
 def test_ss_streams_on_cuda():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import ChainScorer, DecodeRequest, NoDraft, Roles, match
+from .engine import ChainScorer, DecodeRequest, NoDraft, Roles, RunAheadScorer, match
 from .registry import Method, MethodOptions, PlanInputs, Priced, register
 
 
@@ -15,7 +15,10 @@ class AROptions(MethodOptions):
 
 
 def build(req: DecodeRequest, opts: AROptions) -> Roles:
-    return Roles(NoDraft(), ChainScorer(req.target, whole_prompt=True), match)
+    """On CUDA the next forward is queued before the host reads a token (:class:`RunAheadScorer`); a CPU computes
+    as it is asked, so there it would only waste a forward when EOS ends a request."""
+    ahead = req.target.device.type == "cuda"
+    return Roles(NoDraft(), RunAheadScorer(req.target) if ahead else ChainScorer(req.target, whole_prompt=True), match)
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: AROptions) -> float:

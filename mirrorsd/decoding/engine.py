@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..execution import batcher
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..prefix_cache import PrefixCache
 from ..runtime.trace import Span
-from ..sampling import SamplingParams
-from ..verify import Verdict, verify_match, verify_rejection, verify_tree
+from ..sampling import SamplingParams, choose
+from ..verify import Verdict, chain_verdict, verify_match, verify_rejection, verify_tree
 
 if TYPE_CHECKING:
     from .bridge import TokenBridge
@@ -69,6 +70,7 @@ class Scores:
     logits: torch.Tensor
     draft: Proposal
     forwards: int = 1  # target forwards it took
+    own: list[int] | None = None  # a chain's own token at every row, where the scorer chose and read them already
 
 
 class MethodStats(Protocol):
@@ -306,6 +308,8 @@ def budgeted_by(budget: SpeculationBudget | None) -> Iterator[None]:
 def match(state: RequestState, scores: Scores) -> Verdict:
     """Greedy / sample-and-match on chains and trees: the target's own token at every position."""
     draft, position = scores.draft, len(state.tokens)
+    if scores.own is not None:
+        return chain_verdict(draft.tokens, scores.own)
     if draft.parents is not None:
         return verify_tree(draft.tokens, draft.parents, scores.logits, position, state.params)
     positions = list(range(position, position + len(draft.tokens) + 1))
@@ -378,6 +382,50 @@ class ChainScorer:
         state.target_cache.truncate(len(state.tokens) + verdict.accepted)
 
 
+class RunAheadScorer(ChainScorer):
+    """``ar``'s scorer where the device runs apart from the host (CUDA): the target's own token is chosen on the
+    device and fed straight into the next forward, which is queued before the host reads the token. The host's work
+    between steps (the loop's bookkeeping, the caller's detokenizing and stop checks) then overlaps that forward
+    instead of adding to it, as gpt-fast keeps its tokens on the device for.
+
+    The tokens are the ones :func:`match` picks (the same :func:`~mirrorsd.sampling.choose` on the same logits).
+    A request stopped by EOS or a stop string wastes the forward run ahead of it; between steps the target cache
+    then holds every committed token and ``next_logits`` the logits after them, as after a whole-prompt prefill."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__(model, whole_prompt=True)
+
+    def score(self, state: RequestState, draft: Proposal) -> Scores:
+        if draft.tokens or state.next_logits is None:
+            raise ValueError("RunAheadScorer scores empty drafts after a whole-prompt prefill")
+        logits, state.next_logits = state.next_logits, None
+        own = choose(logits, [len(state.tokens)], state.params)
+        read = _read_soon(own)
+        ahead = state.produced + 1 < state.request.max_new_tokens and batcher() is None
+        if ahead:
+            state.next_logits = self.model(own.view(1, 1), cache=state.target_cache)[0]
+        return Scores(logits, draft, forwards=int(ahead), own=read())
+
+    def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        """Nothing to roll back: the cache holds the committed tokens and the one run ahead on, if any."""
+
+
+def _read_soon(values: torch.Tensor) -> Callable[[], list[int]]:
+    """``values.tolist`` that waits for the device work queued before this call, not for what is queued after it."""
+    if not values.is_cuda:
+        return values.tolist
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+
+    def read() -> list[int]:
+        ready.synchronize()
+        return host.tolist()
+
+    return read
+
+
 @dataclass
 class Roles:
     """A method, as the loop runs it: its proposer, scorer and verifier, the configured window (for the
@@ -404,7 +452,7 @@ def timed(stats: GenerationStats, field_name: str) -> Iterator[None]:
 def new_state(request: DecodeRequest) -> RequestState:
     capacity = len(request.prompt_ids) + request.max_new_tokens + 2
     draft_cache = request.draft.new_cache(capacity=capacity) if request.draft is not None else None
-    return RequestState(request, list(request.prompt_ids), request.target.new_cache(capacity=capacity),
+    return RequestState(request, list(request.prompt_ids), request.target.lease_cache(capacity),
                         draft_cache, list(request.prompt_ids))
 
 
@@ -452,4 +500,5 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
     finally:
         if roles.close is not None:
             roles.close()
+        request.target.return_cache(state.target_cache)
 

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from mirrorsd import Transformer, generate
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.verify import verify_match, verify_rejection, verify_tree
-from tests.helpers import exact_pair_distribution, tiny_hf
+from tests.helpers import exact_pair_distribution, row_exact, tiny_hf
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -222,3 +222,33 @@ def test_sd_with_a_context_limited_draft_equals_ar(tiny_pair):
         want = generate(target, prompt, method="ar", **kw).token_ids
         got = generate(target, prompt, method="sd", draft=draft, gamma=4, draft_context=6, model_gate="always", **kw)
         assert got.token_ids == want and got.stats.draft_forwards > 0
+
+
+@pytest.mark.parametrize("params", [{}, {"temperature": 0.8, "seed": 3}, {"temperature": 1.0, "top_p": 0.9, "seed": 4}])
+def test_running_ahead_gives_ar_its_own_tokens(monkeypatch, params):
+    """CUDA's ``ar`` queues each next forward before the host reads a token (``RunAheadScorer``); it runs the same
+    on the CPU, forced here: the same tokens, the same forwards, and a request stopped early leaves a cache that a
+    prefix cache can keep and a later request restores from."""
+    from mirrorsd import api
+    from mirrorsd.decoding import ar
+    from mirrorsd.decoding.engine import RunAheadScorer
+    from mirrorsd.prefix_cache import PrefixCache
+
+    target = row_exact(tiny_hf(layers=2, seed=5))  # (a prefix cache keeps row-exact models' caches)
+    prompt = [5, 9, 2, 7]
+    alone = generate(target, prompt, method="ar", max_new_tokens=12, **params)
+    monkeypatch.setattr(ar, "ChainScorer", lambda model, whole_prompt: RunAheadScorer(model))
+    ahead = generate(target, prompt, method="ar", max_new_tokens=12, **params)
+    assert ahead.token_ids == alone.token_ids
+    assert ahead.stats.target_forwards == alone.stats.target_forwards == 12  # the prefill and 11 run ahead
+
+    store = PrefixCache(target)
+    steps = api.stream(target, prompt, method="ar", max_new_tokens=12, prefix_cache=store, **params).deltas()
+    for _ in range(5):  # stopped after 5 tokens (as EOS would): the forward run ahead of the 5th is wasted
+        next(steps)
+    steps.close()
+    assert len(store) == 1
+    longer = prompt + alone.token_ids[:5]
+    again = generate(target, longer, method="ar", max_new_tokens=7, prefix_cache=store, **params)
+    assert again.stats.cached_tokens == len(longer) - 1
+    assert again.token_ids == alone.token_ids[5:]
