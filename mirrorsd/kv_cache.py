@@ -92,9 +92,10 @@ class KVCache:
         """Keep only ``positions`` (in that order) in every layer: compaction after tree verification."""
         index = torch.as_tensor(positions, dtype=torch.long, device=self.keys[0].device)
         n = index.numel()
+        last = _largest(positions)
         for layer in range(self.n_layers):
-            if n and int(index.max()) >= self.lengths[layer]:
-                raise IndexError(f"position {int(index.max())} is past layer {layer}'s length {self.lengths[layer]}")
+            if n and last >= self.lengths[layer]:
+                raise IndexError(f"position {last} is past layer {layer}'s length {self.lengths[layer]}")
             # index_select copies first, so overlapping source and destination ranges are safe.
             self.keys[layer][:, :, :n] = self.keys[layer].index_select(2, index)
             self.values[layer][:, :, :n] = self.values[layer].index_select(2, index)
@@ -105,10 +106,18 @@ class KVCache:
         compaction that moves only the tail. Speculative Streaming passes leave different trees in the layers
         below and above the pruning layer, so each group is compacted with its own offsets."""
         index = torch.as_tensor(offsets, dtype=torch.long, device=self.keys[0].device) + start
+        last = start + _largest(offsets)
         for layer in layers if layers is not None else range(self.n_layers):
-            if index.numel() and int(index.max()) >= self.lengths[layer]:
-                raise IndexError(f"position {int(index.max())} is past layer {layer}'s length {self.lengths[layer]}")
+            if index.numel() and last >= self.lengths[layer]:
+                raise IndexError(f"position {last} is past layer {layer}'s length {self.lengths[layer]}")
             end = start + index.numel()
             self.keys[layer][:, :, start:end] = self.keys[layer].index_select(2, index)
             self.values[layer][:, :, start:end] = self.values[layer].index_select(2, index)
             self.lengths[layer] = end
+
+
+def _largest(positions: torch.Tensor | list[int]) -> int:
+    """The largest position, read on the host from a list (a device tensor's max would stall the host on a GPU)."""
+    if isinstance(positions, torch.Tensor):
+        return int(positions.max()) if positions.numel() else -1
+    return max(positions, default=-1)
