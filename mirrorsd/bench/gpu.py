@@ -34,6 +34,7 @@ from ..cuda_graphs import cuda_graphs
 from ..decoding.ss.adapters import StreamAdapters, StreamConfig
 from ..model import Transformer
 from ..runtime import synchronize, write_chrome_trace
+from ..sampling import keyed_uniforms
 from . import metrics
 from .forward import forward_costs
 from .runner import machine
@@ -140,6 +141,52 @@ class OracleDraft(Transformer):
         token = torch.where(miss, (token + 1) % self.config.vocab_size, token)
         logits = torch.full((*token.shape, self.config.vocab_size), -30.0, device=hidden.device)
         return logits.scatter_(-1, token.unsqueeze(-1), 30.0)
+
+
+class ExitOracle(Transformer):
+    """The target with an early exit that holds the correction at a chosen rate: random weights' exit never does,
+    so Mirror-SD never hits. Its layers and final logits run for real, so every answer is still the target's; only
+    the logits Mirror-SD's early exit reads off the lower layers' hidden states are made up. Row j's top-κ holds the
+    target's own next token (the greedy reference) with probability ``hit_rate``, at a random rank, and otherwise κ
+    other tokens (never the oracle draft's wrong guess, ``token + 1``), keyed by position: every root is rolled out
+    as with real weights."""
+
+    reference: torch.Tensor  # prompt + the target's greedy answer, on the target's device
+    hit_rate: float
+    kappa: int
+    _exit: torch.Tensor | None
+
+    @classmethod
+    def wrap(cls, target: Transformer, prompt: list[int], reference: list[int], hit_rate: float,
+             kappa: int) -> ExitOracle:
+        oracle = cls.__new__(cls)
+        oracle.__dict__.update(target.__dict__)  # shares the target's modules, buffers and config
+        oracle.reference = torch.tensor([*prompt, *reference], device=target.device)
+        oracle.hit_rate, oracle.kappa, oracle._exit, oracle._positions = hit_rate, kappa, None, None
+        return oracle
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, cache: Any = None, mask: Any = None,
+                   start: int = 0, end: int | None = None, streams: Any = None) -> torch.Tensor:
+        out = super().run_layers(hidden, positions, cache, mask, start, end, streams)
+        if start == 0 and end is not None and end < self.config.n_layers:  # the lower half: the exit reads it
+            self._exit, self._positions = out, positions.expand(out.shape[:-1])
+        return out
+
+    def logits(self, hidden: torch.Tensor, head: Any = None) -> torch.Tensor:
+        if hidden is not self._exit:
+            return super().logits(hidden, head)
+        wanted = self._positions + 1  # each row predicts the next position's token
+        token = self.reference[wanted.clamp(max=len(self.reference) - 1)]
+        u = keyed_uniforms(0, wanted.reshape(-1), 2, device=hidden.device).view(*wanted.shape, 2)
+        hit = u[..., 0] < self.hit_rate
+        rank = torch.where(hit, (u[..., 1] * self.kappa).long().clamp(max=self.kappa - 1), self.kappa)
+        vocab = self.config.vocab_size
+        # κ + 1 candidates, best first; the reference's token at ``rank`` (past the top κ on a miss)
+        slots = torch.arange(self.kappa + 1, device=hidden.device)
+        others = (token.unsqueeze(-1) + 2 + slots - (slots > rank.unsqueeze(-1)).long()) % vocab
+        ids = torch.where(slots == rank.unsqueeze(-1), token.unsqueeze(-1), others)
+        logits = torch.full((*token.shape, vocab), -30.0, device=hidden.device)
+        return logits.scatter_(-1, ids, 20.0 - slots.float().expand_as(ids))
 
 
 @dataclass
@@ -486,35 +533,45 @@ def _mirror(result: Any, trace: Path) -> dict[str, Any] | None:
     return info
 
 
+#: The exit oracle's hit rate in every forced run (the paper's 1 − fallback at κ = 8 is 0.74–0.83), its κ, and the
+#: further rates at A = 3, where Mirror-SD runs again (vanilla SD reads no exit) so the law's shape in the rate shows.
+EXIT_HIT, EXIT_KAPPA, EXIT_HITS_AT_3 = 0.75, 8, (0.5, 1.0)
+
+
 def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int], reference: list[int],
             accepts: tuple[int, ...], gamma: int, dev: torch.device, max_new: int, out: Path,
             say: Any) -> list[dict[str, Any]]:
-    """SD and Mirror-SD at forced acceptance lengths (the oracle draft's schedule), same window γ."""
+    """SD and Mirror-SD at forced acceptance lengths (the oracle draft's schedule), same window γ, Mirror-SD's
+    early exit holding the correction at forced rates (the exit oracle)."""
     backend = "cuda-streams" if dev.type == "cuda" else "serial"
+    roots = {"budget": 2} if backend == "serial" else {}  # (serial rolls out no root unless told)
     rows = []
     for accept in (*accepts, None):
         oracle = OracleDraft.wrap(draft, prompt, reference, accept)
         label = "all" if accept is None else str(accept)
         say(f"  forced acceptance {label}…", flush=True)
-        row: dict[str, Any] = {"target": name, "accept": label}
         # draft_vocab=0: a reduced-vocabulary head would read the draft's states without the oracle's logits.
         sd, sd_s = timed_generate(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
                           suffix_match=0, draft_vocab=0)
-        mirror, mirror_s = timed_generate(target, prompt, max_new, method="mirror", draft=oracle, gamma=gamma,
-                                  confidence=0.0, backend=backend, draft_vocab=0)
-        row["sd"] = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
-                     "equal_to_ar": sd.token_ids == reference}
-        info = _mirror(mirror, out / f"trace_{name}_forced_{label}.json") or {}
-        step = info.get("mean_ms", {})
-        row["mirror"] = {"tok_s": len(mirror.token_ids) / mirror_s, "backend": backend,
-                         "mean_accepted": mirror.stats.mean_accepted_length,
-                         "equal_to_ar": mirror.token_ids == reference, "step_ms": step.get("step_s"),
-                         "eq10_ms": step.get("eq10_s"), "terms_ms": step,
-                         "step_over_eq10": step["step_s"] / step["eq10_s"] if step.get("eq10_s") else None,
-                         "fallback_frequency": info.get("fallback_frequency"),
-                         "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace")}
-        row["mirror_over_sd"] = row["mirror"]["tok_s"] / row["sd"]["tok_s"]
-        rows.append(row)
+        sd_row = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
+                  "equal_to_ar": sd.token_ids == reference}
+        for hit in (EXIT_HIT, *(EXIT_HITS_AT_3 if accept == 3 else ())):
+            # exit_head / exit_vocab: the lens on the full vocabulary, the logits the exit oracle makes up
+            mirror, mirror_s = timed_generate(
+                ExitOracle.wrap(target, prompt, reference, hit, EXIT_KAPPA), prompt, max_new, method="mirror",
+                draft=oracle, gamma=gamma, kappa=EXIT_KAPPA, confidence=0.0, backend=backend, draft_vocab=0,
+                exit_head="lens", exit_vocab=0, **roots)
+            info = _mirror(mirror, out / f"trace_{name}_forced_{label}_hit{hit:g}.json") or {}
+            step = info.get("mean_ms", {})
+            mirror_row = {"tok_s": len(mirror.token_ids) / mirror_s, "backend": backend,
+                          "mean_accepted": mirror.stats.mean_accepted_length,
+                          "equal_to_ar": mirror.token_ids == reference, "step_ms": step.get("step_s"),
+                          "eq10_ms": step.get("eq10_s"), "terms_ms": step,
+                          "step_over_eq10": step["step_s"] / step["eq10_s"] if step.get("eq10_s") else None,
+                          "fallback_frequency": info.get("fallback_frequency"),
+                          "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace")}
+            rows.append({"target": name, "accept": label, "exit_hit_rate": hit, "sd": sd_row, "mirror": mirror_row,
+                         "mirror_over_sd": mirror_row["tok_s"] / sd_row["tok_s"]})
     return rows
 
 
@@ -577,14 +634,15 @@ def markdown(report: dict[str, Any]) -> str:
         divergence = json.dumps(m["divergence"]) if m["divergence"] else ""
         lines.append(f"| {m['target']} | {m['label']} | {m['tok_s']:.1f} | {m['mean_accepted']:.2f} | "
                      f"{'yes' if m['equal_to_ar'] else 'NO'} | {divergence} |")
-    lines += ["", "## Forced acceptance (oracle draft): Mirror-SD vs vanilla SD", "",
-              "| target | forced A | tokens/step SD / Mirror | SD tok/s | Mirror tok/s | Mirror/SD | step ms | "
-              "Eq. 10 ms | step/Eq. 10 | fallback | hidden draft | lossless |", "|---" * 12 + "|"]
+    lines += ["", "## Forced acceptance (oracle draft) and exit hit rate (exit oracle): Mirror-SD vs SD", "",
+              "| target | forced A | exit hit rate | tokens/step SD / Mirror | SD tok/s | Mirror tok/s | Mirror/SD | "
+              "step ms | Eq. 10 ms | step/Eq. 10 | fallback | hidden draft | lossless |", "|---" * 13 + "|"]
     for r in report["forced"]:
         m, s = r["mirror"], r["sd"]
         fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)  # noqa: E731
         lossless = "yes" if s["equal_to_ar"] and m["equal_to_ar"] else "NO"
-        lines.append(f"| {r['target']} | {r['accept']} | {s['mean_accepted']:.2f} / {m['mean_accepted']:.2f} | "
+        lines.append(f"| {r['target']} | {r['accept']} | {fmt(r.get('exit_hit_rate'))} | "
+                     f"{s['mean_accepted']:.2f} / {m['mean_accepted']:.2f} | "
                      f"{s['tok_s']:.1f} | {m['tok_s']:.1f} | {r['mirror_over_sd']:.2f}× | {fmt(m['step_ms'])} | "
                      f"{fmt(m['eq10_ms'])} | {fmt(m['step_over_eq10'])} | {fmt(m['fallback_frequency'])} | "
                      f"{fmt(m['hidden_draft_fraction'])} | {lossless} |")
@@ -604,8 +662,9 @@ def summary(report: dict[str, Any]) -> str:
            and (m["divergence"] or {}).get("verdict") != "float near-tie"]
     bad += [f"forced {r['accept']}" for r in report["forced"]
             if not (r["sd"]["equal_to_ar"] and r["mirror"]["equal_to_ar"])]
-    ratios = [r["mirror_over_sd"] for r in report["forced"]]
+    ratios = [r["mirror_over_sd"] for r in report["forced"] if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT]
     where = "dry run" if report["dry_run"] else report["device"]
     equal = "all equal to ar" if not bad else "NOT equal to ar: " + ", ".join(bad)
-    ratio = f"; Mirror/SD at forced acceptance, median {statistics.median(ratios):.2f}×" if ratios else ""
+    ratio = f"; Mirror/SD at forced acceptance and exit hit rate {EXIT_HIT}, median {statistics.median(ratios):.2f}×" \
+        if ratios else ""
     return f"{where}: {len(report['methods'])} method runs, {equal}{ratio}"

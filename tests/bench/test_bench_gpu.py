@@ -50,6 +50,21 @@ def test_oracle_draft_forces_its_acceptance_schedule(accept):
     assert mirror.stats.accepted[:-1] == [want] * (len(mirror.stats.accepted) - 1)
 
 
+@pytest.mark.parametrize("hit", [0.0, 0.5, 1.0])
+def test_exit_oracle_holds_the_correction_at_its_rate(hit):
+    """Mirror-SD's early exit on random weights never holds the correction; the exit oracle's does at ``hit``: with
+    every root rolled out, a rejected window finds its ready branch at that rate, and the answer stays the target's."""
+    target, draft = _pair()
+    prompt = list(range(5, 45))
+    reference = generate(target, prompt, method="ar", max_new_tokens=24, temperature=0.0).token_ids
+    mirror = generate(gpu.ExitOracle.wrap(target, prompt, reference, hit, 4), prompt, method="mirror",
+                      draft=gpu.OracleDraft.wrap(draft, prompt, reference, 2), gamma=5, kappa=4, roots="paper",
+                      confidence=0.0, exit_head="lens", exit_vocab=0, max_new_tokens=24, temperature=0.0)
+    assert mirror.token_ids == reference
+    fallback = mirror.stats.extra["mirror"].to_dict()["fallback_frequency"]
+    assert fallback == 1 - hit if hit in (0.0, 1.0) else 0 < fallback < 1
+
+
 def test_real_vocabulary_in_bf16_runs_every_method_and_forces_acceptance(tmp_path):
     """What the tiny dry-run shapes miss and the first H200 run hit: with Qwen's 151,936-token vocabulary the
     drafts read a shipped reduced-vocabulary head, which must run in a bf16 model's dtype, and the forced runs
@@ -80,7 +95,7 @@ def test_dry_run_report(tmp_path):
     labels = {m["label"] for m in report["methods"]}
     assert {"ar", "sd", "suffix", "mirror serial", "ss (untrained streams)"} <= labels
     assert all(m["equal_to_ar"] for m in report["methods"])
-    assert [r["accept"] for r in report["forced"]] == ["2", "all"]
+    assert [(r["accept"], r["exit_hit_rate"]) for r in report["forced"]] == [("2", gpu.EXIT_HIT), ("all", gpu.EXIT_HIT)]
     for row in report["forced"]:
         assert row["sd"]["equal_to_ar"] and row["mirror"]["equal_to_ar"]
         assert row["mirror"]["eq10_ms"] > 0 and row["mirror"]["step_ms"] > 0
