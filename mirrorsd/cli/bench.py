@@ -129,7 +129,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "CUDA it is a dry run on tiny shapes, to check the command itself.")
     bg.add_argument("--out", required=True, help="folder for report.md, report.json and the traces")
     bg.add_argument("--device", help="torch device (default: cuda if available, else a CPU dry run)")
-    bg.add_argument("--targets", default="qwen2.5-1.5b,qwen2.5-7b", help="target shapes to run")
+    bg.add_argument("--targets", default="qwen2.5-1.5b,qwen2.5-7b",
+                    help="target shapes to run; also qwen2.5-14b (~30 GB in bf16, an H100) and qwen2.5-32b (~66 GB, "
+                    "an H200), the Mirror-SD paper's sizes, not in the default run")
     bg.add_argument("--accept", default="1,3,5",
                     help="forced accepted tokens per step (each also runs with every draft token accepted)")
     bg.add_argument("--gamma", type=int, default=7, help="draft window γ of SD and Mirror-SD in the forced runs")
@@ -227,9 +229,10 @@ def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
 
 def _gpu(args: argparse.Namespace) -> int:
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
-    unknown = [t for t in targets if t not in gpu.TARGETS]
+    known = (*gpu.TARGETS, *gpu.LARGE_TARGETS)
+    unknown = [t for t in targets if t not in known]
     if not targets or unknown:
-        raise ValueError(f"--targets must name some of {', '.join(gpu.TARGETS)}, got {args.targets!r}")
+        raise ValueError(f"--targets must name some of {', '.join(known)}, got {args.targets!r}")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available here")
     accepts = _positive_ints(args.accept, "--accept")

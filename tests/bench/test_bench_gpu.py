@@ -111,6 +111,16 @@ def test_dry_run_report(tmp_path):
     assert "| `attend` | 28 | 400.0 | 16% |" in markdown(report)
 
 
+def test_the_papers_target_sizes_run_on_request(tmp_path):
+    """``--targets qwen2.5-32b`` (and 14b): the paper's sizes, outside the default run; their dry stand-ins decode
+    every method equal to ar."""
+    assert main(["bench", "gpu", "--out", str(tmp_path), "--targets", "qwen2.5-32b", "--accept", "2",
+                 "--max-new-tokens", "8", "--ks", "1", "--no-tests"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["forward_ms"]) == {"qwen2.5-32b"} and "peer" not in report["costs"][0]
+    assert all(m["equal_to_ar"] for m in report["methods"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--accept", "7"], "below --gamma"),
     (["--accept", "0"], "positive integers"),
