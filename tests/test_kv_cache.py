@@ -63,3 +63,27 @@ def test_compaction_after_tree_keeps_the_accepted_path():
         cache.keep([0, 1, 2, 5, 6])
         out = model(torch.tensor([nxt]), cache=cache)[0, -1]
     assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_leased_caches_come_back_to_the_next_request_that_fits(monkeypatch):
+    """On CUDA a request's cache (and the graphs captured over it) serves the next request that fits; the pool's
+    bookkeeping, run here with the device check and the synchronize stood in for."""
+    model = Transformer.from_hf(tiny_hf(layers=2))
+    assert model.lease_cache(90).capacity == 90 and not model.spare_caches  # a CPU keeps no caches
+    monkeypatch.setattr(Transformer, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(Transformer, "new_cache", lambda self, rows=1, capacity=256: KVCache(
+        2, 2, 4, rows=rows, capacity=capacity))
+    first = model.lease_cache(90)
+    assert first.capacity == 256  # a power of two, at least 256
+    first.append(0, kv(5, 1.0), kv(5, 1.0))
+    model.return_cache(first)
+    assert model.lease_cache(300).capacity == 512  # too small: a new one
+    again = model.lease_cache(200)
+    assert again is first and again.lengths == [0, 0]  # emptied
+    caches = [model.lease_cache(100) for _ in range(3)]
+    for cache in caches:
+        model.return_cache(cache)
+    assert model.spare_caches == caches[-2:]  # the last two are kept
+    model.return_cache(KVCache(2, 2, 4, rows=3))
+    assert len(model.spare_caches) == 2  # only one-row caches come back
