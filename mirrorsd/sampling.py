@@ -82,17 +82,20 @@ def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int
                    device: torch.device | str | None = None) -> torch.Tensor:
     """Uniforms in (0, 1), ``[len(positions), size]`` float64, a pure function of their arguments.
 
-    Torch ops on ``device`` (the positions' own, if a tensor; else the CPU), so a GPU draws its noise where its
-    logits are, with no host work or copy per row, and a CUDA graph can capture it (positions as a device tensor)."""
-    if isinstance(positions, torch.Tensor):
-        device = positions.device if device is None else device
-        pos = positions.to(device=device, dtype=torch.long).reshape(-1, 1)
-    else:
-        pos = torch.tensor(list(positions), dtype=torch.long, device=device).reshape(-1, 1)
+    Torch ops on ``device`` (default: the positions' own if a tensor, else the CPU), so a GPU draws its noise where
+    its logits are: the host hashes only each row's key, never its ``size`` ids, and copies no noise; with the
+    positions as a device tensor a CUDA graph can capture it whole."""
     key = torch.tensor(_int64(seed)) ^ _splitmix64(torch.tensor(_int64(noise)))
     base = int(_splitmix64(key))  # a host scalar (a CPU tensor: no device sync)
-    keys = _splitmix64((pos * _POSITION).bitwise_xor_(base))
-    bits = _splitmix64(torch.arange(size, device=pos.device).mul_(_GOLDEN) + keys)
+    if isinstance(positions, torch.Tensor):
+        pos = positions.to(device=positions.device if device is None else device, dtype=torch.long)
+        keys = _splitmix64((pos.reshape(-1, 1) * _POSITION).bitwise_xor_(base))
+    else:  # the row keys on the host, then one copy that does not wait for the device's queue
+        keys = _splitmix64((torch.tensor(list(positions), dtype=torch.long).reshape(-1, 1) * _POSITION) ^ base)
+        if device is not None:
+            keys = keys.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" \
+                else keys.to(device)
+    bits = _splitmix64(torch.arange(size, device=keys.device).mul_(_GOLDEN) + keys)
     return _shift(bits, 11).double().add_(0.5).mul_(1.0 / (1 << 53))
 
 

@@ -206,6 +206,19 @@ def test_cuda_graphs_replay_eager_windows_bit_for_bit(dtype, prompt):
     assert_graphed_windows_decode_bit_for_bit(model, prompt, model.prefix_model(1))
 
 
+def test_mirror_on_cuda_streams_with_overlap_graphs_equals_ar():
+    """``overlap_graphs="on"``: graphs stay on while the two threads overlap (the draft's rollouts and the target's
+    upper layers captured and replayed on their own streams). `bench gpu` runs this test alone first and measures
+    the setting only if it passes."""
+    model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, torch.bfloat16, seed=3)
+    draft = model.prefix_model(1)
+    want = generate(model, PROMPT, method="ar", max_new_tokens=48, temperature=0.0).token_ids
+    for _ in range(2):  # the second request replays what the first captured
+        got = generate(model, PROMPT, method="mirror", draft=draft, backend="cuda-streams", budget=2, exit_layer=2,
+                       overlap_graphs="on", max_new_tokens=48, temperature=0.0).token_ids
+        _assert_lossless(model, got, want)
+
+
 def test_mirror_on_cuda_streams_with_graphs_equals_ar():
     """Mirror-SD's two threads on one GPU with CUDA graphs on (the target's thread captures and replays its
     layers; both sides run eagerly while they overlap): at real-ish shapes a capture on one thread was once

@@ -443,12 +443,13 @@ def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.
     return row
 
 
-def run_cuda_tests(repo: Path) -> dict[str, Any]:
+def run_cuda_tests(repo: Path, select: str | None = None) -> dict[str, Any]:
+    """``tests/test_cuda.py`` in a child process (a CUDA error there cannot end this run); ``select``: one ``-k``."""
     tests = repo / "tests" / "test_cuda.py"
     if not tests.is_file():
         return {"ran": False, "why": f"{tests} not found (run from the repository root)"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
-                          cwd=repo, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+                           *(("-k", select) if select else ())], cwd=repo, capture_output=True, text=True)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     return {"ran": True, "returncode": proc.returncode, "summary": tail[0]}
 
@@ -474,6 +475,10 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
     if tests:
         say("CUDA-gated tests…", flush=True)
         report["cuda_tests"] = run_cuda_tests(repo or Path.cwd())
+    overlap_graphs = False
+    if not dry:  # Mirror-SD with graphs on while its sides overlap: measured only where its own test passes
+        report["overlap_graphs_test"] = run_cuda_tests(repo or Path.cwd(), "overlap_graphs")
+        overlap_graphs = report["overlap_graphs_test"].get("returncode") == 0
     report["forward_ms"], report["forward_ms_eager"], report["methods"], report["forced"], report["train"] = \
         {}, {}, [], [], {}
     report["costs"], report["copy_bytes_per_s"] = [], copy_bandwidth(dev, 1 << (20 if dry else 30))
@@ -518,7 +523,7 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
                 _mirror(res, out / f"trace_{name}_{label.replace(' ', '_')}.json"))))
             _write(out, report)
         report["forced"].extend(_forced(name, target, draft, prompt, reference, accepts, gamma, dev, max_new, out,
-                                        say))
+                                        say, overlap_graphs))
         _write(out, report)
         del target, draft
     return report
@@ -548,9 +553,10 @@ EXIT_HIT, EXIT_KAPPA, EXIT_HITS_AT_3 = 0.75, 8, (0.5, 1.0)
 
 def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int], reference: list[int],
             accepts: tuple[int, ...], gamma: int, dev: torch.device, max_new: int, out: Path,
-            say: Any) -> list[dict[str, Any]]:
+            say: Any, overlap_graphs: bool = False) -> list[dict[str, Any]]:
     """SD and Mirror-SD at forced acceptance lengths (the oracle draft's schedule), same window γ, Mirror-SD's
-    early exit holding the correction at forced rates (the exit oracle)."""
+    early exit holding the correction at forced rates (the exit oracle); ``overlap_graphs``: at A = 3 also with CUDA
+    graphs on while Mirror-SD's sides overlap."""
     backend = "cuda-streams" if dev.type == "cuda" else "serial"
     roots = {"budget": 2} if backend == "serial" else {}  # (serial rolls out no root unless told)
     rows = []
@@ -563,13 +569,17 @@ def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int
                           suffix_match=0, draft_vocab=0)
         sd_row = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
                   "equal_to_ar": sd.token_ids == reference}
-        for hit in (EXIT_HIT, *(EXIT_HITS_AT_3 if accept == 3 else ())):
+        runs = [(EXIT_HIT, "off")]
+        if accept == 3:
+            runs += [(hit, "off") for hit in EXIT_HITS_AT_3] + ([(EXIT_HIT, "on")] if overlap_graphs else [])
+        for hit, graphs in runs:
             # exit_head / exit_vocab: the lens on the full vocabulary, the logits the exit oracle makes up
             mirror, mirror_s = timed_generate(
                 ExitOracle.wrap(target, prompt, reference, hit, EXIT_KAPPA), prompt, max_new, method="mirror",
                 draft=oracle, gamma=gamma, kappa=EXIT_KAPPA, confidence=0.0, backend=backend, draft_vocab=0,
-                exit_head="lens", exit_vocab=0, **roots)
-            info = _mirror(mirror, out / f"trace_{name}_forced_{label}_hit{hit:g}.json") or {}
+                exit_head="lens", exit_vocab=0, **roots, **({"overlap_graphs": "on"} if graphs == "on" else {}))
+            suffix = "_overlap_graphs" if graphs == "on" else ""
+            info = _mirror(mirror, out / f"trace_{name}_forced_{label}_hit{hit:g}{suffix}.json") or {}
             step = info.get("mean_ms", {})
             mirror_row = {"tok_s": len(mirror.token_ids) / mirror_s, "backend": backend,
                           "mean_accepted": mirror.stats.mean_accepted_length,
@@ -578,8 +588,8 @@ def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int
                           "step_over_eq10": step["step_s"] / step["eq10_s"] if step.get("eq10_s") else None,
                           "fallback_frequency": info.get("fallback_frequency"),
                           "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace")}
-            rows.append({"target": name, "accept": label, "exit_hit_rate": hit, "sd": sd_row, "mirror": mirror_row,
-                         "mirror_over_sd": mirror_row["tok_s"] / sd_row["tok_s"]})
+            rows.append({"target": name, "accept": label, "exit_hit_rate": hit, "overlap_graphs": graphs,
+                         "sd": sd_row, "mirror": mirror_row, "mirror_over_sd": mirror_row["tok_s"] / sd_row["tok_s"]})
     return rows
 
 
@@ -643,13 +653,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {m['target']} | {m['label']} | {m['tok_s']:.1f} | {m['mean_accepted']:.2f} | "
                      f"{'yes' if m['equal_to_ar'] else 'NO'} | {divergence} |")
     lines += ["", "## Forced acceptance (oracle draft) and exit hit rate (exit oracle): Mirror-SD vs SD", "",
-              "| target | forced A | exit hit rate | tokens/step SD / Mirror | SD tok/s | Mirror tok/s | Mirror/SD | "
-              "step ms | Eq. 10 ms | step/Eq. 10 | fallback | hidden draft | lossless |", "|---" * 13 + "|"]
+              "| target | forced A | exit hit rate | graphs while overlapping | tokens/step SD / Mirror | SD tok/s | "
+              "Mirror tok/s | Mirror/SD | step ms | Eq. 10 ms | step/Eq. 10 | fallback | hidden draft | lossless |",
+              "|---" * 14 + "|"]
     for r in report["forced"]:
         m, s = r["mirror"], r["sd"]
         fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)  # noqa: E731
         lossless = "yes" if s["equal_to_ar"] and m["equal_to_ar"] else "NO"
         lines.append(f"| {r['target']} | {r['accept']} | {fmt(r.get('exit_hit_rate'))} | "
+                     f"{r.get('overlap_graphs', 'off')} | "
                      f"{s['mean_accepted']:.2f} / {m['mean_accepted']:.2f} | "
                      f"{s['tok_s']:.1f} | {m['tok_s']:.1f} | {r['mirror_over_sd']:.2f}× | {fmt(m['step_ms'])} | "
                      f"{fmt(m['eq10_ms'])} | {fmt(m['step_over_eq10'])} | {fmt(m['fallback_frequency'])} | "
@@ -670,7 +682,8 @@ def summary(report: dict[str, Any]) -> str:
            and (m["divergence"] or {}).get("verdict") != "float near-tie"]
     bad += [f"forced {r['accept']}" for r in report["forced"]
             if not (r["sd"]["equal_to_ar"] and r["mirror"]["equal_to_ar"])]
-    ratios = [r["mirror_over_sd"] for r in report["forced"] if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT]
+    ratios = [r["mirror_over_sd"] for r in report["forced"]
+              if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT and r.get("overlap_graphs", "off") == "off"]
     where = "dry run" if report["dry_run"] else report["device"]
     equal = "all equal to ar" if not bad else "NOT equal to ar: " + ", ".join(bad)
     ratio = f"; Mirror/SD at forced acceptance and exit hit rate {EXIT_HIT}, median {statistics.median(ratios):.2f}×" \

@@ -26,7 +26,7 @@ import torch
 
 from ..draft_vocab import default_size, draft_table_kind, subset_head
 from ..model import Transformer
-from ..sampling import Noise, SamplingParams, probabilities, sample
+from ..sampling import Noise, SamplingParams, choose, probabilities, sample
 from .registry import at_least, option
 from .ss.passes import DEFER_STREAMS
 
@@ -128,6 +128,11 @@ class DraftSampler:
     def draw(self, logits: torch.Tensor, positions: list[int]) -> list[int]:
         """Token ids drawn from each row (row i at ``positions[i]``: the noise is keyed by position)."""
         return self.tokens_of(sample(logits, positions, self.params, self.noise))
+
+    def choose(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """:meth:`draw`'s token ids as a tensor where the logits are (nothing read on the host yet)."""
+        drawn = choose(logits, positions, self.params, self.noise)
+        return self.subset.ids[drawn] if self.subset_columns else drawn
 
     def doubtful(self, top: float) -> bool:
         return top < self.confidence

@@ -65,6 +65,8 @@ class ModelProposer:
         window = min(self.gamma, state.room) if window is None else window
         model, sampler, cache = self.model, self.sampler, state.draft_cache
         position = len(state.tokens)  # of the first drafted token
+        if not (sampler.need_probs or sampler.runner_ups):
+            return self._chain(state, window)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         alternatives: list[list[int]] = []
@@ -87,6 +89,21 @@ class ModelProposer:
                 break
         self.last = Proposal(tokens, probs=torch.stack(q_rows) if q_rows else None, forwards=forwards, fed=fed,
                           alternatives=alternatives if sampler.runner_ups else None)
+        return self.last
+
+    def _chain(self, state: RequestState, window: int) -> Proposal:
+        """:meth:`propose` where no step reads its logits on the host (no confidence rule, no distributions, no
+        runner-ups): each drawn token feeds the next forward where it was drawn, and the window is read once at its
+        end. On a GPU the draft's forwards then queue back to back instead of each waiting for the host."""
+        model, position = self.model, len(state.tokens)
+        feed = self.first_feed(state) if window else []
+        ids = draft_tokens(model, feed)
+        drawn: list[torch.Tensor] = []
+        for i in range(window):
+            logits = model(ids, cache=state.draft_cache, last=1, head=self.sampler.head)[0]
+            drawn.append(self.sampler.choose(logits, [position + i]))
+            ids = drawn[-1].view(1, 1)
+        self.last = Proposal(torch.cat(drawn).tolist() if drawn else [], forwards=window, fed=len(feed))
         return self.last
 
     def first_feed(self, state: RequestState) -> list[int]:

@@ -73,8 +73,9 @@ class WorkerExecutor(Executor):
     """One draft worker thread (``threads``, ``cuda-streams``, ``devices``)."""
 
     def __init__(self, name: str, draft_device: torch.device, draft_threads: int | None,
-                 target_threads: int | None) -> None:
+                 target_threads: int | None, graphs: bool = False) -> None:
         self.name = name
+        self.graphs = graphs  # CUDA graphs stay on while the two sides overlap (Mirror-SD's overlap_graphs)
         self.total_threads = torch.get_num_threads()
         self.target_threads = target_threads
         self.stream = torch.cuda.Stream(draft_device) if name == "cuda-streams" else None
@@ -89,10 +90,11 @@ class WorkerExecutor(Executor):
     def submit(self, job: Callable[[], T]) -> Future[T]:
         def run() -> T:
             # Grad and inference modes are thread-local: the worker must enter them itself.
-            # The worker's layers run eagerly, as the target's do while they overlap (overlapping()): on an H200
-            # a CUDA-graph capture on one thread was invalidated by the other's work (cuda-streams), and neither
-            # the per-device capture streams nor the capture lock made since has run on a GPU yet.
-            with torch.inference_mode(), cuda_graphs(False), \
+            # Unless ``graphs``, the worker's layers run eagerly, as the target's do while they overlap
+            # (overlapping()): on an H200 a CUDA-graph capture on one thread was invalidated by the other's work
+            # (cuda-streams), and neither the per-device capture streams nor the capture lock made since has run on
+            # a GPU yet.
+            with torch.inference_mode(), self._eager(), \
                     (torch.cuda.stream(self.stream) if self.stream else nullcontext()):
                 out = job()
                 if self.stream is not None:
@@ -103,9 +105,13 @@ class WorkerExecutor(Executor):
 
     @contextmanager
     def overlapping(self) -> Iterator[None]:
-        with cuda_graphs(False), ThreadCount(self.target_threads, self.total_threads) if self.target_threads \
+        with self._eager(), ThreadCount(self.target_threads, self.total_threads) if self.target_threads \
                 else nullcontext():
             yield
+
+    def _eager(self) -> AbstractContextManager:
+        """Graphs off while the sides overlap, unless ``graphs`` (then as the caller has them)."""
+        return nullcontext() if self.graphs else cuda_graphs(False)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -62,6 +62,11 @@ class MirrorOptions(MethodOptions):
                           "reference), threads (CPU core split), cuda-streams (one GPU), devices (--draft-device), "
                           "processes (the draft in its own process, a torch.distributed token channel)",
                           choices=BACKENDS)
+    overlap_graphs: str = option("off", "with --backend cuda-streams or devices: on keeps CUDA graphs on while the "
+                                 "draft's rollouts overlap the target's upper layers; off (until a GPU has validated "
+                                 "it) runs both sides eagerly there: a capture on one thread was once invalidated by "
+                                 "the other's work, and captures now run one at a time, thread-locally, on the "
+                                 "model's own capture stream", choices=("off", "on"))
     channel_timeout: float = option(60.0, "with --backend processes: seconds to wait for the draft process before "
                                     "going on without it", check=(lambda v: v > 0, "must be > 0"))
     threads: tuple[int, int] | None = option(None, "with --backend threads: TARGET,DRAFT intra-op threads while "
@@ -94,6 +99,8 @@ class MirrorOptions(MethodOptions):
             raise OptionError("budget", "takes a number of roots with roots='budget'")
         if self.draft_vocab and self.draft_streams is not None:
             raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams")
+        if self.overlap_graphs == "on" and self.backend not in ("cuda-streams", "devices"):
+            raise OptionError("overlap_graphs", "applies to backend='cuda-streams' or 'devices'")
         if self.threads is not None and self.backend not in ("threads", "devices", "processes"):
             raise OptionError("threads", "applies to backend='threads' (or 'devices', 'processes')")
         if self.candidates == "draft" and self.draft_streams is not None:
