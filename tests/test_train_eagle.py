@@ -35,7 +35,7 @@ def _drafted(head: EagleHead, target: Transformer, features: torch.Tensor, ids: 
         attended = F.scaled_dot_product_attention(q, torch.cat(keys, 1), torch.cat(values, 1), enable_gqa=True)
         return head.finish(x, attended)[0]
 
-    fused = head.fc3(features.float())
+    fused = head.fc3(features.to(head.fc3.weight.dtype))
     for t in range(start):
         row(int(ids[t + 1]), fused[t], t)
     states, feature = [], fused[start]
@@ -56,10 +56,14 @@ def test_the_unroll_is_what_drafting_computes():
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # off the identity-like start, so every path matters
+        # In float64: the two orders of the same sums then agree to ~1e-14, where float32's reorderings reached 2e-4
+        # on an AVX-512 host (the batched and the one-row attention accumulate differently).
+        head.double()
         states = unroll(head, target, item["features"], ids, 3)
         for start in (0, 5, 19):
             for j, want in enumerate(_drafted(head, target, item["features"], ids, start, 3)):
-                torch.testing.assert_close(states[j][start], want, rtol=1e-4, atol=1e-4)
+                assert states[j].dtype == want.dtype == torch.float64
+                torch.testing.assert_close(states[j][start], want, rtol=0, atol=1e-9)
 
 
 def test_rope_rotates_pairs_of_halves():
