@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import lru_cache
 
 import torch
 
@@ -78,6 +79,12 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(_shift(x, 31))
 
 
+@lru_cache(maxsize=256)
+def _seed_base(seed: int, noise: int) -> int:
+    """The stream key of (seed, noise) as a host int: hashed once, not on every draw of a decode loop."""
+    return int(_splitmix64(torch.tensor(_int64(seed)) ^ _splitmix64(torch.tensor(_int64(noise)))))
+
+
 def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int, noise: int = Noise.TARGET,
                    device: torch.device | str | None = None) -> torch.Tensor:
     """Uniforms in (0, 1), ``[len(positions), size]`` float64, a pure function of their arguments.
@@ -85,8 +92,7 @@ def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int
     Torch ops on ``device`` (default: the positions' own if a tensor, else the CPU), so a GPU draws its noise where
     its logits are: the host hashes only each row's key, never its ``size`` ids, and copies no noise; with the
     positions as a device tensor a CUDA graph can capture it whole."""
-    key = torch.tensor(_int64(seed)) ^ _splitmix64(torch.tensor(_int64(noise)))
-    base = int(_splitmix64(key))  # a host scalar (a CPU tensor: no device sync)
+    base = _seed_base(seed, noise)
     if isinstance(positions, torch.Tensor):
         pos = positions.to(device=positions.device if device is None else device, dtype=torch.long)
         keys = _splitmix64((pos.reshape(-1, 1) * _POSITION).bitwise_xor_(base))
