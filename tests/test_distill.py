@@ -23,7 +23,17 @@ from mirrorsd.distill.engine import (
     run,
     sampled,
 )
-from mirrorsd.distill.prompts import KINDS, SELF_INSTRUCT, Prompt, build, chat_items, digest, extend, leaks
+from mirrorsd.distill.prompts import (
+    KINDS,
+    SELF_INSTRUCT,
+    Prompt,
+    build,
+    chat_items,
+    digest,
+    extend,
+    leaks,
+    more_chat_items,
+)
 from mirrorsd.specbench import load_suite
 from tests.helpers import requires_smollm2
 
@@ -40,9 +50,15 @@ def test_at_least_20000_distinct_prompts_of_every_kind_built_alike(prompts):
     assert [p.id for p in prompts] == list(range(len(prompts)))
     assert {len(p.turns) for p in prompts if p.kind in ("multi-turn", "summarize-own", "to-english")} == {2}
     first_chat = next(i for i, p in enumerate(prompts) if p.kind in KINDS[8:])  # version 2's kinds follow 1's
-    assert {p.kind for p in prompts[first_chat:]} == set(KINDS[8:]) and first_chat == len(prompts) - len(chat_items())
+    second, third = chat_items(), more_chat_items()
+    assert {p.kind for p in prompts[first_chat:]} == set(KINDS[8:])
+    assert first_chat == len(prompts) - len(second) - len(third)
+    # Version 3's wave follows version 2's, so a folder frozen at version 2 that gains it has the same ids.
+    assert prompts == extend(extend(prompts[:first_chat], second), third)
+    assert [(p.kind, p.turns) for p in prompts[-len(third):]] == third and not set(second) & set(third)
     assert Counter(p.kind for p in prompts[:500]).keys() == set(KINDS[:8])  # any prefix covers every kind
-    assert Counter(p.kind for p in prompts[first_chat:first_chat + 500]).keys() == set(KINDS[8:])
+    for start in (first_chat, len(prompts) - len(third)):
+        assert Counter(p.kind for p in prompts[start:start + 500]).keys() == set(KINDS[8:])
     assert digest(build()) == digest(prompts)  # deterministic: a run resumes by id
 
 

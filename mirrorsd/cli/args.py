@@ -22,7 +22,7 @@ COMMANDS = {
     "train-draft": "distil a draft toward its target: low-rank deltas on its top layers, on the target's answers",
     "train-eagle": "train an EAGLE-3-style draft head (one layer over the target's own features) on its answers",
     "train-exit": "fit a tuned early exit (Mirror-SD's --exit-head tuned) on offline text, in closed form",
-    "distill": "a model's own answers to ~26k prompts of our own making, batched, in resumable token shards",
+    "distill": "a model's own answers to ~30k prompts of our own making, batched, in resumable token shards",
     "bench": "Spec-Bench runner with peers in the same run; sweeps; costs",
     "plan": "measure this machine and recommend a configuration",
     "methods": "the decoding methods and their options",

@@ -11,7 +11,7 @@ import mirrorsd
 from mirrorsd.decoding import methods
 from mirrorsd.distill.engine import Settings, Shards
 from mirrorsd.distill.engine import run as run_engine
-from mirrorsd.distill.prompts import KINDS, chat_items
+from mirrorsd.distill.prompts import CHAT_WAVES, KINDS
 
 from .args import COMMANDS, add_model
 from .common import HelpFormatter, warn_if_busy
@@ -66,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"data/distill/{args.model}")
     settings = Settings(args.model, args.method, args.max_new_tokens, args.sampled_share, args.temperature)
     shards = Shards(out, settings)
-    if added := shards.add_prompts(chat_items()):  # a folder frozen before the chat kinds existed
-        print(f"{out}: {added} chat-kind prompts appended to its frozen set (ids from {len(shards.prompts) - added})")
+    for wave in CHAT_WAVES:  # a folder frozen before a wave of chat-kind prompts existed gains it, ids going on
+        if added := shards.add_prompts(wave()):
+            print(f"{out}: {added} chat-kind prompts appended to its frozen set (ids from "
+                  f"{len(shards.prompts) - added})")
     target = mirrorsd.load_model(args.model)
     # Stop as Ctrl-C does on SIGTERM too, and on SIGINT where a shell started the run in the background (which
     # leaves SIGINT ignored): the answers in flight finish and are written.

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # 2: the chat kinds (:func:`chat_items`), appended after version 1's prompts, whose ids stay as they were.
-VERSION = 2
+# 3: more of the chat kinds (:func:`more_chat_items`), appended after version 2's.
+VERSION = 3
 # A shard stores a kind as its index here: append only.
 KINDS = ("code", "qa", "translation", "math", "context", "summarize-own", "multi-turn", "self-instruct",
          "chat", "user-voice", "trivia", "to-english")
@@ -228,21 +229,28 @@ TO_ENGLISH = (("Write three sentences about {t} in {lang}.", "Translate what you
               ("Write a short {lang} paragraph about {t}, as a newspaper would.", "Translate it into English."))
 
 
+def _writing(forms: Sequence[str], personas: Sequence[str], roles: Sequence[str],
+             situations: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """A chat wave's writing, user-voice, role-play and advice prompts, in build order."""
+    items: list[tuple[str, tuple[str, ...]]] = []
+    for t in GENERAL:
+        for form in forms:
+            items.append(("chat", (f"Write {form} about {t}.",)))
+        for p in personas:
+            items.append(("user-voice", (USER_VOICE.format(p=p, t=t),)))
+    for r in roles:
+        for ask in ROLE_ASKS:
+            items.append(("chat", (ask.format(r=r),)))
+    for s in situations:
+        for ask in ADVICE:
+            items.append(("chat", (ask.format(s=s),)))
+    return items
+
+
 def chat_items(seed: int = 2) -> list[tuple[str, tuple[str, ...]]]:
     """The chat kinds' prompts as (kind, turns), in a seeded order (any prefix covers every kind)."""
     rng = random.Random(seed)
-    items: list[tuple[str, tuple[str, ...]]] = []
-    for t in GENERAL:
-        for form in FORMS:
-            items.append(("chat", (f"Write {form} about {t}.",)))
-        for p in PERSONAS:
-            items.append(("user-voice", (USER_VOICE.format(p=p, t=t),)))
-    for r in ROLES:
-        for ask in ROLE_ASKS:
-            items.append(("chat", (ask.format(r=r),)))
-    for s in SITUATIONS:
-        for ask in ADVICE:
-            items.append(("chat", (ask.format(s=s),)))
+    items = _writing(FORMS, PERSONAS, ROLES, SITUATIONS)
     for i in range(600):
         a, b, c = rng.sample(NAMES, 3)
         n = rng.randint(2, 9)
@@ -256,6 +264,52 @@ def chat_items(seed: int = 2) -> list[tuple[str, tuple[str, ...]]]:
     unique = list(dict.fromkeys(items))
     rng.shuffle(unique)
     return unique
+
+
+# Version 3: the chat kinds were the only answers whose gain reached Spec-Bench, and version 2's were nearly all
+# answered. New forms, personas, roles, situations and questions over the same subjects.
+FORMS_MORE = ("a short speech for a school assembly", "a blog post outline with headings", "a short news report",
+              "a thank-you note", "a short scene for a play", "a riddle and its answer",
+              "a FAQ with four questions and answers", "a thread of five short social media posts",
+              "a thirty-second radio advertisement", "a short fable with a moral", "a formal complaint letter",
+              "a podcast episode description", "a short essay with an introduction and a conclusion",
+              "a packing list with a sentence on each item")
+PERSONAS_MORE = ("a worried grandparent", "a college athlete", "a city council member", "a recent immigrant",
+                 "a graduate student", "a freelance designer")
+ROLES_MORE = ("a lighthouse keeper", "a hotel concierge", "a veterinarian", "a street musician", "a pilot",
+              "a gardener at a royal palace", "a news anchor", "a mountain guide", "a bookshop owner",
+              "a pastry chef", "a train conductor", "a marine biologist")
+SITUATIONS_MORE = ("my coworker takes credit for my ideas", "I want to learn to play the guitar as an adult",
+                   "my apartment is always cluttered", "I am moving abroad for a year",
+                   "I need to write my first grant proposal", "my kids argue every morning before school",
+                   "I spend too much money on takeaway food", "I want to run a half marathon in six months",
+                   "I have to present to the board next week", "my best friend and I had a big argument",
+                   "I cannot decide which laptop to buy", "I want to start a vegetable garden on my balcony",
+                   "my new puppy chews everything", "I am hosting a dinner for ten people",
+                   "I want to become better at remembering names")
+TRIVIA_MORE = ("Write one question about {t} that a curious child might ask. Reply with the question only.",
+               "Write one question about {t} that takes a short explanation to answer. Reply with the question "
+               "only.")
+TO_ENGLISH_MORE = (("Write a short dialogue in {lang} between two people talking about {t}.",
+                    "Translate the dialogue into English."),
+                   ("Write four sentences in {lang} that a guidebook might say about {t}.",
+                    "Give an English translation."))
+
+
+def more_chat_items(seed: int = 3) -> list[tuple[str, tuple[str, ...]]]:
+    """Version 3's chat-kind prompts as (kind, turns), in a seeded order (any prefix covers every kind)."""
+    items = _writing(FORMS_MORE, PERSONAS_MORE, ROLES_MORE, SITUATIONS_MORE)
+    for i, t in enumerate((*GENERAL, *PLACES)):
+        for q in TRIVIA_MORE:
+            items.append(("trivia", (q.format(t=t),)))
+        for j, (first, then) in enumerate(TO_ENGLISH_MORE):
+            items.append(("to-english", (first.format(t=t, lang=FOREIGN[(i + j + 1) % len(FOREIGN)]), then)))
+    unique = list(dict.fromkeys(items))
+    random.Random(seed).shuffle(unique)
+    return unique
+
+
+CHAT_WAVES = (chat_items, more_chat_items)  # appended after version 1 in this order: a folder grows wave by wave
 
 
 def extend(prompts: Sequence[Prompt], items: Sequence[tuple[str, tuple[str, ...]]]) -> list[Prompt]:
@@ -368,7 +422,10 @@ def build(seed: int = 0) -> list[Prompt]:
 
     unique = list(dict.fromkeys(items))  # distinct prompts only
     rng.shuffle(unique)
-    return extend([Prompt(i, kind, turns) for i, (kind, turns) in enumerate(unique)], chat_items())
+    prompts = [Prompt(i, kind, turns) for i, (kind, turns) in enumerate(unique)]
+    for wave in CHAT_WAVES:
+        prompts = extend(prompts, wave())
+    return prompts
 
 
 def digest(prompts: Sequence[Prompt]) -> str:
