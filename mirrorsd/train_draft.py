@@ -9,8 +9,13 @@ blocks forward and backward through dense copies, and a restricted-vocabulary he
 
 The labels come from the target's own ``mirrorsd train-streams`` state cache when one was built over the same
 windows (same data, ``--seq-len``, ``--seed``, ``--chunks`` and ``--held-out``: the ids are checked), else from
-the target itself. The result is a :mod:`mirrorsd.tuned_drafts` folder: ``--draft FOLDER`` loads the base draft
-with the deltas merged.
+the target itself. With ``soft_top`` k > 0 the cache also keeps the target's k likeliest tokens and their
+log-probabilities, and the loss is the cross-entropy against the target's distribution over those k tokens plus one
+bucket for the rest (:func:`soft_loss`). Argmax labels teach the draft to put all its mass on one token, so its
+top probability overstates how often the target agrees, and the confidence rule drafts too far on it
+(docs/distill.md); a distribution target keeps the draft's confidence the target's.
+
+The result is a :mod:`mirrorsd.tuned_drafts` folder: ``--draft FOLDER`` loads the base draft with the deltas merged.
 
 ``spd_tracks`` > 1 trains the draft in the sharded form Mirror-SD runs it in (``--draft-tp G --draft-syncs spd``):
 G tracks that re-align only at the segments' ends (:func:`~mirrorsd.runtime.tensor_parallel.run_tracks`). A draft
@@ -49,7 +54,9 @@ from .training import (
 )
 from .tuned_drafts import TUNED_PROJECTIONS, TuneConfig
 
-Labeller = Callable[[Path, list[Chunk]], list[torch.Tensor]]  # (shard path, its chunks) -> the target's labels
+Labeller = Callable[[Path, list[Chunk]], list[dict[str, torch.Tensor]]]
+"""(shard path, its chunks) -> per chunk the target's ``labels`` [T] and, with a top-k, ``top_ids`` / ``top_logp``
+[T, k]."""
 
 
 @dataclass
@@ -60,14 +67,18 @@ class DraftItem:
     labels: torch.Tensor  # [T] the target's greedy token after each position (teacher-forced)
     loss_from: int
     answer: torch.Tensor  # [T] bool: the token was written by the target (all true where the data does not say)
+    top_ids: torch.Tensor | None = None  # [T, k] the target's k likeliest next tokens (caches built with soft_top)
+    top_logp: torch.Tensor | None = None  # [T, k] their log-probabilities
 
 
 class DraftCache(ShardCache[DraftItem]):
     names = ("hidden", "labels", "loss_from", "answer")
+    optional = ("top_ids", "top_logp")
 
     def __getitem__(self, index: int) -> DraftItem:  # type: ignore[override]
         row = self.row(index)
-        return DraftItem(row["hidden"], row["labels"].long(), int(row["loss_from"]), row["answer"].bool())
+        top = (row["top_ids"].long(), row["top_logp"].float()) if "top_ids" in row else (None, None)
+        return DraftItem(row["hidden"], row["labels"].long(), int(row["loss_from"]), row["answer"].bool(), *top)
 
 
 class DraftLoRA(nn.Module):
@@ -126,41 +137,70 @@ class DraftLoRA(nn.Module):
 # -- the cache ------------------------------------------------------------------------------------------------
 
 
-def target_labels(target: Transformer) -> Labeller:
-    """Labels computed by ``target`` (the weights decoding runs, so they are the tokens it verifies with)."""
+def _top(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """The ``k`` likeliest tokens of ``logits`` [T, V] and their log-probabilities, as the cache stores them."""
+    logp, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
+    return {"top_ids": ids.to(torch.int32).cpu(), "top_logp": logp.to(torch.float16).cpu()}
+
+
+def target_labels(target: Transformer, top_k: int = 0) -> Labeller:
+    """Labels computed by ``target`` (the weights decoding runs, so they are the tokens it verifies with), and with
+    ``top_k`` its ``top_k`` likeliest tokens."""
 
     @torch.no_grad()
     @batch_invariance(False)
-    def labels(_: Path, chunks: list[Chunk]) -> list[torch.Tensor]:
+    def labels(_: Path, chunks: list[Chunk]) -> list[dict[str, torch.Tensor]]:
         out = []
         for chunk in chunks:
             ids = chunk.ids[None].to(target.device)
             hidden = target.run_layers(target.embed(ids), torch.arange(ids.shape[1], device=target.device)[None],
                                        target.new_cache(capacity=ids.shape[1]))
-            out.append(target.logits(hidden[0]).argmax(-1).to(torch.int32).cpu())
+            logits = target.logits(hidden[0])
+            out.append({"labels": logits.argmax(-1).to(torch.int32).cpu()} | (_top(logits, top_k) if top_k else {}))
         return out
 
     return labels
 
 
-def cached_labels(folder: Path) -> Labeller:
+def cached_labels(folder: Path, target: Transformer | None = None, top_k: int = 0) -> Labeller:
     """Labels read from the target's ``train-streams`` state cache in ``folder`` (or another draft cache: the same
-    ``ids`` and ``labels``): its shard of the same name holds the same windows (checked token by token)."""
+    ``ids`` and ``labels``): its shard of the same name holds the same windows (checked token by token).
+
+    ``top_k``: the target's likeliest tokens too, read from a draft cache that holds at least that many, or from a
+    ``train-streams`` cache by running ``target``'s layers above the cached ones (its top N_s of N: a seventh of a
+    forward on the 1.5B)."""
     from safetensors import safe_open
 
-    def labels(path: Path, chunks: list[Chunk]) -> list[torch.Tensor]:
+    @torch.no_grad()
+    @batch_invariance(False)
+    def labels(path: Path, chunks: list[Chunk]) -> list[dict[str, torch.Tensor]]:
         source = folder / path.name
         if not source.exists():
             raise FileNotFoundError(f"the target's state cache {folder} has no {path.name}: build it over the same "
                                     "windows (same --data, --seq-len, --chunks, --held-out, --seed) or omit "
                                     "--target-cache")
         with safe_open(str(source), framework="pt") as f:
-            ids, got = f.get_tensor("ids"), f.get_tensor("labels")
-        ours = torch.stack([c.ids for c in chunks]).to(ids.dtype)
-        if ids.shape != ours.shape or not torch.equal(ids, ours):
-            raise ValueError(f"{source} holds other windows than this run's: build the draft's cache with the "
-                             "target cache's --data, --seq-len, --chunks, --held-out and --seed")
-        return list(got.to(torch.int32))
+            ids, got, names = f.get_tensor("ids"), f.get_tensor("labels"), set(f.keys())
+            ours = torch.stack([c.ids for c in chunks]).to(ids.dtype)
+            if ids.shape != ours.shape or not torch.equal(ids, ours):
+                raise ValueError(f"{source} holds other windows than this run's: build the draft's cache with the "
+                                 "target cache's --data, --seq-len, --chunks, --held-out and --seed")
+            out = [{"labels": row.to(torch.int32)} for row in got]
+            if not top_k:
+                return out
+            if "top_ids" in names and f.get_slice("top_ids").get_shape()[-1] >= top_k:
+                top_ids, top_logp = f.get_tensor("top_ids")[..., :top_k], f.get_tensor("top_logp")[..., :top_k]
+                return [row | {"top_ids": i, "top_logp": p} for row, i, p in zip(out, top_ids, top_logp, strict=True)]
+            if "keys" not in names or target is None:
+                raise ValueError(f"{folder} holds no top-{top_k} of the target: give the target's train-streams "
+                                 "cache (and the target) or a draft cache built with at least that --soft-top")
+            hidden = f.get_tensor("hidden")  # layer N - N_s states, N_s = the layers whose keys it keeps
+            first = target.config.n_layers - f.get_slice("keys").get_shape()[1]
+        positions = torch.arange(hidden.shape[1], device=target.device)[None]
+        for row, states in zip(out, hidden, strict=True):
+            top = target.run_layers(states[None].to(target.device, target.dtype), positions, None, None, first)
+            row |= _top(target.logits(top[0]), top_k)
+        return out
 
     return labels
 
@@ -184,11 +224,10 @@ def cache_draft(draft: Transformer, first: int, labels: Labeller, train_chunks: 
     """The draft's layer ``first`` states and the target's labels per chunk, by :func:`write_shards`."""
 
     def rows(path: Path, chunks: list[Chunk]) -> Iterator[dict[str, torch.Tensor]]:
-        for chunk, label in zip(chunks, labels(path, chunks), strict=True):
+        for chunk, teacher in zip(chunks, labels(path, chunks), strict=True):
             answer = chunk.answer if chunk.answer is not None else torch.ones(len(chunk.ids), dtype=torch.bool)
-            yield {"hidden": draft_states(draft, first, chunk, spd_tracks), "labels": label.to(torch.int32),
-                   "ids": chunk.ids.to(torch.int32), "loss_from": torch.tensor(chunk.loss_from),
-                   "answer": answer.to(torch.uint8)}
+            yield teacher | {"hidden": draft_states(draft, first, chunk, spd_tracks), "ids": chunk.ids.to(torch.int32),
+                             "loss_from": torch.tensor(chunk.loss_from), "answer": answer.to(torch.uint8)}
 
     write_shards(folder, train_chunks, held_out, rows, desc="caching draft states", progress=progress)
 
@@ -221,20 +260,48 @@ def top_forward(model: Transformer, first: int, item: DraftItem, spd_tracks: int
     return model.run_layers(hidden, positions, None, None, first, None)[0]
 
 
+def soft_loss(logits: torch.Tensor, top: torch.Tensor, top_logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the draft's ``logits`` [T, V] against the target's distribution over its top-k tokens
+    ``top`` [T, k] (indices into V; < 0 where outside it) and one bucket for the rest of the vocabulary, at the
+    ``keep`` [T] positions. The buckets partition V, so the loss is least exactly where the draft's bucketed
+    distribution is the target's; mass of top tokens outside V joins the rest bucket."""
+    logits, top, p = logits[keep], top[keep], top_logp[keep].float().exp()
+    inside = top >= 0
+    p = torch.where(inside, p, 0.0)
+    index = top.clamp(min=0)
+    taken = torch.zeros_like(logits).scatter_add(1, index, inside.to(logits.dtype)) > 0
+    picked = logits.gather(1, index).masked_fill(~inside, float("-inf"))
+    rest = torch.logsumexp(logits.masked_fill(taken, float("-inf")), -1, keepdim=True)
+    student = torch.log_softmax(torch.cat([picked, rest], 1), -1)
+    teacher = torch.cat([p, (1 - p.sum(1, keepdim=True)).clamp(min=0)], 1)
+    return -torch.where(teacher > 0, teacher * student, 0.0).sum(1).mean()
+
+
 @torch.no_grad()
-def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache, spd_tracks: int = 1) -> dict[str, float]:
+def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache, spd_tracks: int = 1,
+             confidence: float = 0.6) -> dict[str, float]:
     """Held-out top-1 agreement with the target's token (full vocabulary) at the positions whose next token the
-    target wrote (``agreement``: what drafting meets) and at all of them (``agreement_all``)."""
+    target wrote (``agreement``: what drafting meets) and at all of them (``agreement_all``); and at the written
+    positions the draft is sure of under the confidence rule (top probability ≥ ``confidence``), their share
+    (``sure``) and agreement there (``sure_agreement``): the confidence rule drafts on while the draft is sure, so a
+    draft whose sure agreement falls drafts tokens the target rejects."""
     hits = {True: 0, False: 0}
     count = {True: 0, False: 0}
+    sure = sure_hits = 0
     for item in held_out:
-        predicted = model.logits(top_forward(model, lora.first_layer, item, spd_tracks)).argmax(-1)
+        probs = torch.softmax(model.logits(top_forward(model, lora.first_layer, item, spd_tracks)).float(), -1)
+        top, predicted = probs.max(-1)
         for answers_only in (True, False):
             labels = _valid(item, answers_only)
             hits[answers_only] += int(((predicted == labels) & (labels >= 0)).sum())
             count[answers_only] += int((labels >= 0).sum())
+        written = _valid(item, True)
+        confident = (top >= confidence) & (written >= 0)
+        sure += int(confident.sum())
+        sure_hits += int((confident & (predicted == written)).sum())
     return {"agreement": round(hits[True] / max(1, count[True]), 4),
-            "agreement_all": round(hits[False] / max(1, count[False]), 4)}
+            "agreement_all": round(hits[False] / max(1, count[False]), 4),
+            "sure": round(sure / max(1, count[True]), 4), "sure_agreement": round(sure_hits / max(1, sure), 4)}
 
 
 def train(model: Transformer, draft: Transformer, target: Transformer | None, tokenizer, data: list[str], out: Path,
@@ -242,7 +309,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
           target_cache: Path | None = None, layers: int = 8, rank: int = 16, steps: int = 200,
           chunks: int | None = None, seq_len: int = 256, lr: float = 3e-4, held_out: int = 16, vocab: int = 32768,
           eval_every: int = 50, save_every: int = 25, seed: int = 0, answers_only: bool = False,
-          spd_tracks: int = 1, recipe: dict | None = None, progress: bool = True) -> dict:
+          spd_tracks: int = 1, soft_top: int = 0, recipe: dict | None = None, progress: bool = True) -> dict:
     """Train (or resume) a tuned draft and save it in ``out``; returns a summary with the learning curve.
 
     ``model``: dense, autograd-capable copy of the draft (its top blocks get the adapters); ``draft``: the draft
@@ -251,7 +318,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     ``answers_only``: the loss covers only positions whose next token the target wrote (where the data marks them:
     ``distill:`` folders), else every position. ``spd_tracks`` > 1: trained, cached and evaluated in the spd form
     over that many tracks (the cache then comes from ``model``, dense as the sharded draft runs); the tuned layers
-    must start at a segment bound.
+    must start at a segment bound. ``soft_top`` k > 0: the loss is :func:`soft_loss` against the target's k likeliest
+    tokens (cached with the labels), else cross-entropy on its argmax.
     """
     torch.manual_seed(seed)
     model.requires_grad_(False)
@@ -269,13 +337,16 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
             "n_layers": cfg.n_layers, "hidden_size": cfg.hidden_size}
     if spd_tracks > 1:
         meta["spd_tracks"] = spd_tracks
+    if soft_top:
+        meta["top_k"] = soft_top
     shards, complete = open_cache(cache, meta, data, n_train)
     if not complete:
         if target_cache is None and target is None:
             raise ValueError("labels need the target model or its state cache")
         all_chunks = make_chunks(tokenizer, corpus_texts(data, model_name, tokenizer), seq_len, n_train + held_out,
                                  seed)
-        labels = cached_labels(target_cache) if target_cache is not None else target_labels(target)
+        labels = (cached_labels(target_cache, target, soft_top) if target_cache is not None
+                  else target_labels(target, soft_top))
         cache_draft(model if spd_tracks > 1 else draft, first, labels, all_chunks[held_out:], all_chunks[:held_out],
                     cache, spd_tracks=spd_tracks, progress=progress)
     train_items, eval_items = DraftCache(shards, model.device), DraftCache([cache / HELD_OUT], model.device)
@@ -285,7 +356,11 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
         labels = head.labels(_valid(item, answers_only))
         if not (trained := int((labels >= 0).sum())):  # a window of prompt text only has nothing to learn from
             return None, 0, {}
-        loss = F.cross_entropy(head.logits(top_forward(model, first, item, spd_tracks)), labels, ignore_index=-100)
+        logits = head.logits(top_forward(model, first, item, spd_tracks))
+        if soft_top:
+            loss = soft_loss(logits, head.labels(item.top_ids), item.top_logp, labels >= 0)
+        else:
+            loss = F.cross_entropy(logits, labels, ignore_index=-100)
         return loss, trained, {"ce": f"{loss.item():.3f}"}
 
     fitted = fit(out, Trainable(list(lora.trainable()), lora.state, lora.load_state, "lora"), train_items, step,
@@ -296,8 +371,11 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     summary = {"held_out_agreement_before": curve[0]["agreement"], "held_out_agreement_after": curve[-1]["agreement"],
                "held_out_agreement_all_before": curve[0]["agreement_all"],
                "held_out_agreement_all_after": curve[-1]["agreement_all"],
-               "labels": f"{target_name}'s greedy tokens (teacher-forced)"
+               "labels": (f"{target_name}'s distribution over its top {soft_top} tokens and the rest" if soft_top
+                          else f"{target_name}'s greedy tokens") + " (teacher-forced)"
                + (", at positions whose next token it wrote" if answers_only else ", at every position"),
+               **{f"held_out_{name}_{when}": curve[at][name] for name in ("sure", "sure_agreement")
+                  for when, at in (("before", 0), ("after", -1))},
                "train_vocab": vocab or cfg.vocab_size,
                "train_seconds_this_run": fitted.seconds, "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),

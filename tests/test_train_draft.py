@@ -14,7 +14,7 @@ from mirrorsd import tuned_drafts as td
 from mirrorsd.loading import _is_projection
 from mirrorsd.quant import quantize_groups, quantize_q8
 from mirrorsd.runtime.tensor_parallel import run_tracks
-from mirrorsd.train_draft import DraftCache, DraftLoRA, cached_labels, target_labels, train
+from mirrorsd.train_draft import DraftCache, DraftLoRA, cached_labels, soft_loss, target_labels, train
 from mirrorsd.train_streams import cache_states
 from mirrorsd.training import HELD_OUT, Chunk, shard_paths
 from tests.helpers import requires_smollm2, tiny_hf
@@ -114,17 +114,60 @@ def test_labels_are_the_targets_tokens_from_it_or_its_state_cache(tmp_path):
     target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
     gen = torch.Generator().manual_seed(1)
     chunks = [Chunk(torch.randint(0, 64, (12,), generator=gen), 1) for _ in range(3)]
-    computed = target_labels(target)(tmp_path / HELD_OUT, chunks)
+    computed = target_labels(target, top_k=5)(tmp_path / HELD_OUT, chunks)
     with torch.no_grad():
-        assert computed[1].tolist() == target(chunks[1].ids[None])[0].argmax(-1).tolist()
+        logits = target(chunks[1].ids[None])[0]
+    assert computed[1]["labels"].tolist() == logits.argmax(-1).tolist()
+    logp, ids = torch.log_softmax(logits, -1).topk(5, -1)
+    assert torch.equal(computed[1]["top_ids"], ids.int())
+    assert torch.allclose(computed[1]["top_logp"].float(), logp, atol=1e-2)  # stored in fp16
     cache_states(target, 2, [], chunks, tmp_path, progress=False)  # the target's train-streams cache
     read = cached_labels(tmp_path)(tmp_path / HELD_OUT, chunks)
-    assert all(torch.equal(a, b) for a, b in zip(read, computed, strict=True))
+    assert all(torch.equal(a["labels"], b["labels"]) and a.keys() == {"labels"}
+               for a, b in zip(read, computed, strict=True))
+    # The top-k from a streams cache: the target's layers above the cached ones, over the cached (bf16) states.
+    with pytest.raises(ValueError, match="no top-5"):
+        cached_labels(tmp_path, None, 5)(tmp_path / HELD_OUT, chunks)
+    topped = cached_labels(tmp_path, target, 5)(tmp_path / HELD_OUT, chunks)
+    for a, b in zip(topped, computed, strict=True):
+        assert torch.equal(a["labels"], b["labels"])
+        assert (a["top_ids"] == b["top_ids"]).float().mean() > 0.9
+        assert torch.allclose(a["top_logp"].float(), b["top_logp"].float(), atol=0.1)
     other = [Chunk(c.ids.flip(0), 1) for c in chunks]
     with pytest.raises(ValueError, match="other windows"):
         cached_labels(tmp_path)(tmp_path / HELD_OUT, other)
     with pytest.raises(FileNotFoundError, match="no shard-00000"):
         cached_labels(tmp_path)(tmp_path / "shard-00000.safetensors", chunks)
+
+
+def test_the_soft_loss_is_least_at_the_targets_bucketed_distribution():
+    """The top-k buckets and the rest partition the vocabulary: at the target's own logits the gradient vanishes,
+    anywhere else the loss is higher, and a top token outside the training vocabulary counts in the rest."""
+    gen = torch.Generator().manual_seed(0)
+    teacher = torch.randn(6, 20, generator=gen) * 3
+    logp, top = torch.log_softmax(teacher, -1).topk(4, -1)
+    keep = torch.tensor([True, True, False, True, True, True])
+    at = teacher.clone().requires_grad_()
+    least = soft_loss(at, top, logp, keep)
+    least.backward()
+    assert at.grad.abs().max() < 1e-5
+    for seed in range(3):
+        other = teacher + torch.randn(6, 20, generator=torch.Generator().manual_seed(seed + 1))
+        assert soft_loss(other, top, logp, keep) > least
+    # Its value is the bucketed cross-entropy, written out.
+    p = logp.exp()
+    rest = 1 - p.sum(1)
+    q = torch.softmax(teacher, -1)
+    want = -(p * q.gather(1, top).log()).sum(1) - rest * (1 - q.gather(1, top).sum(1)).log()
+    assert torch.allclose(least, want[keep].mean(), atol=1e-5)
+    # Token outside the vocabulary subset (index < 0): its probability joins the rest bucket.
+    outside = top.clone()
+    outside[:, 1] = -100
+    p2 = torch.where(outside >= 0, p, 0.0)
+    inside = outside.clamp(min=0)
+    q_in = torch.where(outside >= 0, q.gather(1, inside), 0.0)
+    want = -(p2 * q_in.clamp(min=1e-30).log()).sum(1) - (1 - p2.sum(1)) * (1 - q_in.sum(1)).log()
+    assert torch.allclose(soft_loss(teacher, outside, logp, keep), want[keep].mean(), atol=1e-5)
 
 
 def test_training_raises_agreement_with_the_target_and_resumes(tmp_path):
@@ -157,6 +200,25 @@ def test_training_raises_agreement_with_the_target_and_resumes(tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         train(tower(), draft, target, _tokenizer, [str(text)], tmp_path / "out2",
               steps=10, **(common | {"seq_len": 16}))
+
+
+def test_training_on_the_targets_top_k_caches_it_and_raises_agreement(tmp_path):
+    """--soft-top: the cache keeps the target's top-k, the loss is the bucketed distribution's, and the curve says
+    how sure the draft is and how often it is right when sure."""
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    draft_hf = tiny_hf(layers=3, seed=2)
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(65 + (i * 7) % 29) for i in range(2400)))
+    summary = train(Transformer.from_hf(draft_hf, linear="dense"), Transformer.from_hf(draft_hf), target, _tokenizer,
+                    [str(text)], tmp_path / "out", model_name="draft", target_name="target", decode_format="fp32",
+                    layers=2, rank=8, chunks=24, seq_len=32, lr=1e-2, held_out=2, vocab=0, eval_every=60,
+                    steps=60, soft_top=4, progress=False)
+    assert summary["held_out_agreement_after"] > summary["held_out_agreement_before"] + 0.1
+    assert "top 4 tokens" in summary["labels"]
+    assert all(0 <= point["sure"] <= 1 and 0 <= point["sure_agreement"] <= 1 for point in summary["curve"])
+    item = DraftCache(shard_paths(tmp_path / "out" / "cache", 24, 32), "cpu")[0]
+    assert item.top_ids.shape == (32, 4) and item.top_logp.shape == (32, 4)
+    assert torch.equal(item.top_ids[:, 0], item.labels)  # the likeliest is the argmax label
 
 
 def test_training_in_the_spd_form_caches_trains_and_saves_that_form(tmp_path):

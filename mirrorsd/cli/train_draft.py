@@ -46,6 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="all: every position (measured better at 253k tokens: prompts act as more data); answers: "
                         "only positions whose next token the target wrote, where the data marks them (distill: "
                         "folders), the only ones drafting proposes")
+    t.add_argument("--soft-top", type=int, default=0, metavar="K",
+                   help="K > 0: learn the target's distribution over its K likeliest tokens and one bucket for the "
+                        "rest (cached with the labels; from a train-streams --target-cache by running the target's "
+                        "layers above it) instead of its argmax alone, so the draft's confidence stays the "
+                        "target's. 0: cross-entropy on the argmax")
     t.add_argument("--spd-tracks", type=int, default=1, metavar="G",
                    help="train the draft in the sharded form Mirror-SD runs it in with --draft-tp G --draft-syncs "
                         "spd: G tracks of heads and MLP slices that re-align only at the ends of its two segments "
@@ -57,9 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.spd_tracks < 1:
         raise ValueError(f"--spd-tracks must be >= 1, got {args.spd_tracks}")
+    if args.soft_top < 0:
+        raise ValueError(f"--soft-top must be >= 0, got {args.soft_top}")
     warn_if_busy("train-draft")
     draft = mirrorsd.load_model(args.model, device=args.device)  # the draft decoding will run (q4 on CPU)
-    target = None if args.target_cache else mirrorsd.load_model(args.target, device=args.device).model
+    need_target = not args.target_cache or args.soft_top  # a streams cache holds argmax labels only
+    target = mirrorsd.load_model(args.target, device=args.device).model if need_target else None
     tower = mirrorsd.load_model(args.model, device=args.device, dtype=training_dtype(args.dtype, args.device),
                                 weights="fp32", linear="dense", progress=False)
     layers = args.layers
@@ -74,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                     target_cache=Path(args.target_cache) if args.target_cache else None, layers=layers,
                     rank=args.rank, steps=args.steps, chunks=args.chunks, seq_len=args.seq_len, lr=args.lr,
                     held_out=args.held_out, vocab=args.vocab, eval_every=args.eval_every, seed=args.seed,
-                    answers_only=args.loss_on == "answers", spd_tracks=args.spd_tracks, recipe=recipe)
+                    answers_only=args.loss_on == "answers", spd_tracks=args.spd_tracks, soft_top=args.soft_top,
+                    recipe=recipe)
     print(json.dumps({k: v for k, v in summary.items() if k != "curve"}, indent=2))
     return 0
