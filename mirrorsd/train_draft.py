@@ -235,7 +235,7 @@ def cache_draft(draft: Transformer, first: int, labels: Labeller, train_chunks: 
 # -- training -------------------------------------------------------------------------------------------------
 
 
-def _valid(item: DraftItem, answers_only: bool) -> torch.Tensor:
+def loss_labels(item: DraftItem, answers_only: bool) -> torch.Tensor:
     """Labels with -100 where position t's next token is not a training target: before the first completion
     token, and (``answers_only``) where the target read the next token rather than wrote it: drafting only ever
     proposes written ones (on distilled data the untuned 0.5B agrees with the 1.5B on .84 of answer positions,
@@ -292,10 +292,10 @@ def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache, spd_trac
         probs = torch.softmax(model.logits(top_forward(model, lora.first_layer, item, spd_tracks)).float(), -1)
         top, predicted = probs.max(-1)
         for answers_only in (True, False):
-            labels = _valid(item, answers_only)
+            labels = loss_labels(item, answers_only)
             hits[answers_only] += int(((predicted == labels) & (labels >= 0)).sum())
             count[answers_only] += int((labels >= 0).sum())
-        written = _valid(item, True)
+        written = loss_labels(item, True)
         confident = (top >= confidence) & (written >= 0)
         sure += int(confident.sum())
         sure_hits += int((confident & (predicted == written)).sum())
@@ -353,7 +353,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
     def step(item: DraftItem) -> tuple[torch.Tensor | None, int, dict[str, str]]:
-        labels = head.labels(_valid(item, answers_only))
+        labels = head.labels(loss_labels(item, answers_only))
         if not (trained := int((labels >= 0).sum())):  # a window of prompt text only has nothing to learn from
             return None, 0, {}
         logits = head.logits(top_forward(model, first, item, spd_tracks))

@@ -26,3 +26,14 @@ def test_batching_sweep_configs_carry_method_options():
     namespace = runpy.run_path(str(SCRIPTS[0].parent / "batching.py"), run_name="benchmark_import_check")
     assert namespace["parse_config"]("ss:fixed:tree_k=1") == ("ss", "fixed", {"tree_k": "1"})
     assert namespace["parse_config"]("ar:fixed") == ("ar", "fixed", {})
+
+
+def test_draft_calibration_walks_sd_steps_under_the_confidence_rule():
+    namespace = runpy.run_path(str(SCRIPTS[0].parent / "draft_calibration.py"), run_name="benchmark_import_check")
+    # A prompt position, then four answer positions: sure, sure, unsure, wrong.
+    window = ([0.1, 0.9, 0.9, 0.5, 0.9], [False, True, True, True, False], [False, True, True, True, True])
+    # At 0.6 the third answer token ends the window (drafted, accepted): 3 accepted + the target's token.
+    assert namespace["trajectories"]([window], 0.6) == {"mat": 4.0, "drafted": 3.0, "accepted_per_drafted": 1.0}
+    # At 0.4 the draft goes on and also drafts the wrong fourth token.
+    assert namespace["trajectories"]([window], 0.4) == {"mat": 4.0, "drafted": 4.0, "accepted_per_drafted": 0.75}
+    assert namespace["calibration"]([window], 0.6) == {"sure": 0.75, "sure_agreement": 0.6667}

@@ -305,7 +305,7 @@ def test_a_tuned_smollm2_draft_keeps_sd_equal_to_ar_on_real_weights(smollm2, tmp
 
 def test_distilled_documents_mark_the_answers_and_the_loss_covers_only_them():
     from mirrorsd.distill.engine import records
-    from mirrorsd.train_draft import DraftItem, _valid
+    from mirrorsd.train_draft import DraftItem, loss_labels
     from mirrorsd.training import DISTILL_RECORDS, distill_documents, make_chunks
     from tests.helpers import REPO
 
@@ -332,5 +332,5 @@ def test_distilled_documents_mark_the_answers_and_the_loss_covers_only_them():
     # Position t is trained on when token t + 1 was written by the target.
     answer = torch.tensor([False, False, True, True, False, True])
     item = DraftItem(torch.zeros(6, 4), torch.arange(10, 16), 1, answer)
-    assert _valid(item, True).tolist() == [-100, 11, 12, -100, 14, 15]
-    assert _valid(item, False).tolist() == [10, 11, 12, 13, 14, 15]
+    assert loss_labels(item, True).tolist() == [-100, 11, 12, -100, 14, 15]
+    assert loss_labels(item, False).tolist() == [10, 11, 12, 13, 14, 15]
