@@ -17,20 +17,11 @@ from safetensors.torch import load_file
 
 import mirrorsd
 from mirrorsd import tuned_drafts as td
-from mirrorsd.train_draft import DraftCache, DraftLoRA, loss_labels, top_forward
+from mirrorsd.train_draft import DraftCache, DraftLoRA, calibration, loss_labels, top_forward
 from mirrorsd.training import HELD_OUT
 
 THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 GAMMA = 20
-
-
-def calibration(sequences: list[tuple[list[float], list[bool], list[bool]]], confidence: float) -> dict[str, float]:
-    """At the answer positions: the share where the draft is sure (top probability >= ``confidence``), and its
-    agreement with the target there (as :func:`mirrorsd.train_draft.evaluate`)."""
-    sure = [r for top, right, written in sequences for t, r, w in zip(top, right, written, strict=True)
-            if w and t >= confidence]
-    answers = sum(sum(written) for _, _, written in sequences)
-    return {"sure": round(len(sure) / answers, 4), "sure_agreement": round(sum(sure) / max(1, len(sure)), 4)}
 
 
 def trajectories(sequences: list[tuple[list[float], list[bool], list[bool]]], confidence: float) -> dict[str, float]:
@@ -83,9 +74,9 @@ def main() -> None:
                 top, predicted = torch.softmax(tower.logits(top_forward(tower, first, item)).float(), -1).max(-1)
                 labels = loss_labels(item, True)
                 sequences.append((top.tolist(), (predicted == labels).tolist(), (labels >= 0).tolist()))
-        right = [r for _, rights, written in sequences for r, w in zip(rights, written, strict=True) if w]
-        results[name] = {"agreement": round(sum(right) / len(right), 4)} | {
-            str(c): calibration(sequences, c) | trajectories(sequences, c) for c in THRESHOLDS}
+        top, right, written = (torch.tensor([x for seq in sequences for x in seq[i]]) for i in range(3))
+        results[name] = {"agreement": round(int(right[written].sum()) / int(written.sum()), 4)} | {
+            str(c): calibration(top, right, written, c) | trajectories(sequences, c) for c in THRESHOLDS}
         print(name, json.dumps(results[name]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -277,17 +277,27 @@ def soft_loss(logits: torch.Tensor, top: torch.Tensor, top_logp: torch.Tensor, k
     return -torch.where(teacher > 0, teacher * student, 0.0).sum(1).mean()
 
 
+def calibration(top: torch.Tensor, right: torch.Tensor, written: torch.Tensor, confidence: float
+                ) -> dict[str, float]:
+    """At the written positions (``written``), the share the draft is sure of under the confidence rule (top
+    probability ``top`` ≥ ``confidence``: ``sure``) and its agreement with the target there (``sure_agreement``):
+    the confidence rule drafts on while the draft is sure, so a draft whose sure agreement falls drafts tokens the
+    target rejects."""
+    confident = (top >= confidence) & written
+    sure = int(confident.sum())
+    return {"sure": round(sure / max(1, int(written.sum())), 4),
+            "sure_agreement": round(int((confident & right).sum()) / max(1, sure), 4)}
+
+
 @torch.no_grad()
 def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache, spd_tracks: int = 1,
              confidence: float = 0.6) -> dict[str, float]:
     """Held-out top-1 agreement with the target's token (full vocabulary) at the positions whose next token the
-    target wrote (``agreement``: what drafting meets) and at all of them (``agreement_all``); and at the written
-    positions the draft is sure of under the confidence rule (top probability ≥ ``confidence``), their share
-    (``sure``) and agreement there (``sure_agreement``): the confidence rule drafts on while the draft is sure, so a
-    draft whose sure agreement falls drafts tokens the target rejects."""
+    target wrote (``agreement``: what drafting meets) and at all of them (``agreement_all``), and the
+    :func:`calibration` at ``confidence``."""
     hits = {True: 0, False: 0}
     count = {True: 0, False: 0}
-    sure = sure_hits = 0
+    tops, rights, writtens = [], [], []
     for item in held_out:
         probs = torch.softmax(model.logits(top_forward(model, lora.first_layer, item, spd_tracks)).float(), -1)
         top, predicted = probs.max(-1)
@@ -296,12 +306,12 @@ def evaluate(model: Transformer, lora: DraftLoRA, held_out: DraftCache, spd_trac
             hits[answers_only] += int(((predicted == labels) & (labels >= 0)).sum())
             count[answers_only] += int((labels >= 0).sum())
         written = loss_labels(item, True)
-        confident = (top >= confidence) & (written >= 0)
-        sure += int(confident.sum())
-        sure_hits += int((confident & (predicted == written)).sum())
+        tops.append(top.flatten())
+        rights.append((predicted == written).flatten())
+        writtens.append((written >= 0).flatten())
     return {"agreement": round(hits[True] / max(1, count[True]), 4),
             "agreement_all": round(hits[False] / max(1, count[False]), 4),
-            "sure": round(sure / max(1, count[True]), 4), "sure_agreement": round(sure_hits / max(1, sure), 4)}
+            **calibration(torch.cat(tops), torch.cat(rights), torch.cat(writtens), confidence)}
 
 
 def train(model: Transformer, draft: Transformer, target: Transformer | None, tokenizer, data: list[str], out: Path,
@@ -319,7 +329,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     ``distill:`` folders), else every position. ``spd_tracks`` > 1: trained, cached and evaluated in the spd form
     over that many tracks (the cache then comes from ``model``, dense as the sharded draft runs); the tuned layers
     must start at a segment bound. ``soft_top`` k > 0: the loss is :func:`soft_loss` against the target's k likeliest
-    tokens (cached with the labels), else cross-entropy on its argmax.
+    tokens (cached with the labels; it trains positions whose argmax lies outside ``vocab`` too), else cross-entropy
+    on its argmax.
     """
     torch.manual_seed(seed)
     model.requires_grad_(False)
@@ -353,12 +364,15 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 
     def step(item: DraftItem) -> tuple[torch.Tensor | None, int, dict[str, str]]:
-        labels = head.labels(loss_labels(item, answers_only))
-        if not (trained := int((labels >= 0).sum())):  # a window of prompt text only has nothing to learn from
+        written = loss_labels(item, answers_only)
+        labels = head.labels(written)
+        # The soft target trains every written position: top tokens outside the subset join its rest bucket.
+        keep = written >= 0 if soft_top else labels >= 0
+        if not (trained := int(keep.sum())):  # a window of prompt text only has nothing to learn from
             return None, 0, {}
         logits = head.logits(top_forward(model, first, item, spd_tracks))
         if soft_top:
-            loss = soft_loss(logits, head.labels(item.top_ids), item.top_logp, labels >= 0)
+            loss = soft_loss(logits, head.labels(item.top_ids), item.top_logp, keep)
         else:
             loss = F.cross_entropy(logits, labels, ignore_index=-100)
         return loss, trained, {"ce": f"{loss.item():.3f}"}

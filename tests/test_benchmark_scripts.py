@@ -7,6 +7,7 @@ import runpy
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
 
@@ -36,4 +37,5 @@ def test_draft_calibration_walks_sd_steps_under_the_confidence_rule():
     assert namespace["trajectories"]([window], 0.6) == {"mat": 4.0, "drafted": 3.0, "accepted_per_drafted": 1.0}
     # At 0.4 the draft goes on and also drafts the wrong fourth token.
     assert namespace["trajectories"]([window], 0.4) == {"mat": 4.0, "drafted": 4.0, "accepted_per_drafted": 0.75}
-    assert namespace["calibration"]([window], 0.6) == {"sure": 0.75, "sure_agreement": 0.6667}
+    top, right, written = (torch.tensor(values) for values in window)
+    assert namespace["calibration"](top, right, written, 0.6) == {"sure": 0.75, "sure_agreement": 0.6667}

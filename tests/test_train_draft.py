@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mirrorsd
-from mirrorsd import Transformer, generate
+from mirrorsd import Transformer, generate, train_draft
 from mirrorsd import tuned_drafts as td
 from mirrorsd.loading import _is_projection
 from mirrorsd.quant import quantize_groups, quantize_q8
@@ -219,6 +219,24 @@ def test_training_on_the_targets_top_k_caches_it_and_raises_agreement(tmp_path):
     item = DraftCache(shard_paths(tmp_path / "out" / "cache", 24, 32), "cpu")[0]
     assert item.top_ids.shape == (32, 4) and item.top_logp.shape == (32, 4)
     assert torch.equal(item.top_ids[:, 0], item.labels)  # the likeliest is the argmax label
+
+
+def test_the_soft_target_trains_positions_whose_argmax_lies_outside_the_vocabulary_subset(tmp_path, monkeypatch):
+    """With --vocab, argmax labels outside the subset are skipped; the soft target trains them through its rest
+    bucket, so every written position counts whatever the subset."""
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    draft_hf = tiny_hf(layers=3, seed=2)
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(65 + (i * 7) % 29) for i in range(1200)))
+    monkeypatch.setattr(train_draft, "load_table", torch.arange)  # the subset: the first ids
+
+    def tokens(vocab: int, soft_top: int) -> int:
+        return train(Transformer.from_hf(draft_hf, linear="dense"), Transformer.from_hf(draft_hf), target,
+                     _tokenizer, [str(text)], tmp_path / f"out-{vocab}-{soft_top}", model_name="draft",
+                     target_name="target", decode_format="fp32", layers=2, rank=8, chunks=8, seq_len=32, lr=1e-2,
+                     held_out=2, vocab=vocab, eval_every=4, steps=4, soft_top=soft_top, progress=False)["train_tokens"]
+
+    assert 0 < tokens(32, 0) < tokens(0, 0) == tokens(32, 4) == tokens(0, 4)
 
 
 def test_training_in_the_spd_form_caches_trains_and_saves_that_form(tmp_path):
