@@ -71,27 +71,30 @@ def main() -> None:
     tower = mirrorsd.load_model(args.model, weights="fp32", linear="dense", dtype=torch.float32, progress=False)
     tower.model.requires_grad_(False)
     adapters = dict(a.split("=", 1) for a in args.adapters)
-    saved = StreamConfig(**json.loads((Path(next(iter(adapters.values()))) / CONFIG_FILE).read_text()))
-    first = StreamAdapters(tower.model, saved).first_layer
+    raw = {}
+    for source in args.distill:
+        label, folder = source.split("=", 1) if "=" in source else ("distilled", source)
+        raw[f"{label}, newest {args.shards} shards"] = distilled_chunks(Path(folder), args.shards, args.windows, 384)
+    raw[f"{args.suite} answers"] = specbench_chunks(decode, args.suite, args.answer_tokens, 448)
+    out: dict = {"model": args.model, "windows": {name: len(chunks) for name, chunks in raw.items()},
+                 "written_tokens": {name: int(sum(c.answer.sum() for c in chunks)) for name, chunks in raw.items()}}
+    by_first: dict[int, dict[str, list[Cached]]] = {}  # adapters of another N_s read the states of another layer
 
-    def cached(chunk: Chunk) -> Cached:
+    def cached(first: int, chunk: Chunk) -> Cached:
         row = freeze(decode.model, first, chunk)
         return Cached(row["hidden"], row["keys"], row["values"], row["labels"].long(), int(row["loss_from"]),
                       row["answer"].bool())
 
-    sets = {}
-    for source in args.distill:
-        label, folder = source.split("=", 1) if "=" in source else ("distilled", source)
-        sets[f"{label}, newest {args.shards} shards"] = [
-            cached(c) for c in distilled_chunks(Path(folder), args.shards, args.windows, 384)]
-    sets[f"{args.suite} answers"] = [cached(c) for c in specbench_chunks(decode, args.suite, args.answer_tokens, 448)]
-    out: dict = {"model": args.model, "windows": {name: len(items) for name, items in sets.items()},
-                 "written_tokens": {name: int(sum(i.answer.sum() for i in items)) for name, items in sets.items()}}
     for label, folder in adapters.items():
+        saved = StreamConfig(**json.loads((Path(folder) / CONFIG_FILE).read_text()))
         streams = StreamAdapters(tower.model, saved)
+        if streams.first_layer not in by_first:
+            by_first[streams.first_layer] = {name: [cached(streams.first_layer, c) for c in chunks]
+                                             for name, chunks in raw.items()}
         warm_start(tower.model, streams, Path(folder))
         with torch.no_grad():
-            out[label] = {name: evaluate(tower.model, streams, items) for name, items in sets.items()}
+            out[label] = {name: evaluate(tower.model, streams, items)
+                          for name, items in by_first[streams.first_layer].items()}
         print(label, json.dumps(out[label]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
