@@ -272,18 +272,24 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def warm_start(model: Transformer, adapters: StreamAdapters, folder: Path) -> int:
-    """Load a saved adapter's weights into ``adapters`` (its γ, N_s and ranks must match); returns the training
-    tokens it had seen (its recipe's ``train_tokens``, 0 when it does not say)."""
+    """Load a saved adapter's weights into ``adapters``; returns the training tokens it had seen (its recipe's
+    ``train_tokens``, 0 when it does not say). γ and the ranks must match; N_s may grow, so a trained adapter can
+    seed a deeper one: the layers it has keep their weights and the new lower ones start as peft does (B = 0,
+    the base layer's own output), with the stream embeddings now added below them."""
     from safetensors.torch import load_file
 
     saved = StreamConfig(**json.loads((Path(folder) / CONFIG_FILE).read_text()))
     ours = adapters.config
-    got, want = (saved.streams, saved.layers, saved.rank, saved.prune_rank), (ours.streams, ours.layers, ours.rank,
-                                                                              ours.prune_rank)
-    if got != want:
-        raise ValueError(f"--init adapter has streams/layers/rank/prune rank {got}, this run trains {want}")
+    got, want = (saved.streams, saved.rank, saved.prune_rank), (ours.streams, ours.rank, ours.prune_rank)
+    if got != want or saved.layers > ours.layers:
+        raise ValueError(f"--init adapter has streams/rank/prune rank {got} and N_s={saved.layers}; this run trains "
+                         f"{want} and N_s={ours.layers} (N_s may only grow)")
     saved.check(model)
-    adapters.load_adapter_state(load_file(str(Path(folder) / WEIGHTS_FILE), device=str(model.device)))
+    state = load_file(str(Path(folder) / WEIGHTS_FILE), device=str(model.device))
+    own = adapters.adapter_state()
+    new = range(adapters.first_layer, model.config.n_layers - saved.layers)  # the layers the saved adapter lacks
+    adapters.load_adapter_state(state | {k: own[k].detach() for k in own
+                                         if any(k.startswith(f"lora.{layer}_") for layer in new)})
     return int(saved.recipe.get("train_tokens", 0))
 
 

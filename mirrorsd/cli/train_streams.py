@@ -40,8 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--self-distill", type=int, default=0, metavar="N",
                    help="replace N training chunks by the model's own greedy continuations of their first tokens "
                         "(the text decoding will actually ask the streams to predict)")
-    t.add_argument("--init", metavar="ADAPTER", help="start from this adapter folder (same --streams, --layers, "
-                                                     "--rank) to train it further, e.g. on more --chunks")
+    t.add_argument("--init", metavar="ADAPTER", help="start from this adapter folder (same --streams and "
+                   "--rank) to train it further, e.g. on more --chunks; its N_s may be smaller than --layers: its "
+                   "layers keep their weights and the new lower ones start from the base layers")
     t.add_argument("--loss", choices=LOSSES, default="ce",
                    help="the streams' loss: ce, cross-entropy on the model's greedy token (what greedy verification "
                         "accepts); kl, forward KL to the model's own next-token distribution (soft targets: also "

@@ -373,6 +373,28 @@ def test_saved_adapter_round_trips(exact_model, tmp_path):
         torch.testing.assert_close(reloaded.adapter_state()[key], value.half().float())
 
 
+def test_a_warm_start_may_grow_n_s_keeping_the_saved_layers(exact_model, tmp_path):
+    from mirrorsd.train_streams import warm_start
+
+    saved = random_adapters(exact_model, layers=2)
+    saved.save(tmp_path)
+    cfg = exact_model.config
+    deeper = StreamAdapters(exact_model, StreamConfig(streams=3, layers=3, hidden_size=cfg.hidden_size,
+                                                      n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+    fresh = {k: v.detach().clone() for k, v in deeper.adapter_state().items()}
+    warm_start(exact_model, deeper, tmp_path)
+    got, kept = deeper.adapter_state(), saved.adapter_state()
+    assert set(kept) < set(got)
+    for key, value in kept.items():  # the saved top layers, embeddings and pruning adapter, as stored (fp16)
+        torch.testing.assert_close(got[key], value.half().float())
+    new = [k for k in got if k not in kept]
+    assert new and all(k.startswith(f"lora.{cfg.n_layers - 3}_") for k in new)
+    for key in new:  # the new lowest layer starts as peft initialises it: B = 0, the base layer's own output
+        torch.testing.assert_close(got[key], fresh[key])
+        if key.endswith(".B"):
+            assert not got[key].any()
+
+
 # -- the SS draft inside Mirror-SD ---------------------------------------------------------------------------------
 
 
@@ -811,7 +833,9 @@ def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, ca
     assert evaluated["held_out_stream_accuracy_after"] == trained["held_out_stream_accuracy_after"]
     assert evaluated["held_out_stream_overlap_before"] == evaluated["held_out_stream_overlap_after"]
     assert main([*args, "--out", str(tmp_path / "other"), "--init", str(out), "--rank", "4", "--steps", "2"]) != 0
-    assert "--init adapter has streams/layers/rank" in capsys.readouterr().err
+    assert "--init adapter has streams/rank/prune rank" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "shallower"), "--init", str(out), "--layers", "1", "--steps", "0"]) != 0
+    assert "N_s may only grow" in capsys.readouterr().err
     model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
     got = generate(model, "Hi there", method="ss", streams=str(out), max_new_tokens=12)
     assert got.token_ids == generate(model, "Hi there", method="ar", max_new_tokens=12).token_ids
