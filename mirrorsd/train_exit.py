@@ -124,6 +124,19 @@ class KLRefine:
     batch: int = 256
     vocab: int | None = None  # ids the KL runs over: None = the exit's default restricted vocabulary, 0 = all
     checks: int = 6  # held-out evaluations (the best one is kept)
+    # Weight of a top-κ hinge added to the KL (0: KL alone). Mirror-SD needs the final token inside the exit's
+    # top-κ, not the whole distribution right: the hinge pushes that token above the κ-th likeliest other one.
+    topk_weight: float = 0.0
+    topk_kappa: int = 8
+
+
+def topk_hinge(log_probs: torch.Tensor, want: torch.Tensor, kappa: int, margin: float = 1.0) -> torch.Tensor:
+    """Mean softplus(margin + z_κ − z_want), z_κ the κ-th largest log-probability among the other ids: zero
+    gradient once ``want`` is clear of the κ-th rival, so the loss spends itself on rows outside the top-κ."""
+    mine = log_probs.gather(-1, want[:, None])[:, 0]
+    rivals = log_probs.scatter(-1, want[:, None], float("-inf"))
+    kth = rivals.topk(kappa, dim=-1).values[:, -1]
+    return torch.nn.functional.softplus(margin + kth - mine).mean()
 
 
 class _RestrictedHead:
@@ -150,9 +163,9 @@ def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, fin
               seed: int = 0, progress: bool = True, desc: str = "KL", weights: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[int, float], dict[str, Any]]:
     """Fine-tune translator ``start`` on unit-RMS ``states`` → final ``finals`` (rows matched) by KL to the
-    final distribution, drawing rows in proportion to ``weights`` (None: uniformly). Returns the best translator by
-    held-out top-8 (``start`` itself when no step beats it), its hit rates, and a record (vocabulary, best step,
-    held-out curve over steps)."""
+    final distribution (plus :func:`topk_hinge` on its argmax when ``opts.topk_weight``), drawing rows in
+    proportion to ``weights`` (None: uniformly). Returns the best translator by held-out top-8 (``start`` itself
+    when no step beats it), its hit rates, and a record (vocabulary, best step, held-out curve over steps)."""
     head = _RestrictedHead(model, opts.vocab)
     gen = torch.Generator().manual_seed(seed)
     a = start.clone().requires_grad_()
@@ -171,17 +184,20 @@ def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, fin
         with torch.no_grad():
             target = head.log_probs(finals[rows].float())
         exit_lp = head.log_probs(_with_bias(states[rows].float()) @ a)
-        loss = (target.exp() * (target - exit_lp)).sum(-1).mean()
+        kl = (target.exp() * (target - exit_lp)).sum(-1).mean()
+        hinge = topk_hinge(exit_lp, target.argmax(-1), opts.topk_kappa) if opts.topk_weight else None
+        loss = kl if hinge is None else kl + opts.topk_weight * hinge
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
         if step % every == 0 or step == opts.steps:
             with torch.no_grad():
                 hits = _hits(model, _with_bias(held) @ a, want, kappas)
-            curve.append({"step": step, "kl": round(loss.item(), 4), **_rates(hits)})
+            terms = {"kl": round(kl.item(), 4)} | ({} if hinge is None else {"hinge": round(hinge.item(), 4)})
+            curve.append({"step": step, **terms, **_rates(hits)})
             if hits[kappa] > best[0][kappa]:
                 best = (hits, step, a.detach().clone())
-            bar.set_postfix_str(f"KL {loss.item():.3f}, top{kappa} {hits[kappa]:.3f} (best {best[0][kappa]:.3f})")
+            bar.set_postfix_str(f"KL {kl.item():.3f}, top{kappa} {hits[kappa]:.3f} (best {best[0][kappa]:.3f})")
     return best[2], best[0], {"vocab": head.vocab, "best_step": best[1], "curve": curve}
 
 

@@ -9,7 +9,7 @@ import mirrorsd
 from mirrorsd.decoding.mirror import early_exit
 from mirrorsd.exit_heads import ExitTranslators, shipped_exit, tuned_exit, unit_rms
 from mirrorsd.sampling import SamplingParams
-from mirrorsd.train_exit import KLRefine, _corrections, fit_exit, plot_curve, refine_kl
+from mirrorsd.train_exit import KLRefine, _corrections, fit_exit, plot_curve, refine_kl, topk_hinge
 from mirrorsd.training import Tokens, corpus_texts
 from tests.helpers import requires_smollm2
 
@@ -165,6 +165,33 @@ def test_kl_refine_lowers_the_kl_and_keeps_the_best_held_out_step(tiny_pair):
     assert kl(a) < kl(start)
     assert record["vocab"] == target.config.vocab_size and [p["step"] for p in record["curve"]] == [0, 20, 40, 60]
     assert round(hits[8], 4) == max(p["top8"] for p in record["curve"]) >= record["curve"][0]["top8"]
+
+
+def test_topk_hinge_spends_itself_outside_the_top_kappa():
+    """The hinge is softplus(1 + κ-th rival − wanted): its gradient reaches only the wanted id and its κ-th rival, and
+    it is near zero once the wanted id clears the rival by more than the margin."""
+    lp = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]]).log_softmax(-1).requires_grad_()
+    low = topk_hinge(lp, torch.tensor([5]), kappa=2)  # id 5 against the 2nd-likeliest other (id 1)
+    low.backward()
+    assert low.item() == pytest.approx(torch.nn.functional.softplus(torch.tensor(1.0 + 4.0 - 0.0)).item())
+    assert lp.grad[0].nonzero()[:, 0].tolist() == [1, 5] and lp.grad[0, 5] < 0 < lp.grad[0, 1]
+    clear = torch.tensor([[20.0, 4.0, 3.0]]).log_softmax(-1)
+    assert topk_hinge(clear, torch.tensor([0]), kappa=2).item() < 1e-6
+
+
+def test_kl_refine_with_the_hinge_raises_the_held_out_top_kappa(tiny_pair):
+    """With the hinge the fine-tune records both terms, and the kept step is never worse than where it started."""
+    target, _ = tiny_pair
+    d = target.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    states = unit_rms(torch.randn(512, d, generator=gen))
+    finals = states @ torch.randn(d, d, generator=gen) / d**0.5
+    start = torch.cat([torch.eye(d), torch.zeros(1, d)])
+    want = target.logits(finals[None, 448:])[0].argmax(-1)
+    opts = KLRefine(steps=40, lr=1e-2, batch=64, vocab=0, checks=2, topk_weight=1.0)
+    _, hits, record = refine_kl(target, start, states[:448], finals[:448], states[448:], want, opts, progress=False)
+    assert all({"kl", "hinge"} <= set(p) for p in record["curve"][1:])
+    assert hits[8] >= record["curve"][0]["top8"] and hits[8] > 0
 
 
 @requires_smollm2

@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="then fine-tune each translator for N steps of 256 tokens by KL to the final distribution "
                          "(the tuned lens's objective; the best held-out step is kept). 300 is the shipped recipe")
     te.add_argument("--kl-lr", type=float, default=1e-4, help="Adam learning rate of the KL fine-tune")
+    te.add_argument("--topk-weight", type=float, default=0.0, metavar="W",
+                    help="add to the KL fine-tune a top-8 hinge weighted W: it pushes the final token above the 8th "
+                         "likeliest other token of the exit, which is what Mirror-SD's candidates need (0: KL alone)")
     te.add_argument("--corrections", metavar="DRAFT",
                     help="a draft model (zoo name or folder, the model's tokenizer): rows where its greedy next "
                          "token differs from the model's are the corrections Mirror-SD's exit must hold; they weigh "
@@ -60,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kl_steps < 0 or args.kl_lr <= 0:
         raise ValueError(f"--kl-steps must be >= 0 and --kl-lr > 0, got {args.kl_steps} and {args.kl_lr}")
+    if args.topk_weight < 0 or (args.topk_weight and not args.kl_steps):
+        raise ValueError(f"--topk-weight must be >= 0 and needs --kl-steps, got {args.topk_weight}")
     layers_asked = [number(x) for x in parse_csv(args.layers)]
     warn_if_busy("train-exit")
     loaded = mirrorsd.load_model(args.model, weights=args.weights, activations=args.activations)
@@ -73,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     texts = corpus_texts(args.data, args.model, loaded.tokenizer)
     translators = fit_exit(loaded.model, loaded.tokenizer, texts, layers, chunks=args.chunks,
                            held_out=args.held_out, seq_len=args.seq_len, seed=args.seed, transcripts=transcripts,
-                           refine=KLRefine(args.kl_steps, args.kl_lr) if args.kl_steps else None,
+                           refine=KLRefine(args.kl_steps, args.kl_lr, topk_weight=args.topk_weight) if args.kl_steps
+                           else None,
                            corrections=corrections.model if corrections else None,
                            correction_weight=args.correction_weight)
     translators.meta["recipe"].update(

@@ -176,8 +176,11 @@ def test_bench_perplexity_json(capsys):
     (["bench", "forward", "--ks", "0,2"], "--ks must be positive"),
     (["bench", "forward", "--ks", "a"], "comma-separated integers"),
     (["bench", "perplexity", "--weights", "q3"], "--weights takes formats"),
+    (["train-exit", "--model", "smollm2-135m", "--out", "x", "--topk-weight", "1"], "needs --kl-steps"),
+    (["train-exit", "--model", "smollm2-135m", "--out", "x", "--kl-steps", "5", "--topk-weight", "-1"],
+     "--topk-weight must be >= 0"),
 ])
-def test_bench_bad_input(capsys, argv, match):
+def test_bench_and_train_bad_input(capsys, argv, match):
     rc, _, err = run(capsys, *argv)
     assert rc == 2 and match in err
 
