@@ -346,12 +346,20 @@ def test_report_has_the_table1_layout_machine_and_notes(tmp_path):
     assert (tmp_path / "speedup_by_group.png").stat().st_size > 1000 and (tmp_path / "report.md").exists()
 
 
+def time_costs_briefly(monkeypatch) -> None:
+    """For tests of the wiring, not the timings: the latency law's costs from one timed call per size, and fewer
+    sizes, instead of five (they were ~40 s of the end-to-end test on AVX2)."""
+    monkeypatch.setattr(plan, "measure_costs", functools.partial(plan.measure_costs, rounds=1, target_ks=(1, 4, 16),
+                                                                 draft_ks=(1, 4, 16, 64)))
+
+
 # -- end to end on real weights --------------------------------------------------------------------------------
 
 
 @requires_smollm2
 def test_bench_end_to_end_with_peers(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("mirrorsd.bench.runner.find_llama_server", lambda path=None: None)
+    time_costs_briefly(monkeypatch)
     suite = tmp_path / "suite.jsonl"
     suite.write_text('{"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]}\n'
                      '{"question_id": 2, "category": "writing", "turns": ["Name a colour.", "And another one?"]}\n')
@@ -452,9 +460,7 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     saved = tmp_path / "plan.json"
     monkeypatch.setattr(plan, "plan_path", lambda target, draft: saved)
     monkeypatch.setattr(plans, "plan_path", lambda target, draft: saved)
-    # (this checks the wiring, not the timings: one timed call per size, and fewer sizes, instead of five)
-    monkeypatch.setattr(plan, "measure_costs", functools.partial(plan.measure_costs, rounds=1, target_ks=(1, 4, 16),
-                                                                 draft_ks=(1, 4, 16, 64)))
+    time_costs_briefly(monkeypatch)
     rc = main(["plan", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--suite", str(suite),
                "--max-new-tokens", "8", "--json"])
     assert rc == 0
@@ -515,6 +521,7 @@ def test_generate_auto_plans_on_first_use(tmp_path, monkeypatch, capsys):
     saved = tmp_path / "plan.json"
     monkeypatch.setattr(plans, "plan_path", lambda target, draft: saved)
     monkeypatch.setattr(plan, "plan_path", lambda target, draft: saved)
+    time_costs_briefly(monkeypatch)
     target = mirrorsd.load_model("smollm2-135m")
     g = mirrorsd.generate(target, "Say hi.", draft=target, method="auto", max_new_tokens=6)
     assert "planning briefly" in capsys.readouterr().err and saved.is_file()
