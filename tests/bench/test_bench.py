@@ -583,9 +583,11 @@ def test_probe_reads_the_exit_head_it_is_given(tmp_path):
     config = json.loads((zoo.prepare("smollm2-135m") / "config.json").read_text())
     d, half = config["hidden_size"], round(0.5 * config["num_hidden_layers"])
     ExitTranslators({half: torch.cat([torch.eye(d), torch.zeros(1, d)])}, {}).save(tmp_path / "identity")
-    out = tmp_path / "probe"
+    out, suite = tmp_path / "probe", tmp_path / "suite.jsonl"  # short prompts (specbench:1's cost ~20 s more)
+    suite.write_text('{"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]}\n'
+                     '{"question_id": 2, "category": "writing", "turns": ["Write a short poem about rain."]}\n')
     rc = main(["bench", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--methods", "ar", "--suite",
-               "specbench:1", "--max-new-tokens", "8", "--runs", "1", "--warmup", "0", "--no-predict",
+               str(suite), "--max-new-tokens", "8", "--runs", "1", "--warmup", "0", "--no-predict",
                "--probe-exit-head", str(tmp_path / "identity"), "--out", str(out)])
     fallback = json.loads((out / "results.json").read_text())["probe"]["fallback"]["all"]
     assert rc == 0 and set(fallback) == {"1/4", "1/2", "3/4", "1/2 tuned"}

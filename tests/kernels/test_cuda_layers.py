@@ -169,6 +169,7 @@ def test_windows_and_trees_after_a_long_context_decode_bit_for_bit():
     _interpret(LONG)
 
 
+@pytest.mark.slow  # ~50 s interpreted on AVX2; tests/test_cuda.py runs every method on the GPU's fused path
 def test_methods_on_the_fused_path_equal_ar():
     """``sd``, ``suffix``, ``ss`` (stream rows through the fused layers) and serial Mirror-SD equal ``ar``."""
     _interpret(METHODS)
