@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -44,11 +45,25 @@ def one_thread():
         torch.set_num_threads(before)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n 2``) the workers share the cores: each gets its share of intra-op threads, and so do
+    the processes its tests start, because two teams on the same cores wait at each other's barriers."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = str(max(1, (os.cpu_count() or 1) // int(workers)))
+        os.environ["OMP_NUM_THREADS"] = threads
+        torch.set_num_threads(int(threads))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test on SmolLM2's real weights (the ``smollm2`` fixture or ``requires_smollm2``) is marked ``real``,
-    so ``-m "not real and not slow"`` leaves the random-weight loop."""
+    so ``-m "not real and not slow"`` leaves the random-weight loop. Under pytest-xdist, ``serial`` tests are skipped
+    (the other worker is load they would read); ``python -m pytest -m serial`` runs them alone."""
     reason = requires_smollm2.kwargs["reason"]
+    parallel = pytest.mark.skip(reason="needs the machine to itself: run alone with python -m pytest -m serial")
     for item in items:
+        if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and item.get_closest_marker("serial"):
+            item.add_marker(parallel)
         uses_weights = "smollm2" in getattr(item, "fixturenames", ())
         if uses_weights or any(m.name == "skipif" and m.kwargs.get("reason") == reason for m in item.iter_markers()):
             item.add_marker(pytest.mark.real)

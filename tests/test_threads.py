@@ -25,9 +25,20 @@ from mirrorsd.execution import _omp_pause, release_thread_team
 from mirrorsd.server.scheduler import Scheduler
 from tests.helpers import requires_smollm2, row_exact, tiny_hf
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or torch.get_num_threads() < 2
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2
                                 or _omp_pause() is None,
-                                reason="counts a GNU OpenMP team's native threads in /proc (needs 2 intra-op threads)")
+                                reason="counts a GNU OpenMP team's native threads in /proc (needs 2 cores)")
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Teams of two, even where the suite runs on one intra-op thread per pytest-xdist worker."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tasks() -> int:

@@ -636,6 +636,7 @@ def test_a_wrong_probe_exit_head_fails_before_any_model_loads(tmp_path):
         Bench(BenchConfig("no-such-model", "no-such-draft", [], probe_exit_head=str(tmp_path)), progress=False)
 
 
+@pytest.mark.serial  # the other pytest-xdist worker would be the busy job
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux /proc")
 def test_a_busy_machine_is_reported_and_our_own_work_is_not():
     """Timings next to another heavy job mean little (on 2 cores, ~4× slower each): the bench warns."""
