@@ -21,6 +21,7 @@ import gc
 import hashlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -297,6 +298,24 @@ def _say(msg: str, progress: bool) -> None:
         log.info(msg)
 
 
+@contextlib.contextmanager
+def _quiet(progress: bool) -> Iterator[None]:
+    """Without progress, what transformers prints while converting (its own tqdm bars, which no flag of ours reaches)
+    goes to the logger; if the conversion fails, to stderr after all, so nothing that explains it is lost."""
+    if progress:
+        yield
+        return
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    except BaseException:
+        sys.stderr.write(captured.getvalue())
+        raise
+    if captured.getvalue():
+        log.debug("conversion output:\n%s", captured.getvalue())
+
+
 def _assemble(sources: list[Path], dest: Path, *, total: int, progress: bool, desc: str) -> str:
     """Concatenate ``sources`` into ``dest`` in one streaming pass, returning the sha256 of the bytes."""
     from tqdm.auto import tqdm
@@ -453,7 +472,8 @@ def prepare(name: str, *, progress: bool = True) -> Path:
             eta = "~1 min" if entry.size_bytes < 600 * 2**20 else "~2 min, ~9 GB RAM"
             _say(f"converting {entry.name} to a Hugging Face folder (one-off, {eta})…", progress)
             staged = tmp / "model"
-            _convert(gguf, staged)
+            with _quiet(progress):
+                _convert(gguf, staged)
             if not (staged / "config.json").is_file():
                 raise ZooError(f"converting {entry.name} produced no config.json in {staged}")
             _match_permissions(staged)

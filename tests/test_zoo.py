@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -205,6 +206,30 @@ def test_failed_conversion_leaves_no_model_folder(
         zoo.prepare(FAKE, progress=False)
     assert not (cache / FAKE).exists() and _leftovers(cache) == []
     assert not zoo.prepared(FAKE)
+
+
+def test_without_progress_the_conversions_own_output_is_shown_only_when_it_fails(
+    cache: Path, fake_entry: zoo.ZooEntry, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' GGUF conversion draws its own tqdm bars, which ``progress=False`` must not let through; a
+    failed conversion's output is what explains it, so then it is printed after all."""
+    def chatty(gguf: Path, out: Path) -> None:
+        print("Converting and de-quantizing GGUF tensors...: 100%", file=sys.stderr)
+        FakeConvert()(gguf, out)
+
+    monkeypatch.setattr(zoo, "_convert", chatty)
+    zoo.prepare(FAKE, progress=False)
+    assert capsys.readouterr().err == ""
+
+    def failing(gguf: Path, out: Path) -> None:
+        print("tensor blk.0 has an unknown type", file=sys.stderr)
+        raise ValueError("conversion failed")
+
+    monkeypatch.setattr(zoo, "_convert", failing)
+    shutil.rmtree(cache / FAKE)
+    with pytest.raises(ValueError):
+        zoo.prepare(FAKE, progress=False)
+    assert "tensor blk.0 has an unknown type" in capsys.readouterr().err
 
 
 def test_missing_package_message_has_pip_command(

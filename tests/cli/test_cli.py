@@ -194,6 +194,15 @@ def no_loading(monkeypatch):
     monkeypatch.setattr("mirrorsd.load_model", refuse)
 
 
+@pytest.fixture
+def prepared_smollm2() -> None:
+    """Some options (the exit layer) are checked against the prepared target's config.json: prepare it, as a user's
+    first run would have, since the cache may be cold (CI) and tests run in any order (pytest-xdist)."""
+    from mirrorsd.zoo import resolve
+
+    resolve("smollm2-135m", progress=False)
+
+
 @requires_smollm2  # the exit layer is checked against the prepared target's config.json
 @pytest.mark.parametrize(
     ("extra", "message"),
@@ -215,7 +224,7 @@ def no_loading(monkeypatch):
         (["--method", "ss", "--draft", "smollm2-135m"], "--draft does not apply to --method ss"),
     ],
 )
-def test_every_flag_is_checked_before_loading_and_named(capsys, no_loading, extra, message):
+def test_every_flag_is_checked_before_loading_and_named(capsys, prepared_smollm2, no_loading, extra, message):
     rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--prompt", "hi", *extra)
     assert rc == 2 and message in err, err
     assert err.count("\n") == 1  # one line, no traceback
@@ -293,8 +302,8 @@ def saved_plan(tmp_path, monkeypatch):
         (None, ["--exit-layer", "99"], "--exit-layer must be in 1..29"),
     ],
 )
-def test_auto_is_the_default_and_its_flags_are_checked_before_loading(capsys, no_loading, saved_plan, plan, extra,
-                                                                       message):
+def test_auto_is_the_default_and_its_flags_are_checked_before_loading(capsys, prepared_smollm2, no_loading, saved_plan,
+                                                                       plan, extra, message):
     if plan:
         saved_plan(*plan)
     rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--prompt", "hi", *extra)
