@@ -130,8 +130,7 @@ def test_draft_distribution_is_confined_to_the_subset(tables):
     assert all(t in allowed.tolist() for t in window.tokens)
 
 
-# (mirror: ~35 s on AVX2; the conformance suite checks its distribution with the full vocabulary by default)
-@pytest.mark.parametrize("method", ["sd", pytest.param("mirror", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["sd", "mirror"])
 def test_rejection_sampling_with_a_reduced_draft_vocabulary_keeps_the_target_distribution(tables, method):
     """The chi-square test of the conformance suite, with the draft restricted to 4 of the 8 tokens: the target
     must still produce tokens the draft can never propose, at their exact rates."""

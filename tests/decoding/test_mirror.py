@@ -352,7 +352,7 @@ PROMPTS = ["The history of the printing press begins", "def quicksort(arr):"]
 
 
 @requires_smollm2
-@pytest.mark.parametrize("prompt", [pytest.param(PROMPTS[0], marks=pytest.mark.slow), PROMPTS[1]])  # (~25 s each)
+@pytest.mark.parametrize("prompt", PROMPTS)
 def test_smollm2_greedy_equals_ar_and_hf_with_several_drafts(smollm2, prompt):
     ours, hf = smollm2
     ids = ours.tokenizer(prompt)["input_ids"]

@@ -784,7 +784,6 @@ def test_kl_loss_targets_the_models_own_distribution_j_places_ahead(tmp_path):
         losses(tower, adapters, item, head, "mse")
 
 
-@pytest.mark.slow  # ~55 s on AVX2 (eight CLI runs); resuming and the cache checks are tested on train() above
 @requires_smollm2
 def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, capsys):
     from mirrorsd.cli import main

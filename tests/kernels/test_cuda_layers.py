@@ -162,14 +162,12 @@ def test_fused_layers_match_the_eager_layers_and_decode_windows_and_trees_bit_fo
     _interpret(ARCHS)
 
 
-@pytest.mark.slow  # ~1 min interpreted; test_cuda_attention.py checks the split kernel alone in the default suite
 def test_windows_and_trees_after_a_long_context_decode_bit_for_bit():
     """After a context where each query's keys are split over programs and merged by the last split to finish:
     windows and trees still decode bit for bit."""
     _interpret(LONG)
 
 
-@pytest.mark.slow  # ~50 s interpreted on AVX2; tests/test_cuda.py runs every method on the GPU's fused path
 def test_methods_on_the_fused_path_equal_ar():
     """``sd``, ``suffix``, ``ss`` (stream rows through the fused layers) and serial Mirror-SD equal ``ar``."""
     _interpret(METHODS)

@@ -185,7 +185,7 @@ def test_tensor_parallel_target_with_a_draft_rank(tmp_path):
     assert rank0["local_heads"] == [2, 1]
 
 
-@pytest.mark.parametrize("syncs", ["spd", pytest.param("layer", marks=pytest.mark.slow)])  # (~40 s each on AVX2)
+@pytest.mark.parametrize("syncs", ["spd", "layer"])
 def test_a_draft_sharded_over_two_ranks(tmp_path, syncs):
     """``--draft-tp 2``: the draft's ranks serve one target rank. ``spd`` (two segments of tracks) makes two
     all-reduces per draft forward and computes something else than the whole draft; ``layer`` (Megatron) makes two
@@ -260,7 +260,6 @@ print("FAILED", out.stats.extra["mirror"].draft_failed)
 """
 
 
-@pytest.mark.slow  # ~20 s on AVX2: a spawned process imports torch and the script again
 def test_a_script_without_a_main_guard_is_told_at_once(tmp_path):
     """A script that starts the backend at import time: the spawned draft process imports it again and stops
     there (its generation never runs twice), and the caller, told at once rather than after the setup timeout,
