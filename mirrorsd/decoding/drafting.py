@@ -114,16 +114,21 @@ class DraftSampler:
     def judge(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, list[float] | None]:
         """Per row: the draft's distribution over the target's vocabulary (rejection sampling) and its top
         probability (the confidence rule), each None where nothing reads it."""
+        q, top = self.judged(logits)
+        return q, top.tolist() if top is not None else None
+
+    def judged(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`judge` with the top probabilities left where the logits are: a rollout reads them all at its end."""
         if self.rejection:
             q = self.distribution(logits)
-            return q, q.max(-1).values.tolist()
+            return q, q.max(-1).values
         if not self.need_probs:
             return None, None
         if not self.params.greedy:
-            return None, self.distribution(logits).max(-1).values.tolist()
+            return None, self.distribution(logits).max(-1).values
         # greedy needs no distribution: a softmax in double over 152k ids per draft token was a third of sd's time
         # outside the forwards
-        return None, (logits.max(-1).values - logits.logsumexp(-1)).exp().tolist()
+        return None, (logits.max(-1).values - logits.logsumexp(-1)).exp()
 
     def draw(self, logits: torch.Tensor, positions: list[int]) -> list[int]:
         """Token ids drawn from each row (row i at ``positions[i]``: the noise is keyed by position)."""
@@ -143,8 +148,12 @@ class DraftSampler:
 
     def likeliest(self, logits: torch.Tensor) -> list[list[int]]:
         """Per row of ``logits``, the ``runner_ups`` likeliest token ids, best first."""
+        return self.likeliest_ids(logits).tolist()
+
+    def likeliest_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`likeliest` as a ``[rows, runner_ups]`` tensor where the logits are."""
         top = logits.topk(min(self.runner_ups, logits.shape[-1]), dim=-1).indices
-        return [self.tokens_of(row) for row in top.tolist()]
+        return self.subset.ids[top] if self.subset_columns else top
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's distribution over the target's vocabulary."""

@@ -241,10 +241,14 @@ def point_masses(tokens: list[int], vocab: int) -> torch.Tensor | None:
     return q
 
 
-def draft_tokens(model: Transformer, tokens: list[int]) -> torch.Tensor:
+def draft_tokens(model: Transformer, tokens: list[int] | torch.Tensor) -> torch.Tensor:
     """``[1, T]`` ids for a draft model; ids past a smaller draft vocabulary (the target's padding rows) become 0,
-    which can only change what the draft proposes, never what is committed."""
+    which can only change what the draft proposes, never what is committed. A tensor (tokens drawn on the device)
+    stays there."""
     vocab = model.config.vocab_size
+    if isinstance(tokens, torch.Tensor):
+        ids = tokens.reshape(1, -1)
+        return ids.masked_fill(ids >= vocab, 0)
     return torch.tensor([[t if t < vocab else 0 for t in tokens]], device=model.device)
 
 

@@ -116,6 +116,48 @@ def test_identity_draft_hits_every_step(exact_pair):
     assert [s.hit for s in m.stats.extra["mirror"].steps] == [True, True, True, True, None]
 
 
+@pytest.mark.parametrize(("temperature", "confidence", "candidates"), [(0.0, 0.0, "exit"), (1.0, 0.6, "draft")])
+def test_a_tree_rollout_reads_the_host_only_after_its_last_step(exact_pair, monkeypatch, temperature, confidence,
+                                                                 candidates):
+    """Each step's drawn tokens feed the next forward where they were drawn; the tokens, top probabilities and
+    runner-ups are read once at the end (on a GPU a read per step would stall the draft's queue every step)."""
+    from mirrorsd.decoding.mirror.draft import LocalDraft
+
+    target, draft = exact_pair
+    reads: list[str] | None = None  # the host reads of the rollout running now
+
+    def spying(name: str):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, **kwargs):
+            if reads is not None:
+                reads.append(name)
+            return original(self, *args, **kwargs)
+        return spy
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, spying(name))
+    rollout, seen = LocalDraft._rollout, []
+
+    def counted(self, *args):
+        nonlocal reads
+        reads = []
+        try:
+            return rollout(self, *args)
+        finally:
+            seen.append((args[-1], reads))
+            reads = None
+
+    monkeypatch.setattr(LocalDraft, "_rollout", counted)
+    kw = dict(temperature=temperature, seed=3, max_new_tokens=30)
+    m = generate(target, [3, 1, 4, 1, 5], method="mirror", draft=draft, gamma=5, kappa=3, roots="paper",
+                 confidence=confidence, candidates=candidates, **kw)
+    assert m.token_ids == generate(target, [3, 1, 4, 1, 5], method="ar", **kw).token_ids
+    assert any(steps > 1 for steps, _ in seen)
+    wanted = 1 + (confidence > 0) + (candidates == "draft")  # tokens, top probabilities, runner-ups
+    assert all(r == ["tolist"] * wanted for _, r in seen), seen
+
+
 # -- reuse rules, root selection and the budget on hand-built cases -------------------------------------
 
 

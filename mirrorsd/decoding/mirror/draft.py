@@ -192,6 +192,10 @@ class LocalDraft:
         ``committed`` is the length of the committed text (through ``a``); the cache holds the spine (that text
         and ``window``) but ``spine_feed``, which the first step feeds causally. Root ``(j, v)`` sits at
         position ``committed + j`` and sees the spine up to ``d_j``.
+
+        No step reads anything on the host: each step's drawn tokens feed the next forward where they were drawn,
+        and the tokens, top probabilities and runner-ups are read once, after the last step (on a GPU the steps
+        then queue back to back, as :meth:`ModelProposer._chain`'s do).
         """
         model, cache, sampler = self.model, state.draft_cache, self.proposer.sampler
         device = model.device
@@ -203,11 +207,11 @@ class LocalDraft:
         sees_spine = torch.tensor([committed + j for j, _ in roots], device=device)  # root (j, v) sees [0, L+j)
         branch_rows = torch.arange(n_roots, device=device)
         root_pos = torch.tensor([committed + j for j, _ in roots], device=device)
-        feed = spine_feed + [v for _, v in roots]
-        tokens: list[list[int]] = [[] for _ in roots]
-        top_probs: list[list[float]] | None = [[] for _ in roots] if self.confidence > 0 else None
-        q_steps: list[torch.Tensor] = []
-        alternatives: list[list[list[int]]] | None = [[] for _ in roots] if sampler.runner_ups else None
+        ids = draft_tokens(model, spine_feed + [v for _, v in roots])
+        drawn: list[torch.Tensor] = []  # per step: [R] token ids
+        tops: list[torch.Tensor] = []  # per step: [R] top probabilities (confidence rule)
+        q_steps: list[torch.Tensor] = []  # per step: [R, vocab] distributions (rejection sampling)
+        runner_ups: list[torch.Tensor] = []  # per step: [R, κ+1] likeliest ids (candidates=draft)
         for step in range(steps):
             lead = len(spine_feed) if step == 0 else 0
             total = base + (step + 1) * n_roots
@@ -220,25 +224,28 @@ class LocalDraft:
             for s in range(step + 1):  # the branch's own earlier inputs and itself
                 rows[branch_rows, base + s * n_roots + branch_rows] = True
             positions = torch.cat([torch.arange(past, past + lead, device=device), root_pos + step]).unsqueeze(0)
-            hidden = model.run_layers(model.embed(draft_tokens(model, feed)), positions, cache, mask)
+            hidden = model.run_layers(model.embed(ids), positions, cache, mask)
             rows = hidden[0, lead:]
             logits = model.logits(rows) if sampler.head is None else sampler.head(model.norm(rows))
-            q, top = sampler.judge(logits)
-            if top_probs is not None:
-                for r, p in enumerate(top):
-                    top_probs[r].append(p)
+            q, top = sampler.judged(logits)
+            if top is not None and self.confidence > 0:
+                tops.append(top)
             if q is not None:
                 q_steps.append(q)
-            drawn = sampler.draw(logits, (root_pos + step + 1).tolist())
-            for r, token in enumerate(drawn):
-                tokens[r].append(token)
-            if alternatives is not None:
-                for r, likeliest in enumerate(sampler.likeliest(logits)):
-                    alternatives[r].append(likeliest)
-            feed = drawn
+            drawn.append(sampler.choose(logits, root_pos + step + 1))
+            if sampler.runner_ups:
+                runner_ups.append(sampler.likeliest_ids(logits))
+            ids = draft_tokens(model, drawn[-1])
+        def read(per_step: list[torch.Tensor], wanted: bool = True) -> list | None:
+            """``[R][steps]`` on the host, or None where nothing asked for it."""
+            if not wanted:
+                return None
+            return torch.stack(per_step, 1).tolist() if per_step else [[] for _ in roots]
+
         q = torch.stack(q_steps, 1) if q_steps else None
         entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
-        return Tree(roots, tokens, top_probs, q, entries, steps, alternatives=alternatives)
+        return Tree(roots, read(drawn), read(tops, self.confidence > 0), q, entries, steps,
+                    alternatives=read(runner_ups, bool(sampler.runner_ups)))
 
     def _stream_rollout(self, state: RequestState, committed: int, window: list[int], spine_feed: list[int],
                         roots: list[tuple[int, int]], steps: int) -> Tree:
