@@ -204,9 +204,12 @@ class LocalDraft:
                                f"{committed + len(window)} in all")
         n_roots, past = len(roots), len(cache)
         base = past + len(spine_feed)  # == committed + len(window)
-        sees_spine = torch.tensor([committed + j for j, _ in roots], device=device)  # root (j, v) sees [0, L+j)
-        branch_rows = torch.arange(n_roots, device=device)
         root_pos = torch.tensor([committed + j for j, _ in roots], device=device)
+        # Every step's mask is a prefix of one: branch r sees the spine before its root (root (j, v) sees
+        # [0, committed + j)) and its own inputs, which step s puts at base + s·R + r.
+        cols = torch.arange(base + steps * n_roots, device=device)
+        own = (cols >= base) & ((cols - base) % n_roots == torch.arange(n_roots, device=device).unsqueeze(1))
+        branches = (cols < root_pos.unsqueeze(1)) | own
         ids = draft_tokens(model, spine_feed + [v for _, v in roots])
         drawn: list[torch.Tensor] = []  # per step: [R] token ids
         tops: list[torch.Tensor] = []  # per step: [R] top probabilities (confidence rule)
@@ -215,14 +218,11 @@ class LocalDraft:
         for step in range(steps):
             lead = len(spine_feed) if step == 0 else 0
             total = base + (step + 1) * n_roots
-            cols = torch.arange(total, device=device)
-            mask = torch.zeros(1, lead + n_roots, total, dtype=torch.bool, device=device)
-            for i in range(lead):
-                mask[0, i, : past + i + 1] = True  # the spine's missing tokens, causally
-            rows = mask[0, lead:]
-            rows |= cols.unsqueeze(0) < sees_spine.unsqueeze(1)
-            for s in range(step + 1):  # the branch's own earlier inputs and itself
-                rows[branch_rows, base + s * n_roots + branch_rows] = True
+            mask = branches[:, :total]
+            if lead:  # the spine's missing tokens, causally
+                spine = cols[:total] < torch.arange(past + 1, past + lead + 1, device=device).unsqueeze(1)
+                mask = torch.cat([spine, mask])
+            mask = mask.unsqueeze(0).contiguous()
             positions = torch.cat([torch.arange(past, past + lead, device=device), root_pos + step]).unsqueeze(0)
             hidden = model.run_layers(model.embed(ids), positions, cache, mask)
             rows = hidden[0, lead:]
@@ -236,6 +236,7 @@ class LocalDraft:
             if sampler.runner_ups:
                 runner_ups.append(sampler.likeliest_ids(logits))
             ids = draft_tokens(model, drawn[-1])
+
         def read(per_step: list[torch.Tensor], wanted: bool = True) -> list | None:
             """``[R][steps]`` on the host, or None where nothing asked for it."""
             if not wanted:
