@@ -112,41 +112,81 @@ class OracleDraft(Transformer):
     Every verification then accepts ``accept`` tokens (with a window of at least ``accept + 1``), which random
     weights cannot give. Each output row of :meth:`run_layers` carries its row index in hidden channels 0-1
     (base 256: exact even in bf16), so :meth:`logits` finds the row's position whichever rows a caller kept (SD's
-    last row, Mirror-SD's tree rollouts) without the methods knowing about the oracle."""
+    last row, Mirror-SD's tree rollouts) without the methods knowing about the oracle.
+
+    ``stream_hit``: the draft's Speculative Streaming streams (:class:`OracleStreams`, untrained, so their own
+    guesses never hold) guess right at that rate instead. Stream ``j`` of the node at position ``p`` guesses the
+    token the schedule puts at ``p + 1 + j``, keyed by that position and ``j``; a wrong guess never holds it, at any
+    rank. The draft's main stream verifies every guess, so the draft's tokens stay the schedule's, in fewer
+    forwards."""
 
     whole_forward_graphs = False  # its tokens come from the two methods below, which a captured forward skips
     reference: torch.Tensor  # prompt + the target's greedy answer, on the draft's device
     prompt_len: int
     accept: int | None
+    stream_hit: float | None
     _positions: torch.Tensor
+    _streams: torch.Tensor  # per output row: 0 for a main row, else its stream index j
 
     @classmethod
-    def wrap(cls, draft: Transformer, prompt: list[int], reference: list[int], accept: int | None) -> OracleDraft:
+    def wrap(cls, draft: Transformer, prompt: list[int], reference: list[int], accept: int | None,
+             stream_hit: float | None = None) -> OracleDraft:
         oracle = cls.__new__(cls)
         oracle.__dict__.update(draft.__dict__)  # shares the draft's modules, buffers and config
         oracle.reference = torch.tensor([*prompt, *reference], device=draft.device)
-        oracle.prompt_len, oracle.accept = len(prompt), accept
+        oracle.prompt_len, oracle.accept, oracle.stream_hit = len(prompt), accept, stream_hit
         return oracle
 
-    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = super().run_layers(hidden, positions, *args, **kwargs).clone()
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, *args: Any, streams: Any = None,
+                   **kwargs: Any) -> torch.Tensor:
+        out = super().run_layers(hidden, positions, *args, streams=streams, **kwargs).clone()
         self._positions = positions.expand(out.shape[:-1]).reshape(-1)
         index = torch.arange(self._positions.numel(), device=out.device).view(out.shape[:-1])
         out[..., 0], out[..., 1] = (index % 256).to(out.dtype), (index // 256).to(out.dtype)
+        stream = torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
+        if streams is not None and streams.count:  # the trailing rows: stream (i, j) at i·γ' + j - 1 among them
+            per_node = getattr(streams.adapters, "inserted", None)
+            if per_node is None:
+                raise TypeError("the stream oracle needs OracleStreams adapters (they count the streams inserted)")
+            stream[..., -streams.count:] = torch.arange(streams.count, device=out.device) % per_node + 1
+        self._streams = stream.reshape(-1)
         return out
+
+    def scheduled(self, wanted: torch.Tensor) -> torch.Tensor:
+        """The token the draft's main stream proposes at positions ``wanted``: the reference's, or another one
+        where the schedule (or the reference's end) says miss."""
+        ref = self.reference
+        token = ref[wanted.clamp(max=len(ref) - 1)]
+        miss = wanted >= len(ref)
+        if self.accept is not None:
+            miss |= (wanted - self.prompt_len) % (self.accept + 1) == self.accept
+        return torch.where(miss, (token + 1) % self.config.vocab_size, token)
 
     def logits(self, hidden: torch.Tensor, head: object = None) -> torch.Tensor:
         index = hidden[..., 0].float().round().long() + 256 * hidden[..., 1].float().round().long()
-        wanted = self._positions[index] + 1  # each row predicts the next position's token
-        ref = self.reference
-        token = ref[wanted.clamp(max=len(ref) - 1)]
-        offset = wanted - self.prompt_len
-        miss = wanted >= len(ref)
-        if self.accept is not None:
-            miss |= offset % (self.accept + 1) == self.accept
-        token = torch.where(miss, (token + 1) % self.config.vocab_size, token)
-        logits = torch.full((*token.shape, self.config.vocab_size), -30.0, device=hidden.device)
-        return logits.scatter_(-1, token.unsqueeze(-1), 30.0)
+        stream = self._streams[index]
+        wanted = self._positions[index] + 1 + stream  # a main row predicts the next position, stream j j further
+        token = self.scheduled(wanted)
+        vocab = self.config.vocab_size
+        logits = torch.full((*token.shape, vocab), -30.0, device=hidden.device)
+        if self.stream_hit is None or not bool((stream > 0).any()):
+            return logits.scatter_(-1, token.unsqueeze(-1), 30.0)
+        u = keyed_uniforms(0, (wanted * 64 + stream).reshape(-1), 1, device=hidden.device).view(wanted.shape)
+        right = (stream == 0) | (u < self.stream_hit)
+        top = torch.where(right, token, (token + 2) % vocab)
+        logits.scatter_(-1, token.unsqueeze(-1), -60.0)  # a wrong guess ranks its position's token last
+        return logits.scatter_(-1, top.unsqueeze(-1), 30.0)
+
+
+class OracleStreams(StreamAdapters):
+    """Stream adapters that count the streams each pass inserts beside a node (a busy batch inserts fewer), so
+    :class:`OracleDraft` can tell which stream a row is."""
+
+    inserted: int | None = None
+
+    def insert(self, main: torch.Tensor, streams: int | None = None) -> torch.Tensor:
+        self.inserted = streams or self.config.streams
+        return super().insert(main, streams)
 
 
 class ExitOracle(Transformer):
@@ -549,48 +589,103 @@ def _mirror(result: Any, trace: Path) -> dict[str, Any] | None:
 #: The exit oracle's hit rate in every forced run (the paper's 1 − fallback at κ = 8 is 0.74–0.83), its κ, and the
 #: further rates at A = 3, where Mirror-SD runs again (vanilla SD reads no exit) so the law's shape in the rate shows.
 EXIT_HIT, EXIT_KAPPA, EXIT_HITS_AT_3 = 0.75, 8, (0.5, 1.0)
+#: The SS draft's stream-1 acceptance at A = 3 (issue 62: the stream oracle at 0.5), where SD and Mirror-SD also run
+#: with a Speculative Streaming draft: the Mirror-SD paper's Fig. 4, {SD, Mirror-SD} × {plain, SS draft}.
+STREAM_HIT, STREAM_ACCEPT = 0.5, 3
+
+
+def oracle_streams(draft: Transformer) -> OracleStreams:
+    """Untrained stream adapters of the shipped draft adapter's shape (3 streams in the top 4 layers) on ``draft``,
+    in its dtype: their cost is real, their guesses are :class:`OracleDraft`'s."""
+    cfg = draft.config
+    streams = OracleStreams(draft, StreamConfig(streams=3, layers=min(4, cfg.n_layers - 1), hidden_size=cfg.hidden_size,
+                                                n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+    return streams.to(device=draft.device, dtype=draft.dtype).eval()
+
+
+def draft_eta(result: Any) -> float | None:
+    """Draft tokens per draft forward over a generation (η̄ for an SS draft, ~1 for a plain one)."""
+    forwards = result.stats.draft_forwards
+    return sum(result.stats.drafted) / forwards if forwards else None
 
 
 def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int], reference: list[int],
             accepts: tuple[int, ...], gamma: int, dev: torch.device, max_new: int, out: Path,
             say: Any, overlap_graphs: bool = False) -> list[dict[str, Any]]:
     """SD and Mirror-SD at forced acceptance lengths (the oracle draft's schedule), same window γ, Mirror-SD's
-    early exit holding the correction at forced rates (the exit oracle); ``overlap_graphs``: at A = 3 also with CUDA
-    graphs on while Mirror-SD's sides overlap."""
+    early exit holding the correction at forced rates (the exit oracle); at A = :data:`STREAM_ACCEPT` both also with
+    an SS draft whose streams guess right at :data:`STREAM_HIT` (a failure there is a row, not the end of the run);
+    ``overlap_graphs``: at A = 3 also with CUDA graphs on while Mirror-SD's sides overlap."""
     backend = "cuda-streams" if dev.type == "cuda" else "serial"
     roots = {"budget": 2} if backend == "serial" else {}  # (serial rolls out no root unless told)
     rows = []
     for accept in (*accepts, None):
-        oracle = OracleDraft.wrap(draft, prompt, reference, accept)
         label = "all" if accept is None else str(accept)
-        say(f"  forced acceptance {label}…", flush=True)
-        # draft_vocab=0: a reduced-vocabulary head would read the draft's states without the oracle's logits.
-        sd, sd_s = timed_generate(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
-                          suffix_match=0, draft_vocab=0)
-        sd_row = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
-                  "equal_to_ar": sd.token_ids == reference}
-        runs = [(EXIT_HIT, "off")]
-        if accept == 3:
-            runs += [(hit, "off") for hit in EXIT_HITS_AT_3] + ([(EXIT_HIT, "on")] if overlap_graphs else [])
-        for hit, graphs in runs:
-            # exit_head / exit_vocab: the lens on the full vocabulary, the logits the exit oracle makes up
-            mirror, mirror_s = timed_generate(
-                ExitOracle.wrap(target, prompt, reference, hit, EXIT_KAPPA), prompt, max_new, method="mirror",
-                draft=oracle, gamma=gamma, kappa=EXIT_KAPPA, confidence=0.0, backend=backend, draft_vocab=0,
-                exit_head="lens", exit_vocab=0, **roots, **({"overlap_graphs": "on"} if graphs == "on" else {}))
-            suffix = "_overlap_graphs" if graphs == "on" else ""
-            info = _mirror(mirror, out / f"trace_{name}_forced_{label}_hit{hit:g}{suffix}.json") or {}
-            step = info.get("mean_ms", {})
-            mirror_row = {"tok_s": len(mirror.token_ids) / mirror_s, "backend": backend,
-                          "mean_accepted": mirror.stats.mean_accepted_length,
-                          "equal_to_ar": mirror.token_ids == reference, "step_ms": step.get("step_s"),
-                          "eq10_ms": step.get("eq10_s"), "terms_ms": step,
-                          "step_over_eq10": step["step_s"] / step["eq10_s"] if step.get("eq10_s") else None,
-                          "fallback_frequency": info.get("fallback_frequency"),
-                          "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace")}
-            rows.append({"target": name, "accept": label, "exit_hit_rate": hit, "overlap_graphs": graphs,
-                         "sd": sd_row, "mirror": mirror_row, "mirror_over_sd": mirror_row["tok_s"] / sd_row["tok_s"]})
+        for kind in ("plain", "ss") if accept == STREAM_ACCEPT else ("plain",):
+            try:
+                rows += _forced_runs(name, target, draft, prompt, reference, accept, kind, gamma, backend, roots,
+                                     max_new, out, say, overlap_graphs)
+            except Exception as error:  # noqa: BLE001 - the SS draft has not run on a GPU yet: report, go on
+                if kind == "plain":
+                    raise
+                rows.append({"target": name, "accept": label, "draft": kind, "exit_hit_rate": EXIT_HIT,
+                             "overlap_graphs": "off", "failed": f"{type(error).__name__}: {str(error)[:300]}"})
     return rows
+
+
+def _forced_runs(name: str, target: Transformer, draft: Transformer, prompt: list[int], reference: list[int],
+                 accept: int | None, kind: str, gamma: int, backend: str, roots: dict[str, Any], max_new: int,
+                 out: Path, say: Any, overlap_graphs: bool) -> list[dict[str, Any]]:
+    """One forced acceptance and draft kind: SD once, Mirror-SD at each exit hit rate."""
+    ss = kind == "ss"
+    oracle = OracleDraft.wrap(draft, prompt, reference, accept, STREAM_HIT if ss else None)
+    label = "all" if accept is None else str(accept)
+    say(f"  forced acceptance {label}{', SS draft' if ss else ''}…", flush=True)
+    # draft_vocab=0: a reduced-vocabulary head would read the draft's states without the oracle's logits.
+    drafting: dict[str, Any] = {"draft_streams": oracle_streams(draft)} if ss else {"draft_vocab": 0}
+    sd, sd_s = timed_generate(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
+                              suffix_match=0, **drafting)
+    sd_row = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
+              "equal_to_ar": sd.token_ids == reference, "draft_eta": draft_eta(sd)}
+    runs = [(EXIT_HIT, "off")]
+    if accept == 3 and not ss:
+        runs += [(hit, "off") for hit in EXIT_HITS_AT_3] + ([(EXIT_HIT, "on")] if overlap_graphs else [])
+    rows = []
+    for hit, graphs in runs:
+        # exit_head / exit_vocab: the lens on the full vocabulary, the logits the exit oracle makes up
+        mirror, mirror_s = timed_generate(
+            ExitOracle.wrap(target, prompt, reference, hit, EXIT_KAPPA), prompt, max_new, method="mirror",
+            draft=oracle, gamma=gamma, kappa=EXIT_KAPPA, confidence=0.0, backend=backend, exit_head="lens",
+            exit_vocab=0, **drafting, **roots, **({"overlap_graphs": "on"} if graphs == "on" else {}))
+        suffix = ("_overlap_graphs" if graphs == "on" else "") + ("_ss" if ss else "")
+        info = _mirror(mirror, out / f"trace_{name}_forced_{label}_hit{hit:g}{suffix}.json") or {}
+        step = info.get("mean_ms", {})
+        mirror_row = {"tok_s": len(mirror.token_ids) / mirror_s, "backend": backend,
+                      "mean_accepted": mirror.stats.mean_accepted_length,
+                      "equal_to_ar": mirror.token_ids == reference, "step_ms": step.get("step_s"),
+                      "eq10_ms": step.get("eq10_s"), "terms_ms": step,
+                      "step_over_eq10": step["step_s"] / step["eq10_s"] if step.get("eq10_s") else None,
+                      "fallback_frequency": info.get("fallback_frequency"),
+                      "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace"),
+                      "fresh_eta": info.get("fresh_tokens_per_draft_forward"),
+                      "rollout_eta": info.get("rollout_tokens_per_draft_forward")}
+        rows.append({"target": name, "accept": label, "draft": kind, "exit_hit_rate": hit, "overlap_graphs": graphs,
+                     "sd": sd_row, "mirror": mirror_row, "mirror_over_sd": mirror_row["tok_s"] / sd_row["tok_s"]})
+    return rows
+
+
+def fig4_cells(forced: list[dict[str, Any]]) -> dict[str, dict[tuple[str, str], float]]:
+    """Per target, {(method, draft kind): tok/s} at A = :data:`STREAM_ACCEPT`, exit hit rate :data:`EXIT_HIT`, graphs
+    off: the four cells of the Mirror-SD paper's Fig. 4 (a failed run leaves its cells out)."""
+    cells: dict[str, dict[tuple[str, str], float]] = {}
+    for r in forced:
+        if r["accept"] != str(STREAM_ACCEPT) or r.get("exit_hit_rate") != EXIT_HIT or "failed" in r \
+                or r.get("overlap_graphs", "off") != "off":
+            continue
+        kind = r.get("draft", "plain")
+        cell = cells.setdefault(r["target"], {})
+        cell[("sd", kind)], cell[("mirror", kind)] = r["sd"]["tok_s"], r["mirror"]["tok_s"]
+    return cells
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -652,20 +747,37 @@ def markdown(report: dict[str, Any]) -> str:
         divergence = json.dumps(m["divergence"]) if m["divergence"] else ""
         lines.append(f"| {m['target']} | {m['label']} | {m['tok_s']:.1f} | {m['mean_accepted']:.2f} | "
                      f"{'yes' if m['equal_to_ar'] else 'NO'} | {divergence} |")
+    fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)  # noqa: E731
     lines += ["", "## Forced acceptance (oracle draft) and exit hit rate (exit oracle): Mirror-SD vs SD", "",
-              "| target | forced A | exit hit rate | graphs while overlapping | tokens/step SD / Mirror | SD tok/s | "
-              "Mirror tok/s | Mirror/SD | step ms | Eq. 10 ms | step/Eq. 10 | fallback | hidden draft | lossless |",
-              "|---" * 14 + "|"]
+              f"SS draft: untrained streams whose guesses the oracle makes right at {STREAM_HIT} (stream 1's "
+              "acceptance); draft η̄ = draft tokens per draft forward (SD / Mirror-SD's fresh, branch rollouts).", "",
+              "| target | forced A | draft | exit hit rate | graphs while overlapping | tokens/step SD / Mirror | "
+              "SD tok/s | Mirror tok/s | Mirror/SD | step ms | Eq. 10 ms | step/Eq. 10 | fallback | hidden draft | "
+              "draft η̄ | lossless |", "|---" * 16 + "|"]
     for r in report["forced"]:
+        head = (f"| {r['target']} | {r['accept']} | {r.get('draft', 'plain')} | {fmt(r.get('exit_hit_rate'))} | "
+                f"{r.get('overlap_graphs', 'off')} | ")
+        if "failed" in r:
+            lines.append(head + f"failed: {r['failed']} |" + " |" * 10)
+            continue
         m, s = r["mirror"], r["sd"]
-        fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)  # noqa: E731
         lossless = "yes" if s["equal_to_ar"] and m["equal_to_ar"] else "NO"
-        lines.append(f"| {r['target']} | {r['accept']} | {fmt(r.get('exit_hit_rate'))} | "
-                     f"{r.get('overlap_graphs', 'off')} | "
-                     f"{s['mean_accepted']:.2f} / {m['mean_accepted']:.2f} | "
+        eta = f"{fmt(s.get('draft_eta'))} / {fmt(m.get('fresh_eta'))}, {fmt(m.get('rollout_eta'))}"
+        lines.append(head + f"{s['mean_accepted']:.2f} / {m['mean_accepted']:.2f} | "
                      f"{s['tok_s']:.1f} | {m['tok_s']:.1f} | {r['mirror_over_sd']:.2f}× | {fmt(m['step_ms'])} | "
                      f"{fmt(m['eq10_ms'])} | {fmt(m['step_over_eq10'])} | {fmt(m['fallback_frequency'])} | "
-                     f"{fmt(m['hidden_draft_fraction'])} | {lossless} |")
+                     f"{fmt(m['hidden_draft_fraction'])} | {eta} | {lossless} |")
+    fig4 = fig4_cells(report["forced"])
+    if fig4:
+        lines += ["", f"## The Mirror-SD paper's Fig. 4 at forced A = {STREAM_ACCEPT}, exit hit rate {EXIT_HIT} "
+                  "(tok/s, and ÷ SD with the plain draft)", "",
+                  "| target | SD, plain draft | SD, SS draft | Mirror-SD, plain draft | Mirror-SD, SS draft |",
+                  "|---|---|---|---|---|"]
+        for name, cells in fig4.items():
+            base = cells.get(("sd", "plain"))
+            show = [f"{v:.1f} ({v / base:.2f}×)" if base and v else "–" for v in
+                    (cells.get((method, kind)) for method in ("sd", "mirror") for kind in ("plain", "ss"))]
+            lines.append(f"| {name} | " + " | ".join(show) + " |")
     if report.get("train"):
         lines += ["", "## Speculative Streaming training (`train-streams`' step on the target's shape)", "",
                   "| target | recipe | cache ms / chunk | ms / step | train tokens/s | minutes per "
@@ -680,12 +792,15 @@ def markdown(report: dict[str, Any]) -> str:
 def summary(report: dict[str, Any]) -> str:
     bad = [m["label"] for m in report["methods"] if not m["equal_to_ar"]
            and (m["divergence"] or {}).get("verdict") != "float near-tie"]
-    bad += [f"forced {r['accept']}" for r in report["forced"]
+    ran = [r for r in report["forced"] if "failed" not in r]
+    bad += [f"forced {r['accept']}{' (SS draft)' if r.get('draft') == 'ss' else ''}" for r in ran
             if not (r["sd"]["equal_to_ar"] and r["mirror"]["equal_to_ar"])]
-    ratios = [r["mirror_over_sd"] for r in report["forced"]
-              if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT and r.get("overlap_graphs", "off") == "off"]
+    ratios = [r["mirror_over_sd"] for r in ran if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT
+              and r.get("overlap_graphs", "off") == "off" and r.get("draft", "plain") == "plain"]
     where = "dry run" if report["dry_run"] else report["device"]
     equal = "all equal to ar" if not bad else "NOT equal to ar: " + ", ".join(bad)
     ratio = f"; Mirror/SD at forced acceptance and exit hit rate {EXIT_HIT}, median {statistics.median(ratios):.2f}×" \
         if ratios else ""
-    return f"{where}: {len(report['methods'])} method runs, {equal}{ratio}"
+    failed = [f"forced {r['accept']} ({r.get('draft')} draft)" for r in report["forced"] if "failed" in r]
+    failed_text = "; FAILED: " + ", ".join(failed) if failed else ""
+    return f"{where}: {len(report['methods'])} method runs, {equal}{ratio}{failed_text}"

@@ -65,6 +65,50 @@ def test_exit_oracle_holds_the_correction_at_its_rate(hit):
     assert fallback == 1 - hit if hit in (0.0, 1.0) else 0 < fallback < 1
 
 
+@pytest.mark.parametrize("hit", [0.0, 0.5, 1.0])
+def test_stream_oracle_sets_the_ss_drafts_acceptance(hit):
+    """Untrained streams never guess right; the stream oracle's do at ``hit``. SD's SS draft and Mirror-SD's fresh and
+    branch rollouts then draft the schedule's tokens (the forced acceptance holds) in fewer forwards: exactly one
+    token a forward at 0, a whole stream tree a forward at 1 (γ = 7, 3 streams: 1 + 4 + 2 tokens in 3 passes, less
+    where the output's end cuts a window)."""
+    target, draft = _pair()
+    prompt = list(range(5, 45))
+    reference = generate(target, prompt, method="ar", max_new_tokens=24, temperature=0.0).token_ids
+    oracle = gpu.OracleDraft.wrap(draft, prompt, reference, 3, hit)
+    streams = gpu.oracle_streams(draft)
+    sd = generate(target, prompt, method="sd", draft=oracle, gamma=7, confidence=0.0, suffix_match=0,
+                  draft_streams=streams, max_new_tokens=24, temperature=0.0)
+    assert sd.token_ids == reference
+    assert sd.stats.accepted == [3] * 6
+    mirror = generate(target, prompt, method="mirror", draft=oracle, gamma=7, kappa=2, roots="paper", confidence=0.0,
+                      draft_streams=streams, max_new_tokens=24, temperature=0.0)
+    assert mirror.token_ids == reference
+    assert mirror.stats.accepted == [3] * 6
+    info = mirror.stats.extra["mirror"].to_dict()
+    etas = [gpu.draft_eta(sd), info["fresh_tokens_per_draft_forward"], info["rollout_tokens_per_draft_forward"]]
+    if hit == 0.0:
+        assert etas == [1.0, 1.0, 1.0]
+    elif hit == 1.0:
+        assert all(2 < eta <= 7 / 3 + 1e-4 for eta in etas[:2]) and etas[2] > 2  # (the output's end cuts windows)
+    else:
+        assert all(1.1 < eta < 2 for eta in etas)
+
+
+def test_the_stream_oracle_needs_adapters_that_count_their_streams():
+    """Plain adapters do not say how many streams a pass inserted beside each node: a clear error, not wrong rows."""
+    from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
+
+    target, draft = _pair()
+    prompt = list(range(5, 45))
+    reference = generate(target, prompt, method="ar", max_new_tokens=8, temperature=0.0).token_ids
+    cfg = draft.config
+    plain = StreamAdapters(draft, StreamConfig(streams=2, layers=1, hidden_size=cfg.hidden_size,
+                                               n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+    with pytest.raises(TypeError, match="OracleStreams"):
+        generate(target, prompt, method="sd", draft=gpu.OracleDraft.wrap(draft, prompt, reference, 3, 0.5),
+                 gamma=5, confidence=0.0, suffix_match=0, draft_streams=plain, max_new_tokens=8, temperature=0.0)
+
+
 def test_real_vocabulary_in_bf16_runs_every_method_and_forces_acceptance(tmp_path):
     """What the tiny dry-run shapes miss and the first H200 run hit: with Qwen's 151,936-token vocabulary the
     drafts read a shipped reduced-vocabulary head, which must run in a bf16 model's dtype, and the forced runs
@@ -86,8 +130,9 @@ def test_real_vocabulary_in_bf16_runs_every_method_and_forces_acceptance(tmp_pat
 
 
 def test_dry_run_report(tmp_path):
-    """The whole command on tiny shapes: every method equal to ar, Eq. 10 terms and traces written."""
-    assert main(["bench", "gpu", "--out", str(tmp_path), "--targets", "qwen2.5-1.5b", "--accept", "2",
+    """The whole command on tiny shapes: every method equal to ar, Eq. 10 terms and traces written, and at A = 3 the
+    paper's Fig. 4 cells: SD and Mirror-SD with a plain and with an SS draft."""
+    assert main(["bench", "gpu", "--out", str(tmp_path), "--targets", "qwen2.5-1.5b", "--accept", "3",
                  "--max-new-tokens", "12", "--ks", "1,2", "--no-tests"]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["dry_run"] and report["device"] == "cpu"
@@ -95,20 +140,34 @@ def test_dry_run_report(tmp_path):
     labels = {m["label"] for m in report["methods"]}
     assert {"ar", "sd", "suffix", "mirror serial", "ss (untrained streams)"} <= labels
     assert all(m["equal_to_ar"] for m in report["methods"])
-    assert [(r["accept"], r["exit_hit_rate"]) for r in report["forced"]] == [("2", gpu.EXIT_HIT), ("all", gpu.EXIT_HIT)]
+    hit = gpu.EXIT_HIT
+    assert [(r["accept"], r["draft"], r["exit_hit_rate"]) for r in report["forced"]] == [
+        ("3", "plain", hit), *(("3", "plain", h) for h in gpu.EXIT_HITS_AT_3), ("3", "ss", hit), ("all", "plain", hit)]
     for row in report["forced"]:
         assert row["sd"]["equal_to_ar"] and row["mirror"]["equal_to_ar"]
         assert row["mirror"]["eq10_ms"] > 0 and row["mirror"]["step_ms"] > 0
         trace = json.loads((tmp_path / row["mirror"]["trace"]).read_text())
         assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"target", "draft"}
-    assert report["forced"][0]["sd"]["mean_accepted"] == pytest.approx(3.0, abs=0.5)  # A accepted + the correction
-    assert "DRY RUN" in (tmp_path / "report.md").read_text()
+    assert report["forced"][0]["sd"]["mean_accepted"] == pytest.approx(4.0, abs=0.5)  # A accepted + the correction
+    ss = report["forced"][3]
+    assert ss["sd"]["mean_accepted"] == report["forced"][0]["sd"]["mean_accepted"]  # the same tokens, fewer forwards
+    assert report["forced"][0]["sd"]["draft_eta"] == pytest.approx(1.0)
+    assert ss["sd"]["draft_eta"] > 1.0
+    text = (tmp_path / "report.md").read_text()
+    assert "DRY RUN" in text and "Fig. 4" in text
+    assert len(gpu.fig4_cells(report["forced"])["qwen2.5-1.5b"]) == 4
     # on CUDA each forward's kernels are listed (None on the CPU): the table renders from the report's fields
     from mirrorsd.bench.gpu import markdown
 
     report["costs"][0]["kernel_times"] = {"wall_ms": 2.8, "kernel_us": 2500.0, "launches": 290.0,
                                           "top": [{"name": "attend", "launches": 28.0, "us": 400.0}]}
     assert "| `attend` | 28 | 400.0 | 16% |" in markdown(report)
+    # an SS draft that fails on a GPU is a row of the report and a word in the summary, not the end of the run
+    report["forced"][3] = {**{k: ss[k] for k in ("target", "accept", "draft", "exit_hit_rate", "overlap_graphs")},
+                           "failed": "RuntimeError: boom"}
+    assert "failed: RuntimeError: boom" in markdown(report)
+    assert "FAILED: forced 3 (ss draft)" in gpu.summary(report)
+    assert len(gpu.fig4_cells(report["forced"])["qwen2.5-1.5b"]) == 2
 
 
 def test_the_papers_target_sizes_run_on_request(tmp_path):
