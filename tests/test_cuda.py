@@ -102,11 +102,14 @@ def test_devices_backend_with_the_draft_on_the_cpu():
 
 
 def test_cuda_streams_overlap_the_draft():
-    """The rollout runs on its own stream while the target finishes: some draft time is hidden."""
+    """The rollout runs on its own stream while the target finishes: some draft time is hidden, by the CUDA events'
+    timestamps (the spans are on the device's clock, with the host's durations kept beside them)."""
     target, draft = _pair(torch.bfloat16)
     got = generate(target, PROMPT, method="mirror", draft=draft, backend="cuda-streams", max_new_tokens=48,
                    temperature=0.0)
     stats = got.stats.extra["mirror"].to_dict()
+    assert stats["device_times"]
+    assert all("host_ms" in s.args for s in got.stats.spans if s.name in ("rollout", "layers ≥ ℓe"))
     assert stats["hidden_draft_fraction"] is not None and stats["hidden_draft_fraction"] > 0
 
 

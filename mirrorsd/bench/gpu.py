@@ -652,26 +652,56 @@ def _forced_runs(name: str, target: Transformer, draft: Transformer, prompt: lis
         runs += [(hit, "off") for hit in EXIT_HITS_AT_3] + ([(EXIT_HIT, "on")] if overlap_graphs else [])
     rows = []
     for hit, graphs in runs:
-        # exit_head / exit_vocab: the lens on the full vocabulary, the logits the exit oracle makes up
-        mirror, mirror_s = timed_generate(
-            ExitOracle.wrap(target, prompt, reference, hit, EXIT_KAPPA), prompt, max_new, method="mirror",
-            draft=oracle, gamma=gamma, kappa=EXIT_KAPPA, confidence=0.0, backend=backend, exit_head="lens",
-            exit_vocab=0, **drafting, **roots, **({"overlap_graphs": "on"} if graphs == "on" else {}))
+        options = {**roots, **({"overlap_graphs": "on"} if graphs == "on" else {})}
         suffix = ("_overlap_graphs" if graphs == "on" else "") + ("_ss" if ss else "")
-        info = _mirror(mirror, out / f"trace_{name}_forced_{label}_hit{hit:g}{suffix}.json") or {}
-        step = info.get("mean_ms", {})
-        mirror_row = {"tok_s": len(mirror.token_ids) / mirror_s, "backend": backend,
-                      "mean_accepted": mirror.stats.mean_accepted_length,
-                      "equal_to_ar": mirror.token_ids == reference, "step_ms": step.get("step_s"),
-                      "eq10_ms": step.get("eq10_s"), "terms_ms": step,
-                      "step_over_eq10": step["step_s"] / step["eq10_s"] if step.get("eq10_s") else None,
-                      "fallback_frequency": info.get("fallback_frequency"),
-                      "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace"),
-                      "fresh_eta": info.get("fresh_tokens_per_draft_forward"),
-                      "rollout_eta": info.get("rollout_tokens_per_draft_forward")}
+        mirror_row = _mirror_run(target, oracle, prompt, reference, hit, gamma, backend, max_new, drafting, options,
+                                 out / f"trace_{name}_forced_{label}_hit{hit:g}{suffix}.json")
         rows.append({"target": name, "accept": label, "draft": kind, "exit_hit_rate": hit, "overlap_graphs": graphs,
                      "sd": sd_row, "mirror": mirror_row, "mirror_over_sd": mirror_row["tok_s"] / sd_row["tok_s"]})
+    if accept == 3 and not ss:  # Eq. 10's terms alone: the same step, serial, with the overlapped run's roots
+        first = rows[0]["mirror"]
+        alone = _mirror_run(target, oracle, prompt, reference, EXIT_HIT, gamma, "serial", max_new, drafting,
+                            {"budget": max(1, round(first["mean_roots"] or 0))},
+                            out / f"trace_{name}_forced_{label}_alone.json")
+        first["alone"] = alone | law(alone, first, sd_row)
     return rows
+
+
+def _mirror_run(target: Transformer, oracle: OracleDraft, prompt: list[int], reference: list[int], hit: float,
+                gamma: int, backend: str, max_new: int, drafting: dict[str, Any], options: dict[str, Any],
+                trace: Path) -> dict[str, Any]:
+    """Mirror-SD with the oracle draft and an exit oracle at ``hit``: speed, its Eq. 10 terms and their sums."""
+    # exit_head / exit_vocab: the lens on the full vocabulary, the logits the exit oracle makes up
+    mirror, mirror_s = timed_generate(
+        ExitOracle.wrap(target, prompt, reference, hit, EXIT_KAPPA), prompt, max_new, method="mirror", draft=oracle,
+        gamma=gamma, kappa=EXIT_KAPPA, confidence=0.0, backend=backend, exit_head="lens", exit_vocab=0, **drafting,
+        **options)
+    info = _mirror(mirror, trace) or {}
+    step = info.get("mean_ms", {})
+    ratio = lambda key: step["step_s"] / step[key] if step.get(key) else None  # noqa: E731
+    return {"tok_s": len(mirror.token_ids) / mirror_s, "backend": backend, "tokens": len(mirror.token_ids),
+            "steps": info.get("steps"),
+            "mean_accepted": mirror.stats.mean_accepted_length, "equal_to_ar": mirror.token_ids == reference,
+            "step_ms": step.get("step_s"), "eq10_ms": step.get("eq10_s"), "predicted_ms": step.get("predicted_s"),
+            "terms_ms": step, "step_over_eq10": ratio("eq10_s"), "step_over_predicted": ratio("predicted_s"),
+            "device_times": info.get("device_times"), "mean_roots": info.get("mean_roots"),
+            "fallback_frequency": info.get("fallback_frequency"),
+            "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace"),
+            "fresh_eta": info.get("fresh_tokens_per_draft_forward"),
+            "rollout_eta": info.get("rollout_tokens_per_draft_forward")}
+
+
+def law(alone: dict[str, Any], overlapped: dict[str, Any], sd: dict[str, Any]) -> dict[str, Any]:
+    """Eq. 10 from terms each measured alone (a serial run: nothing overlaps), with the miss rate × fallback rollout
+    and the branch selection: the overlapped run's step as the law predicts it, and so Mirror-SD ÷ SD, with the
+    overlapped run's steps at that length and the rest of its wall time (prefills) as measured."""
+    t = alone["terms_ms"]
+    if not t or not overlapped.get("steps"):
+        return {"law_step_ms": None, "law_mirror_over_sd": None}
+    step = t["t_pre"] + t["t_ee"] + max(t["delta"], t["t_draft"]) + t["t_fv"] + t["t_fallback"]
+    wall = overlapped["tokens"] / overlapped["tok_s"]
+    predicted = wall + overlapped["steps"] * (step - overlapped["step_ms"]) / 1e3
+    return {"law_step_ms": step, "law_mirror_over_sd": overlapped["tokens"] / predicted / sd["tok_s"]}
 
 
 def fig4_cells(forced: list[dict[str, Any]]) -> dict[str, dict[tuple[str, str], float]]:
@@ -752,7 +782,8 @@ def markdown(report: dict[str, Any]) -> str:
               f"SS draft: untrained streams whose guesses the oracle makes right at {STREAM_HIT} (stream 1's "
               "acceptance); draft η̄ = draft tokens per draft forward (SD / Mirror-SD's fresh, branch rollouts).", "",
               "| target | forced A | draft | exit hit rate | graphs while overlapping | tokens/step SD / Mirror | "
-              "SD tok/s | Mirror tok/s | Mirror/SD | step ms | Eq. 10 ms | step/Eq. 10 | fallback | hidden draft | "
+              "SD tok/s | Mirror tok/s | Mirror/SD | step ms | Eq. 10 ms | step ÷ Eq. 10 / ÷ (Eq. 10 + fallbacks) | "
+              "fallback | hidden draft | "
               "draft η̄ | lossless |", "|---" * 16 + "|"]
     for r in report["forced"]:
         head = (f"| {r['target']} | {r['accept']} | {r.get('draft', 'plain')} | {fmt(r.get('exit_hit_rate'))} | "
@@ -765,8 +796,23 @@ def markdown(report: dict[str, Any]) -> str:
         eta = f"{fmt(s.get('draft_eta'))} / {fmt(m.get('fresh_eta'))}, {fmt(m.get('rollout_eta'))}"
         lines.append(head + f"{s['mean_accepted']:.2f} / {m['mean_accepted']:.2f} | "
                      f"{s['tok_s']:.1f} | {m['tok_s']:.1f} | {r['mirror_over_sd']:.2f}× | {fmt(m['step_ms'])} | "
-                     f"{fmt(m['eq10_ms'])} | {fmt(m['step_over_eq10'])} | {fmt(m['fallback_frequency'])} | "
+                     f"{fmt(m['eq10_ms'])} | {fmt(m['step_over_eq10'])} / {fmt(m.get('step_over_predicted'))} | "
+                     f"{fmt(m['fallback_frequency'])} | "
                      f"{fmt(m['hidden_draft_fraction'])} | {eta} | {lossless} |")
+    alone = [(r, r["mirror"]["alone"]) for r in report["forced"] if "alone" in r.get("mirror", {})]
+    if alone:
+        clock = "CUDA events" if all(a.get("device_times") for _, a in alone) else "the host's clock"
+        lines += ["", f"## Eq. 10's terms measured alone (serial, the overlapped run's roots; {clock}), and what the "
+                  "law predicts", "",
+                  "| target | forced A | T_pre | T_ee | Δ | T_draft | T_fv | miss × fallback | law's step | measured "
+                  "step (overlapped) | law's Mirror/SD | measured Mirror/SD |", "|---" * 12 + "|"]
+        for r, a in alone:
+            t = a["terms_ms"]
+            terms = " | ".join(fmt(t.get(k)) for k in ("t_pre", "t_ee", "delta", "t_draft", "t_fv", "t_fallback"))
+            law_ratio = a.get("law_mirror_over_sd")
+            lines.append(f"| {r['target']} | {r['accept']} | {terms} | {fmt(a.get('law_step_ms'))} | "
+                         f"{fmt(r['mirror']['step_ms'])} | {'–' if law_ratio is None else f'{law_ratio:.2f}×'} | "
+                         f"{r['mirror_over_sd']:.2f}× |")
     fig4 = fig4_cells(report["forced"])
     if fig4:
         lines += ["", f"## The Mirror-SD paper's Fig. 4 at forced A = {STREAM_ACCEPT}, exit hit rate {EXIT_HIT} "

@@ -1,7 +1,10 @@
-"""Wall-clock spans per lane (target, draft), for step statistics and Chrome/Perfetto traces.
+"""Spans per lane (target, draft), for step statistics and Chrome/Perfetto traces.
 
 Every span uses ``time.perf_counter`` from whichever thread records it, so spans of the target and the draft
-are on one clock and their overlap in the trace is real overlap in wall time.
+are on one clock and their overlap in the trace is real overlap in wall time. On a GPU that clock times the host
+issuing work, not the work: a tracer made for a CUDA device also records a CUDA event at each end of a span, on the
+stream its thread issues to, and :meth:`Tracer.resolve` moves the spans onto the device's clock (both lanes' streams
+on one device share it), so durations and overlaps are the kernels' own.
 """
 
 from __future__ import annotations
@@ -31,20 +34,52 @@ class Span:
 
 
 class Tracer:
-    """Collects spans; ``list.append`` is atomic under the GIL, so both lanes may record concurrently."""
+    """Collects spans; ``list.append`` is atomic under the GIL, so both lanes may record concurrently.
 
-    def __init__(self) -> None:
+    ``device``: a CUDA device whose streams every span's work is issued to (one device: events on two devices share
+    no clock) makes it record CUDA events too, and :attr:`device_times` true."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
         self.origin = time.perf_counter()
         self.spans: list[Span] = []
+        self.device_times = device is not None and device.type == "cuda"
+        self._pending: list[tuple[Span, Any, Any]] = []  # spans whose events :meth:`resolve` has not read yet
+        if self.device_times:
+            with torch.cuda.device(device):
+                self._zero = torch.cuda.Event(enable_timing=True)
+                self._zero.record()
+            self._zero_host = time.perf_counter()
 
     @contextmanager
     def span(self, lane: str, name: str, **args: Any) -> Iterator[Span]:
         s = Span(lane, name, time.perf_counter(), 0.0, args)
+        begin = self._event()
         try:
             yield s
         finally:
             s.end = time.perf_counter()
+            if begin is not None:
+                self._pending.append((s, begin, self._event()))
             self.spans.append(s)
+
+    def _event(self) -> Any:
+        """A timing event recorded on this thread's current stream, or None (host times only)."""
+        if not self.device_times:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def resolve(self) -> None:
+        """Put the spans recorded so far on the device's clock (waiting for their work to finish): start and end
+        become the events' times, anchored where the tracer began, and ``args["host_ms"]`` keeps the host's
+        duration. Call it where both lanes' work is known to be done (a rollout joined, a verdict read)."""
+        pending, self._pending = self._pending, []
+        for span, begin, end in pending:
+            end.synchronize()
+            span.args["host_ms"] = round(span.seconds * 1e3, 4)
+            span.start = self._zero_host + self._zero.elapsed_time(begin) / 1e3
+            span.end = self._zero_host + self._zero.elapsed_time(end) / 1e3
 
 
 def synchronize(device: torch.device) -> None:

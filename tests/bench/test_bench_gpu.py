@@ -149,12 +149,16 @@ def test_dry_run_report(tmp_path):
         trace = json.loads((tmp_path / row["mirror"]["trace"]).read_text())
         assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {"target", "draft"}
     assert report["forced"][0]["sd"]["mean_accepted"] == pytest.approx(4.0, abs=0.5)  # A accepted + the correction
+    alone = report["forced"][0]["mirror"]["alone"]  # Eq. 10's terms each measured alone, and the law from them
+    assert alone["backend"] == "serial" and alone["equal_to_ar"] and alone["terms_ms"]["t_draft"] > 0
+    assert alone["law_step_ms"] > 0 and alone["law_mirror_over_sd"] > 0
+    assert report["forced"][0]["mirror"]["step_over_predicted"] <= report["forced"][0]["mirror"]["step_over_eq10"]
     ss = report["forced"][3]
     assert ss["sd"]["mean_accepted"] == report["forced"][0]["sd"]["mean_accepted"]  # the same tokens, fewer forwards
     assert report["forced"][0]["sd"]["draft_eta"] == pytest.approx(1.0)
     assert ss["sd"]["draft_eta"] > 1.0
     text = (tmp_path / "report.md").read_text()
-    assert "DRY RUN" in text and "Fig. 4" in text
+    assert "DRY RUN" in text and "Fig. 4" in text and "measured alone" in text
     assert len(gpu.fig4_cells(report["forced"])["qwen2.5-1.5b"]) == 4
     # on CUDA each forward's kernels are listed (None on the CPU): the table renders from the report's fields
     from mirrorsd.bench.gpu import markdown

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 
 import pytest
@@ -332,6 +333,56 @@ def test_threads_backend_overlaps_draft_with_target_suffix(heavy_pair, tmp_path)
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert lanes == {"target", "draft"}
     assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+
+
+class _HalfSpeedEvent:
+    """A stand-in for ``torch.cuda.Event`` on the CPU: a device clock that runs at half the host's speed, so a span
+    on it lasts half its host time."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self, stream: object = None) -> None:
+        self.t = 0.5 * time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HalfSpeedEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_eq10_terms_come_from_device_events_where_the_tracer_records_them(tiny_pair, monkeypatch):
+    """On one CUDA device (serial or cuda-streams) the tracer records events at each span's ends and the step's
+    Eq. 10 terms are read off the spans after they are put on the device's clock; the host's durations stay in
+    the spans' args. Faked here with a device clock at half speed: every target term is then its span's device
+    time (half the host's), and the final rendezvous is the host's branch selection alone."""
+    import contextlib
+
+    from mirrorsd.decoding.mirror import stats as mirror_stats
+    from mirrorsd.runtime import Tracer
+
+    monkeypatch.setattr(torch.cuda, "Event", _HalfSpeedEvent)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(mirror_stats, "Tracer", lambda device=None: Tracer(torch.device("cuda")))
+    target, draft = tiny_pair
+    prompt = list(range(3, 23))
+    m = generate(target, prompt, method="mirror", draft=draft, backend="threads", gamma=4, kappa=3, roots="paper",
+                 max_new_tokens=20)
+    assert m.token_ids == generate(target, prompt, method="ar", max_new_tokens=20).token_ids
+    stats = m.stats.extra["mirror"]
+    assert stats.device_times and stats.to_dict()["device_times"]
+    spans = m.stats.spans
+    by_name = {name: [s for s in spans if s.name == name] for name in ("layers < ℓe", "early exit", "layers ≥ ℓe")}
+    for span in [s for group in by_name.values() for s in group]:
+        assert span.seconds == pytest.approx(0.5 * span.args["host_ms"] / 1e3, rel=0.05, abs=1e-4)
+    assert [s.t_pre for s in stats.steps] == [s.seconds for s in by_name["layers < ℓe"]]
+    assert [s.delta for s in stats.steps] == [s.seconds for s in by_name["layers ≥ ℓe"]]
+    assert [s.t_ee for s in stats.steps if s.roots] == [s.seconds for s in by_name["early exit"]]
+    selects = [s for s in spans if s.name == "select"]
+    host = sum(s.args["host_ms"] / 1e3 if "host_ms" in s.args else s.seconds for s in selects)
+    assert sum(s.t_fv for s in stats.steps) == pytest.approx(host, rel=0.01, abs=1e-5)
+    assert all(s.predicted_s == s.eq10_s + s.t_fallback for s in stats.steps)
 
 
 class _FailingDraft:

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from .draft import Tree
 
 
+#: The target's spans of one step: layers below ℓe, the early exit (None when nothing rolls out), layers from ℓe.
+TargetSpans = tuple[Span, Span | None, Span]
+
+
 @dataclass
 class MirrorStep:
     """One step's timings in seconds (the paper's Eq. 10 terms) and outcome."""
@@ -48,6 +52,11 @@ class MirrorStep:
         return self.t_pre + self.t_ee + self.t_channel + max(self.delta, self.t_draft) + self.t_fv
 
     @property
+    def predicted_s(self) -> float:
+        """Eq. 10 plus this step's exposed fresh rollout after a miss: over a run, Eq. 10 + miss rate × fallback."""
+        return self.eq10_s + self.t_fallback
+
+    @property
     def exposed(self) -> float:
         return self.t_draft - self.hidden + self.t_fallback
 
@@ -62,6 +71,7 @@ class MirrorStats:
     steps: list[MirrorStep] = field(default_factory=list)
     draft_failed: str | None = None
     draft_streams: bool = False
+    device_times: bool = False  # the Eq. 10 terms are CUDA events' times (:class:`~mirrorsd.runtime.Tracer`)
     fresh_tokens: int = 0
     fresh_forwards: int = 0
     channel_s: dict[str, list[float]] = field(default_factory=dict)  # processes backend: message -> latencies
@@ -109,7 +119,9 @@ class MirrorStats:
             "hidden_draft_fraction": round(sum(s.hidden for s in steps) / draft_total, 4) if draft_total else None,
             "exposed_draft_s": round(sum(s.exposed for s in steps), 4),
             "mean_ms": {name: round(1e3 * mean([getattr(s, name) for s in steps]), 3) for name in (
-                "t_pre", "t_ee", "t_channel", "delta", "t_draft", "t_fv", "t_fallback", "step_s", "eq10_s")},
+                "t_pre", "t_ee", "t_channel", "delta", "t_draft", "t_fv", "t_fallback", "step_s", "eq10_s",
+                "predicted_s")},
+            "device_times": self.device_times,
             "draft_failed": self.draft_failed,
             "draft_streams": self.draft_streams,
             # η̄: draft tokens per draft forward in fresh rollouts (1 for an AR draft, more with SS streams)
@@ -142,9 +154,13 @@ class MirrorRun:
                  exit_vocab: SubsetHead | None = None) -> None:
         self.opts, self.exit_layer, self.executor, self.translate = opts, exit_layer, executor, translate
         self.exit_vocab = exit_vocab
-        self.tracer = Tracer()
+        # Both halves on one CUDA device, issued from this process: the Eq. 10 terms on the device's clock
+        same_device = req.draft is not None and req.draft.device == req.target.device
+        on_device = executor.name in ("serial", "cuda-streams") and same_device
+        self.tracer = Tracer(req.target.device if on_device else None)
         req.stats.spans = self.tracer.spans
-        self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots, opts.candidates)
+        self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots, opts.candidates,
+                                 device_times=self.tracer.device_times)
         req.stats.extra["mirror"] = self.stats
         most = (opts.gamma + 1) * opts.kappa
         self.overlapped = executor.name != "serial"  # serial runs the rollout after the upper layers: no channel wait
@@ -156,26 +172,35 @@ class MirrorRun:
         self.root_scorer = RootScorer(opts.kappa) if opts.roots == "budget" else None
         self.record: MirrorStep | None = None
         self.kappa = opts.kappa  # this step's κ: the option's, or less in a busy batch (options.batch_caps)
-        self._step: tuple[float, float, Span, ChannelMessage | None, int] | None = None
+        self._step: tuple[float, float, TargetSpans, ChannelMessage | None, int] | None = None
 
-    def scored(self, record: MirrorStep, start: float, submitted: float, upper: Span,
+    def scored(self, record: MirrorStep, start: float, submitted: float, spans: TargetSpans,
                message: ChannelMessage | None, steps: int) -> None:
+        """The target's half of a step is issued: its spans (``pre``, ``ee`` or None, ``upper``) give the record's
+        target terms once :meth:`joined` has them on their final clock."""
         self.record = record
         self.stats.steps.append(record)  # now: the caller may stop after these tokens
-        self._step = (start, submitted, upper, message, steps)
+        self._step = (start, submitted, spans, message, steps)
 
     def joined(self, tree: Tree | None) -> None:
-        """The rollout is back (or there was none): its timings go into the step's record."""
-        record, (start, submitted, upper, _, steps) = self.record, self._step
+        """The rollout is back (or there was none): the step's terms go into its record. On the device's clock
+        (:attr:`Tracer.device_times`) the hand-off runs from the exit's end to the rollout's start, and the final
+        rendezvous is the host's branch selection alone (:meth:`selected`): what the device spends after both
+        lanes is in neither lane."""
+        record, (start, submitted, (pre, ee, upper), _, steps) = self.record, self._step
         joined = time.perf_counter()
+        device = self.tracer.device_times
+        self.tracer.resolve()
+        record.t_pre, record.t_ee, record.delta = pre.seconds, ee.seconds if ee else 0.0, upper.seconds
         rollout = tree.span if tree is not None else None
         if tree is not None:
             record.rollout_depth, record.rollout_forwards = steps, tree.forwards
         if rollout is not None:
             record.t_draft = rollout.seconds
-            record.t_channel = max(0.0, rollout.start - submitted) if self.overlapped else 0.0
+            handoff = ee.end if device and ee is not None else submitted
+            record.t_channel = max(0.0, rollout.start - handoff) if self.overlapped else 0.0
             record.hidden = overlap(rollout, upper)
-        record.t_fv = max(0.0, joined - max(upper.end, rollout.end if rollout else upper.end))
+        record.t_fv = 0.0 if device else max(0.0, joined - max(upper.end, rollout.end if rollout else upper.end))
         record.step_s = joined - start
         if self.budget is not None and tree is not None and self.opts.budget is None:
             self.budget.observe(record.roots, steps, record.t_draft, upper.seconds)

@@ -38,7 +38,7 @@ class EarlyExitScorer(ChainScorer):
             exit_hidden = target.run_layers(target.embed(ids), positions, state.target_cache, end=run.exit_layer)
         # The next window can hold at most this many tokens; rollouts past it would be wasted.
         steps = min(opts.gamma, state.room - 1)
-        message, roots, t_ee, submitted = None, [], 0.0, 0.0
+        message, roots, ee, submitted = None, [], None, 0.0
         if not self.draft.failed and steps > 0 and run.rolls_out:
             kappa = min(opts.kappa, batch_caps(state.batch)[0] or opts.kappa)  # fewer roots in a busy batch
             run.kappa = kappa
@@ -46,7 +46,6 @@ class EarlyExitScorer(ChainScorer):
                 message = early_exit(target, exit_hidden, kappa, state.params, run.translate, run.exit_vocab)
                 if opts.candidates == "draft":
                     message = message.with_draft(draft, kappa)
-            t_ee = ee.seconds
             budget = run.budget.current if run.budget else 0
             roots = select_roots(message, draft.tokens, opts.roots, run.root_scorer, budget)
             submitted = time.perf_counter()
@@ -54,7 +53,8 @@ class EarlyExitScorer(ChainScorer):
         with run.executor.overlapping(), run.tracer.span("target", "layers ≥ ℓe") as upper:
             hidden = target.run_layers(exit_hidden, positions, state.target_cache, start=run.exit_layer)
             logits = target.logits(hidden)[0]
-        run.scored(MirrorStep(accepted=0, drafted=len(draft.tokens), roots=len(roots), hit=None, t_pre=pre.seconds,
-                              t_ee=t_ee, t_channel=0.0, delta=upper.seconds, t_draft=0.0, t_fv=0.0,
-                              t_fallback=0.0, hidden=0.0, step_s=0.0), start, submitted, upper, message, steps)
+        # (the target's terms are read off its spans once the step is joined: on a GPU they are device times then)
+        run.scored(MirrorStep(accepted=0, drafted=len(draft.tokens), roots=len(roots), hit=None, t_pre=0.0,
+                              t_ee=0.0, t_channel=0.0, delta=0.0, t_draft=0.0, t_fv=0.0, t_fallback=0.0, hidden=0.0,
+                              step_s=0.0), start, submitted, (pre, ee, upper), message, steps)
         return Scores(logits, draft)
