@@ -246,6 +246,18 @@ def test_a_connection_closed_at_the_call_is_a_channel_error_too():
         wait_for(closed, 1.0)
 
 
+def test_a_failed_torchrun_draft_rank_is_abandoned_with_its_own_error():
+    """A ``torchrun`` world's draft rank is the launcher's process (no exit code to read here): abandoning it keeps
+    the channel's error as the reason, where reading a process's exit code once raised an AttributeError instead."""
+    from mirrorsd.runtime.processes import ChannelError, LaunchedPeer
+
+    side = mirror_remote.RemoteDraft.__new__(mirror_remote.RemoteDraft)
+    side.worker = LaunchedPeer(channel=None)  # type: ignore[arg-type]
+    error = ChannelError("the channel to the other process failed (timed out)")
+    assert side.abandon(error) is error
+    assert side.worker.broken == f"ChannelError: {error}"
+
+
 UNGUARDED_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})

@@ -358,7 +358,8 @@ class RemoteDraft:
             return error
         # A dead rank is named as one: gloo may report a dead peer as a closed connection or, when the send went
         # into the socket buffer first, as a timed-out receive, which alone would read like a hang.
-        code = self.worker.process.exitcode
+        process = getattr(self.worker, "process", None)  # (a torchrun world's draft rank is the launcher's)
+        code = process.exitcode if process is not None else None
         error = error if code is None else ChannelError(f"the draft rank exited with code {code}: {error}")
         self.worker.abandon(f"{type(error).__name__}: {error}")
         return error

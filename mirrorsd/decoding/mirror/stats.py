@@ -154,10 +154,12 @@ class MirrorRun:
                  exit_vocab: SubsetHead | None = None) -> None:
         self.opts, self.exit_layer, self.executor, self.translate = opts, exit_layer, executor, translate
         self.exit_vocab = exit_vocab
-        # Both halves on one CUDA device, issued from this process: the Eq. 10 terms on the device's clock
-        same_device = req.draft is not None and req.draft.device == req.target.device
-        on_device = executor.name in ("serial", "cuda-streams") and same_device
-        self.tracer = Tracer(req.target.device if on_device else None)
+        # Both halves on one CUDA device, issued from this process: the Eq. 10 terms on the device's clock (a draft
+        # rank's replica has no target)
+        target, draft = req.target, req.draft
+        on_device = executor.name in ("serial", "cuda-streams") and target is not None and draft is not None \
+            and draft.device == target.device
+        self.tracer = Tracer(target.device if on_device else None)
         req.stats.spans = self.tracer.spans
         self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots, opts.candidates,
                                  device_times=self.tracer.device_times)
