@@ -222,6 +222,22 @@ def test_mirror_on_cuda_streams_with_overlap_graphs_equals_ar():
         _assert_lossless(model, got, want)
 
 
+def test_mirror_on_cuda_streams_issued_inline_equals_ar():
+    """``draft_issue="inline"``: no worker thread; the target's thread issues the rollouts onto the second stream
+    after its upper layers, graphs on for both sides (the second request replays what the first captured), and the
+    step's terms are on the device's clock. `bench gpu` runs this test alone first and measures the setting only if
+    it passes."""
+    model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, torch.bfloat16, seed=3)
+    draft = model.prefix_model(1)
+    want = generate(model, PROMPT, method="ar", max_new_tokens=48, temperature=0.0).token_ids
+    for _ in range(2):
+        got = generate(model, PROMPT, method="mirror", draft=draft, backend="cuda-streams", draft_issue="inline",
+                       budget=2, exit_layer=2, max_new_tokens=48, temperature=0.0)
+        _assert_lossless(model, got.token_ids, want)
+    stats = got.stats.extra["mirror"].to_dict()
+    assert stats["device_times"] and stats["mean_roots"] > 0
+
+
 def test_mirror_on_cuda_streams_with_graphs_equals_ar():
     """Mirror-SD's two threads on one GPU with CUDA graphs on (the target's thread captures and replays its
     layers; both sides run eagerly while they overlap): at real-ish shapes a capture on one thread was once

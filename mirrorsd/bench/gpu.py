@@ -515,10 +515,11 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
     if tests:
         say("CUDA-gated tests…", flush=True)
         report["cuda_tests"] = run_cuda_tests(repo or Path.cwd())
-    overlap_graphs = False
-    if not dry:  # Mirror-SD with graphs on while its sides overlap: measured only where its own test passes
-        report["overlap_graphs_test"] = run_cuda_tests(repo or Path.cwd(), "overlap_graphs")
-        overlap_graphs = report["overlap_graphs_test"].get("returncode") == 0
+    overlaps: tuple[str, ...] = ()
+    if not dry:  # Mirror-SD's other ways to overlap: each measured only where its own test passes, alone, first
+        report["overlap_tests"] = {name: run_cuda_tests(repo or Path.cwd(), select)
+                                   for name, (_, select) in OVERLAPS.items()}
+        overlaps = tuple(name for name, r in report["overlap_tests"].items() if r.get("returncode") == 0)
     report["forward_ms"], report["forward_ms_eager"], report["methods"], report["forced"], report["train"] = \
         {}, {}, [], [], {}
     report["costs"], report["copy_bytes_per_s"] = [], copy_bandwidth(dev, 1 << (20 if dry else 30))
@@ -563,7 +564,7 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
                 _mirror(res, out / f"trace_{name}_{label.replace(' ', '_')}.json"))))
             _write(out, report)
         report["forced"].extend(_forced(name, target, draft, prompt, reference, accepts, gamma, dev, max_new, out,
-                                        say, overlap_graphs))
+                                        say, overlaps))
         _write(out, report)
         del target, draft
     return report
@@ -592,6 +593,11 @@ EXIT_HIT, EXIT_KAPPA, EXIT_HITS_AT_3 = 0.75, 8, (0.5, 1.0)
 #: The SS draft's stream-1 acceptance at A = 3 (issue 62: the stream oracle at 0.5), where SD and Mirror-SD also run
 #: with a Speculative Streaming draft: the Mirror-SD paper's Fig. 4, {SD, Mirror-SD} × {plain, SS draft}.
 STREAM_HIT, STREAM_ACCEPT = 0.5, 3
+#: Mirror-SD's other ways to overlap on ``cuda-streams`` than the default (a worker thread issues the rollouts, both
+#: sides eager while they overlap), each run at A = 3 where its CUDA test (the ``-k`` here) passes alone first:
+#: ``graphs``, the worker with CUDA graphs on; ``inline``, no worker, the target's thread issuing both streams.
+OVERLAPS = {"graphs": ({"overlap_graphs": "on"}, "overlap_graphs"),
+            "inline": ({"draft_issue": "inline"}, "issued_inline")}
 
 
 def oracle_streams(draft: Transformer) -> OracleStreams:
@@ -611,11 +617,11 @@ def draft_eta(result: Any) -> float | None:
 
 def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int], reference: list[int],
             accepts: tuple[int, ...], gamma: int, dev: torch.device, max_new: int, out: Path,
-            say: Any, overlap_graphs: bool = False) -> list[dict[str, Any]]:
+            say: Any, overlaps: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """SD and Mirror-SD at forced acceptance lengths (the oracle draft's schedule), same window γ, Mirror-SD's
     early exit holding the correction at forced rates (the exit oracle); at A = :data:`STREAM_ACCEPT` both also with
     an SS draft whose streams guess right at :data:`STREAM_HIT` (a failure there is a row, not the end of the run);
-    ``overlap_graphs``: at A = 3 also with CUDA graphs on while Mirror-SD's sides overlap."""
+    ``overlaps``: at A = 3 also Mirror-SD's other ways to overlap (:data:`OVERLAPS`)."""
     backend = "cuda-streams" if dev.type == "cuda" else "serial"
     roots = {"budget": 2} if backend == "serial" else {}  # (serial rolls out no root unless told)
     rows = []
@@ -624,18 +630,18 @@ def _forced(name: str, target: Transformer, draft: Transformer, prompt: list[int
         for kind in ("plain", "ss") if accept == STREAM_ACCEPT else ("plain",):
             try:
                 rows += _forced_runs(name, target, draft, prompt, reference, accept, kind, gamma, backend, roots,
-                                     max_new, out, say, overlap_graphs)
+                                     max_new, out, say, overlaps)
             except Exception as error:  # noqa: BLE001 - the SS draft has not run on a GPU yet: report, go on
                 if kind == "plain":
                     raise
                 rows.append({"target": name, "accept": label, "draft": kind, "exit_hit_rate": EXIT_HIT,
-                             "overlap_graphs": "off", "failed": f"{type(error).__name__}: {str(error)[:300]}"})
+                             "overlap": "thread", "failed": f"{type(error).__name__}: {str(error)[:300]}"})
     return rows
 
 
 def _forced_runs(name: str, target: Transformer, draft: Transformer, prompt: list[int], reference: list[int],
                  accept: int | None, kind: str, gamma: int, backend: str, roots: dict[str, Any], max_new: int,
-                 out: Path, say: Any, overlap_graphs: bool) -> list[dict[str, Any]]:
+                 out: Path, say: Any, overlaps: tuple[str, ...]) -> list[dict[str, Any]]:
     """One forced acceptance and draft kind: SD once, Mirror-SD at each exit hit rate."""
     ss = kind == "ss"
     oracle = OracleDraft.wrap(draft, prompt, reference, accept, STREAM_HIT if ss else None)
@@ -647,16 +653,16 @@ def _forced_runs(name: str, target: Transformer, draft: Transformer, prompt: lis
                               suffix_match=0, **drafting)
     sd_row = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,
               "equal_to_ar": sd.token_ids == reference, "draft_eta": draft_eta(sd)}
-    runs = [(EXIT_HIT, "off")]
+    runs = [(EXIT_HIT, "thread")]
     if accept == 3 and not ss:
-        runs += [(hit, "off") for hit in EXIT_HITS_AT_3] + ([(EXIT_HIT, "on")] if overlap_graphs else [])
+        runs += [(hit, "thread") for hit in EXIT_HITS_AT_3] + [(EXIT_HIT, overlap) for overlap in overlaps]
     rows = []
-    for hit, graphs in runs:
-        options = {**roots, **({"overlap_graphs": "on"} if graphs == "on" else {})}
-        suffix = ("_overlap_graphs" if graphs == "on" else "") + ("_ss" if ss else "")
+    for hit, overlap in runs:
+        options = {**roots, **(OVERLAPS[overlap][0] if overlap in OVERLAPS else {})}
+        suffix = ("" if overlap == "thread" else f"_{overlap}") + ("_ss" if ss else "")
         mirror_row = _mirror_run(target, oracle, prompt, reference, hit, gamma, backend, max_new, drafting, options,
                                  out / f"trace_{name}_forced_{label}_hit{hit:g}{suffix}.json")
-        rows.append({"target": name, "accept": label, "draft": kind, "exit_hit_rate": hit, "overlap_graphs": graphs,
+        rows.append({"target": name, "accept": label, "draft": kind, "exit_hit_rate": hit, "overlap": overlap,
                      "sd": sd_row, "mirror": mirror_row, "mirror_over_sd": mirror_row["tok_s"] / sd_row["tok_s"]})
     if accept == 3 and not ss:  # Eq. 10's terms alone: the same step, serial, with the overlapped run's roots
         first = rows[0]["mirror"]
@@ -710,7 +716,7 @@ def fig4_cells(forced: list[dict[str, Any]]) -> dict[str, dict[tuple[str, str], 
     cells: dict[str, dict[tuple[str, str], float]] = {}
     for r in forced:
         if r["accept"] != str(STREAM_ACCEPT) or r.get("exit_hit_rate") != EXIT_HIT or "failed" in r \
-                or r.get("overlap_graphs", "off") != "off":
+                or r.get("overlap", "thread") != "thread":
             continue
         kind = r.get("draft", "plain")
         cell = cells.setdefault(r["target"], {})
@@ -781,13 +787,13 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Forced acceptance (oracle draft) and exit hit rate (exit oracle): Mirror-SD vs SD", "",
               f"SS draft: untrained streams whose guesses the oracle makes right at {STREAM_HIT} (stream 1's "
               "acceptance); draft η̄ = draft tokens per draft forward (SD / Mirror-SD's fresh, branch rollouts).", "",
-              "| target | forced A | draft | exit hit rate | graphs while overlapping | tokens/step SD / Mirror | "
+              "| target | forced A | draft | exit hit rate | overlap | tokens/step SD / Mirror | "
               "SD tok/s | Mirror tok/s | Mirror/SD | step ms | Eq. 10 ms | step ÷ Eq. 10 / ÷ (Eq. 10 + fallbacks) | "
               "fallback | hidden draft | "
               "draft η̄ | lossless |", "|---" * 16 + "|"]
     for r in report["forced"]:
         head = (f"| {r['target']} | {r['accept']} | {r.get('draft', 'plain')} | {fmt(r.get('exit_hit_rate'))} | "
-                f"{r.get('overlap_graphs', 'off')} | ")
+                f"{r.get('overlap', 'thread')} | ")
         if "failed" in r:
             lines.append(head + f"failed: {r['failed']} |" + " |" * 10)
             continue
@@ -842,7 +848,7 @@ def summary(report: dict[str, Any]) -> str:
     bad += [f"forced {r['accept']}{' (SS draft)' if r.get('draft') == 'ss' else ''}" for r in ran
             if not (r["sd"]["equal_to_ar"] and r["mirror"]["equal_to_ar"])]
     ratios = [r["mirror_over_sd"] for r in ran if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT
-              and r.get("overlap_graphs", "off") == "off" and r.get("draft", "plain") == "plain"]
+              and r.get("overlap", "thread") == "thread" and r.get("draft", "plain") == "plain"]
     where = "dry run" if report["dry_run"] else report["device"]
     equal = "all equal to ar" if not bad else "NOT equal to ar: " + ", ".join(bad)
     ratio = f"; Mirror/SD at forced acceptance and exit hit rate {EXIT_HIT}, median {statistics.median(ratios):.2f}×" \

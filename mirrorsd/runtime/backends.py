@@ -7,14 +7,15 @@ import os
 
 import torch
 
-from .executors import BACKENDS, Executor, WorkerExecutor, split_threads
+from .executors import BACKENDS, Executor, InlineStreamExecutor, WorkerExecutor, split_threads
 from .processes import ProcessesExecutor
 
 
 def make_executor(backend: str, target_device: torch.device, draft_device: torch.device,
-                  split: tuple[int, int] | None = None, graphs: bool = False) -> Executor:
+                  split: tuple[int, int] | None = None, graphs: bool = False, inline: bool = False) -> Executor:
     """Check that ``backend`` fits the models' devices and build it (``split``: threads for target, draft;
-    ``graphs``: CUDA graphs stay on while the draft overlaps the target, on ``cuda-streams`` and ``devices``)."""
+    ``graphs``: CUDA graphs stay on while the draft overlaps the target, on ``cuda-streams`` and ``devices``;
+    ``inline``: ``cuda-streams`` issued from the caller's thread, :class:`InlineStreamExecutor`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     same = target_device == draft_device
@@ -34,7 +35,8 @@ def make_executor(backend: str, target_device: torch.device, draft_device: torch
     if backend == "cuda-streams":
         if target_device.type != "cuda" or not same:
             raise ValueError("backend 'cuda-streams' needs target and draft on the same CUDA device")
-        return WorkerExecutor("cuda-streams", draft_device, None, None, graphs)
+        return InlineStreamExecutor(draft_device) if inline else \
+            WorkerExecutor("cuda-streams", draft_device, None, None, graphs)
     if same:
         raise ValueError(f"backend 'devices' needs the draft on another device than the target ({target_device}); "
                          "set --draft-device")

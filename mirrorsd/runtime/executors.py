@@ -7,7 +7,8 @@ result is read with ``future.result()``. One small interface, four placements:
   and the baseline the overlap gain is measured against).
 * ``threads``: a draft worker thread with its own intra-op thread count (PyTorch's count is per thread), so
   the cores are split between the target (``target_threads`` while the two overlap) and the draft.
-* ``cuda-streams``: one GPU; the worker issues the draft's kernels on its own CUDA stream.
+* ``cuda-streams``: one GPU; the worker issues the draft's kernels on its own CUDA stream, or (``inline``) the
+  caller does, right after it has issued the target's upper layers (:class:`InlineStreamExecutor`).
 * ``devices``: target and draft on two devices (``cuda:0``/``cuda:1``, ``cuda``/``cpu``); the worker runs the
   draft on its own device. Only token ids cross between them.
 * ``processes``: the draft in its own OS process, a torch.distributed token channel between them
@@ -34,6 +35,8 @@ class Executor:
     """``serial``: deferred execution on the caller's thread."""
 
     name = "serial"
+    #: Whether a job is issued after the caller's overlapping work instead of before it (:class:`InlineStreamExecutor`)
+    issues_after_target = False
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         return _Deferred(job)
@@ -115,6 +118,38 @@ class WorkerExecutor(Executor):
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class InlineStreamExecutor(Executor):
+    """``cuda-streams`` without a thread: the caller issues the draft's job itself, onto a second CUDA stream, after
+    it has issued the work the job overlaps (:attr:`issues_after_target`). Kernel launches return at once, so the two
+    streams run side by side on the device while one host thread issues both: no worker competing for the GIL, and
+    CUDA graphs as the caller has them (no capture on one thread while another issues). The job may end by reading
+    its results on the host; that waits for its own stream only, after the target's kernels are queued. Off CUDA
+    (tests) the job simply runs on the caller's thread."""
+
+    name = "cuda-streams"
+    issues_after_target = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            if self.stream is None:
+                future.set_result(job())
+            else:
+                # the job reads the draft's cache, which the caller's stream last wrote
+                self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+                with torch.cuda.stream(self.stream):
+                    out = job()
+                # and the caller's later work on that cache must follow the job's
+                torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+                future.set_result(out)
+        except BaseException as error:  # noqa: BLE001 - re-raised by Future.result, like a worker's error
+            future.set_exception(error)
+        return future
 
 
 class ThreadCount(AbstractContextManager):

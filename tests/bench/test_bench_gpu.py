@@ -167,7 +167,7 @@ def test_dry_run_report(tmp_path):
                                           "top": [{"name": "attend", "launches": 28.0, "us": 400.0}]}
     assert "| `attend` | 28 | 400.0 | 16% |" in markdown(report)
     # an SS draft that fails on a GPU is a row of the report and a word in the summary, not the end of the run
-    report["forced"][3] = {**{k: ss[k] for k in ("target", "accept", "draft", "exit_hit_rate", "overlap_graphs")},
+    report["forced"][3] = {**{k: ss[k] for k in ("target", "accept", "draft", "exit_hit_rate", "overlap")},
                            "failed": "RuntimeError: boom"}
     assert "failed: RuntimeError: boom" in markdown(report)
     assert "FAILED: forced 3 (ss draft)" in gpu.summary(report)

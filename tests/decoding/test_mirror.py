@@ -335,6 +335,40 @@ def test_threads_backend_overlaps_draft_with_target_suffix(heavy_pair, tmp_path)
     assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
 
 
+@pytest.mark.parametrize("roots, temperature", [("paper", 0.0), ("budget", 0.0), ("paper", 0.7)])
+def test_an_inline_executor_issues_the_rollouts_after_the_target_and_stays_lossless(tiny_pair, monkeypatch, roots,
+                                                                                     temperature):
+    """``draft_issue="inline"``: no worker thread; the target's thread issues the rollouts onto the second stream
+    right after its upper layers (on a GPU both then run side by side). On the CPU the executor runs the job in
+    place, so the order shows on the host's clock, and every step accepts what the serial backend's does."""
+    from mirrorsd.decoding.mirror import method as mirror_method
+    from mirrorsd.runtime.executors import InlineStreamExecutor
+
+    target, draft = tiny_pair
+    prompt = list(range(3, 23))
+    options = dict(method="mirror", draft=draft, gamma=4, kappa=3, roots=roots, max_new_tokens=20,
+                   temperature=temperature, seed=5, **({"budget": 3} if roots == "budget" else {}))
+    serial = generate(target, prompt, **options)
+    monkeypatch.setattr(mirror_method, "make_executor", lambda *a, **k: InlineStreamExecutor(torch.device("cpu")))
+    inline = generate(target, prompt, **options)
+    assert inline.token_ids == serial.token_ids == generate(target, prompt, method="ar", max_new_tokens=20,
+                                                            temperature=temperature, seed=5).token_ids
+    assert inline.stats.accepted == serial.stats.accepted
+    spans = inline.stats.spans
+    uppers = [s for s in spans if s.name == "layers ≥ ℓe"]
+    rollouts = [s for s in spans if s.name == "rollout"]
+    assert rollouts and inline.stats.extra["mirror"].backend == "cuda-streams"
+    for rollout in rollouts:  # each step's rollout began after that step's upper layers were issued
+        assert any(u.end <= rollout.start and rollout.start - u.end < 0.05 for u in uppers)
+
+
+def test_draft_issue_is_an_option_of_the_cuda_streams_backend(tiny_pair):
+    target, draft = tiny_pair
+    with pytest.raises(ValueError, match="draft_issue"):
+        generate(target, [1, 2, 3], method="mirror", draft=draft, backend="threads", draft_issue="inline",
+                 max_new_tokens=2)
+
+
 class _HalfSpeedEvent:
     """A stand-in for ``torch.cuda.Event`` on the CPU: a device clock that runs at half the host's speed, so a span
     on it lasts half its host time."""

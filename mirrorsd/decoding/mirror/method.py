@@ -34,7 +34,7 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
     # "auto" reaches here unresolved only for a model without a zoo name (the API resolves it), so: the lens
     translate = None if opts.exit_head in ("lens", "auto") else tuned_exit(req.target, opts.exit_head, exit_layer)
     executor = make_executor(opts.backend, req.target.device, req.draft.device, opts.threads,
-                             graphs=opts.overlap_graphs == "on")
+                             graphs=opts.overlap_graphs == "on", inline=opts.draft_issue == "inline")
     run = MirrorRun(req, opts, exit_layer, executor, translate, optional_head(req.target, opts.exit_vocab))
     run.stats.draft_streams = opts.draft_streams is not None
     side: DraftSide = (RemoteDraft(run, req) if opts.backend == "processes" else

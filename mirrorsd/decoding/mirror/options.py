@@ -67,6 +67,11 @@ class MirrorOptions(MethodOptions):
                                  "it) runs both sides eagerly there: a capture on one thread was once invalidated by "
                                  "the other's work, and captures now run one at a time, thread-locally, on the "
                                  "model's own capture stream", choices=("off", "on"))
+    draft_issue: str = option("thread", "with --backend cuda-streams: who issues the draft's rollouts onto the second "
+                              "stream: thread (a worker thread, while the target's thread issues its upper layers) "
+                              "or inline (the target's thread, right after its upper layers: no GIL contention, "
+                              "CUDA graphs on both sides; the default once a GPU has validated it)",
+                              choices=("thread", "inline"))
     channel_timeout: float = option(60.0, "with --backend processes: seconds to wait for the draft process before "
                                     "going on without it", check=(lambda v: v > 0, "must be > 0"))
     threads: tuple[int, int] | None = option(None, "with --backend threads: TARGET,DRAFT intra-op threads while "
@@ -101,6 +106,11 @@ class MirrorOptions(MethodOptions):
             raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams")
         if self.overlap_graphs == "on" and self.backend not in ("cuda-streams", "devices"):
             raise OptionError("overlap_graphs", "applies to backend='cuda-streams' or 'devices'")
+        if self.draft_issue == "inline" and self.backend != "cuda-streams":
+            raise OptionError("draft_issue", "applies to backend='cuda-streams'")
+        if self.draft_issue == "inline" and self.overlap_graphs == "on":
+            raise OptionError("overlap_graphs", "applies to a draft issued from a thread (draft_issue='thread'); "
+                              "inline keeps graphs as the target has them")
         if self.threads is not None and self.backend not in ("threads", "devices", "processes"):
             raise OptionError("threads", "applies to backend='threads' (or 'devices', 'processes')")
         if self.candidates == "draft" and self.draft_streams is not None:

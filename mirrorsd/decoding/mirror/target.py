@@ -48,11 +48,19 @@ class EarlyExitScorer(ChainScorer):
                     message = message.with_draft(draft, kappa)
             budget = run.budget.current if run.budget else 0
             roots = select_roots(message, draft.tokens, opts.roots, run.root_scorer, budget)
+        # A worker (or a deferred job) starts the rollouts before the upper layers run here; an inline executor issues
+        # them after the upper layers are queued on the target's stream, so the two streams still overlap.
+        launch = message is not None  # the exit ran: the draft rolls out (its roots may be none)
+        late = run.executor.issues_after_target
+        if launch and not late:
             submitted = time.perf_counter()
             self.draft.launch(state, draft.tokens, roots, steps)
         with run.executor.overlapping(), run.tracer.span("target", "layers ≥ ℓe") as upper:
             hidden = target.run_layers(exit_hidden, positions, state.target_cache, start=run.exit_layer)
             logits = target.logits(hidden)[0]
+        if launch and late:
+            submitted = time.perf_counter()
+            self.draft.launch(state, draft.tokens, roots, steps)
         # (the target's terms are read off its spans once the step is joined: on a GPU they are device times then)
         run.scored(MirrorStep(accepted=0, drafted=len(draft.tokens), roots=len(roots), hit=None, t_pre=0.0,
                               t_ee=0.0, t_channel=0.0, delta=0.0, t_draft=0.0, t_fv=0.0, t_fallback=0.0, hidden=0.0,
