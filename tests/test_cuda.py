@@ -211,7 +211,7 @@ def test_cuda_graphs_replay_eager_windows_bit_for_bit(dtype, prompt):
 
 def test_mirror_on_cuda_streams_with_overlap_graphs_equals_ar():
     """``overlap_graphs="on"``: graphs stay on while the two threads overlap (the draft's rollouts and the target's
-    upper layers captured and replayed on their own streams). `bench gpu` runs this test alone first and measures
+    upper layers captured and replayed on their own streams). `bench gpu` measures
     the setting only if it passes."""
     model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, torch.bfloat16, seed=3)
     draft = model.prefix_model(1)
@@ -225,7 +225,7 @@ def test_mirror_on_cuda_streams_with_overlap_graphs_equals_ar():
 def test_mirror_on_cuda_streams_issued_inline_equals_ar():
     """``draft_issue="inline"``: no worker thread; the target's thread issues the rollouts onto the second stream
     after its upper layers, graphs on for both sides (the second request replays what the first captured), and the
-    step's terms are on the device's clock. `bench gpu` runs this test alone first and measures the setting only if
+    step's terms are on the device's clock. `bench gpu` measures the setting only if
     it passes."""
     model = gpu.random_model(gpu.Shape(1024, 2816, 4, 16, 4, 32000, False), CUDA, torch.bfloat16, seed=3)
     draft = model.prefix_model(1)

@@ -174,6 +174,16 @@ def test_dry_run_report(tmp_path):
     assert len(gpu.fig4_cells(report["forced"])["qwen2.5-1.5b"]) == 2
 
 
+def test_the_cuda_tests_say_which_passed(tmp_path):
+    """One child run of the CUDA tests tells which passed: the overlap variants are measured only where theirs did."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_cuda.py").write_text(
+        "def test_overlap_graphs_ok():\n    pass\n\n\ndef test_issued_inline_broken():\n    assert False\n")
+    ran = gpu.run_cuda_tests(tmp_path)
+    assert ran["ran"] and ran["returncode"] == 1 and ran["passed"] == ["test_overlap_graphs_ok"]
+    assert gpu.run_cuda_tests(tmp_path, "issued_inline")["passed"] == []
+
+
 def test_the_papers_target_sizes_run_on_request(tmp_path):
     """``--targets qwen2.5-32b`` (and 14b): the paper's sizes, outside the default run; their dry stand-ins decode
     every method equal to ar."""
