@@ -87,13 +87,14 @@ def verify_rejection(draft: Sequence[int], draft_probs: torch.Tensor, target_log
 
 
 def verify_tree(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, position: int,
-                params: SamplingParams, noise: int = Noise.TARGET) -> Verdict:
+                params: SamplingParams, noise: int = Noise.TARGET, own: Sequence[int] | None = None) -> Verdict:
     """Match down a draft tree: from the root (the last committed token), the child whose token is the target's
     own choice at its parent is accepted, and so on down.
 
     ``parents[i]`` is token i's parent (-1: the root; parents come first); ``logits`` row 0 follows the root,
     row i+1 follows token i; ``position`` is the absolute position the root's row predicts. A chain
-    (``parents = [-1, 0, 1, ...]``) gives :func:`verify_match`'s verdict.
+    (``parents = [-1, 0, 1, ...]``) gives :func:`verify_match`'s verdict. ``own``: every row's own token, where the
+    caller drew them for several trees in one op and one host read (:func:`~mirrorsd.sampling.rows_apart`).
     """
     children: dict[int, dict[int, int]] = {}
     depth: list[int] = []  # of each node; the root's row predicts ``position``, a node's row ``position + depth``
@@ -101,7 +102,8 @@ def verify_tree(tokens: Sequence[int], parents: Sequence[int], logits: torch.Ten
         children.setdefault(parent, {}).setdefault(token, node)
         depth.append(1 if parent < 0 else depth[parent] + 1)
     rows = len(tokens) + 1
-    every = choose(logits[:rows], [position, *(position + d for d in depth)], params, noise).tolist() \
+    every = own if own is not None else \
+        choose(logits[:rows], [position, *(position + d for d in depth)], params, noise).tolist() \
         if rows_apart(logits, params) else None  # every row's own token in one op and one host read
     node, path = -1, []
     while True:

@@ -133,6 +133,16 @@ class InlineStreamExecutor(Executor):
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ready: torch.cuda.Event | None = None  # the caller's stream before the work the job overlaps
+
+    @contextmanager
+    def overlapping(self) -> Iterator[None]:
+        """Mark the caller's stream before the work the next job overlaps: the job waits for that point (the
+        draft's cache was last written there), not for the work after it, which would serialise the two."""
+        if self.stream is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(self.stream.device))
+        yield
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
@@ -140,8 +150,11 @@ class InlineStreamExecutor(Executor):
             if self.stream is None:
                 future.set_result(job())
             else:
-                # the job reads the draft's cache, which the caller's stream last wrote
-                self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+                ready, self.ready = self.ready, None
+                if ready is None:  # nothing overlaps: wait for all the caller has issued
+                    self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+                else:
+                    self.stream.wait_event(ready)
                 with torch.cuda.stream(self.stream):
                     out = job()
                 # and the caller's later work on that cache must follow the job's

@@ -3,6 +3,7 @@ draft that fails mid-generation."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -362,6 +363,52 @@ def test_an_inline_executor_issues_the_rollouts_after_the_target_and_stays_lossl
         assert any(u.end <= rollout.start and rollout.start - u.end < 0.05 for u in uppers)
 
 
+def test_an_inline_stream_waits_for_the_target_before_its_upper_layers_not_after(monkeypatch):
+    """The second stream must wait for the target's stream as it stood before the work the job overlaps (the
+    draft's cache was last written there), never for its tail, which would queue the rollouts behind the upper
+    layers; and the target's stream follows the job before it touches the draft's cache again. Checked with stand-in
+    streams that log what waits on what."""
+    from mirrorsd.runtime.executors import InlineStreamExecutor
+
+    log: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.device = name, "cuda:0"
+
+        def wait_event(self, event) -> None:
+            log.append((self.name, "waits for", event.at))
+
+        def wait_stream(self, other) -> None:
+            log.append((self.name, "waits for", f"{other.name} tail"))
+
+    class Event:
+        def record(self, stream) -> None:
+            self.at = f"{stream.name} at {len(log)}"
+            log.append((stream.name, "records", self.at))
+
+    target_stream, current = Stream("target"), []
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("draft"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1] if current else target_stream)
+    executor = InlineStreamExecutor(torch.device("cuda"))
+    with executor.overlapping():
+        log.append(("target", "runs", "upper layers"))
+    future = executor.submit(lambda: log.append((current[-1].name, "runs", "rollout")) or "tree")
+    assert future.result() == "tree"
+    assert log == [("target", "records", "target at 0"), ("target", "runs", "upper layers"),
+                   ("draft", "waits for", "target at 0"), ("draft", "runs", "rollout"),
+                   ("target", "waits for", "draft tail")]
+
+
 def test_draft_issue_is_an_option_of_the_cuda_streams_backend(tiny_pair):
     target, draft = tiny_pair
     with pytest.raises(ValueError, match="draft_issue"):
@@ -391,8 +438,6 @@ def test_eq10_terms_come_from_device_events_where_the_tracer_records_them(tiny_p
     Eq. 10 terms are read off the spans after they are put on the device's clock; the host's durations stay in
     the spans' args. Faked here with a device clock at half speed: every target term is then its span's device
     time (half the host's), and the final rendezvous is the host's branch selection alone."""
-    import contextlib
-
     from mirrorsd.decoding.mirror import stats as mirror_stats
     from mirrorsd.runtime import Tracer
 
@@ -519,7 +564,7 @@ def test_quantized_attention_ignores_the_callers_thread_count(monkeypatch):
     its work (and so its rounding) by thread count and a quantized model turns that into different tokens
     (Qwen2.5-1.5B q4 diverged from ar at token 10 with a 0.07 logit gap), so quantized attention runs on one
     thread whatever the caller's count."""
-    import contextlib
+
 
     import mirrorsd.model as model_module
 

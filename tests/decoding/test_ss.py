@@ -532,6 +532,45 @@ def test_mirror_with_ss_draft_equals_ar_and_keeps_parity_with_sd():
         assert got.stats.draft_forwards <= plain.stats.draft_forwards
 
 
+def test_a_stream_rollout_reads_the_host_a_fixed_number_of_times_per_pass(monkeypatch):
+    """Mirror-SD's branch rollouts with the draft's streams read every branch's own tokens in one op, and every
+    branch's next guesses in one more (ids and log-probabilities): three host reads a pass however many branches
+    it carries (on a GPU each read waits for the draft's stream)."""
+    from mirrorsd.decoding.mirror.draft import LocalDraft
+
+    target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
+    adapters = random_adapters(draft, streams=2, layers=1, std=0.1)
+    reads: list[str] | None = None
+    original = torch.Tensor.tolist
+
+    def spy(self, *args, **kwargs):
+        if reads is not None:
+            reads.append("tolist")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    rollout, seen = LocalDraft._stream_rollout, []
+
+    def counted(self, state, committed, window, spine, roots, steps):
+        nonlocal reads
+        reads = []
+        try:
+            tree = rollout(self, state, committed, window, spine, roots, steps)
+        finally:
+            seen.append((len(roots), len(reads)))
+            reads = None
+        seen[-1] += (tree.forwards,)
+        return tree
+
+    monkeypatch.setattr(LocalDraft, "_stream_rollout", counted)
+    kwargs = {"temperature": 0.0, "max_new_tokens": 30}
+    got = generate(target, [7, 8, 9], method="mirror", draft=draft, draft_streams=adapters, gamma=5, kappa=2,
+                   roots="paper", confidence=0.0, **kwargs)
+    assert got.token_ids == generate(target, [7, 8, 9], method="ar", **kwargs).token_ids
+    assert any(roots > 2 for roots, _, _ in seen)
+    assert all(count == 3 * passes for _, count, passes in seen), seen
+
+
 # -- real weights, training, shipped adapters ----------------------------------------------------------------
 
 

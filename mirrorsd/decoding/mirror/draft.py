@@ -16,7 +16,7 @@ import torch
 from ...draft_vocab import head_logits, top_tokens
 from ...model import Transformer
 from ...runtime import Span
-from ...sampling import SamplingParams
+from ...sampling import SamplingParams, choose, rows_apart
 from ...verify import Verdict, verify_tree
 from ..drafting import draft_vocab_size, window_end
 from ..engine import Proposal, RequestState, Scores, draft_tokens
@@ -308,25 +308,29 @@ class LocalDraft:
                                    streams=adapters.rows(len(streamed) * n_streams))[0]
             forwards += 1
             logits = model.logits(out[len(lead):n])
+            # every branch row's own token in one op and one host read (each row predicts the position after it)
+            own = choose(logits, [p + 1 for p in positions[len(lead):]], proposer.params, sampler.noise).tolist() \
+                if rows_apart(logits, proposer.params) else None
             lasts: list[int] = []  # per block, the stream rows' main row: the last accepted node
             for r, first, tree in blocks:
-                rows = logits[first - len(lead):first - len(lead) + 1 + len(tree.tokens)]
-                verdict = verify_tree(tree.tokens, tree.parents or [], rows, positions[first] + 1, proposer.params,
-                                      sampler.noise)
+                at, size = first - len(lead), 1 + len(tree.tokens)
+                verdict = verify_tree(tree.tokens, tree.parents or [], logits[at:at + size], positions[first] + 1,
+                                      proposer.params, sampler.noise, own[at:at + size] if own is not None else None)
                 tokens[r] += [*(tree.tokens[i] for i in verdict.nodes), verdict.next_token]
                 entries[r] += [past + first, *(past + first + 1 + i for i in verdict.nodes)]
                 inputs[r] = verdict.next_token
                 lasts.append(first + (verdict.nodes[-1] + 1 if verdict.accepted else 0))
                 if sampler.need_probs:
-                    q, top = sampler.judge(rows[[0, *(i + 1 for i in verdict.nodes)]])
+                    q, top = sampler.judge(logits[at:at + size][[0, *(i + 1 for i in verdict.nodes)]])
                     q_rows[r] += list(q) if q is not None else []
                     tops[r] += top or []
             stream_rows = torch.cat([n + (row - len(lead)) * n_streams + torch.arange(n_streams, device=device)
                                      for row in lasts])
             logprobs, top_ids = top_tokens(*head_logits(model, out[stream_rows], proposer.stream_head), proposer.tree_k)
+            top_ids, logprobs = top_ids.tolist(), logprobs.float().tolist()  # every branch's guesses: one read each
             for b, (r, _, _) in enumerate(blocks):
                 part = slice(b * n_streams, (b + 1) * n_streams)
-                guesses[r] = StreamGuesses(top_ids[part].tolist(), logprobs[part].float().tolist())
+                guesses[r] = StreamGuesses(top_ids[part], logprobs[part])
             kept = [e for branch in entries for e in branch]
             cache.compact(base, [e - base for e in kept])
             at = base
