@@ -169,7 +169,7 @@ class OracleDraft(Transformer):
         token = self.scheduled(wanted)
         vocab = self.config.vocab_size
         logits = torch.full((*token.shape, vocab), -30.0, device=hidden.device)
-        if self.stream_hit is None or not bool((stream > 0).any()):
+        if self.stream_hit is None:
             return logits.scatter_(-1, token.unsqueeze(-1), 30.0)
         u = keyed_uniforms(0, (wanted * 64 + stream).reshape(-1), 1, device=hidden.device).view(wanted.shape)
         right = (stream == 0) | (u < self.stream_hit)
