@@ -8,6 +8,8 @@ import importlib.util
 import socket
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,22 +96,22 @@ def two_branch_tree(past: int, device: torch.device) -> tuple[torch.Tensor, torc
     return torch.tensor([[past, past + 1, past + 2, past, past + 1]], device=device), mask
 
 
-def assert_windows_and_trees_decode_bit_for_bit(model: Transformer, prompt: list[int]) -> None:
-    """After ``prompt``, a 3-token window and a two-branch tree give exactly one-token decoding's logits."""
+def assert_windows_and_trees_decode_bit_for_bit(
+    model: Transformer, prompt: list[int], prefill: Callable[[], AbstractContextManager] = nullcontext
+) -> None:
+    """After ``prompt``, a 3-token window and a two-branch tree give exactly one-token decoding's logits. The prompt
+    is prefilled once (inside ``prefill()``: Triton's interpreter takes minutes over a long one) and each pass
+    after the first starts from ``truncate``, as decoding's rollback does."""
     device, past = model.device, len(prompt)
     a, b = [10, 11, 12], [20, 21]
-
-    def prefilled():
-        cache = model.new_cache(capacity=past + 8)
-        model(torch.tensor([prompt], device=device), cache=cache, last=1)
-        return cache
-
+    cache = model.new_cache(capacity=past + 8)
     with torch.no_grad():
+        with prefill():
+            model(torch.tensor([prompt], device=device), cache=cache, last=1)
         decoded = []
         for branch in (a, b):
-            cache = prefilled()
             decoded.append(torch.cat([model(torch.tensor([[t]], device=device), cache=cache)[0] for t in branch]))
-        cache = prefilled()
+            cache.truncate(past)
         window = model(torch.tensor([a], device=device), cache=cache)[0]
         cache.truncate(past)
         positions, mask = two_branch_tree(past, device)
