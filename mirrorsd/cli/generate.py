@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                 "int8 plane for the remainder, ~15 bits: what small models need on chat prompts) (default: the zoo "
                 "model's gate-picked one; int8x2 otherwise)")
     g.add_argument("--target-tp", type=int, default=1, metavar="N",
-                   help="shard the target's projections over N ranks (tensor parallelism, DTensor) under torchrun: "
+                   help="shard the target's projections over N ranks (Megatron tensor parallelism) under torchrun: "
                         "--nproc-per-node N, or N + 1 with --backend processes (the last rank serves the draft); "
                         "dense weights (--weights fp32), methods ar, sd and mirror without timing-driven choices")
     g.add_argument("--draft-tp", type=int, default=1, metavar="G",

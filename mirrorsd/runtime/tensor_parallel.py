@@ -1,11 +1,15 @@
-"""Target tensor parallelism (``--target-tp N``): the target's projections sharded over N ranks with DTensor.
+"""Target tensor parallelism (``--target-tp N``): the target's projections sharded over N ranks.
 
 The Megatron layout the Mirror-SD paper assumes for its target: in every block the q/k/v and gate/up projections
-are split by output feature (``ColwiseParallel``: each rank holds ``n_heads / N`` query heads, ``n_kv_heads / N``
-key/value heads and its slice of the MLP), and o_proj and down_proj by input feature (``RowwiseParallel``: partial
-sums, all-reduced). Embeddings, norms and the LM head stay whole, so every rank ends a forward with the same
-hidden states and logits, and the early exit reads them like an unsharded model's. Each rank's KV cache holds its
-own heads only.
+are split by output feature (column-parallel: each rank holds ``n_heads / N`` query heads, ``n_kv_heads / N``
+key/value heads and its slice of the MLP), and o_proj and down_proj by input feature (row-parallel: partial sums,
+all-reduced, then the bias once). Embeddings, norms and the LM head stay whole, so every rank ends a forward with
+the same hidden states and logits, and the early exit reads them like an unsharded model's. Each rank's KV cache
+holds its own heads only.
+
+As in gpt-fast's ``tp.py`` and vLLM's parallel linears, the weights are sliced once and the sums are plain
+``torch.distributed.all_reduce`` calls. DTensor's ``parallelize_module`` did the same arithmetic, but its per-call
+sharding propagation cost more than the tiny projections themselves (see ``docs/mirror_sd.md``).
 
 All N ranks run the same decoding loop (SPMD): the same inputs and seeded noise give them the same verdicts, so
 they issue the same collectives in the same order. Rank 0 alone talks to a draft rank; it relays what it
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 from ..linear import DenseLinear
 from .processes import ERROR, ChannelError, decode_text, encode_text, wait_for
@@ -116,31 +121,55 @@ def leave_world(wait: bool = True, timeout: float = 60.0) -> None:
     _world = None
 
 
-def shard_target(model: nn.Module, group: Any, partial: bool = False) -> nn.Module:
+def shard_target(model: nn.Module, group: Any, partial: bool = False, count: SyncCount | None = None) -> nn.Module:
     """Shard ``model``'s (a :class:`~mirrorsd.model.Transformer` with dense weights) projections over
     ``group`` in place and give its attention and cache the local head counts; returns it. ``partial``: o_proj and
-    down_proj keep each rank's partial sum (no all-reduce; :func:`shard_draft`'s tracks)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    size = dist.get_world_size(group)
+    down_proj keep each rank's partial sum (no all-reduce; :func:`shard_draft`'s tracks). ``count`` records every
+    all-reduce."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg = model.config
     check_split(cfg, size)
-    mesh = DeviceMesh.from_group(group, model.device.type)
-    rowwise = RowwiseParallel(output_layouts=Partial()) if partial else RowwiseParallel()
-    plan = {**{name: ColwiseParallel() for name in COLUMNWISE}, **{name: rowwise for name in ROWWISE}}
     for block in model.layers:
         for name in (*COLUMNWISE, *ROWWISE):
-            _as_nn_linear(block, name)
-            if partial and name in ROWWISE and block.get_submodule(name).bias is not None:
+            parent_name, attr = name.split(".")
+            parent = getattr(block, parent_name)
+            layer = getattr(parent, attr)
+            if not isinstance(layer, DenseLinear):
+                raise ValueError(f"--target-tp shards dense weights; this target's {name} is a "
+                                 f"{type(layer).__name__} (load it with weights='fp32' and linear='dense': --weights "
+                                 "fp32 on the CLI)")
+            if name in COLUMNWISE:
+                bias = None if layer.bias is None else layer.bias.chunk(size)[rank].clone()
+                setattr(parent, attr, DenseLinear(layer.weight.chunk(size)[rank].clone(), bias))
+            elif partial and layer.bias is not None:
                 raise ValueError(f"a track keeps {name}'s partial sum, which a bias would join once per rank")
-        parallelize_module(block, mesh, plan)
+            else:
+                setattr(parent, attr, RowParallelLinear(layer.weight.chunk(size, 1)[rank].clone(), layer.bias,
+                                                        None if partial else group, count))
         block.self_attn.n_heads //= size
         block.self_attn.n_kv_heads //= size
     model.config = dataclasses.replace(cfg, n_heads=cfg.n_heads // size, n_kv_heads=cfg.n_kv_heads // size)
     model.tp_size = size
     return model
+
+
+class RowParallelLinear(DenseLinear):
+    """o_proj or down_proj over a group: this rank's input features give a partial sum, all-reduced over ``group``
+    (None: kept, a track's), then the bias, once. ``count`` records each all-reduce."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                 count: SyncCount | None = None) -> None:
+        super().__init__(weight, bias)
+        self.group, self.count = group, count
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if self.group is not None:
+            start = time.perf_counter()
+            dist.all_reduce(out, group=self.group)
+            if self.count is not None:
+                self.count.add(time.perf_counter() - start, out.numel())
+        return out if self.bias is None else out + self.bias
 
 
 DRAFT_SYNCS = ("spd", "layer")  # --draft-syncs
@@ -155,6 +184,11 @@ class SyncCount:
     count: int = 0
     seconds: float = 0.0
     elements: int = 0
+
+    def add(self, seconds: float, elements: int) -> None:
+        self.count += 1
+        self.seconds += seconds
+        self.elements += elements
 
     def since(self, before: SyncCount) -> SyncCount:
         return SyncCount(self.count - before.count, self.seconds - before.seconds, self.elements - before.elements)
@@ -191,11 +225,8 @@ def shard_draft(model: nn.Module, group: Any, syncs: str = "spd", segments: int 
     bounds = segment_bounds(model.config.n_layers, segments)
     count = SyncCount()
     partial = syncs == "spd"
-    shard_target(model, group, partial=partial)
+    shard_target(model, group, partial=partial, count=count)
     if not partial:
-        for block in model.layers:  # DTensor all-reduces inside each rowwise projection: count them
-            for name in ROWWISE:
-                block.get_submodule(name).register_forward_hook(partial_hook(count))
         return count
     for first, last in zip(bounds, bounds[1:], strict=False):
         held: dict[str, torch.Tensor] = {}
@@ -248,14 +279,6 @@ def _one_track(model: nn.Module, layers: range, track: int, tracks: int):
             handle.remove()
 
 
-def partial_hook(count: SyncCount):
-    """Counts one all-reduce per call of a rowwise projection (DTensor makes it; its time is not split out)."""
-    def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> None:
-        count.count += 1
-        count.elements += out.numel()
-    return hook
-
-
 def segment_sync(held: dict[str, torch.Tensor], group: Any, count: SyncCount):
     """The segment's end: input + the all-reduced sum of every track's update to it."""
     def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
@@ -263,9 +286,7 @@ def segment_sync(held: dict[str, torch.Tensor], group: Any, count: SyncCount):
         update = (out - x).contiguous()
         start = time.perf_counter()
         dist.all_reduce(update, group=group)
-        count.seconds += time.perf_counter() - start
-        count.count += 1
-        count.elements += update.numel()
+        count.add(time.perf_counter() - start, update.numel())
         return x + update
     return hook
 
@@ -282,23 +303,6 @@ def gather_spans(spans: list[Span], world: LaunchedWorld) -> list[Span]:
     draft = f"draft rank {world.draft_rank}"
     merged = [dataclasses.replace(s, lane=f"target rank {r}") for r, ranked in enumerate(gathered) for s in ranked]
     return merged + [dataclasses.replace(s, lane=draft) for s in spans if s.lane != "target"]
-
-
-def _as_nn_linear(block: nn.Module, name: str) -> None:
-    """DTensor's parallel styles shard ``nn.Linear`` modules: swap a :class:`DenseLinear` for one (same
-    tensors). Quantized and packed layers hold layouts DTensor cannot split."""
-    parent_name, attr = name.split(".")
-    parent = getattr(block, parent_name)
-    layer = getattr(parent, attr)
-    if not isinstance(layer, DenseLinear):
-        raise ValueError(f"--target-tp shards dense weights; this target's {name} is a {type(layer).__name__} "
-                         "(load it with weights='fp32' and linear='dense': --weights fp32 on the CLI)")
-    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                       device="meta", dtype=layer.weight.dtype)
-    linear.weight = layer.weight
-    if layer.bias is not None:
-        linear.bias = layer.bias
-    setattr(parent, attr, linear)
 
 
 class RelayedChannel:

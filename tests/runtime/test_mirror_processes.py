@@ -209,7 +209,7 @@ def test_a_draft_sharded_over_two_ranks(tmp_path, syncs):
         assert rank0[f"mirror_{label}_failed"] is None
         assert rank0[f"mirror_{label}_per_forward"] == pytest.approx(per_forward, rel=0.05)  # prompt forwards aside
         assert rank0[f"mirror_{label}_traced"] == rank0[f"mirror_{label}_counted"] > 0
-        assert (rank0[f"mirror_{label}_ms"] is not None) == (syncs == "spd")  # spd times its own all-reduces
+        assert rank0[f"mirror_{label}_ms"] > 0  # either form times its own all-reduces
 
 
 def test_target_tp_outside_torchrun_is_a_clear_error(capsys):
