@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -348,9 +347,10 @@ def test_report_has_the_table1_layout_machine_and_notes(tmp_path):
 
 def time_costs_briefly(monkeypatch) -> None:
     """For tests of the wiring, not the timings: the latency law's costs from one timed call per size, and fewer
-    sizes, instead of five (they were ~40 s of the end-to-end test on AVX2)."""
-    monkeypatch.setattr(plan, "measure_costs", functools.partial(plan.measure_costs, rounds=1, target_ks=(1, 4, 16),
-                                                                 draft_ks=(1, 4, 16, 64)))
+    sizes, instead of five (they were ~40 s of the end-to-end test on AVX2). These override the sizes a caller
+    passes too (``method="auto"``'s quick plan passes its own)."""
+    real, brief = plan.measure_costs, dict(rounds=1, target_ks=(1, 4, 16), draft_ks=(1, 4, 16, 64))
+    monkeypatch.setattr(plan, "measure_costs", lambda *args, **kwargs: real(*args, **{**kwargs, **brief}))
 
 
 # -- end to end on real weights --------------------------------------------------------------------------------
