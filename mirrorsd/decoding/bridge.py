@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from tokenizers.decoders import ByteLevel
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ..model import Transformer
 from ..sampling import SamplingParams
@@ -57,6 +56,8 @@ class ByteTokenizer:
             raise ValueError(f"{type(tokenizer).__name__} is not a byte-level BPE tokenizer; a draft with another "
                              "tokenizer than the target's needs both to be byte-level (GPT-2 style: Qwen, Llama 3, "
                              "SmolLM2)")
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # (1 s to import: only a bridge needs it)
+
         self.backend = tokenizer.backend_tokenizer
         # GPT-2's alphabet: the printable character standing for each byte (str.translate, then latin-1 is the bytes)
         to_bytes = {ord(c): b for b, c in bytes_to_unicode().items()}
