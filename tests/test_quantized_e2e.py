@@ -9,6 +9,7 @@ import torch
 import mirrorsd
 from mirrorsd import Transformer, generate
 from mirrorsd.linear import QuantLinear
+from mirrorsd.model import QuantEmbedding
 from tests.helpers import requires_smollm2
 
 pytestmark = requires_smollm2
@@ -25,6 +26,20 @@ def quantized(request):
 def test_quantized_layers_are_used(quantized):
     layers = [m for m in quantized.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 7 * quantized.config.n_layers + 1  # every projection and the head
+
+
+def test_a_q4_embedding_stays_quantized_and_looks_up_the_rows_a_dense_table_holds(quantized, request):
+    """The GGUF's embedding is not dequantized whole at load (0.9 GB for the 1.5B); a lookup's rows are the dense
+    table's, bit for bit, and so is ``.weight`` (a tied head's or a trainer's)."""
+    embed = quantized.model.embed_tokens
+    if request.node.callspec.params["quantized"] == "q8":  # q8 quantizes the projections only
+        assert isinstance(embed, torch.nn.Embedding) and embed.weight.dtype == torch.float32
+        return
+    assert isinstance(embed, QuantEmbedding)
+    dense = embed.quant.dequantize()
+    ids = torch.tensor([[0, 5, quantized.config.vocab_size - 1], [7, 7, 1]])
+    assert torch.equal(embed(ids), dense[ids]) and torch.equal(embed.weight, dense)
+    assert quantized.model.device == torch.device("cpu") and quantized.model.dtype == torch.float32
 
 
 #: Over 70 tokens: ar prefills it whole while sd prefills all but the last token and verifies that one in
