@@ -340,8 +340,8 @@ _SPARE_LOCK = threading.Lock()
 
 class QuantEmbedding(nn.Module):
     """A quantized checkpoint's embedding, kept quantized: a forward dequantizes only the rows it looks up (the
-    same arithmetic row by row, so the same bits as dequantizing the whole table). A dense copy of a 151,936-token
-    vocabulary cost the 1.5B ~0.9 GB and ~4 s at every load."""
+    same arithmetic row by row, so the same bits as dequantizing the whole table). A dense fp32 copy of the 1.5B's
+    151,936 × 1,536 table held 0.93 GB for the model's lifetime."""
 
     def __init__(self, weight: GroupQuant) -> None:
         super().__init__()
