@@ -1,4 +1,5 @@
-"""Where mirrorsd keeps what it builds: ``$MIRRORSD_CACHE`` or ``~/.cache/mirrorsd`` (zoo models, kernels, plans).
+"""Where mirrorsd keeps what it builds: ``$MIRRORSD_CACHE`` or ``~/.cache/mirrorsd`` (zoo models, kernels, packed
+weights, plans).
 
 Its own module so that low layers (the kernels) can find it without importing the zoo."""
 

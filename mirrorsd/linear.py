@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,26 +129,45 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
+class PackedWeight(NamedTuple):
+    """A quantized projection already in the kernel layout: all :class:`QuantLinear` keeps of a GroupQuant. The
+    packed-weight cache (:mod:`mirrorsd.weight_cache`) builds models from these, so a load skips the repacking."""
+
+    packed: kernels.PackedQuant
+    shape: tuple[int, int]
+    bits: int
+    group: int
+
+
 class QuantLinear(nn.Module):
     """Group-quantized weights (4/5/6/8-bit codes, fp16 scales/offsets) computed without dequantizing.
 
     Activations are int8 per 32 features; with ``split_activations`` each row also sends the int8 quantization of
     its remainder through the same weights (~15-bit activations, for models whose answers int8 noise flips)."""
 
-    def __init__(self, weight: GroupQuant, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: GroupQuant | PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.bits, self.group = kernels.packed_bits(weight), weight.group
         self.split_activations = False
-        self.fast = kernels.available()
-        if self.fast:
-            packed = kernels.pack_quant(weight, self.bits)
+        if isinstance(weight, PackedWeight):
+            self.bits, self.group, self.fast = weight.bits, weight.group, True
+            packed = weight.packed
+        else:
+            self.bits, self.group = kernels.packed_bits(weight), weight.group
+            self.fast = kernels.available()
+            packed = kernels.pack_quant(weight, self.bits) if self.fast else None
+        if packed is None:
+            self.quant = weight
+        else:
             self.zero = packed.zero  # symmetric: offsets follow from the scales
             for name in PACKED_BUFFERS:
                 self.register_buffer(name, getattr(packed, name))
-        else:
-            self.quant = weight
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    def packed_weight(self) -> PackedWeight:
+        """What a model is rebuilt from without repacking (a fast layer's only)."""
+        packed = kernels.PackedQuant(*(getattr(self, name) for name in PACKED_BUFFERS), self.zero)
+        return PackedWeight(packed, (self.out_features, self.in_features), self.bits, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
@@ -216,6 +236,10 @@ def make_linear(weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = N
     """Build the linear module for one projection (the single place a weight format meets a kernel)."""
     if linear not in LINEAR_IMPLS:
         raise ValueError(f"linear must be one of {LINEAR_IMPLS}, got {linear!r}")
+    if isinstance(weight, PackedWeight):
+        if linear != "auto" or not kernels.available():
+            raise ValueError("a packed weight needs linear='auto' and the CPU kernels")
+        return QuantLinear(weight, bias)
     if isinstance(weight, GroupQuant):
         if (weight.codes.device.type == "cpu" and linear == "auto" and weight.shape[1] % kernels.ACT_GROUP == 0
                 and (weight.bits, weight.group) in kernels.LAYOUTS):

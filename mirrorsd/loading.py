@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import weight_cache
 from .linear import release_freed_heap
 from .model import ModelConfig, Transformer, Weights
 from .quant import quantize_q8
@@ -61,8 +62,17 @@ def _load(cls: type[Transformer], path: str | Path, device: str | torch.device, 
         gguf = path / "model.gguf"
         if not gguf.exists():
             raise FileNotFoundError(f"weights='q4' needs the original GGUF file at {gguf}")
+        kept = None if deltas else weight_cache.file_for(gguf, linear)
+        state = None if kept is None else weight_cache.load(kept)
+        if state is not None:
+            return from_state(cls, hf_config, state, linear)
         state = {k.removeprefix("model."): v for k, v in load_gguf_weights(gguf, hf_config).items()}
-        return from_state(cls, hf_config, _merged(state, deltas), linear)
+        model = from_state(cls, hf_config, _merged(state, deltas), linear)
+        if kept is not None:
+            del state  # the decoded codes, before the file is written
+            release_freed_heap()
+            weight_cache.store(kept, model, gguf)
+        return model
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -43,13 +43,22 @@ from .execution import (
 )
 from .kernels import cuda_attention
 from .kv_cache import KVCache
-from .linear import DenseLinear, PackedLinear, QuantLinear, fixed_shapes, in_fixed_rows, make_linear, on_huge_pages
+from .linear import (
+    DenseLinear,
+    PackedLinear,
+    PackedWeight,
+    QuantLinear,
+    fixed_shapes,
+    in_fixed_rows,
+    make_linear,
+    on_huge_pages,
+)
 from .quant import GroupQuant
 
 #: Activation precision of quantized layers (``--activations``): ``int8`` per 32 features, or ``int8x2``, a second
 #: int8 plane for each activation's remainder (~15 bits; what small models need on chat prompts, quality.py).
 ACTIVATION_FORMATS = ("int8", "int8x2")
-Weights = dict[str, "torch.Tensor | GroupQuant"]
+Weights = dict[str, "torch.Tensor | GroupQuant | PackedWeight"]
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 # Tokens per forward when a long prompt is cut into pieces (llama.cpp's n_ubatch). One 2,048-token forward of the
@@ -375,7 +384,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, weights, i, linear) for i in range(cfg.n_layers))
         self.norm = RMSNorm(weights["norm.weight"], cfg.rms_norm_eps)
         head = weights.get("lm_head.weight")
-        if head is None or (cfg.tie_word_embeddings and not isinstance(head, GroupQuant)):
+        if head is None or (cfg.tie_word_embeddings and not isinstance(head, GroupQuant | PackedWeight)):
             head = embed  # tied (a quantized copy of the embedding, from q8/q4 loading, is kept as the head)
         self.lm_head = make_linear(head, linear=linear)
         # Quantized models must give bit-identical results however tokens are grouped into forwards.

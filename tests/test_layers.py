@@ -13,7 +13,7 @@ PACKAGE = Path(mirrorsd.__file__).parent
 LAYERS = [
     {"errors", "cache", "collector", "quant", "sampling", "kv_cache", "prefix_cache", "kernels", "linear",
      "gguf_weights", "model",
-     "loading", "execution", "cuda_graphs", "verify", "runtime", "draft_vocab",
+     "loading", "weight_cache", "execution", "cuda_graphs", "verify", "runtime", "draft_vocab",
      "exit_heads", "tuned_drafts"},  # the model, kernels, executors
     {"decoding"},  # the loop, the roles, the methods and their registry
     {"zoo", "plans", "specbench", "api", "batching"},  # loading models, the HF-like API, continuous batching
