@@ -15,6 +15,7 @@ dispatches to (bound C++ blocks, CUDA-graph replay) in :mod:`mirrorsd.execution`
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,7 +26,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from . import kernels
 from .execution import (
@@ -239,7 +239,7 @@ class Attention(nn.Module):
         elif exact:
             out = self._attend_exact(q, k, v, mask)
         else:  # a CausalBias (a plain causal window on CUDA, bf16) goes as it is: flash attention, no mask
-            attn_mask = mask if isinstance(mask, CausalBias) or mask is None else mask.unsqueeze(1)
+            attn_mask = mask if mask is None or _is_causal_bias(mask) else mask.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.gqa)
         out = out.transpose(1, 2).reshape(rows, t, self.n_heads * self.head_dim)
         return _project(streams, self.layer, "o_proj", self.o_proj, out)
@@ -333,6 +333,20 @@ class Block(KernelBinding, nn.Module):
             return run_kernels([kernel], [self.layer], self.mlp.down_proj.split_activations, x, cos, sin, cache, mask)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, streams)
         return x + self.mlp(self.post_attention_layernorm(x), streams)
+
+
+def _causal_bias(t: int, total: int) -> torch.Tensor:
+    """SDPA's lower-right causal bias, imported where it is made: ``torch.nn.attention.bias`` imports
+    ``torch._dynamo``, which took ~2 s of every ``import mirrorsd`` (2 cores, AMD EPYC, ISA: avx2) for a mask only
+    half-precision CUDA windows use."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(t, total)
+
+
+def _is_causal_bias(mask: torch.Tensor) -> bool:
+    bias = sys.modules.get("torch.nn.attention.bias")  # none can exist before the module is imported
+    return bias is not None and isinstance(mask, bias.CausalBias)
 
 
 def causal_mask(past: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -578,7 +592,7 @@ class Transformer(nn.Module):
             # On CUDA in half precision a CausalBias: flash attention aligns it lower right itself, with no mask
             # tensor (fp32 has no flash kernel; CausalBias would then build its mask in every layer).
             flash = hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
-            mask = causal_lower_right(t, past + t) if flash else causal_mask(past, t, hidden.device)
+            mask = _causal_bias(t, past + t) if flash else causal_mask(past, t, hidden.device)
         cos, sin = self.rope(positions)
         blocks = list(self.layers)[start:end]  # (slicing the ModuleList itself builds a new module: ~60 us)
         # Every block bound to the C++ op: one call for all of them (stream rows too, outside training: the op has no
