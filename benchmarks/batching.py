@@ -125,25 +125,35 @@ def serial(args, target, draft) -> None:
 
 
 def one(args, target, draft) -> None:
-    """Each method alone and as a batcher's only member, interleaved per prompt: what the batcher itself costs."""
+    """Each method alone and as a batcher's only member, interleaved per prompt: what the batcher itself costs. As
+    in a server, each configuration keeps one batcher for all its requests, so the goodput rule decides from the
+    cost line and the acceptance of the requests before (a new batcher would leave every window uncapped)."""
     rates: dict = {}
-    cells = [(c, inside) for c in args.configs.split(",") for inside in (False, True)]
+    configs = {c: parse_config(c) for c in args.configs.split(",")}
+    batchers = {c: Batcher(32, speculation=speculation) for c, (_, speculation, _) in configs.items()}
+    alone = {f"{m}{''.join(f':{k}={v}' for k, v in o.items())}": (m, o) for m, _, o in configs.values()}
+    cells = [(name, None) for name in alone] + [(c, batchers[c]) for c in configs]
     for r in range(args.rounds):
         for i, ids in enumerate(prompts(target, args.short)):
             k = (i + r) % len(cells)
-            for config, inside in cells[k:] + cells[:k]:
-                method, speculation, options = parse_config(config)
+            for name, batcher in cells[k:] + cells[:k]:
+                method, options = alone[name] if batcher is None else (configs[name][0], configs[name][2])
                 run = functools.partial(generate, target, draft, method=method, max_new=args.max_new_tokens, **options)
-                if inside:
-                    (out,), seconds = batched([ids], run, speculation=speculation)
-                else:
+                if batcher is None:
                     start = time.perf_counter()
                     out = run(ids)
                     seconds = time.perf_counter() - start
-                rates.setdefault((config, inside), []).append(len(out) / seconds)
-    for config in args.configs.split(","):
-        alone, inside = (statistics.median(rates[(config, x)]) for x in (False, True))
-        print(f"{config}: alone {alone:.2f} tok/s, a batcher's only member {inside:.2f} ({inside / alone:.2f}x)")
+                else:
+                    (out,), seconds = batched([ids], run, batcher=batcher)
+                rates.setdefault((name, batcher is None), []).append(len(out) / seconds)
+    for name in alone:
+        print(f"{name} alone: {statistics.median(rates[(name, True)]):.2f} tok/s")
+    for config, (method, _, options) in configs.items():
+        solo = rates[next(n for n, mo in alone.items() if mo == (method, options)), True]
+        inside = rates[config, False]
+        pairs = statistics.median(b / a for a, b in zip(solo, inside, strict=True))
+        print(f"{config}: a batcher's only member {statistics.median(inside):.2f} tok/s "
+              f"({statistics.median(inside) / statistics.median(solo):.2f}x alone; per prompt median {pairs:.2f}x)")
 
 
 def p99(values: list[float]) -> float:
