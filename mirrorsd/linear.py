@@ -8,6 +8,8 @@ Which module a weight becomes depends on its format and device, never on the dec
   streams them once: an 8-token verification costs about what one token does);
 * anything else (CUDA, bf16/fp16, ``linear="dense"``, no kernels) → :class:`DenseLinear`, PyTorch's GEMM
   (cuBLAS on GPU). A GroupQuant headed for CUDA is dequantized.
+* a :class:`PackedWeight` (what a QuantLinear holds, read back by :mod:`mirrorsd.weight_cache`) → that
+  :class:`QuantLinear` again, without repacking.
 
 The fast modules are batch-invariant (row m's sum runs in the same order whatever M is; PackedLinear hands
 prefills of more than PACKED_MAX_ROWS rows to a batched GEMM unless its model is quantized), so a
@@ -231,7 +233,7 @@ def release_freed_heap() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
-def make_linear(weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None,
+def make_linear(weight: torch.Tensor | GroupQuant | PackedWeight, bias: torch.Tensor | None = None,
                 linear: str = "auto") -> nn.Module:
     """Build the linear module for one projection (the single place a weight format meets a kernel)."""
     if linear not in LINEAR_IMPLS:
