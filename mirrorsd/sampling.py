@@ -85,6 +85,16 @@ def _seed_base(seed: int, noise: int) -> int:
     return int(_splitmix64(torch.tensor(_int64(seed)) ^ _splitmix64(torch.tensor(_int64(noise)))))
 
 
+def send(values: torch.Tensor | Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """Host values (a tensor, or ints as int64) on ``device``. To a GPU through pinned memory and an asynchronous
+    copy: a plain copy from pageable memory waits for the device's queue to drain, a host sync in the middle of a
+    step's queued work."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int, noise: int = Noise.TARGET,
                    device: torch.device | str | None = None) -> torch.Tensor:
     """Uniforms in (0, 1), ``[len(positions), size]`` float64, a pure function of their arguments.
@@ -99,8 +109,7 @@ def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int
     else:  # the row keys on the host, then one copy that does not wait for the device's queue
         keys = _splitmix64((torch.tensor(list(positions), dtype=torch.long).reshape(-1, 1) * _POSITION) ^ base)
         if device is not None:
-            keys = keys.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" \
-                else keys.to(device)
+            keys = send(keys, device)
     bits = _splitmix64(torch.arange(size, device=keys.device).mul_(_GOLDEN) + keys)
     return _shift(bits, 11).double().add_(0.5).mul_(1.0 / (1 << 53))
 

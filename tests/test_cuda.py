@@ -63,6 +63,20 @@ def test_seeded_sampling_on_cuda_equals_ar(params):
     _assert_lossless(target, got, want)
 
 
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 5}])
+def test_a_fixed_sd_window_reads_the_host_once_per_step(params):
+    """At ``confidence=0`` the draft's window stays on the device until the verdict reads it with the target's own
+    tokens, and the draft's cache is leased like the target's (its graphs replay from the next request's first step):
+    once warm, a step syncs with the host once (issue 61, item 2)."""
+    target, draft = _pair(torch.bfloat16)
+    options = dict(method="sd", draft=draft, confidence=0.0, suffix_match=0, **params)
+    want = generate(target, PROMPT, method="ar", max_new_tokens=48, **params).token_ids
+    _assert_lossless(target, generate(target, PROMPT, max_new_tokens=48, **options).token_ids, want)  # (captures)
+    assert draft.spare_caches
+    syncs = gpu.host_syncs_per_step(target, PROMPT, tokens=48, **options)
+    assert syncs is not None and syncs <= 1.2, syncs
+
+
 def test_the_next_request_reuses_a_returned_cache_and_its_graphs():
     target, _ = _pair(torch.bfloat16)
     first = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0)

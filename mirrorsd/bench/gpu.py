@@ -421,9 +421,10 @@ def kernel_times(model: Transformer, context: int = 128, rounds: int = 5, top: i
             "top": [{"name": n, "launches": c, "us": us} for n, c, us in rows[:top]]}
 
 
-def host_syncs_per_token(target: Transformer, prompt: list[int], tokens: int = 16, **options: Any) -> float | None:
+def host_syncs_per_step(target: Transformer, prompt: list[int], tokens: int = 16, **options: Any) -> float | None:
     """Synchronising CUDA calls (PyTorch's sync debug mode) and event waits (``ar``'s read of a token it ran ahead
-    of, which the debug mode does not see) per generated token, over a whole ``generate``."""
+    of, which the debug mode does not see) per decoding step, over a whole ``generate`` (an ``ar`` step is a
+    token)."""
     if target.device.type != "cuda":
         return None
     import warnings
@@ -435,10 +436,10 @@ def host_syncs_per_token(target: Transformer, prompt: list[int], tokens: int = 1
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            generate(target, prompt, max_new_tokens=tokens, temperature=0.0, **options)
+            result = generate(target, prompt, **{"max_new_tokens": tokens, "temperature": 0.0, **options})
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return (sum("synchroniz" in str(w.message) for w in caught) + waited.call_count) / tokens
+    return (sum("synchroniz" in str(w.message) for w in caught) + waited.call_count) / result.stats.steps
 
 
 def hf_peer(hf: torch.nn.Module, prompt: list[int], max_new: int) -> dict[str, Any]:
@@ -464,8 +465,8 @@ def hf_peer(hf: torch.nn.Module, prompt: list[int], max_new: int) -> dict[str, A
 def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.Module | None, prompt: list[int],
                bandwidth: float, ar_tokens: int, say: Any) -> dict[str, Any]:
     """A forward's cost against the bandwidth floor (the target's, the draft's, at a long context), kernels per
-    layer, host syncs per token, and, with ``hf``, HF transformers' ``generate`` next to our ``ar`` at
-    ``ar_tokens`` tokens."""
+    layer, host syncs per step (``ar``'s, and fixed-window ``sd``'s), and, with ``hf``, HF transformers' ``generate``
+    next to our ``ar`` at ``ar_tokens`` tokens."""
     target_ms = forward_costs(target, (1,), context=len(prompt), rounds=5)[1]
     draft_ms = forward_costs(draft, (1,), context=len(prompt), rounds=5)[1]
     long_ms = forward_costs(target, (1,), context=LONG_CONTEXT, rounds=3)[1]
@@ -473,7 +474,9 @@ def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.
     row = {"target": name, "k1_ms": target_ms, "floor_ms": floor["target"], "draft_k1_ms": draft_ms,
            "draft_floor_ms": floor["draft"], "long_context": LONG_CONTEXT, "long_k1_ms": long_ms,
            "kernels_per_layer": kernels_per_layer(target), "draft_kernels_per_layer": kernels_per_layer(draft),
-           "host_syncs_per_token": host_syncs_per_token(target, prompt),
+           "host_syncs_per_step": host_syncs_per_step(target, prompt),
+           "sd_host_syncs_per_step": host_syncs_per_step(target, prompt, method="sd", draft=draft, confidence=0.0,
+                                                         suffix_match=0),
            "kernel_times": kernel_times(target, len(prompt)), "draft_kernel_times": kernel_times(draft, len(prompt))}
     if hf is not None:
         say("  HF transformers' generate (eager, static cache + compile)…", flush=True)
@@ -749,14 +752,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"## A forward's cost against the bandwidth floor (weights' bytes ÷ {copy / 1e12:.2f} TB/s, the "
                   "copy rate measured in this run)", "",
                   "| target | k=1 ms | floor ms | × floor | draft k=1 ms | draft × floor | draft ÷ target | "
-                  "k=1 at long context | kernels / layer (draft) | host syncs / token |", "|---" * 10 + "|"]
+                  "k=1 at long context | kernels / layer (draft) | host syncs / step: `ar` (`sd`) |", "|---" * 10 + "|"]
         for c in report["costs"]:
             lines.append(
                 f"| {c['target']} | {c['k1_ms']:.2f} | {c['floor_ms']:.2f} | {c['k1_ms'] / c['floor_ms']:.1f}× | "
                 f"{c['draft_k1_ms']:.2f} | {c['draft_k1_ms'] / c['draft_floor_ms']:.1f}× | "
                 f"{c['draft_k1_ms'] / c['k1_ms']:.2f} | {c['long_k1_ms']:.2f} ms at {c['long_context']} "
                 f"({c['long_k1_ms'] / c['k1_ms']:.2f}×) | {fmt(c['kernels_per_layer'], '.1f')} "
-                f"({fmt(c['draft_kernels_per_layer'], '.1f')}) | {fmt(c['host_syncs_per_token'], '.1f')} |")
+                f"({fmt(c['draft_kernels_per_layer'], '.1f')}) | {fmt(c['host_syncs_per_step'], '.1f')} "
+                f"({fmt(c['sd_host_syncs_per_step'], '.1f')}) |")
         for c in report["costs"]:
             for who in ("kernel_times", "draft_kernel_times"):
                 k = c.get(who)

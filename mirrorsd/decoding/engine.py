@@ -29,7 +29,7 @@ from ..kv_cache import KVCache
 from ..model import Transformer
 from ..prefix_cache import PrefixCache
 from ..runtime.trace import Span
-from ..sampling import SamplingParams, choose
+from ..sampling import SamplingParams, choose, rows_apart, send
 from ..verify import Verdict, chain_verdict, verify_match, verify_rejection, verify_tree
 
 if TYPE_CHECKING:
@@ -52,14 +52,61 @@ class Proposal:
     alternatives: list[list[int]] | None = None  # [len(tokens)][k]: the draft's k likeliest tokens at each position
 
     @property
+    def length(self) -> int:
+        """Draft tokens (without reading a :class:`DrawnChain`'s)."""
+        return len(self.tokens)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The tokens as ``[length]`` ids on ``device``, sent without a host sync."""
+        return send(self.tokens, device)
+
+    @property
     def depth(self) -> int:
         """Window positions drafted (the deepest tree level)."""
         if self.parents is None:
-            return len(self.tokens)
+            return self.length
         depth: list[int] = []
         for p in self.parents:
             depth.append(1 if p < 0 else depth[p] + 1)
         return max(depth, default=0)
+
+
+class DrawnChain(Proposal):
+    """A chain still where the draft drew it (``ids``, on the draft's device), so that a step reads the host once:
+    the target's forward takes ``ids`` as they are (:meth:`on`), and :func:`match` reads them together with the
+    target's own tokens (:meth:`verdict`). Anything else that asks for ``tokens`` reads them then."""
+
+    def __init__(self, ids: torch.Tensor, forwards: int = 0, fed: int = 0) -> None:
+        super().__init__(forwards=forwards, fed=fed)
+        self.ids, self._read = ids.reshape(-1), None
+
+    @property  # type: ignore[override]
+    def tokens(self) -> list[int]:
+        if self._read is None:
+            self._read = self.ids.tolist()
+        return self._read
+
+    @tokens.setter
+    def tokens(self, values: list[int]) -> None:  # (Proposal.__init__ sets an empty list, before ``ids`` exist)
+        self._read = list(values)
+
+    @property
+    def unread(self) -> bool:
+        return self._read is None
+
+    @property
+    def length(self) -> int:
+        return self.ids.numel()
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        return self.ids.to(device) if self.unread else super().on(device)
+
+    def verdict(self, own: torch.Tensor) -> Verdict:
+        """:func:`~mirrorsd.verify.chain_verdict` against the target's own token at every row (``length + 1``, on
+        the target's device), with the draft's tokens read in the same host read."""
+        both = torch.cat([self.ids.to(own.device), own]).tolist()
+        self.tokens = both[:self.length]
+        return chain_verdict(self.tokens, both[self.length:])
 
 
 @dataclass
@@ -249,7 +296,7 @@ def draft_tokens(model: Transformer, tokens: list[int] | torch.Tensor) -> torch.
     if isinstance(tokens, torch.Tensor):
         ids = tokens.reshape(1, -1)
         return ids.masked_fill(ids >= vocab, 0)
-    return torch.tensor([[t if t < vocab else 0 for t in tokens]], device=model.device)
+    return send([t if t < vocab else 0 for t in tokens], model.device).view(1, -1)
 
 
 # -- the roles ---------------------------------------------------------------------------------------------------
@@ -316,7 +363,9 @@ def match(state: RequestState, scores: Scores) -> Verdict:
         return chain_verdict(draft.tokens, scores.own)
     if draft.parents is not None:
         return verify_tree(draft.tokens, draft.parents, scores.logits, position, state.params)
-    positions = list(range(position, position + len(draft.tokens) + 1))
+    positions = list(range(position, position + draft.length + 1))
+    if isinstance(draft, DrawnChain) and draft.unread and rows_apart(scores.logits, state.params):
+        return draft.verdict(choose(scores.logits[:len(positions)], positions, state.params))
     return verify_match(draft.tokens, scores.logits, positions, state.params)
 
 
@@ -373,13 +422,14 @@ class ChainScorer:
         return 1
 
     def score(self, state: RequestState, draft: Proposal) -> Scores:
+        device = self.model.device
         if state.next_logits is not None:  # the prefill scored the last committed token already
             first, state.next_logits = state.next_logits, None
-            if not draft.tokens:
+            if not draft.length:
                 return Scores(first, draft, forwards=0)
-            ids = torch.tensor([draft.tokens], device=self.model.device)
+            ids = draft.on(device)[None]
             return Scores(torch.cat([first, self.model(ids, cache=state.target_cache)[0]]), draft)
-        ids = torch.tensor([[state.tokens[-1], *draft.tokens]], device=self.model.device)
+        ids = torch.cat([send([state.tokens[-1]], device), draft.on(device)])[None]
         return Scores(self.model(ids, cache=state.target_cache)[0], draft)
 
     def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
@@ -455,7 +505,7 @@ def timed(stats: GenerationStats, field_name: str) -> Iterator[None]:
 
 def new_state(request: DecodeRequest) -> RequestState:
     capacity = len(request.prompt_ids) + request.max_new_tokens + 2
-    draft_cache = request.draft.new_cache(capacity=capacity) if request.draft is not None else None
+    draft_cache = request.draft.lease_cache(capacity) if request.draft is not None else None
     return RequestState(request, list(request.prompt_ids), request.target.lease_cache(capacity),
                         draft_cache, list(request.prompt_ids))
 
@@ -464,6 +514,7 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
     """Decode ``request`` with ``roles``: yields the tokens each step commits, forever (the caller stops; the
     target's keys and values then go to the request's prefix cache, if it has one)."""
     state = new_state(request)
+    leased = state.draft_cache
     stats = request.stats
     stats.gamma = roles.gamma
     proposer, scorer, verifier = roles.proposer, roles.scorer, roles.verifier
@@ -505,4 +556,6 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
         if roles.close is not None:
             roles.close()
         request.target.return_cache(state.target_cache)
+        if leased is not None:  # (a method may have put a cache of its own in its place)
+            request.draft.return_cache(leased)
 

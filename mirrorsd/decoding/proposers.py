@@ -18,7 +18,7 @@ from ..model import Transformer
 from ..sampling import SamplingParams
 from ..verify import Verdict
 from .drafting import DraftSampler, prompt_window, window_end
-from .engine import Proposal, RequestState, Scores, draft_tokens
+from .engine import DrawnChain, Proposal, RequestState, Scores, draft_tokens
 from .ss.adapters import StreamAdapters
 from .ss.passes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_K, StreamGuesses, ss_pass
 
@@ -93,8 +93,9 @@ class ModelProposer:
 
     def _chain(self, state: RequestState, window: int) -> Proposal:
         """:meth:`propose` where no step reads its logits on the host (no confidence rule, no distributions, no
-        runner-ups): each drawn token feeds the next forward where it was drawn, and the window is read once at its
-        end. On a GPU the draft's forwards then queue back to back instead of each waiting for the host."""
+        runner-ups): each drawn token feeds the next forward where it was drawn, and the window stays there until the
+        verdict reads it with the target's own tokens (:class:`DrawnChain`). On a GPU the draft's forwards then queue
+        back to back, and the target's forward behind them, with one host read per step."""
         model, position = self.model, len(state.tokens)
         feed = self.first_feed(state) if window else []
         ids = draft_tokens(model, feed)
@@ -103,7 +104,7 @@ class ModelProposer:
             logits = model(ids, cache=state.draft_cache, last=1, head=self.sampler.head)[0]
             drawn.append(self.sampler.choose(logits, [position + i]))
             ids = drawn[-1].view(1, 1)
-        self.last = Proposal(torch.cat(drawn).tolist() if drawn else [], forwards=window, fed=len(feed))
+        self.last = DrawnChain(torch.cat(drawn), forwards=window, fed=len(feed)) if drawn else Proposal()
         return self.last
 
     def first_feed(self, state: RequestState) -> list[int]:

@@ -252,3 +252,55 @@ def test_running_ahead_gives_ar_its_own_tokens(monkeypatch, params):
     again = generate(target, longer, method="ar", max_new_tokens=7, prefix_cache=store, **params)
     assert again.stats.cached_tokens == len(longer) - 1
     assert again.token_ids == alone.token_ids[5:]
+
+
+@pytest.mark.parametrize("params", [{}, {"temperature": 0.8, "seed": 3}])
+def test_a_fixed_sd_window_reads_the_host_once_per_step(tiny_pair, monkeypatch, params):
+    """At ``confidence=0`` the draft's window stays on the device (``DrawnChain``): the target's forward takes it as
+    it is, and the verdict reads it together with the target's own tokens. Greedy, a step then reads the host once
+    (a sampled step too on a GPU; the CPU reads sampled rows one by one, see ``rows_apart``): on a GPU a read between
+    the draft's forwards and the target's would drain the queue mid-step. The tokens stay ``ar``'s."""
+    from mirrorsd.decoding.engine import ChainScorer
+    from mirrorsd.decoding.proposers import ModelProposer
+
+    target, draft = tiny_pair
+    reads: list[str] | None = None  # the host reads of the step running now
+    per_step: list[list[str]] = []
+
+    def spying(name: str):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, **kwargs):
+            if reads is not None:
+                reads.append(name)
+            return original(self, *args, **kwargs)
+        return spy
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, spying(name))
+    propose, commit = ModelProposer.propose, ChainScorer.commit
+
+    def started(self, *args, **kwargs):  # a step begins with the draft's window ...
+        nonlocal reads
+        reads = []
+        return propose(self, *args, **kwargs)
+
+    def ended(self, *args, **kwargs):  # ... and ends with the target's cache rolled back after the verdict
+        nonlocal reads
+        if reads is not None:
+            per_step.append(reads)
+        reads = None
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelProposer, "propose", started)
+    monkeypatch.setattr(ChainScorer, "commit", ended)
+    kw = dict(max_new_tokens=24, **params)
+    sd = generate(target, [3, 1, 4, 1, 5], method="sd", draft=draft, gamma=4, confidence=0.0, suffix_match=0, **kw)
+    monkeypatch.undo()
+    assert sd.token_ids == generate(target, [3, 1, 4, 1, 5], method="ar", **kw).token_ids
+    assert len(per_step) == sd.stats.steps > 3
+    if not params:
+        assert all(r == ["tolist"] for r in per_step), per_step  # (the last step drafts nothing: its own row)
+    else:  # the window's tokens (when there is one), then the target's rows one by one to the first disagreement
+        tolists = [r.count("tolist") for r in per_step]
+        assert tolists == [(d > 0) + a + 1 for d, a in zip(sd.stats.drafted, sd.stats.accepted, strict=True)]
