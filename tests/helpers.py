@@ -223,6 +223,33 @@ def exact_pair_distribution(model: Transformer, prompt: list[int], temperature: 
     return p1[:, None] * p2
 
 
+class HostReads:
+    """Counts the tensor calls that read a value on the host (``tolist``, ``item`` and the conversions) between
+    :meth:`start` and :meth:`stop`: on a GPU each one waits for the device's queue."""
+
+    NAMES = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: list[str] | None = None
+        for name in self.NAMES:
+            monkeypatch.setattr(torch.Tensor, name, self._spy(name, getattr(torch.Tensor, name)))
+
+    def _spy(self, name: str, original: Callable) -> Callable:
+        def spy(tensor: torch.Tensor, *args, **kwargs):
+            if self.reads is not None:
+                self.reads.append(name)
+            return original(tensor, *args, **kwargs)
+        return spy
+
+    def start(self) -> None:
+        self.reads = []
+
+    def stop(self) -> list[str] | None:
+        """The reads since :meth:`start` (None if counting was off), and counting off."""
+        reads, self.reads = self.reads, None
+        return reads
+
+
 class LiveServer:
     """A uvicorn server on a free loopback port, in a thread (how `mirrorsd serve` runs it, minus the CLI).
 

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from mirrorsd import Transformer, generate
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.verify import verify_match, verify_rejection, verify_tree
-from tests.helpers import exact_pair_distribution, row_exact, tiny_hf
+from tests.helpers import HostReads, exact_pair_distribution, row_exact, tiny_hf
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -264,32 +264,17 @@ def test_a_fixed_sd_window_reads_the_host_once_per_step(tiny_pair, monkeypatch, 
     from mirrorsd.decoding.proposers import ModelProposer
 
     target, draft = tiny_pair
-    reads: list[str] | None = None  # the host reads of the step running now
-    per_step: list[list[str]] = []
-
-    def spying(name: str):
-        original = getattr(torch.Tensor, name)
-
-        def spy(self, *args, **kwargs):
-            if reads is not None:
-                reads.append(name)
-            return original(self, *args, **kwargs)
-        return spy
-
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
-        monkeypatch.setattr(torch.Tensor, name, spying(name))
+    host, per_step = HostReads(monkeypatch), []
     propose, commit = ModelProposer.propose, ChainScorer.commit
 
     def started(self, *args, **kwargs):  # a step begins with the draft's window ...
-        nonlocal reads
-        reads = []
+        host.start()
         return propose(self, *args, **kwargs)
 
     def ended(self, *args, **kwargs):  # ... and ends with the target's cache rolled back after the verdict
-        nonlocal reads
+        reads = host.stop()
         if reads is not None:
             per_step.append(reads)
-        reads = None
         return commit(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelProposer, "propose", started)

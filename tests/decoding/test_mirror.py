@@ -27,7 +27,7 @@ from mirrorsd.decoding.mirror import (
 )
 from mirrorsd.runtime import write_chrome_trace
 from mirrorsd.runtime.trace import overlap
-from tests.helpers import assert_same_or_near_tie, requires_smollm2, row_exact, tiny_hf
+from tests.helpers import HostReads, assert_same_or_near_tie, requires_smollm2, row_exact, tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -126,29 +126,15 @@ def test_a_tree_rollout_reads_the_host_only_after_its_last_step(exact_pair, monk
     from mirrorsd.decoding.mirror.draft import LocalDraft
 
     target, draft = exact_pair
-    reads: list[str] | None = None  # the host reads of the rollout running now
-
-    def spying(name: str):
-        original = getattr(torch.Tensor, name)
-
-        def spy(self, *args, **kwargs):
-            if reads is not None:
-                reads.append(name)
-            return original(self, *args, **kwargs)
-        return spy
-
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
-        monkeypatch.setattr(torch.Tensor, name, spying(name))
-    rollout, seen = LocalDraft._rollout, []
+    host, seen = HostReads(monkeypatch), []
+    rollout = LocalDraft._rollout
 
     def counted(self, *args):
-        nonlocal reads
-        reads = []
+        host.start()
         try:
             return rollout(self, *args)
         finally:
-            seen.append((args[-1], reads))
-            reads = None
+            seen.append((args[-1], host.stop()))
 
     monkeypatch.setattr(LocalDraft, "_rollout", counted)
     kw = dict(temperature=temperature, seed=3, max_new_tokens=30)
