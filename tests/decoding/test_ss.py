@@ -21,7 +21,7 @@ from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig, load_ada
 from mirrorsd.exit_heads import ExitTranslators, tuned_exit
 from mirrorsd.kv_cache import KVCache
 from mirrorsd.sampling import SamplingParams
-from tests.helpers import assert_same_or_near_tie, random_adapters, requires_smollm2, row_exact, tiny_hf
+from tests.helpers import HostReads, assert_same_or_near_tie, random_adapters, requires_smollm2, row_exact, tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -540,25 +540,15 @@ def test_a_stream_rollout_reads_the_host_a_fixed_number_of_times_per_pass(monkey
 
     target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
     adapters = random_adapters(draft, streams=2, layers=1, std=0.1)
-    reads: list[str] | None = None
-    original = torch.Tensor.tolist
-
-    def spy(self, *args, **kwargs):
-        if reads is not None:
-            reads.append("tolist")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    host = HostReads(monkeypatch)
     rollout, seen = LocalDraft._stream_rollout, []
 
     def counted(self, state, committed, window, spine, roots, steps):
-        nonlocal reads
-        reads = []
+        host.start()
         try:
             tree = rollout(self, state, committed, window, spine, roots, steps)
         finally:
-            seen.append((len(roots), len(reads)))
-            reads = None
+            seen.append((len(roots), host.stop().count("tolist")))
         seen[-1] += (tree.forwards,)
         return tree
 
