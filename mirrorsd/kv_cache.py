@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .transfer import send
+
 
 class KVCache:
     def __init__(
@@ -88,9 +90,16 @@ class KVCache:
             raise ValueError(f"cannot truncate to a negative length ({length})")
         self.lengths = [min(n, length) for n in self.lengths]
 
+    def _index(self, positions: torch.Tensor | list[int]) -> torch.Tensor:
+        """Cache positions as an index on the cache's device (a list is sent without a host sync)."""
+        device = self.keys[0].device
+        if isinstance(positions, torch.Tensor):
+            return positions.to(device=device, dtype=torch.long)
+        return send(positions, device)
+
     def keep(self, positions: torch.Tensor | list[int]) -> None:
         """Keep only ``positions`` (in that order) in every layer: compaction after tree verification."""
-        index = torch.as_tensor(positions, dtype=torch.long, device=self.keys[0].device)
+        index = self._index(positions)
         n = index.numel()
         last = _largest(positions)
         for layer in range(self.n_layers):
@@ -105,7 +114,7 @@ class KVCache:
         """Keep ``[0, start)`` and then the entries at ``start + offsets`` (in that order) in ``layers``: tree
         compaction that moves only the tail. Speculative Streaming passes leave different trees in the layers
         below and above the pruning layer, so each group is compacted with its own offsets."""
-        index = torch.as_tensor(offsets, dtype=torch.long, device=self.keys[0].device) + start
+        index = self._index(offsets) + start
         last = start + _largest(offsets)
         for layer in layers if layers is not None else range(self.n_layers):
             if index.numel() and last >= self.lengths[layer]:

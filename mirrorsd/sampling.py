@@ -19,6 +19,7 @@ from functools import lru_cache
 import torch
 
 from .errors import OptionError
+from .transfer import send
 
 
 class Noise(IntEnum):
@@ -83,16 +84,6 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 def _seed_base(seed: int, noise: int) -> int:
     """The stream key of (seed, noise) as a host int: hashed once, not on every draw of a decode loop."""
     return int(_splitmix64(torch.tensor(_int64(seed)) ^ _splitmix64(torch.tensor(_int64(noise)))))
-
-
-def send(values: torch.Tensor | Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """Host values (a tensor, or ints as int64) on ``device``. To a GPU through pinned memory and an asynchronous
-    copy: a plain copy from pageable memory waits for the device's queue to drain, a host sync in the middle of a
-    step's queued work."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int, noise: int = Noise.TARGET,

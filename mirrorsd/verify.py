@@ -86,6 +86,15 @@ def verify_rejection(draft: Sequence[int], draft_probs: torch.Tensor, target_log
     return Verdict(bonus, sample(target_logits[bonus:bonus + 1], [positions[bonus]], params)[0])
 
 
+def tree_positions(parents: Sequence[int], position: int) -> list[int]:
+    """The absolute position each row of a tree's logits predicts: the root's row ``position``, node i's row
+    ``position + depth(i)`` (``parents[i]``: token i's parent, -1 for the root; parents come first)."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return [position, *(position + d for d in depth)]
+
+
 def verify_tree(tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor, position: int,
                 params: SamplingParams, noise: int = Noise.TARGET, own: Sequence[int] | None = None) -> Verdict:
     """Match down a draft tree: from the root (the last committed token), the child whose token is the target's
@@ -97,13 +106,11 @@ def verify_tree(tokens: Sequence[int], parents: Sequence[int], logits: torch.Ten
     caller drew them for several trees in one op and one host read (:func:`~mirrorsd.sampling.rows_apart`).
     """
     children: dict[int, dict[int, int]] = {}
-    depth: list[int] = []  # of each node; the root's row predicts ``position``, a node's row ``position + depth``
     for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
         children.setdefault(parent, {}).setdefault(token, node)
-        depth.append(1 if parent < 0 else depth[parent] + 1)
     rows = len(tokens) + 1
     every = own if own is not None else \
-        choose(logits[:rows], [position, *(position + d for d in depth)], params, noise).tolist() \
+        choose(logits[:rows], tree_positions(parents, position), params, noise).tolist() \
         if rows_apart(logits, params) else None  # every row's own token in one op and one host read
     node, path = -1, []
     while True:

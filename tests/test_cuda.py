@@ -103,6 +103,11 @@ def test_ss_streams_on_cuda():
     want = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0).token_ids
     got = generate(target, PROMPT, method="ss", streams=adapters, max_new_tokens=24, temperature=0.0).token_ids
     _assert_lossless(target, got, want)
+    # A pass that prunes nothing reads its verdict and every row's next guesses at once (issue 61, item 2).
+    once = dict(method="ss", streams=adapters, threshold=0.0, suffix_match=0)
+    assert generate(target, PROMPT, max_new_tokens=24, **once).token_ids == want
+    syncs = gpu.host_syncs_per_step(target, PROMPT, tokens=24, **once)
+    assert syncs is not None and syncs <= 1.2, syncs
 
 
 def test_devices_backend_with_the_draft_on_the_cpu():

@@ -29,8 +29,9 @@ from ..kv_cache import KVCache
 from ..model import Transformer
 from ..prefix_cache import PrefixCache
 from ..runtime.trace import Span
-from ..sampling import SamplingParams, choose, rows_apart, send
-from ..verify import Verdict, chain_verdict, verify_match, verify_rejection, verify_tree
+from ..sampling import SamplingParams, choose, rows_apart
+from ..transfer import read_soon, send
+from ..verify import Verdict, chain_verdict, tree_positions, verify_match, verify_rejection, verify_tree
 
 if TYPE_CHECKING:
     from .bridge import TokenBridge
@@ -65,10 +66,7 @@ class Proposal:
         """Window positions drafted (the deepest tree level)."""
         if self.parents is None:
             return self.length
-        depth: list[int] = []
-        for p in self.parents:
-            depth.append(1 if p < 0 else depth[p] + 1)
-        return max(depth, default=0)
+        return max(tree_positions(self.parents, 0))
 
 
 class DrawnChain(Proposal):
@@ -117,7 +115,7 @@ class Scores:
     logits: torch.Tensor
     draft: Proposal
     forwards: int = 1  # target forwards it took
-    own: list[int] | None = None  # a chain's own token at every row, where the scorer chose and read them already
+    own: list[int] | None = None  # the target's own token at every row, where the scorer chose and read them already
 
 
 class MethodStats(Protocol):
@@ -359,10 +357,10 @@ def budgeted_by(budget: SpeculationBudget | None) -> Iterator[None]:
 def match(state: RequestState, scores: Scores) -> Verdict:
     """Greedy / sample-and-match on chains and trees: the target's own token at every position."""
     draft, position = scores.draft, len(state.tokens)
+    if draft.parents is not None:
+        return verify_tree(draft.tokens, draft.parents, scores.logits, position, state.params, own=scores.own)
     if scores.own is not None:
         return chain_verdict(draft.tokens, scores.own)
-    if draft.parents is not None:
-        return verify_tree(draft.tokens, draft.parents, scores.logits, position, state.params)
     positions = list(range(position, position + draft.length + 1))
     if isinstance(draft, DrawnChain) and draft.unread and rows_apart(scores.logits, state.params):
         return draft.verdict(choose(scores.logits[:len(positions)], positions, state.params))
@@ -454,7 +452,7 @@ class RunAheadScorer(ChainScorer):
             raise ValueError("RunAheadScorer scores empty drafts after a whole-prompt prefill")
         logits, state.next_logits = state.next_logits, None
         own = choose(logits, [len(state.tokens)], state.params)
-        read = _read_soon(own)
+        read = read_soon(own)
         ahead = state.produced + 1 < state.request.max_new_tokens and batcher() is None
         if ahead:
             state.next_logits = self.model(own.view(1, 1), cache=state.target_cache)[0]
@@ -462,22 +460,6 @@ class RunAheadScorer(ChainScorer):
 
     def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         """Nothing to roll back: the cache holds the committed tokens and the one run ahead on, if any."""
-
-
-def _read_soon(values: torch.Tensor) -> Callable[[], list[int]]:
-    """``values.tolist`` that waits for the device work queued before this call, not for what is queued after it."""
-    if not values.is_cuda:
-        return values.tolist
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-
-    def read() -> list[int]:
-        ready.synchronize()
-        return host.tolist()
-
-    return read
 
 
 @dataclass

@@ -488,6 +488,75 @@ def test_deferring_is_a_cpu_rule_for_trees_of_three_nodes_and_more():
     assert streaming.defers("always", 1, 1, cuda) and not streaming.defers("never", 8, 3, cpu)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_pass_read_at_once_gives_the_same_passes(exact_model, monkeypatch, temperature):
+    """Off the CPU a pass reads its verdict's tokens and every row's next guesses in one host read (``read_pass``),
+    where it read the verdict and then the accepted node's guesses; forced here on the CPU. The same tokens, the
+    same passes with the same acceptance (every row's guesses are the ones ``next_guesses`` gives), and, greedy,
+    one read a pass; likewise for a draft's passes inside ``sd``."""
+    from mirrorsd.decoding.ss.method import StreamGuessProposer, StreamTreeScorer
+
+    adapters = random_adapters(exact_model, 3, 2, 1, std=0.1)
+    kwargs = {"temperature": temperature, "seed": 4, "max_new_tokens": 30}
+    ss = {"streams": adapters, "tree_k": 2, "tree_budget": 4, "threshold": 0.0, "defer_streams": "never",
+          "suffix_match": 0, **kwargs}
+    before = generate(exact_model, [5, 6, 7], method="ss", **ss)
+    draft = row_exact(tiny_hf(layers=2, seed=2))
+    sd = {"draft": draft, "draft_streams": random_adapters(draft, streams=3, layers=1, std=0.1), "gamma": 6,
+          "confidence": 0.0, "suffix_match": 0, "draft_context": 0, "defer_streams": "never", **kwargs}
+    sd_before = generate(exact_model, [5, 6, 7], method="sd", **sd)
+
+    monkeypatch.setattr(streaming, "reads_once", lambda forward, params: forward.deferred is None)
+    host, per_step = HostReads(monkeypatch), []
+    propose, commit = StreamGuessProposer.propose, StreamTreeScorer.commit
+
+    def started(self, *args):
+        host.start()
+        return propose(self, *args)
+
+    def ended(self, *args):
+        per_step.append(host.stop())
+        return commit(self, *args)
+
+    monkeypatch.setattr(StreamGuessProposer, "propose", started)
+    monkeypatch.setattr(StreamTreeScorer, "commit", ended)
+    after = generate(exact_model, [5, 6, 7], method="ss", **ss)
+    sd_after = generate(exact_model, [5, 6, 7], method="sd", **sd)
+    monkeypatch.undo()
+
+    assert after.token_ids == before.token_ids == generate(exact_model, [5, 6, 7], method="ar", **kwargs).token_ids
+    assert after.stats.accepted == before.stats.accepted and after.stats.drafted == before.stats.drafted
+    assert len(per_step) == after.stats.steps
+    if temperature == 0:
+        assert all(r == ["tolist"] for r in per_step), per_step
+    assert sd_after.token_ids == sd_before.token_ids == after.token_ids
+    assert sd_after.stats.draft_forwards == sd_before.stats.draft_forwards
+
+
+def test_a_pass_read_at_once_holds_every_rows_next_guesses(exact_model, monkeypatch):
+    """Whichever node the verdict ends at, the guesses read with the pass are the ones :func:`next_guesses` makes
+    for that verdict afterwards (the test above rarely sees a guess accepted on random adapters)."""
+    from mirrorsd.verify import Verdict
+
+    monkeypatch.setattr(streaming, "reads_once", lambda forward, params: forward.deferred is None)
+    adapters = random_adapters(exact_model, 3, 2, 1, std=0.1)
+    with torch.inference_mode():
+        cache = exact_model.new_cache()
+        exact_model.prefill(torch.tensor([[1, 2, 3]]), cache)
+        forward = streaming.fused_forward(exact_model, adapters, cache, [4], streaming.guess_tree([[5, 6], [8, 9]]))
+        sampled = SamplingParams(temperature=0.9, seed=1)
+        read = streaming.read_pass(exact_model, forward, sampled, tree_k=3)
+        parents = forward.draft.parents
+        for end in range(-1, len(parents)):  # the verdict's last accepted node (-1: none)
+            path: list[int] = []
+            while end >= 0:
+                path, end = [end, *path], parents[end]
+            verdict = Verdict(len(path), 0, tuple(path))
+            assert read.next_guesses(verdict) == streaming.next_guesses(exact_model, adapters, forward, verdict, 3)
+    # the root (after [1, 2, 3] and the trunk's 4) predicts position 4, its children 5, theirs 6
+    assert read.own == streaming.choose(forward.main_logits, [4, 5, 5, 6, 6, 6, 6], sampled).tolist()
+
+
 def test_sd_with_ss_draft_equals_ar_with_the_ar_drafts_windows_in_fewer_forwards():
     """Fig. 4's SD × SS-draft cell: ``sd`` drafting with the draft's streams proposes the AR draft's windows (its
     main stream verifies each pass), so acceptance is unchanged and the tokens are ar's."""

@@ -41,11 +41,13 @@ from .adapters import StreamAdapters, load_adapters
 from .passes import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_K,
+    PassRead,
     StreamGuesses,
     TreeForward,
     compact,
     fused_forward,
     next_guesses,
+    read_pass,
 )
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; at 0.05 the CR was unchanged and k=3 ran 1.5x faster
@@ -122,6 +124,7 @@ class SSStats:
 @dataclass
 class TreeScores(Scores):
     forward: TreeForward | None = None
+    read: PassRead | None = None  # the verdict's tokens and every row's next guesses, read at once (off the CPU)
 
 
 class StreamTreeScorer(ChainScorer):
@@ -129,17 +132,19 @@ class StreamTreeScorer(ChainScorer):
 
     def __init__(self, model: Transformer, adapters: StreamAdapters, threshold: float, stats: SSStats,
                  head: SubsetHead | None, prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 defer: str = "never") -> None:
+                 defer: str = "never", tree_k: int = DEFAULT_TREE_K) -> None:
         super().__init__(model)
         self.adapters, self.threshold, self.stats, self.head = adapters, threshold, stats, head
-        self.prune_exit, self.defer = prune_exit, defer
+        self.prune_exit, self.defer, self.tree_k = prune_exit, defer, tree_k
 
     def score(self, state: RequestState, draft: Proposal) -> TreeScores:
         forward = fused_forward(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
                                 self.threshold, self.head, self.prune_exit, defer=self.defer)
         self.stats.tree_before.append(forward.nodes)
         self.stats.tree_after.append(len(forward.kept))
-        return TreeScores(forward.main_logits, forward.draft, forward=forward)
+        read = read_pass(self.model, forward, state.params, self.tree_k, self.head)
+        return TreeScores(forward.main_logits, forward.draft, forward=forward, own=read.own if read else None,
+                          read=read)
 
     def commit(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
         self.stats.committed.append(verdict.accepted + 1)
@@ -168,6 +173,9 @@ class StreamGuessProposer:
         return self.candidates.tree(min(self.depth, state.room), budget)
 
     def feedback(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
+        if scores.read is not None:
+            self.candidates = scores.read.next_guesses(verdict)
+            return
         self.candidates = next_guesses(self.model, self.adapters, scores.forward, verdict, self.tree_k, self.head,
                                        state.target_cache)
 
@@ -198,7 +206,8 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
                 "deferred": scores.forward.deferred is not None, "top_fraction": top_fraction,
                 **(proposer.log(scores, verdict) if lookup else {})}
 
-    scorer = StreamTreeScorer(req.target, adapters, opts.threshold, stats, head, prune_exit, opts.defer_streams)
+    scorer = StreamTreeScorer(req.target, adapters, opts.threshold, stats, head, prune_exit, opts.defer_streams,
+                              opts.tree_k)
     return Roles(proposer, scorer, match, gamma=window,
                  log=log, close=lookup.close if lookup else None)
 

@@ -24,8 +24,9 @@ import torch
 from ...draft_vocab import SubsetHead, head_logits, top_tokens
 from ...kv_cache import KVCache
 from ...model import Transformer
-from ...sampling import Noise, SamplingParams
-from ...verify import Verdict, verify_tree
+from ...sampling import Noise, SamplingParams, choose, rows_apart
+from ...transfer import send
+from ...verify import Verdict, tree_positions, verify_tree
 from ..engine import Proposal, draft_tokens
 from .adapters import StreamAdapters, msa_mask, stream_mask
 
@@ -99,7 +100,7 @@ def ancestors(parents: list[int], device: torch.device | str = "cpu") -> torch.T
     for i, parent in enumerate(parents):
         if parent >= 0:
             anc[i] |= anc[parent]
-    return anc.to(device)
+    return send(anc, device)
 
 
 @dataclass
@@ -146,7 +147,7 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
         depths.append(0 if p < 0 else depths[p] + 1)
     n = len(tokens)
     anc = ancestors(parents, device)
-    positions = torch.tensor(depths, device=device) + past
+    positions = send(depths, device) + past
     low_mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), anc], 1).unsqueeze(0)
     split = adapters.first_layer
     hidden = model.run_layers(model.embed(draft_tokens(model, tokens)), positions[None], cache, low_mask, 0, split)
@@ -161,7 +162,7 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
             logits, ids = head_logits(model, prune_exit(states), head)
         row = {node: r for r, node in enumerate(parent_nodes)}
         edges = range(len(trunk), n)
-        children = torch.tensor([tokens[i] for i in edges], device=device)
+        children = send([tokens[i] for i in edges], device)
         columns = children if ids is None else head.index[children]  # -1: outside the restricted vocabulary
         probs = logits.softmax(-1)[[row[parents[i]] for i in edges], columns.clamp(min=0)]
         edge_probs = probs.masked_fill(columns < 0, 0.0).tolist()
@@ -171,7 +172,7 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
         kept = [i for i in range(n) if alive[i]]
 
     m, n_streams = len(kept), min(streams or adapters.config.streams, adapters.config.streams)
-    sub = torch.tensor(kept, device=device)
+    sub = send(kept, device)
     deferred = None
     if defers(defer, m, n_streams, device):
         deferred = hidden[:, sub]
@@ -229,6 +230,52 @@ def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForw
     return StreamGuesses(tokens.tolist(), logprobs.float().tolist())
 
 
+@dataclass(frozen=True)
+class PassRead:
+    """A pass's verdict material and next guesses, read in one go (:func:`read_pass`)."""
+
+    own: list[int]  # the model's own token at every verification row: the root's, then each tree node's
+    guesses: list[StreamGuesses]  # the next tree's candidates were each of those rows the last accepted
+
+    def next_guesses(self, verdict: Verdict) -> StreamGuesses:
+        return self.guesses[verdict.nodes[-1] + 1 if verdict.accepted else 0]
+
+
+def reads_once(forward: TreeForward, params: SamplingParams) -> bool:
+    """Whether :func:`read_pass` applies: off the CPU, where each host read waits for the device's queue and rows
+    cost next to nothing, for a pass whose streams ran beside its main rows (not deferred) and whose rows are
+    drawn apart (:func:`~mirrorsd.sampling.rows_apart`). On a CPU the other nodes' stream rows through the head cost
+    more than the second read they save."""
+    return forward.deferred is None and forward.out.device.type != "cpu" and rows_apart(forward.main_logits, params)
+
+
+def read_pass(model: Transformer, forward: TreeForward, params: SamplingParams, tree_k: int,
+              head: SubsetHead | None = None, noise: int = Noise.TARGET) -> PassRead | None:
+    """The model's own token at every verification row and the top-``tree_k`` of the streams at every one of them,
+    in one host read, where :func:`reads_once` says so (else None: verify, then :func:`next_guesses`). Which node's
+    guesses the next tree takes depends on the verdict, so reading them all lets the device's queue run on from the
+    verdict's read to the next pass; the tokens are the ones :func:`~mirrorsd.verify.verify_tree` draws."""
+    if not reads_once(forward, params):
+        return None
+    rows, root, n_streams = forward.main_logits.shape[0], forward.root_row, forward.streams
+    m = len(forward.kept)
+    own = choose(forward.main_logits, tree_positions(forward.draft.parents or [], forward.past + forward.trunk),
+                 params, noise)
+    logprobs, ids = top_tokens(*head_logits(model, forward.out[0, m + root * n_streams:m + m * n_streams], head),
+                               tree_k)
+    values = torch.cat([own.double(), ids.double().flatten(), logprobs.double().flatten()]).tolist()
+    k = ids.shape[-1]
+    per_row = n_streams * k
+    tokens = [int(v) for v in values[rows:rows + rows * per_row]]
+    scores = values[rows + rows * per_row:]
+
+    def nested(flat: list, r: int) -> list[list]:
+        return [flat[r * per_row + j * k:r * per_row + (j + 1) * k] for j in range(n_streams)]
+
+    return PassRead([int(v) for v in values[:rows]],
+                    [StreamGuesses(nested(tokens, r), nested(scores, r)) for r in range(rows)])
+
+
 def compact(model: Transformer, adapters: StreamAdapters, cache: KVCache, forward: TreeForward,
             verdict: Verdict) -> None:
     """The cache keeps the trunk and the accepted path, in both layer groups (their trees differ after
@@ -255,9 +302,12 @@ def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk:
     """One self-verified pass: verify ``tree`` under ``trunk[-1]``, compact, draft the next one (``streams``: the
     first of the adapters' streams only; ``defer``: see :func:`fused_forward`)."""
     forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head, streams=streams, defer=defer)
+    read = read_pass(model, forward, params, tree_k, head, noise)
     verdict = verify_tree(forward.draft.tokens, forward.draft.parents, forward.main_logits,
-                          forward.past + forward.trunk, params, noise)
+                          forward.past + forward.trunk, params, noise, own=read.own if read else None)
     chose = [0, *(i + 1 for i in verdict.nodes)]
     compact(model, adapters, cache, forward, verdict)
-    return PassResult([forward.draft.tokens[i] for i in verdict.nodes], verdict.next_token,
-                      next_guesses(model, adapters, forward, verdict, tree_k, head, cache), forward.main_logits[chose])
+    guesses = read.next_guesses(verdict) if read else next_guesses(model, adapters, forward, verdict, tree_k, head,
+                                                                  cache)
+    return PassResult([forward.draft.tokens[i] for i in verdict.nodes], verdict.next_token, guesses,
+                      forward.main_logits[chose])

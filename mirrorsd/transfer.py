@@ -1,0 +1,34 @@
+"""Host <-> device copies that keep a GPU's queue running: on a GPU a plain copy from pageable host memory, and every
+read of a value, waits for all the work queued before it (a host sync), so a step that makes one in the middle
+stalls the device until the host queues more."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def send(values: torch.Tensor | Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """Host values (a tensor, or ints as int64) on ``device``. To a GPU through pinned memory and an asynchronous
+    copy, which the caching host allocator keeps alive until the copy is done."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def read_soon(values: torch.Tensor) -> Callable[[], list]:
+    """``values.tolist`` that waits for the device work queued before this call, not for what is queued after it."""
+    if not values.is_cuda:
+        return values.tolist
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+
+    def read() -> list:
+        ready.synchronize()
+        return host.tolist()
+
+    return read
