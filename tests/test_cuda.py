@@ -42,6 +42,9 @@ def _assert_lossless(target, got: list[int], want: list[int]) -> None:
 @pytest.mark.parametrize("method, options", [
     ("sd", {}), ("suffix", {}), ("mirror", {"backend": "serial"}), ("mirror", {"backend": "cuda-streams"}),
     ("mirror", {"backend": "cuda-streams", "roots": "budget"}),
+    # every candidate a root: the exit's top-κ and a fresh window reach the worker's stream on the device
+    ("mirror", {"backend": "cuda-streams", "roots": "paper", "confidence": 0.0}),
+    ("mirror", {"backend": "serial", "roots": "paper", "confidence": 0.0}),
 ])
 def test_methods_on_cuda_equal_ar(dtype, method, options):
     target, draft = _pair(dtype)

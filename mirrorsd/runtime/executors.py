@@ -91,6 +91,13 @@ class WorkerExecutor(Executor):
             torch.set_num_threads(draft_threads)
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
+        # The job reads what the caller queued on its stream before submitting (the draft's cache, a window and the
+        # exit's candidates still on the device): the worker's stream waits for that point.
+        issued = None
+        if self.stream is not None:
+            issued = torch.cuda.Event()
+            issued.record(torch.cuda.current_stream(self.stream.device))
+
         def run() -> T:
             # Grad and inference modes are thread-local: the worker must enter them itself.
             # Unless ``graphs``, the worker's layers run eagerly, as the target's do while they overlap
@@ -99,6 +106,8 @@ class WorkerExecutor(Executor):
             # a GPU yet.
             with torch.inference_mode(), self._eager(), \
                     (torch.cuda.stream(self.stream) if self.stream else nullcontext()):
+                if issued is not None:
+                    self.stream.wait_event(issued)
                 out = job()
                 if self.stream is not None:
                     self.stream.synchronize()

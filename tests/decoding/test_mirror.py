@@ -146,6 +146,38 @@ def test_a_tree_rollout_reads_the_host_only_after_its_last_step(exact_pair, monk
     assert all(r == ["tolist"] * wanted for _, r in seen), seen
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_with_every_candidate_a_root_nothing_is_read_before_the_upper_layers(exact_pair, monkeypatch, temperature):
+    """``roots="paper"``: the exit's top-κ stay on the device as the rollouts' roots (``DeviceRoots``), and a fresh
+    window as the draft drew it (``DrawnChain``): the host queues the lower layers, the exit and the upper layers
+    without waiting for any of them (on a GPU a read there would stall the device until the host queues more)."""
+    from mirrorsd.decoding.mirror.target import EarlyExitScorer
+
+    target, draft = exact_pair
+    host, before_upper = HostReads(monkeypatch), []
+    score, run_layers = EarlyExitScorer.score, Transformer.run_layers
+
+    def scoring(self, *args):
+        host.start()
+        return score(self, *args)
+
+    def layers(self, *args, **kwargs):
+        if self is target and kwargs.get("start", 0) > 0:  # the upper layers
+            before_upper.append(host.stop())
+        return run_layers(self, *args, **kwargs)
+
+    monkeypatch.setattr(EarlyExitScorer, "score", scoring)
+    monkeypatch.setattr(Transformer, "run_layers", layers)
+    kw = dict(temperature=temperature, seed=3, max_new_tokens=30)
+    m = generate(target, [3, 1, 4, 1, 5], method="mirror", draft=draft, gamma=4, kappa=2, roots="paper",
+                 confidence=0.0, **kw)
+    monkeypatch.undo()
+    assert m.token_ids == generate(target, [3, 1, 4, 1, 5], method="ar", **kw).token_ids
+    steps = m.stats.extra["mirror"].steps
+    assert len(before_upper) == len(steps) and any(s.hit for s in steps) and any(s.hit is False for s in steps)
+    assert all(reads == [] for reads in before_upper), before_upper
+
+
 # -- reuse rules, root selection and the budget on hand-built cases -------------------------------------
 
 

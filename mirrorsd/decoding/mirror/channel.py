@@ -43,9 +43,25 @@ class ChannelMessage:
         return replace(self, runner_ups=runner_ups)
 
 
-def early_exit(target: Transformer, hidden: torch.Tensor, kappa: int, params: SamplingParams,
+class ExitTopK:
+    """The early exit's top-κ where the target computed it (the token channel in device memory): ``ids`` and bf16
+    ``logprobs``, ``[w+1, κ]``, read into a :class:`ChannelMessage` on first use. When every candidate is a root
+    (``roots="paper"``), the rollouts start from ``ids`` as they are (:class:`~.roots.DeviceRoots`), so the host
+    does not wait for the lower layers before it queues the upper ones and the rollouts."""
+
+    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor) -> None:
+        self.ids, self.logprobs = ids, logprobs
+        self._message: ChannelMessage | None = None
+
+    def message(self) -> ChannelMessage:
+        if self._message is None:
+            self._message = ChannelMessage(self.ids.tolist(), self.logprobs.float().tolist())
+        return self._message
+
+
+def exit_top_k(target: Transformer, hidden: torch.Tensor, kappa: int, params: SamplingParams,
                translate: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               head: SubsetHead | None = None) -> ChannelMessage:
+               head: SubsetHead | None = None) -> ExitTopK:
     """Top-κ of the target's own head on layer-ℓe hidden states (at the sampling temperature, raw if greedy);
     ``translate`` maps them towards the final layer's first (the tuned exit, :mod:`mirrorsd.exit_heads`);
     ``head`` restricts the exit to a frequent-token subset (log-probs then normalise over it)."""
@@ -53,4 +69,11 @@ def early_exit(target: Transformer, hidden: torch.Tensor, kappa: int, params: Sa
     if not params.greedy:
         logits = logits / params.temperature
     logprobs, top = top_tokens(logits[0], ids, kappa)
-    return ChannelMessage(top.tolist(), logprobs.to(torch.bfloat16).float().tolist())  # the paper's bf16
+    return ExitTopK(top, logprobs.to(torch.bfloat16))  # the paper's bf16
+
+
+def early_exit(target: Transformer, hidden: torch.Tensor, kappa: int, params: SamplingParams,
+               translate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               head: SubsetHead | None = None) -> ChannelMessage:
+    """:func:`exit_top_k`, read on the host."""
+    return exit_top_k(target, hidden, kappa, params, translate, head).message()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -17,13 +18,15 @@ from ...draft_vocab import head_logits, top_tokens
 from ...model import Transformer
 from ...runtime import Span
 from ...sampling import SamplingParams, choose, rows_apart
+from ...transfer import send
 from ...verify import Verdict, verify_tree
 from ..drafting import draft_vocab_size, window_end
-from ..engine import Proposal, RequestState, Scores, draft_tokens
+from ..engine import DrawnChain, Proposal, RequestState, Scores, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters, stream_mask
 from ..ss.passes import StreamGuesses, ancestors
 from .options import MirrorOptions, batch_caps
+from .roots import DeviceRoots
 from .stats import MirrorRun
 
 
@@ -57,7 +60,7 @@ class DraftSide(Protocol):
         """A fresh rollout after the committed text (the first window, or after a miss)."""
         ...
 
-    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]], steps: int) -> None:
         """Start ``steps``-token rollouts after every root, overlapping the target's upper layers."""
         ...
 
@@ -108,7 +111,7 @@ class BranchProposer:
         self.run.fresh_done(time.perf_counter() - start)
         return window
 
-    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]], steps: int) -> None:
         try:
             self.side.launch(state, window, roots, steps)
         except Exception as error:  # noqa: BLE001 - degrade, never lose the verified tokens
@@ -168,15 +171,21 @@ class LocalDraft:
                 return self.proposer.propose(state, streams=batch_caps(state.batch)[1])
             return self.proposer.propose(state)
 
-    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]], steps: int) -> None:
         # What the draft cache lacks of the spine (the committed text and the window): the window's last token
-        # after a model draft; more after a suffix draft, or when the cache lags behind suffix steps.
-        spine = [*state.tokens, *window][len(state.draft_cache):]
+        # after a model draft (where it was drawn, if it is still there); more after a suffix draft, or when the
+        # cache lags behind suffix steps.
+        lag = len(state.tokens) + window.length - len(state.draft_cache)
+        spine: list[int] | torch.Tensor
+        if isinstance(window, DrawnChain) and window.unread and lag == 1:
+            spine = window.ids[-1:]
+        else:
+            spine = [*state.tokens, *window.tokens][len(state.draft_cache):]
         self.future = self.run.executor.submit(
-            partial(self.rollout, len(state.tokens), window, spine, roots, steps, state))
+            partial(self.rollout, len(state.tokens), window.length, spine, roots, steps, state))
 
-    def rollout(self, committed: int, window: list[int], spine: list[int], roots: list[tuple[int, int]],
-                steps: int, state: RequestState) -> Tree:
+    def rollout(self, committed: int, window: int, spine: list[int] | torch.Tensor,
+                roots: Sequence[tuple[int, int]], steps: int, state: RequestState) -> Tree:
         with self.run.tracer.span("draft", "rollout", roots=len(roots), steps=steps) as span:
             if isinstance(self.proposer, StreamProposer):
                 tree = self._stream_rollout(state, committed, window, spine, roots, steps)
@@ -185,13 +194,15 @@ class LocalDraft:
         tree.span = span
         return tree
 
-    def _rollout(self, state: RequestState, committed: int, window: list[int], spine_feed: list[int],
-                 roots: list[tuple[int, int]], steps: int) -> Tree:
+    def _rollout(self, state: RequestState, committed: int, window: int, spine_feed: list[int] | torch.Tensor,
+                 roots: Sequence[tuple[int, int]], steps: int) -> Tree:
         """γ tokens after every root, one batched tree-masked forward per step over the shared cache.
 
         ``committed`` is the length of the committed text (through ``a``); the cache holds the spine (that text
-        and ``window``) but ``spine_feed``, which the first step feeds causally. Root ``(j, v)`` sits at
-        position ``committed + j`` and sees the spine up to ``d_j``.
+        and the ``window`` tokens after it) but ``spine_feed``, which the first step feeds causally. Root ``(j, v)``
+        sits at position ``committed + j`` and sees the spine up to ``d_j``. Roots still on the device
+        (:class:`~.roots.DeviceRoots`) and a spine token still where the draft drew it feed the first step as they
+        are.
 
         No step reads anything on the host: each step's drawn tokens feed the next forward where they were drawn,
         and the tokens, top probabilities and runner-ups are read once, after the last step (on a GPU the steps
@@ -199,18 +210,20 @@ class LocalDraft:
         """
         model, cache, sampler = self.model, state.draft_cache, self.proposer.sampler
         device = model.device
-        if len(cache) + len(spine_feed) != committed + len(window):
+        if len(cache) + len(spine_feed) != committed + window:
             raise RuntimeError(f"draft cache holds {len(cache)} positions and {len(spine_feed)} are fed, expected "
-                               f"{committed + len(window)} in all")
+                               f"{committed + window} in all")
         n_roots, past = len(roots), len(cache)
-        base = past + len(spine_feed)  # == committed + len(window)
-        root_pos = torch.tensor([committed + j for j, _ in roots], device=device)
+        base = past + len(spine_feed)  # == committed + window
+        at = roots.at if isinstance(roots, DeviceRoots) else [j for j, _ in roots]
+        root_pos = send([committed + j for j in at], device)
         # Every step's mask is a prefix of one: branch r sees the spine before its root (root (j, v) sees
         # [0, committed + j)) and its own inputs, which step s puts at base + s·R + r.
         cols = torch.arange(base + steps * n_roots, device=device)
         own = (cols >= base) & ((cols - base) % n_roots == torch.arange(n_roots, device=device).unsqueeze(1))
         branches = (cols < root_pos.unsqueeze(1)) | own
-        ids = draft_tokens(model, spine_feed + [v for _, v in roots])
+        root_ids = roots.on(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]
+        ids = torch.cat([draft_tokens(model, spine_feed), draft_tokens(model, root_ids)], 1)
         drawn: list[torch.Tensor] = []  # per step: [R] token ids
         tops: list[torch.Tensor] = []  # per step: [R] top probabilities (confidence rule)
         q_steps: list[torch.Tensor] = []  # per step: [R, vocab] distributions (rejection sampling)
@@ -248,8 +261,8 @@ class LocalDraft:
         return Tree(roots, read(drawn), read(tops, self.confidence > 0), q, entries, steps,
                     alternatives=read(runner_ups, bool(sampler.runner_ups)))
 
-    def _stream_rollout(self, state: RequestState, committed: int, window: list[int], spine_feed: list[int],
-                        roots: list[tuple[int, int]], steps: int) -> Tree:
+    def _stream_rollout(self, state: RequestState, committed: int, window: int, spine_feed: list[int] | torch.Tensor,
+                        roots: Sequence[tuple[int, int]], steps: int) -> Tree:
         """:meth:`_rollout` with Speculative Streaming passes (``draft_streams``): in every forward each branch
         verifies its streams' last guesses and drafts the next, so a rollout takes about ⌈γ/η̄⌉ forwards instead
         of γ (the paper's J ≤ ⌈γ/η̄⌉), with the same tokens: each branch's main stream verifies, as in
@@ -262,9 +275,13 @@ class LocalDraft:
         assert isinstance(proposer, StreamProposer)
         model, cache, sampler, adapters = self.model, state.draft_cache, proposer.sampler, proposer.adapters
         device = model.device
-        if len(cache) + len(spine_feed) != committed + len(window):
+        # Each pass reads its verdicts on the host anyway, so the roots' ids and the spine are read here, in the job.
+        roots = list(roots)
+        if isinstance(spine_feed, torch.Tensor):
+            spine_feed = spine_feed.tolist()
+        if len(cache) + len(spine_feed) != committed + window:
             raise RuntimeError(f"draft cache holds {len(cache)} positions and {len(spine_feed)} are fed, expected "
-                               f"{committed + len(window)} in all")
+                               f"{committed + window} in all")
         n_streams = min(batch_caps(state.batch)[1] or adapters.config.streams, adapters.config.streams)
         n_roots, base, split = len(roots), len(cache) + len(spine_feed), adapters.first_layer
         sees = [committed + j for j, _ in roots]  # root (j, v) sits at committed + j and sees the spine before it

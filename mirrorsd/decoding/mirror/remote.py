@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -134,7 +134,7 @@ class _Session:
         spine = [*state.tokens, *window][len(state.draft_cache):]
         self.launch_recv = received
         self.tree, self.tree_syncs = self.counted(
-            lambda: self.draft.rollout(len(state.tokens), window, spine, roots, steps, state))
+            lambda: self.draft.rollout(len(state.tokens), len(window), spine, roots, steps, state))
 
     def verdict(self, data: list[int], received: int) -> list[int]:
         accepted, correction = self.sync(data)
@@ -323,9 +323,9 @@ class RemoteDraft:
                                           {"all_reduces": syncs} if syncs else {}))
         return Proposal(tokens, forwards=forwards, alternatives=alternatives)
 
-    def launch(self, state: RequestState, window: list[int], roots: list[tuple[int, int]], steps: int) -> None:
+    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]], steps: int) -> None:
         self.launched = now_ns()
-        self._send(LAUNCH, [*self._new_tokens(state), len(window), *window, len(roots),
+        self._send(LAUNCH, [*self._new_tokens(state), window.length, *window.tokens, len(roots),
                             *(x for root in roots for x in root), steps])
 
     def verdict(self, state: RequestState, verdict: Verdict) -> Proposal | None:

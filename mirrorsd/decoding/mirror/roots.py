@@ -3,7 +3,11 @@ most likely to be the correction, as many as the overlap budget Δ fits."""
 
 from __future__ import annotations
 
-from .channel import ChannelMessage
+from collections.abc import Sequence
+
+import torch
+
+from .channel import ChannelMessage, ExitTopK
 
 
 def select_roots(msg: ChannelMessage, window: list[int], mode: str, scorer: RootScorer | None = None,
@@ -14,6 +18,29 @@ def select_roots(msg: ChannelMessage, window: list[int], mode: str, scorer: Root
         return [(j, v) for j in range(len(msg.ids)) for v in msg.row(j)]
     assert scorer is not None
     return scorer.select(msg, window, budget)
+
+
+class DeviceRoots(Sequence[tuple[int, int]]):
+    """The paper's roots, every early-exit candidate, with their token ids still on the device: root r continues
+    candidate ``ids[r]`` at window position ``at[r]``. A rollout takes ``ids`` as they are; the pairs are read on
+    the host only when asked for (which branch a verdict keeps)."""
+
+    def __init__(self, top: ExitTopK) -> None:
+        rows, kappa = top.ids.shape
+        self.at = [j for j in range(rows) for _ in range(kappa)]
+        self.ids = top.ids.reshape(-1)
+        self._pairs: list[tuple[int, int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 - Sequence's int and slice forms
+        if self._pairs is None:
+            self._pairs = list(zip(self.at, self.ids.tolist(), strict=True))
+        return self._pairs[index]
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        return self.ids.to(device)
 
 
 class RootScorer:
