@@ -30,7 +30,7 @@ from ..model import Transformer
 from ..prefix_cache import PrefixCache
 from ..runtime.trace import Span
 from ..sampling import SamplingParams, choose, rows_apart
-from ..transfer import read_soon, send
+from ..transfer import read_all, read_soon, send
 from ..verify import Verdict, chain_verdict, tree_positions, verify_match, verify_rejection, verify_tree
 
 if TYPE_CHECKING:
@@ -102,9 +102,8 @@ class DrawnChain(Proposal):
     def verdict(self, own: torch.Tensor) -> Verdict:
         """:func:`~mirrorsd.verify.chain_verdict` against the target's own token at every row (``length + 1``, on
         the target's device), with the draft's tokens read in the same host read."""
-        both = torch.cat([self.ids.to(own.device), own]).tolist()
-        self.tokens = both[:self.length]
-        return chain_verdict(self.tokens, both[self.length:])
+        self.tokens, every = read_all(self.ids.to(own.device), own)
+        return chain_verdict(self.tokens, every)
 
 
 @dataclass

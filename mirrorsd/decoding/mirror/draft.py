@@ -18,7 +18,7 @@ from ...draft_vocab import head_logits, top_tokens
 from ...model import Transformer
 from ...runtime import Span
 from ...sampling import SamplingParams, choose, rows_apart
-from ...transfer import send
+from ...transfer import read_all, send
 from ...verify import Verdict, verify_tree
 from ..drafting import draft_vocab_size, window_end
 from ..engine import DrawnChain, Proposal, RequestState, Scores, draft_tokens
@@ -205,8 +205,8 @@ class LocalDraft:
         are.
 
         No step reads anything on the host: each step's drawn tokens feed the next forward where they were drawn,
-        and the tokens, top probabilities and runner-ups are read once, after the last step (on a GPU the steps
-        then queue back to back, as :meth:`ModelProposer._chain`'s do).
+        and the tokens, top probabilities, runner-ups and roots are read together, after the last step (on a GPU the
+        steps then queue back to back, as :meth:`ModelProposer._chain`'s do).
         """
         model, cache, sampler = self.model, state.draft_cache, self.proposer.sampler
         device = model.device
@@ -250,16 +250,19 @@ class LocalDraft:
                 runner_ups.append(sampler.likeliest_ids(logits))
             ids = draft_tokens(model, drawn[-1])
 
-        def read(per_step: list[torch.Tensor], wanted: bool = True) -> list | None:
-            """``[R][steps]`` on the host, or None where nothing asked for it."""
-            if not wanted:
-                return None
-            return torch.stack(per_step, 1).tolist() if per_step else [[] for _ in roots]
-
+        # The tokens, and what else was asked for, in one host read (the roots' ids too, if still on the device).
+        wanted = {"tokens": drawn, "tops": tops if self.confidence > 0 else None,
+                  "alternatives": runner_ups if sampler.runner_ups else None}
+        reading = {name: torch.stack(per_step, 1) if per_step else torch.zeros(n_roots, 0, device=device)
+                   for name, per_step in wanted.items() if per_step is not None}
+        if isinstance(roots, DeviceRoots):
+            reading["roots"] = roots.ids
+        read = dict(zip(reading, read_all(*reading.values()), strict=True))
+        if isinstance(roots, DeviceRoots):
+            roots.read(read["roots"])
         q = torch.stack(q_steps, 1) if q_steps else None
         entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
-        return Tree(roots, read(drawn), read(tops, self.confidence > 0), q, entries, steps,
-                    alternatives=read(runner_ups, bool(sampler.runner_ups)))
+        return Tree(roots, read["tokens"], read.get("tops"), q, entries, steps, alternatives=read.get("alternatives"))
 
     def _stream_rollout(self, state: RequestState, committed: int, window: int, spine_feed: list[int] | torch.Tensor,
                         roots: Sequence[tuple[int, int]], steps: int) -> Tree:

@@ -36,8 +36,12 @@ class DeviceRoots(Sequence[tuple[int, int]]):
 
     def __getitem__(self, index):  # noqa: ANN001, ANN204 - Sequence's int and slice forms
         if self._pairs is None:
-            self._pairs = list(zip(self.at, self.ids.tolist(), strict=True))
+            self.read(self.ids.tolist())
         return self._pairs[index]
+
+    def read(self, ids: list[int]) -> None:
+        """The ids, as read on the host (with other values, in one read)."""
+        self._pairs = list(zip(self.at, ids, strict=True))
 
     def on(self, device: torch.device) -> torch.Tensor:
         return self.ids.to(device)

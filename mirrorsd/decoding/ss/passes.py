@@ -25,7 +25,7 @@ from ...draft_vocab import SubsetHead, head_logits, top_tokens
 from ...kv_cache import KVCache
 from ...model import Transformer
 from ...sampling import Noise, SamplingParams, choose, rows_apart
-from ...transfer import send
+from ...transfer import read_all, send
 from ...verify import Verdict, tree_positions, verify_tree
 from ..engine import Proposal, draft_tokens
 from .adapters import StreamAdapters, msa_mask, stream_mask
@@ -263,17 +263,8 @@ def read_pass(model: Transformer, forward: TreeForward, params: SamplingParams, 
                  params, noise)
     logprobs, ids = top_tokens(*head_logits(model, forward.out[0, m + root * n_streams:m + m * n_streams], head),
                                tree_k)
-    values = torch.cat([own.double(), ids.double().flatten(), logprobs.double().flatten()]).tolist()
-    k = ids.shape[-1]
-    per_row = n_streams * k
-    tokens = [int(v) for v in values[rows:rows + rows * per_row]]
-    scores = values[rows + rows * per_row:]
-
-    def nested(flat: list, r: int) -> list[list]:
-        return [flat[r * per_row + j * k:r * per_row + (j + 1) * k] for j in range(n_streams)]
-
-    return PassRead([int(v) for v in values[:rows]],
-                    [StreamGuesses(nested(tokens, r), nested(scores, r)) for r in range(rows)])
+    own, ids, logprobs = read_all(own, ids.view(rows, n_streams, -1), logprobs.float().view(rows, n_streams, -1))
+    return PassRead(own, [StreamGuesses(ids[r], logprobs[r]) for r in range(rows)])
 
 
 def compact(model: Transformer, adapters: StreamAdapters, cache: KVCache, forward: TreeForward,
