@@ -160,6 +160,11 @@ class MirrorRun:
         on_device = executor.name in ("serial", "cuda-streams") and target is not None and draft is not None \
             and draft.device == target.device
         self.tracer = Tracer(target.device if on_device else None)
+        # The exit's top-κ reach the rollouts where they were computed (DeviceRoots): every candidate is a root, so
+        # nothing needs them on the host before the verdict, and the draft reads the target's device in this process
+        # (a copy to another device would wait for the target's upper layers, queued by then).
+        self.device_roots = opts.roots == "paper" and opts.candidates == "exit" and executor.name != "processes" \
+            and target is not None and draft is not None and draft.device == target.device
         req.stats.spans = self.tracer.spans
         self.stats = MirrorStats(executor.name, exit_layer, opts.kappa, opts.roots, opts.candidates,
                                  device_times=self.tracer.device_times)

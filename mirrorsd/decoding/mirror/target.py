@@ -48,7 +48,7 @@ class EarlyExitScorer(ChainScorer):
             run.kappa = kappa
             with run.tracer.span("target", "early exit") as ee:
                 top = exit_top_k(target, exit_hidden, kappa, state.params, run.translate, run.exit_vocab)
-                if opts.roots == "paper" and opts.candidates == "exit":  # every candidate a root: the ids stay put
+                if run.device_roots:
                     roots = DeviceRoots(top)
                 else:
                     message = top.message()
