@@ -557,6 +557,15 @@ def test_a_pass_read_at_once_holds_every_rows_next_guesses(exact_model, monkeypa
     assert read.own == streaming.choose(forward.main_logits, [4, 5, 5, 6, 6, 6, 6], sampled).tolist()
 
 
+def test_the_default_prune_threshold_prunes_on_a_cpu_only():
+    from mirrorsd.decoding.ss.method import DEFAULT_THRESHOLD, SSOptions, prune_threshold
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert prune_threshold(SSOptions(), cpu) == DEFAULT_THRESHOLD and prune_threshold(SSOptions(), gpu) == 0.0
+    assert prune_threshold(SSOptions(threshold=0.2), gpu) == 0.2 and prune_threshold(SSOptions(threshold=0.0), cpu) == 0
+    assert prune_threshold(SSOptions(prune_exit="some/exit"), gpu) == DEFAULT_THRESHOLD
+
+
 def test_sd_with_ss_draft_equals_ar_with_the_ar_drafts_windows_in_fewer_forwards():
     """Fig. 4's SD × SS-draft cell: ``sd`` drafting with the draft's streams proposes the AR draft's windows (its
     main stream verifies each pass), so acceptance is unchanged and the tokens are ar's."""

@@ -63,8 +63,11 @@ class SSOptions(MethodOptions):
                               "path probability); 0 runs all of them, as the paper does", check=at_least(0))
     depth: int | None = option(None, "tree depth, at most the adapter's γ streams", parse=int, default_text="γ",
                                check=at_least(0), flag="--tree-depth")
-    threshold: float = option(DEFAULT_THRESHOLD, "drop tree edges whose pruning-exit probability is below this, "
-                              "with their subtrees; 0 never prunes", check=probability(), flag="--prune-threshold")
+    threshold: float | None = option(None, "drop tree edges whose pruning-exit probability is below this, with their "
+                                     "subtrees; 0 never prunes", parse=float, check=probability(),
+                                     flag="--prune-threshold", default_text=f"{DEFAULT_THRESHOLD} on a CPU, 0 "
+                                     "elsewhere (where rows cost next to nothing, pruning's host read costs more than "
+                                     "the rows it saves)")
     prune_exit: str = option("adapter", "what scores tree edges at layer N - N_s: adapter (the pruning adapter o_θ "
                              "trained with the streams, the paper's) or tuned (a tuned exit's translator, "
                              "`mirrorsd train-exit --layers N-N_s`: the target's shipped one, or give its folder)",
@@ -180,6 +183,15 @@ class StreamGuessProposer:
                                        state.target_cache)
 
 
+def prune_threshold(opts: SSOptions, device: torch.device) -> float:
+    """The option's, or by default :data:`DEFAULT_THRESHOLD` on a CPU, where a pruned node saves a row's cost, and 0
+    elsewhere, where rows cost next to nothing and pruning would read its edge scores on the host mid-pass (and a
+    pass that prunes nothing reads the host once, :func:`~.passes.read_pass`). A tuned prune exit prunes everywhere."""
+    if opts.threshold is not None:
+        return opts.threshold
+    return DEFAULT_THRESHOLD if device.type == "cpu" or opts.prune_exit != "adapter" else 0.0
+
+
 def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     if opts.streams is None:
         raise ValueError("method 'ss' needs a stream adapter (streams=FOLDER or a zoo name with a shipped one)")
@@ -206,8 +218,8 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
                 "deferred": scores.forward.deferred is not None, "top_fraction": top_fraction,
                 **(proposer.log(scores, verdict) if lookup else {})}
 
-    scorer = StreamTreeScorer(req.target, adapters, opts.threshold, stats, head, prune_exit, opts.defer_streams,
-                              opts.tree_k)
+    scorer = StreamTreeScorer(req.target, adapters, prune_threshold(opts, req.target.device), stats, head, prune_exit,
+                              opts.defer_streams, opts.tree_k)
     return Roles(proposer, scorer, match, gamma=window,
                  log=log, close=lookup.close if lookup else None)
 
