@@ -222,7 +222,7 @@ class LocalDraft:
         cols = torch.arange(base + steps * n_roots, device=device)
         own = (cols >= base) & ((cols - base) % n_roots == torch.arange(n_roots, device=device).unsqueeze(1))
         branches = (cols < root_pos.unsqueeze(1)) | own
-        root_ids = roots.on(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]
+        root_ids = roots.ids.to(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]
         ids = torch.cat([draft_tokens(model, spine_feed), draft_tokens(model, root_ids)], 1)
         drawn: list[torch.Tensor] = []  # per step: [R] token ids
         tops: list[torch.Tensor] = []  # per step: [R] top probabilities (confidence rule)

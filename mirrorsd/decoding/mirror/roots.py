@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from .channel import ChannelMessage, ExitTopK
 
 
@@ -42,9 +40,6 @@ class DeviceRoots(Sequence[tuple[int, int]]):
     def read(self, ids: list[int]) -> None:
         """The ids, as read on the host (with other values, in one read)."""
         self._pairs = list(zip(self.at, ids, strict=True))
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        return self.ids.to(device)
 
 
 class RootScorer:

@@ -235,7 +235,7 @@ class PassRead:
     """A pass's verdict material and next guesses, read in one go (:func:`read_pass`)."""
 
     own: list[int]  # the model's own token at every verification row: the root's, then each tree node's
-    guesses: list[StreamGuesses]  # the next tree's candidates were each of those rows the last accepted
+    guesses: list[StreamGuesses]  # per row: the next tree's candidates, should that row be the last accepted
 
     def next_guesses(self, verdict: Verdict) -> StreamGuesses:
         return self.guesses[verdict.nodes[-1] + 1 if verdict.accepted else 0]
