@@ -80,6 +80,19 @@ def test_a_fixed_sd_window_reads_the_host_once_per_step(params):
     assert syncs is not None and syncs <= 1.2, syncs
 
 
+@pytest.mark.parametrize("options", [{"backend": "serial"}, {"backend": "cuda-streams", "draft_issue": "inline"}])
+def test_a_mirror_step_with_paper_roots_reads_the_host_once_per_step(options):
+    """Every exit candidate a root, γ fixed: the exit's top-κ feed the rollouts on the device, the verdict picks the
+    kept branch on the device and reads it with its own tokens, and the next step feeds that branch as it is: once
+    warm, a step syncs with the host once (issue 62, item 1; issue 61, item 2's Mirror-SD serial path)."""
+    target, draft = _pair(torch.bfloat16)
+    options = dict(method="mirror", draft=draft, roots="paper", confidence=0.0, kappa=4, **options)
+    want = generate(target, PROMPT, method="ar", max_new_tokens=48, temperature=0.0).token_ids
+    _assert_lossless(target, generate(target, PROMPT, max_new_tokens=48, temperature=0.0, **options).token_ids, want)
+    syncs = gpu.host_syncs_per_step(target, PROMPT, tokens=48, **options)
+    assert syncs is not None and syncs <= 1.2, syncs
+
+
 def test_the_next_request_reuses_a_returned_cache_and_its_graphs():
     target, _ = _pair(torch.bfloat16)
     first = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0)

@@ -465,8 +465,8 @@ def hf_peer(hf: torch.nn.Module, prompt: list[int], max_new: int) -> dict[str, A
 def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.Module | None, prompt: list[int],
                bandwidth: float, ar_tokens: int, say: Any) -> dict[str, Any]:
     """A forward's cost against the bandwidth floor (the target's, the draft's, at a long context), kernels per
-    layer, host syncs per step (``ar``'s, and fixed-window ``sd``'s), and, with ``hf``, HF transformers' ``generate``
-    next to our ``ar`` at ``ar_tokens`` tokens."""
+    layer, host syncs per step (``ar``'s, fixed-window ``sd``'s and Mirror-SD's with paper roots, serial), and,
+    with ``hf``, HF transformers' ``generate`` next to our ``ar`` at ``ar_tokens`` tokens."""
     target_ms = forward_costs(target, (1,), context=len(prompt), rounds=5)[1]
     draft_ms = forward_costs(draft, (1,), context=len(prompt), rounds=5)[1]
     long_ms = forward_costs(target, (1,), context=LONG_CONTEXT, rounds=3)[1]
@@ -477,6 +477,8 @@ def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.
            "host_syncs_per_step": host_syncs_per_step(target, prompt),
            "sd_host_syncs_per_step": host_syncs_per_step(target, prompt, method="sd", draft=draft, confidence=0.0,
                                                          suffix_match=0),
+           "mirror_host_syncs_per_step": host_syncs_per_step(target, prompt, method="mirror", draft=draft,
+                                                             backend="serial", roots="paper", confidence=0.0),
            "kernel_times": kernel_times(target, len(prompt)), "draft_kernel_times": kernel_times(draft, len(prompt))}
     if hf is not None:
         say("  HF transformers' generate (eager, static cache + compile)…", flush=True)
@@ -602,9 +604,12 @@ EXIT_HIT, EXIT_KAPPA, EXIT_HITS_AT_3 = 0.75, 8, (0.5, 1.0)
 STREAM_HIT, STREAM_ACCEPT = 0.5, 3
 #: Mirror-SD's other ways to overlap on ``cuda-streams`` than the default (a worker thread issues the rollouts, both
 #: sides eager while they overlap), each run at A = 3 where its CUDA test (the ``-k`` here) passed in a child run first:
-#: ``graphs``, the worker with CUDA graphs on; ``inline``, no worker, the target's thread issuing both streams.
+#: ``graphs``, the worker with CUDA graphs on; ``inline``, no worker, the target's thread issuing both streams;
+#: ``paper``, that with every exit candidate a root: the exit's top-κ, the rollouts and the branch pick stay on the
+#: device, and a step reads the host once (issue 62, item 1).
 OVERLAPS = {"graphs": ({"overlap_graphs": "on"}, "overlap_graphs"),
-            "inline": ({"draft_issue": "inline"}, "issued_inline")}
+            "inline": ({"draft_issue": "inline"}, "issued_inline"),
+            "paper": ({"draft_issue": "inline", "roots": "paper"}, "paper_roots_reads_the_host_once")}
 
 
 def oracle_streams(draft: Transformer) -> OracleStreams:
@@ -665,7 +670,8 @@ def _forced_runs(name: str, target: Transformer, draft: Transformer, prompt: lis
         runs += [(hit, "thread") for hit in EXIT_HITS_AT_3] + [(EXIT_HIT, overlap) for overlap in overlaps]
     rows = []
     for hit, overlap in runs:
-        options = {**roots, **(OVERLAPS[overlap][0] if overlap in OVERLAPS else {})}
+        extra = OVERLAPS[overlap][0] if overlap in OVERLAPS else {}
+        options = extra if "roots" in extra else {**roots, **extra}  # (a root mode of its own takes no budget)
         suffix = ("" if overlap == "thread" else f"_{overlap}") + ("_ss" if ss else "")
         mirror_row = _mirror_run(target, oracle, prompt, reference, hit, gamma, backend, max_new, drafting, options,
                                  out / f"trace_{name}_forced_{label}_hit{hit:g}{suffix}.json")
@@ -752,7 +758,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"## A forward's cost against the bandwidth floor (weights' bytes ÷ {copy / 1e12:.2f} TB/s, the "
                   "copy rate measured in this run)", "",
                   "| target | k=1 ms | floor ms | × floor | draft k=1 ms | draft × floor | draft ÷ target | "
-                  "k=1 at long context | kernels / layer (draft) | host syncs / step: `ar` (`sd`) |", "|---" * 10 + "|"]
+                  "k=1 at long context | kernels / layer (draft) | host syncs / step: `ar` (`sd`, `mirror`) |",
+                  "|---" * 10 + "|"]
         for c in report["costs"]:
             lines.append(
                 f"| {c['target']} | {c['k1_ms']:.2f} | {c['floor_ms']:.2f} | {c['k1_ms'] / c['floor_ms']:.1f}× | "
@@ -760,7 +767,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{c['draft_k1_ms'] / c['k1_ms']:.2f} | {c['long_k1_ms']:.2f} ms at {c['long_context']} "
                 f"({c['long_k1_ms'] / c['k1_ms']:.2f}×) | {fmt(c['kernels_per_layer'], '.1f')} "
                 f"({fmt(c['draft_kernels_per_layer'], '.1f')}) | {fmt(c['host_syncs_per_step'], '.1f')} "
-                f"({fmt(c['sd_host_syncs_per_step'], '.1f')}) |")
+                f"({fmt(c['sd_host_syncs_per_step'], '.1f')}, {fmt(c.get('mirror_host_syncs_per_step'), '.1f')}) |")
         for c in report["costs"]:
             for who in ("kernel_times", "draft_kernel_times"):
                 k = c.get(who)

@@ -99,11 +99,33 @@ class DrawnChain(Proposal):
     def on(self, device: torch.device) -> torch.Tensor:
         return self.ids.to(device) if self.unread else super().on(device)
 
-    def verdict(self, own: torch.Tensor) -> Verdict:
+    def verdict(self, own: torch.Tensor, rider: VerdictRider | None = None) -> Verdict:
         """:func:`~mirrorsd.verify.chain_verdict` against the target's own token at every row (``length + 1``, on
-        the target's device), with the draft's tokens read in the same host read."""
-        self.tokens, every = read_all(self.ids.to(own.device), own)
+        the target's device), with the draft's tokens, and what ``rider`` computes from the verdict on the device,
+        read in the same host read."""
+        ids = self.ids.to(own.device)
+        riding: list[torch.Tensor] = []
+        if rider is not None:  # the verdict on the device: the leading matches, and the target's token after them
+            accepted = (ids == own[:-1]).long().cumprod(0).sum().view(1)
+            riding = rider.tensors(accepted, own.gather(0, accepted))
+        self.tokens, every, *rest = read_all(ids, own, *riding)
+        if rider is not None:
+            rider.read(rest)
         return chain_verdict(self.tokens, every)
+
+
+class VerdictRider(Protocol):
+    """Device work keyed on a chain's verdict, read in the verdict's own host read (:meth:`DrawnChain.verdict`):
+    Mirror-SD picks the branch a verdict keeps this way, so its step reads the host once. A rider that was not read
+    (the verdict was taken on the host) leaves its owner to decide on the host."""
+
+    def tensors(self, accepted: torch.Tensor, correction: torch.Tensor) -> list[torch.Tensor]:
+        """What to read, from the accepted count and the correction (``[1]`` each, on the target's device)."""
+        ...
+
+    def read(self, values: list) -> None:
+        """Those tensors' values, read."""
+        ...
 
 
 @dataclass
@@ -115,6 +137,7 @@ class Scores:
     draft: Proposal
     forwards: int = 1  # target forwards it took
     own: list[int] | None = None  # the target's own token at every row, where the scorer chose and read them already
+    rider: VerdictRider | None = None  # device work the verdict's host read carries along, if it reads on the device
 
 
 class MethodStats(Protocol):
@@ -362,7 +385,7 @@ def match(state: RequestState, scores: Scores) -> Verdict:
         return chain_verdict(draft.tokens, scores.own)
     positions = list(range(position, position + draft.length + 1))
     if isinstance(draft, DrawnChain) and draft.unread and rows_apart(scores.logits, state.params):
-        return draft.verdict(choose(scores.logits[:len(positions)], positions, state.params))
+        return draft.verdict(choose(scores.logits[:len(positions)], positions, state.params), scores.rider)
     return verify_match(draft.tokens, scores.logits, positions, state.params)
 
 

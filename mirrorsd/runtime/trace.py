@@ -73,10 +73,12 @@ class Tracer:
     def resolve(self) -> None:
         """Put the spans recorded so far on the device's clock (waiting for their work to finish): start and end
         become the events' times, anchored where the tracer began, and ``args["host_ms"]`` keeps the host's
-        duration. Call it where both lanes' work is known to be done (a rollout joined, a verdict read)."""
+        duration. Call it where both lanes' work is known to be done (a rollout joined, a verdict read): then it
+        waits for nothing (a finished event is only queried)."""
         pending, self._pending = self._pending, []
         for span, begin, end in pending:
-            end.synchronize()
+            if not end.query():
+                end.synchronize()
             span.args["host_ms"] = round(span.seconds * 1e3, 4)
             span.start = self._zero_host + self._zero.elapsed_time(begin) / 1e3
             span.end = self._zero_host + self._zero.elapsed_time(end) / 1e3

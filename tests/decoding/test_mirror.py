@@ -118,12 +118,14 @@ def test_identity_draft_hits_every_step(exact_pair):
     assert [s.hit for s in m.stats.extra["mirror"].steps] == [True, True, True, True, None]
 
 
-@pytest.mark.parametrize(("temperature", "confidence", "candidates"), [(0.0, 0.0, "exit"), (1.0, 0.6, "draft")])
+@pytest.mark.parametrize(("temperature", "confidence", "candidates", "reads"),
+                         [(0.0, 0.0, "exit", []), (1.0, 0.6, "draft", ["tolist"])])
 def test_a_tree_rollout_reads_the_host_only_after_its_last_step(exact_pair, monkeypatch, temperature, confidence,
-                                                                 candidates):
+                                                                 candidates, reads):
     """Each step's drawn tokens feed the next forward where they were drawn; the tokens, top probabilities,
     runner-ups and the roots' ids are read together at the end (on a GPU a read per step would stall the draft's
-    queue every step)."""
+    queue every step). With nothing but the tokens wanted (the paper's fixed γ, the exit's candidates), the rollout
+    reads nothing: the verdict picks the branch on the device and reads it with its own tokens (``BranchPick``)."""
     from mirrorsd.decoding.mirror.draft import LocalDraft
 
     target, draft = exact_pair
@@ -143,7 +145,58 @@ def test_a_tree_rollout_reads_the_host_only_after_its_last_step(exact_pair, monk
                  confidence=confidence, candidates=candidates, **kw)
     assert m.token_ids == generate(target, [3, 1, 4, 1, 5], method="ar", **kw).token_ids
     assert any(steps > 1 for steps, _ in seen)
-    assert all(r == ["tolist"] for _, r in seen), seen  # tokens, top probabilities, runner-ups and roots: one read
+    assert all(r == reads for _, r in seen), seen  # tokens, top probabilities, runner-ups and roots: one read
+
+
+def test_a_mirror_step_reads_the_host_once(exact_pair, monkeypatch):
+    """Paper roots, the exit's candidates, a fixed γ: the window, the exit's top-κ and the rollouts stay on the
+    device, and the verdict's one read carries the kept branch too (picked on the device, ``BranchPick``), which
+    the next step feeds as it is. On a GPU each further read would drain the queue mid-step."""
+    from mirrorsd.decoding.engine import ChainScorer
+    from mirrorsd.decoding.mirror.draft import BranchProposer
+
+    target, draft = exact_pair
+    host, per_step = HostReads(monkeypatch), []
+    propose, commit = BranchProposer.propose, ChainScorer.commit
+
+    def started(self, *args):  # a step begins with the window (a kept branch, or a fresh rollout) ...
+        host.start()
+        return propose(self, *args)
+
+    def ended(self, *args):  # ... and ends with the target's cache rolled back after the verdict
+        reads = host.stop()
+        if reads is not None:
+            per_step.append(reads)
+        return commit(self, *args)
+
+    monkeypatch.setattr(BranchProposer, "propose", started)
+    monkeypatch.setattr(ChainScorer, "commit", ended)
+    m = generate(target, [3, 1, 4, 1, 5], method="mirror", draft=draft, gamma=4, kappa=3, roots="paper",
+                 confidence=0.0, max_new_tokens=40)
+    monkeypatch.undo()
+    assert m.token_ids == generate(target, [3, 1, 4, 1, 5], method="ar", max_new_tokens=40).token_ids
+    hits = [s.hit for s in m.stats.extra["mirror"].steps]
+    assert True in hits and False in hits, hits  # kept branches and fresh rollouts both
+    assert len(per_step) == len(hits) and all(r == ["tolist"] for r in per_step), per_step
+
+
+def test_the_device_branch_pick_is_the_hosts():
+    """``BranchPick`` on the device keeps the branch :meth:`Tree.branch` picks on the host, for every verdict: each
+    root, a correction that is a candidate of another position, and one that is no candidate at all."""
+    from mirrorsd.decoding.mirror.channel import ExitTopK
+    from mirrorsd.decoding.mirror.draft import BranchPick
+    from mirrorsd.decoding.mirror.roots import DeviceRoots
+
+    ids = torch.tensor([[7, 3, 4], [5, 8, 6], [9, 1, 3]])
+    roots = DeviceRoots(ExitTopK(ids=ids, logprobs=torch.zeros(3, 3)))
+    tree = Tree(roots=roots, tokens=torch.zeros(9, 2, dtype=torch.long), top_probs=None, q=None, entries=[[0]] * 9,
+                forwards=1)
+    for accepted in range(3):
+        for correction in (*range(10), 63):
+            pick = BranchPick(lambda: tree)
+            pick.read([t.tolist() for t in pick.tensors(torch.tensor([accepted]), torch.tensor([correction]))])
+            assert pick.taken and pick.branch == tree.branch(accepted, correction), (accepted, correction)
+    assert tree.branch(2, 3) == 8 and tree.branch(0, 3) == 1 and tree.branch(1, 3) is None
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -443,6 +496,9 @@ class _HalfSpeedEvent:
 
     def record(self, stream: object = None) -> None:
         self.t = 0.5 * time.perf_counter()
+
+    def query(self) -> bool:
+        return True
 
     def synchronize(self) -> None:
         pass

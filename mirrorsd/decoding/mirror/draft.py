@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +21,7 @@ from ...sampling import SamplingParams, choose, rows_apart
 from ...transfer import read_all, send
 from ...verify import Verdict, verify_tree
 from ..drafting import draft_vocab_size, window_end
-from ..engine import DrawnChain, Proposal, RequestState, Scores, draft_tokens
+from ..engine import DrawnChain, Proposal, RequestState, Scores, VerdictRider, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters, stream_mask
 from ..ss.passes import StreamGuesses, ancestors
@@ -34,8 +34,8 @@ from .stats import MirrorRun
 class Tree:
     """Branch-complete rollouts: branch r continues root ``roots[r]`` with ``tokens[r]`` (γ tokens)."""
 
-    roots: list[tuple[int, int]]
-    tokens: list[list[int]]
+    roots: Sequence[tuple[int, int]]
+    tokens: list[list[int]] | torch.Tensor  # [R, γ]: read, or (:class:`BranchPick`) still where they were drawn
     top_probs: list[list[float]] | None  # confidence rule
     q: torch.Tensor | None  # [R, γ, vocab] draft distributions (rejection sampling)
     entries: list[list[int]]  # branch r's inputs (its root, then its tokens) at these draft-cache indices
@@ -50,6 +50,27 @@ class Tree:
         return None
 
 
+class BranchPick:
+    """:meth:`Tree.branch` on the device, from the verdict as the target's device holds it, read in the verdict's
+    own host read (a :class:`~..engine.VerdictRider`): with the rollout's tokens and roots still on the device, a
+    step reads the host once. ``join`` returns the rollout (on the serial backend it runs then)."""
+
+    def __init__(self, join: Callable[[], Tree]) -> None:
+        self.join = join
+        self.taken = False  # whether the verdict carried it (else the branch is picked on the host)
+        self.branch: int | None = None
+
+    def tensors(self, accepted: torch.Tensor, correction: torch.Tensor) -> list[torch.Tensor]:
+        roots = self.join().roots
+        assert isinstance(roots, DeviceRoots)
+        found = (send(roots.at, accepted.device) == accepted) & (roots.ids.to(accepted.device) == correction)
+        return [torch.stack([found.any().long(), found.long().argmax()])]
+
+    def read(self, values: list) -> None:
+        hit, branch = values[0]
+        self.branch, self.taken = branch if hit else None, True
+
+
 class DraftSide(Protocol):
     """Where the draft model runs, as :class:`BranchProposer` drives it. Each call may raise: the proposer then
     degrades the request to target-only decoding (:meth:`abandon` names the error)."""
@@ -60,8 +81,10 @@ class DraftSide(Protocol):
         """A fresh rollout after the committed text (the first window, or after a miss)."""
         ...
 
-    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]], steps: int) -> None:
-        """Start ``steps``-token rollouts after every root, overlapping the target's upper layers."""
+    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]],
+               steps: int) -> VerdictRider | None:
+        """Start ``steps``-token rollouts after every root, overlapping the target's upper layers; the branch
+        pick for the verdict to carry, where the rollout stays on the target's device."""
         ...
 
     def verdict(self, state: RequestState, verdict: Verdict) -> Proposal | None:
@@ -104,18 +127,20 @@ class BranchProposer:
         if not self.failed and min(self.run.opts.gamma, state.room) > 0:
             try:
                 window = self.side.fresh(state)
-                self.run.stats.fresh_tokens += len(window.tokens)
+                self.run.stats.fresh_tokens += window.length
                 self.run.stats.fresh_forwards += window.forwards
             except Exception as error:  # noqa: BLE001 - any draft failure degrades to target-only decoding
                 self.fail(error)
         self.run.fresh_done(time.perf_counter() - start)
         return window
 
-    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]], steps: int) -> None:
+    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]],
+               steps: int) -> VerdictRider | None:
         try:
-            self.side.launch(state, window, roots, steps)
+            return self.side.launch(state, window, roots, steps)
         except Exception as error:  # noqa: BLE001 - degrade, never lose the verified tokens
             self.fail(error)
+            return None
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         self.run.observe(scores.draft.tokens, verdict)  # the root scorer learns from every verdict
@@ -161,6 +186,7 @@ class LocalDraft:
         self.run, self.proposer, self.model = run, fresh, fresh.model
         self.confidence = fresh.confidence
         self.future: Future[Tree] | None = None
+        self.pick: BranchPick | None = None
 
     def start(self, state: RequestState) -> None:
         pass
@@ -171,7 +197,8 @@ class LocalDraft:
                 return self.proposer.propose(state, streams=batch_caps(state.batch)[1])
             return self.proposer.propose(state)
 
-    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]], steps: int) -> None:
+    def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]],
+               steps: int) -> BranchPick | None:
         # What the draft cache lacks of the spine (the committed text and the window): the window's last token
         # after a model draft (where it was drawn, if it is still there); more after a suffix draft, or when the
         # cache lags behind suffix steps.
@@ -183,6 +210,15 @@ class LocalDraft:
             spine = [*state.tokens, *window.tokens][len(state.draft_cache):]
         self.future = self.run.executor.submit(
             partial(self.rollout, len(state.tokens), window.length, spine, roots, steps, state))
+        self.pick = BranchPick(self.future.result) if self.stays_on_device(roots) else None
+        return self.pick
+
+    def stays_on_device(self, roots: Sequence[tuple[int, int]]) -> bool:
+        """Whether a rollout keeps its tokens where it drew them: roots still on the device, and nothing else
+        the host needs of it (top probabilities for the confidence rule, runner-ups for ``candidates=draft``,
+        a stream rollout's per-pass verdicts)."""
+        return isinstance(roots, DeviceRoots) and self.confidence == 0 and not self.proposer.sampler.runner_ups \
+            and not isinstance(self.proposer, StreamProposer)
 
     def rollout(self, committed: int, window: int, spine: list[int] | torch.Tensor,
                 roots: Sequence[tuple[int, int]], steps: int, state: RequestState) -> Tree:
@@ -250,6 +286,10 @@ class LocalDraft:
                 runner_ups.append(sampler.likeliest_ids(logits))
             ids = draft_tokens(model, drawn[-1])
 
+        q = torch.stack(q_steps, 1) if q_steps else None
+        entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
+        if self.stays_on_device(roots):  # the verdict picks the branch on the device (BranchPick)
+            return Tree(roots, torch.stack(drawn, 1), None, q, entries, steps)
         # The tokens, and what else was asked for, in one host read (the roots' ids too, if still on the device).
         wanted = {"tokens": drawn, "tops": tops if self.confidence > 0 else None,
                   "alternatives": runner_ups if sampler.runner_ups else None}
@@ -260,8 +300,6 @@ class LocalDraft:
         read = dict(zip(reading, read_all(*reading.values()), strict=True))
         if isinstance(roots, DeviceRoots):
             roots.read(read["roots"])
-        q = torch.stack(q_steps, 1) if q_steps else None
-        entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
         return Tree(roots, read["tokens"], read.get("tops"), q, entries, steps, alternatives=read.get("alternatives"))
 
     def _stream_rollout(self, state: RequestState, committed: int, window: int, spine_feed: list[int] | torch.Tensor,
@@ -363,6 +401,7 @@ class LocalDraft:
 
     def verdict(self, state: RequestState, verdict: Verdict) -> Proposal | None:
         tree, future, self.future = None, self.future, None
+        pick, self.pick = self.pick, None
         if future is not None:
             tree = future.result()
             state.stats.draft_forwards += tree.forwards
@@ -370,7 +409,8 @@ class LocalDraft:
         kept = None
         if tree is not None:
             with self.run.tracer.span("draft", "select") as select:
-                branch = tree.branch(verdict.accepted, verdict.next_token)
+                branch = pick.branch if pick is not None and pick.taken else \
+                    tree.branch(verdict.accepted, verdict.next_token)
                 if branch is not None:
                     kept = self.keep_branch(state, tree, branch)
             self.run.selected(select.seconds, branch is not None)
@@ -388,11 +428,15 @@ class LocalDraft:
         before = len(state.tokens) - 1  # the spine through d_A
         state.draft_cache.keep(list(range(before)) + tree.entries[branch][:max(window, 1)])
         probs = tree.q[branch, :window] if tree.q is not None and window else None
+        if isinstance(tree.tokens, torch.Tensor) and window:  # the next step's forward and verdict take them there
+            chain = DrawnChain(tree.tokens[branch, :window])
+            chain.probs = probs
+            return chain
         alternatives = tree.alternatives[branch][:window] if tree.alternatives is not None else None
-        return Proposal(tree.tokens[branch][:window], probs=probs, alternatives=alternatives)
+        return Proposal(list(tree.tokens[branch][:window]), probs=probs, alternatives=alternatives)
 
     def abandon(self, error: BaseException) -> BaseException:
-        self.future = None
+        self.future, self.pick = None, None
         return error
 
     def close(self, failed: bool) -> None:

@@ -42,7 +42,7 @@ class EarlyExitScorer(ChainScorer):
         steps = min(opts.gamma, state.room - 1)
         message: ChannelMessage | None = None
         roots: Sequence[tuple[int, int]] = []
-        ee, submitted, launch = None, 0.0, False
+        ee, submitted, launch, pick = None, 0.0, False, None
         if not self.draft.failed and steps > 0 and run.rolls_out:
             kappa = min(opts.kappa, batch_caps(state.batch)[0] or opts.kappa)  # fewer roots in a busy batch
             run.kappa = kappa
@@ -63,15 +63,15 @@ class EarlyExitScorer(ChainScorer):
         late = run.executor.issues_after_target
         if launch and not late:
             submitted = time.perf_counter()
-            self.draft.launch(state, draft, roots, steps)
+            pick = self.draft.launch(state, draft, roots, steps)
         with run.executor.overlapping(), run.tracer.span("target", "layers ≥ ℓe") as upper:
             hidden = target.run_layers(exit_hidden, positions, state.target_cache, start=run.exit_layer)
             logits = target.logits(hidden)[0]
         if launch and late:
             submitted = time.perf_counter()
-            self.draft.launch(state, draft, roots, steps)
+            pick = self.draft.launch(state, draft, roots, steps)
         # (the target's terms are read off its spans once the step is joined: on a GPU they are device times then)
         run.scored(MirrorStep(accepted=0, drafted=draft.length, roots=len(roots), hit=None, t_pre=0.0,
                               t_ee=0.0, t_channel=0.0, delta=0.0, t_draft=0.0, t_fv=0.0, t_fallback=0.0, hidden=0.0,
                               step_s=0.0), start, submitted, (pre, ee, upper), message, steps)
-        return Scores(logits, draft)
+        return Scores(logits, draft, rider=pick)
