@@ -610,15 +610,23 @@ def test_mirror_with_ss_draft_equals_ar_and_keeps_parity_with_sd():
         assert got.stats.draft_forwards <= plain.stats.draft_forwards
 
 
-def test_a_stream_rollout_reads_the_host_a_fixed_number_of_times_per_pass(monkeypatch):
-    """Mirror-SD's branch rollouts with the draft's streams read every branch's own tokens in one op, and every
-    branch's next guesses in one more (ids and log-probabilities): three host reads a pass however many branches
-    it carries (on a GPU each read waits for the draft's stream), and one for the roots' ids, which the early exit
-    leaves on the device where every candidate is a root."""
+@pytest.mark.parametrize("every_row", [False, True])
+def test_a_stream_rollout_reads_the_host_a_fixed_number_of_times_per_pass(monkeypatch, every_row):
+    """Mirror-SD's branch rollouts with the draft's streams read every branch's own tokens in one op, then the kept
+    rows' next guesses in one more: two host reads a pass however many branches it carries (on a GPU each read
+    waits for the draft's stream), and one for the roots' ids, which the early exit leaves on the device where
+    every candidate is a root. Off the CPU (``every_row``, forced here) every row's guesses come with the own tokens:
+    one read a pass, the same tokens and the same hits."""
+    from mirrorsd.decoding.mirror import draft as mirror_draft
     from mirrorsd.decoding.mirror.draft import LocalDraft
 
     target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
     adapters = random_adapters(draft, streams=2, layers=1, std=0.1)
+    options = dict(method="mirror", draft=draft, draft_streams=adapters, gamma=5, kappa=2, roots="paper",
+                   confidence=0.0, temperature=0.0, max_new_tokens=30)
+    plain = generate(target, [7, 8, 9], **options)
+    if every_row:
+        monkeypatch.setattr(mirror_draft, "reads_every_row", lambda logits, params: True)
     host = HostReads(monkeypatch)
     rollout, seen = LocalDraft._stream_rollout, []
 
@@ -632,12 +640,14 @@ def test_a_stream_rollout_reads_the_host_a_fixed_number_of_times_per_pass(monkey
         return tree
 
     monkeypatch.setattr(LocalDraft, "_stream_rollout", counted)
-    kwargs = {"temperature": 0.0, "max_new_tokens": 30}
-    got = generate(target, [7, 8, 9], method="mirror", draft=draft, draft_streams=adapters, gamma=5, kappa=2,
-                   roots="paper", confidence=0.0, **kwargs)
-    assert got.token_ids == generate(target, [7, 8, 9], method="ar", **kwargs).token_ids
+    got = generate(target, [7, 8, 9], **options)
+    monkeypatch.undo()
+    assert got.token_ids == generate(target, [7, 8, 9], method="ar", temperature=0.0, max_new_tokens=30).token_ids
+    steps = lambda result: [(s.hit, s.accepted) for s in result.stats.extra["mirror"].steps]  # noqa: E731
+    assert steps(got) == steps(plain) and any(hit for hit, _ in steps(got))
     assert any(roots > 2 for roots, _, _ in seen)
-    assert all(count == 3 * passes + 1 for _, count, passes in seen), seen
+    per_pass = 1 if every_row else 2
+    assert all(count == per_pass * passes + 1 for _, count, passes in seen), seen
 
 
 # -- real weights, training, shipped adapters ----------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..drafting import draft_vocab_size, window_end
 from ..engine import DrawnChain, Proposal, RequestState, Scores, VerdictRider, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters, stream_mask
-from ..ss.passes import StreamGuesses, ancestors
+from ..ss.passes import StreamGuesses, ancestors, reads_every_row
 from .options import MirrorOptions, batch_caps
 from .roots import DeviceRoots
 from .stats import MirrorRun
@@ -311,7 +311,12 @@ class LocalDraft:
 
         One forward carries every unfinished branch: its next input (the root, then its last token) and its guess
         tree, over the spine it sees and its own cache entries. Branches accept different counts, so the cache
-        keeps each branch's inputs wherever they land (``entries``), compacted past the spine after every pass."""
+        keeps each branch's inputs wherever they land (``entries``), compacted past the spine after every pass.
+
+        The pass's mask and positions are built on the host and sent once. Its verdicts decide the next pass's
+        inputs, so each pass reads the host: off the CPU once, every branch row's own token with every row's next
+        guesses (:func:`~..ss.passes.reads_every_row`); on a CPU twice, the guesses of the rows the verdicts kept
+        after them."""
         proposer = self.proposer
         assert isinstance(proposer, StreamProposer)
         model, cache, sampler, adapters = self.model, state.draft_cache, proposer.sampler, proposer.adapters
@@ -346,8 +351,8 @@ class LocalDraft:
                     depths.append(depths[parent + 1] + 1)
                 feed += [inputs[r], *tree.tokens]
                 positions += [at + d for d in depths]
-            n = len(feed)
-            main = torch.zeros(n, past + n, dtype=torch.bool, device=device)
+            n, rows = len(feed), len(feed) - len(lead)
+            main = torch.zeros(n, past + n, dtype=torch.bool)  # on the host: one copy to the device, no index copies
             for i in range(len(lead)):
                 main[i, : past + i + 1] = True  # the spine's missing tokens, causally
             for r, first, tree in blocks:
@@ -355,10 +360,10 @@ class LocalDraft:
                 block = main[first:first + size]
                 block[:, :sees[r]] = True
                 block[:, entries[r]] = True
-                block[:, past + first:past + first + size] = ancestors([-1, *(p + 1 for p in tree.parents or [])],
-                                                                        device)
+                block[:, past + first:past + first + size] = ancestors([-1, *(p + 1 for p in tree.parents or [])])
+            main = send(main, device)
             streamed = torch.arange(len(lead), n, device=device)  # every branch row may be the last accepted
-            pos = torch.tensor(positions, device=device)
+            pos = send(positions, device)
             hidden = model.run_layers(model.embed(draft_tokens(model, feed)), pos[None], cache, main[None], 0, split)
             x = torch.cat([hidden, adapters.insert(hidden[:, streamed], n_streams)[:, len(streamed):]], 1)
             up_positions = torch.cat([pos, pos[streamed].repeat_interleave(n_streams)])[None]
@@ -366,9 +371,19 @@ class LocalDraft:
                                    streams=adapters.rows(len(streamed) * n_streams))[0]
             forwards += 1
             logits = model.logits(out[len(lead):n])
-            # every branch row's own token in one op and one host read (each row predicts the position after it)
-            own = choose(logits, [p + 1 for p in positions[len(lead):]], proposer.params, sampler.noise).tolist() \
-                if rows_apart(logits, proposer.params) else None
+            # every branch row's own token in one op (each row predicts the position after it), read at once with
+            # every row's next guesses where rows are cheap, else before the kept rows' guesses
+            own: list[int] | None = None
+            every = reads_every_row(logits, proposer.params)
+            if rows_apart(logits, proposer.params):
+                drawn = choose(logits, [p + 1 for p in positions[len(lead):]], proposer.params, sampler.noise)
+                if every:
+                    logprobs, top_ids = top_tokens(*head_logits(model, out[n:n + rows * n_streams],
+                                                                proposer.stream_head), proposer.tree_k)
+                    own, every_id, every_logprob = read_all(drawn, top_ids.view(rows, n_streams, -1),
+                                                            logprobs.float().view(rows, n_streams, -1))
+                else:
+                    own = drawn.tolist()
             lasts: list[int] = []  # per block, the stream rows' main row: the last accepted node
             for r, first, tree in blocks:
                 at, size = first - len(lead), 1 + len(tree.tokens)
@@ -382,13 +397,18 @@ class LocalDraft:
                     q, top = sampler.judge(logits[at:at + size][[0, *(i + 1 for i in verdict.nodes)]])
                     q_rows[r] += list(q) if q is not None else []
                     tops[r] += top or []
-            stream_rows = torch.cat([n + (row - len(lead)) * n_streams + torch.arange(n_streams, device=device)
-                                     for row in lasts])
-            logprobs, top_ids = top_tokens(*head_logits(model, out[stream_rows], proposer.stream_head), proposer.tree_k)
-            top_ids, logprobs = top_ids.tolist(), logprobs.float().tolist()  # every branch's guesses: one read each
-            for b, (r, _, _) in enumerate(blocks):
-                part = slice(b * n_streams, (b + 1) * n_streams)
-                guesses[r] = StreamGuesses(top_ids[part], logprobs[part])
+            if every:
+                for b, (r, _, _) in enumerate(blocks):
+                    guesses[r] = StreamGuesses(every_id[lasts[b] - len(lead)], every_logprob[lasts[b] - len(lead)])
+            else:  # the kept rows' guesses, every branch's in one read
+                stream_rows = send([n + (row - len(lead)) * n_streams + j for row in lasts for j in range(n_streams)],
+                                   device)
+                logprobs, top_ids = top_tokens(*head_logits(model, out[stream_rows], proposer.stream_head),
+                                               proposer.tree_k)
+                top_ids, logprobs = read_all(top_ids, logprobs.float())
+                for b, (r, _, _) in enumerate(blocks):
+                    part = slice(b * n_streams, (b + 1) * n_streams)
+                    guesses[r] = StreamGuesses(top_ids[part], logprobs[part])
             kept = [e for branch in entries for e in branch]
             cache.compact(base, [e - base for e in kept])
             at = base

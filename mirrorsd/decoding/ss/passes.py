@@ -241,12 +241,18 @@ class PassRead:
         return self.guesses[verdict.nodes[-1] + 1 if verdict.accepted else 0]
 
 
+def reads_every_row(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether a pass reads its own tokens and every row's next guesses in one host read: off the CPU, where each
+    host read waits for the device's queue and rows cost next to nothing, for rows drawn apart
+    (:func:`~mirrorsd.sampling.rows_apart`). On a CPU the other rows' streams through the head cost more than the
+    second read they save."""
+    return logits.device.type != "cpu" and rows_apart(logits, params)
+
+
 def reads_once(forward: TreeForward, params: SamplingParams) -> bool:
-    """Whether :func:`read_pass` applies: off the CPU, where each host read waits for the device's queue and rows
-    cost next to nothing, for a pass whose streams ran beside its main rows (not deferred) and whose rows are
-    drawn apart (:func:`~mirrorsd.sampling.rows_apart`). On a CPU the other nodes' stream rows through the head cost
-    more than the second read they save."""
-    return forward.deferred is None and forward.out.device.type != "cpu" and rows_apart(forward.main_logits, params)
+    """Whether :func:`read_pass` applies: :func:`reads_every_row`, for a pass whose streams ran beside its main rows
+    (not deferred)."""
+    return forward.deferred is None and reads_every_row(forward.main_logits, params)
 
 
 def read_pass(model: Transformer, forward: TreeForward, params: SamplingParams, tree_k: int,
