@@ -552,14 +552,16 @@ class _FailingDraft:
         return self.run_layers(*args, **kwargs)
 
 
+@pytest.mark.parametrize("roots", [{}, {"roots": "paper", "confidence": 0.0, "kappa": 2}])  # (paper: BranchPick)
 @pytest.mark.parametrize("backend", ["serial", "threads"])
 @pytest.mark.parametrize("fail_at", [1, 3, 12])
-def test_failing_draft_degrades_to_target_only(tiny_pair, backend, fail_at):
+def test_failing_draft_degrades_to_target_only(tiny_pair, backend, fail_at, roots):
     target, _ = tiny_pair
     draft = target.prefix_model(3)
     failing = _FailingDraft(draft, fail_at)
     with pytest.warns(RuntimeWarning, match="draft failed"):
-        m = generate(target, [4, 4, 2], method="mirror", draft=draft, backend=backend, gamma=3, max_new_tokens=30)
+        m = generate(target, [4, 4, 2], method="mirror", draft=draft, backend=backend, gamma=3, max_new_tokens=30,
+                     **roots)
     assert failing.calls == fail_at  # never called again after the failure
     assert m.token_ids == generate(target, [4, 4, 2], method="ar", max_new_tokens=30).token_ids
     assert sum(a + 1 for a in m.stats.accepted) == 30

@@ -53,7 +53,8 @@ class Tree:
 class BranchPick:
     """:meth:`Tree.branch` on the device, from the verdict as the target's device holds it, read in the verdict's
     own host read (a :class:`~..engine.VerdictRider`): with the rollout's tokens and roots still on the device, a
-    step reads the host once. ``join`` returns the rollout (on the serial backend it runs then)."""
+    step reads the host once. ``join`` returns the rollout (on the serial backend it runs then); a rollout that
+    failed rides along with nothing, and :meth:`LocalDraft.verdict` meets its error where it meets a host pick's."""
 
     def __init__(self, join: Callable[[], Tree]) -> None:
         self.join = join
@@ -61,14 +62,18 @@ class BranchPick:
         self.branch: int | None = None
 
     def tensors(self, accepted: torch.Tensor, correction: torch.Tensor) -> list[torch.Tensor]:
-        roots = self.join().roots
+        try:
+            roots = self.join().roots
+        except Exception:  # noqa: BLE001 - the draft's failure is the proposer's to handle, not the verdict's
+            return []
         assert isinstance(roots, DeviceRoots)
         found = (send(roots.at, accepted.device) == accepted) & (roots.ids.to(accepted.device) == correction)
         return [torch.stack([found.any().long(), found.long().argmax()])]
 
     def read(self, values: list) -> None:
-        hit, branch = values[0]
-        self.branch, self.taken = branch if hit else None, True
+        if values:
+            hit, branch = values[0]
+            self.branch, self.taken = branch if hit else None, True
 
 
 class DraftSide(Protocol):
