@@ -80,8 +80,7 @@ def test_a_fixed_sd_window_reads_the_host_once_per_step(params):
     assert syncs is not None and syncs <= 1.2, syncs
 
 
-@pytest.mark.parametrize("options", [{"backend": "serial"}, {"backend": "cuda-streams", "draft_issue": "inline"}])
-def test_a_mirror_step_with_paper_roots_reads_the_host_once_per_step(options):
+def _assert_mirror_syncs_once_per_step(**options) -> None:
     """Every exit candidate a root, γ fixed: the exit's top-κ feed the rollouts on the device, the verdict picks the
     kept branch on the device and reads it with its own tokens, and the next step feeds that branch as it is: once
     warm, a step syncs with the host once (issue 62, item 1; issue 61, item 2's Mirror-SD serial path)."""
@@ -91,6 +90,15 @@ def test_a_mirror_step_with_paper_roots_reads_the_host_once_per_step(options):
     _assert_lossless(target, generate(target, PROMPT, max_new_tokens=48, temperature=0.0, **options).token_ids, want)
     syncs = gpu.host_syncs_per_step(target, PROMPT, tokens=48, **options)
     assert syncs is not None and syncs <= 1.2, syncs
+
+
+def test_a_serial_mirror_step_with_paper_roots_reads_the_host_once_per_step():
+    _assert_mirror_syncs_once_per_step(backend="serial")
+
+
+def test_paper_roots_issued_inline_read_the_host_once_per_step():
+    """The same on ``cuda-streams`` with no worker thread; `bench gpu` runs its `paper` forced row only if it passes."""
+    _assert_mirror_syncs_once_per_step(backend="cuda-streams", draft_issue="inline")
 
 
 def test_the_next_request_reuses_a_returned_cache_and_its_graphs():

@@ -609,7 +609,7 @@ STREAM_HIT, STREAM_ACCEPT = 0.5, 3
 #: device, and a step reads the host once (issue 62, item 1).
 OVERLAPS = {"graphs": ({"overlap_graphs": "on"}, "overlap_graphs"),
             "inline": ({"draft_issue": "inline"}, "issued_inline"),
-            "paper": ({"draft_issue": "inline", "roots": "paper"}, "paper_roots_reads_the_host_once")}
+            "paper": ({"draft_issue": "inline", "roots": "paper"}, "paper_roots_issued_inline")}
 
 
 def oracle_streams(draft: Transformer) -> OracleStreams:

@@ -178,6 +178,8 @@ def test_a_mirror_step_reads_the_host_once(exact_pair, monkeypatch):
     hits = [s.hit for s in m.stats.extra["mirror"].steps]
     assert True in hits and False in hits, hits  # kept branches and fresh rollouts both
     assert len(per_step) == len(hits) and all(r == ["tolist"] for r in per_step), per_step
+    # the serial rollout runs when the verdict joins it, and still counts as the draft's time (the goodput rule's)
+    assert m.stats.draft_s >= sum(s.seconds for s in m.stats.spans if s.lane == "draft") > 0
 
 
 def test_the_device_branch_pick_is_the_hosts():

@@ -57,15 +57,21 @@ class BranchPick:
     failed rides along with nothing, and :meth:`LocalDraft.verdict` meets its error where it meets a host pick's."""
 
     def __init__(self, join: Callable[[], Tree]) -> None:
-        self.join = join
+        self.join: Callable[[], Tree] | None = join  # (dropped with the step: the scores need not keep the tree)
         self.taken = False  # whether the verdict carried it (else the branch is picked on the host)
         self.branch: int | None = None
+        self.join_s = 0.0  # the verdict's wait for the rollout (all of it, on the serial backend): the draft's time
 
     def tensors(self, accepted: torch.Tensor, correction: torch.Tensor) -> list[torch.Tensor]:
+        if self.join is None:
+            return []
+        start = time.perf_counter()
         try:
             roots = self.join().roots
         except Exception:  # noqa: BLE001 - the draft's failure is the proposer's to handle, not the verdict's
             return []
+        finally:
+            self.join_s = time.perf_counter() - start
         assert isinstance(roots, DeviceRoots)
         found = (send(roots.at, accepted.device) == accepted) & (roots.ids.to(accepted.device) == correction)
         return [torch.stack([found.any().long(), found.long().argmax()])]
@@ -247,7 +253,8 @@ class LocalDraft:
 
         No step reads anything on the host: each step's drawn tokens feed the next forward where they were drawn,
         and the tokens, top probabilities, runner-ups and roots are read together, after the last step (on a GPU the
-        steps then queue back to back, as :meth:`ModelProposer._chain`'s do).
+        steps then queue back to back, as :meth:`ModelProposer._chain`'s do). Where only the tokens are wanted
+        (:meth:`stays_on_device`), nothing is read: the verdict picks the branch on the device (:class:`BranchPick`).
         """
         model, cache, sampler = self.model, state.draft_cache, self.proposer.sampler
         device = model.device
@@ -321,7 +328,7 @@ class LocalDraft:
         The pass's mask and positions are built on the host and sent once. Its verdicts decide the next pass's
         inputs, so each pass reads the host: off the CPU once, every branch row's own token with every row's next
         guesses (:func:`~..ss.passes.reads_every_row`); on a CPU twice, the guesses of the rows the verdicts kept
-        after them."""
+        after them (and sampled rows not drawn apart, ``top_p``, one by one)."""
         proposer = self.proposer
         assert isinstance(proposer, StreamProposer)
         model, cache, sampler, adapters = self.model, state.draft_cache, proposer.sampler, proposer.adapters
@@ -427,6 +434,10 @@ class LocalDraft:
     def verdict(self, state: RequestState, verdict: Verdict) -> Proposal | None:
         tree, future, self.future = None, self.future, None
         pick, self.pick = self.pick, None
+        if pick is not None:  # the rollout the verdict waited for is the draft's time, not the target's
+            state.stats.target_s -= pick.join_s
+            state.stats.draft_s += pick.join_s
+            pick.join = None
         if future is not None:
             tree = future.result()
             state.stats.draft_forwards += tree.forwards
