@@ -203,3 +203,20 @@ def test_the_papers_target_sizes_run_on_request(tmp_path):
 def test_bad_arguments_are_clear_errors(tmp_path, capsys, argv, message):
     assert main(["bench", "gpu", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_sync_count_that_fails_is_a_note_of_its_row(monkeypatch):
+    """Each one-read path (`sd`'s, Mirror-SD's) is counted apart: one that fails on a GPU is reported in its row and
+    the report, and the run goes on to measure the rest."""
+    target, draft = _pair()
+
+    def counted(model, prompt, tokens=16, **options):
+        if options.get("method") == "mirror":
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return 1.0
+
+    monkeypatch.setattr(gpu, "host_syncs_per_step", counted)
+    row = gpu.step_costs("t", target, draft, None, list(range(5, 37)), 1e12, 8, lambda *a, **k: None)
+    assert row["host_syncs_per_step"] == row["sd_host_syncs_per_step"] == 1.0
+    assert row["mirror_host_syncs_per_step"] is None
+    assert "illegal memory access" in row["failed"]["mirror_host_syncs_per_step"]
