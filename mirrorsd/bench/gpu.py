@@ -245,6 +245,7 @@ class MethodRun:
     equal_to_ar: bool
     divergence: dict[str, Any] | None
     mirror: dict[str, Any] | None = None
+    failed: str | None = None  # the error, where the method could not run on this machine
 
 
 
@@ -571,7 +572,12 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
         streams = streams.to(device=dev, dtype=dtype).eval()
         for method, label, options in _methods(dev, draft, streams):
             say(f"  {label}…", flush=True)
-            res, secs = timed_generate(target, prompt, max_new, method=method, **options)
+            try:
+                res, secs = timed_generate(target, prompt, max_new, method=method, **options)
+            except Exception as error:  # noqa: BLE001 - a method that fails here is a row; the others still run
+                report["methods"].append(asdict(MethodRun(name, method, label, 0.0, 0.0, False, None,
+                                                          failed=f"{type(error).__name__}: {str(error)[:300]}")))
+                continue
             report["methods"].append(asdict(MethodRun(
                 name, method, label, len(res.token_ids) / secs, res.stats.mean_accepted_length,
                 res.token_ids == reference, divergence(target, prompt, res.token_ids, reference),
@@ -802,6 +808,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Every method on random weights (greedy)", "",
               "| target | method | tok/s | tokens/step | equal to ar | divergence |", "|---|---|---|---|---|---|"]
     for m in report["methods"]:
+        if m.get("failed"):
+            lines.append(f"| {m['target']} | {m['label']} | – | – | FAILED | {m['failed']} |")
+            continue
         divergence = json.dumps(m["divergence"]) if m["divergence"] else ""
         lines.append(f"| {m['target']} | {m['label']} | {m['tok_s']:.1f} | {m['mean_accepted']:.2f} | "
                      f"{'yes' if m['equal_to_ar'] else 'NO'} | {divergence} |")
@@ -864,7 +873,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def summary(report: dict[str, Any]) -> str:
-    bad = [m["label"] for m in report["methods"] if not m["equal_to_ar"]
+    bad = [m["label"] + (" (failed)" if m.get("failed") else "") for m in report["methods"] if not m["equal_to_ar"]
            and (m["divergence"] or {}).get("verdict") != "float near-tie"]
     ran = [r for r in report["forced"] if "failed" not in r]
     bad += [f"forced {r['accept']}{' (SS draft)' if r.get('draft') == 'ss' else ''}" for r in ran

@@ -172,6 +172,28 @@ def test_dry_run_report(tmp_path):
     assert "failed: RuntimeError: boom" in markdown(report)
     assert "FAILED: forced 3 (ss draft)" in gpu.summary(report)
     assert len(gpu.fig4_cells(report["forced"])["qwen2.5-1.5b"]) == 2
+    # so is a method that fails
+    report["methods"][2] = {**report["methods"][2], "tok_s": 0.0, "mean_accepted": 0.0, "equal_to_ar": False,
+                            "divergence": None, "failed": "RuntimeError: bang"}
+    assert "FAILED | RuntimeError: bang |" in markdown(report)
+    assert f"{report['methods'][2]['label']} (failed)" in gpu.summary(report)
+
+
+def test_a_method_that_fails_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    timed = gpu.timed_generate
+
+    def failing(target, prompt, max_new, **kwargs):
+        if kwargs.get("method") == "suffix":
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return timed(target, prompt, max_new, **kwargs)
+
+    monkeypatch.setattr(gpu, "timed_generate", failing)
+    assert main(["bench", "gpu", "--out", str(tmp_path), "--targets", "qwen2.5-1.5b", "--accept", "3",
+                 "--max-new-tokens", "8", "--ks", "1", "--no-tests"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = {m["label"]: m for m in report["methods"]}
+    assert "device-side assert" in rows["suffix"]["failed"] and rows["sd"]["equal_to_ar"]
+    assert "ss (untrained streams)" in rows and report["forced"]  # what comes after it still ran
 
 
 def test_the_cuda_tests_say_which_passed(tmp_path):
