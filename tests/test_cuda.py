@@ -101,6 +101,39 @@ def test_paper_roots_issued_inline_read_the_host_once_per_step():
     _assert_mirror_syncs_once_per_step(backend="cuda-streams", draft_issue="inline")
 
 
+#: (roots, κ, ℓe, γ, backend options, temperature): every root mode, κ, ℓe and γ, each backend on this device, greedy
+#: and seeded (issue 62, item 7)
+MIRROR_SETTINGS = [
+    ("paper", 4, 0.5, 7, {"backend": "serial"}, 0.0),
+    ("paper", 8, 0.25, 3, {"backend": "cuda-streams", "draft_issue": "inline"}, 0.0),
+    ("paper", 1, 0.75, 1, {"backend": "cuda-streams"}, 0.8),
+    ("paper", 2, 0.5, 7, {"backend": "cuda-streams", "draft_issue": "inline"}, 0.8),
+    ("budget", 4, 0.5, 5, {"backend": "cuda-streams", "budget": 3}, 0.8),
+    ("budget", 2, 0.75, 3, {"backend": "serial", "budget": 3}, 0.0),
+]
+
+
+def assert_mirror_with_oracles_equals_ar(target, draft, roots, kappa, exit_layer, gamma, options,
+                                         temperature) -> None:
+    """Mirror-SD with the exit oracle at a 0.5 hit rate and the oracle draft accepting 2 a window: kept branches and
+    misses both, and windows cut at the end of the output (44 tokens); every token the target's."""
+    kw = dict(max_new_tokens=44, temperature=temperature, seed=5)
+    reference = generate(target, PROMPT, method="ar", **kw).token_ids
+    got = generate(gpu.ExitOracle.wrap(target, PROMPT, reference, 0.5, kappa), PROMPT, method="mirror",
+                   draft=gpu.OracleDraft.wrap(draft, PROMPT, reference, 2), gamma=gamma, kappa=kappa,
+                   exit_layer=exit_layer, roots=roots, confidence=0.0, exit_head="lens", exit_vocab=0, **options, **kw)
+    _assert_lossless(target, got.token_ids, reference)
+    hits = [s.hit for s in got.stats.extra["mirror"].steps]
+    assert True in hits and False in hits, hits
+    assert got.stats.extra["mirror"].backend == options["backend"]
+
+
+@pytest.mark.parametrize("roots, kappa, exit_layer, gamma, options, temperature", MIRROR_SETTINGS)
+def test_mirror_with_oracles_equals_ar_in_every_setting(roots, kappa, exit_layer, gamma, options, temperature):
+    target, draft = _pair(torch.bfloat16)
+    assert_mirror_with_oracles_equals_ar(target, draft, roots, kappa, exit_layer, gamma, options, temperature)
+
+
 def test_the_next_request_reuses_a_returned_cache_and_its_graphs():
     target, _ = _pair(torch.bfloat16)
     first = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0)
