@@ -276,14 +276,20 @@ def divergence(target: Transformer, prompt: list[int], got: list[int], want: lis
             "logit": float(logits[want[pos]]), "dtype_ulp_at_logit": ulp, "verdict": verdict}
 
 
-def _methods(device: torch.device, draft: Transformer, streams: Any) -> list[tuple[str, str, dict[str, Any]]]:
-    """(method, label, options) of every method on random weights."""
+def _methods(device: torch.device, draft: Transformer, streams: Any,
+             host_draft: Transformer | None = None) -> list[tuple[str, str, dict[str, Any]]]:
+    """(method, label, options) of every method on random weights; ``host_draft``: the draft's shape on the CPU, for
+    Mirror-SD's ``devices`` backend (the target here, the draft on the host: only token ids cross)."""
     overlap = "cuda-streams" if device.type == "cuda" else "threads"
     runs = [("sd", "sd", {"draft": draft}), ("suffix", "suffix", {}),
             ("mirror", "mirror serial", {"draft": draft, "backend": "serial", "budget": 2}),  # (0 roots unforced)
             ("ss", "ss (untrained streams)", {"streams": streams})]
     if device.type == "cuda" or torch.get_num_threads() > 1:
         runs.append(("mirror", f"mirror {overlap}", {"draft": draft, "backend": overlap}))
+    if host_draft is not None:
+        # (γ = 2 and one root: a CPU's draft forward costs tens of ms, so a short step keeps the run short)
+        runs.append(("mirror", "mirror devices (draft on the CPU)",
+                     {"draft": host_draft, "backend": "devices", "gamma": 2, "budget": 1}))
     return runs
 
 
@@ -570,7 +576,10 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
         streams = StreamAdapters(target, StreamConfig(streams=3, layers=2, hidden_size=cfg.hidden_size,
                                                       n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
         streams = streams.to(device=dev, dtype=dtype).eval()
-        for method, label, options in _methods(dev, draft, streams):
+        # the devices backend once, with the draft on the host (issue 62: it keeps working, measured once on the GPU)
+        host_draft = random_model(replace(shapes[DRAFT], vocab=shapes[name].vocab), torch.device("cpu"),
+                                  torch.float32, seed=0) if dev.type == "cuda" and i == 0 else None
+        for method, label, options in _methods(dev, draft, streams, host_draft):
             say(f"  {label}…", flush=True)
             try:
                 res, secs = timed_generate(target, prompt, max_new, method=method, **options)

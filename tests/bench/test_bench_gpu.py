@@ -242,3 +242,13 @@ def test_a_sync_count_that_fails_is_a_note_of_its_row(monkeypatch):
     assert row["host_syncs_per_step"] == row["sd_host_syncs_per_step"] == 1.0
     assert row["mirror_host_syncs_per_step"] is None
     assert "illegal memory access" in row["failed"]["mirror_host_syncs_per_step"]
+
+
+def test_the_devices_backend_runs_once_with_a_draft_on_the_host():
+    """On a GPU the first target's methods add Mirror-SD's ``devices`` backend with the draft on the host (issue
+    62: it keeps working, measured once); without a host draft (the CPU's dry run) there is none."""
+    target, draft = _pair()
+    labels = [label for _, label, _ in gpu._methods(torch.device("cpu"), draft, None)]
+    assert not any("devices" in label for label in labels)
+    method, label, options = gpu._methods(torch.device("cuda"), draft, None, host_draft=draft)[-1]
+    assert (method, options["backend"], options["draft"]) == ("mirror", "devices", draft)
