@@ -14,7 +14,6 @@ from typing import Protocol
 
 import torch
 
-from ...draft_vocab import head_logits, top_tokens
 from ...model import Transformer
 from ...runtime import Span
 from ...sampling import SamplingParams, choose, rows_apart
@@ -24,7 +23,7 @@ from ..drafting import draft_vocab_size, window_end
 from ..engine import DrawnChain, Proposal, RequestState, Scores, VerdictRider, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters, stream_mask
-from ..ss.passes import StreamGuesses, ancestors, reads_every_row
+from ..ss.passes import StreamGuesses, ancestors, reads_every_row, stream_tops
 from .options import MirrorOptions, batch_caps
 from .roots import DeviceRoots
 from .stats import MirrorRun
@@ -390,10 +389,8 @@ class LocalDraft:
             if rows_apart(logits, proposer.params):
                 drawn = choose(logits, [p + 1 for p in positions[len(lead):]], proposer.params, sampler.noise)
                 if every:
-                    logprobs, top_ids = top_tokens(*head_logits(model, out[n:n + rows * n_streams],
-                                                                proposer.stream_head), proposer.tree_k)
-                    own, every_id, every_logprob = read_all(drawn, top_ids.view(rows, n_streams, -1),
-                                                            logprobs.float().view(rows, n_streams, -1))
+                    own, top_ids, logprobs = read_all(drawn, *stream_tops(model, out[n:n + rows * n_streams], n_streams,
+                                                                          proposer.tree_k, proposer.stream_head))
                 else:
                     own = drawn.tolist()
             lasts: list[int] = []  # per block, the stream rows' main row: the last accepted node
@@ -409,18 +406,14 @@ class LocalDraft:
                     q, top = sampler.judge(logits[at:at + size][[0, *(i + 1 for i in verdict.nodes)]])
                     q_rows[r] += list(q) if q is not None else []
                     tops[r] += top or []
-            if every:
-                for b, (r, _, _) in enumerate(blocks):
-                    guesses[r] = StreamGuesses(every_id[lasts[b] - len(lead)], every_logprob[lasts[b] - len(lead)])
-            else:  # the kept rows' guesses, every branch's in one read
-                stream_rows = send([n + (row - len(lead)) * n_streams + j for row in lasts for j in range(n_streams)],
-                                   device)
-                logprobs, top_ids = top_tokens(*head_logits(model, out[stream_rows], proposer.stream_head),
-                                               proposer.tree_k)
-                top_ids, logprobs = read_all(top_ids, logprobs.float())
-                for b, (r, _, _) in enumerate(blocks):
-                    part = slice(b * n_streams, (b + 1) * n_streams)
-                    guesses[r] = StreamGuesses(top_ids[part], logprobs[part])
+            nodes = [row - len(lead) for row in lasts]  # each block's last accepted row, among the branch rows
+            if not every:  # the kept rows' guesses, every branch's in one read
+                stream_rows = send([n + node * n_streams + j for node in nodes for j in range(n_streams)], device)
+                top_ids, logprobs = read_all(*stream_tops(model, out[stream_rows], n_streams, proposer.tree_k,
+                                                          proposer.stream_head))
+                nodes = list(range(len(blocks)))
+            for b, (r, _, _) in enumerate(blocks):
+                guesses[r] = StreamGuesses(top_ids[nodes[b]], logprobs[nodes[b]])
             kept = [e for branch in entries for e in branch]
             cache.compact(base, [e - base for e in kept])
             at = base

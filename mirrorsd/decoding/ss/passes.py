@@ -206,6 +206,14 @@ def defers(defer: str, kept: int, streams: int, device: torch.device) -> bool:
     return defer == "always"
 
 
+def stream_tops(model: Transformer, rows: torch.Tensor, streams: int, tree_k: int,
+                head: SubsetHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The streams' top-``tree_k`` ids and fp32 log-probabilities, ``[nodes, streams, k]`` each, of stream rows laid
+    out node by node (over ``head``'s ids when given), still on the device: the next trees' candidates."""
+    logprobs, ids = top_tokens(*head_logits(model, rows, head), tree_k)
+    return ids.view(-1, streams, ids.shape[-1]), logprobs.float().view(-1, streams, ids.shape[-1])
+
+
 def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForward, verdict: Verdict,
                     tree_k: int, head: SubsetHead | None = None, cache: KVCache | None = None) -> StreamGuesses:
     """Top-k of streams 1..γ at the last accepted node (over ``head``'s ids when given): the next tree. A deferred
@@ -225,9 +233,8 @@ def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForw
                                 streams=adapters.rows(n_streams))[0]
     else:
         rows = forward.out[0, m + last * n_streams: m + (last + 1) * n_streams]
-    logits, ids = head_logits(model, rows, head)
-    logprobs, tokens = top_tokens(logits, ids, tree_k)
-    return StreamGuesses(tokens.tolist(), logprobs.float().tolist())
+    ids, logprobs = read_all(*stream_tops(model, rows, n_streams, tree_k, head))
+    return StreamGuesses(ids[0], logprobs[0])
 
 
 @dataclass(frozen=True)
@@ -267,9 +274,8 @@ def read_pass(model: Transformer, forward: TreeForward, params: SamplingParams, 
     m = len(forward.kept)
     own = choose(forward.main_logits, tree_positions(forward.draft.parents or [], forward.past + forward.trunk),
                  params, noise)
-    logprobs, ids = top_tokens(*head_logits(model, forward.out[0, m + root * n_streams:m + m * n_streams], head),
-                               tree_k)
-    own, ids, logprobs = read_all(own, ids.view(rows, n_streams, -1), logprobs.float().view(rows, n_streams, -1))
+    ids, logprobs = stream_tops(model, forward.out[0, m + root * n_streams:m + m * n_streams], n_streams, tree_k, head)
+    own, ids, logprobs = read_all(own, ids, logprobs)
     return PassRead(own, [StreamGuesses(ids[r], logprobs[r]) for r in range(rows)])
 
 
