@@ -57,13 +57,54 @@ def cuda_graphs(on: bool) -> Iterator[None]:
         _ENABLED.reset(token)
 
 
-class LayerGraph:
+class Captured:
+    """A body of work on static device tensors, replayed as one CUDA graph: run as it is on its first call (the
+    warm-up a capture needs) and wherever it is not on CUDA (Triton's interpreter runs the tests there), captured on
+    the second and replayed after. A capture that raises leaves the body eager. The body's output is copied out
+    at every replay, since the next replay overwrites it."""
+
+    def __init__(self, device: torch.device, pool: tuple | None) -> None:
+        self.device = device
+        self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
+        self.uses = 0
+        self.failed = False  # a capture that raised: the body stays eager
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def run(self, body: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self.uses += 1
+        if self.graph is None and not self.failed and self.uses > 1 and self.device.type == "cuda":
+            self._capture(body)
+        if self.graph is None:
+            return body()
+        self.graph.replay()
+        return self.out.clone()
+
+    def _capture(self, body: Callable[[], torch.Tensor]) -> None:
+        device = self.device
+        try:
+            graph = torch.cuda.CUDAGraph()
+            # On the model's own device and a capture stream of that device (PyTorch's default capture stream
+            # lives on whichever device captured first: a draft on a second GPU would not be captured at all).
+            # One capture at a time in the process (entering one synchronizes the device, which would invalidate
+            # another thread's), and thread_local: other threads' work may go on meanwhile.
+            with _CAPTURING, torch.cuda.device(device), torch.cuda.graph(
+                    graph, pool=self.pool, stream=_capture_stream(device), capture_error_mode="thread_local"):
+                self.out = body()
+            self.graph = graph
+        except Exception as error:  # noqa: BLE001 - a capture is an optimisation: run the body eagerly instead
+            self.failed = True
+            warnings.warn(f"CUDA graph capture failed ({type(error).__name__}: {error}); {type(self).__name__} "
+                          "runs eagerly", RuntimeWarning, stacklevel=4)
+
+
+class LayerGraph(Captured):
     """A layer range over one cache's buffers for windows of one shape. Made on the shape's second sight (a shape
-    seen once, such as a prompt or a draft's catch-up, costs nothing), run through its static inputs eagerly
-    then (the warm-up a capture needs), captured on the third and replayed after. The graphs of one cache share a
-    memory pool: they run one after another and each output is copied out at once."""
+    seen once, such as a prompt or a draft's catch-up, costs nothing), then run as :class:`Captured` runs it. The
+    graphs of one cache share a memory pool: they run one after another and each output is copied out at once."""
 
     def __init__(self, inputs: torch.Tensor, capacity: int, mask_rows: int | None, pool: tuple | None) -> None:
+        super().__init__(inputs.device, pool)
         rows, t = inputs.shape[:2]
         device = inputs.device
         with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
@@ -76,19 +117,13 @@ class LayerGraph:
                 # a causal window's queries share one gather list, as the eager path's zero-stride one
                 index=keys.view(1, 1, -1) if mask_rows is None else keys.repeat(mask_rows, t, 1),
                 count=torch.ones(1 if mask_rows is None else mask_rows, t, dtype=torch.int32, device=device))
-        self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
-        self.uses = 0
-        self.failed = False  # a capture that raised: this shape stays eager
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
 
     def __call__(self, inputs: torch.Tensor, positions: torch.Tensor, length: int,
                  visible: tuple[torch.Tensor, torch.Tensor] | None,
                  layers: Callable[[StaticStep], torch.Tensor]) -> torch.Tensor:
         """The layers' output for ``inputs`` at ``positions``, written to the cache slots after ``length``;
         ``visible``: a masked window's (index, count), else the window is causal. ``layers`` runs the layers on
-        :attr:`inputs` and the static inputs it is given: as it is on first use, after a failed capture and off CUDA
-        (where Triton's interpreter runs the tests), and once more to capture."""
+        :attr:`inputs` and the static inputs it is given."""
         static = self.static
         self.inputs.copy_(inputs)
         static.positions.copy_(positions)
@@ -99,30 +134,7 @@ class LayerGraph:
             index, count = visible
             static.index[..., : index.shape[-1]].copy_(index)
             static.count.copy_(count)
-        self.uses += 1
-        if self.graph is None and not self.failed and self.uses > 1 and self.inputs.is_cuda:
-            self._capture(layers)
-        if self.graph is None:
-            return layers(static)
-        self.graph.replay()
-        return self.out.clone()  # the next replay overwrites the static output
-
-    def _capture(self, layers: Callable[[StaticStep], torch.Tensor]) -> None:
-        device = self.inputs.device
-        try:
-            graph = torch.cuda.CUDAGraph()
-            # On the model's own device and a capture stream of that device (PyTorch's default capture stream
-            # lives on whichever device captured first: a draft on a second GPU would not be captured at all).
-            # One capture at a time in the process (entering one synchronizes the device, which would invalidate
-            # another thread's), and thread_local: other threads' work may go on meanwhile.
-            with _CAPTURING, torch.cuda.device(device), torch.cuda.graph(
-                    graph, pool=self.pool, stream=_capture_stream(device), capture_error_mode="thread_local"):
-                self.out = layers(self.static)
-            self.graph = graph
-        except Exception as error:  # noqa: BLE001 - a capture is an optimisation: run this shape eagerly instead
-            self.failed = True
-            warnings.warn(f"CUDA graph capture failed ({type(error).__name__}: {error}); this window shape runs "
-                          "eagerly", RuntimeWarning, stacklevel=4)
+        return self.run(lambda: layers(static))
 
 
 @cache

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .cuda_graphs import StaticStep
 from .execution import (
     KernelBinding,
     LayerCall,
@@ -568,15 +569,22 @@ class Transformer(nn.Module):
         start: int = 0,
         end: int | None = None,
         streams: SSRows | None = None,
+        static: StaticStep | None = None,
     ) -> torch.Tensor:
         """Run blocks ``[start, end)`` on a window's hidden states ``[rows, T, hidden]``.
 
         With ``mask=None`` the window is causal over the cache (no mask at all for a single token).
         ``streams`` marks the window's trailing rows as Speculative Streaming stream rows (give a mask then).
+        ``static``: the window's cache slots and visible keys as device tensors, for a caller that captures a whole
+        sequence of forwards as one CUDA graph (the fused path only; the caller advances the cache's lengths).
         """
         if streams is not None and streams.count and mask is None:
             raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
+        if static is not None:
+            if not fused_applies(self, hidden):
+                raise ValueError("static inputs need the fused CUDA layers")
+            return fused_layers(self, hidden, positions, cache, None, start, end, streams, static=static)
         t = hidden.shape[1]
         hook = batcher()
         if hook is not None and cache is not None and hidden.shape[0] == 1 and not torch.is_grad_enabled() \

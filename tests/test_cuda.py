@@ -7,6 +7,8 @@ reproduces 1-token forwards bit for bit and every method must equal `ar` exactly
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -99,6 +101,35 @@ def test_a_serial_mirror_step_with_paper_roots_reads_the_host_once_per_step():
 def test_paper_roots_issued_inline_read_the_host_once_per_step():
     """The same on ``cuda-streams`` with no worker thread; `bench gpu` runs its `paper` forced row only if it passes."""
     _assert_mirror_syncs_once_per_step(backend="cuda-streams", draft_issue="inline")
+
+
+@pytest.mark.parametrize("options", [{"backend": "serial"}, {"backend": "cuda-streams", "draft_issue": "inline"}])
+def test_mirror_rollouts_replay_as_one_captured_graph(monkeypatch, options):
+    """Issue 62, item 1: a rollout's γ steps and their token choices are one CUDA graph
+    (:class:`~mirrorsd.decoding.mirror.rollout_graph.RolloutGraph`), captured without a host read inside (a read
+    would fail the capture, which then warns and stays eager), replayed from a shape's third sight, and still
+    lossless, greedy and seeded."""
+    from mirrorsd.decoding.mirror.rollout_graph import RolloutGraph
+
+    made, call = [], RolloutGraph.__call__
+
+    def spied(self, *args):
+        made.append(self)
+        return call(self, *args)
+
+    monkeypatch.setattr(RolloutGraph, "__call__", spied)
+    target, draft = _pair(torch.bfloat16)
+    for params in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
+        made.clear()
+        want = generate(target, PROMPT, method="ar", max_new_tokens=48, **params).token_ids
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = generate(target, PROMPT, method="mirror", draft=draft, roots="paper", confidence=0.0, kappa=4,
+                           max_new_tokens=48, **options, **params)
+        _assert_lossless(target, got.token_ids, want)
+        assert not [w for w in caught if "capture failed" in str(w.message)], [str(w.message) for w in caught]
+        assert made and not any(g.failed for g in made) and any(g.graph is not None for g in made), params
+        assert got.stats.extra["mirror"].to_dict()["rollouts_as_one_graph"] >= 0.5, params
 
 
 #: (roots, κ, ℓe, γ, backend options, temperature): every root mode, κ, ℓe and γ, each backend on this device, greedy

@@ -727,7 +727,8 @@ def _mirror_run(target: Transformer, oracle: OracleDraft, prompt: list[int], ref
             "fallback_frequency": info.get("fallback_frequency"),
             "hidden_draft_fraction": info.get("hidden_draft_fraction"), "trace": info.get("trace"),
             "fresh_eta": info.get("fresh_tokens_per_draft_forward"),
-            "rollout_eta": info.get("rollout_tokens_per_draft_forward")}
+            "rollout_eta": info.get("rollout_tokens_per_draft_forward"),
+            "rollout_graphs": info.get("rollouts_as_one_graph")}
 
 
 def law(alone: dict[str, Any], overlapped: dict[str, Any], sd: dict[str, Any]) -> dict[str, Any]:
@@ -829,13 +830,13 @@ def markdown(report: dict[str, Any]) -> str:
               "acceptance); draft η̄ = draft tokens per draft forward (SD / Mirror-SD's fresh, branch rollouts).", "",
               "| target | forced A | draft | exit hit rate | overlap | tokens/step SD / Mirror | "
               "SD tok/s | Mirror tok/s | Mirror/SD | step ms | Eq. 10 ms | step ÷ Eq. 10 / ÷ (Eq. 10 + fallbacks) | "
-              "fallback | hidden draft | "
-              "draft η̄ | lossless |", "|---" * 16 + "|"]
+              "fallback | hidden draft | rollouts as one graph | "
+              "draft η̄ | lossless |", "|---" * 17 + "|"]
     for r in report["forced"]:
         head = (f"| {r['target']} | {r['accept']} | {r.get('draft', 'plain')} | {fmt(r.get('exit_hit_rate'))} | "
                 f"{r.get('overlap', 'thread')} | ")
         if "failed" in r:
-            lines.append(head + f"failed: {r['failed']} |" + " |" * 10)
+            lines.append(head + f"failed: {r['failed']} |" + " |" * 11)
             continue
         m, s = r["mirror"], r["sd"]
         lossless = "yes" if s["equal_to_ar"] and m["equal_to_ar"] else "NO"
@@ -844,7 +845,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{s['tok_s']:.1f} | {m['tok_s']:.1f} | {r['mirror_over_sd']:.2f}× | {fmt(m['step_ms'])} | "
                      f"{fmt(m['eq10_ms'])} | {fmt(m['step_over_eq10'])} / {fmt(m.get('step_over_predicted'))} | "
                      f"{fmt(m['fallback_frequency'])} | "
-                     f"{fmt(m['hidden_draft_fraction'])} | {eta} | {lossless} |")
+                     f"{fmt(m['hidden_draft_fraction'])} | {fmt(m.get('rollout_graphs'))} | {eta} | {lossless} |")
     alone = [(r, r["mirror"]["alone"]) for r in report["forced"] if "alone" in r.get("mirror", {})]
     if alone:
         clock = "CUDA events" if all(a.get("device_times") for _, a in alone) else "the host's clock"

@@ -98,6 +98,42 @@ for method, kwargs in [("sd", {"draft": draft}), ("suffix", {}), ("ss", {"stream
 print("ok")
 """
 
+ROLLOUT = FORCE_CUDA_PATH + """
+from mirrorsd import Transformer, generate
+from mirrorsd.cuda_graphs import cuda_graphs
+from mirrorsd.decoding.mirror.draft import LocalDraft
+from tests.helpers import tiny_hf
+
+force(True)
+target = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=1, std=0.3), linear="dense")
+draft = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=1, seed=2, std=0.3), linear="dense")
+trees = []
+rollout = LocalDraft.rollout
+
+def recorded(self, *args):
+    tree = rollout(self, *args)
+    trees.append((tree.roots.at, tree.tokens.tolist(), tree.graphed))
+    return tree
+
+LocalDraft.rollout = recorded
+prompt = list(range(3, 20))
+for temperature in (0.0, 0.8):
+    kw = dict(max_new_tokens=10, temperature=temperature, seed=3)
+    want = generate(target, prompt, method="ar", **kw).token_ids
+    runs = {}
+    for graphs in (False, True):
+        trees.clear()
+        with cuda_graphs(graphs):
+            m = generate(target, prompt, method="mirror", draft=draft, roots="paper", confidence=0.0, gamma=3,
+                         kappa=2, backend="serial", **kw)
+        assert m.token_ids == want, (temperature, graphs)
+        runs[graphs] = list(trees), m.stats.extra["mirror"].to_dict()["rollouts_as_one_graph"]
+    (eager, none), (graphed, share) = runs[False], runs[True]
+    assert none == 0 and share >= 0.5 and not graphed[0][2], (none, share)  # (a shape's first sight: step by step)
+    assert [t[:2] for t in graphed] == [t[:2] for t in eager], temperature  # the same roots, the same tokens
+print("ok")
+"""
+
 LAUNCHES = FORCE_CUDA_PATH + """
 from torch.utils._python_dispatch import TorchDispatchMode
 from mirrorsd import Transformer
@@ -184,3 +220,10 @@ def test_methods_on_the_fused_path_equal_ar():
 def test_a_fused_layer_is_at_most_ten_launches():
     """Every op a layer dispatches (GEMMs, in-place adds) plus its Triton kernels, counted on the CPU."""
     _interpret(LAUNCHES)
+
+
+def test_a_mirror_rollout_as_one_graph_draws_the_tokens_of_its_steps_one_by_one():
+    """Mirror-SD's tree rollout through :class:`~mirrorsd.decoding.mirror.rollout_graph.RolloutGraph` (its gather
+    lists computed on the device, every step's choice inside; eager here, captured on CUDA) draws every branch's
+    tokens exactly as the steps issued one by one do, greedy and sampled, from a shape's second sight on."""
+    _interpret(ROLLOUT)

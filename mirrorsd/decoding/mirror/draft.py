@@ -25,6 +25,7 @@ from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters, stream_mask
 from ..ss.passes import StreamGuesses, ancestors, reads_every_row, stream_tops
 from .options import MirrorOptions, batch_caps
+from .rollout_graph import graphed_rollout
 from .roots import DeviceRoots
 from .stats import MirrorRun
 
@@ -41,6 +42,7 @@ class Tree:
     forwards: int
     span: Span | None = None
     alternatives: list[list[list[int]]] | None = None  # [R][γ][κ+1] the draft's likeliest tokens (candidates=draft)
+    graphed: bool = False  # replayed as one CUDA graph (:mod:`.rollout_graph`)
 
     def branch(self, accepted: int, correction: int) -> int | None:
         for r, root in enumerate(self.roots):
@@ -263,13 +265,19 @@ class LocalDraft:
         n_roots, past = len(roots), len(cache)
         base = past + len(spine_feed)  # == committed + window
         at = roots.at if isinstance(roots, DeviceRoots) else [j for j, _ in roots]
+        root_ids = roots.ids.to(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]
+        entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
+        graphed = graphed_rollout(model, cache, sampler, spine_feed, [committed + j for j in at], root_ids, steps)
+        if graphed is not None:
+            tree = self._tree(roots, graphed, [], [], [], entries, steps)
+            tree.graphed = True
+            return tree
         root_pos = send([committed + j for j in at], device)
         # Every step's mask is a prefix of one: branch r sees the spine before its root (root (j, v) sees
         # [0, committed + j)) and its own inputs, which step s puts at base + s·R + r.
         cols = torch.arange(base + steps * n_roots, device=device)
         own = (cols >= base) & ((cols - base) % n_roots == torch.arange(n_roots, device=device).unsqueeze(1))
         branches = (cols < root_pos.unsqueeze(1)) | own
-        root_ids = roots.ids.to(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]
         ids = torch.cat([draft_tokens(model, spine_feed), draft_tokens(model, root_ids)], 1)
         drawn: list[torch.Tensor] = []  # per step: [R] token ids
         tops: list[torch.Tensor] = []  # per step: [R] top probabilities (confidence rule)
@@ -296,16 +304,23 @@ class LocalDraft:
             if sampler.runner_ups:
                 runner_ups.append(sampler.likeliest_ids(logits))
             ids = draft_tokens(model, drawn[-1])
+        return self._tree(roots, torch.stack(drawn, 1), tops, q_steps, runner_ups, entries, steps)
 
+    def _tree(self, roots: Sequence[tuple[int, int]], tokens: torch.Tensor, tops: list[torch.Tensor],
+              q_steps: list[torch.Tensor], runner_ups: list[torch.Tensor], entries: list[list[int]],
+              steps: int) -> Tree:
+        """A rollout's :class:`Tree` from its tokens ``[R, γ]`` and per-step tensors, read on the host in one read
+        unless only the tokens are wanted and the roots are still on the device (:meth:`stays_on_device`)."""
+        n_roots, device = len(roots), self.model.device
         q = torch.stack(q_steps, 1) if q_steps else None
-        entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
         if self.stays_on_device(roots):  # the verdict picks the branch on the device (BranchPick)
-            return Tree(roots, torch.stack(drawn, 1), None, q, entries, steps)
+            return Tree(roots, tokens, None, q, entries, steps)
         # The tokens, and what else was asked for, in one host read (the roots' ids too, if still on the device).
-        wanted = {"tokens": drawn, "tops": tops if self.confidence > 0 else None,
-                  "alternatives": runner_ups if sampler.runner_ups else None}
-        reading = {name: torch.stack(per_step, 1) if per_step else torch.zeros(n_roots, 0, device=device)
-                   for name, per_step in wanted.items() if per_step is not None}
+        wanted = {"tops": tops if self.confidence > 0 else None,
+                  "alternatives": runner_ups if self.proposer.sampler.runner_ups else None}
+        reading = {"tokens": tokens} | {name: torch.stack(per_step, 1) if per_step else
+                                        torch.zeros(n_roots, 0, device=device)
+                                        for name, per_step in wanted.items() if per_step is not None}
         if isinstance(roots, DeviceRoots):
             reading["roots"] = roots.ids
         read = dict(zip(reading, read_all(*reading.values()), strict=True))

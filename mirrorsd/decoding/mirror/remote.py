@@ -270,6 +270,7 @@ class _RemoteTree:
 
     span: Span
     forwards: int
+    graphed: bool = False  # (the draft rank's rollouts are issued step by step)
 
 
 class RemoteDraft:

@@ -45,6 +45,7 @@ class MirrorStep:
     step_s: float  # measured: step start to the next window ready
     rollout_depth: int = 0  # tokens each branch rolled out (the rollout's γ)
     rollout_forwards: int = 0  # draft forwards that took (J: γ for an AR draft, ~⌈γ/η̄⌉ with SS streams)
+    rollout_graphed: bool = False  # the rollout replayed as one CUDA graph
 
     @property
     def eq10_s(self) -> float:
@@ -116,6 +117,7 @@ class MirrorStats:
             "steps": len(steps),
             "fallback_frequency": round(misses / len(with_tree), 4) if with_tree else None,
             "mean_roots": round(mean([s.roots for s in with_tree]), 2),
+            "rollouts_as_one_graph": round(mean([s.rollout_graphed for s in with_tree]), 4) if with_tree else None,
             "hidden_draft_fraction": round(sum(s.hidden for s in steps) / draft_total, 4) if draft_total else None,
             "exposed_draft_s": round(sum(s.exposed for s in steps), 4),
             "mean_ms": {name: round(1e3 * mean([getattr(s, name) for s in steps]), 3) for name in (
@@ -202,6 +204,7 @@ class MirrorRun:
         rollout = tree.span if tree is not None else None
         if tree is not None:
             record.rollout_depth, record.rollout_forwards = steps, tree.forwards
+            record.rollout_graphed = tree.graphed
         if rollout is not None:
             record.t_draft = rollout.seconds
             handoff = ee.end if device and ee is not None else submitted

@@ -1,0 +1,117 @@
+"""Mirror-SD's tree rollout as one CUDA graph (issue 62, item 1): γ draft steps after every root, each step's token
+choice included, replayed with one launch.
+
+Why: step by step, a rollout on the GPU is γ layer-graph replays with ~20 eager launches around each (the embedding,
+the mask's gather lists, the head, the choice), all issued by the host while the target's upper layers run on the
+other stream; the draft then runs at the host's pace, not the GPU's. As one graph the host issues a few copies and a
+replay, and the draft's stream runs back to back.
+
+The steps are :meth:`~.draft.LocalDraft._rollout`'s, bit for bit: the same layers (the fused CUDA path, which is the
+only one where graphs apply) on the same rows, with each query's visible keys in the order
+:func:`~mirrorsd.kernels.cuda_attention.visible_keys` lists them from that method's mask, here computed on the
+device from the roots' positions: branch ``r`` sees the spine before its root, then its own inputs, which step ``s``
+writes at ``base + s·R + r``. The model's own :meth:`~mirrorsd.model.Transformer.run_layers` and
+:meth:`~mirrorsd.model.Transformer.logits` run inside, so a model that overrides them (the GPU bench's oracle draft)
+is captured as it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...cuda_graphs import Captured, StaticStep, enabled
+from ...execution import batcher, fused_applies
+from ...kv_cache import KVCache
+from ...model import Transformer
+from ...transfer import send
+from ..drafting import DraftSampler
+from ..engine import draft_tokens
+
+
+class RolloutGraph(Captured):
+    """One rollout shape (spine tokens fed, roots, steps) over one draft cache's buffers, for one sampler's choice
+    (its parameters and seed are baked in). Its inputs are static device tensors: the cache length before the
+    rollout, the spine's missing tokens, the roots' positions and ids."""
+
+    def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
+                 steps: int, pool: tuple | None) -> None:
+        super().__init__(model.device, pool)
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.lead, self.n_roots, self.steps = lead, n_roots, steps
+        device = model.device
+        with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
+            self.past = torch.zeros((), dtype=torch.long, device=device)
+            self.spine = torch.zeros(lead, dtype=torch.long, device=device)
+            self.root_pos = torch.zeros(n_roots, dtype=torch.long, device=device)
+            self.root_ids = torch.zeros(n_roots, dtype=torch.long, device=device)
+            # the keys every layer's buffer holds (the layers grow one by one)
+            self.keys = torch.arange(min(k.shape[2] for k in cache.keys), device=device)
+            self.branches = torch.arange(n_roots, device=device)
+            self.spine_rows = torch.arange(lead, device=device)
+
+    def __call__(self, past: int, spine: torch.Tensor, root_pos: torch.Tensor, root_ids: torch.Tensor
+                 ) -> torch.Tensor:
+        """The rollout's tokens ``[R, steps]``; the cache holds its entries after ``past + lead`` (the caller sets
+        the lengths). ``spine`` and ``root_ids`` are draft ids (:func:`~..engine.draft_tokens`)."""
+        self.past.fill_(past)
+        self.spine.copy_(spine.view(-1))
+        self.root_pos.copy_(root_pos)
+        self.root_ids.copy_(root_ids.view(-1))
+        return self.run(self.body)
+
+    def body(self) -> torch.Tensor:
+        model, sampler, lead, n_roots = self.model, self.sampler, self.lead, self.n_roots
+        keys, root_pos, capacity = self.keys, self.root_pos, self.keys.numel()
+        base = self.past + lead
+        # branch r's gather list: the spine before its root, then its own inputs (past its count: any valid slot)
+        own = base + (keys - root_pos.unsqueeze(1)) * n_roots + self.branches.unsqueeze(1)
+        branch_keys = torch.where(keys < root_pos.unsqueeze(1), keys, own).clamp_(0, capacity - 1).int()
+        ids = torch.cat([self.spine, self.root_ids]).unsqueeze(0)
+        drawn: list[torch.Tensor] = []
+        for step in range(self.steps):
+            positions, slots = root_pos + step, base + step * n_roots + self.branches
+            index, count = branch_keys, (root_pos + step + 1).int()
+            if step == 0 and lead:  # the spine's missing tokens first, causally
+                spine_at = self.past + self.spine_rows
+                positions, slots = torch.cat([spine_at, positions]), torch.cat([spine_at, slots])
+                index = torch.cat([keys.int().expand(lead, capacity), index])
+                count = torch.cat([(spine_at + 1).int(), count])
+            static = StaticStep(positions.unsqueeze(0), slots, index.unsqueeze(0), count.unsqueeze(0))
+            hidden = model.run_layers(model.embed(ids), static.positions, self.cache, static=static)
+            rows = hidden[0, lead:] if step == 0 else hidden[0]
+            logits = model.logits(rows) if sampler.head is None else sampler.head(model.norm(rows))
+            drawn.append(sampler.choose(logits, root_pos + step + 1))
+            ids = draft_tokens(model, drawn[-1])
+        return torch.stack(drawn, 1)
+
+
+def graphed_rollout(model: Transformer, cache: KVCache, sampler: DraftSampler, spine: list[int] | torch.Tensor,
+                    root_pos: Sequence[int], root_ids: list[int] | torch.Tensor, steps: int) -> torch.Tensor | None:
+    """The rollout's tokens ``[R, steps]`` through its :class:`RolloutGraph`, where one applies: the fused CUDA
+    layers with graphs on, no continuous batching, a one-row cache, and nothing wanted but the tokens (no top
+    probabilities, distributions or runner-ups). None otherwise, and on a shape's first sight (a one-off costs no
+    static buffers): the caller then runs the steps one by one."""
+    if not enabled() or batcher() is not None or sampler.need_probs or sampler.runner_ups or cache.rows != 1 \
+            or not fused_applies(model, model.embed_tokens.weight):
+        return None
+    lead, n_roots = len(spine), len(root_pos)
+    past = len(cache)
+    needed = past + lead + steps * n_roots
+    for layer in range(cache.n_layers):  # the buffers the graph writes into: grown first (a growth drops graphs)
+        cache.buffers(layer, needed)
+    graphs = cache.graphs()
+    key = ("rollout", model, lead, n_roots, steps, sampler.params, sampler.noise, sampler.head)
+    graph = graphs.get(key)
+    if graph is None:
+        for old in [k for k in graphs if k[0] == "rollout" and k[5:] != key[5:]]:  # another request's sampler
+            del graphs[old]
+        graphs[key] = False  # seen once
+        return None
+    if graph is False:
+        pool = next((g.pool for g in graphs.values() if g), None)
+        graph = graphs[key] = RolloutGraph(model, cache, sampler, lead, n_roots, steps, pool)
+    tokens = graph(past, draft_tokens(model, spine), send(list(root_pos), model.device), draft_tokens(model, root_ids))
+    cache.lengths[:] = [needed] * cache.n_layers
+    return tokens
