@@ -94,8 +94,8 @@ class Captured:
             self.graph = graph
         except Exception as error:  # noqa: BLE001 - a capture is an optimisation: run the body eagerly instead
             self.failed = True
-            warnings.warn(f"CUDA graph capture failed ({type(error).__name__}: {error}); {type(self).__name__} "
-                          "runs eagerly", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"CUDA graph capture failed ({type(error).__name__}: {error}); this {type(self).__name__}'s "
+                          "shape runs eagerly", RuntimeWarning, stacklevel=5)
 
 
 class LayerGraph(Captured):

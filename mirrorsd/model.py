@@ -582,8 +582,8 @@ class Transformer(nn.Module):
             raise ValueError("stream rows need an explicit attention mask")
         end = self.config.n_layers if end is None else end
         if static is not None:
-            if not fused_applies(self, hidden):
-                raise ValueError("static inputs need the fused CUDA layers")
+            if not fused_applies(self, hidden) or mask is not None:
+                raise ValueError("static inputs need the fused CUDA layers, and carry the visible keys (no mask)")
             return fused_layers(self, hidden, positions, cache, None, start, end, streams, static=static)
         t = hidden.shape[1]
         hook = batcher()

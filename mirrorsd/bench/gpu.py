@@ -212,8 +212,8 @@ class ExitOracle(Transformer):
         return oracle
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, cache: Any = None, mask: Any = None,
-                   start: int = 0, end: int | None = None, streams: Any = None) -> torch.Tensor:
-        out = super().run_layers(hidden, positions, cache, mask, start, end, streams)
+                   start: int = 0, end: int | None = None, streams: Any = None, **kwargs: Any) -> torch.Tensor:
+        out = super().run_layers(hidden, positions, cache, mask, start, end, streams, **kwargs)
         if start == 0 and end is not None and end < self.config.n_layers:  # the lower half: the exit reads it
             self._exit, self._positions = out, positions.expand(out.shape[:-1])
         return out

@@ -42,7 +42,7 @@ class Tree:
     forwards: int
     span: Span | None = None
     alternatives: list[list[list[int]]] | None = None  # [R][γ][κ+1] the draft's likeliest tokens (candidates=draft)
-    graphed: bool = False  # replayed as one CUDA graph (:mod:`.rollout_graph`)
+    graphed: bool = False  # replayed as one captured CUDA graph (:mod:`.rollout_graph`)
 
     def branch(self, accepted: int, correction: int) -> int | None:
         for r, root in enumerate(self.roots):
@@ -269,8 +269,8 @@ class LocalDraft:
         entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
         graphed = graphed_rollout(model, cache, sampler, spine_feed, [committed + j for j in at], root_ids, steps)
         if graphed is not None:
-            tree = self._tree(roots, graphed, [], [], [], entries, steps)
-            tree.graphed = True
+            tree = self._tree(roots, graphed[0], [], [], [], entries, steps)
+            tree.graphed = graphed[1]
             return tree
         root_pos = send([committed + j for j in at], device)
         # Every step's mask is a prefix of one: branch r sees the spine before its root (root (j, v) sees

@@ -38,7 +38,7 @@ class RolloutGraph(Captured):
     def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
                  steps: int, pool: tuple | None) -> None:
         super().__init__(model.device, pool)
-        self.model, self.cache, self.sampler = model, cache, sampler
+        self.model, self.sampler = model, sampler  # (not the cache, which holds this graph: no cycle)
         self.lead, self.n_roots, self.steps = lead, n_roots, steps
         device = model.device
         with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
@@ -51,17 +51,18 @@ class RolloutGraph(Captured):
             self.branches = torch.arange(n_roots, device=device)
             self.spine_rows = torch.arange(lead, device=device)
 
-    def __call__(self, past: int, spine: torch.Tensor, root_pos: torch.Tensor, root_ids: torch.Tensor
-                 ) -> torch.Tensor:
-        """The rollout's tokens ``[R, steps]``; the cache holds its entries after ``past + lead`` (the caller sets
-        the lengths). ``spine`` and ``root_ids`` are draft ids (:func:`~..engine.draft_tokens`)."""
+    def __call__(self, cache: KVCache, past: int, spine: torch.Tensor, root_pos: torch.Tensor,
+                 root_ids: torch.Tensor) -> torch.Tensor:
+        """The rollout's tokens ``[R, steps]``; ``cache`` (the one this graph was made over) holds its entries after
+        ``past + lead`` (the caller sets the lengths). ``spine`` and ``root_ids`` are draft ids
+        (:func:`~..engine.draft_tokens`)."""
         self.past.fill_(past)
         self.spine.copy_(spine.view(-1))
         self.root_pos.copy_(root_pos)
         self.root_ids.copy_(root_ids.view(-1))
-        return self.run(self.body)
+        return self.run(lambda: self.body(cache))
 
-    def body(self) -> torch.Tensor:
+    def body(self, cache: KVCache) -> torch.Tensor:
         model, sampler, lead, n_roots = self.model, self.sampler, self.lead, self.n_roots
         keys, root_pos, capacity = self.keys, self.root_pos, self.keys.numel()
         base = self.past + lead
@@ -79,7 +80,7 @@ class RolloutGraph(Captured):
                 index = torch.cat([keys.int().expand(lead, capacity), index])
                 count = torch.cat([(spine_at + 1).int(), count])
             static = StaticStep(positions.unsqueeze(0), slots, index.unsqueeze(0), count.unsqueeze(0))
-            hidden = model.run_layers(model.embed(ids), static.positions, self.cache, static=static)
+            hidden = model.run_layers(model.embed(ids), static.positions, cache, static=static)
             rows = hidden[0, lead:] if step == 0 else hidden[0]
             logits = model.logits(rows) if sampler.head is None else sampler.head(model.norm(rows))
             drawn.append(sampler.choose(logits, root_pos + step + 1))
@@ -88,13 +89,15 @@ class RolloutGraph(Captured):
 
 
 def graphed_rollout(model: Transformer, cache: KVCache, sampler: DraftSampler, spine: list[int] | torch.Tensor,
-                    root_pos: Sequence[int], root_ids: list[int] | torch.Tensor, steps: int) -> torch.Tensor | None:
-    """The rollout's tokens ``[R, steps]`` through its :class:`RolloutGraph`, where one applies: the fused CUDA
-    layers with graphs on, no continuous batching, a one-row cache, and nothing wanted but the tokens (no top
+                    root_pos: Sequence[int], root_ids: list[int] | torch.Tensor, steps: int
+                    ) -> tuple[torch.Tensor, bool] | None:
+    """The rollout's tokens ``[R, steps]`` through its :class:`RolloutGraph`, and whether they came from a replay
+    (not the warm-up, a failed capture or a CPU), where one applies: the fused CUDA layers with graphs on, no
+    continuous batching, a one-row cache with every layer at one length, and nothing wanted but the tokens (no top
     probabilities, distributions or runner-ups). None otherwise, and on a shape's first sight (a one-off costs no
     static buffers): the caller then runs the steps one by one."""
     if not enabled() or batcher() is not None or sampler.need_probs or sampler.runner_ups or cache.rows != 1 \
-            or not fused_applies(model, model.embed_tokens.weight):
+            or len(set(cache.lengths)) != 1 or not fused_applies(model, model.embed_tokens.weight):
         return None
     lead, n_roots = len(spine), len(root_pos)
     past = len(cache)
@@ -105,13 +108,15 @@ def graphed_rollout(model: Transformer, cache: KVCache, sampler: DraftSampler, s
     key = ("rollout", model, lead, n_roots, steps, sampler.params, sampler.noise, sampler.head)
     graph = graphs.get(key)
     if graph is None:
-        for old in [k for k in graphs if k[0] == "rollout" and k[5:] != key[5:]]:  # another request's sampler
+        # another request's sampler or draft (the bench's oracle drafts share their caches): one set at a time
+        for old in [k for k in graphs if k[0] == "rollout" and (k[1], *k[5:]) != (key[1], *key[5:])]:
             del graphs[old]
         graphs[key] = False  # seen once
         return None
     if graph is False:
         pool = next((g.pool for g in graphs.values() if g), None)
         graph = graphs[key] = RolloutGraph(model, cache, sampler, lead, n_roots, steps, pool)
-    tokens = graph(past, draft_tokens(model, spine), send(list(root_pos), model.device), draft_tokens(model, root_ids))
+    tokens = graph(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
+                   draft_tokens(model, root_ids))
     cache.lengths[:] = [needed] * cache.n_layers
-    return tokens
+    return tokens, graph.graph is not None
