@@ -104,32 +104,36 @@ def test_paper_roots_issued_inline_read_the_host_once_per_step():
 
 
 @pytest.mark.parametrize("options", [{"backend": "serial"}, {"backend": "cuda-streams", "draft_issue": "inline"}])
-def test_mirror_rollouts_replay_as_one_captured_graph(monkeypatch, options):
+def test_drafts_replay_as_one_captured_graph(monkeypatch, options):
     """Issue 62, item 1: a rollout's γ steps and their token choices are one CUDA graph
-    (:class:`~mirrorsd.decoding.mirror.rollout_graph.RolloutGraph`), captured without a host read inside (a read
-    would fail the capture, which then warns and stays eager), replayed from a shape's third sight, and still
-    lossless, greedy and seeded."""
-    from mirrorsd.decoding.mirror.rollout_graph import RolloutGraph
+    (:class:`~mirrorsd.decoding.draft_graph.DraftGraph`), captured without a host read inside (a read would fail the
+    capture, which then warns and stays eager), replayed from a shape's third sight, and still lossless, greedy and
+    seeded; so is ``sd``'s fixed window (one root: a chain)."""
+    from mirrorsd.decoding.draft_graph import DraftGraph
 
-    made, call = [], RolloutGraph.__call__
+    made, call = [], DraftGraph.__call__
 
     def spied(self, *args):
         made.append(self)
         return call(self, *args)
 
-    monkeypatch.setattr(RolloutGraph, "__call__", spied)
+    monkeypatch.setattr(DraftGraph, "__call__", spied)
     target, draft = _pair(torch.bfloat16)
     for params in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
-        made.clear()
         want = generate(target, PROMPT, method="ar", max_new_tokens=48, **params).token_ids
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = generate(target, PROMPT, method="mirror", draft=draft, roots="paper", confidence=0.0, kappa=4,
-                           max_new_tokens=48, **options, **params)
-        _assert_lossless(target, got.token_ids, want)
-        assert not [w for w in caught if "capture failed" in str(w.message)], [str(w.message) for w in caught]
-        assert made and not any(g.failed for g in made) and any(g.graph is not None for g in made), params
-        assert got.stats.extra["mirror"].to_dict()["rollouts_as_one_graph"] >= 0.5, params
+        for method, kwargs in [("mirror", dict(roots="paper", confidence=0.0, kappa=4, **options)),
+                               ("sd", dict(confidence=0.0, suffix_match=0))]:
+            made.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = generate(target, PROMPT, method=method, draft=draft, max_new_tokens=48, **kwargs, **params)
+            _assert_lossless(target, got.token_ids, want)
+            assert not [w for w in caught if "capture failed" in str(w.message)], [str(w.message) for w in caught]
+            replayed = [g for g in made if g.graph is not None]
+            assert replayed and not any(g.failed for g in made), (method, params)
+            if method == "mirror":
+                assert any(g.n_roots > 1 for g in replayed), params  # the tree rollouts, not only the fresh chains
+                assert got.stats.extra["mirror"].to_dict()["rollouts_as_one_graph"] >= 0.5, params
 
 
 #: (roots, κ, ℓe, γ, backend options, temperature): every root mode, κ, ℓe and γ, each backend on this device, greedy

@@ -17,6 +17,7 @@ import torch
 from ..model import Transformer
 from ..sampling import SamplingParams
 from ..verify import Verdict
+from .draft_graph import graphed_draft
 from .drafting import DraftSampler, prompt_window, window_end
 from .engine import DrawnChain, Proposal, RequestState, Scores, draft_tokens
 from .ss.adapters import StreamAdapters
@@ -96,12 +97,18 @@ class ModelProposer:
         runner-ups): each drawn token feeds the next forward where it was drawn, and the window stays there until the
         verdict reads it with the target's own tokens (:class:`DrawnChain`). On a GPU the draft's forwards then queue
         back to back, and the target's forward behind them, with one host read per step."""
-        model, position = self.model, len(state.tokens)
+        model, position, cache = self.model, len(state.tokens), state.draft_cache
         feed = self.first_feed(state) if window else []
+        if feed:  # the whole window as one graph, where one applies: the last fed token is its one root
+            graphed = graphed_draft(model, cache, self.sampler, feed[:-1], [len(cache) + len(feed) - 1], feed[-1:],
+                                    window, self.skipped)
+            if graphed is not None:
+                self.last = DrawnChain(graphed[0][0], forwards=window, fed=len(feed))
+                return self.last
         ids = draft_tokens(model, feed)
         drawn: list[torch.Tensor] = []
         for i in range(window):
-            logits = model(ids, cache=state.draft_cache, last=1, head=self.sampler.head)[0]
+            logits = model(ids, cache=cache, last=1, head=self.sampler.head)[0]
             drawn.append(self.sampler.choose(logits, [position + i]))
             ids = drawn[-1].view(1, 1)
         self.last = DrawnChain(torch.cat(drawn), forwards=window, fed=len(feed)) if drawn else Proposal()

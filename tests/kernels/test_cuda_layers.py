@@ -102,19 +102,19 @@ ROLLOUT = FORCE_CUDA_PATH + """
 from mirrorsd import Transformer, generate
 from mirrorsd.cuda_graphs import cuda_graphs
 from mirrorsd.decoding.mirror.draft import LocalDraft
-from mirrorsd.decoding.mirror.rollout_graph import RolloutGraph
+from mirrorsd.decoding.draft_graph import DraftGraph
 from tests.helpers import tiny_hf
 
 force(True)
 target = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=1, std=0.3), linear="dense")
 draft = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=1, seed=2, std=0.3), linear="dense")
-bodies, body = [], RolloutGraph.body
+bodies, body = [], DraftGraph.body
 
 def counted(self, *args):
     bodies.append(self)
     return body(self, *args)
 
-RolloutGraph.body = counted
+DraftGraph.body = counted
 trees = []
 rollout = LocalDraft.rollout
 
@@ -141,6 +141,16 @@ for temperature in (0.0, 0.8):
     assert eager[-1][2] == 0 and graphed[0][2] == 0  # (a shape's first sight: step by step)
     assert graphed[-1][2] >= len(graphed) / 2, graphed  # the graph's body drew at least half the rollouts
     assert [t[:2] for t in graphed] == [t[:2] for t in eager], temperature  # the same roots, the same tokens
+    bodies.clear()
+    # sd's fixed window: a chain, the last fed token its one root
+    sd = {}
+    for graphs in (False, True):
+        with cuda_graphs(graphs):
+            sd[graphs] = generate(target, prompt, method="sd", draft=draft, confidence=0.0, gamma=3, suffix_match=0,
+                                  **kw)
+        assert sd[graphs].token_ids == want, (temperature, graphs)
+    assert sd[False].stats.accepted == sd[True].stats.accepted, temperature  # the same windows
+    assert len(bodies) >= len(sd[True].stats.accepted) / 2 and all(g.n_roots == 1 for g in bodies), len(bodies)
     bodies.clear()
 print("ok")
 """
@@ -233,8 +243,9 @@ def test_a_fused_layer_is_at_most_ten_launches():
     _interpret(LAUNCHES)
 
 
-def test_a_mirror_rollout_as_one_graph_draws_the_tokens_of_its_steps_one_by_one():
-    """Mirror-SD's tree rollout through :class:`~mirrorsd.decoding.mirror.rollout_graph.RolloutGraph` (its gather
-    lists computed on the device, every step's choice inside; eager here, captured on CUDA) draws every branch's
-    tokens exactly as the steps issued one by one do, greedy and sampled, from a shape's second sight on."""
+def test_a_draft_as_one_graph_draws_the_tokens_of_its_steps_one_by_one():
+    """Mirror-SD's tree rollout and ``sd``'s fixed window through :class:`~mirrorsd.decoding.draft_graph.DraftGraph`
+    (the gather lists computed on the device, every step's choice inside; eager here, captured on CUDA) draw every
+    branch's tokens, and the same windows, exactly as the steps issued one by one do, greedy and sampled, from a
+    shape's second sight on."""
     _interpret(ROLLOUT)

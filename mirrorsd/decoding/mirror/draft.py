@@ -19,13 +19,13 @@ from ...runtime import Span
 from ...sampling import SamplingParams, choose, rows_apart
 from ...transfer import read_all, send
 from ...verify import Verdict, verify_tree
+from ..draft_graph import graphed_draft
 from ..drafting import draft_vocab_size, window_end
 from ..engine import DrawnChain, Proposal, RequestState, Scores, VerdictRider, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters, stream_mask
 from ..ss.passes import StreamGuesses, ancestors, reads_every_row, stream_tops
 from .options import MirrorOptions, batch_caps
-from .rollout_graph import graphed_rollout
 from .roots import DeviceRoots
 from .stats import MirrorRun
 
@@ -42,7 +42,7 @@ class Tree:
     forwards: int
     span: Span | None = None
     alternatives: list[list[list[int]]] | None = None  # [R][γ][κ+1] the draft's likeliest tokens (candidates=draft)
-    graphed: bool = False  # replayed as one captured CUDA graph (:mod:`.rollout_graph`)
+    graphed: bool = False  # replayed as one captured CUDA graph (:mod:`~..draft_graph`)
 
     def branch(self, accepted: int, correction: int) -> int | None:
         for r, root in enumerate(self.roots):
@@ -267,7 +267,7 @@ class LocalDraft:
         at = roots.at if isinstance(roots, DeviceRoots) else [j for j, _ in roots]
         root_ids = roots.ids.to(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]
         entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
-        graphed = graphed_rollout(model, cache, sampler, spine_feed, [committed + j for j in at], root_ids, steps)
+        graphed = graphed_draft(model, cache, sampler, spine_feed, [committed + j for j in at], root_ids, steps)
         if graphed is not None:
             tree = self._tree(roots, graphed[0], [], [], [], entries, steps)
             tree.graphed = graphed[1]

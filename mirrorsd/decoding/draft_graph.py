@@ -1,0 +1,130 @@
+"""γ draft steps after each of R roots, every step's token choice included, as one CUDA graph (issues 61 item 2 and
+62 item 1): a chain (one root: ``sd``'s window, Mirror-SD's fresh rollouts) or Mirror-SD's tree rollout (one root per
+candidate, each continued γ tokens).
+
+Why: step by step, a draft on the GPU is γ layer-graph replays with a few to ~20 eager launches around each (the
+embedding, a tree's gather lists, the head, the choice), all issued by the host; a 0.5B draft's forward then costs
+what the host spends, not what its weights take, and Mirror-SD's rollouts run at the host's pace beside the target's
+upper layers. As one graph the host issues a few copies and a replay, and the draft's steps run back to back.
+
+The steps are those of :meth:`~.proposers.ModelProposer._chain` and :meth:`~.mirror.draft.LocalDraft._rollout`, bit
+for bit: the same layers (the fused CUDA path, the only one where graphs apply) on the same rows, with each query's
+visible keys in the order :func:`~mirrorsd.kernels.cuda_attention.visible_keys` lists them from a mask, here computed
+on the device from the roots' positions: root ``r`` sees the cache before it, then its own inputs, which step ``s``
+writes at ``base + s·R + r`` (one root: a causal chain). The model's own
+:meth:`~mirrorsd.model.Transformer.run_layers` and :meth:`~mirrorsd.model.Transformer.logits` run inside, so a model
+that overrides them (the GPU bench's oracle draft) is captured as it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..cuda_graphs import Captured, StaticStep, enabled
+from ..execution import batcher, fused_applies
+from ..kv_cache import KVCache
+from ..linear import FIXED_ROWS
+from ..model import Transformer
+from ..transfer import send
+from .drafting import DraftSampler
+from .engine import draft_tokens
+
+
+class DraftGraph(Captured):
+    """One draft shape (spine tokens fed before the roots, roots, steps) over one draft cache's buffers, for one
+    sampler's choice (its parameters and seed are baked in). Its inputs are static device tensors: the cache length
+    before the steps, the spine's missing tokens, the roots' positions and ids, and how far the noise's positions
+    run ahead of the cache's (a draft that skipped prompt tokens)."""
+
+    def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
+                 steps: int, pool: tuple | None) -> None:
+        super().__init__(model.device, pool)
+        self.model, self.sampler = model, sampler  # (not the cache, which holds this graph: no cycle)
+        self.lead, self.n_roots, self.steps = lead, n_roots, steps
+        device = model.device
+        with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
+            self.past = torch.zeros((), dtype=torch.long, device=device)
+            self.shift = torch.zeros((), dtype=torch.long, device=device)
+            self.spine = torch.zeros(lead, dtype=torch.long, device=device)
+            self.root_pos = torch.zeros(n_roots, dtype=torch.long, device=device)
+            self.root_ids = torch.zeros(n_roots, dtype=torch.long, device=device)
+            # the keys every layer's buffer holds (the layers grow one by one)
+            self.keys = torch.arange(min(k.shape[2] for k in cache.keys), device=device)
+            self.branches = torch.arange(n_roots, device=device)
+            self.spine_rows = torch.arange(lead, device=device)
+
+    def __call__(self, cache: KVCache, past: int, spine: torch.Tensor, root_pos: torch.Tensor,
+                 root_ids: torch.Tensor, shift: int) -> torch.Tensor:
+        """The drafted tokens ``[R, steps]``; ``cache`` (the one this graph was made over) holds the steps' inputs
+        after ``past + lead`` (the caller sets the lengths). ``spine`` and ``root_ids`` are draft ids
+        (:func:`~.engine.draft_tokens`)."""
+        self.past.fill_(past)
+        self.shift.fill_(shift)
+        self.spine.copy_(spine.view(-1))
+        self.root_pos.copy_(root_pos)
+        self.root_ids.copy_(root_ids.view(-1))
+        return self.run(lambda: self.body(cache))
+
+    def body(self, cache: KVCache) -> torch.Tensor:
+        model, sampler, lead, n_roots = self.model, self.sampler, self.lead, self.n_roots
+        keys, root_pos, capacity = self.keys, self.root_pos, self.keys.numel()
+        base = self.past + lead
+        # root r's gather list: the cache before it, then its own inputs (past its count: any valid slot)
+        own = base + (keys - root_pos.unsqueeze(1)) * n_roots + self.branches.unsqueeze(1)
+        branch_keys = torch.where(keys < root_pos.unsqueeze(1), keys, own).clamp_(0, capacity - 1).int()
+        ids = torch.cat([self.spine, self.root_ids]).unsqueeze(0)
+        drawn: list[torch.Tensor] = []
+        for step in range(self.steps):
+            positions, slots = root_pos + step, base + step * n_roots + self.branches
+            index, count = branch_keys, (root_pos + step + 1).int()
+            if step == 0 and lead:  # the spine's missing tokens first, causally
+                spine_at = self.past + self.spine_rows
+                positions, slots = torch.cat([spine_at, positions]), torch.cat([spine_at, slots])
+                index = torch.cat([keys.int().expand(lead, capacity), index])
+                count = torch.cat([(spine_at + 1).int(), count])
+            static = StaticStep(positions.unsqueeze(0), slots, index.unsqueeze(0), count.unsqueeze(0))
+            hidden = model.run_layers(model.embed(ids), static.positions, cache, static=static)
+            rows = hidden[0, lead:] if step == 0 else hidden[0]
+            logits = model.logits(rows) if sampler.head is None else sampler.head(model.norm(rows))
+            drawn.append(sampler.choose(logits, root_pos + step + 1 + self.shift))
+            ids = draft_tokens(model, drawn[-1])
+        return torch.stack(drawn, 1)
+
+
+def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spine: list[int] | torch.Tensor,
+                  root_pos: Sequence[int], root_ids: list[int] | torch.Tensor, steps: int, shift: int = 0
+                  ) -> tuple[torch.Tensor, bool] | None:
+    """The drafted tokens ``[R, steps]`` through their :class:`DraftGraph`, and whether they came from a replay (not
+    the warm-up, a failed capture or a CPU). ``spine``: the tokens the cache lacks before the roots; root ``r`` sits at
+    cache position ``root_pos[r]``, and the noise keys each drawn token by its text position (its cache position
+    plus ``shift``). Where one applies: the fused CUDA layers with graphs on, no continuous batching, a one-row cache
+    with every layer at one length, at most one fixed-row slab a step, and nothing wanted but the tokens (no top
+    probabilities, distributions or runner-ups). None otherwise, and on a shape's first sight (a one-off, such as a
+    prompt, costs no static buffers): the caller then runs the steps one by one."""
+    lead, n_roots = len(spine), len(root_pos)
+    if not enabled() or batcher() is not None or sampler.need_probs or sampler.runner_ups or cache.rows != 1 \
+            or lead + n_roots > FIXED_ROWS or len(set(cache.lengths)) != 1 \
+            or not fused_applies(model, model.embed_tokens.weight):
+        return None
+    past = len(cache)
+    needed = past + lead + steps * n_roots
+    for layer in range(cache.n_layers):  # the buffers the graph writes into: grown first (a growth drops graphs)
+        cache.buffers(layer, needed)
+    graphs = cache.graphs()
+    key = ("draft", model, lead, n_roots, steps, sampler.params, sampler.noise, sampler.head)
+    graph = graphs.get(key)
+    if graph is None:
+        # another request's sampler or draft (the bench's oracle drafts share their caches): one set at a time
+        for old in [k for k in graphs if k[0] == "draft" and (k[1], *k[5:]) != (key[1], *key[5:])]:
+            del graphs[old]
+        graphs[key] = False  # seen once
+        return None
+    if graph is False:
+        pool = next((g.pool for g in graphs.values() if g), None)
+        graph = graphs[key] = DraftGraph(model, cache, sampler, lead, n_roots, steps, pool)
+    tokens = graph(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
+                   draft_tokens(model, root_ids), shift)
+    cache.lengths[:] = [needed] * cache.n_layers
+    return tokens, graph.graph is not None
