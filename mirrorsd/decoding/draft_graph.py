@@ -87,7 +87,7 @@ class DraftGraph(Captured):
             static = StaticStep(positions.unsqueeze(0), slots, index.unsqueeze(0), count.unsqueeze(0))
             hidden = model.run_layers(model.embed(ids), static.positions, cache, static=static)
             rows = hidden[0, lead:] if step == 0 else hidden[0]
-            logits = model.logits(rows) if sampler.head is None else sampler.head(model.norm(rows))
+            logits = model.logits(rows, sampler.head)
             drawn.append(sampler.choose(logits, root_pos + step + 1 + self.shift))
             ids = draft_tokens(model, drawn[-1])
         return torch.stack(drawn, 1)

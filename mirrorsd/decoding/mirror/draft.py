@@ -294,7 +294,7 @@ class LocalDraft:
             positions = torch.cat([torch.arange(past, past + lead, device=device), root_pos + step]).unsqueeze(0)
             hidden = model.run_layers(model.embed(ids), positions, cache, mask)
             rows = hidden[0, lead:]
-            logits = model.logits(rows) if sampler.head is None else sampler.head(model.norm(rows))
+            logits = model.logits(rows, sampler.head)
             q, top = sampler.judged(logits)
             if top is not None and self.confidence > 0:
                 tops.append(top)
