@@ -111,6 +111,13 @@ class DraftSampler:
         self.pad = target_vocab - draft.config.vocab_size
         self.runner_ups = 0
 
+    @property
+    def choice(self) -> tuple:
+        """What :meth:`choose` draws by besides the logits and positions: the head, and for sampling the parameters
+        and the noise key. Greedy is an argmax whatever the seed, and every request draws a seed, so greedy
+        requests share a draft graph (:mod:`.draft_graph`) where sampled ones each need their own."""
+        return (self.head,) if self.params.greedy else (self.head, self.params, self.noise)
+
     def judge(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, list[float] | None]:
         """Per row: the draft's distribution over the target's vocabulary (rejection sampling) and its top
         probability (the confidence rule), each None where nothing reads it."""

@@ -96,10 +96,11 @@ class ModelProposer:
         """:meth:`propose` where no step reads its logits on the host (no confidence rule, no distributions, no
         runner-ups): each drawn token feeds the next forward where it was drawn, and the window stays there until the
         verdict reads it with the target's own tokens (:class:`DrawnChain`). On a GPU the draft's forwards then queue
-        back to back, and the target's forward behind them, with one host read per step."""
+        back to back, and the target's forward behind them, with one host read per step; where a graph applies, the
+        whole window is one replay (:func:`.draft_graph.graphed_draft`, with the last fed token as its one root)."""
         model, position, cache = self.model, len(state.tokens), state.draft_cache
         feed = self.first_feed(state) if window else []
-        if feed:  # the whole window as one graph, where one applies: the last fed token is its one root
+        if feed:
             graphed = graphed_draft(model, cache, self.sampler, feed[:-1], [len(cache) + len(feed) - 1], feed[-1:],
                                     window, self.skipped)
             if graphed is not None:

@@ -289,3 +289,21 @@ def test_a_fixed_sd_window_reads_the_host_once_per_step(tiny_pair, monkeypatch, 
     else:  # the window's tokens (when there is one), then the target's rows one by one to the first disagreement
         tolists = [r.count("tolist") for r in per_step]
         assert tolists == [(d > 0) + a + 1 for d, a in zip(sd.stats.drafted, sd.stats.accepted, strict=True)]
+
+
+def test_greedy_drafts_share_their_graphs_and_sampled_ones_do_not(tiny_pair):
+    """A draft graph is keyed by what a step's choice draws by (``DraftSampler.choice``). Greedy is an argmax whatever
+    the seed, and every request draws one, so greedy requests must key alike (else each would capture its own graphs
+    and evict the last's); a sampled request's seed and parameters are baked into its graph, so they key apart."""
+    from mirrorsd.decoding.drafting import DraftSampler
+
+    _, draft = tiny_pair
+    vocab = draft.config.vocab_size
+
+    def choice(**params):
+        return DraftSampler(draft, vocab, SamplingParams(**params)).choice
+
+    assert choice(seed=1) == choice(seed=2)
+    assert choice(temperature=0.8, seed=1) != choice(temperature=0.8, seed=2)
+    assert choice(temperature=0.8, seed=1) != choice(temperature=0.9, seed=1)
+    assert choice(temperature=0.8, seed=1) == choice(temperature=0.8, seed=1)

@@ -98,11 +98,12 @@ for method, kwargs in [("sd", {"draft": draft}), ("suffix", {}), ("ss", {"stream
 print("ok")
 """
 
-ROLLOUT = FORCE_CUDA_PATH + """
+DRAFT_GRAPH = FORCE_CUDA_PATH + """
 from mirrorsd import Transformer, generate
 from mirrorsd.cuda_graphs import cuda_graphs
 from mirrorsd.decoding.mirror.draft import LocalDraft
 from mirrorsd.decoding.draft_graph import DraftGraph
+from mirrorsd.decoding.proposers import ModelProposer
 from tests.helpers import tiny_hf
 
 force(True)
@@ -124,6 +125,14 @@ def recorded(self, *args):
     return tree
 
 LocalDraft.rollout = recorded
+windows, chain = [], ModelProposer._chain
+
+def drafted(self, *args):
+    proposal = chain(self, *args)
+    windows.append(proposal.ids.clone() if proposal.length else None)  # (read later: the step reads it once)
+    return proposal
+
+ModelProposer._chain = drafted
 prompt = list(range(3, 20))
 for temperature in (0.0, 0.8):
     kw = dict(max_new_tokens=10, temperature=temperature, seed=3)
@@ -142,16 +151,20 @@ for temperature in (0.0, 0.8):
     assert graphed[-1][2] >= len(graphed) / 2, graphed  # the graph's body drew at least half the rollouts
     assert [t[:2] for t in graphed] == [t[:2] for t in eager], temperature  # the same roots, the same tokens
     bodies.clear()
-    # sd's fixed window: a chain, the last fed token its one root
-    sd = {}
-    for graphs in (False, True):
-        with cuda_graphs(graphs):
-            sd[graphs] = generate(target, prompt, method="sd", draft=draft, confidence=0.0, gamma=3, suffix_match=0,
-                                  **kw)
-        assert sd[graphs].token_ids == want, (temperature, graphs)
-    assert sd[False].stats.accepted == sd[True].stats.accepted, temperature  # the same windows
-    assert len(bodies) >= len(sd[True].stats.accepted) / 2 and all(g.n_roots == 1 for g in bodies), len(bodies)
-    bodies.clear()
+    # sd's fixed window: a chain, the last fed token its one root; with a short draft context the draft skips
+    # prompt tokens, and the noise's positions run that far ahead of its cache's (the graph's shift)
+    for context in (128, 8):
+        sd, drawn = {}, {}
+        for graphs in (False, True):
+            windows.clear()
+            with cuda_graphs(graphs):
+                sd[graphs] = generate(target, prompt, method="sd", draft=draft, confidence=0.0, gamma=3,
+                                      suffix_match=0, draft_context=context, **kw)
+            assert sd[graphs].token_ids == want, (temperature, context, graphs)
+            drawn[graphs] = [w if w is None else w.tolist() for w in windows]
+        assert drawn[False] == drawn[True], (temperature, context, drawn)  # the same windows
+        assert len(bodies) >= len(sd[True].stats.accepted) / 2 and all(g.n_roots == 1 for g in bodies), len(bodies)
+        bodies.clear()
 print("ok")
 """
 
@@ -248,4 +261,4 @@ def test_a_draft_as_one_graph_draws_the_tokens_of_its_steps_one_by_one():
     (the gather lists computed on the device, every step's choice inside; eager here, captured on CUDA) draw every
     branch's tokens, and the same windows, exactly as the steps issued one by one do, greedy and sampled, from a
     shape's second sight on."""
-    _interpret(ROLLOUT)
+    _interpret(DRAFT_GRAPH)
