@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 import warnings
 
@@ -28,6 +29,8 @@ from mirrorsd.decoding.mirror import (
 from mirrorsd.runtime import write_chrome_trace
 from mirrorsd.runtime.trace import overlap
 from tests.helpers import HostReads, assert_same_or_near_tie, requires_smollm2, row_exact, tiny_hf
+
+_perf_counter = time.perf_counter  # (the host's clock, before a test replaces it)
 
 
 @pytest.fixture(scope="module")
@@ -491,13 +494,22 @@ def test_draft_issue_is_an_option_of_the_cuda_streams_backend(tiny_pair):
 
 class _HalfSpeedEvent:
     """A stand-in for ``torch.cuda.Event`` on the CPU: a device clock that runs at half the host's speed, so a span
-    on it lasts half its host time."""
+    on it lasts half its host time. An event takes the time its thread last read from the host's clock (the span's
+    own start or end, read just before the tracer records the event), so another thread that runs in between
+    (the threads backend's other lane, on a loaded machine) does not shift it."""
+
+    last = threading.local()
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.t = 0.0
 
+    @classmethod
+    def host_clock(cls) -> float:
+        cls.last.t = _perf_counter()
+        return cls.last.t
+
     def record(self, stream: object = None) -> None:
-        self.t = 0.5 * time.perf_counter()
+        self.t = 0.5 * self.last.t
 
     def query(self) -> bool:
         return True
@@ -518,6 +530,7 @@ def test_eq10_terms_come_from_device_events_where_the_tracer_records_them(tiny_p
     from mirrorsd.runtime import Tracer
 
     monkeypatch.setattr(torch.cuda, "Event", _HalfSpeedEvent)
+    monkeypatch.setattr(time, "perf_counter", _HalfSpeedEvent.host_clock)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(mirror_stats, "Tracer", lambda device=None: Tracer(torch.device("cuda")))
     target, draft = tiny_pair
