@@ -34,9 +34,10 @@ from .engine import draft_tokens
 
 class DraftGraph(Captured):
     """One draft shape (spine tokens fed before the roots, roots, steps) over one draft cache's buffers, for one
-    sampler's choice (its parameters and seed are baked in). Its inputs are static device tensors: the cache length
-    before the steps, the spine's missing tokens, the roots' positions and ids, and how far the noise's positions
-    run ahead of the cache's (a draft that skipped prompt tokens)."""
+    sampler's choice (:attr:`~.drafting.DraftSampler.choice`: a sampled one's parameters and seed are baked in). Its
+    inputs are static device tensors: the cache length before the steps, the spine's missing tokens, the roots'
+    positions and ids, and how far the noise's positions run ahead of the cache's (a draft that skipped prompt
+    tokens)."""
 
     def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
                  steps: int, pool: tuple | None) -> None:
@@ -113,11 +114,12 @@ def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spi
     for layer in range(cache.n_layers):  # the buffers the graph writes into: grown first (a growth drops graphs)
         cache.buffers(layer, needed)
     graphs = cache.graphs()
-    key = ("draft", model, lead, n_roots, steps, sampler.params, sampler.noise, sampler.head)
+    # keyed by what the choice draws by (DraftSampler.choice): greedy requests share their graphs whatever their seed
+    key = ("draft", model, lead, n_roots, steps, sampler.choice)
     graph = graphs.get(key)
     if graph is None:
-        # another request's sampler or draft (the bench's oracle drafts share their caches): one set at a time
-        for old in [k for k in graphs if k[0] == "draft" and (k[1], *k[5:]) != (key[1], *key[5:])]:
+        # another request's sampled choice or draft (the bench's oracle drafts share their caches): one set at a time
+        for old in [k for k in graphs if k[0] == "draft" and (k[1], k[5]) != (key[1], key[5])]:
             del graphs[old]
         graphs[key] = False  # seen once
         return None

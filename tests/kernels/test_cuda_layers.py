@@ -165,6 +165,23 @@ for temperature in (0.0, 0.8):
         assert drawn[False] == drawn[True], (temperature, context, drawn)  # the same windows
         assert len(bodies) >= len(sd[True].stats.accepted) / 2 and all(g.n_roots == 1 for g in bodies), len(bodies)
         bodies.clear()
+
+# requests key their draft graphs by their choice: greedy ones share them whatever their seed, a sampled one makes
+# its own (and, one set at a time, drops the others)
+from mirrorsd.decoding.draft_graph import graphed_draft
+from mirrorsd.decoding.drafting import DraftSampler
+from mirrorsd.sampling import SamplingParams
+
+cache = draft.new_cache(capacity=32)
+
+def drafts(**params):
+    with torch.no_grad():
+        out = graphed_draft(draft, cache, DraftSampler(draft, 64, SamplingParams(**params)), [3, 4, 5], [3], [6], 2)
+    cache.truncate(0)
+    return out is not None
+
+assert [drafts(seed=1), drafts(seed=1), drafts(seed=2)] == [False, True, True]  # (first sight: step by step)
+assert [drafts(temperature=0.8, seed=1), drafts(temperature=0.8, seed=2), drafts(seed=3)] == [False, False, False]
 print("ok")
 """
 
