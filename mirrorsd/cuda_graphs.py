@@ -41,6 +41,8 @@ class StaticStep:
 
 _CAPTURING = threading.Lock()
 
+Output = torch.Tensor | tuple[torch.Tensor, ...]  # what a captured body returns
+
 
 def enabled() -> bool:
     return _ENABLED.get()
@@ -61,7 +63,7 @@ class Captured:
     """A body of work on static device tensors, replayed as one CUDA graph: run as it is on its first call (the
     warm-up a capture needs) and wherever it is not on CUDA (Triton's interpreter runs the tests there), captured on
     the second and replayed after. A capture that raises leaves the body eager. The body's output is copied out
-    at every replay, since the next replay overwrites it."""
+    at every replay, since the next replay overwrites it (a tuple's tensors each)."""
 
     def __init__(self, device: torch.device, pool: tuple | None) -> None:
         self.device = device
@@ -69,18 +71,19 @@ class Captured:
         self.uses = 0
         self.failed = False  # a capture that raised: the body stays eager
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
+        self.out: Output | None = None
 
-    def run(self, body: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def run(self, body: Callable[[], Output]) -> Output:
         self.uses += 1
         if self.graph is None and not self.failed and self.uses > 1 and self.device.type == "cuda":
             self._capture(body)
         if self.graph is None:
             return body()
         self.graph.replay()
-        return self.out.clone()
+        out = self.out
+        return out.clone() if isinstance(out, torch.Tensor) else tuple(t.clone() for t in out)
 
-    def _capture(self, body: Callable[[], torch.Tensor]) -> None:
+    def _capture(self, body: Callable[[], Output]) -> None:
         device = self.device
         try:
             graph = torch.cuda.CUDAGraph()
@@ -117,15 +120,19 @@ class LayerGraph(Captured):
                 # a causal window's queries share one gather list, as the eager path's zero-stride one
                 index=keys.view(1, 1, -1) if mask_rows is None else keys.repeat(mask_rows, t, 1),
                 count=torch.ones(1 if mask_rows is None else mask_rows, t, dtype=torch.int32, device=device))
+            # a whole forward that chooses its tokens inside: the noise's stream key (sampling.keyed_uniforms)
+            self.stream_key = torch.zeros((), dtype=torch.long, device=device)
 
     def __call__(self, inputs: torch.Tensor, positions: torch.Tensor, length: int,
                  visible: tuple[torch.Tensor, torch.Tensor] | None,
-                 layers: Callable[[StaticStep], torch.Tensor]) -> torch.Tensor:
+                 layers: Callable[[StaticStep], Output], stream_key: int | None = None) -> Output:
         """The layers' output for ``inputs`` at ``positions``, written to the cache slots after ``length``;
         ``visible``: a masked window's (index, count), else the window is causal. ``layers`` runs the layers on
-        :attr:`inputs` and the static inputs it is given."""
+        :attr:`inputs` and the static inputs it is given; ``stream_key`` goes to :attr:`stream_key`."""
         static = self.static
         self.inputs.copy_(inputs)
+        if stream_key is not None:
+            self.stream_key.fill_(stream_key)
         static.positions.copy_(positions)
         torch.add(self.offsets, length, out=static.slots)
         if visible is None:

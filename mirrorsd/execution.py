@@ -24,6 +24,7 @@ from . import cuda_graphs, kernels
 from .kernels import cuda_attention
 from .kv_cache import KVCache
 from .linear import FIXED_ROWS, PACKED_BUFFERS, DenseLinear, PackedLinear, QuantLinear, fixed_shapes
+from .sampling import SamplingParams, choose, graph_choice, stream_key
 
 if TYPE_CHECKING:
     from torch import nn
@@ -433,11 +434,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
 
 
 def _layer_graph(model: Transformer, inputs: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None,
-                 start: int, end: int, last: int | None
+                 start: int, end: int, last: int | None, choice: tuple | None = None
                  ) -> tuple[cuda_graphs.LayerGraph, int, tuple[torch.Tensor, torch.Tensor] | None] | None:
     """The :class:`~mirrorsd.cuda_graphs.LayerGraph` for this window shape over blocks ``[start, end)`` (``last``:
-    a whole forward's, keeping that many rows' logits), its cache length and a masked window's visible keys;
-    None where graphs do not apply, and on a shape's first sight."""
+    a whole forward's, keeping that many rows' logits; ``choice``: what its token choice bakes in,
+    :func:`~mirrorsd.sampling.graph_choice`), its cache length and a masked window's visible keys; None where graphs
+    do not apply, and on a shape's first sight."""
     rows, t = inputs.shape[:2]
     if cache is None or rows * t > FIXED_ROWS or not cuda_graphs.enabled() or not fused_applies(model, inputs) \
             or cache.rows != rows:
@@ -449,14 +451,14 @@ def _layer_graph(model: Transformer, inputs: torch.Tensor, cache: KVCache | None
             mask.dtype == torch.bool and mask.shape[-2:] == (t, length + t) and mask.shape[0] in (1, rows))):
         return None
     captured = cache.graphs()
-    key = (model, start, end, t, None if mask is None else mask.shape[0], last)  # (weights are baked into a graph)
+    key = (model, start, end, t, None if mask is None else mask.shape[0], last, choice)  # (weights are baked in)
     graph = captured.get(key)
     if graph is None:
         captured[key] = False  # seen once
         return None
     if graph is False:
         pool = next((g.pool for g in captured.values() if g), None)
-        graph = captured[key] = cuda_graphs.LayerGraph(inputs, capacity, key[-2], pool)
+        graph = captured[key] = cuda_graphs.LayerGraph(inputs, capacity, key[4], pool)
     visible = None if mask is None else cuda_attention.visible_keys(mask, t, length + t, inputs.device)
     return graph, length, visible
 
@@ -482,22 +484,32 @@ def replay(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, ca
 
 
 def replay_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                   mask: torch.Tensor | None, last: int) -> torch.Tensor | None:
+                   mask: torch.Tensor | None, last: int, choice: tuple[SamplingParams, int] | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """A whole forward's logits (embedding, every block, final norm and LM head on the last ``last`` rows) as one
     graph, where :func:`replay` would replay its layers and no :func:`batcher` takes the forward: the embedding's
-    and the head's kernels then run without the host issuing them one by one. None otherwise."""
+    and the head's kernels then run without the host issuing them one by one. ``choice`` (sampling parameters and
+    a noise key): the graph also chooses each kept row's token (:func:`~mirrorsd.sampling.choose`, keyed by the
+    position after the row's) and returns ``(logits, tokens)``; the seed is an input, so every request with the same
+    parameters replays it. None otherwise."""
     if batcher() is not None:
         return None
     end = model.config.n_layers
-    found = _layer_graph(model, tokens, cache, mask, 0, end, last)
+    found = _layer_graph(model, tokens, cache, mask, 0, end, last, None if choice is None else graph_choice(*choice))
     if found is None:
         return None
     graph, length, visible = found
 
-    def forward(static: cuda_graphs.StaticStep) -> torch.Tensor:
+    def forward(static: cuda_graphs.StaticStep) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden = fused_layers(model, model.embed(graph.inputs), static.positions, cache, None, 0, end, static=static)
-        return model.logits(hidden[:, -last:])
+        logits = model.logits(hidden[:, -last:])
+        if choice is None:
+            return logits
+        at = static.positions[:, -last:] + 1
+        own = choose(logits.reshape(-1, logits.shape[-1]), at.reshape(-1), *choice, key=graph.stream_key)
+        return logits, own.view(at.shape)
 
-    out = graph(tokens, positions.expand(tokens.shape), length, visible, forward)
+    key = None if choice is None or choice[0].greedy else stream_key(choice[0].seed, choice[1])
+    out = graph(tokens, positions.expand(tokens.shape), length, visible, forward, key)
     cache.lengths[:end] = [length + tokens.shape[1]] * end
     return out

@@ -55,6 +55,7 @@ from .linear import (
     on_huge_pages,
 )
 from .quant import GroupQuant
+from .sampling import Noise, SamplingParams, choose
 
 #: Activation precision of quantized layers (``--activations``): ``int8`` per 32 features, or ``int8x2``, a second
 #: int8 plane for each activation's remainder (~15 bits; what small models need on chat prompts, quality.py).
@@ -655,6 +656,23 @@ class Transformer(nn.Module):
         hidden = self._run_window(tokens, positions, cache, mask, keep)
         hidden = hidden if last is None else hidden[:, -last:]
         return self.logits(hidden, head)
+
+    def forward_and_choose(self, tokens: torch.Tensor, params: SamplingParams, cache: KVCache | None = None,
+                           noise: int = Noise.TARGET) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`'s logits for a window continuing ``cache``, and the token each row chooses
+        (:func:`~mirrorsd.sampling.choose`, keyed by the position after the row's): ``[rows, T, vocab]`` and
+        ``[rows, T]``, left on the device. Where the whole forward replays as one graph the choice is inside it, so
+        a step queues no kernels of its own after the replay (issue 61's one graph per step)."""
+        tokens = tokens if tokens.dim() == 2 else tokens.unsqueeze(0)
+        past = cache.lengths[0] if cache is not None else 0
+        positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
+        if self.whole_forward_graphs:
+            out = replay_forward(self, tokens, positions, cache, None, tokens.shape[1], (params, noise))
+            if out is not None:
+                return out
+        logits = self.logits(self._run_window(tokens, positions, cache, None, tokens.shape[1]))  # (no other graph)
+        at = positions + 1
+        return logits, choose(logits.reshape(-1, logits.shape[-1]), at.reshape(-1), params, noise).view(at.shape)
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache) -> None:
         """Fill the cache with a prompt's keys and values; no logits (the LM head is skipped entirely)."""

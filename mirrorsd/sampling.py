@@ -81,19 +81,23 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=256)
-def _seed_base(seed: int, noise: int) -> int:
+def stream_key(seed: int, noise: int) -> int:
     """The stream key of (seed, noise) as a host int: hashed once, not on every draw of a decode loop."""
     return int(_splitmix64(torch.tensor(_int64(seed)) ^ _splitmix64(torch.tensor(_int64(noise)))))
 
 
 def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int, noise: int = Noise.TARGET,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+                   device: torch.device | str | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
     """Uniforms in (0, 1), ``[len(positions), size]`` float64, a pure function of their arguments.
 
     Torch ops on ``device`` (default: the positions' own if a tensor, else the CPU), so a GPU draws its noise where
     its logits are: the host hashes only each row's key, never its ``size`` ids, and copies no noise; with the
-    positions as a device tensor a CUDA graph can capture it whole."""
-    base = _seed_base(seed, noise)
+    positions as a device tensor a CUDA graph can capture it whole. ``key``: the :func:`stream_key` of ``(seed,
+    noise)`` as a device tensor beside such positions (then ``seed`` and ``noise`` are not read), so a graph that
+    draws for one request replays for another with another seed."""
+    base = stream_key(seed, noise) if key is None else key
+    if key is not None and not isinstance(positions, torch.Tensor):
+        raise ValueError("a device stream key goes with positions on the device")
     if isinstance(positions, torch.Tensor):
         pos = positions.to(device=positions.device if device is None else device, dtype=torch.long)
         keys = _splitmix64((pos.reshape(-1, 1) * _POSITION).bitwise_xor_(base))
@@ -106,8 +110,8 @@ def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int
 
 
 def gumbel_noise(seed: int, positions: Sequence[int] | torch.Tensor, size: int, noise: int = Noise.TARGET,
-                 device: torch.device | str | None = None) -> torch.Tensor:
-    return -torch.log(-torch.log(keyed_uniforms(seed, positions, size, noise, device)))
+                 device: torch.device | str | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
+    return -torch.log(-torch.log(keyed_uniforms(seed, positions, size, noise, device, key)))
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -133,12 +137,19 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def choose(logits: torch.Tensor, positions: Sequence[int] | torch.Tensor, params: SamplingParams,
-           noise: int = Noise.TARGET) -> torch.Tensor:
-    """:func:`sample`'s tokens as a tensor on the logits' device (no host read: a caller reads many rows at once)."""
+           noise: int = Noise.TARGET, key: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`sample`'s tokens as a tensor on the logits' device (no host read: a caller reads many rows at once);
+    ``key``: see :func:`keyed_uniforms`."""
     if params.greedy:
         return logits.argmax(-1)
-    gumbel = gumbel_noise(params.seed, positions, logits.shape[-1], noise, logits.device)
+    gumbel = gumbel_noise(params.seed, positions, logits.shape[-1], noise, logits.device, key)
     return (warp(logits, params).double() + gumbel).argmax(-1)
+
+
+def graph_choice(params: SamplingParams, noise: int = Noise.TARGET) -> tuple:
+    """What a captured :func:`choose` bakes in, to key its graph by: nothing for greedy (an argmax), the warp's
+    parameters and the noise for sampling. The seed is not in it: the graph reads it as its ``key`` tensor."""
+    return ("argmax",) if params.greedy else (params.temperature, params.top_k, params.top_p, int(noise))
 
 
 def sample(logits: torch.Tensor, positions: Sequence[int] | torch.Tensor, params: SamplingParams,
@@ -147,12 +158,13 @@ def sample(logits: torch.Tensor, positions: Sequence[int] | torch.Tensor, params
     return choose(logits, positions, params, noise).tolist()
 
 
-def rows_apart(logits: torch.Tensor, params: SamplingParams) -> bool:
+def rows_apart(logits: torch.Tensor | torch.device, params: SamplingParams) -> bool:
     """Whether :func:`choose` on many rows at once gives each row the token it gets alone, and is cheap enough that
     drawing rows past a window's first disagreement costs less than reading them one by one: greedy (an argmax),
     and off the CPU sampling without top-p (elementwise, a top-k threshold and an argmax per row; top-p sorts and
     sums, whose order a kernel may choose by the row count). On the CPU, each sampled row's noise costs ~1 ms."""
-    return params.greedy or (params.top_p == 1.0 and logits.device.type != "cpu")
+    device = logits if isinstance(logits, torch.device) else logits.device
+    return params.greedy or (params.top_p == 1.0 and device.type != "cpu")
 
 
 def sample_from_probs(probs: torch.Tensor, positions: Sequence[int], seed: int, noise: int) -> list[int]:

@@ -186,6 +186,21 @@ def test_the_next_request_reuses_a_returned_cache_and_its_graphs():
     assert sampled.token_ids == fresh.token_ids
 
 
+def test_a_sampled_request_replays_the_graph_another_seed_captured():
+    """``ar``'s forward run ahead chooses its token inside its graph, with the seed as an input: a request with
+    another seed replays the graphs the first one captured, and its tokens are those of a run without graphs."""
+    target, _ = _pair(torch.bfloat16)
+    generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.7, seed=1)
+    (cache,) = target.spare_caches
+    chosen = {key: graph for key, graph in cache.graphs().items() if graph and key[-1] not in (None, ("argmax",))}
+    assert chosen and all(graph.graph is not None for graph in chosen.values())  # captured, none failed
+    second = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.7, seed=2)
+    assert all(cache.graphs()[key] is graph for key, graph in chosen.items())  # replayed, not captured again
+    with cuda_graphs(False):
+        want = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.7, seed=2)
+    assert second.token_ids == want.token_ids
+
+
 def test_ss_streams_on_cuda():
     target, _ = _pair(torch.bfloat16)
     cfg = target.config

@@ -137,6 +137,7 @@ class Scores:
     draft: Proposal
     forwards: int = 1  # target forwards it took
     own: list[int] | None = None  # the target's own token at every row, where the scorer chose and read them already
+    own_ids: torch.Tensor | None = None  # the same, chosen where the logits are (inside their forward) and not read
     rider: VerdictRider | None = None  # device work the verdict's host read carries along, if it reads on the device
 
 
@@ -384,9 +385,13 @@ def match(state: RequestState, scores: Scores) -> Verdict:
     if scores.own is not None:
         return chain_verdict(draft.tokens, scores.own)
     positions = list(range(position, position + draft.length + 1))
-    if isinstance(draft, DrawnChain) and draft.unread and rows_apart(scores.logits, state.params):
-        return draft.verdict(choose(scores.logits[:len(positions)], positions, state.params), scores.rider)
-    return verify_match(draft.tokens, scores.logits, positions, state.params)
+    if not rows_apart(scores.logits, state.params):
+        return verify_match(draft.tokens, scores.logits, positions, state.params)
+    own = scores.own_ids if scores.own_ids is not None else \
+        choose(scores.logits[:len(positions)], positions, state.params)  # every row's own token in one op
+    if isinstance(draft, DrawnChain) and draft.unread:
+        return draft.verdict(own, scores.rider)
+    return chain_verdict(draft.tokens, own.tolist())
 
 
 def rejection(state: RequestState, scores: Scores) -> Verdict:
@@ -422,8 +427,9 @@ class ChainScorer:
     the last prompt token with the draft (a draft model's proposer lags the target by that token anyway).
     """
 
-    def __init__(self, model: Transformer, whole_prompt: bool = False) -> None:
+    def __init__(self, model: Transformer, whole_prompt: bool = False, chooses: bool = True) -> None:
         self.model, self.whole_prompt = model, whole_prompt
+        self.chooses = chooses  # the verifier takes the target's own token at every row (:func:`match`)
 
     def prefill(self, state: RequestState) -> int:
         prompt = state.tokens if self.whole_prompt else state.tokens[:-1]
@@ -450,6 +456,9 @@ class ChainScorer:
             ids = draft.on(device)[None]
             return Scores(torch.cat([first, self.model(ids, cache=state.target_cache)[0]]), draft)
         ids = torch.cat([send([state.tokens[-1]], device), draft.on(device)])[None]
+        if self.chooses and rows_apart(device, state.params):  # each row's own token inside the forward's graph
+            logits, own = self.model.forward_and_choose(ids, state.params, cache=state.target_cache)
+            return Scores(logits[0], draft, own_ids=own[0])
         return Scores(self.model(ids, cache=state.target_cache)[0], draft)
 
     def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
@@ -464,20 +473,26 @@ class RunAheadScorer(ChainScorer):
 
     The tokens are the ones :func:`match` picks (the same :func:`~mirrorsd.sampling.choose` on the same logits).
     A request stopped by EOS or a stop string wastes the forward run ahead of it; between steps the target cache
-    then holds every committed token and ``next_logits`` the logits after them, as after a whole-prompt prefill."""
+    then holds every committed token and ``next_logits`` the logits after them, as after a whole-prompt prefill.
+    The forward run ahead also chooses the next token inside its graph (:meth:`~mirrorsd.model.Transformer.
+    forward_and_choose`), so a step queues one replay and one copy."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__(model, whole_prompt=True)
+        self.chosen: torch.Tensor | None = None  # the token the forward run ahead chose after ``next_logits``
 
     def score(self, state: RequestState, draft: Proposal) -> Scores:
         if draft.tokens or state.next_logits is None:
             raise ValueError("RunAheadScorer scores empty drafts after a whole-prompt prefill")
         logits, state.next_logits = state.next_logits, None
-        own = choose(logits, [len(state.tokens)], state.params)
+        own, self.chosen = self.chosen if self.chosen is not None else \
+            choose(logits, [len(state.tokens)], state.params), None
         read = read_soon(own)
         ahead = state.produced + 1 < state.request.max_new_tokens and batcher() is None
         if ahead:
-            state.next_logits = self.model(own.view(1, 1), cache=state.target_cache)[0]
+            ahead_logits, chosen = self.model.forward_and_choose(own.view(1, 1), state.params,
+                                                                 cache=state.target_cache)
+            state.next_logits, self.chosen = ahead_logits[0], chosen[0]
         return Scores(logits, draft, forwards=int(ahead), own=read())
 
     def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:

@@ -105,11 +105,12 @@ def model_proposer(req: DecodeRequest, opts: SDOptions, rejection: bool) -> Prop
 def build(req: DecodeRequest, opts: SDOptions) -> Roles:
     rejection = opts.acceptance == "rejection"
     proposer = model_proposer(req, opts, rejection)
+    scorer = ChainScorer(req.target, chooses=not rejection or req.sampling.greedy)  # (rejection: match when greedy)
     if not opts.suffix_match:
-        return Roles(proposer, ChainScorer(req.target), VERIFIERS[opts.acceptance], gamma=opts.gamma)
+        return Roles(proposer, scorer, VERIFIERS[opts.acceptance], gamma=opts.gamma)
     lookup = suffix_proposer(req, HYBRID_LOOKUP, gamma=opts.gamma, rejection=rejection)
     hybrid = SuffixFirst(lookup, proposer, opts.suffix_match, gate=ModelGate(opts.model_gate == "measured"))
-    return Roles(hybrid, ChainScorer(req.target), VERIFIERS[opts.acceptance], gamma=opts.gamma,
+    return Roles(hybrid, scorer, VERIFIERS[opts.acceptance], gamma=opts.gamma,
                  close=lookup.close, log=hybrid.log)
 
 

@@ -185,6 +185,59 @@ assert [drafts(temperature=0.8, seed=1), drafts(temperature=0.8, seed=2), drafts
 print("ok")
 """
 
+CHOICE = FORCE_CUDA_PATH + """
+import mirrorsd.execution as execution
+from mirrorsd import Transformer, generate
+from mirrorsd.cuda_graphs import cuda_graphs
+from mirrorsd.decoding import ar
+from mirrorsd.decoding.engine import RunAheadScorer
+from mirrorsd.sampling import SamplingParams, choose
+from tests.helpers import tiny_hf
+
+force(True)
+target = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=1, std=0.3), linear="dense")
+draft = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=1, seed=2, std=0.3), linear="dense")
+inside, chosen_eagerly = [], execution.choose
+
+def counted(*args, **kwargs):
+    inside.append(args[2])
+    return chosen_eagerly(*args, **kwargs)
+
+execution.choose = counted  # what a whole forward's graph body chooses
+ar.ChainScorer = lambda model, whole_prompt: RunAheadScorer(model)  # CUDA's ar, forced
+prompt = list(range(3, 20))
+for params in ({}, {"temperature": 0.8, "seed": 3}, {"temperature": 0.8, "top_k": 5, "seed": 4}):
+    kw = dict(max_new_tokens=10, **params)
+    with cuda_graphs(False):
+        want = generate(target, prompt, method="ar", **kw).token_ids
+    inside.clear()
+    with cuda_graphs(True):
+        assert generate(target, prompt, method="ar", **kw).token_ids == want, params
+    assert len(inside) >= 7, (params, len(inside))  # 9 run ahead, each in its graph from the shape's second sight
+    if not params:  # (the CPU takes a sampled window's rows one by one: rows_apart)
+        inside.clear()
+        with cuda_graphs(True):
+            sd = generate(target, prompt, method="sd", draft=draft, confidence=0.0, gamma=3, suffix_match=0, **kw)
+        assert sd.token_ids == want
+        assert 0 < len(inside) >= sd.stats.steps - 3, (len(inside), sd.stats.steps)
+
+# the seed is the graph's input: a sampled request replays another's graph, with its own noise
+cache = target.new_cache(capacity=32)
+
+def graphs(**params):
+    p = SamplingParams(**params)
+    with torch.no_grad():
+        logits, own = target.forward_and_choose(torch.tensor([[7, 8, 9]]), p, cache=cache)
+    cache.truncate(0)
+    assert torch.equal(own[0], choose(logits[0], [1, 2, 3], p)), params
+    return len([key for key, g in cache.graphs().items() if g and key[-1] is not None])  # whole forwards choosing
+
+assert [graphs(seed=1), graphs(seed=2)] == [0, 1]
+assert [graphs(temperature=0.8, seed=1), graphs(temperature=0.8, seed=2), graphs(temperature=0.8, seed=3)] == [1, 2, 2]
+assert graphs(temperature=0.7, seed=3) == 2  # (other parameters: another graph, seen once)
+print("ok")
+"""
+
 LAUNCHES = FORCE_CUDA_PATH + """
 from torch.utils._python_dispatch import TorchDispatchMode
 from mirrorsd import Transformer
@@ -271,6 +324,13 @@ def test_methods_on_the_fused_path_equal_ar():
 def test_a_fused_layer_is_at_most_ten_launches():
     """Every op a layer dispatches (GEMMs, in-place adds) plus its Triton kernels, counted on the CPU."""
     _interpret(LAUNCHES)
+
+
+def test_a_whole_forward_chooses_its_tokens_inside_its_graph():
+    """Issue 61's one graph per step: ``ar`` run ahead and ``sd``'s verification choose each row's token inside the
+    whole forward's graph body (greedy and sampled; eager here, captured on CUDA), the same tokens as without graphs,
+    and a sampled graph takes the seed as an input, so another request's seed replays it."""
+    _interpret(CHOICE)
 
 
 def test_a_draft_as_one_graph_draws_the_tokens_of_its_steps_one_by_one():
