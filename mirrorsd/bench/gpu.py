@@ -500,17 +500,37 @@ def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.
     return row
 
 
-def run_cuda_tests(repo: Path, select: str | None = None) -> dict[str, Any]:
+#: The CUDA tests' share of a lease: the whole validation must fit ~6 minutes, so a test that hangs (a stream waiting
+#: on an event never recorded, a deadlock between the draft's thread and the target's) must not take the rest.
+CUDA_TESTS_TIMEOUT_S = 240
+
+
+def run_cuda_tests(repo: Path, select: str | None = None, timeout: float = CUDA_TESTS_TIMEOUT_S) -> dict[str, Any]:
     """``tests/test_cuda.py`` in a child process (a CUDA error there cannot end this run); ``select``: one ``-k``.
-    ``passed``: the names of the tests that passed."""
+    ``passed``: the names of the tests that passed; ``slowest``: pytest's slowest durations. Past ``timeout``
+    seconds the child is killed and what passed until then is kept (``timed_out``)."""
     tests = repo / "tests" / "test_cuda.py"
     if not tests.is_file():
         return {"ran": False, "why": f"{tests} not found (run from the repository root)", "passed": []}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(tests),
-                           *(("-k", select) if select else ())], cwd=repo, capture_output=True, text=True)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    passed = [line.split("::", 1)[1].split()[0] for line in lines if line.startswith("PASSED ") and "::" in line]
-    return {"ran": True, "returncode": proc.returncode, "summary": (lines[-1:] or [""])[0], "passed": passed}
+    command = [sys.executable, "-m", "pytest", "-v", "-rA", "--durations=8", "-p", "no:cacheprovider", str(tests),
+               *(("-k", select) if select else ())]
+    try:
+        proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=timeout)
+        text, returncode, timed_out = proc.stdout + proc.stderr, proc.returncode, False
+    except subprocess.TimeoutExpired as expired:
+        text = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                       for part in (expired.stdout, expired.stderr))
+        returncode, timed_out = None, True
+    lines = text.strip().splitlines()
+    # -v prints "tests/test_cuda.py::name PASSED [ 5%]" as each test ends: a killed run keeps those
+    passed = sorted({line.split("::", 1)[1].split()[0] for line in lines
+                     if "::" in line and (line.startswith("PASSED ") or " PASSED" in line)})
+    slowest = [line.strip() for line in lines if line.strip()[:1].isdigit() and "s call " in line]
+    ran = {"ran": True, "returncode": returncode, "summary": (lines[-1:] or [""])[0], "passed": passed,
+           "slowest": slowest}
+    if timed_out:
+        ran.update(timed_out=True, summary=f"killed after {timeout:.0f} s; {len(passed)} passed before that")
+    return ran
 
 
 def run(out: Path, *, device: str | None = None, max_new: int | None = None, prompt_len: int = 128,

@@ -206,6 +206,16 @@ def test_the_cuda_tests_say_which_passed(tmp_path):
     assert gpu.run_cuda_tests(tmp_path, "issued_inline")["passed"] == []
 
 
+def test_cuda_tests_that_hang_are_cut_off_keeping_what_passed(tmp_path):
+    """A hung CUDA test must not eat the lease: the child is killed at the timeout, and the tests that passed before
+    it still count (the overlap variants whose own test passed are measured)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_cuda.py").write_text(
+        "import time\n\n\ndef test_overlap_graphs_ok():\n    pass\n\n\ndef test_hangs():\n    time.sleep(60)\n")
+    ran = gpu.run_cuda_tests(tmp_path, timeout=8)
+    assert ran["timed_out"] and ran["returncode"] is None and ran["passed"] == ["test_overlap_graphs_ok"]
+
+
 def test_the_papers_target_sizes_run_on_request(tmp_path):
     """``--targets qwen2.5-32b`` (and 14b): the paper's sizes, outside the default run; their dry stand-ins decode
     every method equal to ar."""
