@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import mirrorsd
-from mirrorsd.decoding import methods
+from mirrorsd.decoding import REFERENCE, methods
 from mirrorsd.distill.engine import Settings, Shards
 from mirrorsd.distill.engine import run as run_engine
 from mirrorsd.distill.prompts import CHAT_WAVES, KINDS
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer")
     d.add_argument("--sampled-share", type=float, default=0.2, help="share of items answered by sampling")
     d.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
-    d.add_argument("--method", default="ar", choices=[m.name for m in methods() if not m.needs_draft],
+    d.add_argument("--method", default=REFERENCE, choices=[m.name for m in methods() if not m.needs_draft],
                    help="decoding method (all give the model's own tokens; ar is the reference)")
     d.add_argument("--kinds", type=kind_list, metavar="KIND,...",
                    help="answer only these kinds' pending items (default: all, in id order); kinds: "

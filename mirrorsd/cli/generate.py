@@ -12,7 +12,7 @@ from rich.console import Console
 import mirrorsd
 from mirrorsd import tuned_drafts
 from mirrorsd.api import SELF_DRAFT
-from mirrorsd.decoding import get_method, leave_launched_world, methods, serve_launched
+from mirrorsd.decoding import MethodOptions, get_method, leave_launched_world, methods, serve_launched
 from mirrorsd.plans import saved_recommendation
 from mirrorsd.runtime import write_chrome_trace
 from mirrorsd.runtime.processes import launched_rank
@@ -116,21 +116,26 @@ def _checked_target_tp(args: argparse.Namespace) -> int:
     return tp
 
 
-def _checked_draft_tp(args: argparse.Namespace, tp: int, method: str, options: dict) -> int:
-    """``--draft-tp``: the draft's ranks under torchrun, with Mirror-SD's processes backend and dense weights."""
+def _draft_ranks(args: argparse.Namespace, method: str, options: dict) -> MethodOptions | None:
+    """The method's options where its draft runs in ranks of its own (:meth:`MethodOptions.draft_ranks`), else None;
+    parsed only where ranks matter (under torchrun, or ``--draft-tp`` given)."""
+    if method == "auto" or (launched_rank() is None and args.draft_tp == 1):
+        return None
+    return get_method(method).options.parse(options, method)
+
+
+def _checked_draft_tp(args: argparse.Namespace, tp: int, opts: MethodOptions | None) -> int:
+    """``--draft-tp``: the draft's ranks under torchrun, for a method whose draft has ranks, and dense weights."""
     draft_tp = args.draft_tp
     if draft_tp < 1:
         raise ValueError(f"--draft-tp must be >= 1, got {draft_tp}")
-    if draft_tp > 1 and (method != "mirror" or options.get("backend") != "processes"):
-        raise ValueError("--draft-tp shards the draft's own process: it takes --method mirror --backend processes")
+    if draft_tp > 1:
+        (opts or MethodOptions()).check_draft_sharded()
     if draft_tp > 1 and launched_rank() is None:
         raise ValueError(f"--draft-tp {draft_tp} runs under torchrun: torchrun --nproc-per-node {tp + draft_tp} -m "
                          "mirrorsd.cli generate ... (the target's ranks, then the draft's)")
     if draft_tp > 1 and args.weights not in (None, "fp32"):
         raise ValueError(f"--draft-tp shards dense weights; --weights {args.weights} cannot be split (use fp32)")
-    if draft_tp > 1 and options.get("draft_streams"):
-        raise ValueError("--draft-tp shards the draft's projections, which its stream adapter cannot follow: "
-                         "drop draft_streams")
     if draft_tp > 1:
         args.weights = "fp32"
     return draft_tp
@@ -185,9 +190,10 @@ def run(args: argparse.Namespace) -> int:
                   "re-plans)".replace("  ", " "), style="dim", highlight=False)
     needs_draft = method == "auto" or get_method(method).needs_draft  # auto: the plan is keyed by the draft too
     tp = _checked_target_tp(args)
-    draft_tp = _checked_draft_tp(args, tp, method, options)
+    ranked = _draft_ranks(args, method, options)
+    draft_tp = _checked_draft_tp(args, tp, ranked)
     rank = launched_rank()
-    if options.get("backend") == "processes" and rank is not None and rank >= tp:
+    if ranked is not None and ranked.draft_ranks() and rank is not None and rank >= tp:
         return _serve_draft_rank(args, err, tp, draft_tp)
     if rank not in (None, 0):  # another rank of a sharded target: the same loop, silently
         args.json, err = True, Console(stderr=True, quiet=True)

@@ -147,6 +147,16 @@ class MethodOptions:
             raise ValueError("a tensor-parallel target needs suffix_match=0 (--suffix-match 0): the suffix "
                              "proposer's windows depend on timings, which differ between ranks")
 
+    def draft_ranks(self) -> bool:
+        """Whether the draft runs in processes of its own: under ``torchrun``, the ranks after the target's serve it,
+        and ``--draft-tp`` may shard it over them."""
+        return False
+
+    def check_draft_sharded(self) -> None:
+        """Refuses the options a draft sharded over its ranks (``--draft-tp``) cannot follow, and every method whose
+        draft has no ranks of its own."""
+        raise ValueError("--draft-tp shards the draft's own processes: it takes --method mirror --backend processes")
+
     def unbatchable(self) -> str | None:
         """Why a request with these options must run alone rather than in a continuous batch (its forwards then wait
         on work outside the batch, a draft in another process or on another stream), or None: it batches."""

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..api import LoadedModel, encode_chat, generate
 from ..batching import Batcher
+from ..decoding import REFERENCE
 from ..execution import release_thread_team
 from ..prefix_cache import PrefixCache
 from .prompts import ASKED_ANEW, KINDS, VERSION, Prompt, build, digest, extend
@@ -44,7 +45,7 @@ class Settings:
     """How answers are made; recorded in the index, and a resumed run must match it."""
 
     model: str
-    method: str = "ar"
+    method: str = REFERENCE
     max_new_tokens: int = 256
     sampled_share: float = 0.2
     temperature: float = 0.7

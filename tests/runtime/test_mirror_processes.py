@@ -231,6 +231,9 @@ def test_target_tp_outside_torchrun_is_a_clear_error(capsys):
     (["--method", "mirror", "--backend", "processes", "--draft-tp", "2"], "--draft-tp 2 runs under torchrun: torchrun "
      "--nproc-per-node 3"),
     (["--method", "sd", "--draft-tp", "2"], "it takes --method mirror --backend processes"),
+    (["--method", "mirror", "--backend", "threads", "--draft-tp", "2"], "it takes --method mirror --backend processes"),
+    (["--method", "mirror", "--backend", "processes", "--draft-tp", "2", "--draft-streams"],
+     "its stream adapter cannot follow"),
     (["--method", "mirror", "--backend", "processes", "--draft-tp", "0"], "--draft-tp must be >= 1"),
 ])
 def test_draft_tp_errors_say_what_to_run(capsys, argv, message):

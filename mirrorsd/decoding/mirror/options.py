@@ -155,6 +155,16 @@ class MirrorOptions(MethodOptions):
             raise ValueError("roots='budget' (the default) fits its root count to timings, which differ between "
                              "ranks; give a fixed budget (--budget N) or roots='paper' on a tensor-parallel target")
 
+    def draft_ranks(self) -> bool:
+        return self.backend == "processes"
+
+    def check_draft_sharded(self) -> None:
+        if not self.draft_ranks():
+            super().check_draft_sharded()
+        if self.draft_streams is not None:
+            raise ValueError("--draft-tp shards the draft's projections, which its stream adapter cannot follow: "
+                             "drop draft_streams")
+
     def unbatchable(self) -> str | None:
         if self.backend != "serial":
             return f"Mirror-SD's {self.backend} backend overlaps its draft with the target outside the batch"
