@@ -27,6 +27,7 @@ from ..execution import batcher, fused_applies
 from ..kv_cache import KVCache
 from ..linear import FIXED_ROWS
 from ..model import Transformer
+from ..sampling import stream_key
 from ..transfer import send
 from .drafting import DraftSampler
 from .engine import draft_tokens
@@ -34,10 +35,10 @@ from .engine import draft_tokens
 
 class DraftGraph(Captured):
     """One draft shape (spine tokens fed before the roots, roots, steps) over one draft cache's buffers, for one
-    sampler's choice (:attr:`~.drafting.DraftSampler.choice`: a sampled one's parameters and seed are baked in). Its
-    inputs are static device tensors: the cache length before the steps, the spine's missing tokens, the roots'
-    positions and ids, and how far the noise's positions run ahead of the cache's (a draft that skipped prompt
-    tokens)."""
+    sampler's choice (:attr:`~.drafting.DraftSampler.choice`: the head, the warp and the noise). Its inputs are static
+    device tensors: the cache length before the steps, the spine's missing tokens, the roots' positions and ids, how
+    far the noise's positions run ahead of the cache's (a draft that skipped prompt tokens), and the noise's stream
+    key (the request's seed)."""
 
     def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
                  steps: int, pool: tuple | None) -> None:
@@ -47,6 +48,7 @@ class DraftGraph(Captured):
         device = model.device
         with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
             self.past = torch.zeros((), dtype=torch.long, device=device)
+            self.stream_key = torch.zeros((), dtype=torch.long, device=device)  # the noise's (the seed's)
             self.shift = torch.zeros((), dtype=torch.long, device=device)
             self.spine = torch.zeros(lead, dtype=torch.long, device=device)
             self.root_pos = torch.zeros(n_roots, dtype=torch.long, device=device)
@@ -57,12 +59,14 @@ class DraftGraph(Captured):
             self.spine_rows = torch.arange(lead, device=device)
 
     def __call__(self, cache: KVCache, past: int, spine: torch.Tensor, root_pos: torch.Tensor,
-                 root_ids: torch.Tensor, shift: int) -> torch.Tensor:
+                 root_ids: torch.Tensor, shift: int, seed: int) -> torch.Tensor:
         """The drafted tokens ``[R, steps]``; ``cache`` (the one this graph was made over) holds the steps' inputs
         after ``past + lead`` (the caller sets the lengths). ``spine`` and ``root_ids`` are draft ids
-        (:func:`~.engine.draft_tokens`)."""
+        (:func:`~.engine.draft_tokens`); ``seed``: the request's (a sampled draft's noise)."""
         self.past.fill_(past)
         self.shift.fill_(shift)
+        if not self.sampler.params.greedy:
+            self.stream_key.fill_(stream_key(seed, self.sampler.noise))
         self.spine.copy_(spine.view(-1))
         self.root_pos.copy_(root_pos)
         self.root_ids.copy_(root_ids.view(-1))
@@ -89,7 +93,7 @@ class DraftGraph(Captured):
             hidden = model.run_layers(model.embed(ids), static.positions, cache, static=static)
             rows = hidden[0, lead:] if step == 0 else hidden[0]
             logits = model.logits(rows, sampler.head)
-            drawn.append(sampler.choose(logits, root_pos + step + 1 + self.shift))
+            drawn.append(sampler.choose(logits, root_pos + step + 1 + self.shift, self.stream_key))
             ids = draft_tokens(model, drawn[-1])
         return torch.stack(drawn, 1)
 
@@ -118,7 +122,8 @@ def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spi
     key = ("draft", model, lead, n_roots, steps, sampler.choice)
     graph = graphs.get(key)
     if graph is None:
-        # another request's sampled choice or draft (the bench's oracle drafts share their caches): one set at a time
+        # another request's choice (other sampling parameters) or draft (the bench's oracle drafts share their
+        # caches): one set at a time
         for old in [k for k in graphs if k[0] == "draft" and (k[1], k[5]) != (key[1], key[5])]:
             del graphs[old]
         graphs[key] = False  # seen once
@@ -127,6 +132,6 @@ def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spi
         pool = next((g.pool for g in graphs.values() if g), None)
         graph = graphs[key] = DraftGraph(model, cache, sampler, lead, n_roots, steps, pool)
     tokens = graph(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
-                   draft_tokens(model, root_ids), shift)
+                   draft_tokens(model, root_ids), shift, sampler.params.seed)
     cache.lengths[:] = [needed] * cache.n_layers
     return tokens, graph.graph is not None

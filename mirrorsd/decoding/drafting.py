@@ -26,7 +26,7 @@ import torch
 
 from ..draft_vocab import default_size, draft_table_kind, subset_head
 from ..model import Transformer
-from ..sampling import Noise, SamplingParams, choose, probabilities, sample
+from ..sampling import Noise, SamplingParams, choose, graph_choice, probabilities, sample
 from .registry import at_least, option
 from .ss.passes import DEFER_STREAMS
 
@@ -113,10 +113,10 @@ class DraftSampler:
 
     @property
     def choice(self) -> tuple:
-        """What :meth:`choose` draws by besides the logits and positions: the head, and for sampling the parameters
-        and the noise key. Greedy is an argmax whatever the seed, and every request draws a seed, so greedy
-        requests share a draft graph (:mod:`.draft_graph`) where sampled ones each need their own."""
-        return (self.head,) if self.params.greedy else (self.head, self.params, self.noise)
+        """What :meth:`choose` bakes into a captured draft (:mod:`.draft_graph`) besides the logits and positions:
+        the head and :func:`~mirrorsd.sampling.graph_choice` (the warp and the noise, not the seed, which such a draft
+        reads as a device tensor). Every request draws a seed, so requests that differ only by it share a graph."""
+        return (self.head, *graph_choice(self.params, self.noise))
 
     def judge(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, list[float] | None]:
         """Per row: the draft's distribution over the target's vocabulary (rejection sampling) and its top
@@ -141,9 +141,11 @@ class DraftSampler:
         """Token ids drawn from each row (row i at ``positions[i]``: the noise is keyed by position)."""
         return self.tokens_of(sample(logits, positions, self.params, self.noise))
 
-    def choose(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
-        """:meth:`draw`'s token ids as a tensor where the logits are (nothing read on the host yet)."""
-        drawn = choose(logits, positions, self.params, self.noise)
+    def choose(self, logits: torch.Tensor, positions: list[int] | torch.Tensor,
+               key: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`draw`'s token ids as a tensor where the logits are (nothing read on the host yet); ``key``: the
+        noise's stream key as a device tensor (:func:`~mirrorsd.sampling.keyed_uniforms`)."""
+        drawn = choose(logits, positions, self.params, self.noise, key)
         return self.subset.ids[drawn] if self.subset_columns else drawn
 
     def doubtful(self, top: float) -> bool:

@@ -291,10 +291,10 @@ def test_a_fixed_sd_window_reads_the_host_once_per_step(tiny_pair, monkeypatch, 
         assert tolists == [(d > 0) + a + 1 for d, a in zip(sd.stats.drafted, sd.stats.accepted, strict=True)]
 
 
-def test_greedy_drafts_share_their_graphs_and_sampled_ones_do_not(tiny_pair):
-    """A draft graph is keyed by what a step's choice draws by (``DraftSampler.choice``). Greedy is an argmax whatever
-    the seed, and every request draws one, so greedy requests must key alike (else each would capture its own graphs
-    and evict the last's); a sampled request's seed and parameters are baked into its graph, so they key apart."""
+def test_drafts_share_their_graphs_whatever_their_seed(tiny_pair):
+    """A draft graph is keyed by what a step's choice bakes in (``DraftSampler.choice``): the head, and for sampling
+    the warp and the noise, never the seed, which the graph reads as a device tensor. Every request draws a seed, so
+    keyed by it each request would capture its own graphs and evict the last's."""
     from mirrorsd.decoding.drafting import DraftSampler
 
     _, draft = tiny_pair
@@ -303,7 +303,7 @@ def test_greedy_drafts_share_their_graphs_and_sampled_ones_do_not(tiny_pair):
     def choice(**params):
         return DraftSampler(draft, vocab, SamplingParams(**params)).choice
 
-    assert choice(seed=1) == choice(seed=2)
-    assert choice(temperature=0.8, seed=1) != choice(temperature=0.8, seed=2)
+    assert choice(seed=1) == choice(seed=2) == choice(seed=1, top_k=5)  # (greedy: an argmax)
+    assert choice(temperature=0.8, seed=1) == choice(temperature=0.8, seed=2)
     assert choice(temperature=0.8, seed=1) != choice(temperature=0.9, seed=1)
-    assert choice(temperature=0.8, seed=1) == choice(temperature=0.8, seed=1)
+    assert choice(temperature=0.8, seed=1) != choice(temperature=0.8, seed=1, top_k=5) != choice(seed=1)

@@ -166,22 +166,28 @@ for temperature in (0.0, 0.8):
         assert len(bodies) >= len(sd[True].stats.accepted) / 2 and all(g.n_roots == 1 for g in bodies), len(bodies)
         bodies.clear()
 
-# requests key their draft graphs by their choice: greedy ones share them whatever their seed, a sampled one makes
-# its own (and, one set at a time, drops the others)
+# requests key their draft graphs by their choice, never their seed (a device input): greedy ones and sampled ones
+# with other seeds replay a graph another request made, with their own noise; other parameters make their own (and,
+# one set at a time, drop the others)
 from mirrorsd.decoding.draft_graph import graphed_draft
 from mirrorsd.decoding.drafting import DraftSampler
 from mirrorsd.sampling import SamplingParams
 
-cache = draft.new_cache(capacity=32)
-
-def drafts(**params):
+def drafts(cache, **params):
     with torch.no_grad():
-        out = graphed_draft(draft, cache, DraftSampler(draft, 64, SamplingParams(**params)), [3, 4, 5], [3], [6], 2)
+        out = graphed_draft(draft, cache, DraftSampler(draft, 64, SamplingParams(**params)), [3, 4, 5], [3], [6], 3)
     cache.truncate(0)
-    return out is not None
+    return None if out is None else out[0].tolist()
 
-assert [drafts(seed=1), drafts(seed=1), drafts(seed=2)] == [False, True, True]  # (first sight: step by step)
-assert [drafts(temperature=0.8, seed=1), drafts(temperature=0.8, seed=2), drafts(seed=3)] == [False, False, False]
+cache, other = draft.new_cache(capacity=32), draft.new_cache(capacity=32)
+assert [drafts(cache, seed=1) is None, drafts(cache, seed=1) is None, drafts(cache, seed=2) is None] == \
+    [True, False, False]  # (a shape's first sight: step by step)
+hot = dict(temperature=1.5)
+assert drafts(cache, seed=1, **hot) is None and drafts(cache, seed=1, **hot) is not None
+replayed = drafts(cache, seed=2, **hot)  # seed 1's graph, seed 2's noise
+assert drafts(other, seed=2, **hot) is None and drafts(other, seed=2, **hot) == replayed  # seed 2's own graph
+assert replayed != drafts(other, seed=1, **hot)  # (the noise does move these tokens)
+assert drafts(cache, seed=3) is None  # the sampled graphs dropped the greedy ones
 print("ok")
 """
 
