@@ -24,7 +24,7 @@ from . import cuda_graphs, kernels
 from .kernels import cuda_attention
 from .kv_cache import KVCache
 from .linear import FIXED_ROWS, PACKED_BUFFERS, DenseLinear, PackedLinear, QuantLinear, fixed_shapes
-from .sampling import SamplingParams, choose, graph_choice, stream_key
+from .sampling import GREEDY_CHOICE, SamplingParams, choose, graph_choice, stream_key
 
 if TYPE_CHECKING:
     from torch import nn
@@ -343,6 +343,15 @@ def fused_layers(model: Transformer, hidden: torch.Tensor, positions: torch.Tens
     device-side inputs (the cache slots, gather lists and counts; its caller advances the lengths). ``cache=None``
     attends within the window through a scratch cache. ``streams``: the trailing stream rows get their adapters'
     deltas, and their keys and values are written past the cache's length (attended now, never kept)."""
+    # Triton launches on the current device's stream, whatever the tensors' device: a model on another GPU (a draft
+    # on a second one, the devices backend's worker thread) must make its own device current first
+    with torch.cuda.device(hidden.device) if hidden.is_cuda else nullcontext():
+        return _fused_layers(model, hidden, positions, cache, mask, start, end, streams, static)
+
+
+def _fused_layers(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                  mask: torch.Tensor | None, start: int, end: int, streams: SSRows | None = None,
+                  static: cuda_graphs.StaticStep | None = None) -> torch.Tensor:
     from .kernels import cuda_layers
 
     rows, t, width = hidden.shape
@@ -454,6 +463,10 @@ def _layer_graph(model: Transformer, inputs: torch.Tensor, cache: KVCache | None
     key = (model, start, end, t, None if mask is None else mask.shape[0], last, choice)  # (weights are baked in)
     graph = captured.get(key)
     if graph is None:
+        if choice not in (None, GREEDY_CHOICE):  # greedy's graphs and one sampled setting's at a time (memory)
+            for old in [k for k in captured
+                        if len(k) == len(key) and k[0] is model and k[-1] not in (None, GREEDY_CHOICE, choice)]:
+                del captured[old]
         captured[key] = False  # seen once
         return None
     if graph is False:

@@ -62,7 +62,7 @@ class KVCache:
     def graphs(self) -> dict:
         """Layer-range graphs over the current buffers (:mod:`mirrorsd.cuda_graphs`), by model, layer range and
         window shape: once the buffers change (a growth), the graphs captured over the old ones are dropped."""
-        over = tuple(t.data_ptr() for t in (*self.keys, *self.values))
+        over = tuple((t.data_ptr(), t.shape[2]) for t in (*self.keys, *self.values))
         if over != self._graphs_over:
             self._graphs, self._graphs_over = {}, over
         return self._graphs

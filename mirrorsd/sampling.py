@@ -146,10 +146,13 @@ def choose(logits: torch.Tensor, positions: Sequence[int] | torch.Tensor, params
     return (warp(logits, params).double() + gumbel).argmax(-1)
 
 
+GREEDY_CHOICE = ("argmax",)  # what a greedy choice bakes in: nothing but the argmax
+
+
 def graph_choice(params: SamplingParams, noise: int = Noise.TARGET) -> tuple:
     """What a captured :func:`choose` bakes in, to key its graph by: nothing for greedy (an argmax), the warp's
     parameters and the noise for sampling. The seed is not in it: the graph reads it as its ``key`` tensor."""
-    return ("argmax",) if params.greedy else (params.temperature, params.top_k, params.top_p, int(noise))
+    return GREEDY_CHOICE if params.greedy else (params.temperature, params.top_k, params.top_p, int(noise))
 
 
 def sample(logits: torch.Tensor, positions: Sequence[int] | torch.Tensor, params: SamplingParams,

@@ -25,7 +25,7 @@ def read_soon(values: torch.Tensor) -> Callable[[], list]:
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(values.device))  # the copy's stream: the values' device, not the current one
 
     def read() -> list:
         ready.synchronize()

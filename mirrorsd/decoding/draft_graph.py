@@ -111,7 +111,7 @@ def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spi
     lead, n_roots = len(spine), len(root_pos)
     if not enabled() or batcher() is not None or sampler.need_probs or sampler.runner_ups or cache.rows != 1 \
             or lead + n_roots > FIXED_ROWS or len(set(cache.lengths)) != 1 \
-            or not fused_applies(model, model.embed_tokens.weight):
+            or not fused_applies(model, model.norm.weight):  # (not a quantized embedding: it dequantizes)
         return None
     past = len(cache)
     needed = past + lead + steps * n_roots

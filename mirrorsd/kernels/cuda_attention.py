@@ -16,6 +16,7 @@ differently.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 from functools import cache, lru_cache
@@ -161,10 +162,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
     def stride(x: torch.Tensor, dim: int) -> int:
         return x.stride(dim) if x.shape[dim] > 1 else 0
 
-    _kernel()[(programs, splits)](
-        q, k, v, out, index, count, part, ticket, t, heads, heads // k.shape[1],
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        stride(index, 0), stride(index, 1), stride(count, 0), splits,
-        1.0 / math.sqrt(dim), D=dim, BLOCK=BLOCK_KEYS, SPLITS=SPLITS)
+    # Triton launches on the current device's stream: the tensors' device made current (a model on another GPU)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _kernel()[(programs, splits)](
+            q, k, v, out, index, count, part, ticket, t, heads, heads // k.shape[1],
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            stride(index, 0), stride(index, 1), stride(count, 0), splits,
+            1.0 / math.sqrt(dim), D=dim, BLOCK=BLOCK_KEYS, SPLITS=SPLITS)
     return out

@@ -164,10 +164,11 @@ class InlineStreamExecutor(Executor):
                     self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
                 else:
                     self.stream.wait_event(ready)
-                with torch.cuda.stream(self.stream):
-                    out = job()
-                # and the caller's later work on that cache must follow the job's
-                torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+                try:
+                    with torch.cuda.stream(self.stream):
+                        out = job()
+                finally:  # the caller's later work on that cache must follow the job's, even one that failed
+                    torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
                 future.set_result(out)
         except BaseException as error:  # noqa: BLE001 - re-raised by Future.result, like a worker's error
             future.set_exception(error)

@@ -468,8 +468,10 @@ def test_an_inline_stream_waits_for_the_target_before_its_upper_layers_not_after
     @contextlib.contextmanager
     def on(stream):
         current.append(stream)
-        yield
-        current.pop()
+        try:
+            yield
+        finally:
+            current.pop()
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("draft"))
     monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -483,6 +485,15 @@ def test_an_inline_stream_waits_for_the_target_before_its_upper_layers_not_after
     assert log == [("target", "records", "target at 0"), ("target", "runs", "upper layers"),
                    ("draft", "waits for", "target at 0"), ("draft", "runs", "rollout"),
                    ("target", "waits for", "draft tail")]
+
+    def fails():  # a rollout that raises after queuing work: the target's stream still follows what it queued
+        log.append((current[-1].name, "runs", "half a rollout"))
+        raise RuntimeError("draft failed")
+
+    log.clear()
+    with pytest.raises(RuntimeError, match="draft failed"):
+        executor.submit(fails).result()
+    assert log[-2:] == [("draft", "runs", "half a rollout"), ("target", "waits for", "draft tail")]
 
 
 def test_draft_issue_is_an_option_of_the_cuda_streams_backend(tiny_pair):

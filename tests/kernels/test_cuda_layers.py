@@ -240,7 +240,8 @@ def graphs(**params):
 
 assert [graphs(seed=1), graphs(seed=2)] == [0, 1]
 assert [graphs(temperature=0.8, seed=1), graphs(temperature=0.8, seed=2), graphs(temperature=0.8, seed=3)] == [1, 2, 2]
-assert graphs(temperature=0.7, seed=3) == 2  # (other parameters: another graph, seen once)
+assert graphs(temperature=0.7, seed=3) == 1  # other parameters: their own graph (seen once), 0.8's dropped
+assert graphs(seed=4) == 1  # (greedy's kept)
 print("ok")
 """
 
