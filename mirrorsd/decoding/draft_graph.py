@@ -118,7 +118,7 @@ def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spi
     for layer in range(cache.n_layers):  # the buffers the graph writes into: grown first (a growth drops graphs)
         cache.buffers(layer, needed)
     graphs = cache.graphs()
-    # keyed by what the choice draws by (DraftSampler.choice): greedy requests share their graphs whatever their seed
+    # keyed by what the choice bakes in (DraftSampler.choice): requests share their graphs whatever their seed
     key = ("draft", model, lead, n_roots, steps, sampler.choice)
     graph = graphs.get(key)
     if graph is None:

@@ -98,17 +98,22 @@ for method, kwargs in [("sd", {"draft": draft}), ("suffix", {}), ("ss", {"stream
 print("ok")
 """
 
-DRAFT_GRAPH = FORCE_CUDA_PATH + """
+# a random-weight target and draft on the forced fused path, for the graph scripts below
+TINY_PAIR = FORCE_CUDA_PATH + """
 from mirrorsd import Transformer, generate
 from mirrorsd.cuda_graphs import cuda_graphs
-from mirrorsd.decoding.mirror.draft import LocalDraft
-from mirrorsd.decoding.draft_graph import DraftGraph
-from mirrorsd.decoding.proposers import ModelProposer
 from tests.helpers import tiny_hf
 
 force(True)
 target = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=1, std=0.3), linear="dense")
 draft = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=1, seed=2, std=0.3), linear="dense")
+"""
+
+DRAFT_GRAPH = TINY_PAIR + """
+from mirrorsd.decoding.mirror.draft import LocalDraft
+from mirrorsd.decoding.draft_graph import DraftGraph
+from mirrorsd.decoding.proposers import ModelProposer
+
 bodies, body = [], DraftGraph.body
 
 def counted(self, *args):
@@ -191,18 +196,12 @@ assert drafts(cache, seed=3) is None  # the sampled graphs dropped the greedy on
 print("ok")
 """
 
-CHOICE = FORCE_CUDA_PATH + """
+CHOICE = TINY_PAIR + """
 import mirrorsd.execution as execution
-from mirrorsd import Transformer, generate
-from mirrorsd.cuda_graphs import cuda_graphs
 from mirrorsd.decoding import ar
 from mirrorsd.decoding.engine import RunAheadScorer
 from mirrorsd.sampling import SamplingParams, choose
-from tests.helpers import tiny_hf
 
-force(True)
-target = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=1, std=0.3), linear="dense")
-draft = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=1, seed=2, std=0.3), linear="dense")
 inside, chosen_eagerly = [], execution.choose
 
 def counted(*args, **kwargs):
