@@ -579,8 +579,8 @@ class Transformer(nn.Module):
         ``static``: the window's cache slots and visible keys as device tensors, for a caller that captures a whole
         sequence of forwards as one CUDA graph (the fused path only; the caller advances the cache's lengths).
         """
-        if streams is not None and streams.count and mask is None:
-            raise ValueError("stream rows need an explicit attention mask")
+        if streams is not None and streams.count and mask is None and static is None:
+            raise ValueError("stream rows need an explicit attention mask (or static gather lists)")
         end = self.config.n_layers if end is None else end
         if static is not None:
             if not fused_applies(self, hidden) or mask is not None:

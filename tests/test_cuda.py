@@ -136,6 +136,38 @@ def test_drafts_replay_as_one_captured_graph(monkeypatch, options):
                 assert got.stats.extra["mirror"].to_dict()["rollouts_as_one_graph"] >= 0.5, params
 
 
+@pytest.mark.parametrize("options", [{"backend": "serial"}, {"backend": "cuda-streams", "draft_issue": "inline"}])
+def test_stream_rollouts_replay_as_one_captured_graph(monkeypatch, options):
+    """Issue 62, item 2: with ``draft_streams`` a tree rollout's passes are one CUDA graph
+    (:class:`~mirrorsd.decoding.ss.rollout_graph.StreamDraftGraph`: J passes, each verified on the device), captured
+    without a host read inside, replayed, and still lossless, greedy and seeded, with the oracle draft's streams
+    guessing right half the time (so branches accept different counts)."""
+    from mirrorsd.decoding.ss.rollout_graph import StreamDraftGraph
+
+    made, call = [], StreamDraftGraph.__call__
+
+    def spied(self, *args):
+        made.append(self)
+        return call(self, *args)
+
+    monkeypatch.setattr(StreamDraftGraph, "__call__", spied)
+    target, draft = _pair(torch.bfloat16)
+    streams = gpu.oracle_streams(draft)
+    for params in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
+        want = generate(target, PROMPT, method="ar", max_new_tokens=48, **params).token_ids
+        oracle = gpu.OracleDraft.wrap(draft, PROMPT, want, 3, stream_hit=0.5)
+        made.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = generate(target, PROMPT, method="mirror", draft=oracle, draft_streams=streams, roots="paper",
+                           confidence=0.0, kappa=2, gamma=3, max_new_tokens=48, **options, **params)
+        _assert_lossless(target, got.token_ids, want)
+        assert not [w for w in caught if "capture failed" in str(w.message)], [str(w.message) for w in caught]
+        replayed = [g for g in made if g.graph is not None]
+        assert replayed and not any(g.failed for g in made), params
+        assert got.stats.extra["mirror"].to_dict()["rollouts_as_one_graph"] >= 0.5, params
+
+
 #: (roots, κ, ℓe, γ, backend options, temperature): every root mode, κ, ℓe and γ, each backend on this device, greedy
 #: and seeded (issue 62, item 7)
 MIRROR_SETTINGS = [

@@ -204,6 +204,48 @@ def test_the_device_branch_pick_is_the_hosts():
     assert tree.branch(2, 3) == 8 and tree.branch(0, 3) == 1 and tree.branch(1, 3) is None
 
 
+def test_a_ragged_rollouts_branch_rides_the_verdicts_read(exact_pair):
+    """A graphed stream rollout's branches end with their own counts (:mod:`~mirrorsd.decoding.ss.rollout_graph`):
+    ``BranchPick`` reads every count and the kept branch's entries with the verdict, so keeping it reads nothing
+    more; the window is its count, cut at γ, and the draft cache keeps the spine and the branch's inputs. A
+    rollout that read its roots on the host leaves the pick to the host."""
+    from mirrorsd.decoding.engine import DecodeRequest, DrawnChain, GenerationStats, RequestState
+    from mirrorsd.decoding.mirror.channel import ExitTopK
+    from mirrorsd.decoding.mirror.draft import BranchPick, LocalDraft, fresh_proposer
+    from mirrorsd.decoding.mirror.options import MirrorOptions
+    from mirrorsd.decoding.mirror.roots import DeviceRoots
+    from mirrorsd.sampling import SamplingParams
+
+    target, draft = exact_pair
+    roots = DeviceRoots(ExitTopK(ids=torch.tensor([[7, 3], [5, 8]]), logprobs=torch.zeros(2, 2)))
+    tokens = torch.arange(40).view(4, 10)
+    entries = torch.arange(100, 140).view(4, 10)
+    tree = Tree(roots=roots, tokens=tokens, top_probs=None, q=None, entries=entries, forwards=3,
+                counts=torch.tensor([3, 7, 4, 9]))
+    pick = BranchPick(lambda: tree)
+    pick.read([t.tolist() for t in pick.tensors(torch.tensor([1]), torch.tensor([8]))])
+    assert pick.taken and pick.branch == 3 and tree.read_counts == [3, 7, 4, 9]
+    assert tree.kept(3) == (9, list(range(130, 140))) and tree.depth(5) == (3 + 5 + 4 + 5) / 4
+
+    opts = MirrorOptions(gamma=5)
+    side = LocalDraft(None, fresh_proposer(draft, target.config.vocab_size, SamplingParams(), opts))  # (no run)
+    request = DecodeRequest(target, [1, 2], 32, SamplingParams(), GenerationStats("mirror"), draft)
+    state = RequestState(request, list(range(1, 8)), target.new_cache(), draft.new_cache(capacity=160))
+    state.draft_cache.lengths[:] = [140] * draft.config.n_layers
+    for branch, window in ((3, 5), (0, 3)):  # cut at γ; ended short
+        tree.read_entries.pop(0, None)
+        kept = side.keep_branch(state, tree, branch)
+        assert isinstance(kept, DrawnChain) and kept.ids.tolist() == tokens[branch, :window].tolist()
+        assert len(state.draft_cache) == len(state.tokens) - 1 + window
+        state.draft_cache.lengths[:] = [140] * draft.config.n_layers
+    assert side.streamed == [9 + 3, 6]  # what the kept branches made of their passes: J's estimate
+
+    host = Tree(roots=[(0, 7), (0, 3)], tokens=[[1], [2]], top_probs=None, q=None, entries=[[0], [1]], forwards=1)
+    pick = BranchPick(lambda: host)
+    pick.read([t.tolist() for t in pick.tensors(torch.tensor([0]), torch.tensor([3]))])
+    assert not pick.taken
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_with_every_candidate_a_root_nothing_is_read_before_the_upper_layers(exact_pair, monkeypatch, temperature):
     """``roots="paper"``: the exit's top-κ stay on the device as the rollouts' roots (``DeviceRoots``), and a fresh

@@ -196,6 +196,86 @@ assert drafts(cache, seed=3) is None  # the sampled graphs dropped the greedy on
 print("ok")
 """
 
+STREAM_DRAFT_GRAPH = TINY_PAIR + """
+from mirrorsd.bench.gpu import OracleDraft, OracleStreams
+from mirrorsd.decoding.drafting import DraftSampler
+from mirrorsd.decoding.mirror.draft import LocalDraft
+from mirrorsd.decoding.ss.adapters import StreamConfig
+from mirrorsd.decoding.ss.rollout_graph import StreamDraftGraph, graphed_stream_draft
+from mirrorsd.sampling import SamplingParams
+from tests.helpers import tiny_hf
+
+draft = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=2, std=0.3), linear="dense")  # (N_s = 1)
+cfg = draft.config
+streams = OracleStreams(draft, StreamConfig(streams=2, layers=1, hidden_size=cfg.hidden_size, n_layers=cfg.n_layers,
+                                            vocab_size=cfg.vocab_size)).eval()
+
+# The device-side verdicts, on a draft whose main stream follows a reference and whose streams guess it right at a
+# chosen rate: every branch's tokens are the reference after its root, each pass adds its accepted guesses and one
+# token, and the entries are the slots of the branch's inputs
+prompt, answer = [3, 4, 5, 6], torch.randint(0, 64, (40,)).tolist()
+reference = prompt + answer
+for hit, params in ((1.0, {}), (0.0, {}), (0.5, {}), (0.5, {"temperature": 0.8, "seed": 5})):
+    oracle = OracleDraft.wrap(draft, prompt, answer, None, stream_hit=hit)
+    sampler = DraftSampler(oracle, 64, SamplingParams(**params))
+    cache = oracle.new_cache(capacity=16)
+    with torch.no_grad():
+        outs = []
+        for _ in range(2):  # (a shape's first sight: None)
+            outs.append(graphed_stream_draft(oracle, streams, cache, sampler, [3, 4, 5], [2, 3, 3], [9, 6, 7], 3, 2))
+            cache.truncate(0)
+    assert outs[0] is None and outs[1] is not None
+    tokens, counts, entries, _ = outs[1]
+    counts = counts.tolist()
+    if hit == 1.0:
+        assert counts == [1 + 2 * 3] * 3, counts  # the first pass has no guesses, then every one holds
+    if hit == 0.0:
+        assert counts == [3] * 3, counts
+    for r, at in enumerate([2, 3, 3]):
+        assert tokens[r, :counts[r]].tolist() == reference[at + 1:at + 1 + counts[r]], (hit, params, r)
+        slots = entries[r, :counts[r]].tolist()
+        assert slots[0] == 3 + r and slots == sorted(set(slots)), slots  # the root's row, then ascending
+    if hit == 0.5:
+        assert len(set(counts)) > 1 or counts[0] > 3, counts  # (some guesses held)
+
+# Mirror-SD with draft_streams: graphed rollouts (from a shape's second sight) draw the tokens the host-driven ones
+# do (those cut at γ, these at their counts), and the output is ar's
+bodies, body = [], StreamDraftGraph.body
+
+def counted(self, *args):
+    bodies.append(self)
+    return body(self, *args)
+
+StreamDraftGraph.body = counted
+trees, rollout = [], LocalDraft.rollout
+
+def recorded(self, *args):
+    tree = rollout(self, *args)
+    counts = tree.counts.tolist() if tree.counts is not None else [len(t) for t in tree.tokens]
+    trees.append([list(t)[:c] for t, c in zip(tree.tokens.tolist() if tree.counts is not None else tree.tokens,
+                                                 counts)])
+    return tree
+
+LocalDraft.rollout = recorded
+plain = OracleStreams(draft, streams.config).eval()  # (random streams: few guesses hold)
+for temperature in (0.8,):  # (greedy's device verdicts: the oracle's above)
+    kw = dict(max_new_tokens=8, temperature=temperature, seed=3)
+    want = generate(target, prompt * 3, method="ar", **kw).token_ids
+    runs = {}
+    for graphs in (False, True):
+        trees.clear()
+        bodies.clear()
+        with cuda_graphs(graphs):
+            m = generate(target, prompt * 3, method="mirror", draft=draft, draft_streams=plain, roots="paper",
+                         confidence=0.0, gamma=3, kappa=2, backend="serial", **kw)
+        assert m.token_ids == want, (temperature, graphs)
+        runs[graphs] = list(trees)
+    assert bodies and len(runs[True]) == len(runs[False]), (len(bodies), runs)
+    for graphed, eager in zip(runs[True], runs[False]):
+        assert all(g[:len(e)] == e[:len(g)] for g, e in zip(graphed, eager, strict=True)), (graphed, eager)
+print("ok")
+"""
+
 CHOICE = TINY_PAIR + """
 import mirrorsd.execution as execution
 from mirrorsd.decoding import ar
@@ -330,6 +410,16 @@ def test_methods_on_the_fused_path_equal_ar():
 def test_a_fused_layer_is_at_most_ten_launches():
     """Every op a layer dispatches (GEMMs, in-place adds) plus its Triton kernels, counted on the CPU."""
     _interpret(LAUNCHES)
+
+
+def test_a_stream_rollout_as_one_graph_verifies_its_passes_on_the_device():
+    """Issue 62 item 2: Mirror-SD's ``draft_streams`` rollout through
+    :class:`~mirrorsd.decoding.ss.rollout_graph.StreamDraftGraph` (fixed passes, chains of stream guesses verified on
+    the device; eager here, captured on CUDA). With the bench's oracle draft every branch's tokens are the reference
+    after its root, its count is one token for the first pass plus the guesses that held and one token for each
+    later pass, and its entries are its inputs' slots (greedy and sampled); in Mirror-SD the graphed rollouts draw
+    the host-driven ones' tokens with a request's noise, and the output is ``ar``'s."""
+    _interpret(STREAM_DRAFT_GRAPH)
 
 
 def test_a_whole_forward_chooses_its_tokens_inside_its_graph():

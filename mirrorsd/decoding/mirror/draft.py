@@ -4,11 +4,12 @@ rollout) over a draft that runs here (:class:`LocalDraft`) or in another process
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
@@ -25,6 +26,7 @@ from ..engine import DrawnChain, Proposal, RequestState, Scores, VerdictRider, d
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters, stream_mask
 from ..ss.passes import StreamGuesses, ancestors, reads_every_row, stream_tops
+from ..ss.rollout_graph import graphed_stream_draft
 from .options import MirrorOptions, batch_caps
 from .roots import DeviceRoots
 from .stats import MirrorRun
@@ -38,17 +40,42 @@ class Tree:
     tokens: list[list[int]] | torch.Tensor  # [R, γ]: read, or (:class:`BranchPick`) still where they were drawn
     top_probs: list[list[float]] | None  # confidence rule
     q: torch.Tensor | None  # [R, γ, vocab] draft distributions (rejection sampling)
-    entries: list[list[int]]  # branch r's inputs (its root, then its tokens) at these draft-cache indices
+    entries: list[list[int]] | torch.Tensor  # branch r's inputs (its root, then its tokens) at these cache indices
     forwards: int
     span: Span | None = None
     alternatives: list[list[list[int]]] | None = None  # [R][γ][κ+1] the draft's likeliest tokens (candidates=draft)
     graphed: bool = False  # replayed as one captured CUDA graph (:mod:`~..draft_graph`)
+    # a stream rollout's graph (:mod:`~..ss.rollout_graph`): branch r's first ``counts[r]`` tokens, and ``entries``
+    # then ``[R, ·]`` on the device too; what was read of them on the host
+    counts: torch.Tensor | None = None
+    read_counts: list[int] | None = None
+    read_entries: dict[int, list[int]] = field(default_factory=dict)
 
     def branch(self, accepted: int, correction: int) -> int | None:
         for r, root in enumerate(self.roots):
             if root == (accepted, correction):
                 return r
         return None
+
+    def kept(self, branch: int) -> tuple[int, list[int]]:
+        """Branch ``branch``'s token count and its inputs' cache entries, on the host (a ragged rollout's in one
+        read, unless the verdict's read carried them)."""
+        if self.counts is None:
+            return len(self.tokens[branch]), self.entries[branch]
+        if branch not in self.read_entries:
+            assert isinstance(self.entries, torch.Tensor)
+            self.read_counts, self.read_entries[branch] = read_all(self.counts, self.entries[branch])
+        assert self.read_counts is not None
+        return self.read_counts[branch], self.read_entries[branch]
+
+    def depth(self, steps: int) -> float:
+        """The tokens a branch holds for its window, on average: ``steps``, or fewer where a ragged rollout's
+        fixed passes ended a branch short."""
+        if self.counts is None:
+            return steps
+        if self.read_counts is None:
+            self.read_counts = self.counts.tolist()
+        return sum(min(c, steps) for c in self.read_counts) / len(self.read_counts)
 
 
 class BranchPick:
@@ -62,25 +89,35 @@ class BranchPick:
         self.taken = False  # whether the verdict carried it (else the branch is picked on the host)
         self.branch: int | None = None
         self.join_s = 0.0  # the verdict's wait for the rollout (all of it, on the serial backend): the draft's time
+        self.tree: Tree | None = None  # a ragged rollout, whose kept branch the read carries
 
     def tensors(self, accepted: torch.Tensor, correction: torch.Tensor) -> list[torch.Tensor]:
         if self.join is None:
             return []
         start = time.perf_counter()
         try:
-            roots = self.join().roots
+            tree = self.join()
+            roots = tree.roots
         except Exception:  # noqa: BLE001 - the draft's failure is the proposer's to handle, not the verdict's
             return []
         finally:
             self.join_s = time.perf_counter() - start
-        assert isinstance(roots, DeviceRoots)
+        if not isinstance(roots, DeviceRoots):  # a host-driven rollout read them: the branch is picked on the host
+            return []
         found = (send(roots.at, accepted.device) == accepted) & (roots.ids.to(accepted.device) == correction)
-        return [torch.stack([found.any().long(), found.long().argmax()])]
+        branch = found.long().argmax()
+        riding = [torch.stack([found.any().long(), branch])]
+        if tree.counts is not None:  # a ragged rollout: every branch's count and the picked one's entries too
+            self.tree = tree
+            riding += [tree.counts, tree.entries.index_select(0, branch.to(tree.counts.device).view(1))[0]]
+        return riding
 
     def read(self, values: list) -> None:
         if values:
             hit, branch = values[0]
             self.branch, self.taken = branch if hit else None, True
+            if self.tree is not None:
+                self.tree.read_counts, self.tree.read_entries[branch] = values[1], values[2]
 
 
 class DraftSide(Protocol):
@@ -199,6 +236,7 @@ class LocalDraft:
         self.confidence = fresh.confidence
         self.future: Future[Tree] | None = None
         self.pick: BranchPick | None = None
+        self.streamed = [0, 0]  # a graphed stream rollout's kept branches: their tokens, and the passes that made them
 
     def start(self, state: RequestState) -> None:
         pass
@@ -227,10 +265,9 @@ class LocalDraft:
 
     def stays_on_device(self, roots: Sequence[tuple[int, int]]) -> bool:
         """Whether a rollout keeps its tokens where it drew them: roots still on the device, and nothing else
-        the host needs of it (top probabilities for the confidence rule, runner-ups for ``candidates=draft``,
-        a stream rollout's per-pass verdicts)."""
-        return isinstance(roots, DeviceRoots) and self.confidence == 0 and not self.proposer.sampler.runner_ups \
-            and not isinstance(self.proposer, StreamProposer)
+        the host needs of it (top probabilities for the confidence rule, runner-ups for ``candidates=draft``;
+        a host-driven stream rollout's per-pass verdicts, which :meth:`BranchPick.tensors` finds read)."""
+        return isinstance(roots, DeviceRoots) and self.confidence == 0 and not self.proposer.sampler.runner_ups
 
     def rollout(self, committed: int, window: int, spine: list[int] | torch.Tensor,
                 roots: Sequence[tuple[int, int]], steps: int, state: RequestState) -> Tree:
@@ -328,6 +365,15 @@ class LocalDraft:
             roots.read(read["roots"])
         return Tree(roots, read["tokens"], read.get("tops"), q, entries, steps, alternatives=read.get("alternatives"))
 
+    def passes(self, steps: int) -> int:
+        """A graphed stream rollout's fixed pass count, J = ⌈γ/η̄⌉ (the paper's bound), with η̄ the draft's tokens
+        per pass so far: its fresh rollouts' (a window cut at γ: a little low, so J errs long) and the branches
+        graphed rollouts kept. Branches that accept less end short of γ: their windows are shorter."""
+        stats = self.run.stats
+        tokens, passes = stats.fresh_tokens + self.streamed[0], stats.fresh_forwards + self.streamed[1]
+        eta = max(1.0, tokens / passes) if passes else 1.0
+        return max(1, min(steps, math.ceil(steps / eta)))
+
     def _stream_rollout(self, state: RequestState, committed: int, window: int, spine_feed: list[int] | torch.Tensor,
                         roots: Sequence[tuple[int, int]], steps: int) -> Tree:
         """:meth:`_rollout` with Speculative Streaming passes (``draft_streams``): in every forward each branch
@@ -335,8 +381,11 @@ class LocalDraft:
         of γ (the paper's J ≤ ⌈γ/η̄⌉), with the same tokens: each branch's main stream verifies, as in
         :class:`~..proposers.StreamProposer`.
 
-        One forward carries every unfinished branch: its next input (the root, then its last token) and its guess
-        tree, over the spine it sees and its own cache entries. Branches accept different counts, so the cache
+        Where a graph applies, the rollout is one (:func:`~..ss.rollout_graph.graphed_stream_draft`): J =
+        :meth:`passes` passes verified on the device, chains of the streams' top guesses, nothing read until the
+        verdict, and branches ending with their own counts. Otherwise, driven from the host: one forward carries
+        every unfinished branch: its next input (the root, then its last token) and its guess tree, over the spine
+        it sees and its own cache entries. Branches accept different counts, so the cache
         keeps each branch's inputs wherever they land (``entries``), compacted past the spine after every pass.
 
         The pass's mask and positions are built on the host and sent once. Its verdicts decide the next pass's
@@ -347,14 +396,22 @@ class LocalDraft:
         assert isinstance(proposer, StreamProposer)
         model, cache, sampler, adapters = self.model, state.draft_cache, proposer.sampler, proposer.adapters
         device = model.device
-        # Each pass reads its verdicts on the host anyway, so the roots' ids and the spine are read here, in the job.
-        roots = list(roots)
-        if isinstance(spine_feed, torch.Tensor):
-            spine_feed = spine_feed.tolist()
         if len(cache) + len(spine_feed) != committed + window:
             raise RuntimeError(f"draft cache holds {len(cache)} positions and {len(spine_feed)} are fed, expected "
                                f"{committed + window} in all")
         n_streams = min(batch_caps(state.batch)[1] or adapters.config.streams, adapters.config.streams)
+        at = roots.at if isinstance(roots, DeviceRoots) else [j for j, _ in roots]
+        passes = self.passes(steps)
+        ids = roots.ids.to(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]
+        graphed = graphed_stream_draft(model, adapters, cache, sampler, spine_feed, [committed + j for j in at], ids,
+                                       passes, n_streams)
+        if graphed is not None:
+            drawn, counts, kept, replayed = graphed
+            return Tree(roots, drawn, None, None, kept, passes, graphed=replayed, counts=counts)
+        # Each pass reads its verdicts on the host anyway, so the roots' ids and the spine are read here, in the job.
+        roots = list(roots)
+        if isinstance(spine_feed, torch.Tensor):
+            spine_feed = spine_feed.tolist()
         n_roots, base, split = len(roots), len(cache) + len(spine_feed), adapters.first_layer
         sees = [committed + j for j, _ in roots]  # root (j, v) sits at committed + j and sees the spine before it
         entries: list[list[int]] = [[] for _ in roots]
@@ -465,12 +522,16 @@ class LocalDraft:
     def keep_branch(self, state: RequestState, tree: Tree, branch: int) -> Proposal:
         """Compact the cache to the spine through ``d_A`` plus the branch's inputs ``c, t_1..t_{w-1}``."""
         limit = min(self.proposer.gamma, state.room)
+        count, entries = tree.kept(branch)
         if tree.top_probs is None:
-            window = min(limit, len(tree.tokens[branch]))
+            window = min(limit, count)
         else:
             window = min(limit, window_end(tree.top_probs[branch], self.confidence))
+        if tree.counts is not None:  # a ragged rollout's passes: what the branch made of them
+            self.streamed[0] += count
+            self.streamed[1] += tree.forwards
         before = len(state.tokens) - 1  # the spine through d_A
-        state.draft_cache.keep(list(range(before)) + tree.entries[branch][:max(window, 1)])
+        state.draft_cache.keep(list(range(before)) + entries[:max(window, 1)])
         probs = tree.q[branch, :window] if tree.q is not None and window else None
         if isinstance(tree.tokens, torch.Tensor) and window:  # the next step's forward and verdict take them there
             chain = DrawnChain(tree.tokens[branch, :window])

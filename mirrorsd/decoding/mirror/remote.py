@@ -272,6 +272,9 @@ class _RemoteTree:
     forwards: int
     graphed: bool = False  # (the draft rank's rollouts are issued step by step)
 
+    def depth(self, steps: int) -> float:
+        return steps  # (a branch's own count, where the rank's rollout was a graph, stays there)
+
 
 class RemoteDraft:
     """The draft in another process (the module docstring): fresh rollouts, tree rollouts and branch selection go

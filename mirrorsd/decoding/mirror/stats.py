@@ -43,7 +43,7 @@ class MirrorStep:
     t_fallback: float  # fresh rollout after a miss (exposed)
     hidden: float  # rollout time overlapped by the target's upper layers
     step_s: float  # measured: step start to the next window ready
-    rollout_depth: int = 0  # tokens each branch rolled out (the rollout's γ)
+    rollout_depth: float = 0  # tokens each branch rolled out (the rollout's γ)
     rollout_forwards: int = 0  # draft forwards that took (J: γ for an AR draft, ~⌈γ/η̄⌉ with SS streams)
     rollout_graphed: bool = False  # the rollout replayed as one CUDA graph
 
@@ -203,7 +203,7 @@ class MirrorRun:
         record.t_pre, record.t_ee, record.delta = pre.seconds, ee.seconds if ee else 0.0, upper.seconds
         rollout = tree.span if tree is not None else None
         if tree is not None:
-            record.rollout_depth, record.rollout_forwards = steps, tree.forwards
+            record.rollout_depth, record.rollout_forwards = tree.depth(steps), tree.forwards
             record.rollout_graphed = tree.graphed
         if rollout is not None:
             record.t_draft = rollout.seconds
