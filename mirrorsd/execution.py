@@ -442,6 +442,37 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         torch.addmm(bias, x, weight.t(), out=out)
 
 
+GRAPH_KINDS = ("draft", "stream draft", "stream pass")  # the first item of a static_graph key
+
+
+def static_graph(model: Transformer, cache: KVCache, key: tuple, needed: int,
+                 make: Callable[[tuple | None], cuda_graphs.Captured]) -> cuda_graphs.Captured | None:
+    """The graph ``key`` names over ``cache`` (``key[0]``: one of :data:`GRAPH_KINDS`, ``key[1]``: the model,
+    ``key[-1]``: the choice it bakes in), made by ``make(pool)`` on the key's second sight, with the cache's buffers
+    grown to ``needed`` positions first (a growth drops graphs). Where one applies: the fused CUDA layers with graphs
+    on, no continuous batching, a one-row cache with every layer at one length. None otherwise, and on the key's
+    first sight (a one-off, such as a prompt, costs no static buffers)."""
+    if not cuda_graphs.enabled() or batcher() is not None or cache.rows != 1 or len(set(cache.lengths)) != 1 \
+            or not fused_applies(model, model.norm.weight):  # (not a quantized embedding: it dequantizes)
+        return None
+    for layer in range(cache.n_layers):  # the buffers the graph writes into: grown first (a growth drops graphs)
+        cache.buffers(layer, needed)
+    graphs = cache.graphs()
+    # keyed by what the choice bakes in (e.g. DraftSampler.choice): requests share their graphs whatever their seed
+    graph = graphs.get(key)
+    if graph is None:
+        # another request's choice (other sampling parameters) or model (the bench's oracle drafts share their
+        # caches): one set at a time
+        for old in [k for k in graphs if k[0] in GRAPH_KINDS and (k[1], k[-1]) != (key[1], key[-1])]:
+            del graphs[old]
+        graphs[key] = False  # seen once
+        return None
+    if graph is False:
+        pool = next((g.pool for g in graphs.values() if g), None)
+        graph = graphs[key] = make(pool)
+    return graph
+
+
 def _layer_graph(model: Transformer, inputs: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None,
                  start: int, end: int, last: int | None, choice: tuple | None = None
                  ) -> tuple[cuda_graphs.LayerGraph, int, tuple[torch.Tensor, torch.Tensor] | None] | None:

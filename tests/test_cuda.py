@@ -233,7 +233,19 @@ def test_a_sampled_request_replays_the_graph_another_seed_captured():
     assert second.token_ids == want.token_ids
 
 
-def test_ss_streams_on_cuda():
+def test_ss_streams_on_cuda(monkeypatch):
+    """``ss`` equals ``ar``; a pass that prunes nothing reads its verdict and every row's next guesses at once, and
+    runs as one captured graph (:class:`~mirrorsd.decoding.ss.passes.StreamPassGraph`; issue 61, item 2), greedy and
+    seeded."""
+    from mirrorsd.decoding.ss.passes import StreamPassGraph
+
+    made, call = [], StreamPassGraph.__call__
+
+    def spied(self, *args):
+        made.append(self)
+        return call(self, *args)
+
+    monkeypatch.setattr(StreamPassGraph, "__call__", spied)
     target, _ = _pair(torch.bfloat16)
     cfg = target.config
     adapters = StreamAdapters(target, StreamConfig(streams=3, layers=2, hidden_size=cfg.hidden_size,
@@ -242,9 +254,15 @@ def test_ss_streams_on_cuda():
     want = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0).token_ids
     got = generate(target, PROMPT, method="ss", streams=adapters, max_new_tokens=24, temperature=0.0).token_ids
     _assert_lossless(target, got, want)
-    # A pass that prunes nothing reads its verdict and every row's next guesses at once (issue 61, item 2).
     once = dict(method="ss", streams=adapters, threshold=0.0, suffix_match=0)
-    assert generate(target, PROMPT, max_new_tokens=24, **once).token_ids == want
+    for params in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
+        made.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = generate(target, PROMPT, max_new_tokens=48, **once, **params).token_ids
+        _assert_lossless(target, got, generate(target, PROMPT, method="ar", max_new_tokens=48, **params).token_ids)
+        assert not [w for w in caught if "capture failed" in str(w.message)], [str(w.message) for w in caught]
+        assert any(g.graph is not None for g in made) and not any(g.failed for g in made), params
     syncs = gpu.host_syncs_per_step(target, PROMPT, tokens=24, **once)
     assert syncs is not None and syncs <= 1.2, syncs
 

@@ -18,12 +18,12 @@ that overrides them (the GPU bench's oracle draft) is captured as it runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..cuda_graphs import Captured, StaticStep, enabled
-from ..execution import batcher, fused_applies
+from ..cuda_graphs import Captured, StaticStep
+from ..execution import static_graph
 from ..kv_cache import KVCache
 from ..linear import FIXED_ROWS
 from ..model import Transformer
@@ -31,8 +31,6 @@ from ..sampling import stream_key
 from ..transfer import send
 from .drafting import DraftSampler
 from .engine import draft_tokens
-
-DRAFT_KINDS = ("draft", "stream draft")  # the first item of a draft graph's key
 
 
 class DraftGraph(Captured):
@@ -106,48 +104,19 @@ def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spi
     """The drafted tokens ``[R, steps]`` through their :class:`DraftGraph`, and whether they came from a replay (not
     the warm-up, a failed capture or a CPU). ``spine``: the tokens the cache lacks before the roots; root ``r`` sits at
     cache position ``root_pos[r]``, and the noise keys each drawn token by its text position (its cache position
-    plus ``shift``). Where one applies (:func:`draft_graph`, at most one fixed-row slab a step). None otherwise, and
-    on a shape's first sight (a one-off, such as a prompt, costs no static buffers): the caller then runs the steps
-    one by one."""
+    plus ``shift``). Where one applies (:func:`~mirrorsd.execution.static_graph`, at most one fixed-row slab a
+    step, and nothing wanted but the tokens: no top probabilities, distributions or runner-ups). None otherwise, and
+    on a shape's first sight: the caller then runs the steps one by one."""
     lead, n_roots = len(spine), len(root_pos)
-    if lead + n_roots > FIXED_ROWS:
+    if lead + n_roots > FIXED_ROWS or sampler.need_probs or sampler.runner_ups:
         return None
     past = len(cache)
     needed = past + lead + steps * n_roots
-    graph = draft_graph(model, cache, sampler, ("draft", model, lead, n_roots, steps, sampler.choice), needed,
-                        lambda pool: DraftGraph(model, cache, sampler, lead, n_roots, steps, pool))
+    graph = static_graph(model, cache, ("draft", model, lead, n_roots, steps, sampler.choice), needed,
+                         lambda pool: DraftGraph(model, cache, sampler, lead, n_roots, steps, pool))
     if graph is None:
         return None
     tokens = graph(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
                    draft_tokens(model, root_ids), shift, sampler.params.seed)
     cache.lengths[:] = [needed] * cache.n_layers
     return tokens, graph.graph is not None
-
-
-def draft_graph(model: Transformer, cache: KVCache, sampler: DraftSampler, key: tuple, needed: int,
-                make: Callable[[tuple | None], Captured]) -> Captured | None:
-    """The draft graph ``key`` names over ``cache`` (``key[1]``: the draft, ``key[-1]``: the sampler's choice), made
-    by ``make(pool)`` on the key's second sight, with the cache's buffers grown to ``needed`` positions first (a growth
-    drops graphs). Where one applies: the fused CUDA layers with graphs on, no continuous batching, a one-row cache
-    with every layer at one length, and nothing wanted but the tokens (no top probabilities, distributions or
-    runner-ups). None otherwise, and on the key's first sight."""
-    if not enabled() or batcher() is not None or sampler.need_probs or sampler.runner_ups or cache.rows != 1 \
-            or len(set(cache.lengths)) != 1 \
-            or not fused_applies(model, model.norm.weight):  # (not a quantized embedding: it dequantizes)
-        return None
-    for layer in range(cache.n_layers):  # the buffers the graph writes into: grown first (a growth drops graphs)
-        cache.buffers(layer, needed)
-    graphs = cache.graphs()
-    # keyed by what the choice bakes in (DraftSampler.choice): requests share their graphs whatever their seed
-    graph = graphs.get(key)
-    if graph is None:
-        # another request's choice (other sampling parameters) or draft (the bench's oracle drafts share their
-        # caches): one set at a time
-        for old in [k for k in graphs if k[0] in DRAFT_KINDS and (k[1], k[-1]) != (key[1], key[-1])]:
-            del graphs[old]
-        graphs[key] = False  # seen once
-        return None
-    if graph is False:
-        pool = next((g.pool for g in graphs.values() if g), None)
-        graph = graphs[key] = make(pool)
-    return graph

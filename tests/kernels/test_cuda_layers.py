@@ -196,6 +196,75 @@ assert drafts(cache, seed=3) is None  # the sampled graphs dropped the greedy on
 print("ok")
 """
 
+STREAM_PASS_GRAPH = TINY_PAIR + """
+from mirrorsd.decoding.engine import Proposal
+from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
+from mirrorsd.decoding.ss.passes import StreamPassGraph, fused_forward, graphed_pass, read_pass
+from mirrorsd.sampling import Noise, SamplingParams
+from tests.helpers import tiny_hf
+
+def adapters(model):
+    cfg = model.config
+    torch.manual_seed(4)
+    made = StreamAdapters(model, StreamConfig(streams=2, layers=1, hidden_size=cfg.hidden_size,
+                                              n_layers=cfg.n_layers, vocab_size=cfg.vocab_size)).eval()
+    with torch.no_grad():
+        made.stream_embed.normal_(0.0, 0.5)  # (zero embeddings would make the streams their node's copy)
+    return made
+
+streams = adapters(target)
+# A pass as one graph (its body eager here) gives the eager pass's bits: logits, own tokens and every row's stream
+# candidates, for a chain and a tree, under a trunk of one token and of three
+params = SamplingParams()
+for trunk, tree in (([9], Proposal([4, 5], [-1, 0])), ([7, 8, 9], Proposal([4, 5, 6], [-1, -1, 0])),
+                    ([9], Proposal())):
+    eager_cache, graph_cache = target.new_cache(capacity=64), target.new_cache(capacity=64)
+    with torch.no_grad():
+        for cache in (eager_cache, graph_cache):
+            target(torch.arange(3, 13)[None], cache=cache)
+        forward = fused_forward(target, streams, eager_cache, trunk, tree)
+        read = read_pass(target, forward, params, 3) or None
+        outs = []
+        for _ in range(2):  # (a shape's first sight: None)
+            outs.append(graphed_pass(target, streams, graph_cache, trunk, tree, params, Noise.TARGET, 2, 3, None))
+            graph_cache.truncate(10)
+    assert outs[0] is None and outs[1] is not None
+    graphed, graphed_read = outs[1]
+    assert torch.equal(graphed.main_logits, forward.main_logits), trunk
+    own = forward.main_logits.argmax(-1).tolist()
+    assert graphed_read.own == own, trunk
+    out = forward.out[0]
+    m = len(forward.kept)
+    from mirrorsd.decoding.ss.passes import stream_tops
+    ids, logprobs = stream_tops(target, out[m + (len(trunk) - 1) * 2:m + m * 2], 2, 3)
+    assert [g.tokens for g in graphed_read.guesses] == ids.tolist(), trunk
+    assert [g.logprobs for g in graphed_read.guesses] == logprobs.tolist(), trunk
+    for layer in range(2):  # the pass's rows went where the eager pass put them
+        n = len(trunk) + len(tree.tokens)
+        assert torch.equal(graph_cache.keys[layer][:, :, 10:10 + n], eager_cache.keys[layer][:, :, 10:10 + n])
+
+# ss (threshold 0: nothing pruned, as off the CPU) and sd with a draft_streams draft: passes replayed through their
+# graphs from a shape's second sight, every token ar's
+bodies, body = [], StreamPassGraph.body
+
+def counted(self, *args):
+    bodies.append(self)
+    return body(self, *args)
+
+StreamPassGraph.body = counted
+draft2 = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=2, std=0.3), linear="dense")
+prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]
+want = generate(target, prompt, method="ar", max_new_tokens=40).token_ids
+for method, kwargs in (("ss", {"streams": streams, "threshold": 0.0, "suffix_match": 0}),
+                       ("sd", {"draft": draft2, "draft_streams": adapters(draft2), "confidence": 0.0,
+                               "suffix_match": 0, "gamma": 3})):
+    bodies.clear()
+    got = generate(target, prompt, method=method, max_new_tokens=40, **kwargs)
+    assert got.token_ids == want, method
+    assert len(bodies) >= 3, (method, len(bodies))
+print("ok")
+"""
+
 STREAM_DRAFT_GRAPH = TINY_PAIR + """
 from mirrorsd.bench.gpu import OracleDraft, OracleStreams
 from mirrorsd.decoding.drafting import DraftSampler
@@ -410,6 +479,15 @@ def test_methods_on_the_fused_path_equal_ar():
 def test_a_fused_layer_is_at_most_ten_launches():
     """Every op a layer dispatches (GEMMs, in-place adds) plus its Triton kernels, counted on the CPU."""
     _interpret(LAUNCHES)
+
+
+def test_a_stream_pass_as_one_graph_gives_the_eager_passs_bits():
+    """Issue 61 item 2 for ``ss``: a Speculative Streaming pass through
+    :class:`~mirrorsd.decoding.ss.passes.StreamPassGraph` (gather lists from the tree's shape and the cache length on
+    the device; the main rows' choice and every row's stream candidates inside; eager here, captured on CUDA) gives
+    the eager pass's logits, tokens, candidates and cache rows bit for bit, for chains, trees and longer trunks; and
+    ``ss`` and ``sd`` with a ``draft_streams`` draft run their passes through it, equal to ``ar``."""
+    _interpret(STREAM_PASS_GRAPH)
 
 
 def test_a_stream_rollout_as_one_graph_verifies_its_passes_on_the_device():

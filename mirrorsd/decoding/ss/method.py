@@ -20,6 +20,7 @@ import torch
 from ...draft_vocab import SubsetHead
 from ...exit_heads import tuned_exit
 from ...model import Transformer
+from ...sampling import Noise
 from ...verify import Verdict
 from ..drafting import defer_streams_option
 from ..engine import ChainScorer, DecodeRequest, Proposal, RequestState, Roles, Scores, match
@@ -45,9 +46,8 @@ from .passes import (
     StreamGuesses,
     TreeForward,
     compact,
-    fused_forward,
     next_guesses,
-    read_pass,
+    pass_and_read,
 )
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; at 0.05 the CR was unchanged and k=3 ran 1.5x faster
@@ -141,11 +141,11 @@ class StreamTreeScorer(ChainScorer):
         self.prune_exit, self.defer, self.tree_k = prune_exit, defer, tree_k
 
     def score(self, state: RequestState, draft: Proposal) -> TreeScores:
-        forward = fused_forward(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
-                                self.threshold, self.head, self.prune_exit, defer=self.defer)
+        forward, read = pass_and_read(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
+                                      state.params, Noise.TARGET, self.threshold, self.tree_k, self.head,
+                                      self.prune_exit, defer=self.defer)
         self.stats.tree_before.append(forward.nodes)
         self.stats.tree_after.append(len(forward.kept))
-        read = read_pass(self.model, forward, state.params, self.tree_k, self.head)
         return TreeScores(forward.main_logits, forward.draft, forward=forward, own=read.own if read else None,
                           read=read)
 

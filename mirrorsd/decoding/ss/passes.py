@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...cuda_graphs import Captured, StaticStep
 from ...draft_vocab import SubsetHead, head_logits, top_tokens
+from ...execution import static_graph
 from ...kv_cache import KVCache
+from ...linear import FIXED_ROWS
 from ...model import Transformer
-from ...sampling import Noise, SamplingParams, choose, rows_apart
+from ...sampling import Noise, SamplingParams, choose, graph_choice, rows_apart, stream_key
 from ...transfer import read_all, send
 from ...verify import Verdict, tree_positions, verify_tree
 from ..engine import Proposal, draft_tokens
@@ -111,7 +114,8 @@ class TreeForward:
     trunk: int  # trunk length (the root is node ``trunk - 1``)
     nodes: int  # tree size before pruning, trunk included
     kept: list[int]  # surviving nodes in order (the trunk always survives); their rows in ``out``
-    out: torch.Tensor  # [1, m + m·γ, d]: main rows of the kept nodes, then their stream rows (none when deferred)
+    out: torch.Tensor | None  # [1, m + m·γ, d]: main rows of the kept nodes, then their stream rows (none when
+    # deferred); None from a graphed pass (:func:`graphed_pass`), which read its streams already
     main_logits: torch.Tensor  # [m - root, vocab]: main logits from the root on
     draft: Proposal  # the surviving tree below the root, aligned with main_logits rows 1..
     streams: int  # stream rows per kept node (the adapters' streams, or the first of them)
@@ -232,6 +236,7 @@ def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForw
         rows = model.run_layers(x, positions, cache, mask, adapters.first_layer, None,
                                 streams=adapters.rows(n_streams))[0]
     else:
+        assert forward.out is not None  # (a graphed pass read its streams: it never gets here)
         rows = forward.out[0, m + last * n_streams: m + (last + 1) * n_streams]
     ids, logprobs = read_all(*stream_tops(model, rows, n_streams, tree_k, head))
     return StreamGuesses(ids[0], logprobs[0])
@@ -274,6 +279,7 @@ def read_pass(model: Transformer, forward: TreeForward, params: SamplingParams, 
     m = len(forward.kept)
     own = choose(forward.main_logits, tree_positions(forward.draft.parents or [], forward.past + forward.trunk),
                  params, noise)
+    assert forward.out is not None
     ids, logprobs = stream_tops(model, forward.out[0, m + root * n_streams:m + m * n_streams], n_streams, tree_k, head)
     own, ids, logprobs = read_all(own, ids, logprobs)
     return PassRead(own, [StreamGuesses(ids[r], logprobs[r]) for r in range(rows)])
@@ -304,8 +310,8 @@ def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk:
             defer: str = "never") -> PassResult:
     """One self-verified pass: verify ``tree`` under ``trunk[-1]``, compact, draft the next one (``streams``: the
     first of the adapters' streams only; ``defer``: see :func:`fused_forward`)."""
-    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head, streams=streams, defer=defer)
-    read = read_pass(model, forward, params, tree_k, head, noise)
+    forward, read = pass_and_read(model, adapters, cache, trunk, tree, params, noise, threshold, tree_k, head,
+                                  streams=streams, defer=defer)
     verdict = verify_tree(forward.draft.tokens, forward.draft.parents, forward.main_logits,
                           forward.past + forward.trunk, params, noise, own=read.own if read else None)
     chose = [0, *(i + 1 for i in verdict.nodes)]
@@ -314,3 +320,129 @@ def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk:
                                                                   cache)
     return PassResult([forward.draft.tokens[i] for i in verdict.nodes], verdict.next_token, guesses,
                       forward.main_logits[chose])
+
+
+def pass_and_read(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
+                  params: SamplingParams, noise: int, threshold: float, tree_k: int, head: SubsetHead | None,
+                  prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None, streams: int | None = None,
+                  defer: str = "never") -> tuple[TreeForward, PassRead | None]:
+    """:func:`fused_forward` and :func:`read_pass`: as one graph where the pass prunes nothing and runs its streams
+    beside its nodes (:func:`graphed_pass`), else op by op."""
+    n_streams = min(streams or adapters.config.streams, adapters.config.streams)
+    if (threshold == 0 or not tree.tokens) and defer != "always":
+        graphed = graphed_pass(model, adapters, cache, trunk, tree, params, noise, n_streams, tree_k, head)
+        if graphed is not None:
+            return graphed
+    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head, prune_exit, streams, defer)
+    return forward, read_pass(model, forward, params, tree_k, head, noise)
+
+
+# -- a pass as one CUDA graph ----------------------------------------------------------------------------------
+
+
+def stream_step(positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, first: int,
+                n_streams: int, scratch: torch.Tensor | int, keys: torch.Tensor) -> StaticStep:
+    """The top layers' static inputs: the pass's rows (``positions``, ``slots``, gather lists ``index`` [rows, C] and
+    ``counts``), then stream ``j`` beside each row from ``first`` on, which sees its row's keys and then its row's
+    streams through ``j``, written at ``scratch + row·γ + j`` (:func:`~.adapters.stream_mask`'s attention)."""
+    device, capacity = keys.device, keys.numel()
+    n = positions.numel() - first
+    row_of = torch.arange(n, device=device).repeat_interleave(n_streams)
+    stream_of = torch.arange(n_streams, device=device).repeat(n)
+    sees = counts[first:].long()[row_of].unsqueeze(1)
+    own = (scratch + row_of * n_streams).unsqueeze(1) + keys - sees
+    streamed = torch.where(keys < sees, index[first:][row_of].long(), own).clamp(0, capacity - 1).int()
+    return StaticStep(torch.cat([positions, positions[first:][row_of]]).unsqueeze(0),
+                      torch.cat([slots, scratch + row_of * n_streams + stream_of]),
+                      torch.cat([index, streamed]).unsqueeze(0),
+                      torch.cat([counts, (sees.view(-1) + stream_of + 1).int()]).unsqueeze(0))
+
+
+class StreamPassGraph(Captured):
+    """One pass's shape (a trunk of ``trunk`` tokens, its last the root, then a tree of ``parents``) with
+    ``streams`` streams beside every node, over one cache's buffers, for one choice (:func:`~mirrorsd.sampling.
+    graph_choice`). Inputs: the cache length, the tokens (draft ids) and the noise's stream key. Output: the main
+    logits from the root on ``[1 + tree, vocab]``, each such row's own token, and every such row's streams' top-k
+    ids and log-probabilities ``[1 + tree, streams, k]``."""
+
+    def __init__(self, model: Transformer, adapters: StreamAdapters, cache: KVCache, params: SamplingParams,
+                 noise: int, trunk: int, parents: tuple[int, ...], streams: int, tree_k: int,
+                 head: SubsetHead | None, pool: tuple | None) -> None:
+        super().__init__(model.device, pool)
+        self.model, self.adapters, self.params, self.noise = model, adapters, params, noise
+        self.trunk, self.streams, self.tree_k, self.head = trunk, streams, tree_k, head
+        device = model.device
+        # the whole pass's parents and depths (the trunk a chain, the tree under its last token), and each node's
+        # ancestors, itself included, ascending
+        every = [*range(-1, trunk - 1), *(trunk - 1 if p < 0 else p + trunk for p in parents)]
+        depths: list[int] = []
+        seen: list[list[int]] = []
+        for node, parent in enumerate(every):
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+            seen.append([*(seen[parent] if parent >= 0 else []), node])
+        self.n = len(every)
+        width = max(len(a) for a in seen)
+        with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
+            self.past = torch.zeros((), dtype=torch.long, device=device)
+            self.stream_key = torch.zeros((), dtype=torch.long, device=device)
+            self.ids = torch.zeros(self.n, dtype=torch.long, device=device)
+            self.depths = send(depths, device)
+            self.ancestors = send([a + [a[-1]] * (width - len(a)) for a in seen], device)  # [n, width]
+            self.seen = send([len(a) for a in seen], device)
+            self.keys = torch.arange(min(k.shape[2] for k in cache.keys), device=device)
+
+    def __call__(self, cache: KVCache, past: int, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
+        self.past.fill_(past)
+        if not self.params.greedy:
+            self.stream_key.fill_(stream_key(seed, self.noise))
+        self.ids.copy_(ids.view(-1))
+        out = self.run(lambda: self.body(cache))
+        assert isinstance(out, tuple)
+        return out
+
+    def body(self, cache: KVCache) -> tuple[torch.Tensor, ...]:
+        model, adapters, n, root = self.model, self.adapters, self.n, self.trunk - 1
+        keys, past, capacity = self.keys, self.past, self.keys.numel()
+        positions, slots = past + self.depths, past + torch.arange(n, device=keys.device)
+        at = (keys - past).clamp(0, self.ancestors.shape[1] - 1)
+        index = torch.where(keys < past, keys, past + self.ancestors.gather(1, at.expand(n, -1)))
+        index, counts = index.clamp(0, capacity - 1).int(), (past + self.seen).int()
+        static = StaticStep(positions.unsqueeze(0), slots, index.unsqueeze(0), counts.unsqueeze(0))
+        split = adapters.first_layer
+        hidden = model.run_layers(model.embed(self.ids.unsqueeze(0)), static.positions, cache, None, 0, split,
+                                  static=static)
+        upper = stream_step(positions, slots, index, counts, 0, self.streams, past + n, keys)
+        x = adapters.insert(hidden, self.streams)
+        out = model.run_layers(x, upper.positions, cache, None, split, None, streams=adapters.rows(n * self.streams),
+                               static=upper)[0]
+        logits = model.logits(out[root:n])
+        own = choose(logits, positions[root:] + 1, self.params, self.noise, self.stream_key)
+        ids, logprobs = stream_tops(model, out[n + root * self.streams:n + n * self.streams], self.streams,
+                                    self.tree_k, self.head)
+        return logits, own, ids, logprobs
+
+
+def graphed_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
+                 params: SamplingParams, noise: int, streams: int, tree_k: int, head: SubsetHead | None
+                 ) -> tuple[TreeForward, PassRead] | None:
+    """:func:`fused_forward` (no pruning, streams beside every node) and :func:`read_pass` through the pass's
+    :class:`StreamPassGraph`, with what they return; where it applies (:func:`~mirrorsd.execution.static_graph`, rows
+    drawn apart, the whole pass in one fixed-row slab), from a shape's second sight. None otherwise."""
+    parents = tuple(tree.parents or ()) if tree.tokens else ()
+    n = len(trunk) + len(tree.tokens)
+    if (tree.tokens and tree.parents is None) or n * (1 + streams) > FIXED_ROWS \
+            or not rows_apart(model.device, params):
+        return None
+    past = len(cache)
+    choice = (None, *graph_choice(params, noise))  # (a DraftSampler's choice without a subset head: one set a cache)
+    key = ("stream pass", model, adapters, len(trunk), parents, streams, tree_k, head, choice)
+    graph = static_graph(model, cache, key, past + n * (1 + streams), lambda pool: StreamPassGraph(
+        model, adapters, cache, params, noise, len(trunk), parents, streams, tree_k, head, pool))
+    if graph is None:
+        return None
+    assert isinstance(graph, StreamPassGraph)
+    logits, own, ids, logprobs = graph(cache, past, draft_tokens(model, [*trunk, *tree.tokens]), params.seed)
+    cache.lengths[:] = [past + n] * cache.n_layers  # (the verdict's compaction keeps the accepted path)
+    own, ids, logprobs = read_all(own, ids, logprobs)
+    forward = TreeForward(past, len(trunk), n, list(range(n)), None, logits, tree, streams, graph.depths + past)
+    return forward, PassRead(own, [StreamGuesses(ids[r], logprobs[r]) for r in range(len(own))])

@@ -24,15 +24,16 @@ import torch
 
 from ...cuda_graphs import Captured, StaticStep
 from ...draft_vocab import head_logits
+from ...execution import static_graph
 from ...kv_cache import KVCache
 from ...linear import FIXED_ROWS
 from ...model import Transformer
 from ...sampling import stream_key
 from ...transfer import send
-from ..draft_graph import draft_graph
 from ..drafting import DraftSampler
 from ..engine import draft_tokens
 from .adapters import StreamAdapters
+from .passes import stream_step
 
 
 class StreamDraftGraph(Captured):
@@ -118,17 +119,7 @@ class StreamDraftGraph(Captured):
             static = StaticStep(positions.unsqueeze(0), slots, index.unsqueeze(0), counts.unsqueeze(0))
             hidden = model.run_layers(model.embed(ids.unsqueeze(0)), static.positions, cache, None, 0, split,
                                       static=static)
-            # stream (i, j) beside branch row i: row i's gather list, then its own streams through j (scratch slots)
-            row_of = torch.arange(n, device=device).repeat_interleave(n_streams)
-            stream_of = torch.arange(n_streams, device=device).repeat(n)
-            sees = counts[first:].long()[row_of].unsqueeze(1)
-            stream_slots = scratch + row_of * n_streams + stream_of
-            streamed = torch.where(keys < sees, index[first:][row_of].long(),
-                                   (scratch + row_of * n_streams).unsqueeze(1) + keys - sees)
-            upper = StaticStep(torch.cat([positions, positions[first:][row_of]]).unsqueeze(0),
-                               torch.cat([slots, stream_slots]),
-                               torch.cat([index, streamed.clamp(0, capacity - 1).int()]).unsqueeze(0),
-                               torch.cat([counts, (sees.view(-1) + stream_of + 1).int()]).unsqueeze(0))
+            upper = stream_step(positions, slots, index, counts, first, n_streams, scratch, keys)
             x = torch.cat([hidden, adapters.insert(hidden[:, first:], n_streams)[:, n:]], 1)
             out = model.run_layers(x, upper.positions, cache, None, split, None, streams=adapters.rows(n * n_streams),
                                    static=upper)[0]
@@ -161,12 +152,12 @@ def graphed_stream_draft(model: Transformer, adapters: StreamAdapters, cache: KV
     otherwise and on a shape's first sight: the caller then runs the host-driven rollout. The cache then holds every
     row the passes wrote (the caller keeps a branch's entries, or rolls back)."""
     lead, n_roots = len(spine), len(root_pos)
-    if lead + n_roots * (1 + streams) > FIXED_ROWS or passes < 1:
+    if lead + n_roots * (1 + streams) > FIXED_ROWS or passes < 1 or sampler.need_probs or sampler.runner_ups:
         return None
     past = len(cache)
     needed = past + lead + StreamDraftGraph.rows(n_roots, passes, streams)
     key = ("stream draft", model, adapters, lead, n_roots, passes, streams, sampler.choice)
-    graph = draft_graph(model, cache, sampler, key, needed, lambda pool: StreamDraftGraph(
+    graph = static_graph(model, cache, key, needed, lambda pool: StreamDraftGraph(
         model, adapters, cache, sampler, lead, n_roots, passes, streams, pool))
     if graph is None:
         return None
