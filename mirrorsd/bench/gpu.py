@@ -246,6 +246,7 @@ class MethodRun:
     divergence: dict[str, Any] | None
     mirror: dict[str, Any] | None = None
     failed: str | None = None  # the error, where the method could not run on this machine
+    stats: dict[str, Any] | None = None  # the method's own statistics (``ss``: its passes replayed as graphs)
 
 
 
@@ -610,7 +611,8 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
             report["methods"].append(asdict(MethodRun(
                 name, method, label, len(res.token_ids) / secs, res.stats.mean_accepted_length,
                 res.token_ids == reference, divergence(target, prompt, res.token_ids, reference),
-                _mirror(res, out / f"trace_{name}_{label.replace(' ', '_')}.json"))))
+                _mirror(res, out / f"trace_{name}_{label.replace(' ', '_')}.json"),
+                stats=res.stats.extra[method].to_dict() if method in res.stats.extra and method != "mirror" else None)))
             _write(out, report)
         report["forced"].extend(_forced(name, target, draft, prompt, reference, accepts, gamma, dev, max_new, out,
                                         say, overlaps))

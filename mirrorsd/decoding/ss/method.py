@@ -100,6 +100,7 @@ class SSStats:
     tree_before: list[int] = field(default_factory=list)
     tree_after: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
+    graphed: list[bool] = field(default_factory=list)  # the pass replayed as one CUDA graph
 
     @property
     def call_reduction(self) -> float:
@@ -121,7 +122,8 @@ class SSStats:
         n = max(len(self.tree_before), 1)
         return {"passes": len(self.committed), "call_reduction": round(self.call_reduction, 4),
                 "mean_tree_before_pruning": round(sum(self.tree_before) / n, 2),
-                "mean_tree_after_pruning": round(sum(self.tree_after) / n, 2)}
+                "mean_tree_after_pruning": round(sum(self.tree_after) / n, 2),
+                "passes_as_one_graph": round(sum(self.graphed) / n, 4)}
 
 
 @dataclass
@@ -146,6 +148,7 @@ class StreamTreeScorer(ChainScorer):
                                       self.prune_exit, defer=self.defer)
         self.stats.tree_before.append(forward.nodes)
         self.stats.tree_after.append(len(forward.kept))
+        self.stats.graphed.append(forward.graphed)
         return TreeScores(forward.main_logits, forward.draft, forward=forward, own=read.own if read else None,
                           read=read)
 

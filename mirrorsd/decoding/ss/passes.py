@@ -121,6 +121,7 @@ class TreeForward:
     streams: int  # stream rows per kept node (the adapters' streams, or the first of them)
     positions: torch.Tensor  # [m] the kept nodes' positions
     deferred: torch.Tensor | None = None  # [1, m, d] kept nodes' states at layer N - N_s: streams run after compaction
+    graphed: bool = False  # replayed as one captured CUDA graph (:func:`graphed_pass`)
 
     @property
     def root_row(self) -> int:
@@ -444,5 +445,6 @@ def graphed_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, t
     logits, own, ids, logprobs = graph(cache, past, draft_tokens(model, [*trunk, *tree.tokens]), params.seed)
     cache.lengths[:] = [past + n] * cache.n_layers  # (the verdict's compaction keeps the accepted path)
     own, ids, logprobs = read_all(own, ids, logprobs)
-    forward = TreeForward(past, len(trunk), n, list(range(n)), None, logits, tree, streams, graph.depths + past)
+    forward = TreeForward(past, len(trunk), n, list(range(n)), None, logits, tree, streams, graph.depths + past,
+                          graphed=graph.graph is not None)
     return forward, PassRead(own, [StreamGuesses(ids[r], logprobs[r]) for r in range(len(own))])
