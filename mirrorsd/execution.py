@@ -462,8 +462,8 @@ def static_graph(model: Transformer, cache: KVCache, key: tuple, needed: int,
     graph = graphs.get(key)
     if graph is None:
         # another request's choice (other sampling parameters) or model (the bench's oracle drafts share their
-        # caches): one set at a time
-        for old in [k for k in graphs if k[0] in GRAPH_KINDS and (k[1], k[-1]) != (key[1], key[-1])]:
+        # caches): one set of each kind at a time
+        for old in [k for k in graphs if k[0] == key[0] and (k[1], k[-1]) != (key[1], key[-1])]:
             del graphs[old]
         graphs[key] = False  # seen once
         return None

@@ -838,13 +838,16 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {c['target']} | {p['tokens']} | {p['ar_tok_s']:.1f} | {show(hf_eager)} | "
                              f"{show(compiled)} | {ratio} |")
     lines += ["", "## Every method on random weights (greedy)", "",
-              "| target | method | tok/s | tokens/step | equal to ar | divergence |", "|---|---|---|---|---|---|"]
+              "| target | method | tok/s | tokens/step | passes as one graph | equal to ar | divergence |",
+              "|---|---|---|---|---|---|---|"]
     for m in report["methods"]:
         if m.get("failed"):
-            lines.append(f"| {m['target']} | {m['label']} | – | – | FAILED | {m['failed']} |")
+            lines.append(f"| {m['target']} | {m['label']} | – | – | – | FAILED | {m['failed']} |")
             continue
         divergence = json.dumps(m["divergence"]) if m["divergence"] else ""
+        graphed = (m.get("stats") or {}).get("passes_as_one_graph")  # (ss: its stream passes replayed)
         lines.append(f"| {m['target']} | {m['label']} | {m['tok_s']:.1f} | {m['mean_accepted']:.2f} | "
+                     f"{'–' if graphed is None else format(graphed, '.2f')} | "
                      f"{'yes' if m['equal_to_ar'] else 'NO'} | {divergence} |")
     fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)  # noqa: E731
     lines += ["", "## Forced acceptance (oracle draft) and exit hit rate (exit oracle): Mirror-SD vs SD", "",

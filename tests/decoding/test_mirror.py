@@ -207,8 +207,8 @@ def test_the_device_branch_pick_is_the_hosts():
 def test_a_ragged_rollouts_branch_rides_the_verdicts_read(exact_pair):
     """A graphed stream rollout's branches end with their own counts (:mod:`~mirrorsd.decoding.ss.rollout_graph`):
     ``BranchPick`` reads every count and the kept branch's entries with the verdict, so keeping it reads nothing
-    more; the window is its count, cut at γ, and the draft cache keeps the spine and the branch's inputs. A
-    rollout that read its roots on the host leaves the pick to the host."""
+    more; the window is its count, cut at γ, and the draft cache keeps the spine and the branch's inputs; the
+    kept branches set the pass count. A rollout that read its roots on the host leaves the pick to the host."""
     from mirrorsd.decoding.engine import DecodeRequest, DrawnChain, GenerationStats, RequestState
     from mirrorsd.decoding.mirror.channel import ExitTopK
     from mirrorsd.decoding.mirror.draft import BranchPick, LocalDraft, fresh_proposer
@@ -238,7 +238,8 @@ def test_a_ragged_rollouts_branch_rides_the_verdicts_read(exact_pair):
         assert isinstance(kept, DrawnChain) and kept.ids.tolist() == tokens[branch, :window].tolist()
         assert len(state.draft_cache) == len(state.tokens) - 1 + window
         state.draft_cache.lengths[:] = [140] * draft.config.n_layers
-    assert side.streamed == [9 + 3, 6]  # what the kept branches made of their passes: J's estimate
+    assert side.streamed == [8 + 2, 2 + 2]  # what the kept branches' guessing passes made: J's estimate
+    assert [side.passes(g) for g in (1, 2, 5, 7)] == [1, 2, 3, 4]  # J = 1 + ⌈(γ - 1)/η̄'⌉, η̄' = 2.5
 
     host = Tree(roots=[(0, 7), (0, 3)], tokens=[[1], [2]], top_probs=None, q=None, entries=[[0], [1]], forwards=1)
     pick = BranchPick(lambda: host)

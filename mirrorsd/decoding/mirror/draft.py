@@ -58,13 +58,12 @@ class Tree:
         return None
 
     def kept(self, branch: int) -> tuple[int, list[int]]:
-        """Branch ``branch``'s token count and its inputs' cache entries, on the host (a ragged rollout's in one
-        read, unless the verdict's read carried them)."""
+        """Branch ``branch``'s token count and its inputs' cache entries, on the host (a ragged rollout's read with
+        the verdict, or else every branch's in one read)."""
         if self.counts is None:
             return len(self.tokens[branch]), self.entries[branch]
         if branch not in self.read_entries:
-            assert isinstance(self.entries, torch.Tensor)
-            self.read_counts, self.read_entries[branch] = read_all(self.counts, self.entries[branch])
+            self._read()
         assert self.read_counts is not None
         return self.read_counts[branch], self.read_entries[branch]
 
@@ -74,8 +73,15 @@ class Tree:
         if self.counts is None:
             return steps
         if self.read_counts is None:
-            self.read_counts = self.counts.tolist()
+            self._read()
+        assert self.read_counts is not None
         return sum(min(c, steps) for c in self.read_counts) / len(self.read_counts)
+
+    def _read(self) -> None:
+        """Every branch's count and entries in one host read (where the verdict did not carry the kept one's)."""
+        assert self.counts is not None and isinstance(self.entries, torch.Tensor)
+        self.read_counts, entries = read_all(self.counts, self.entries)
+        self.read_entries = dict(enumerate(entries))
 
 
 class BranchPick:
@@ -236,16 +242,24 @@ class LocalDraft:
         self.confidence = fresh.confidence
         self.future: Future[Tree] | None = None
         self.pick: BranchPick | None = None
-        self.streamed = [0, 0]  # a graphed stream rollout's kept branches: their tokens, and the passes that made them
+        self.streamed = [0, 0]  # tokens after the first pass, and the passes that made them (:meth:`passes`)
 
     def start(self, state: RequestState) -> None:
         pass
 
     def fresh(self, state: RequestState) -> Proposal:
         with self.run.tracer.span("draft", "fresh rollout"):
-            if isinstance(self.proposer, StreamProposer):  # fewer stream rows in a busy batch (App. D.1)
-                return self.proposer.propose(state, streams=batch_caps(state.batch)[1])
-            return self.proposer.propose(state)
+            if not isinstance(self.proposer, StreamProposer):
+                return self.proposer.propose(state)
+            window = self.proposer.propose(state, streams=batch_caps(state.batch)[1])  # (App. D.1: fewer in a batch)
+            if window.forwards > 1:
+                self.learn(window.length, window.forwards)
+            return window
+
+    def learn(self, tokens: int, passes: int) -> None:
+        """A stream rollout of ``passes`` passes made ``tokens`` tokens (the first pass one of them)."""
+        self.streamed[0] += tokens - 1
+        self.streamed[1] += passes - 1
 
     def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]],
                steps: int) -> BranchPick | None:
@@ -366,13 +380,14 @@ class LocalDraft:
         return Tree(roots, read["tokens"], read.get("tops"), q, entries, steps, alternatives=read.get("alternatives"))
 
     def passes(self, steps: int) -> int:
-        """A graphed stream rollout's fixed pass count, J = ⌈γ/η̄⌉ (the paper's bound), with η̄ the draft's tokens
-        per pass so far: its fresh rollouts' (a window cut at γ: a little low, so J errs long) and the branches
-        graphed rollouts kept. Branches that accept less end short of γ: their windows are shorter."""
-        stats = self.run.stats
-        tokens, passes = stats.fresh_tokens + self.streamed[0], stats.fresh_forwards + self.streamed[1]
+        """A graphed stream rollout's fixed pass count: the first pass (roots alone, no guesses) adds one token, and
+        each later one its accepted guesses and one more, so J = 1 + ⌈(γ − 1)/η̄'⌉, the paper's ⌈γ/η̄⌉ bound with
+        η̄' the tokens per guessing pass so far: of the fresh rollouts (windows cut at γ: a little low, so J errs
+        long) and of the branches graphed rollouts kept. Branches that accept less end short of γ: their windows are
+        shorter."""
+        tokens, passes = self.streamed
         eta = max(1.0, tokens / passes) if passes else 1.0
-        return max(1, min(steps, math.ceil(steps / eta)))
+        return 1 + math.ceil((steps - 1) / eta) if steps > 1 else 1
 
     def _stream_rollout(self, state: RequestState, committed: int, window: int, spine_feed: list[int] | torch.Tensor,
                         roots: Sequence[tuple[int, int]], steps: int) -> Tree:
@@ -527,9 +542,8 @@ class LocalDraft:
             window = min(limit, count)
         else:
             window = min(limit, window_end(tree.top_probs[branch], self.confidence))
-        if tree.counts is not None:  # a ragged rollout's passes: what the branch made of them
-            self.streamed[0] += count
-            self.streamed[1] += tree.forwards
+        if tree.counts is not None and tree.forwards > 1:  # what a ragged rollout's guessing passes made
+            self.learn(count, tree.forwards)
         before = len(state.tokens) - 1  # the spine through d_A
         state.draft_cache.keep(list(range(before)) + entries[:max(window, 1)])
         probs = tree.q[branch, :window] if tree.q is not None and window else None

@@ -148,11 +148,13 @@ def graphed_stream_draft(model: Transformer, adapters: StreamAdapters, cache: KV
     """A stream rollout through its :class:`StreamDraftGraph`: each branch's tokens, their counts and its inputs'
     cache entries (on the device), and whether they came from a replay. Arguments as
     :func:`~..draft_graph.graphed_draft`'s, with ``passes`` and the ``streams`` inserted beside each row; where it
-    applies as there (:func:`~..draft_graph.draft_graph`), with every pass's branch rows in one fixed-row slab. None
+    applies as there (:func:`~mirrorsd.execution.static_graph`), with every pass's branch rows in one fixed-row slab
+    (the top layers' stream rows may span more), and no top-p. None
     otherwise and on a shape's first sight: the caller then runs the host-driven rollout. The cache then holds every
     row the passes wrote (the caller keeps a branch's entries, or rolls back)."""
     lead, n_roots = len(spine), len(root_pos)
-    if lead + n_roots * (1 + streams) > FIXED_ROWS or passes < 1 or sampler.need_probs or sampler.runner_ups:
+    if lead + n_roots * (1 + streams) > FIXED_ROWS or passes < 1 or sampler.need_probs or sampler.runner_ups \
+            or sampler.params.top_p < 1.0:  # (top-p's sums may depend on the row count: the host draws rows apart)
         return None
     past = len(cache)
     needed = past + lead + StreamDraftGraph.rows(n_roots, passes, streams)
