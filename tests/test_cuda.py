@@ -36,6 +36,18 @@ def _pair(dtype: torch.dtype, draft_device: torch.device = CUDA):
     return target, draft
 
 
+def _graphs_run(monkeypatch, cls: type, method: str) -> list:
+    """Every ``cls`` graph that runs (through ``method``), in order: a test reads their captures and failures."""
+    made, call = [], getattr(cls, method)
+
+    def spied(self, *args):
+        made.append(self)
+        return call(self, *args)
+
+    monkeypatch.setattr(cls, method, spied)
+    return made
+
+
 def _assert_lossless(target, got: list[int], want: list[int]) -> None:
     assert got == want, gpu.divergence(target, PROMPT, got, want)
 
@@ -111,13 +123,7 @@ def test_drafts_replay_as_one_captured_graph(monkeypatch, options):
     seeded; so is ``sd``'s fixed window (one root: a chain)."""
     from mirrorsd.decoding.draft_graph import DraftGraph
 
-    made, call = [], DraftGraph.__call__
-
-    def spied(self, *args):
-        made.append(self)
-        return call(self, *args)
-
-    monkeypatch.setattr(DraftGraph, "__call__", spied)
+    made = _graphs_run(monkeypatch, DraftGraph, "feed")
     target, draft = _pair(torch.bfloat16)
     for params in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
         want = generate(target, PROMPT, method="ar", max_new_tokens=48, **params).token_ids
@@ -144,13 +150,7 @@ def test_stream_rollouts_replay_as_one_captured_graph(monkeypatch, options):
     guessing right half the time (so branches accept different counts)."""
     from mirrorsd.decoding.ss.rollout_graph import StreamDraftGraph
 
-    made, call = [], StreamDraftGraph.__call__
-
-    def spied(self, *args):
-        made.append(self)
-        return call(self, *args)
-
-    monkeypatch.setattr(StreamDraftGraph, "__call__", spied)
+    made = _graphs_run(monkeypatch, StreamDraftGraph, "feed")
     target, draft = _pair(torch.bfloat16)
     streams = gpu.oracle_streams(draft)
     for params in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
@@ -239,13 +239,7 @@ def test_ss_streams_on_cuda(monkeypatch):
     seeded."""
     from mirrorsd.decoding.ss.passes import StreamPassGraph
 
-    made, call = [], StreamPassGraph.__call__
-
-    def spied(self, *args):
-        made.append(self)
-        return call(self, *args)
-
-    monkeypatch.setattr(StreamPassGraph, "__call__", spied)
+    made = _graphs_run(monkeypatch, StreamPassGraph, "__call__")
     target, _ = _pair(torch.bfloat16)
     cfg = target.config
     adapters = StreamAdapters(target, StreamConfig(streams=3, layers=2, hidden_size=cfg.hidden_size,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cuda_graphs import Captured, StaticStep
+from ..cuda_graphs import Captured, Output, StaticStep
 from ..execution import static_graph
 from ..kv_cache import KVCache
 from ..linear import FIXED_ROWS
@@ -33,18 +33,18 @@ from .drafting import DraftSampler
 from .engine import draft_tokens
 
 
-class DraftGraph(Captured):
-    """One draft shape (spine tokens fed before the roots, roots, steps) over one draft cache's buffers, for one
-    sampler's choice (:attr:`~.drafting.DraftSampler.choice`: the head, the warp and the noise). Its inputs are static
-    device tensors: the cache length before the steps, the spine's missing tokens, the roots' positions and ids, how
-    far the noise's positions run ahead of the cache's (a draft that skipped prompt tokens), and the noise's stream
-    key (the request's seed)."""
+class RootedGraph(Captured):
+    """Draft work after R roots over one draft cache's buffers, for one sampler's choice
+    (:attr:`~.drafting.DraftSampler.choice`: the head, the warp and the noise): the static device inputs its body
+    reads, which :meth:`feed` writes before each run. They are the cache length before the work, the spine's missing
+    tokens (``lead`` of them), the roots' positions and ids, how far the noise's positions run ahead of the cache's
+    (a draft that skipped prompt tokens), and the noise's stream key (the request's seed)."""
 
     def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
-                 steps: int, pool: tuple | None) -> None:
+                 pool: tuple | None) -> None:
         super().__init__(model.device, pool)
         self.model, self.sampler = model, sampler  # (not the cache, which holds this graph: no cycle)
-        self.lead, self.n_roots, self.steps = lead, n_roots, steps
+        self.lead, self.n_roots = lead, n_roots
         device = model.device
         with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
             self.past = torch.zeros((), dtype=torch.long, device=device)
@@ -56,12 +56,11 @@ class DraftGraph(Captured):
             # the keys every layer's buffer holds (the layers grow one by one)
             self.keys = torch.arange(min(k.shape[2] for k in cache.keys), device=device)
             self.branches = torch.arange(n_roots, device=device)
-            self.spine_rows = torch.arange(lead, device=device)
 
-    def __call__(self, cache: KVCache, past: int, spine: torch.Tensor, root_pos: torch.Tensor,
-                 root_ids: torch.Tensor, shift: int, seed: int) -> torch.Tensor:
-        """The drafted tokens ``[R, steps]``; ``cache`` (the one this graph was made over) holds the steps' inputs
-        after ``past + lead`` (the caller sets the lengths). ``spine`` and ``root_ids`` are draft ids
+    def feed(self, cache: KVCache, past: int, spine: torch.Tensor, root_pos: torch.Tensor, root_ids: torch.Tensor,
+             shift: int, seed: int) -> Output:
+        """The body's output; ``cache`` (the one this graph was made over) holds the work's inputs after
+        ``past + lead`` (the caller sets the lengths). ``spine`` and ``root_ids`` are draft ids
         (:func:`~.engine.draft_tokens`); ``seed``: the request's (a sampled draft's noise)."""
         self.past.fill_(past)
         self.shift.fill_(shift)
@@ -71,6 +70,20 @@ class DraftGraph(Captured):
         self.root_pos.copy_(root_pos)
         self.root_ids.copy_(root_ids.view(-1))
         return self.run(lambda: self.body(cache))
+
+    def body(self, cache: KVCache) -> Output:
+        raise NotImplementedError
+
+
+class DraftGraph(RootedGraph):
+    """γ draft steps after R roots (a chain: one root): the drafted tokens ``[R, steps]``."""
+
+    def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
+                 steps: int, pool: tuple | None) -> None:
+        super().__init__(model, cache, sampler, lead, n_roots, pool)
+        self.steps = steps
+        with torch.inference_mode(False):
+            self.spine_rows = torch.arange(lead, device=model.device)
 
     def body(self, cache: KVCache) -> torch.Tensor:
         model, sampler, lead, n_roots = self.model, self.sampler, self.lead, self.n_roots
@@ -116,7 +129,8 @@ def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spi
                          lambda pool: DraftGraph(model, cache, sampler, lead, n_roots, steps, pool))
     if graph is None:
         return None
-    tokens = graph(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
-                   draft_tokens(model, root_ids), shift, sampler.params.seed)
+    tokens = graph.feed(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
+                        draft_tokens(model, root_ids), shift, sampler.params.seed)
+    assert isinstance(tokens, torch.Tensor)
     cache.lengths[:] = [needed] * cache.n_layers
     return tokens, graph.graph is not None

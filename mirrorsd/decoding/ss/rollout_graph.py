@@ -22,41 +22,30 @@ from collections.abc import Sequence
 
 import torch
 
-from ...cuda_graphs import Captured, StaticStep
+from ...cuda_graphs import StaticStep
 from ...draft_vocab import head_logits
 from ...execution import static_graph
 from ...kv_cache import KVCache
 from ...linear import FIXED_ROWS
 from ...model import Transformer
-from ...sampling import stream_key
 from ...transfer import send
+from ..draft_graph import RootedGraph
 from ..drafting import DraftSampler
 from ..engine import draft_tokens
 from .adapters import StreamAdapters
 from .passes import stream_step
 
 
-class StreamDraftGraph(Captured):
-    """One stream rollout shape (spine tokens fed before the roots, roots, passes, streams) over one draft cache's
-    buffers, for one sampler's choice. Inputs as :class:`~..draft_graph.DraftGraph`'s; the output is each branch's
-    tokens ``[R, J·(1+S)]``, their counts ``[R]`` and the cache entries of each branch's inputs (its root, then its
-    tokens but the last) ``[R, J·(1+S)]``."""
+class StreamDraftGraph(RootedGraph):
+    """One stream rollout shape (spine tokens fed before the roots, roots, passes, streams): the output is each
+    branch's tokens ``[R, J·(1+S)]``, their counts ``[R]`` and the cache entries of each branch's inputs (its root,
+    then its tokens but the last) ``[R, J·(1+S)]``."""
 
     def __init__(self, model: Transformer, adapters: StreamAdapters, cache: KVCache, sampler: DraftSampler,
                  lead: int, n_roots: int, passes: int, streams: int, pool: tuple | None) -> None:
-        super().__init__(model.device, pool)
-        self.model, self.adapters, self.sampler = model, adapters, sampler
-        self.lead, self.n_roots, self.passes, self.streams = lead, n_roots, passes, streams
+        super().__init__(model, cache, sampler, lead, n_roots, pool)
+        self.adapters, self.passes, self.streams = adapters, passes, streams
         self.head = adapters.head(model)  # the vocabulary the streams were trained on
-        device = model.device
-        with torch.inference_mode(False):  # written in place from no_grad code too, not only inference mode
-            self.past = torch.zeros((), dtype=torch.long, device=device)
-            self.stream_key = torch.zeros((), dtype=torch.long, device=device)
-            self.shift = torch.zeros((), dtype=torch.long, device=device)
-            self.spine = torch.zeros(lead, dtype=torch.long, device=device)
-            self.root_pos = torch.zeros(n_roots, dtype=torch.long, device=device)
-            self.root_ids = torch.zeros(n_roots, dtype=torch.long, device=device)
-            self.keys = torch.arange(min(k.shape[2] for k in cache.keys), device=device)
 
     @staticmethod
     def rows(n_roots: int, passes: int, streams: int) -> int:
@@ -66,26 +55,13 @@ class StreamDraftGraph(Captured):
         main = n_roots + (passes - 1) * n_roots * block
         return main + n_roots * block * streams
 
-    def __call__(self, cache: KVCache, past: int, spine: torch.Tensor, root_pos: torch.Tensor, root_ids: torch.Tensor,
-                 shift: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.past.fill_(past)
-        self.shift.fill_(shift)
-        if not self.sampler.params.greedy:
-            self.stream_key.fill_(stream_key(seed, self.sampler.noise))
-        self.spine.copy_(spine.view(-1))
-        self.root_pos.copy_(root_pos)
-        self.root_ids.copy_(root_ids.view(-1))
-        out = self.run(lambda: self.body(cache))
-        assert isinstance(out, tuple)
-        return out
-
     def body(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         model, adapters, sampler = self.model, self.adapters, self.sampler
         lead, n_roots, n_streams = self.lead, self.n_roots, self.streams
         split, block = adapters.first_layer, 1 + n_streams
         keys, capacity, device = self.keys, self.keys.numel(), self.keys.device
         width = self.passes * block  # the most tokens a branch can end with
-        root_pos, branches = self.root_pos, torch.arange(n_roots, device=device)
+        root_pos, branches = self.root_pos, self.branches
         base = self.past + lead
         tokens = torch.zeros(n_roots, width + 1, dtype=torch.long, device=device)  # column ``width``: the unkept
         entries = torch.zeros_like(tokens)
@@ -164,7 +140,7 @@ def graphed_stream_draft(model: Transformer, adapters: StreamAdapters, cache: KV
     if graph is None:
         return None
     assert isinstance(graph, StreamDraftGraph)
-    tokens, count, entries = graph(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
-                                   draft_tokens(model, root_ids), shift, sampler.params.seed)
+    tokens, count, entries = graph.feed(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
+                                        draft_tokens(model, root_ids), shift, sampler.params.seed)
     cache.lengths[:] = [needed] * cache.n_layers
     return tokens, count, entries, graph.graph is not None
