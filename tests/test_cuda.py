@@ -147,7 +147,8 @@ def test_stream_rollouts_replay_as_one_captured_graph(monkeypatch, options):
     """Issue 62, item 2: with ``draft_streams`` a tree rollout's passes are one CUDA graph
     (:class:`~mirrorsd.decoding.ss.rollout_graph.StreamDraftGraph`: J passes, each verified on the device), captured
     without a host read inside, replayed, and still lossless, greedy and seeded, with the oracle draft's streams
-    guessing right half the time (so branches accept different counts)."""
+    guessing right half the time (so branches accept different counts) and the exit oracle holding the correction
+    half the time (kept branches and misses)."""
     from mirrorsd.decoding.ss.rollout_graph import StreamDraftGraph
 
     made = _graphs_run(monkeypatch, StreamDraftGraph, "feed")
@@ -159,9 +160,12 @@ def test_stream_rollouts_replay_as_one_captured_graph(monkeypatch, options):
         made.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = generate(target, PROMPT, method="mirror", draft=oracle, draft_streams=streams, roots="paper",
-                           confidence=0.0, kappa=2, gamma=3, max_new_tokens=48, **options, **params)
+            got = generate(gpu.ExitOracle.wrap(target, PROMPT, want, 0.5, 2), PROMPT, method="mirror", draft=oracle,
+                           draft_streams=streams, roots="paper", confidence=0.0, kappa=2, gamma=3, exit_head="lens",
+                           exit_vocab=0, max_new_tokens=48, **options, **params)
         _assert_lossless(target, got.token_ids, want)
+        hits = [s.hit for s in got.stats.extra["mirror"].steps]
+        assert True in hits and False in hits, hits  # kept ragged branches, and misses
         assert not [w for w in caught if "capture failed" in str(w.message)], [str(w.message) for w in caught]
         replayed = [g for g in made if g.graph is not None]
         assert replayed and not any(g.failed for g in made), params

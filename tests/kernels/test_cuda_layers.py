@@ -266,7 +266,7 @@ print("ok")
 """
 
 STREAM_DRAFT_GRAPH = TINY_PAIR + """
-from mirrorsd.bench.gpu import OracleDraft, OracleStreams
+from mirrorsd.bench.gpu import ExitOracle, OracleDraft, OracleStreams
 from mirrorsd.decoding.drafting import DraftSampler
 from mirrorsd.decoding.mirror.draft import LocalDraft
 from mirrorsd.decoding.ss.adapters import StreamConfig
@@ -334,10 +334,13 @@ for temperature in (0.8,):  # (greedy's device verdicts: the oracle's above)
     for graphs in (False, True):
         trees.clear()
         bodies.clear()
-        with cuda_graphs(graphs):
-            m = generate(target, prompt * 3, method="mirror", draft=draft, draft_streams=plain, roots="paper",
-                         confidence=0.0, gamma=3, kappa=2, backend="serial", **kw)
+        with cuda_graphs(graphs):  # (the exit oracle holds the correction half the time: kept branches and misses)
+            m = generate(ExitOracle.wrap(target, prompt * 3, want, 0.5, 2), prompt * 3, method="mirror", draft=draft,
+                         draft_streams=plain, roots="paper", confidence=0.0, gamma=3, kappa=2, backend="serial",
+                         exit_head="lens", exit_vocab=0, **kw)
         assert m.token_ids == want, (temperature, graphs)
+        hits = [s.hit for s in m.stats.extra["mirror"].steps]
+        assert True in hits and False in hits, hits
         runs[graphs] = list(trees)
     assert bodies and len(runs[True]) == len(runs[False]), (len(bodies), runs)
     for graphed, eager in zip(runs[True], runs[False]):
