@@ -4,7 +4,8 @@ with ``draft_streams`` (the paper's draft drafts with streams), a fixed number o
 Why: the host-driven stream rollout (:meth:`~..mirror.draft.LocalDraft._stream_rollout`) reads the host after every
 pass (its verdicts choose the next pass's inputs and tree), so its passes run at the host's pace and the rollout
 cannot be one graph beside the target's upper layers. Here every pass verifies on the device: J passes are issued
-blind, J ≈ ⌈γ/η̄⌉ (the paper's J ≤ ⌈γ/η̄⌉), and the host reads nothing until the verdict.
+blind (J = 1 + ⌈(γ − 1)/η̄′⌉, :meth:`~..mirror.draft.LocalDraft.passes`: the paper's J ≤ ⌈γ/η̄⌉ with the first pass's
+one token apart), and the host reads nothing until the verdict.
 
 Each pass feeds, per branch, its next input and a chain of its streams' top-1 guesses (the first pass: the spine's
 missing tokens and the roots alone), runs the layers below N − N_s, inserts the streams beside every branch row,
@@ -125,9 +126,9 @@ def graphed_stream_draft(model: Transformer, adapters: StreamAdapters, cache: KV
     cache entries (on the device), and whether they came from a replay. Arguments as
     :func:`~..draft_graph.graphed_draft`'s, with ``passes`` and the ``streams`` inserted beside each row; where it
     applies as there (:func:`~mirrorsd.execution.static_graph`), with every pass's branch rows in one fixed-row slab
-    (the top layers' stream rows may span more), and no top-p. None
-    otherwise and on a shape's first sight: the caller then runs the host-driven rollout. The cache then holds every
-    row the passes wrote (the caller keeps a branch's entries, or rolls back)."""
+    (the top layers' stream rows may span more), and no top-p. None otherwise and on a shape's first sight: the
+    caller then runs the host-driven rollout. The cache then holds every row the passes wrote (the caller keeps a
+    branch's entries, or rolls back)."""
     lead, n_roots = len(spine), len(root_pos)
     if lead + n_roots * (1 + streams) > FIXED_ROWS or passes < 1 or sampler.need_probs or sampler.runner_ups \
             or sampler.params.top_p < 1.0:  # (top-p's sums may depend on the row count: the host draws rows apart)
