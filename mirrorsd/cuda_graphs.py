@@ -101,6 +101,28 @@ class Captured:
                           "shape runs eagerly", RuntimeWarning, stacklevel=5)
 
 
+def run_if(flag: torch.Tensor, work: Callable[[], None]) -> None:
+    """``work`` where ``flag`` (a bool scalar on the device) holds when it runs. Inside a capture it becomes a CUDA
+    graph conditional node (CUDA 12.4+: PyTorch's ``begin_capture_to_if_node``), so a replay decides on the device,
+    without a host read, and skipping costs one tiny kernel; eagerly (a warm-up, a CPU) the host reads the flag.
+    ``work`` writes its results into tensors made before it (what it allocates lives only in its own branch), and
+    must change none of them where the flag is false: a PyTorch without conditional nodes captures it unconditioned
+    (every step in the graph, still one replay)."""
+    if flag.is_cuda and torch.cuda.is_current_stream_capturing():
+        current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+        graph = current() if current is not None else None
+        if not hasattr(graph, "begin_capture_to_if_node"):
+            work()
+            return
+        graph.begin_capture_to_if_node(flag)
+        try:
+            work()
+        finally:
+            graph.end_capture_to_conditional_node()
+    elif bool(flag):
+        work()
+
+
 class LayerGraph(Captured):
     """A layer range over one cache's buffers for windows of one shape. Made on the shape's second sight (a shape
     seen once, such as a prompt or a draft's catch-up, costs nothing), then run as :class:`Captured` runs it. The

@@ -115,12 +115,43 @@ def test_paper_roots_issued_inline_read_the_host_once_per_step():
     _assert_mirror_syncs_once_per_step(backend="cuda-streams", draft_issue="inline")
 
 
+def _median_top(draft) -> float:
+    """A confidence threshold that random weights cross about half the time: the median of the draft's top
+    probabilities over the prompt (0.6 would end every window at its first token)."""
+    with torch.no_grad():
+        logits = draft(torch.tensor([PROMPT], device=CUDA))[0].float()
+    return float((logits.max(-1).values - logits.logsumexp(-1)).exp().median())
+
+
+def test_the_confidence_rule_decided_on_the_device_reads_the_host_once_per_step(monkeypatch):
+    """Issue 61 item 2 under ``sd``'s default rule: the window's steps after the first doubtful token are skipped
+    inside its captured graph (conditional nodes), and the window is read once, with the verdict, cut there: still
+    lossless, greedy and seeded, and once warm a step syncs with the host once."""
+    from mirrorsd.decoding.draft_graph import DraftGraph
+
+    made = _graphs_run(monkeypatch, DraftGraph, "feed")
+    target, draft = _pair(torch.bfloat16)
+    options = dict(method="sd", draft=draft, confidence=_median_top(draft), suffix_match=0, gamma=6)
+    for params in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
+        made.clear()
+        want = generate(target, PROMPT, method="ar", max_new_tokens=48, **params).token_ids
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = generate(target, PROMPT, max_new_tokens=48, **options, **params)
+        _assert_lossless(target, got.token_ids, want)
+        assert not [w for w in caught if "capture failed" in str(w.message)], [str(w.message) for w in caught]
+        assert any(g.graph is not None and g.cut for g in made) and not any(g.failed for g in made), params
+        syncs = gpu.host_syncs_per_step(target, PROMPT, tokens=48, **options, **params)
+        assert syncs is not None and syncs <= 1.2, (params, syncs)
+
+
 @pytest.mark.parametrize("options", [{"backend": "serial"}, {"backend": "cuda-streams", "draft_issue": "inline"}])
 def test_drafts_replay_as_one_captured_graph(monkeypatch, options):
     """Issue 62, item 1: a rollout's γ steps and their token choices are one CUDA graph
     (:class:`~mirrorsd.decoding.draft_graph.DraftGraph`), captured without a host read inside (a read would fail the
     capture, which then warns and stays eager), replayed from a shape's third sight, and still lossless, greedy and
-    seeded; so is ``sd``'s fixed window (one root: a chain)."""
+    seeded, under the confidence rule too (every step's top probabilities inside); so is ``sd``'s fixed window (one
+    root: a chain)."""
     from mirrorsd.decoding.draft_graph import DraftGraph
 
     made = _graphs_run(monkeypatch, DraftGraph, "feed")
@@ -128,6 +159,7 @@ def test_drafts_replay_as_one_captured_graph(monkeypatch, options):
     for params in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
         want = generate(target, PROMPT, method="ar", max_new_tokens=48, **params).token_ids
         for method, kwargs in [("mirror", dict(roots="paper", confidence=0.0, kappa=4, **options)),
+                               ("mirror", dict(roots="paper", confidence=_median_top(draft), kappa=4, **options)),
                                ("sd", dict(confidence=0.0, suffix_match=0))]:
             made.clear()
             with warnings.catch_warnings(record=True) as caught:

@@ -473,7 +473,8 @@ def hf_peer(hf: torch.nn.Module, prompt: list[int], max_new: int) -> dict[str, A
 def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.Module | None, prompt: list[int],
                bandwidth: float, ar_tokens: int, say: Any) -> dict[str, Any]:
     """A forward's cost against the bandwidth floor (the target's, the draft's, at a long context), kernels per
-    layer, host syncs per step (``ar``'s, fixed-window ``sd``'s and Mirror-SD's with paper roots, serial), and,
+    layer, host syncs per step (``ar``'s, ``sd``'s at a fixed window and under its default confidence rule, and
+    Mirror-SD's with paper roots, serial), and,
     with ``hf``, HF transformers' ``generate`` next to our ``ar`` at ``ar_tokens`` tokens."""
     target_ms = forward_costs(target, (1,), context=len(prompt), rounds=5)[1]
     draft_ms = forward_costs(draft, (1,), context=len(prompt), rounds=5)[1]
@@ -484,12 +485,13 @@ def step_costs(name: str, target: Transformer, draft: Transformer, hf: torch.nn.
            "kernels_per_layer": kernels_per_layer(target), "draft_kernels_per_layer": kernels_per_layer(draft),
            "host_syncs_per_step": host_syncs_per_step(target, prompt),
            "kernel_times": kernel_times(target, len(prompt)), "draft_kernel_times": kernel_times(draft, len(prompt))}
-    # the one-read steps of `sd` and Mirror-SD, each counted apart: a path that fails on this machine is a row's note
-    for key, options in (("sd", {"method": "sd", "suffix_match": 0}),
-                         ("mirror", {"method": "mirror", "backend": "serial", "roots": "paper"})):
+    # the one-read steps of `sd` (a fixed window, and at its default confidence rule, decided on the device) and
+    # Mirror-SD, each counted apart: a path that fails on this machine is a row's note
+    for key, options in (("sd", {"method": "sd", "suffix_match": 0, "confidence": 0.0}),
+                         ("sd_confident", {"method": "sd", "suffix_match": 0}),
+                         ("mirror", {"method": "mirror", "backend": "serial", "roots": "paper", "confidence": 0.0})):
         try:
-            row[f"{key}_host_syncs_per_step"] = host_syncs_per_step(target, prompt, draft=draft, confidence=0.0,
-                                                                    **options)
+            row[f"{key}_host_syncs_per_step"] = host_syncs_per_step(target, prompt, draft=draft, **options)
         except Exception as error:  # noqa: BLE001 - reported, and the rest of the run goes on
             row[f"{key}_host_syncs_per_step"] = None
             row.setdefault("failed", {})[f"{key}_host_syncs_per_step"] = f"{type(error).__name__}: {str(error)[:200]}"
@@ -801,7 +803,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"## A forward's cost against the bandwidth floor (weights' bytes ÷ {copy / 1e12:.2f} TB/s, the "
                   "copy rate measured in this run)", "",
                   "| target | k=1 ms | floor ms | × floor | draft k=1 ms | draft × floor | draft ÷ target | "
-                  "k=1 at long context | kernels / layer (draft) | host syncs / step: `ar` (`sd`, `mirror`) |",
+                  "k=1 at long context | kernels / layer (draft) | host syncs / step: `ar` (`sd` fixed, `sd` "
+                  "confident, `mirror`) |",
                   "|---" * 10 + "|"]
         for c in report["costs"]:
             lines.append(
@@ -810,7 +813,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{c['draft_k1_ms'] / c['k1_ms']:.2f} | {c['long_k1_ms']:.2f} ms at {c['long_context']} "
                 f"({c['long_k1_ms'] / c['k1_ms']:.2f}×) | {fmt(c['kernels_per_layer'], '.1f')} "
                 f"({fmt(c['draft_kernels_per_layer'], '.1f')}) | {fmt(c['host_syncs_per_step'], '.1f')} "
-                f"({fmt(c['sd_host_syncs_per_step'], '.1f')}, {fmt(c.get('mirror_host_syncs_per_step'), '.1f')}) |")
+                f"({fmt(c['sd_host_syncs_per_step'], '.1f')}, {fmt(c.get('sd_confident_host_syncs_per_step'), '.1f')}, "
+                f"{fmt(c.get('mirror_host_syncs_per_step'), '.1f')}) |")
         lines += [f"- {c['target']}: {what} failed: {why}" for c in report["costs"]
                   for what, why in c.get("failed", {}).items()]
         for c in report["costs"]:

@@ -19,10 +19,11 @@ that overrides them (the GPU bench's oracle draft) is captured as it runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
-from ..cuda_graphs import Captured, Output, StaticStep
+from ..cuda_graphs import Captured, Output, StaticStep, run_if
 from ..execution import static_graph
 from ..kv_cache import KVCache
 from ..linear import FIXED_ROWS
@@ -76,61 +77,92 @@ class RootedGraph(Captured):
 
 
 class DraftGraph(RootedGraph):
-    """γ draft steps after R roots (a chain: one root): the drafted tokens ``[R, steps]``."""
+    """γ draft steps after R roots (a chain: one root): the drafted tokens ``[R, steps]``. Under the sampler's
+    confidence rule also what the rule reads: each step's top probabilities ``[R, steps]`` (float64, as a host read
+    gives them; a tree's branches are cut on the host), or with ``cut`` (a chain) where its window ends (``[1]``,
+    :func:`~.drafting.window_end`'s count), the steps after its first doubtful token skipped on the device
+    (:func:`~mirrorsd.cuda_graphs.run_if`): the confidence rule without a host read per draft step."""
 
     def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
-                 steps: int, pool: tuple | None) -> None:
+                 steps: int, pool: tuple | None, cut: bool = False) -> None:
         super().__init__(model, cache, sampler, lead, n_roots, pool)
-        self.steps = steps
+        self.steps, self.cut = steps, cut
         with torch.inference_mode(False):
             self.spine_rows = torch.arange(lead, device=model.device)
 
-    def body(self, cache: KVCache) -> torch.Tensor:
-        model, sampler, lead, n_roots = self.model, self.sampler, self.lead, self.n_roots
+    def body(self, cache: KVCache) -> Output:
+        model, sampler, lead, n_roots, device = self.model, self.sampler, self.lead, self.n_roots, self.model.device
         keys, root_pos, capacity = self.keys, self.root_pos, self.keys.numel()
         base = self.past + lead
         # root r's gather list: the cache before it, then its own inputs (past its count: any valid slot)
         own = base + (keys - root_pos.unsqueeze(1)) * n_roots + self.branches.unsqueeze(1)
         branch_keys = torch.where(keys < root_pos.unsqueeze(1), keys, own).clamp_(0, capacity - 1).int()
-        ids = torch.cat([self.spine, self.root_ids]).unsqueeze(0)
-        drawn: list[torch.Tensor] = []
-        for step in range(self.steps):
-            positions, slots = root_pos + step, base + step * n_roots + self.branches
-            index, count = branch_keys, (root_pos + step + 1).int()
-            if step == 0 and lead:  # the spine's missing tokens first, causally
+        judging = sampler.confidence > 0
+        tokens = torch.zeros(n_roots, self.steps, dtype=torch.long, device=device)
+        tops = torch.zeros(n_roots, self.steps if judging and not self.cut else 0, dtype=torch.float64, device=device)
+        live = torch.ones((), dtype=torch.bool, device=device)  # (a cut chain: no doubtful token yet)
+        end = torch.full((1,), self.steps, dtype=torch.long, device=device)
+
+        def step(s: int) -> None:
+            positions, slots = root_pos + s, base + s * n_roots + self.branches
+            index, count = branch_keys, (root_pos + s + 1).int()
+            if s == 0:
+                ids = torch.cat([self.spine, self.root_ids]).unsqueeze(0)
+            else:
+                ids = draft_tokens(model, tokens[:, s - 1])
+            if s == 0 and lead:  # the spine's missing tokens first, causally
                 spine_at = self.past + self.spine_rows
                 positions, slots = torch.cat([spine_at, positions]), torch.cat([spine_at, slots])
                 index = torch.cat([keys.int().expand(lead, capacity), index])
                 count = torch.cat([(spine_at + 1).int(), count])
             static = StaticStep(positions.unsqueeze(0), slots, index.unsqueeze(0), count.unsqueeze(0))
             hidden = model.run_layers(model.embed(ids), static.positions, cache, static=static)
-            rows = hidden[0, lead:] if step == 0 else hidden[0]
+            rows = hidden[0, lead:] if s == 0 else hidden[0]
             logits = model.logits(rows, sampler.head)
-            drawn.append(sampler.choose(logits, root_pos + step + 1 + self.shift, self.stream_key))
-            ids = draft_tokens(model, drawn[-1])
-        return torch.stack(drawn, 1)
+            tokens[:, s].copy_(sampler.choose(logits, root_pos + s + 1 + self.shift, self.stream_key))
+            if not judging:
+                return
+            top = sampler.judged(logits)[1]
+            assert top is not None
+            if not self.cut:
+                tops[:, s].copy_(top)
+                return
+            doubt = (top[0].double() < sampler.confidence) & live  # (compared as the host compares what it reads)
+            end.copy_(torch.where(doubt, 0 if s == 0 else s + 1, end))
+            live.copy_(live & doubt.logical_not())  # (a step past the end, run anyway, changes neither)
+
+        for s in range(self.steps):
+            if self.cut and s:
+                run_if(live, partial(step, s))
+            else:
+                step(s)
+        if self.cut:
+            return tokens, end
+        return (tokens, tops) if judging else tokens
 
 
 def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spine: list[int] | torch.Tensor,
-                  root_pos: Sequence[int], root_ids: list[int] | torch.Tensor, steps: int, shift: int = 0
-                  ) -> tuple[torch.Tensor, bool] | None:
-    """The drafted tokens ``[R, steps]`` through their :class:`DraftGraph`, and whether they came from a replay (not
-    the warm-up, a failed capture or a CPU). ``spine``: the tokens the cache lacks before the roots; root ``r`` sits at
-    cache position ``root_pos[r]``, and the noise keys each drawn token by its text position (its cache position
-    plus ``shift``). Where one applies (:func:`~mirrorsd.execution.static_graph`, at most one fixed-row slab a
-    step, and nothing wanted but the tokens: no top probabilities, distributions or runner-ups). None otherwise, and
-    on a shape's first sight: the caller then runs the steps one by one."""
+                  root_pos: Sequence[int], root_ids: list[int] | torch.Tensor, steps: int, shift: int = 0,
+                  cut: bool = False) -> tuple[Output, bool] | None:
+    """What :class:`DraftGraph` drafts (``[R, steps]`` tokens, and under the confidence rule the top probabilities,
+    or with ``cut`` a chain's window end), and whether it came from a replay (not the warm-up, a failed capture or a
+    CPU). ``spine``: the tokens the cache lacks before the roots; root ``r`` sits at cache position ``root_pos[r]``,
+    and the noise keys each drawn token by its text position (its cache position plus ``shift``). Where one applies
+    (:func:`~mirrorsd.execution.static_graph`, at most one fixed-row slab a step, no distributions or runner-ups;
+    ``cut``: a chain, whose cache's lengths then run past the steps that ran, for the caller to truncate). None
+    otherwise, and on a shape's first sight: the caller then runs the steps one by one."""
     lead, n_roots = len(spine), len(root_pos)
-    if lead + n_roots > FIXED_ROWS or sampler.need_probs or sampler.runner_ups:
+    cut = cut and sampler.confidence > 0
+    if lead + n_roots > FIXED_ROWS or sampler.rejection or sampler.runner_ups or cut and n_roots != 1:
         return None
     past = len(cache)
     needed = past + lead + steps * n_roots
-    graph = static_graph(model, cache, ("draft", model, lead, n_roots, steps, sampler.choice), needed,
-                         lambda pool: DraftGraph(model, cache, sampler, lead, n_roots, steps, pool))
+    key = ("draft", model, lead, n_roots, steps, sampler.confidence, cut, sampler.choice)
+    graph = static_graph(model, cache, key, needed,
+                         lambda pool: DraftGraph(model, cache, sampler, lead, n_roots, steps, pool, cut))
     if graph is None:
         return None
-    tokens = graph.feed(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
-                        draft_tokens(model, root_ids), shift, sampler.params.seed)
-    assert isinstance(tokens, torch.Tensor)
+    out = graph.feed(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),
+                     draft_tokens(model, root_ids), shift, sampler.params.seed)
     cache.lengths[:] = [needed] * cache.n_layers
-    return tokens, graph.graph is not None
+    return out, graph.graph is not None

@@ -91,6 +91,15 @@ def window_end(top_probs: list[float], confidence: float) -> int:
     return len(top_probs)
 
 
+def window_ends(top_probs: torch.Tensor, confidence: float) -> torch.Tensor:
+    """:func:`window_end` of each row of ``[R, γ]`` top probabilities, where they are (no host read); compared in
+    float64, as the host compares the floats it reads."""
+    steps = top_probs.shape[-1]
+    doubt = top_probs.double() < confidence
+    first = torch.where(doubt.any(-1), doubt.long().argmax(-1), steps)  # (argmax: the first of equal maxima)
+    return torch.where(first == 0, 0, (first + 1).clamp(max=steps))
+
+
 class DraftSampler:
     """One draft step over any number of rows (see the module docstring).
 

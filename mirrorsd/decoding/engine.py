@@ -72,21 +72,33 @@ class Proposal:
 class DrawnChain(Proposal):
     """A chain still where the draft drew it (``ids``, on the draft's device), so that a step reads the host once:
     the target's forward takes ``ids`` as they are (:meth:`on`), and :func:`match` reads them together with the
-    target's own tokens (:meth:`verdict`). Anything else that asks for ``tokens`` reads them then."""
+    target's own tokens (:meth:`verdict`). Anything else that asks for ``tokens`` reads them then.
 
-    def __init__(self, ids: torch.Tensor, forwards: int = 0, fed: int = 0) -> None:
+    ``end`` (``[1]``, beside ``ids``): the confidence rule's window end, decided on the device
+    (:class:`~.draft_graph.DraftGraph`'s ``cut``). The target scores all of ``ids``, and what is read is cut there:
+    ``tokens``, and ``forwards``, the draft steps that ran (through the first doubtful token)."""
+
+    def __init__(self, ids: torch.Tensor, forwards: int = 0, fed: int = 0, end: torch.Tensor | None = None) -> None:
         super().__init__(forwards=forwards, fed=fed)
-        self.ids, self._read = ids.reshape(-1), None
+        self.ids, self.end, self._read = ids.reshape(-1), end, None
 
     @property  # type: ignore[override]
     def tokens(self) -> list[int]:
         if self._read is None:
-            self._read = self.ids.tolist()
+            self._take(*read_all(self.ids, *self._ends(self.ids.device)))
         return self._read
 
     @tokens.setter
     def tokens(self, values: list[int]) -> None:  # (Proposal.__init__ sets an empty list, before ``ids`` exist)
         self._read = list(values)
+
+    def _ends(self, device: torch.device) -> list[torch.Tensor]:
+        return [] if self.end is None else [self.end.to(device)]
+
+    def _take(self, ids: list[int], end: list[int] | None = None) -> None:
+        if end is not None:
+            ids, self.forwards = ids[:end[0]], max(end[0], 1)
+        self._read = ids
 
     @property
     def unread(self) -> bool:
@@ -94,7 +106,8 @@ class DrawnChain(Proposal):
 
     @property
     def length(self) -> int:
-        return self.ids.numel()
+        """The tokens the target scores until they are read, then the tokens proposed (cut at ``end``)."""
+        return self.ids.numel() if self._read is None else len(self._read)
 
     def on(self, device: torch.device) -> torch.Tensor:
         return self.ids.to(device) if self.unread else super().on(device)
@@ -103,12 +116,15 @@ class DrawnChain(Proposal):
         """:func:`~mirrorsd.verify.chain_verdict` against the target's own token at every row (``length + 1``, on
         the target's device), with the draft's tokens, and what ``rider`` computes from the verdict on the device,
         read in the same host read."""
-        ids = self.ids.to(own.device)
+        ids, ends = self.ids.to(own.device), self._ends(own.device)
         riding: list[torch.Tensor] = []
         if rider is not None:  # the verdict on the device: the leading matches, and the target's token after them
             accepted = (ids == own[:-1]).long().cumprod(0).sum().view(1)
+            if ends:
+                accepted = torch.minimum(accepted, ends[0])
             riding = rider.tensors(accepted, own.gather(0, accepted))
-        self.tokens, every, *rest = read_all(ids, own, *riding)
+        tokens, every, *rest = read_all(ids, own, *ends, *riding)
+        self._take(tokens, rest.pop(0) if ends else None)
         if rider is not None:
             rider.read(rest)
         return chain_verdict(self.tokens, every)
@@ -549,7 +565,6 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
                 state.batch = budget.batch() if budget is not None else 1
                 with timed(stats, "draft_s"):
                     draft = proposer.propose(state)
-                stats.draft_forwards += draft.forwards
                 with timed(stats, "target_s"):
                     scores = scorer.score(state, draft)
                     verdict = verifier(state, scores)
@@ -558,6 +573,7 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
                 new = state.commit(scores.draft, verdict)
                 with timed(stats, "draft_s"):
                     proposer.feedback(state, scores, verdict)
+                stats.draft_forwards += draft.forwards  # (known once the verdict is read: DrawnChain)
                 detail = roles.log(scores, verdict) if roles.log is not None else {}
                 if scores.draft.forwards:  # what a draft model's forwards read, for the planner's cost model
                     detail.update(draft_forwards=scores.draft.forwards, fed=scores.draft.fed)

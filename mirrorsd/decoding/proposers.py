@@ -44,8 +44,12 @@ class ModelProposer:
 
     def __init__(self, draft: Transformer, target_vocab: int, params: SamplingParams, gamma: int, *,
                  confidence: float = 0.0, rejection: bool = False, schedule: str = "constant",
-                 vocab: int = 0, context: int = 0) -> None:
+                 vocab: int = 0, context: int = 0, cut_on_device: bool = False) -> None:
         self.model, self.params, self.gamma, self.confidence, self.schedule = draft, params, gamma, confidence, schedule
+        # the confidence rule decided where the draft runs, where a graph applies (:meth:`_graphed`): a window then
+        # reads the host once, with the verdict, and the target scores its steps past the cut too
+        self.cut_on_device = cut_on_device
+        self.cut_from = 0  # a cut chain's first step's cache slot
         self.sampler = DraftSampler(draft, target_vocab, params, confidence=confidence, rejection=rejection,
                                     vocab=vocab)
         self.rejection = self.sampler.rejection
@@ -68,6 +72,10 @@ class ModelProposer:
         position = len(state.tokens)  # of the first drafted token
         if not (sampler.need_probs or sampler.runner_ups):
             return self._chain(state, window)
+        if self.cut_on_device and not (sampler.rejection or sampler.runner_ups):
+            cut = self._graphed(state, window, cut=True)
+            if cut is not None:
+                return cut
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         alternatives: list[list[int]] = []
@@ -97,15 +105,12 @@ class ModelProposer:
         runner-ups): each drawn token feeds the next forward where it was drawn, and the window stays there until the
         verdict reads it with the target's own tokens (:class:`DrawnChain`). On a GPU the draft's forwards then queue
         back to back, and the target's forward behind them, with one host read per step; where a graph applies, the
-        whole window is one replay (:func:`.draft_graph.graphed_draft`, with the last fed token as its one root)."""
+        whole window is one replay (:meth:`_graphed`)."""
+        graphed = self._graphed(state, window)
+        if graphed is not None:
+            return graphed
         model, position, cache = self.model, len(state.tokens), state.draft_cache
         feed = self.first_feed(state) if window else []
-        if feed:
-            graphed = graphed_draft(model, cache, self.sampler, feed[:-1], [len(cache) + len(feed) - 1], feed[-1:],
-                                    window, self.skipped)
-            if graphed is not None:
-                self.last = DrawnChain(graphed[0][0], forwards=window, fed=len(feed))
-                return self.last
         ids = draft_tokens(model, feed)
         drawn: list[torch.Tensor] = []
         for i in range(window):
@@ -114,6 +119,35 @@ class ModelProposer:
             ids = drawn[-1].view(1, 1)
         self.last = DrawnChain(torch.cat(drawn), forwards=window, fed=len(feed)) if drawn else Proposal()
         return self.last
+
+    def _graphed(self, state: RequestState, window: int, cut: bool = False) -> DrawnChain | None:
+        """The window as one replay (:func:`.draft_graph.graphed_draft`, with the last fed token as its one root),
+        where one applies: a CPU and a shape's first sight give None. ``cut``: under the confidence rule, the steps
+        after the first doubtful token skipped on the device, and the window cut there when it is read (with the
+        verdict; :meth:`settled`): the host loop's tokens, with one host read."""
+        cache = state.draft_cache
+        feed = self.first_feed(state) if window else []
+        if not feed:
+            return None
+        root = len(cache) + len(feed) - 1  # the cache slot of the last fed token, where the steps start
+        graphed = graphed_draft(self.model, cache, self.sampler, feed[:-1], [root], feed[-1:], window, self.skipped,
+                                cut)
+        if graphed is None:
+            return None
+        out, _ = graphed
+        tokens, end = out if isinstance(out, tuple) else (out, None)
+        self.cut_from = root
+        self.last = DrawnChain(tokens[0], forwards=window, fed=len(feed), end=end)
+        return self.last
+
+    def settled(self, state: RequestState, window: Proposal) -> Proposal:
+        """``window`` as the host loop leaves it: a cut chain (:meth:`_graphed`) read (with the verdict, where that
+        came first) and the draft cache truncated to the steps that ran, so it holds the committed text and every
+        proposed token but the last. Mirror-SD's fresh rollouts read it at once: its tree rollouts start from it."""
+        if isinstance(window, DrawnChain) and window.end is not None:
+            _ = window.tokens  # (one read, or none after the verdict's: then ``forwards`` are the steps that ran)
+            state.draft_cache.truncate(self.cut_from + window.forwards)
+        return window
 
     def first_feed(self, state: RequestState) -> list[int]:
         """``state.pending``, or, for the prompt prefill, the draft core's prompt window of it."""
@@ -124,8 +158,10 @@ class ModelProposer:
         return feed
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
-        self.rollback(state, verdict.accepted, self.skipped)
         own = scores.draft is self.last  # a hybrid may have scored another proposer's draft
+        if own:
+            self.settled(state, scores.draft)
+        self.rollback(state, verdict.accepted, self.skipped)
         if own and scores.draft.tokens and self.schedule == "heuristic":
             full = verdict.accepted == len(scores.draft.tokens)
             self.gamma = self.gamma + 2 if full else max(1, self.gamma - 1)

@@ -94,7 +94,8 @@ def model_proposer(req: DecodeRequest, opts: SDOptions, rejection: bool) -> Prop
         check_draft(req.target, req.draft)
         return ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,
                              rejection=rejection, schedule=opts.schedule,
-                             vocab=draft_vocab_size(opts.draft_vocab, req.draft), context=opts.draft_context)
+                             vocab=draft_vocab_size(opts.draft_vocab, req.draft), context=opts.draft_context,
+                             cut_on_device=True)
     if opts.schedule != "constant":
         raise OptionError("schedule", "a draft with a tokenizer of its own keeps a constant window limit")
     return BridgedProposer(req.draft, req.bridge, vocab, opts.gamma, confidence=opts.confidence,

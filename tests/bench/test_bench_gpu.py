@@ -249,7 +249,7 @@ def test_a_sync_count_that_fails_is_a_note_of_its_row(monkeypatch):
 
     monkeypatch.setattr(gpu, "host_syncs_per_step", counted)
     row = gpu.step_costs("t", target, draft, None, list(range(5, 37)), 1e12, 8, lambda *a, **k: None)
-    assert row["host_syncs_per_step"] == row["sd_host_syncs_per_step"] == 1.0
+    assert row["host_syncs_per_step"] == row["sd_host_syncs_per_step"] == row["sd_confident_host_syncs_per_step"] == 1.0
     assert row["mirror_host_syncs_per_step"] is None
     assert "illegal memory access" in row["failed"]["mirror_host_syncs_per_step"]
 

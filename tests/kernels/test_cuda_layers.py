@@ -196,6 +196,79 @@ assert drafts(cache, seed=3) is None  # the sampled graphs dropped the greedy on
 print("ok")
 """
 
+CONFIDENT_DRAFT_GRAPH = TINY_PAIR + """
+import mirrorsd.decoding.draft_graph
+from mirrorsd.decoding.draft_graph import DraftGraph
+from mirrorsd.decoding.mirror.draft import LocalDraft
+from mirrorsd.decoding.proposers import ModelProposer
+
+bodies, body = [], DraftGraph.body
+
+def counted(self, *args):
+    bodies.append(self)
+    return body(self, *args)
+
+DraftGraph.body = counted
+proposals, propose = [], ModelProposer.propose
+
+def proposed(self, *args, **kw):
+    proposals.append(propose(self, *args, **kw))
+    return proposals[-1]
+
+ModelProposer.propose = proposed
+trees, rollout = [], LocalDraft.rollout
+
+def recorded(self, *args):
+    trees.append(rollout(self, *args))
+    return trees[-1]
+
+LocalDraft.rollout = recorded
+prompt = list(range(3, 20))
+windows = set()
+for temperature, confidences in ((0.0, (0.3, 0.5)), (0.8, (0.3,))):
+    kw = dict(max_new_tokens=12, temperature=temperature, seed=3)
+    want = generate(target, prompt, method="ar", **kw).token_ids
+    # sd: the steps after the first doubtful token skipped on the device, the window cut there when it is read
+    for confidence in confidences:
+        runs = {}
+        # (unconditioned: every step runs, as where PyTorch has no conditional nodes; the steps past the end change
+        # nothing the window reads)
+        for graphs in (False, True, "unconditioned") if confidence == 0.3 else (False, True):
+            proposals.clear()
+            bodies.clear()
+            run_if = mirrorsd.decoding.draft_graph.run_if
+            if graphs == "unconditioned":
+                mirrorsd.decoding.draft_graph.run_if = lambda flag, work: work()
+            with cuda_graphs(bool(graphs)):
+                out = generate(target, prompt, method="sd", draft=draft, confidence=confidence, gamma=4,
+                               suffix_match=0, **kw)
+            mirrorsd.decoding.draft_graph.run_if = run_if
+            assert out.token_ids == want, (temperature, confidence, graphs)
+            runs[graphs] = [(p.tokens, p.forwards) for p in proposals], out.stats.draft_forwards, out.stats.accepted
+        assert all(run == runs[False] for run in runs.values()), (temperature, confidence, runs)  # the same windows
+        windows.update(len(tokens) for tokens, _ in runs[True][0])
+        assert bodies and all(g.cut for g in bodies) and len(bodies) >= len(proposals) / 2, len(bodies)
+    # Mirror-SD's tree rollouts: every step's top probabilities inside the graph, each branch's window end on the
+    # device (the verdict's read carries the kept one's); sampled tops are sd's above
+    if temperature:
+        continue
+    runs = {}
+    for graphs in (False, True):
+        trees.clear()
+        bodies.clear()
+        with cuda_graphs(graphs):
+            m = generate(target, prompt, method="mirror", draft=draft, roots="paper", confidence=0.3, gamma=3,
+                         kappa=2, backend="serial", **kw)
+        assert m.token_ids == want, (temperature, graphs)
+        runs[graphs] = [(t.tokens.tolist(), t.ends.tolist()) for t in trees]
+    assert runs[False] == runs[True], (temperature, runs)
+    assert sum(g.n_roots > 1 for g in bodies) >= len(trees) / 2, len(bodies)
+    assert any(g.cut for g in bodies)  # (the fresh rollouts after a miss: cut chains, read before the target's forward)
+    assert any(t.read_ends for t in trees)
+assert {0, 1, 4} <= windows and windows & {2, 3}, windows  # (empty, cut and whole windows)
+print("ok")
+"""
+
 STREAM_PASS_GRAPH = TINY_PAIR + """
 from mirrorsd.decoding.engine import Proposal
 from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
@@ -516,3 +589,13 @@ def test_a_draft_as_one_graph_draws_the_tokens_of_its_steps_one_by_one():
     branch's tokens, and the same windows, exactly as the steps issued one by one do, greedy and sampled, from a
     shape's second sight on."""
     _interpret(DRAFT_GRAPH)
+
+
+def test_the_confidence_rule_inside_the_draft_graph():
+    """Issue 61 item 2 under the confidence rule (``sd``'s and Mirror-SD's default on a GPU): ``sd``'s window as one
+    :class:`~mirrorsd.decoding.draft_graph.DraftGraph` whose steps after the first doubtful token are skipped on the
+    device (conditional nodes on CUDA; eager here), read once with the verdict and cut there; Mirror-SD's tree
+    rollouts with their top probabilities inside the graph and each branch's window end computed on the device, and
+    its fresh rollouts as cut chains. The same windows, draft steps and trees as the host loops' (greedy and sampled;
+    and with every step run, as where PyTorch has no conditional nodes), and ``ar``'s tokens."""
+    _interpret(CONFIDENT_DRAFT_GRAPH)

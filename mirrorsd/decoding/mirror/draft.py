@@ -21,7 +21,7 @@ from ...sampling import SamplingParams, choose, rows_apart
 from ...transfer import read_all, send
 from ...verify import Verdict, verify_tree
 from ..draft_graph import graphed_draft
-from ..drafting import draft_vocab_size, window_end
+from ..drafting import draft_vocab_size, window_end, window_ends
 from ..engine import DrawnChain, Proposal, RequestState, Scores, VerdictRider, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
 from ..ss.adapters import load_adapters, stream_mask
@@ -50,6 +50,10 @@ class Tree:
     counts: torch.Tensor | None = None
     read_counts: list[int] | None = None
     read_entries: dict[int, list[int]] = field(default_factory=dict)
+    # under the confidence rule, with the tokens on the device: each branch's window end (:func:`window_ends`), and
+    # what was read of them (the kept branch's, with the verdict)
+    ends: torch.Tensor | None = None
+    read_ends: dict[int, int] = field(default_factory=dict)
 
     def branch(self, accepted: int, correction: int) -> int | None:
         for r, root in enumerate(self.roots):
@@ -66,6 +70,15 @@ class Tree:
             self._read()
         assert self.read_counts is not None
         return self.read_counts[branch], self.read_entries[branch]
+
+    def end(self, branch: int) -> int | None:
+        """Branch ``branch``'s window under the confidence rule, if the host has not read its top probabilities
+        (the verdict's read carries it; else one read here)."""
+        if self.ends is None:
+            return None
+        if branch not in self.read_ends:
+            self.read_ends[branch] = int(self.ends[branch])
+        return self.read_ends[branch]
 
     def depth(self, steps: int) -> float:
         """The tokens a branch holds for its window, on average: ``steps``, or fewer where a ragged rollout's
@@ -95,7 +108,7 @@ class BranchPick:
         self.taken = False  # whether the verdict carried it (else the branch is picked on the host)
         self.branch: int | None = None
         self.join_s = 0.0  # the verdict's wait for the rollout (all of it, on the serial backend): the draft's time
-        self.tree: Tree | None = None  # a ragged rollout, whose kept branch the read carries
+        self.tree: Tree | None = None  # the rollout whose kept branch the read carries (its end, a ragged one's count)
 
     def tensors(self, accepted: torch.Tensor, correction: torch.Tensor) -> list[torch.Tensor]:
         if self.join is None:
@@ -112,17 +125,23 @@ class BranchPick:
             return []
         found = (send(roots.at, accepted.device) == accepted) & (roots.ids.to(accepted.device) == correction)
         branch = found.long().argmax()
-        riding = [torch.stack([found.any().long(), branch])]
+        picked = [found.any().long(), branch]
+        if tree.ends is not None:  # the confidence rule: the picked branch's window end too
+            picked.append(tree.ends.to(branch.device).gather(0, branch.view(1))[0])
+        riding = [torch.stack(picked)]
+        self.tree = tree
         if tree.counts is not None:  # a ragged rollout: every branch's count and the picked one's entries too
-            self.tree = tree
             riding += [tree.counts, tree.entries.index_select(0, branch.to(tree.counts.device).view(1))[0]]
         return riding
 
     def read(self, values: list) -> None:
         if values:
-            hit, branch = values[0]
+            hit, branch, *end = values[0]
             self.branch, self.taken = branch if hit else None, True
-            if self.tree is not None:
+            assert self.tree is not None
+            if end:
+                self.tree.read_ends[branch] = end[0]
+            if self.tree.counts is not None:
                 self.tree.read_counts, self.tree.read_entries[branch] = values[1], values[2]
 
 
@@ -225,7 +244,8 @@ def fresh_proposer(draft: Transformer, target_vocab: int, sampling: SamplingPara
     rejection = opts.acceptance == "rejection"
     if opts.draft_streams is None:
         proposer = ModelProposer(draft, target_vocab, sampling, opts.gamma, confidence=opts.confidence,
-                                 rejection=rejection, vocab=draft_vocab_size(opts.draft_vocab, draft))
+                                 rejection=rejection, vocab=draft_vocab_size(opts.draft_vocab, draft),
+                                 cut_on_device=True)
     else:
         proposer = StreamProposer(draft, load_adapters(draft, opts.draft_streams), target_vocab, sampling,
                                   opts.gamma, confidence=opts.confidence, rejection=rejection)
@@ -249,8 +269,8 @@ class LocalDraft:
 
     def fresh(self, state: RequestState) -> Proposal:
         with self.run.tracer.span("draft", "fresh rollout"):
-            if not isinstance(self.proposer, StreamProposer):
-                return self.proposer.propose(state)
+            if not isinstance(self.proposer, StreamProposer):  # (read now: the tree rollouts start from it)
+                return self.proposer.settled(state, self.proposer.propose(state))
             window = self.proposer.propose(state, streams=batch_caps(state.batch)[1])  # (App. D.1: fewer in a batch)
             if window.forwards > 1:
                 self.learn(window.length, window.forwards)
@@ -279,9 +299,12 @@ class LocalDraft:
 
     def stays_on_device(self, roots: Sequence[tuple[int, int]]) -> bool:
         """Whether a rollout keeps its tokens where it drew them: roots still on the device, and nothing else
-        the host needs of it (top probabilities for the confidence rule, runner-ups for ``candidates=draft``;
-        a host-driven stream rollout's per-pass verdicts, which :meth:`BranchPick.tensors` finds read)."""
-        return isinstance(roots, DeviceRoots) and self.confidence == 0 and not self.proposer.sampler.runner_ups
+        the host needs of it (runner-ups for ``candidates=draft``; a stream rollout's top probabilities for the
+        confidence rule, read pass by pass; a host-driven stream rollout's per-pass verdicts, which
+        :meth:`BranchPick.tensors` finds read). A model rollout's confidence rule cuts each branch on the device
+        (:attr:`Tree.ends`), and the verdict's read carries the kept branch's end."""
+        return isinstance(roots, DeviceRoots) and not self.proposer.sampler.runner_ups \
+            and (self.confidence == 0 or not isinstance(self.proposer, StreamProposer))
 
     def rollout(self, committed: int, window: int, spine: list[int] | torch.Tensor,
                 roots: Sequence[tuple[int, int]], steps: int, state: RequestState) -> Tree:
@@ -319,9 +342,11 @@ class LocalDraft:
         root_ids = roots.ids.to(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]
         entries = [[base + s * n_roots + r for s in range(steps)] for r in range(n_roots)]
         graphed = graphed_draft(model, cache, sampler, spine_feed, [committed + j for j in at], root_ids, steps)
-        if graphed is not None:
-            tree = self._tree(roots, graphed[0], [], [], [], entries, steps)
-            tree.graphed = graphed[1]
+        if graphed is not None:  # (under the confidence rule with every step's top probabilities)
+            out, replayed = graphed
+            tokens, tops = out if isinstance(out, tuple) else (out, None)
+            tree = self._tree(roots, tokens, [] if tops is None else list(tops.unbind(1)), [], [], entries, steps)
+            tree.graphed = replayed
             return tree
         root_pos = send([committed + j for j in at], device)
         # Every step's mask is a prefix of one: branch r sees the spine before its root (root (j, v) sees
@@ -365,7 +390,8 @@ class LocalDraft:
         n_roots, device = len(roots), self.model.device
         q = torch.stack(q_steps, 1) if q_steps else None
         if self.stays_on_device(roots):  # the verdict picks the branch on the device (BranchPick)
-            return Tree(roots, tokens, None, q, entries, steps)
+            ends = window_ends(torch.stack(tops, 1), self.confidence) if self.confidence > 0 else None
+            return Tree(roots, tokens, None, q, entries, steps, ends=ends)
         # The tokens, and what else was asked for, in one host read (the roots' ids too, if still on the device).
         wanted = {"tops": tops if self.confidence > 0 else None,
                   "alternatives": runner_ups if self.proposer.sampler.runner_ups else None}
@@ -538,10 +564,11 @@ class LocalDraft:
         """Compact the cache to the spine through ``d_A`` plus the branch's inputs ``c, t_1..t_{w-1}``."""
         limit = min(self.proposer.gamma, state.room)
         count, entries = tree.kept(branch)
-        if tree.top_probs is None:
-            window = min(limit, count)
-        else:
+        if tree.top_probs is not None:
             window = min(limit, window_end(tree.top_probs[branch], self.confidence))
+        else:
+            end = tree.end(branch)
+            window = min(limit, count, count if end is None else end)
         if tree.counts is not None and tree.forwards > 1:  # what a ragged rollout's guessing passes made
             self.learn(count, tree.forwards)
         before = len(state.tokens) - 1  # the spine through d_A

@@ -120,7 +120,8 @@ class _Session:
     def fresh(self, data: list[int]) -> list[int]:
         self.sync(data)
         start = now_ns()
-        window, syncs = self.counted(lambda: self.draft.proposer.propose(self.state))
+        proposer = self.draft.proposer
+        window, syncs = self.counted(lambda: proposer.settled(self.state, proposer.propose(self.state)))
         return [*pack_window(window), window.forwards, *syncs, start, now_ns()]
 
     def launch(self, data: list[int], received: int) -> None:
