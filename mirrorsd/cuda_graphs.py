@@ -101,13 +101,14 @@ class Captured:
                           "shape runs eagerly", RuntimeWarning, stacklevel=5)
 
 
-def run_if(flag: torch.Tensor, work: Callable[[], None]) -> None:
+def run_if(flag: torch.Tensor, work: Callable[[], None], warm: bool = False) -> None:
     """``work`` where ``flag`` (a bool scalar on the device) holds when it runs. Inside a capture it becomes a CUDA
     graph conditional node (CUDA 12.4+: PyTorch's ``begin_capture_to_if_node``), so a replay decides on the device,
-    without a host read, and skipping costs one tiny kernel; eagerly (a warm-up, a CPU) the host reads the flag.
-    ``work`` writes its results into tensors made before it (what it allocates lives only in its own branch), and
-    must change none of them where the flag is false: a PyTorch without conditional nodes captures it unconditioned
-    (every step in the graph, still one replay)."""
+    without a host read, and skipping costs one tiny kernel; eagerly the host reads the flag, or with ``warm`` (a
+    capture's warm-up, which should run every kernel the capture records) runs ``work`` anyway. So ``work`` writes
+    its results into tensors made before it (what it allocates lives only in its own branch), and must change none
+    of them where the flag is false. A PyTorch without conditional nodes captures ``work`` unconditioned (still one
+    replay); a CUDA or driver without them fails the capture, and the body stays eager."""
     if flag.is_cuda and torch.cuda.is_current_stream_capturing():
         current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
         graph = current() if current is not None else None
@@ -119,7 +120,7 @@ def run_if(flag: torch.Tensor, work: Callable[[], None]) -> None:
             work()
         finally:
             graph.end_capture_to_conditional_node()
-    elif bool(flag):
+    elif warm or bool(flag):
         work()
 
 

@@ -99,7 +99,7 @@ def _assert_mirror_syncs_once_per_step(**options) -> None:
     kept branch on the device and reads it with its own tokens, and the next step feeds that branch as it is: once
     warm, a step syncs with the host once (issue 62, item 1; issue 61, item 2's Mirror-SD serial path)."""
     target, draft = _pair(torch.bfloat16)
-    options = dict(method="mirror", draft=draft, roots="paper", confidence=0.0, kappa=4, **options)
+    options = dict(method="mirror", draft=draft, roots="paper", kappa=4, **{"confidence": 0.0, **options})
     want = generate(target, PROMPT, method="ar", max_new_tokens=48, temperature=0.0).token_ids
     _assert_lossless(target, generate(target, PROMPT, max_new_tokens=48, temperature=0.0, **options).token_ids, want)
     syncs = gpu.host_syncs_per_step(target, PROMPT, tokens=48, **options)
@@ -108,6 +108,12 @@ def _assert_mirror_syncs_once_per_step(**options) -> None:
 
 def test_a_serial_mirror_step_with_paper_roots_reads_the_host_once_per_step():
     _assert_mirror_syncs_once_per_step(backend="serial")
+
+
+def test_a_serial_mirror_step_under_the_confidence_rule_reads_the_host_once_per_step():
+    """The same with the rule on: each branch's window end rides the verdict's read, and a fresh rollout after a
+    miss is a window cut on the device and read with its verdict."""
+    _assert_mirror_syncs_once_per_step(backend="serial", confidence=_median_top(_pair(torch.bfloat16)[1]))
 
 
 def test_paper_roots_issued_inline_read_the_host_once_per_step():

@@ -79,14 +79,16 @@ class RootedGraph(Captured):
 class DraftGraph(RootedGraph):
     """γ draft steps after R roots (a chain: one root): the drafted tokens ``[R, steps]``. Under the sampler's
     confidence rule also what the rule reads: each step's top probabilities ``[R, steps]`` (float64, as a host read
-    gives them; a tree's branches are cut on the host), or with ``cut`` (a chain) where its window ends (``[1]``,
-    :func:`~.drafting.window_end`'s count), the steps after its first doubtful token skipped on the device
-    (:func:`~mirrorsd.cuda_graphs.run_if`): the confidence rule without a host read per draft step."""
+    gives them; a tree's window ends come from them, :func:`~.drafting.window_ends`), or with ``cut`` (a chain) where
+    its window ends (``[1]``, :func:`~.drafting.window_end`'s count), the steps after its first doubtful token skipped
+    on the device (:func:`~mirrorsd.cuda_graphs.run_if`): the confidence rule without a host read per draft step.
+    ``through_end``: the step after the doubtful one runs too, so the cache holds the whole window (Mirror-SD's tree
+    rollouts read the spine through any position of it before anything is read)."""
 
     def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
-                 steps: int, pool: tuple | None, cut: bool = False) -> None:
+                 steps: int, pool: tuple | None, cut: bool = False, through_end: bool = False) -> None:
         super().__init__(model, cache, sampler, lead, n_roots, pool)
-        self.steps, self.cut = steps, cut
+        self.steps, self.cut, self.through_end = steps, cut, through_end
         with torch.inference_mode(False):
             self.spine_rows = torch.arange(lead, device=model.device)
 
@@ -101,6 +103,7 @@ class DraftGraph(RootedGraph):
         tokens = torch.zeros(n_roots, self.steps, dtype=torch.long, device=device)
         tops = torch.zeros(n_roots, self.steps if judging and not self.cut else 0, dtype=torch.float64, device=device)
         live = torch.ones((), dtype=torch.bool, device=device)  # (a cut chain: no doubtful token yet)
+        feeds = torch.ones((), dtype=torch.bool, device=device)  # (through_end: the next step feeds this one's token)
         end = torch.full((1,), self.steps, dtype=torch.long, device=device)
 
         def step(s: int) -> None:
@@ -129,11 +132,13 @@ class DraftGraph(RootedGraph):
                 return
             doubt = (top[0].double() < sampler.confidence) & live  # (compared as the host compares what it reads)
             end.copy_(torch.where(doubt, 0 if s == 0 else s + 1, end))
+            feeds.copy_(live)  # (before this step's doubt)
             live.copy_(live & doubt.logical_not())  # (a step past the end, run anyway, changes neither)
 
+        warm = self.uses <= 1  # (a capture's warm-up runs every kernel the capture will record)
         for s in range(self.steps):
             if self.cut and s:
-                run_if(live, partial(step, s))
+                run_if(feeds if self.through_end else live, partial(step, s), warm)
             else:
                 step(s)
         if self.cut:
@@ -143,23 +148,26 @@ class DraftGraph(RootedGraph):
 
 def graphed_draft(model: Transformer, cache: KVCache, sampler: DraftSampler, spine: list[int] | torch.Tensor,
                   root_pos: Sequence[int], root_ids: list[int] | torch.Tensor, steps: int, shift: int = 0,
-                  cut: bool = False) -> tuple[Output, bool] | None:
+                  cut: bool = False, through_end: bool = False) -> tuple[Output, bool] | None:
     """What :class:`DraftGraph` drafts (``[R, steps]`` tokens, and under the confidence rule the top probabilities,
     or with ``cut`` a chain's window end), and whether it came from a replay (not the warm-up, a failed capture or a
     CPU). ``spine``: the tokens the cache lacks before the roots; root ``r`` sits at cache position ``root_pos[r]``,
     and the noise keys each drawn token by its text position (its cache position plus ``shift``). Where one applies
     (:func:`~mirrorsd.execution.static_graph`, at most one fixed-row slab a step, no distributions or runner-ups;
-    ``cut``: a chain, whose cache's lengths then run past the steps that ran, for the caller to truncate). None
+    ``cut``: a chain, whose cache's lengths then run past the steps that ran, for the caller to truncate;
+    ``through_end``: its last proposed token fed too). None
     otherwise, and on a shape's first sight: the caller then runs the steps one by one."""
     lead, n_roots = len(spine), len(root_pos)
-    cut = cut and sampler.confidence > 0
-    if lead + n_roots > FIXED_ROWS or sampler.rejection or sampler.runner_ups or cut and n_roots != 1:
+    if cut and (sampler.confidence <= 0 or n_roots != 1):
+        raise ValueError("a cut draft is a chain under the confidence rule")
+    if lead + n_roots > FIXED_ROWS or sampler.rejection or sampler.runner_ups:
         return None
     past = len(cache)
     needed = past + lead + steps * n_roots
-    key = ("draft", model, lead, n_roots, steps, sampler.confidence, cut, sampler.choice)
+    through_end = cut and through_end
+    key = ("draft", model, lead, n_roots, steps, sampler.confidence, cut, through_end, sampler.choice)
     graph = static_graph(model, cache, key, needed,
-                         lambda pool: DraftGraph(model, cache, sampler, lead, n_roots, steps, pool, cut))
+                         lambda pool: DraftGraph(model, cache, sampler, lead, n_roots, steps, pool, cut, through_end))
     if graph is None:
         return None
     out = graph.feed(cache, past, draft_tokens(model, spine), send(list(root_pos), model.device),

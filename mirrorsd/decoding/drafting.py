@@ -14,7 +14,9 @@ The confidence rule: a window ends at the first position where the draft's most 
 ``confidence`` probability. That token is still proposed (it is drafted already, and once a window is non-empty
 one more token barely changes the cost of verifying it) -- unless it would be the first: on a CPU verifying one
 draft token costs about a whole extra target forward, so then the window stays empty and the step is a plain
-1-token target forward. (HF's ``assistant_confidence_threshold`` always proposes it.) The decision reads the
+1-token target forward (decided on a GPU's device, :class:`~.draft_graph.DraftGraph`'s ``cut``, the target scores
+the whole window there, where its rows cost about the same). (HF's ``assistant_confidence_threshold`` always
+proposes it.) The decision reads the
 draft's distribution only, never its draw, so rejection sampling still sees proposals drawn exactly from q.
 """
 

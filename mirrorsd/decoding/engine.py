@@ -76,11 +76,13 @@ class DrawnChain(Proposal):
 
     ``end`` (``[1]``, beside ``ids``): the confidence rule's window end, decided on the device
     (:class:`~.draft_graph.DraftGraph`'s ``cut``). The target scores all of ``ids``, and what is read is cut there:
-    ``tokens``, and ``forwards``, the draft steps that ran (through the first doubtful token)."""
+    ``tokens``, and ``forwards``, the draft steps that ran (through the first doubtful token, and one more
+    ``through_end``)."""
 
-    def __init__(self, ids: torch.Tensor, forwards: int = 0, fed: int = 0, end: torch.Tensor | None = None) -> None:
+    def __init__(self, ids: torch.Tensor, forwards: int = 0, fed: int = 0, end: torch.Tensor | None = None,
+                 through_end: bool = False) -> None:
         super().__init__(forwards=forwards, fed=fed)
-        self.ids, self.end, self._read = ids.reshape(-1), end, None
+        self.ids, self.end, self.through_end, self._read = ids.reshape(-1), end, through_end, None
 
     @property  # type: ignore[override]
     def tokens(self) -> list[int]:
@@ -97,7 +99,7 @@ class DrawnChain(Proposal):
 
     def _take(self, ids: list[int], end: list[int] | None = None) -> None:
         if end is not None:
-            ids, self.forwards = ids[:end[0]], max(end[0], 1)
+            ids, self.forwards = ids[:end[0]], min(max(end[0], 1) + self.through_end, len(ids))
         self._read = ids
 
     @property
@@ -405,7 +407,7 @@ def match(state: RequestState, scores: Scores) -> Verdict:
         return verify_match(draft.tokens, scores.logits, positions, state.params)
     own = scores.own_ids if scores.own_ids is not None else \
         choose(scores.logits[:len(positions)], positions, state.params)  # every row's own token in one op
-    if isinstance(draft, DrawnChain) and draft.unread:
+    if isinstance(draft, DrawnChain) and (draft.unread or scores.rider is not None):  # (a rider rides the read)
         return draft.verdict(own, scores.rider)
     return chain_verdict(draft.tokens, own.tolist())
 

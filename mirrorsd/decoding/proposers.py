@@ -44,11 +44,12 @@ class ModelProposer:
 
     def __init__(self, draft: Transformer, target_vocab: int, params: SamplingParams, gamma: int, *,
                  confidence: float = 0.0, rejection: bool = False, schedule: str = "constant",
-                 vocab: int = 0, context: int = 0, cut_on_device: bool = False) -> None:
+                 vocab: int = 0, context: int = 0, cut_on_device: bool = False, through_end: bool = False) -> None:
         self.model, self.params, self.gamma, self.confidence, self.schedule = draft, params, gamma, confidence, schedule
         # the confidence rule decided where the draft runs, where a graph applies (:meth:`_graphed`): a window then
-        # reads the host once, with the verdict, and the target scores its steps past the cut too
-        self.cut_on_device = cut_on_device
+        # reads the host once, with the verdict, and the target scores its steps past the cut too; ``through_end``: its
+        # last proposed token fed too (Mirror-SD's tree rollouts start from the window before it is read)
+        self.cut_on_device, self.through_end = cut_on_device, through_end
         self.cut_from = 0  # a cut chain's first step's cache slot
         self.sampler = DraftSampler(draft, target_vocab, params, confidence=confidence, rejection=rejection,
                                     vocab=vocab)
@@ -131,22 +132,23 @@ class ModelProposer:
             return None
         root = len(cache) + len(feed) - 1  # the cache slot of the last fed token, where the steps start
         graphed = graphed_draft(self.model, cache, self.sampler, feed[:-1], [root], feed[-1:], window, self.skipped,
-                                cut)
+                                cut, self.through_end)
         if graphed is None:
             return None
         out, _ = graphed
-        tokens, end = out if isinstance(out, tuple) else (out, None)
+        tokens, end = out if cut else (out, None)
         self.cut_from = root
-        self.last = DrawnChain(tokens[0], forwards=window, fed=len(feed), end=end)
+        self.last = DrawnChain(tokens[0], forwards=window, fed=len(feed), end=end, through_end=self.through_end)
         return self.last
 
     def settled(self, state: RequestState, window: Proposal) -> Proposal:
         """``window`` as the host loop leaves it: a cut chain (:meth:`_graphed`) read (with the verdict, where that
-        came first) and the draft cache truncated to the steps that ran, so it holds the committed text and every
-        proposed token but the last. Mirror-SD's fresh rollouts read it at once: its tree rollouts start from it."""
+        came first) and the draft cache truncated to the committed text and every proposed token but the last (the
+        steps the host loop runs; ``through_end`` ran one more). Mirror-SD reads a fresh window at once where its tree
+        rollouts' roots are read on the host anyway."""
         if isinstance(window, DrawnChain) and window.end is not None:
-            _ = window.tokens  # (one read, or none after the verdict's: then ``forwards`` are the steps that ran)
-            state.draft_cache.truncate(self.cut_from + window.forwards)
+            proposed = len(window.tokens)  # (one read, or none after the verdict's)
+            state.draft_cache.truncate(self.cut_from + max(proposed, 1))
         return window
 
     def first_feed(self, state: RequestState) -> list[int]:

@@ -185,6 +185,7 @@ class BranchProposer:
         self.ready: Proposal | None = None  # the next window, when a branch was kept
         self.failed = False
         self.source = "model"  # who drafted the last window: "branch" or "model" (a fresh rollout)
+        self.fresh_window: Proposal | None = None  # this step's fresh rollout (its stats, once the verdict read it)
 
     def start(self, state: RequestState) -> None:
         try:
@@ -200,9 +201,7 @@ class BranchProposer:
         window, self.source = Proposal(), "model"
         if not self.failed and min(self.run.opts.gamma, state.room) > 0:
             try:
-                window = self.side.fresh(state)
-                self.run.stats.fresh_tokens += window.length
-                self.run.stats.fresh_forwards += window.forwards
+                window = self.fresh_window = self.side.fresh(state)
             except Exception as error:  # noqa: BLE001 - any draft failure degrades to target-only decoding
                 self.fail(error)
         self.run.fresh_done(time.perf_counter() - start)
@@ -218,6 +217,12 @@ class BranchProposer:
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         self.run.observe(scores.draft.tokens, verdict)  # the root scorer learns from every verdict
+        if self.run.record is not None:  # (a window cut on the device is read with the verdict)
+            self.run.record.drafted = scores.draft.length
+        if scores.draft is self.fresh_window:
+            self.run.stats.fresh_tokens += scores.draft.length
+            self.run.stats.fresh_forwards += scores.draft.forwards
+        self.fresh_window = None
         if self.failed:
             self.run.joined(None)
             return
@@ -245,7 +250,7 @@ def fresh_proposer(draft: Transformer, target_vocab: int, sampling: SamplingPara
     if opts.draft_streams is None:
         proposer = ModelProposer(draft, target_vocab, sampling, opts.gamma, confidence=opts.confidence,
                                  rejection=rejection, vocab=draft_vocab_size(opts.draft_vocab, draft),
-                                 cut_on_device=True)
+                                 cut_on_device=True, through_end=True)
     else:
         proposer = StreamProposer(draft, load_adapters(draft, opts.draft_streams), target_vocab, sampling,
                                   opts.gamma, confidence=opts.confidence, rejection=rejection)
@@ -269,8 +274,11 @@ class LocalDraft:
 
     def fresh(self, state: RequestState) -> Proposal:
         with self.run.tracer.span("draft", "fresh rollout"):
-            if not isinstance(self.proposer, StreamProposer):  # (read now: the tree rollouts start from it)
-                return self.proposer.settled(state, self.proposer.propose(state))
+            if not isinstance(self.proposer, StreamProposer):
+                # a window cut on the device stays there where the roots do, its last token fed (the tree rollouts
+                # read the spine through any root): the verdict reads it; else it is read now, as the host loop's
+                window = self.proposer.propose(state)
+                return window if self.run.device_roots else self.proposer.settled(state, window)
             window = self.proposer.propose(state, streams=batch_caps(state.batch)[1])  # (App. D.1: fewer in a batch)
             if window.forwards > 1:
                 self.learn(window.length, window.forwards)
@@ -288,6 +296,8 @@ class LocalDraft:
         # cache lags behind suffix steps.
         lag = len(state.tokens) + window.length - len(state.draft_cache)
         spine: list[int] | torch.Tensor
+        if isinstance(window, DrawnChain) and window.unread and window.end is not None and not window.through_end:
+            raise RuntimeError("an unread window cut on the device must feed its last token (through_end) to roll out")
         if isinstance(window, DrawnChain) and window.unread and lag == 1:
             spine = window.ids[-1:]
         else:
