@@ -82,8 +82,9 @@ class DraftGraph(RootedGraph):
     gives them; a tree's window ends come from them, :func:`~.drafting.window_ends`), or with ``cut`` (a chain) where
     its window ends (``[1]``, :func:`~.drafting.window_end`'s count), the steps after its first doubtful token skipped
     on the device (:func:`~mirrorsd.cuda_graphs.run_if`): the confidence rule without a host read per draft step.
-    ``through_end``: the step after the doubtful one runs too, so the cache holds the whole window (Mirror-SD's tree
-    rollouts read the spine through any position of it before anything is read)."""
+    ``through_end``: the step after the doubtful one runs too, so the cache holds every proposed token but a whole
+    window's last (Mirror-SD's tree rollouts read the spine through any root that can be kept before anything is
+    read; they feed that last token themselves)."""
 
     def __init__(self, model: Transformer, cache: KVCache, sampler: DraftSampler, lead: int, n_roots: int,
                  steps: int, pool: tuple | None, cut: bool = False, through_end: bool = False) -> None:

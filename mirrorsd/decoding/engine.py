@@ -115,10 +115,10 @@ class DrawnChain(Proposal):
         return self.ids.to(device) if self.unread else super().on(device)
 
     def verdict(self, own: torch.Tensor, rider: VerdictRider | None = None) -> Verdict:
-        """:func:`~mirrorsd.verify.chain_verdict` against the target's own token at every row (``length + 1``, on
-        the target's device), with the draft's tokens, and what ``rider`` computes from the verdict on the device,
-        read in the same host read."""
-        ids, ends = self.ids.to(own.device), self._ends(own.device)
+        """:func:`~mirrorsd.verify.chain_verdict` against the target's own token at every row it scored (``length +
+        1``, on the target's device), with the draft's tokens, and what ``rider`` computes from the verdict on the
+        device, read in the same host read."""
+        ids, ends = self.ids.to(own.device)[: own.numel() - 1], self._ends(own.device)  # (a cut chain read before)
         riding: list[torch.Tensor] = []
         if rider is not None:  # the verdict on the device: the leading matches, and the target's token after them
             accepted = (ids == own[:-1]).long().cumprod(0).sum().view(1)

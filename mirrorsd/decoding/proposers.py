@@ -67,7 +67,8 @@ class ModelProposer:
 
     def propose(self, state: RequestState, window: int | None = None) -> Proposal:
         """Feed ``state.pending``, then draft up to ``window`` tokens (default: γ within the room left). The
-        cache ends holding the committed text and every proposed token but the last."""
+        cache ends holding the committed text and every proposed token but the last (a window cut on the device:
+        once :meth:`settled`)."""
         window = min(self.gamma, state.room) if window is None else window
         model, sampler, cache = self.model, self.sampler, state.draft_cache
         position = len(state.tokens)  # of the first drafted token

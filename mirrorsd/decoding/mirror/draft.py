@@ -250,7 +250,7 @@ def fresh_proposer(draft: Transformer, target_vocab: int, sampling: SamplingPara
     if opts.draft_streams is None:
         proposer = ModelProposer(draft, target_vocab, sampling, opts.gamma, confidence=opts.confidence,
                                  rejection=rejection, vocab=draft_vocab_size(opts.draft_vocab, draft),
-                                 cut_on_device=True, through_end=True)
+                                 cut_on_device=True)
     else:
         proposer = StreamProposer(draft, load_adapters(draft, opts.draft_streams), target_vocab, sampling,
                                   opts.gamma, confidence=opts.confidence, rejection=rejection)
@@ -265,6 +265,9 @@ class LocalDraft:
     def __init__(self, run: MirrorRun, fresh: ModelProposer) -> None:
         self.run, self.proposer, self.model = run, fresh, fresh.model
         self.confidence = fresh.confidence
+        # a fresh window cut on the device feeds its last token where it stays unread (:meth:`fresh`); read at once,
+        # the extra step would be wasted
+        fresh.through_end = run is not None and run.device_roots
         self.future: Future[Tree] | None = None
         self.pick: BranchPick | None = None
         self.streamed = [0, 0]  # tokens after the first pass, and the passes that made them (:meth:`passes`)
@@ -292,8 +295,9 @@ class LocalDraft:
     def launch(self, state: RequestState, window: Proposal, roots: Sequence[tuple[int, int]],
                steps: int) -> BranchPick | None:
         # What the draft cache lacks of the spine (the committed text and the window): the window's last token
-        # after a model draft (where it was drawn, if it is still there); more after a suffix draft, or when the
-        # cache lags behind suffix steps.
+        # after a model draft (where it was drawn, if it is still there; an unread window cut on the device holds a
+        # placeholder there past its end, which only roots past the end see, and no verdict keeps them); more after
+        # a suffix draft, or when the cache lags behind suffix steps.
         lag = len(state.tokens) + window.length - len(state.draft_cache)
         spine: list[int] | torch.Tensor
         if isinstance(window, DrawnChain) and window.unread and window.end is not None and not window.through_end:
