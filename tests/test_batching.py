@@ -184,9 +184,11 @@ def test_members_a_half_step_apart_fall_back_into_one_forward(pair: Pair) -> Non
     batcher = Batcher()
     d = pair.target.config.hidden_size
     out: list[list[int]] = [[], []]
+    both = threading.Barrier(2)  # (both members before either decodes: a loaded host may start one thread late)
 
     def work(i: int) -> None:
         with batcher.member():
+            both.wait(60)
             if i:
                 pair.target.logits(torch.zeros(1, 1, d))
             out[i] = pair.tokens(Req("ar", (1, 2, 3 + i), 24, 0.0, 0, 0, None))
