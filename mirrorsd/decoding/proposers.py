@@ -44,12 +44,12 @@ class ModelProposer:
 
     def __init__(self, draft: Transformer, target_vocab: int, params: SamplingParams, gamma: int, *,
                  confidence: float = 0.0, rejection: bool = False, schedule: str = "constant",
-                 vocab: int = 0, context: int = 0, cut_on_device: bool = False, through_end: bool = False) -> None:
+                 vocab: int = 0, context: int = 0, cut_on_device: bool = False) -> None:
         self.model, self.params, self.gamma, self.confidence, self.schedule = draft, params, gamma, confidence, schedule
         # the confidence rule decided where the draft runs, where a graph applies (:meth:`_graphed`): a window then
         # reads the host once, with the verdict, and the target scores its steps past the cut too; ``through_end``: its
-        # last proposed token fed too (Mirror-SD's tree rollouts start from the window before it is read)
-        self.cut_on_device, self.through_end = cut_on_device, through_end
+        # last proposed token fed too (Mirror-SD sets it where its tree rollouts start from the window unread)
+        self.cut_on_device, self.through_end = cut_on_device, False
         self.cut_from = 0  # a cut chain's first step's cache slot
         self.sampler = DraftSampler(draft, target_vocab, params, confidence=confidence, rejection=rejection,
                                     vocab=vocab)
