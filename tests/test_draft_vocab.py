@@ -13,10 +13,10 @@ from mirrorsd import Transformer, generate
 from mirrorsd import draft_vocab as dv
 from mirrorsd import vocab_tables as vt
 from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, new_state
-from mirrorsd.decoding.proposers import ModelProposer
+from mirrorsd.decoding.proposers import ModelProposer, StreamProposer
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.verify import Verdict
-from tests.helpers import exact_pair_distribution, row_exact, tiny_hf
+from tests.helpers import exact_pair_distribution, random_adapters, row_exact, tiny_hf
 
 
 @pytest.fixture
@@ -154,6 +154,34 @@ def test_rejection_sampling_with_a_reduced_draft_vocabulary_keeps_the_target_dis
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     exp = torch.cat([exact[keep] * n, (exact[~keep] * n).sum()[None]])
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("method", ["sd", "mirror"])
+def test_an_ss_draft_with_a_reduced_vocabulary_proposes_the_ar_drafts_windows(tables, method):
+    """``draft_vocab`` with ``draft_streams``: the passes' main rows read the reduced head the AR draft's steps read,
+    so the SS draft still proposes the AR draft's windows (the same acceptance, fewer forwards), and only subset ids:
+    greedy, sample-and-match and rejection sampling; Mirror-SD's branch rollouts and fresh windows alike."""
+    target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
+    adapters = random_adapters(draft, streams=3, layers=1, std=0.1)
+    allowed = set(dv.load_table(64)[:8].tolist())
+    options = ({"gamma": 5, "kappa": 2, "roots": "paper", "backend": "serial"} if method == "mirror"
+               else {"gamma": 6, "suffix_match": 0, "draft_context": 0})
+    for temperature, acceptance in ((0.0, "match"), (1.0, "match"), (1.0, "rejection")):
+        kwargs = {"temperature": temperature, "seed": 5, "max_new_tokens": 32, "confidence": 0.0, "draft": draft,
+                  "draft_vocab": 8, "acceptance": acceptance, **options}
+        plain = generate(target, [7, 8, 9], method=method, **kwargs)
+        got = generate(target, [7, 8, 9], method=method, draft_streams=adapters, **kwargs)
+        if acceptance == "match":
+            assert got.token_ids == plain.token_ids == generate(
+                target, [7, 8, 9], method="ar", temperature=temperature, seed=5, max_new_tokens=32).token_ids
+        assert got.token_ids == plain.token_ids and got.stats.accepted == plain.stats.accepted
+        assert got.stats.drafted == plain.stats.drafted and got.stats.draft_forwards <= plain.stats.draft_forwards
+        if method == "mirror":
+            m, p = got.stats.extra["mirror"], plain.stats.extra["mirror"]
+            assert [(s.hit, s.accepted) for s in m.steps] == [(s.hit, s.accepted) for s in p.steps]
+    request = DecodeRequest(target, [7, 8, 9], 8, SamplingParams(), GenerationStats("sd"), draft)
+    window = StreamProposer(draft, adapters, 64, SamplingParams(), 6, vocab=8).propose(new_state(request))
+    assert len(window.tokens) == 6 and set(window.tokens) <= allowed
 
 
 # -- restricted heads beyond the draft: the early exit and the streams (compute only the rows they read) --------

@@ -116,6 +116,8 @@ class DraftSampler:
         self.subset = subset_head(draft, vocab, draft_table_kind(draft.config.vocab_size)) if vocab else None
         self.subset_columns = self.subset is not None and params.greedy  # logits' column c is token subset.ids[c]
         self.head = self.subset.full if self.subset is not None and not params.greedy else self.subset
+        # column c scores token c (-inf outside a reduced vocabulary): what a tree verification compares ids with
+        self.id_head = self.subset.full if self.subset is not None else None
         self.rejection = rejection and not params.greedy
         self.noise = Noise.DRAFT if self.rejection else Noise.TARGET
         self.need_probs = self.rejection or confidence > 0

@@ -181,13 +181,15 @@ class ModelProposer:
 
 class StreamProposer(ModelProposer):
     """:class:`ModelProposer` with Speculative Streaming passes: each pass is verified by the draft's own main
-    stream, so the window equals the draft's plain autoregressive continuation, in fewer forwards."""
+    stream, so the window equals the draft's plain autoregressive continuation, in fewer forwards. ``vocab`` restricts
+    the main rows' head as it does the AR draft's (the streams read the vocabulary they were trained on)."""
 
     def __init__(self, draft: Transformer, adapters: StreamAdapters, target_vocab: int, params: SamplingParams,
                  gamma: int, *, confidence: float = 0.0, rejection: bool = False, schedule: str = "constant",
-                 tree_k: int = DEFAULT_TREE_K, tree_budget: int = DEFAULT_TREE_BUDGET, defer: str = "auto") -> None:
+                 tree_k: int = DEFAULT_TREE_K, tree_budget: int = DEFAULT_TREE_BUDGET, defer: str = "auto",
+                 vocab: int = 0) -> None:
         super().__init__(draft, target_vocab, params, gamma, confidence=confidence, rejection=rejection,
-                         schedule=schedule)
+                         schedule=schedule, vocab=vocab)
         self.adapters, self.tree_k, self.tree_budget, self.defer = adapters, tree_k, tree_budget, defer
         self.stream_head = adapters.head(draft)  # the vocabulary the streams were trained on
 
@@ -204,7 +206,8 @@ class StreamProposer(ModelProposer):
             depth = min(streams, window - len(tokens) - 1)
             tree = guesses.tree(depth, self.tree_budget)
             result = ss_pass(self.model, self.adapters, cache, trunk, tree, self.params, noise=sampler.noise,
-                             tree_k=self.tree_k, head=self.stream_head, streams=streams, defer=self.defer)
+                             tree_k=self.tree_k, head=self.stream_head, streams=streams, defer=self.defer,
+                             main_head=sampler.id_head)
             forwards += 1
             new = [*result.accepted, result.next_token]
             tokens += new

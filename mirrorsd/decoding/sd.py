@@ -72,9 +72,6 @@ class SDOptions(MethodOptions):
     def check(self, shape: ModelShape | None) -> None:
         if self.draft_streams is None and self.defer_streams != "auto":
             raise OptionError("defer_streams", "applies to an SS draft: give draft_streams too")
-        if self.draft_streams is not None and self.draft_vocab:
-            raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams (the streams read the "
-                              "vocabulary they were trained on)")
 
     def resolved(self, files: ShippedFiles, shape: ModelShape) -> SDOptions:
         """``draft_streams`` alone: the draft's shipped adapter."""
@@ -89,7 +86,7 @@ def model_proposer(req: DecodeRequest, opts: SDOptions, rejection: bool) -> Prop
         check_draft(req.target, req.draft)
         return StreamProposer(req.draft, load_adapters(req.draft, opts.draft_streams), vocab, req.sampling,
                               opts.gamma, confidence=opts.confidence, rejection=rejection, schedule=opts.schedule,
-                              defer=opts.defer_streams)
+                              defer=opts.defer_streams, vocab=draft_vocab_size(opts.draft_vocab, req.draft))
     if req.bridge is None:
         check_draft(req.target, req.draft)
         return ModelProposer(req.draft, vocab, req.sampling, opts.gamma, confidence=opts.confidence,

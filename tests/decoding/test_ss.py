@@ -581,8 +581,6 @@ def test_sd_with_ss_draft_equals_ar_with_the_ar_drafts_windows_in_fewer_forwards
             assert got.token_ids == want.token_ids == plain.token_ids
             assert got.stats.accepted == plain.stats.accepted and got.stats.drafted == plain.stats.drafted
             assert got.stats.draft_forwards <= plain.stats.draft_forwards
-    with pytest.raises(mirrorsd.decoding.OptionError, match="draft_vocab"):
-        generate(target, [7, 8, 9], method="sd", draft=draft, draft_streams=adapters, draft_vocab=16)
     with pytest.raises(mirrorsd.decoding.OptionError, match="defer_streams"):
         generate(target, [7, 8, 9], method="sd", draft=draft, defer_streams="always")
 

@@ -333,13 +333,21 @@ StreamPassGraph.body = counted
 draft2 = Transformer.from_hf(tiny_hf("qwen2", vocab=64, layers=2, seed=2, std=0.3), linear="dense")
 prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]
 want = generate(target, prompt, method="ar", max_new_tokens=40).token_ids
+import tempfile
+from pathlib import Path
+from mirrorsd import draft_vocab as dv
+tables = Path(tempfile.mkdtemp())  # a frequency table for the tiny vocabulary (any ranking is a valid table)
+torch.save(torch.randperm(64, generator=torch.Generator().manual_seed(64)).int(), tables / "vocab64.pt")
+dv.table_path = lambda vocab, kind="corpus": tables / dv.TABLE_FILES["corpus"].format(vocab)
+sd_streams = {"draft": draft2, "draft_streams": adapters(draft2), "confidence": 0.0, "suffix_match": 0, "gamma": 3}
 for method, kwargs in (("ss", {"streams": streams, "threshold": 0.0, "suffix_match": 0}),
-                       ("sd", {"draft": draft2, "draft_streams": adapters(draft2), "confidence": 0.0,
-                               "suffix_match": 0, "gamma": 3})):
+                       ("sd", sd_streams), ("sd", {**sd_streams, "draft_vocab": 8})):
     bodies.clear()
     got = generate(target, prompt, method=method, max_new_tokens=40, **kwargs)
     assert got.token_ids == want, method
     assert len(bodies) >= 3, (method, len(bodies))
+    # the main rows read the reduced head where draft_vocab asks (the graph's own token then a subset id)
+    assert all(g.main_head is not None for g in bodies) == ("draft_vocab" in kwargs), method
 print("ok")
 """
 
@@ -405,7 +413,15 @@ def recorded(self, *args):
 
 LocalDraft.rollout = recorded
 plain = OracleStreams(draft, streams.config).eval()  # (random streams: few guesses hold)
-for temperature in (0.8,):  # (greedy's device verdicts: the oracle's above)
+import tempfile
+from pathlib import Path
+from mirrorsd import draft_vocab as dv
+tables = Path(tempfile.mkdtemp())  # a frequency table for the tiny vocabulary (any ranking is a valid table)
+torch.save(torch.randperm(64, generator=torch.Generator().manual_seed(64)).int(), tables / "vocab64.pt")
+dv.table_path = lambda vocab, kind="corpus": tables / dv.TABLE_FILES["corpus"].format(vocab)
+# (greedy's device verdicts: the oracle's above; with a reduced draft vocabulary the graph's greedy choice takes the
+# head's columns, which map back to ids)
+for temperature, vocab in ((0.8, 0), (0.0, 16), (0.8, 16)):
     kw = dict(max_new_tokens=8, temperature=temperature, seed=3)
     want = generate(target, prompt * 3, method="ar", **kw).token_ids
     runs = {}
@@ -415,8 +431,8 @@ for temperature in (0.8,):  # (greedy's device verdicts: the oracle's above)
         with cuda_graphs(graphs):  # (the exit oracle holds the correction half the time: kept branches and misses)
             m = generate(ExitOracle.wrap(target, prompt * 3, want, 0.5, 2), prompt * 3, method="mirror", draft=draft,
                          draft_streams=plain, roots="paper", confidence=0.0, gamma=3, kappa=2, backend="serial",
-                         exit_head="lens", exit_vocab=0, **kw)
-        assert m.token_ids == want, (temperature, graphs)
+                         exit_head="lens", exit_vocab=0, draft_vocab=vocab, **kw)
+        assert m.token_ids == want, (temperature, vocab, graphs)
         hits = [s.hit for s in m.stats.extra["mirror"].steps]
         assert True in hits and False in hits, hits
         runs[graphs] = list(trees)

@@ -253,7 +253,8 @@ def fresh_proposer(draft: Transformer, target_vocab: int, sampling: SamplingPara
                                  cut_on_device=True)
     else:
         proposer = StreamProposer(draft, load_adapters(draft, opts.draft_streams), target_vocab, sampling,
-                                  opts.gamma, confidence=opts.confidence, rejection=rejection)
+                                  opts.gamma, confidence=opts.confidence, rejection=rejection,
+                                  vocab=draft_vocab_size(opts.draft_vocab, draft))
     proposer.sampler.runner_ups = opts.kappa + 1 if opts.candidates == "draft" else 0  # the drafted token too
     return proposer
 
@@ -508,7 +509,7 @@ class LocalDraft:
             out = model.run_layers(x, up_positions, cache, stream_mask(main, streamed, n_streams), split, None,
                                    streams=adapters.rows(len(streamed) * n_streams))[0]
             forwards += 1
-            logits = model.logits(out[len(lead):n])
+            logits = model.logits(out[len(lead):n], sampler.id_head)
             # every branch row's own token in one op (each row predicts the position after it), read at once with
             # every row's next guesses where rows are cheap, else before the kept rows' guesses
             own: list[int] | None = None

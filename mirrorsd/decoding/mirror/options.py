@@ -102,8 +102,6 @@ class MirrorOptions(MethodOptions):
     def check(self, shape: ModelShape | None) -> None:
         if self.budget is not None and self.roots != "budget":
             raise OptionError("budget", "takes a number of roots with roots='budget'")
-        if self.draft_vocab and self.draft_streams is not None:
-            raise OptionError("draft_vocab", "applies to an AR draft, not with draft_streams")
         if self.overlap_graphs == "on" and self.backend not in ("cuda-streams", "devices"):
             raise OptionError("overlap_graphs", "applies to backend='cuda-streams' or 'devices'")
         if self.draft_issue == "inline" and self.backend != "cuda-streams":

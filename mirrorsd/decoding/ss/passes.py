@@ -35,6 +35,10 @@ from .adapters import StreamAdapters, msa_mask, stream_mask
 
 DEFAULT_TREE_K = 3  # PMLR: γ = 3, k = 3 (a 40-node tree)
 DEFAULT_TREE_BUDGET = 3  # the most likely nodes of that tree a pass runs (0: all); 2-4 measured alike, 6 slower
+#: The head of a pass's main rows: None, the model's own; a draft's reduced vocabulary as a full row
+#: (:meth:`~mirrorsd.draft_vocab.SubsetHead.full`, -inf outside it: column c still scores token c for the tree
+#: verification). The main rows of a draft's pass only propose, so they may read the reduced head its AR steps do.
+MainHead = Callable[[torch.Tensor], torch.Tensor] | None
 
 
 def build_tree(trunk: list[int], candidates: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
@@ -135,13 +139,14 @@ class TreeForward:
 def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
                   threshold: float = 0.0, head: SubsetHead | None = None,
                   prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  streams: int | None = None, defer: str = "never") -> TreeForward:
+                  streams: int | None = None, defer: str = "never", main_head: MainHead = None) -> TreeForward:
     """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows. ``head``: the
     restricted vocabulary the pruning exit reads (a token outside it has probability 0). ``prune_exit``: a tuned
     exit's translator for layer ``N - N_s`` to score edges with instead of the adapter's o_θ. ``streams``: run only
     the first of the adapters' streams (stream ``j`` sees streams ``1..j`` alone, so they are what they are with
     all of them: fewer rows when a batch has few to spare). ``defer`` (:data:`DEFER_STREAMS`): run the top layers
-    over the main rows only, and only the last accepted node's streams after compaction (:func:`next_guesses`)."""
+    over the main rows only, and only the last accepted node's streams after compaction (:func:`next_guesses`).
+    ``main_head``: the main rows' head (:data:`MainHead`)."""
     device = model.device
     past = len(cache)
     root = len(trunk) - 1
@@ -192,8 +197,8 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
     below = kept[len(trunk):]
     draft = Proposal([tokens[i] for i in below],
                   [-1 if parents[i] == root else where[parents[i]] - len(trunk) for i in below])
-    return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m]), draft, n_streams, positions[sub],
-                       deferred)
+    return TreeForward(past, len(trunk), n, kept, out, model.logits(out[0, root:m], main_head), draft, n_streams,
+                       positions[sub], deferred)
 
 
 DEFER_STREAMS = ("auto", "always", "never")
@@ -308,11 +313,11 @@ class PassResult:
 def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
             params: SamplingParams, *, noise: int = Noise.TARGET, threshold: float = 0.0,
             tree_k: int = DEFAULT_TREE_K, head: SubsetHead | None = None, streams: int | None = None,
-            defer: str = "never") -> PassResult:
+            defer: str = "never", main_head: MainHead = None) -> PassResult:
     """One self-verified pass: verify ``tree`` under ``trunk[-1]``, compact, draft the next one (``streams``: the
-    first of the adapters' streams only; ``defer``: see :func:`fused_forward`)."""
+    first of the adapters' streams only; ``defer`` and ``main_head``: see :func:`fused_forward`)."""
     forward, read = pass_and_read(model, adapters, cache, trunk, tree, params, noise, threshold, tree_k, head,
-                                  streams=streams, defer=defer)
+                                  streams=streams, defer=defer, main_head=main_head)
     verdict = verify_tree(forward.draft.tokens, forward.draft.parents, forward.main_logits,
                           forward.past + forward.trunk, params, noise, own=read.own if read else None)
     chose = [0, *(i + 1 for i in verdict.nodes)]
@@ -326,15 +331,17 @@ def ss_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk:
 def pass_and_read(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
                   params: SamplingParams, noise: int, threshold: float, tree_k: int, head: SubsetHead | None,
                   prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None, streams: int | None = None,
-                  defer: str = "never") -> tuple[TreeForward, PassRead | None]:
+                  defer: str = "never", main_head: MainHead = None) -> tuple[TreeForward, PassRead | None]:
     """:func:`fused_forward` and :func:`read_pass`: as one graph where the pass prunes nothing and runs its streams
     beside its nodes (:func:`graphed_pass`), else op by op."""
     n_streams = min(streams or adapters.config.streams, adapters.config.streams)
     if (threshold == 0 or not tree.tokens) and defer != "always":
-        graphed = graphed_pass(model, adapters, cache, trunk, tree, params, noise, n_streams, tree_k, head)
+        graphed = graphed_pass(model, adapters, cache, trunk, tree, params, noise, n_streams, tree_k, head,
+                               main_head)
         if graphed is not None:
             return graphed
-    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head, prune_exit, streams, defer)
+    forward = fused_forward(model, adapters, cache, trunk, tree, threshold, head, prune_exit, streams, defer,
+                            main_head)
     return forward, read_pass(model, forward, params, tree_k, head, noise)
 
 
@@ -368,10 +375,10 @@ class StreamPassGraph(Captured):
 
     def __init__(self, model: Transformer, adapters: StreamAdapters, cache: KVCache, params: SamplingParams,
                  noise: int, trunk: int, parents: tuple[int, ...], streams: int, tree_k: int,
-                 head: SubsetHead | None, pool: tuple | None) -> None:
+                 head: SubsetHead | None, main_head: MainHead, pool: tuple | None) -> None:
         super().__init__(model.device, pool)
         self.model, self.adapters, self.params, self.noise = model, adapters, params, noise
-        self.trunk, self.streams, self.tree_k, self.head = trunk, streams, tree_k, head
+        self.trunk, self.streams, self.tree_k, self.head, self.main_head = trunk, streams, tree_k, head, main_head
         device = model.device
         # the whole pass's parents and depths (the trunk a chain, the tree under its last token), and each node's
         # ancestors, itself included, ascending
@@ -416,7 +423,7 @@ class StreamPassGraph(Captured):
         x = adapters.insert(hidden, self.streams)
         out = model.run_layers(x, upper.positions, cache, None, split, None, streams=adapters.rows(n * self.streams),
                                static=upper)[0]
-        logits = model.logits(out[root:n])
+        logits = model.logits(out[root:n], self.main_head)
         own = choose(logits, positions[root:] + 1, self.params, self.noise, self.stream_key)
         ids, logprobs = stream_tops(model, out[n + root * self.streams:n + n * self.streams], self.streams,
                                     self.tree_k, self.head)
@@ -424,8 +431,8 @@ class StreamPassGraph(Captured):
 
 
 def graphed_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, trunk: list[int], tree: Proposal,
-                 params: SamplingParams, noise: int, streams: int, tree_k: int, head: SubsetHead | None
-                 ) -> tuple[TreeForward, PassRead] | None:
+                 params: SamplingParams, noise: int, streams: int, tree_k: int, head: SubsetHead | None,
+                 main_head: MainHead = None) -> tuple[TreeForward, PassRead] | None:
     """:func:`fused_forward` (no pruning, streams beside every node) and :func:`read_pass` through the pass's
     :class:`StreamPassGraph`, with what they return; where it applies (:func:`~mirrorsd.execution.static_graph`, rows
     drawn apart, the whole pass in one fixed-row slab), from a shape's second sight. None otherwise."""
@@ -435,10 +442,10 @@ def graphed_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, t
             or not rows_apart(model.device, params):
         return None
     past = len(cache)
-    choice = (None, *graph_choice(params, noise))  # (a DraftSampler's choice without a subset head: one set a cache)
+    choice = (main_head, *graph_choice(params, noise))  # (as a DraftSampler's choice: one set a cache)
     key = ("stream pass", model, adapters, len(trunk), parents, streams, tree_k, head, choice)
     graph = static_graph(model, cache, key, past + n * (1 + streams), lambda pool: StreamPassGraph(
-        model, adapters, cache, params, noise, len(trunk), parents, streams, tree_k, head, pool))
+        model, adapters, cache, params, noise, len(trunk), parents, streams, tree_k, head, main_head, pool))
     if graph is None:
         return None
     assert isinstance(graph, StreamPassGraph)

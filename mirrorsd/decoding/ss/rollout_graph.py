@@ -100,7 +100,7 @@ class StreamDraftGraph(RootedGraph):
             x = torch.cat([hidden, adapters.insert(hidden[:, first:], n_streams)[:, n:]], 1)
             out = model.run_layers(x, upper.positions, cache, None, split, None, streams=adapters.rows(n * n_streams),
                                    static=upper)[0]
-            logits = model.logits(out[first:first + n])
+            logits = model.logits(out[first:first + n], sampler.head)  # (sampler.choose maps its columns to ids)
             chosen = sampler.choose(logits, positions[first:] + 1 + self.shift, self.stream_key).view(n_roots, rows)
             # the leading guesses the main stream chose too, then its own token after them
             accepted = (guesses == chosen[:, :-1]).long().cumprod(1).sum(1)
