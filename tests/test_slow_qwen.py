@@ -73,15 +73,17 @@ def test_mirror_equals_ar_greedy_and_seeded(pair, backend, candidates, roots):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_ss_and_mirror_with_ss_draft_equal_ar_with_shipped_adapters(pair, temperature):
-    """The shipped stream adapters on the q4 pair: ``ss`` on the target and Mirror-SD with the SS draft give ar's
-    tokens exactly (quantized models are row-exact), greedy and seeded."""
+    """The shipped stream adapters on the q4 pair: ``ss`` on the target, and ``sd`` and Mirror-SD with the SS draft
+    (its main rows on the reduced head, the default) give ar's tokens exactly (quantized models are row-exact),
+    greedy and seeded."""
     target, draft = pair
     kwargs = {"temperature": temperature, "seed": 4, "max_new_tokens": 32}
     ar = mirrorsd.generate(target, PROMPT, method="ar", **kwargs)
     ss = mirrorsd.generate(target, PROMPT, method="ss", threshold=0.05, **kwargs)
     mirror = mirrorsd.generate(target, PROMPT, method="mirror", draft=draft, roots="budget", draft_streams=True,
                                **kwargs)
-    assert ss.token_ids == ar.token_ids and mirror.token_ids == ar.token_ids
+    sd = mirrorsd.generate(target, PROMPT, method="sd", draft=draft, draft_streams=True, **kwargs)
+    assert ss.token_ids == ar.token_ids and mirror.token_ids == ar.token_ids and sd.token_ids == ar.token_ids
     assert mirror.stats.to_dict()["mirror"]["fresh_tokens_per_draft_forward"] >= 1.0
 
 
