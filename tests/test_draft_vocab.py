@@ -160,14 +160,16 @@ def test_rejection_sampling_with_a_reduced_draft_vocabulary_keeps_the_target_dis
 def test_an_ss_draft_with_a_reduced_vocabulary_proposes_the_ar_drafts_windows(tables, method):
     """``draft_vocab`` with ``draft_streams``: the passes' main rows read the reduced head the AR draft's steps read,
     so the SS draft still proposes the AR draft's windows (the same acceptance, fewer forwards), and only subset ids:
-    greedy, sample-and-match and rejection sampling; Mirror-SD's branch rollouts and fresh windows alike."""
+    greedy (with the confidence rule too: it reads the same top probabilities), sample-and-match and rejection
+    sampling; Mirror-SD's branch rollouts and fresh windows alike."""
     target, draft = row_exact(tiny_hf(layers=4, seed=1)), row_exact(tiny_hf(layers=2, seed=2))
     adapters = random_adapters(draft, streams=3, layers=1, std=0.1)
     allowed = set(dv.load_table(64)[:8].tolist())
     options = ({"gamma": 5, "kappa": 2, "roots": "paper", "backend": "serial"} if method == "mirror"
                else {"gamma": 6, "suffix_match": 0, "draft_context": 0})
-    for temperature, acceptance in ((0.0, "match"), (1.0, "match"), (1.0, "rejection")):
-        kwargs = {"temperature": temperature, "seed": 5, "max_new_tokens": 32, "confidence": 0.0, "draft": draft,
+    for temperature, acceptance, confidence in ((0.0, "match", 0.0), (0.0, "match", 0.3), (1.0, "match", 0.0),
+                                                (1.0, "rejection", 0.0)):
+        kwargs = {"temperature": temperature, "seed": 5, "max_new_tokens": 32, "confidence": confidence, "draft": draft,
                   "draft_vocab": 8, "acceptance": acceptance, **options}
         plain = generate(target, [7, 8, 9], method=method, **kwargs)
         got = generate(target, [7, 8, 9], method=method, draft_streams=adapters, **kwargs)

@@ -703,8 +703,9 @@ def _forced_runs(name: str, target: Transformer, draft: Transformer, prompt: lis
     oracle = OracleDraft.wrap(draft, prompt, reference, accept, STREAM_HIT if ss else None)
     label = "all" if accept is None else str(accept)
     say(f"  forced acceptance {label}{', SS draft' if ss else ''}…", flush=True)
-    # draft_vocab=0: a reduced-vocabulary head would read the draft's states without the oracle's logits.
-    drafting: dict[str, Any] = {"draft_streams": oracle_streams(draft)} if ss else {"draft_vocab": 0}
+    # draft_vocab=0: a reduced-vocabulary head would read the draft's states without the oracle's logits (an SS
+    # draft's main rows read it too).
+    drafting: dict[str, Any] = {"draft_vocab": 0, **({"draft_streams": oracle_streams(draft)} if ss else {})}
     sd, sd_s = timed_generate(target, prompt, max_new, method="sd", draft=oracle, gamma=gamma, confidence=0.0,
                               suffix_match=0, **drafting)
     sd_row = {"tok_s": len(sd.token_ids) / sd_s, "mean_accepted": sd.stats.mean_accepted_length,

@@ -147,7 +147,10 @@ class DraftSampler:
         if not self.params.greedy:
             return None, self.distribution(logits).max(-1).values
         # greedy needs no distribution: a softmax in double over 152k ids per draft token was a third of sd's time
-        # outside the forwards
+        # outside the forwards. Full rows of a reduced head (an SS draft's, :attr:`id_head`) are read at the subset's
+        # columns, so its rule sees the AR draft's very bits (a sum over the -inf row may round differently).
+        if self.subset is not None and logits.shape[-1] != len(self.subset.ids):
+            logits = logits[..., self.subset.ids]
         return None, (logits.max(-1).values - logits.logsumexp(-1)).exp()
 
     def draw(self, logits: torch.Tensor, positions: list[int]) -> list[int]:

@@ -442,7 +442,7 @@ def graphed_pass(model: Transformer, adapters: StreamAdapters, cache: KVCache, t
             or not rows_apart(model.device, params):
         return None
     past = len(cache)
-    choice = (main_head, *graph_choice(params, noise))  # (as a DraftSampler's choice: one set a cache)
+    choice = (main_head, *graph_choice(params, noise))  # (one setting's graphs a cache, as a DraftSampler's choice)
     key = ("stream pass", model, adapters, len(trunk), parents, streams, tree_k, head, choice)
     graph = static_graph(model, cache, key, past + n * (1 + streams), lambda pool: StreamPassGraph(
         model, adapters, cache, params, noise, len(trunk), parents, streams, tree_k, head, main_head, pool))
