@@ -12,7 +12,7 @@ import random
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import pytest
@@ -335,6 +335,38 @@ def test_any_speculation_budget_keeps_the_tokens(pair: Pair, method: str, temper
             got = pair.tokens(r)
         assert got == want
         assert budget.limits
+
+
+class NoDrafts:
+    """A budget of 0 for every step: the plain batched step."""
+
+    def limit(self, state) -> int | None:
+        return 0
+
+    def batch(self) -> int:
+        return 16
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ss_under_a_budget_of_zero_runs_ars_plain_step(pair: Pair, temperature: float, monkeypatch) -> None:
+    """Skipping speculation costs nothing for ``ss`` too: with no draft rows allowed, its steps are ``ar``'s one-row
+    forwards, with no stream rows beside them (a pass's streams only draft the next tree), and its tokens are
+    ``ar``'s."""
+    r = Req("ss", (1, 2, 3, 1, 2, 3), 20, temperature, 5, 0, None)
+    want = pair.tokens(replace(r, method="ar"))
+    calls: list[tuple[int, bool]] = []
+    run_layers = Transformer.run_layers
+
+    def spy(self, hidden, *args, **kwargs):
+        calls.append((hidden.shape[1], kwargs.get("streams") is not None))
+        return run_layers(self, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "run_layers", spy)
+    with budgeted_by(NoDrafts()):
+        got = pair.tokens(r)
+    assert got == want
+    decode = calls[1:]  # (after the prompt's prefill)
+    assert len(decode) == len(got) and all(rows == 1 and not streams for rows, streams in decode)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

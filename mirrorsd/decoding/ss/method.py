@@ -142,7 +142,9 @@ class StreamTreeScorer(ChainScorer):
         self.adapters, self.threshold, self.stats, self.head = adapters, threshold, stats, head
         self.prune_exit, self.defer, self.tree_k = prune_exit, defer, tree_k
 
-    def score(self, state: RequestState, draft: Proposal) -> TreeScores:
+    def score(self, state: RequestState, draft: Proposal) -> Scores:
+        if state.room == 0 and not draft.tokens:  # a plain step: see :meth:`plain`
+            return self.plain(state, draft)
         forward, read = pass_and_read(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
                                       state.params, Noise.TARGET, self.threshold, self.tree_k, self.head,
                                       self.prune_exit, defer=self.defer)
@@ -152,9 +154,22 @@ class StreamTreeScorer(ChainScorer):
         return TreeScores(forward.main_logits, forward.draft, forward=forward, own=read.own if read else None,
                           read=read)
 
-    def commit(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
+    def plain(self, state: RequestState, draft: Proposal) -> Scores:
+        """The target's own one-row step, with no stream rows: a step that may draft nothing (a batch's speculation
+        budget of 0, or the answer's last token) has no next tree to draft, and so costs what ``ar``'s step costs
+        (the batching issue's "skipping speculation costs nothing"). The next pass then starts with no tree, as
+        the first one does."""
+        self.stats.tree_before.append(1)
+        self.stats.tree_after.append(1)
+        self.stats.graphed.append(False)
+        return super().score(state, draft)
+
+    def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         self.stats.committed.append(verdict.accepted + 1)
-        compact(self.model, self.adapters, state.target_cache, scores.forward, verdict)
+        if isinstance(scores, TreeScores):
+            compact(self.model, self.adapters, state.target_cache, scores.forward, verdict)
+        else:
+            super().commit(state, scores, verdict)
 
 
 class StreamGuessProposer:
@@ -178,7 +193,10 @@ class StreamGuessProposer:
             budget = state.limit if budget <= 0 else min(budget, state.limit)
         return self.candidates.tree(min(self.depth, state.room), budget)
 
-    def feedback(self, state: RequestState, scores: TreeScores, verdict: Verdict) -> None:
+    def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        if not isinstance(scores, TreeScores):  # a plain step drafted nothing
+            self.candidates = StreamGuesses()
+            return
         if scores.read is not None:
             self.candidates = scores.read.next_guesses(verdict)
             return
@@ -216,9 +234,11 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
         lookup = suffix_proposer(req, HYBRID_LOOKUP, gamma=window)
         proposer = SuffixFirst(lookup, proposer, opts.suffix_match, tree=True)
 
-    def log(scores: TreeScores, verdict: Verdict) -> dict[str, Any]:
-        return {"tree": scores.forward.nodes, "kept": len(scores.forward.kept), "streams": streams,
-                "deferred": scores.forward.deferred is not None, "top_fraction": top_fraction,
+    def log(scores: Scores, verdict: Verdict) -> dict[str, Any]:
+        forward = scores.forward if isinstance(scores, TreeScores) else None  # None: a plain step
+        return {"tree": forward.nodes if forward else 1, "kept": len(forward.kept) if forward else 1,
+                "streams": streams if forward else 0, "deferred": forward is not None and forward.deferred is not None,
+                "top_fraction": top_fraction,
                 **(proposer.log(scores, verdict) if lookup else {})}
 
     scorer = StreamTreeScorer(req.target, adapters, prune_threshold(opts, req.target.device), stats, head, prune_exit,
