@@ -88,18 +88,32 @@ class Goodput(Fixed):
     does not lift itself), shrunk toward its method's pooled rate over the last ``PEERS`` requests by ``PRIOR``
     pseudo-observations: one early rejected window must not cap a request for good (a suffix match, say), and a new
     request starts from what its method earns here (one of a method that does not pay never pays for a first window,
-    nor for its draft's prompt). The first request of a method drafts freely until it has a figure."""
+    nor for its draft's prompt). The first request of a method drafts freely until it has a figure.
+
+    A method whose drafting step does work of its own (``Roles.timed_steps``: an ``ss`` pass's stream rows, their head
+    and the pruning exit) costs the batch that work too, which the row-cost curve does not see: an ``ss`` pass alone
+    took ~58 ms where its batched rows took ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed
+    (:class:`StepWalls`: a drafting step's median wall time beyond the median plain step and its draft rows), and a
+    window is kept only where its expected gain ``Σ (α^j - price)`` exceeds what that time costs the batch,
+    ``S * own / (a + b R)``. To time both kinds, one step is plain after :attr:`PROBE_EVERY` drafting ones, and
+    windows are timed again after :attr:`REPROBE_AFTER` plain ones. (Priced so, ``suffix``'s windows lost up to 15%
+    alone, where its lookups cost little and its long accepted runs are worth more than a geometric rate says.)"""
 
     RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
     PEERS = 32  # requests of a method whose recent acceptance a new request starts from
     PRIOR = 4.0  # pseudo-observations of the pooled rate in each request's own
+    PROBE_EVERY = 16  # drafting steps of a method after which one of its steps is plain, to time a plain step again
+    REPROBE_AFTER = 64  # plain steps of a method after which its windows are no longer capped for their own work
 
     def __init__(self, batcher: Batcher) -> None:
         super().__init__(batcher)
         self._peers: dict[str, deque[GenerationStats]] = {}  # method -> its latest requests' statistics
+        self._walls: dict[str, StepWalls] = {}  # method -> its latest steps' wall times
 
     def limit(self, state: RequestState) -> int | None:
         busy = self.batcher.members
+        walls = self._walls.setdefault(state.stats.method, StepWalls())
+        walls.observe(state.stats)
         alpha = self.acceptance(state.stats)
         recent = [r.rows - r.prefill_rows for r in list(self.batcher.steps)[-self.RECENT:]]
         level = sum(recent) / len(recent) if recent else float(busy)
@@ -115,7 +129,18 @@ class Goodput(Fixed):
             return None  # rows cost nothing, or every draft token is accepted: the method's own window
         if price >= 1.0 or alpha <= price:
             return 0
-        return None if busy <= 1 else int(math.log(price) / math.log(alpha))
+        window = None if busy <= 1 else int(math.log(price) / math.log(alpha))
+        if stats.draft_forwards or drafting:
+            return window
+        # A drafting step's own work beyond its rows (timed steps only): the window's expected gain must cover it.
+        own = walls.overhead(b)
+        if own is None:
+            return 0 if walls.since_plain >= self.PROBE_EVERY else window
+        tokens = max(1, stats.gamma) if window is None else window
+        gain = sum(alpha ** j - price for j in range(1, tokens + 1))
+        if gain > busy * (1 + alpha) * own / (a + b * level) or walls.since_drafting >= self.REPROBE_AFTER:
+            return window  # (after many plain steps, drafting steps are timed again: the load may have changed)
+        return 0
 
     def acceptance(self, stats: GenerationStats) -> float | None:
         """``α`` for a request (see the class docstring), or None while no request of its method has drafted."""
@@ -139,6 +164,44 @@ class Goodput(Fixed):
         """Seconds per draft forward of the method's peers (a request that has not drafted yet)."""
         peers = [p for p in self._peers.get(stats.method, ()) if p.draft_forwards]
         return sum(p.draft_s for p in peers) / sum(p.draft_forwards for p in peers) if peers else 0.0
+
+
+class StepWalls:
+    """A method's latest steps' wall times (:attr:`GenerationStats.step_s`), plain (a budget of 0) and drafting, in
+    the order its requests took them: what a drafting step costs beyond a plain one and its draft rows. Every member
+    thread reports here without a lock: a lost count only moves a probe by a step."""
+
+    KEEP = 16  # steps of each kind
+
+    def __init__(self) -> None:
+        self.plain: deque[float] = deque(maxlen=self.KEEP)
+        self.drafting: deque[tuple[float, int]] = deque(maxlen=self.KEEP)  # (seconds, draft tokens)
+        self.since_plain = 0  # drafting steps timed since the last plain one
+        self.since_drafting = 0  # plain steps timed since the last drafting one
+
+    def observe(self, stats: GenerationStats) -> None:
+        """Takes a request's last step (the rule sees each request once per step, before it)."""
+        if not stats.step_s or len(stats.step_log) < len(stats.step_s):
+            return
+        seconds, step = stats.step_s[-1], stats.step_log[len(stats.step_s) - 1]
+        if step.get("limit") == 0:
+            self.plain.append(seconds)
+            self.since_plain, self.since_drafting = 0, self.since_drafting + 1
+        elif step["drafted"]:
+            self.drafting.append((seconds, step["drafted"]))
+            self.since_plain, self.since_drafting = self.since_plain + 1, 0
+
+    def overhead(self, row_s: float) -> float | None:
+        """Median seconds of a drafting step beyond the median plain step and ``row_s`` per draft token, or None
+        until both kinds are timed, or once the plain steps are older than :attr:`Goodput.PROBE_EVERY` drafting
+        ones (the load may have changed since). Only the shortest windows timed count: a CPU's row cost grows
+        faster than the fitted line beyond a few rows, and a long window's rows must not pass for work of its own."""
+        plain, drafting = list(self.plain), list(self.drafting)  # (other members' threads append as we read)
+        if not plain or not drafting or self.since_plain >= Goodput.PROBE_EVERY:
+            return None
+        shortest = min(k for _, k in drafting)
+        own = statistics.median(s - row_s * k for s, k in drafting if k == shortest) - statistics.median(plain)
+        return max(0.0, own)
 
 
 def outcomes(accepted: list[int], drafted: list[int]) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import generate, kernels
-from mirrorsd.batching import PREFILL_START, Batcher, Goodput, StepRecord, outcomes
+from mirrorsd.batching import PREFILL_START, Batcher, Goodput, StepRecord, StepWalls, outcomes
 from mirrorsd.decoding import GenerationStats, methods
 from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.mirror.options import batch_caps
@@ -475,3 +475,51 @@ def test_goodput_one_early_rejection_does_not_cap_a_request_for_good() -> None:
     unlucky = SimpleNamespace(stats=GenerationStats("suffix", accepted=[0], drafted=[4]))
     assert 0 < rule.acceptance(unlucky.stats) < 0.5
     assert rule.limit(unlucky) is None  # alone, free draft rows still pay at that rate: its own window
+
+
+def _timed_steps(method: str, plain_s: float, drafting_s: float, steps: int = 16) -> GenerationStats:
+    """A request's statistics with ``steps`` drafting steps (3 draft tokens, 1 accepted) of ``drafting_s`` each, then
+    one plain step (a budget of 0) of ``plain_s``."""
+    stats = GenerationStats(method, gamma=3)
+    for _ in range(steps):
+        stats.record_step(3, 1)
+        stats.step_s.append(drafting_s)
+    stats.record_step(0, 0, limit=0)
+    stats.step_s.append(plain_s)
+    return stats
+
+
+@pytest.mark.parametrize("busy", [1, 4])
+def test_goodput_prices_a_drafting_steps_own_work(busy: int) -> None:
+    """A method that drafts inside the target's step (an ss pass: its streams, heads and pruning) keeps its window
+    only where the window's gain covers the drafting step's own time, which the row-cost curve does not see."""
+    decisions = {}
+    for case, drafting_s in (("cheap", 0.047), ("dear", 0.120)):  # plain steps 45 ms; 3 draft rows cost 15 ms
+        rule = _rule_at(busy)
+        stats = _timed_steps("ss", 0.045, drafting_s)
+        state = SimpleNamespace(stats=stats)
+        for i in range(len(stats.step_s)):  # the rule sees every step as it comes
+            rule._walls.setdefault("ss", StepWalls()).observe(
+                GenerationStats("ss", drafted=stats.drafted[:i + 1], accepted=stats.accepted[:i + 1],
+                                step_log=stats.step_log[:i + 1], step_s=stats.step_s[:i + 1]))
+        assert rule._walls["ss"].overhead(0.005) == pytest.approx(max(0.0, drafting_s - 0.015 - 0.045))
+        decisions[case] = rule.limit(state)
+    assert decisions["cheap"] != 0  # 2 ms of its own: the window (alone: its own, in a batch: the rule's cap)
+    assert decisions["dear"] == 0  # 60 ms of its own: ar's plain step
+
+
+def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
+    rule = _rule_at(1)
+    walls = rule._walls.setdefault("ss", StepWalls())
+    stats = GenerationStats("ss", gamma=3, accepted=[1] * 16, drafted=[3] * 16)
+    state = SimpleNamespace(stats=stats)
+    for _ in range(Goodput.PROBE_EVERY):  # drafting steps only: no plain step timed yet
+        assert rule.limit(state) is None
+        stats.record_step(3, 1)
+        stats.step_s.append(0.05)
+    assert rule.limit(state) == 0  # (seeing the 16th drafting step) a plain step, to time one
+    assert walls.since_plain == Goodput.PROBE_EVERY
+    stats.record_step(0, 0, limit=0)
+    stats.step_s.append(0.045)
+    rule.limit(state)
+    assert walls.since_plain == 0 and list(walls.plain) == [0.045]

@@ -194,6 +194,8 @@ class GenerationStats:
     accepted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     step_log: list[dict[str, Any]] = field(default_factory=list)  # per step: what the planner's cost model reads
+    step_s: list[float] = field(default_factory=list)  # per step: wall seconds, proposal to feedback, batched
+    # forwards included (methods with ``Roles.timed_steps``): what the goodput rule prices a drafting step's own work by
     wall_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0  # time in the proposer (drafting the loop waited for)
@@ -528,6 +530,9 @@ class Roles:
     gamma: int = 0
     close: Callable[[], None] | None = None
     log: Callable[[Scores, Verdict], dict[str, Any]] | None = None  # extra per-step details for step_log
+    # A drafting step does work of its own beyond its draft rows (an SS pass: its stream rows, their head, pruning):
+    # the loop times its steps (``GenerationStats.step_s``), which a batch's goodput rule prices that work by.
+    timed_steps: bool = False
 
 
 @contextmanager
@@ -565,6 +570,7 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
             with torch.inference_mode():
                 state.limit = budget.limit(state) if budget is not None else None
                 state.batch = budget.batch() if budget is not None else 1
+                started = time.perf_counter()
                 with timed(stats, "draft_s"):
                     draft = proposer.propose(state)
                 with timed(stats, "target_s"):
@@ -584,6 +590,8 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
                 if state.batch > 1:
                     detail.update(batch=state.batch)
                 stats.record_step(scores.draft.depth, verdict.accepted, **detail)
+                if roles.timed_steps:
+                    stats.step_s.append(time.perf_counter() - started)
             yield new
     except GeneratorExit:  # the caller stopped it between steps, where the target cache holds committed tokens
         if request.prefix_cache is not None:

@@ -244,7 +244,7 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     scorer = StreamTreeScorer(req.target, adapters, prune_threshold(opts, req.target.device), stats, head, prune_exit,
                               opts.defer_streams, opts.tree_k)
     return Roles(proposer, scorer, match, gamma=window,
-                 log=log, close=lookup.close if lookup else None)
+                 log=log, close=lookup.close if lookup else None, timed_steps=True)
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: SSOptions) -> float:
