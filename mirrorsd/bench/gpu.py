@@ -58,10 +58,11 @@ REAL_SHAPES = {
     "qwen2.5-14b": Shape(5120, 13824, 48, 40, 8, 152064, False),  # ~30 GB in bf16: fits an H100
     "qwen2.5-32b": Shape(5120, 27648, 64, 40, 8, 152064, False),  # ~66 GB in bf16: fits an H200
 }
-#: The dry run's stand-ins: the same roles, small enough for a CPU test.
+#: The dry run's stand-ins: the same roles, small enough for a CPU test. Their head sizes are powers of two, as the
+#: real models' are: the fused CUDA path (and so every CUDA graph) takes no other, and the CUDA tests build on these.
 DRY_SHAPES = {
     "qwen2.5-0.5b": Shape(64, 128, 2, 4, 2, 512, True),
-    "qwen2.5-1.5b": Shape(96, 192, 4, 4, 2, 512, True),
+    "qwen2.5-1.5b": Shape(96, 192, 4, 6, 2, 512, True),
     "qwen2.5-7b": Shape(128, 256, 4, 4, 2, 512, False),
     "qwen2.5-14b": Shape(128, 256, 6, 4, 2, 512, False),
     "qwen2.5-32b": Shape(128, 320, 8, 4, 2, 512, False),
@@ -510,12 +511,14 @@ CUDA_TESTS_TIMEOUT_S = 240
 
 def run_cuda_tests(repo: Path, select: str | None = None, timeout: float = CUDA_TESTS_TIMEOUT_S) -> dict[str, Any]:
     """``tests/test_cuda.py`` in a child process (a CUDA error there cannot end this run); ``select``: one ``-k``.
-    ``passed``: the names of the tests that passed; ``slowest``: pytest's slowest durations. Past ``timeout``
-    seconds the child is killed and what passed until then is kept (``timed_out``)."""
+    ``passed``: the names of the tests that passed; ``failed``: each failed test's name and pytest's one-line reason
+    (a lease's report is all a later session sees of the run); ``slowest``: pytest's slowest durations. Past
+    ``timeout`` seconds the child is killed and what passed until then is kept (``timed_out``)."""
     tests = repo / "tests" / "test_cuda.py"
     if not tests.is_file():
         return {"ran": False, "why": f"{tests} not found (run from the repository root)", "passed": []}
-    command = [sys.executable, "-m", "pytest", "-v", "-rA", "--durations=8", "-p", "no:cacheprovider", str(tests),
+    command = [sys.executable, "-m", "pytest", "-v", "-rA", "--tb=short", "--durations=8", "-p", "no:cacheprovider",
+               str(tests),
                *(("-k", select) if select else ())]
     try:
         proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=timeout)
@@ -528,9 +531,12 @@ def run_cuda_tests(repo: Path, select: str | None = None, timeout: float = CUDA_
     # -v prints "tests/test_cuda.py::name PASSED [ 5%]" as each test ends: a killed run keeps those
     passed = sorted({line.split("::", 1)[1].split()[0] for line in lines
                      if "::" in line and (line.startswith("PASSED ") or " PASSED" in line)})
+    # -rA's summary: "FAILED tests/test_cuda.py::name - AssertionError: ..." (ERROR for a failed setup)
+    failed = {line.split("::", 1)[1].split(" - ", 1)[0].strip(): line.split(" - ", 1)[1][:300] if " - " in line else ""
+              for line in lines if line.startswith(("FAILED ", "ERROR ")) and "::" in line}
     slowest = [line.strip() for line in lines if line.strip()[:1].isdigit() and "s call " in line]
     ran = {"ran": True, "returncode": returncode, "summary": (lines[-1:] or [""])[0], "passed": passed,
-           "slowest": slowest}
+           "failed": failed, "slowest": slowest}
     if timed_out:
         ran.update(timed_out=True, summary=f"killed after {timeout:.0f} s; {len(passed)} passed before that")
     return ran
