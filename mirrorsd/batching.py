@@ -95,9 +95,10 @@ class Goodput(Fixed):
     took ~58 ms where its batched rows took ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed
     (:class:`StepWalls`: a drafting step's median wall time beyond the median plain step and its draft rows), and a
     window is kept only where its expected gain ``Σ (α^j - price)`` exceeds what that time costs the batch,
-    ``S * own / (a + b R)``. To time both kinds, one step is plain after :attr:`PROBE_EVERY` drafting ones, and
-    windows are timed again after :attr:`REPROBE_AFTER` plain ones. (Priced so, ``suffix``'s windows lost up to 15%
-    alone, where its lookups cost little and its long accepted runs are worth more than a geometric rate says.)"""
+    ``S * own / (a + b R)``. To time both kinds, one member's step is plain after :attr:`PROBE_EVERY` drafting ones
+    of the method, and windows are timed again after :attr:`REPROBE_AFTER` plain ones. (Priced so, ``suffix``'s
+    windows lost up to 15% alone, where its lookups cost little and its long accepted runs are worth more than a
+    geometric rate says.)"""
 
     RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
     PEERS = 32  # requests of a method whose recent acceptance a new request starts from
@@ -133,9 +134,11 @@ class Goodput(Fixed):
         if stats.draft_forwards or drafting:
             return window
         # A drafting step's own work beyond its rows (timed steps only): the window's expected gain must cover it.
+        if walls.probe():
+            return 0  # this member's step times a plain one (the others go on as they were)
         own = walls.overhead(b)
         if own is None:
-            return 0 if walls.since_plain >= self.PROBE_EVERY else window
+            return window
         tokens = max(1, stats.gamma) if window is None else window
         gain = sum(alpha ** j - price for j in range(1, tokens + 1))
         if gain > busy * (1 + alpha) * own / (a + b * level) or walls.since_drafting >= self.REPROBE_AFTER:
@@ -178,26 +181,45 @@ class StepWalls:
         self.drafting: deque[tuple[float, int]] = deque(maxlen=self.KEEP)  # (seconds, draft tokens)
         self.since_plain = 0  # drafting steps timed since the last plain one
         self.since_drafting = 0  # plain steps timed since the last drafting one
+        self.probed_at: int | None = None  # ``since_plain`` when a member last took a plain step to time one
+        self._seen: dict[int, int] = {}  # id of a request's statistics -> its steps taken in
 
     def observe(self, stats: GenerationStats) -> None:
-        """Takes a request's last step (the rule sees each request once per step, before it)."""
-        if not stats.step_s or len(stats.step_log) < len(stats.step_s):
+        """Takes a request's last step, once (the rule sees each request once per step, before it; a second look at
+        the same step must not count it twice)."""
+        n = len(stats.step_s)
+        if not n or len(stats.step_log) < n or self._seen.get(id(stats)) == n:
             return
-        seconds, step = stats.step_s[-1], stats.step_log[len(stats.step_s) - 1]
+        self._seen[id(stats)] = n
+        if len(self._seen) > 4 * self.KEEP:  # (ended requests' entries: the oldest go first)
+            del self._seen[next(iter(self._seen))]
+        seconds, step = stats.step_s[-1], stats.step_log[n - 1]
         if step.get("limit") == 0:
             self.plain.append(seconds)
-            self.since_plain, self.since_drafting = 0, self.since_drafting + 1
+            self.since_plain, self.since_drafting, self.probed_at = 0, self.since_drafting + 1, None
         elif step["drafted"]:
+            if self.since_drafting >= Goodput.REPROBE_AFTER:
+                self.drafting.clear()  # timed again after a long plain run: the old windows' load is gone
             self.drafting.append((seconds, step["drafted"]))
             self.since_plain, self.since_drafting = self.since_plain + 1, 0
 
+    def probe(self) -> bool:
+        """Whether the asking member takes a plain step now, to time one: once :attr:`Goodput.PROBE_EVERY` of the
+        method's drafting steps have passed since its last plain one, one member does (another only if that plain
+        step is still missing :attr:`Goodput.PROBE_EVERY` drafting steps later: its request may have ended). Before,
+        every member asking in that round went plain, so at 8 requests every other round of the batch was plain."""
+        due = self.since_plain >= Goodput.PROBE_EVERY and (
+            self.probed_at is None or self.since_plain >= self.probed_at + Goodput.PROBE_EVERY)
+        if due:
+            self.probed_at = self.since_plain
+        return due
+
     def overhead(self, row_s: float) -> float | None:
         """Median seconds of a drafting step beyond the median plain step and ``row_s`` per draft token, or None
-        until both kinds are timed, or once the plain steps are older than :attr:`Goodput.PROBE_EVERY` drafting
-        ones (the load may have changed since). Only the shortest windows timed count: a CPU's row cost grows
-        faster than the fitted line beyond a few rows, and a long window's rows must not pass for work of its own."""
+        until both kinds are timed. Only the shortest windows timed count: a CPU's row cost grows faster than the
+        fitted line beyond a few rows, and a long window's rows must not pass for work of its own."""
         plain, drafting = list(self.plain), list(self.drafting)  # (other members' threads append as we read)
-        if not plain or not drafting or self.since_plain >= Goodput.PROBE_EVERY:
+        if not plain or not drafting:
             return None
         shortest = min(k for _, k in drafting)
         own = statistics.median(s - row_s * k for s, k in drafting if k == shortest) - statistics.median(plain)

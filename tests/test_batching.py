@@ -508,6 +508,31 @@ def test_goodput_prices_a_drafting_steps_own_work(busy: int) -> None:
     assert decisions["dear"] == 0  # 60 ms of its own: ar's plain step
 
 
+def test_goodput_gives_the_probe_to_one_member_and_counts_a_step_once() -> None:
+    """At 4 requests of a timed method, the plain step that times a plain one is one member's: before, every member
+    asking in that round went plain (at 8 requests, every other round of the batch). A member asked twice about one
+    step counts it once."""
+    rule = _rule_at(4)
+    members = [SimpleNamespace(stats=GenerationStats("ss", gamma=3, accepted=[1] * 16, drafted=[3] * 16))
+               for _ in range(4)]
+    walls = rule._walls.setdefault("ss", StepWalls())
+    plain_steps = []
+    for round_ in range(8):
+        for m in members:
+            limit = rule.limit(m)
+            rule.limit(m)  # (asked again about the same step)
+            if limit == 0:
+                plain_steps.append(round_)
+                m.stats.record_step(0, 0, limit=0)
+                m.stats.step_s.append(0.045)
+            else:
+                m.stats.record_step(1, 1)
+                m.stats.step_s.append(0.05)
+    assert plain_steps == [4]  # 16 drafting steps of the method (4 rounds of 4), then one member's plain step
+    assert list(walls.plain) == [0.045] and len(walls.drafting) == 16  # each step counted once
+    assert walls.since_plain == 2 * 4  # seen since the plain one: rounds 5 and 6's (round 7's are not asked about)
+
+
 def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
     rule = _rule_at(1)
     walls = rule._walls.setdefault("ss", StepWalls())
