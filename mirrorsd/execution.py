@@ -29,7 +29,7 @@ from .sampling import GREEDY_CHOICE, SamplingParams, choose, graph_choice, strea
 if TYPE_CHECKING:
     from torch import nn
 
-    from .model import SSRows, Transformer
+    from .model import SSDeltas, SSRows, Transformer
 
 #: A QuantLinear's packed tensors, in the order ``cpu_block.cpp``'s QuantBlock takes them.
 _PACKED_FIELDS = (*PACKED_BUFFERS, "bias")
@@ -195,10 +195,11 @@ def batched_by(hook: ForwardBatcher | None) -> Iterator[None]:
 
 def head_batchable(model: Transformer, hidden: torch.Tensor, head: nn.Module | None = None) -> bool:
     """Whether the final norm and the head (``model.lm_head``, or ``head``, a module computing through a ``linear``:
-    a draft's reduced vocabulary) are row-local on ``hidden``: the C++ norm and a :func:`row_local` product."""
+    a draft's reduced vocabulary) are row-local on ``hidden``: the C++ norm and a :func:`row_local` product, or on
+    CUDA the norm and a dense product in fixed-row slabs (:func:`~mirrorsd.linear.in_fixed_rows`)."""
     linear = model.lm_head if head is None else getattr(head, "linear", None)
-    return hidden.dim() == 3 and hidden.shape[0] == 1 and model.norm.fused and linear is not None \
-        and row_local(linear) and not torch.is_grad_enabled()
+    return hidden.dim() == 3 and hidden.shape[0] == 1 and linear is not None and not torch.is_grad_enabled() and (
+        (model.norm.fused and row_local(linear)) or (fixed_shapes(hidden) and isinstance(linear, DenseLinear)))
 
 
 @dataclass(eq=False)
@@ -222,22 +223,43 @@ def ragged_blocks(model: Transformer, start: int, end: int) -> list[torch.Script
     return bound if len({block.mlp.down_proj.split_activations for block in blocks}) == 1 else None
 
 
+def fused_batches(model: Transformer) -> bool:
+    """Whether ``model``'s blocks run as :func:`fused_layers` (a GPU): their rows are batch-invariant, so several
+    sequences' windows share one call of them too (:func:`ragged_layers`)."""
+    with torch.no_grad():
+        return fused_applies(model, model.norm.weight)
+
+
+def ragged_applies(model: Transformer, start: int, end: int) -> bool:
+    """Whether :func:`ragged_layers` takes blocks ``[start, end)``: bound to the C++ op, or the fused CUDA layers."""
+    return ragged_blocks(model, start, end) is not None or fused_batches(model)
+
+
 def batches(model: Transformer) -> bool:
     """Whether ``model``'s forwards can share a continuous batch with the bits each gets alone."""
-    return ragged_blocks(model, 0, model.config.n_layers) is not None
+    return ragged_applies(model, 0, model.config.n_layers)
 
 
 def ragged_layers(model: Transformer, calls: list[LayerCall], start: int, end: int) -> list[torch.Tensor]:
-    """Blocks ``[start, end)`` on several sequences' windows in one C++ call (``ragged_blocks_forward``): the linears
-    read their weights once for every row, while rotary embedding, the cache writes and attention run per sequence
-    over its own cache. A sequence's outputs have the bits it gets alone (the linears and norms are row-local and
-    its attention is the same call), so batching cannot change a token. Advances each cache's lengths."""
+    """Blocks ``[start, end)`` on several sequences' windows in one call: the linears read their weights once for
+    every row, while rotary embedding, the cache writes and attention run per sequence over its own cache. A
+    sequence's outputs have the bits it gets alone (the linears and norms are row-local and its attention is the
+    same call), so batching cannot change a token. Advances each cache's lengths. On a CPU that call is the C++
+    ``ragged_blocks_forward``; on a GPU the fused layers (:func:`fused_layers`), eagerly (a batch's shapes change
+    every step, so no graph would be replayed twice)."""
+    adapters = {id(c.streams.adapters): c.streams.adapters for c in calls if c.streams is not None and c.streams.count}
+    if len(adapters) > 1:
+        raise ValueError("ragged_layers: the stream rows of one call must share their adapters")
+    lengths = [c.hidden.shape[1] for c in calls]
     bound = ragged_blocks(model, start, end)
     if bound is None:
-        raise ValueError("ragged_layers needs every block of the range bound to the C++ op")
+        if not fused_batches(model):
+            raise ValueError("ragged_layers needs every block of the range bound to the C++ op, or the fused CUDA "
+                             "layers")
+        return list(_ragged_fused(model, calls, start, end, next(iter(adapters.values()), None))
+                    .unsqueeze(0).split(lengths, dim=1))
     layers = range(start, end)
     split = model.layers[start].mlp.down_proj.split_activations
-    lengths = [c.hidden.shape[1] for c in calls]
     streams = [c.streams.count if c.streams is not None else 0 for c in calls]
     starts = [c.cache.lengths[layer] for layer in layers for c in calls]
     buffers = [c.cache.buffers(layer, c.cache.lengths[layer] + t) for layer in layers
@@ -247,9 +269,6 @@ def ragged_layers(model: Transformer, calls: list[LayerCall], start: int, end: i
     sin = torch.cat([a[1][0] for a in angles])
     x = torch.cat([c.hidden[0] for c in calls])
     masks = [None if c.mask is None else c.mask[0] for c in calls]
-    adapters = {id(c.streams.adapters): c.streams.adapters for c in calls if c.streams is not None and c.streams.count}
-    if len(adapters) > 1:
-        raise ValueError("ragged_layers: the stream rows of one call must share their adapters")
     a = b = scale = ()
     if adapters:
         lora = next(iter(adapters.values()))
@@ -343,86 +362,137 @@ def fused_layers(model: Transformer, hidden: torch.Tensor, positions: torch.Tens
     device-side inputs (the cache slots, gather lists and counts; its caller advances the lengths). ``cache=None``
     attends within the window through a scratch cache. ``streams``: the trailing stream rows get their adapters'
     deltas, and their keys and values are written past the cache's length (attended now, never kept)."""
-    # Triton launches on the current device's stream, whatever the tensors' device: a model on another GPU (a draft
-    # on a second one, the devices backend's worker thread) must make its own device current first
+    rows, t, width = hidden.shape
+    if cache is None:
+        cache = model.new_cache(rows=rows, capacity=t)
+    cos, sin = (c.reshape(rows * t, -1) for c in model.rope(positions.expand(rows, t)))
+    window = _Window(0, rows, t, cache, mask, streams.count if streams is not None else 0)
+    out = _on_device(hidden, lambda: _fused_windows(model, hidden.reshape(rows * t, width), cos, sin, [window], start,
+                                                    end, streams.adapters if streams is not None else None, static))
+    return out.view(rows, t, width)
+
+
+def _ragged_fused(model: Transformer, calls: list[LayerCall], start: int, end: int, adapters: SSDeltas | None
+                  ) -> torch.Tensor:
+    """:func:`ragged_layers` on the fused CUDA layers: every call's rows, one after another, ``[n, width]``."""
+    windows, offset = [], 0
+    for c in calls:
+        t = c.hidden.shape[1]
+        windows.append(_Window(offset, 1, t, c.cache, c.mask, c.streams.count if c.streams is not None else 0))
+        offset += t
+    cos, sin = (torch.cat(parts) for parts in zip(*(
+        (c.reshape(-1, c.shape[-1]) for c in model.rope(call.positions)) for call in calls), strict=True))
+    hidden = torch.cat([c.hidden[0] for c in calls])
+    return _on_device(hidden, lambda: _fused_windows(model, hidden, cos, sin, windows, start, end, adapters, None))
+
+
+def _on_device(hidden: torch.Tensor, work: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``work`` with ``hidden``'s device current: Triton launches on the current device's stream, whatever the
+    tensors' device, so a model on another GPU (a draft on a second one, the devices backend's worker thread) makes
+    its own device current first."""
     with torch.cuda.device(hidden.device) if hidden.is_cuda else nullcontext():
-        return _fused_layers(model, hidden, positions, cache, mask, start, end, streams, static)
+        return work()
 
 
-def _fused_layers(model: Transformer, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                  mask: torch.Tensor | None, start: int, end: int, streams: SSRows | None = None,
-                  static: cuda_graphs.StaticStep | None = None) -> torch.Tensor:
+@dataclass
+class _Window:
+    """One cache's window inside a fused call: the call's rows ``[offset, offset + rows * t)``, row ``r * t + i``
+    being query ``i`` of cache row ``r``; ``streams``: the trailing stream rows of each cache row."""
+
+    offset: int
+    rows: int
+    t: int
+    cache: KVCache
+    mask: torch.Tensor | None
+    streams: int
+
+    @property
+    def span(self) -> slice:
+        return slice(self.offset, self.offset + self.rows * self.t)
+
+    def stream_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s rows of this window's stream rows, ``[rows, streams, width]`` (a view: written in place)."""
+        return x[self.span].view(self.rows, self.t, -1)[:, self.t - self.streams :]
+
+
+def _fused_windows(model: Transformer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   windows: list[_Window], start: int, end: int, adapters: SSDeltas | None,
+                   static: cuda_graphs.StaticStep | None) -> torch.Tensor:
+    """:func:`fused_layers` on the rows ``hidden [n, width]`` of one or more windows, each over its own cache
+    (continuous batching: :func:`ragged_layers`). The norms and GEMMs run on all rows at once, each row with the bits
+    it gets alone; RoPE with the cache write and attention run per window, over its cache. ``static``: one window's
+    graph inputs."""
     from .kernels import cuda_layers
 
-    rows, t, width = hidden.shape
-    n = rows * t
+    n, width = hidden.shape
     cfg = model.config
     heads, kv_heads, dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     padded = -(-n // FIXED_ROWS) * FIXED_ROWS
     slabs = _slabs(padded)
     h = hidden.new_zeros(padded, width)
-    h[:n] = hidden.reshape(n, width)
-    cos, sin = (c.reshape(n, dim) for c in model.rope(positions.expand(rows, t)))
+    h[:n] = hidden
     x = torch.zeros_like(h)  # the norms and SiLU write only the call's rows: the padding stays zero
     qkv = hidden.new_empty(padded, (heads + 2 * kv_heads) * dim)
     q = hidden.new_empty(n, heads, dim)
     attn = hidden.new_zeros(padded, heads * dim)
     gate_up = hidden.new_empty(padded, 2 * cfg.intermediate_size)
     act = hidden.new_zeros(padded, cfg.intermediate_size)
-    s = streams.count if streams is not None else 0
-    ticket = cuda_attention.tickets(n * heads, h.device)  # every layer's attention hands them back
-    if cache is None:
-        cache = model.new_cache(rows=rows, capacity=t)
-    visible: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # by cache length
+    streamed = [w for w in windows if w.streams]
+    # every attention call hands its tickets back: one buffer for the largest window serves them all
+    ticket = cuda_attention.tickets(max(w.rows * w.t for w in windows) * heads, h.device)
+    visible: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [{} for _ in windows]  # by length
 
-    def delta(layer: int, name: str, inputs: torch.Tensor) -> torch.Tensor:
-        return streams.adapters.delta(layer, name, inputs[:n].view(rows, t, -1)[:, t - s :]).to(h.dtype)
+    def add_deltas(layer: int, names: tuple[str, ...], bounds: list[tuple[int, int]], out: torch.Tensor,
+                   inputs: torch.Tensor) -> None:
+        for w in streamed:
+            rows = w.stream_rows(out)
+            for name, (a, b) in zip(names, bounds, strict=True):
+                rows[..., a:b] += adapters.delta(layer, name, w.stream_rows(inputs)).to(h.dtype)
 
+    qkv_bounds = _bounds(heads * dim, kv_heads * dim)
+    inter = cfg.intermediate_size
     for layer in range(start, end):
         w = merged_weights(model.layers[layer])
-        if static is not None:
-            keys, values = cache.keys[layer], cache.values[layer]
-            slots, index, count = static.slots, static.index, static.count
-        else:
-            length = cache.lengths[layer]
-            keys, values = cache.buffers(layer, length + t)
-            if length not in visible:
-                slots = torch.arange(length, length + t, device=h.device)
-                visible[length] = (slots, *cuda_attention.visible_keys(mask, t, length + t, h.device))
-            slots, index, count = visible[length]
         cuda_layers.rms_norm(h[:n], w.norm_in, w.eps, x)
         for slab in slabs:
             _linear(x[slab], w.qkv, w.qkv_bias, qkv[slab])
-        if s:
-            split = qkv[:n].view(rows, t, -1)[:, t - s :]
-            for name, (a, b) in zip(("q_proj", "k_proj", "v_proj"), _bounds(heads * dim, kv_heads * dim), strict=True):
-                split[..., a:b] += delta(layer, name, x)
-        cuda_layers.rope_write(qkv, cos, sin, q, keys, values, slots, t, heads, kv_heads, w.qk_norm)
-        queries = q.view(rows, t, heads, dim).transpose(1, 2)
-        cuda_attention.attend(queries, keys, values, index, count,
-                              out=attn[:n].view(rows, t, heads, dim).transpose(1, 2), ticket=ticket)
+        add_deltas(layer, ("q_proj", "k_proj", "v_proj"), qkv_bounds, qkv, x)
+        lengths = []
+        for window, seen in zip(windows, visible, strict=True):
+            cache, t, span = window.cache, window.t, window.span
+            if static is not None:
+                keys, values = cache.keys[layer], cache.values[layer]
+                slots, index, count = static.slots, static.index, static.count
+            else:
+                length = cache.lengths[layer]
+                lengths.append(length)
+                keys, values = cache.buffers(layer, length + t)
+                if length not in seen:
+                    slots = torch.arange(length, length + t, device=h.device)
+                    seen[length] = (slots, *cuda_attention.visible_keys(window.mask, t, length + t, h.device))
+                slots, index, count = seen[length]
+            cuda_layers.rope_write(qkv[span], cos[span], sin[span], q[span], keys, values, slots, t, heads, kv_heads,
+                                   w.qk_norm)
+            cuda_attention.attend(q[span].view(window.rows, t, heads, dim).transpose(1, 2), keys, values, index,
+                                  count, out=attn[span].view(window.rows, t, heads, dim).transpose(1, 2),
+                                  ticket=ticket)
         for slab in slabs:
             _add_product(h[slab], attn[slab], w.o)
         if w.o_bias is not None:
             h += w.o_bias
-        if s:
-            h[:n].view(rows, t, -1)[:, t - s :] += delta(layer, "o_proj", attn)
+        add_deltas(layer, ("o_proj",), [(0, width)], h, attn)
         cuda_layers.rms_norm(h[:n], w.norm_post, w.eps, x)
         for slab in slabs:
             torch.mm(x[slab], w.gate_up.t(), out=gate_up[slab])
-        if s:
-            split = gate_up[:n].view(rows, t, -1)[:, t - s :]
-            inter = cfg.intermediate_size
-            split[..., :inter] += delta(layer, "gate_proj", x)
-            split[..., inter:] += delta(layer, "up_proj", x)
+        add_deltas(layer, ("gate_proj", "up_proj"), [(0, inter), (inter, 2 * inter)], gate_up, x)
         cuda_layers.silu_mul(gate_up[:n], act)
         for slab in slabs:
             _add_product(h[slab], act[slab], w.down)
-        if s:
-            h[:n].view(rows, t, -1)[:, t - s :] += delta(layer, "down_proj", act)
-        if static is None:
-            cache.lengths[layer] = length + t - s
-    return h[:n].view(rows, t, width)
+        add_deltas(layer, ("down_proj",), [(0, width)], h, act)
+        if static is None:  # (under static inputs the caller advances them)
+            for window, length in zip(windows, lengths, strict=True):
+                window.cache.lengths[layer] = length + window.t - window.streams
+    return h[:n]
 
 
 def _bounds(q_width: int, kv_width: int) -> list[tuple[int, int]]:

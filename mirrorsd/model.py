@@ -37,7 +37,7 @@ from .execution import (
     fused_applies,
     fused_layers,
     head_batchable,
-    ragged_blocks,
+    ragged_applies,
     replay,
     replay_forward,
     run_kernels,
@@ -589,7 +589,7 @@ class Transformer(nn.Module):
         t = hidden.shape[1]
         hook = batcher()
         if hook is not None and cache is not None and hidden.shape[0] == 1 and not torch.is_grad_enabled() \
-                and ragged_blocks(self, start, end) is not None:  # continuous batching: one forward for all requests
+                and ragged_applies(self, start, end):  # continuous batching: one forward for all requests
             return hook.run_layers(self, LayerCall(hidden, positions, cache, mask, streams), start, end)
         replayed = None if streams is not None else replay(self, hidden, positions, cache, mask, start, end)
         if replayed is not None:

@@ -247,6 +247,32 @@ def test_mirror_with_oracles_equals_ar_in_every_setting(roots, kappa, exit_layer
     assert_mirror_with_oracles_equals_ar(target, draft, roots, kappa, exit_layer, gamma, options, temperature)
 
 
+def test_requests_batched_on_cuda_get_their_alone_tokens():
+    """Issue 57 item 1 on a GPU: several requests' windows through one call of the fused layers (RoPE, the cache
+    writes and attention per request over its own cache), their heads through one product: every request's tokens
+    are those it gets alone, in bf16, for ``ar``, ``sd`` (its draft batched too), ``suffix``, ``ss`` and Mirror-SD
+    on the serial backend, greedy and seeded."""
+    from mirrorsd.execution import batches
+
+    target, draft = _pair(torch.bfloat16)
+    assert batches(target) and batches(draft)
+    cfg = target.config
+    adapters = StreamAdapters(target, StreamConfig(streams=2, layers=1, hidden_size=cfg.hidden_size,
+                                                   n_layers=cfg.n_layers, vocab_size=cfg.vocab_size))
+    adapters = adapters.to(device=CUDA, dtype=torch.bfloat16).eval()
+    requests = [dict(prompt=PROMPT, method="ar", temperature=0.0),
+                dict(prompt=PROMPT[5:], method="sd", draft=draft, temperature=0.0),
+                dict(prompt=PROMPT[:20] * 2, method="suffix", temperature=0.0),
+                dict(prompt=PROMPT[3:], method="ss", streams=adapters, temperature=0.0),
+                dict(prompt=PROMPT[1:], method="mirror", draft=draft, backend="serial", temperature=0.0),
+                dict(prompt=PROMPT, method="ar", temperature=0.8, seed=3),
+                dict(prompt=PROMPT[9:], method="sd", draft=draft, temperature=0.8, seed=5)]
+    alone = [generate(target, max_new_tokens=24, **r).token_ids for r in requests]
+    got, _, shared = gpu.run_batched(target, requests, 24)
+    assert got == alone
+    assert shared >= 3  # the requests' windows shared forwards
+
+
 def test_the_next_request_reuses_a_returned_cache_and_its_graphs():
     target, _ = _pair(torch.bfloat16)
     first = generate(target, PROMPT, method="ar", max_new_tokens=24, temperature=0.0)

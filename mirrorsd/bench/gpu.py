@@ -542,6 +542,63 @@ def run_cuda_tests(repo: Path, select: str | None = None, timeout: float = CUDA_
     return ran
 
 
+#: Concurrent ``ar`` requests of the continuous-batching rows (issue 57: the sweep on the 1.5B shape).
+BATCH_LEVELS = (1, 4, 16)
+
+
+def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: int) -> tuple[list[list[int]], float,
+                                                                                          int]:
+    """Each request (``generate``'s keywords, ``prompt`` among them) on a thread of its own through one
+    :class:`~mirrorsd.batching.Batcher`, as ``mirrorsd serve`` runs them: their tokens, the wall seconds, and the
+    most windows one step carried. A request's error is raised here."""
+    import threading
+
+    from ..batching import Batcher
+
+    batcher = Batcher(speculation="fixed")
+    out: list[Any] = [None] * len(requests)
+
+    def member(i: int, options: dict[str, Any]) -> None:
+        try:
+            with batcher.member():
+                out[i] = generate(target, max_new_tokens=max_new, **options).token_ids
+        except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
+            out[i] = error
+
+    threads = [threading.Thread(target=member, args=(i, r)) for i, r in enumerate(requests)]
+    synchronize(target.device)
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    synchronize(target.device)
+    wall = time.perf_counter() - start
+    for got in out:
+        if isinstance(got, BaseException):
+            raise got
+    return out, wall, max((s.windows + s.prompts for s in batcher.steps), default=0)
+
+
+def batched_ar(target: Transformer, prompt: list[int], max_new: int, levels: tuple[int, ...] = BATCH_LEVELS
+               ) -> list[dict[str, Any]]:
+    """``ar`` at each concurrency in ``levels`` (request ``i`` on the prompt rotated by ``i``), against the same
+    requests one after another: aggregate tok/s both ways, and whether every answer is its alone answer."""
+    rows = []
+    for level in levels:
+        requests = [{"prompt": prompt[i:] + prompt[:i], "method": "ar", "temperature": 0.0} for i in range(level)]
+        alone, alone_s = [], 0.0
+        for r in requests:
+            res, secs = timed_generate(target, r["prompt"], max_new, method="ar")
+            alone.append(res.token_ids)
+            alone_s += secs
+        got, wall, shared = run_batched(target, requests, max_new)
+        tokens = sum(len(a) for a in alone)
+        rows.append({"requests": level, "alone_tok_s": tokens / alone_s, "batched_tok_s": sum(map(len, got)) / wall,
+                     "most_windows_in_a_step": shared, "equal_alone": got == alone})
+    return rows
+
+
 def run(out: Path, *, device: str | None = None, max_new: int | None = None, prompt_len: int = 128,
         accepts: tuple[int, ...] = (1, 3, 5), gamma: int = 7, targets: tuple[str, ...] = TARGETS,
         ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), tests: bool = True, repo: Path | None = None,
@@ -572,6 +629,7 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
         overlaps = tuple(name for name, passed in report["overlap_tests"].items() if passed)
     report["forward_ms"], report["forward_ms_eager"], report["methods"], report["forced"], report["train"] = \
         {}, {}, [], [], {}
+    report["batched"] = {}
     report["costs"], report["copy_bytes_per_s"] = [], copy_bandwidth(dev, 1 << (20 if dry else 30))
     for i, name in enumerate(targets):
         say(f"{name}-shaped target: forward curve…", flush=True)
@@ -625,6 +683,13 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
         report["forced"].extend(_forced(name, target, draft, prompt, reference, accepts, gamma, dev, max_new, out,
                                         say, overlaps))
         _write(out, report)
+        if i == 0:  # (last: a failure here loses only these rows)
+            say("  continuous batching (ar)…", flush=True)
+            try:
+                report["batched"][name] = batched_ar(target, prompt, max_new, (1, 2) if dry else BATCH_LEVELS)
+            except Exception as error:  # noqa: BLE001 - reported, as a method's failure is
+                report["batched"][name] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+            _write(out, report)
         del target, draft
     return report
 
@@ -915,6 +980,18 @@ def markdown(report: dict[str, Any]) -> str:
             recipe = f"γ={t['streams']}, N_s={t['layers']}, rank {t['rank']}, {t['vocab']} ids, {t['seq_len']} tok"
             lines.append(f"| {name} | {recipe} | {t['cache_ms_per_chunk']:.1f} | {t['step_ms']:.1f} | "
                          f"{t['train_tokens_per_s']:.0f} | {t['minutes_per_epoch_of_ceiling']:.1f} |")
+    if report.get("batched"):
+        lines += ["", "## Continuous batching: `ar` requests at once through one batcher (the fused layers, eager)", "",
+                  "| target | requests | one after another, tok/s | batched, tok/s | × | most windows in a step | "
+                  "every answer its alone one |", "|---|---|---|---|---|---|---|"]
+        for name, rows in report["batched"].items():
+            if isinstance(rows, str):
+                lines.append(f"| {name} | {rows} | | | | | |")
+                continue
+            for r in rows:
+                lines.append(f"| {name} | {r['requests']} | {r['alone_tok_s']:.1f} | {r['batched_tok_s']:.1f} | "
+                             f"{r['batched_tok_s'] / r['alone_tok_s']:.2f}× | {r['most_windows_in_a_step']} | "
+                             f"{r['equal_alone']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -924,6 +1001,9 @@ def summary(report: dict[str, Any]) -> str:
     ran = [r for r in report["forced"] if "failed" not in r]
     bad += [f"forced {r['accept']}{' (SS draft)' if r.get('draft') == 'ss' else ''}" for r in ran
             if not (r["sd"]["equal_to_ar"] and r["mirror"]["equal_to_ar"])]
+    for name, rows in report.get("batched", {}).items():
+        bad += [f"{name} batched ({rows})"] if isinstance(rows, str) else \
+            [f"{name} batched at {r['requests']}" for r in rows if not r["equal_alone"]]
     ratios = [r["mirror_over_sd"] for r in ran if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT
               and r.get("overlap", "thread") == "thread" and r.get("draft", "plain") == "plain"]
     where = "dry run" if report["dry_run"] else report["device"]

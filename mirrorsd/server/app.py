@@ -103,7 +103,7 @@ class Server:
         if running > 1 and not batches(target.model):
             log.warning("decoding one request at a time: %s has no batch-invariant batched forward (continuous "
                         "batching needs the C++ path on the CPU: quantized weights, or fp32 ones where the kernels "
-                        "apply)", config.model_name)
+                        "apply; or the fused layers on a GPU: Triton and a power-of-two head size)", config.model_name)
             running = 1
         self.metrics = Metrics(config.model_name, lambda: self.scheduler.waiting,
                                lambda: len(self.scheduler.running))

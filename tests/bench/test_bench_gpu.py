@@ -140,6 +140,8 @@ def test_dry_run_report(tmp_path):
     labels = {m["label"] for m in report["methods"]}
     assert {"ar", "sd", "suffix", "mirror serial", "ss (untrained streams)"} <= labels
     assert all(m["equal_to_ar"] for m in report["methods"])
+    batched = report["batched"]["qwen2.5-1.5b"]  # (a CPU's dense fp32 layers run them alone: the rows' code ran)
+    assert [r["requests"] for r in batched] == [1, 2] and all(r["equal_alone"] for r in batched)
     hit = gpu.EXIT_HIT
     assert [(r["accept"], r["draft"], r["exit_hit_rate"]) for r in report["forced"]] == [
         ("3", "plain", hit), *(("3", "plain", h) for h in gpu.EXIT_HITS_AT_3), ("3", "ss", hit), ("all", "plain", hit)]

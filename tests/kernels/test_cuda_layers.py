@@ -490,6 +490,45 @@ assert graphs(seed=4) == 1  # (greedy's kept)
 print("ok")
 """
 
+BATCHED = TINY_PAIR + """
+import threading
+import mirrorsd
+from mirrorsd.batching import Batcher
+from mirrorsd.execution import batches
+from tests.helpers import random_adapters
+
+assert batches(target) and batches(draft)  # the fused layers: continuous batching on a GPU
+adapters = random_adapters(target, 2, 1, 0, std=0.1)
+RUNS = [("ar", [3, 4, 5], 0.0, 0), ("sd", list(range(3, 20)), 0.0, 0), ("suffix", [5, 6, 5, 6, 5, 6, 5], 0.0, 0),
+        ("ss", [9, 8, 7, 9, 8], 0.0, 0), ("ar", [9, 8], 0.8, 3), ("sd", [7, 7, 7, 1], 0.8, 5)]
+
+def tokens(method, prompt, temperature, seed):
+    options = {"draft": draft} if method == "sd" else {"streams": adapters} if method == "ss" else {}
+    return mirrorsd.generate(target, prompt, method=method, max_new_tokens=8, temperature=temperature, seed=seed,
+                             **options).token_ids
+
+alone = [tokens(*run) for run in RUNS]
+batcher = Batcher(speculation="fixed")
+out = [None] * len(RUNS)
+
+def member(i, run):
+    try:
+        with batcher.member():
+            out[i] = tokens(*run)
+    except BaseException as error:
+        out[i] = error
+
+threads = [threading.Thread(target=member, args=(i, run)) for i, run in enumerate(RUNS)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(600)
+assert out == alone, (out, alone)
+shared = max(step.windows + step.prompts for step in batcher.steps)
+assert shared >= 3, shared  # the requests' windows shared forwards
+print("ok")
+"""
+
 LAUNCHES = FORCE_CUDA_PATH + """
 from torch.utils._python_dispatch import TorchDispatchMode
 from mirrorsd import Transformer
@@ -602,6 +641,14 @@ def test_a_whole_forward_chooses_its_tokens_inside_its_graph():
     whole forward's graph body (greedy and sampled; eager here, captured on CUDA), the same tokens as without graphs,
     and a sampled graph takes the seed as an input, so another request's seed replays it."""
     _interpret(CHOICE)
+
+
+def test_requests_batched_on_the_fused_layers_get_their_alone_tokens():
+    """Issue 57 item 1 on CUDA: several requests' windows through one call of the fused layers (the norms and GEMMs
+    on every row at once, in fixed-row slabs; RoPE, the cache writes and attention per request over its own cache,
+    on per-query gather lists), and the heads through one product: every request's tokens are those it gets alone
+    (``ar``, ``sd`` with its draft batched too, ``suffix``, ``ss`` with stream rows; greedy and seeded)."""
+    _interpret(BATCHED)
 
 
 def test_a_draft_as_one_graph_draws_the_tokens_of_its_steps_one_by_one():
