@@ -95,16 +95,18 @@ class Goodput(Fixed):
     took ~58 ms where its batched rows took ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed
     (:class:`StepWalls`: a drafting step's median wall time beyond the median plain step and its draft rows), and a
     window is kept only where its expected gain ``Σ (α^j - price)`` exceeds what that time costs the batch,
-    ``S * own / (a + b R)``. To time both kinds, one member's step is plain after :attr:`PROBE_EVERY` drafting ones
-    of the method, and windows are timed again after :attr:`REPROBE_AFTER` plain ones. (Priced so, ``suffix``'s
+    ``S * own / (a + b R)``. To time both kinds, one batch step is plain for all the method's members after
+    :attr:`PROBE_EVERY` drafting rounds, and windows are timed again after :attr:`REPROBE_AFTER` plain rounds (a
+    round: a step of each member; a plain step timed beside drafting ones would wait for their rows and heads, and
+    look as dear as they). (Priced so, ``suffix``'s
     windows lost up to 15% alone, where its lookups cost little and its long accepted runs are worth more than a
     geometric rate says.)"""
 
     RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
     PEERS = 32  # requests of a method whose recent acceptance a new request starts from
     PRIOR = 4.0  # pseudo-observations of the pooled rate in each request's own
-    PROBE_EVERY = 16  # drafting steps of a method after which one of its steps is plain, to time a plain step again
-    REPROBE_AFTER = 64  # plain steps of a method after which its windows are no longer capped for their own work
+    PROBE_EVERY = 16  # drafting rounds of a method after which its members step plainly once, to time a plain step
+    REPROBE_AFTER = 64  # plain rounds of a method after which its windows are no longer capped for their own work
 
     def __init__(self, batcher: Batcher) -> None:
         super().__init__(batcher)
@@ -134,15 +136,15 @@ class Goodput(Fixed):
         if stats.draft_forwards or drafting:
             return window
         # A drafting step's own work beyond its rows (timed steps only): the window's expected gain must cover it.
-        if walls.probe():
-            return 0  # this member's step times a plain one (the others go on as they were)
+        if walls.probe(self.batcher.total_steps, busy):
+            return 0  # the whole batch's members of the method step plainly once, to time a plain step
         own = walls.overhead(b)
         if own is None:
             return window
         tokens = max(1, stats.gamma) if window is None else window
         gain = sum(alpha ** j - price for j in range(1, tokens + 1))
-        if gain > busy * (1 + alpha) * own / (a + b * level) or walls.since_drafting >= self.REPROBE_AFTER:
-            return window  # (after many plain steps, drafting steps are timed again: the load may have changed)
+        if gain > busy * (1 + alpha) * own / (a + b * level) or walls.since_drafting >= self.REPROBE_AFTER * busy:
+            return window  # (after many plain rounds, a drafting round is timed again: the load may have changed)
         return 0
 
     def acceptance(self, stats: GenerationStats) -> float | None:
@@ -181,7 +183,7 @@ class StepWalls:
         self.drafting: deque[tuple[float, int]] = deque(maxlen=self.KEEP)  # (seconds, draft tokens)
         self.since_plain = 0  # drafting steps timed since the last plain one
         self.since_drafting = 0  # plain steps timed since the last drafting one
-        self.probed_at: int | None = None  # ``since_plain`` when a member last took a plain step to time one
+        self.step, self.probing = -1, False  # the batch step last asked about, and whether it times a plain one
         self._seen: dict[int, int] = {}  # id of a request's statistics -> its steps taken in
 
     def observe(self, stats: GenerationStats) -> None:
@@ -196,23 +198,22 @@ class StepWalls:
         seconds, step = stats.step_s[-1], stats.step_log[n - 1]
         if step.get("limit") == 0:
             self.plain.append(seconds)
-            self.since_plain, self.since_drafting, self.probed_at = 0, self.since_drafting + 1, None
+            self.since_plain, self.since_drafting = 0, self.since_drafting + 1
         elif step["drafted"]:
             if self.since_drafting >= Goodput.REPROBE_AFTER:
                 self.drafting.clear()  # timed again after a long plain run: the old windows' load is gone
             self.drafting.append((seconds, step["drafted"]))
             self.since_plain, self.since_drafting = self.since_plain + 1, 0
 
-    def probe(self) -> bool:
-        """Whether the asking member takes a plain step now, to time one: once :attr:`Goodput.PROBE_EVERY` of the
-        method's drafting steps have passed since its last plain one, one member does (another only if that plain
-        step is still missing :attr:`Goodput.PROBE_EVERY` drafting steps later: its request may have ended). Before,
-        every member asking in that round went plain, so at 8 requests every other round of the batch was plain."""
-        due = self.since_plain >= Goodput.PROBE_EVERY and (
-            self.probed_at is None or self.since_plain >= self.probed_at + Goodput.PROBE_EVERY)
-        if due:
-            self.probed_at = self.since_plain
-        return due
+    def probe(self, step: int, busy: int) -> bool:
+        """Whether the asking member steps plainly in batch step ``step`` to time a plain step. The first member
+        asking about a step decides for all of them: yes once :attr:`Goodput.PROBE_EVERY` drafting rounds of ``busy``
+        members have passed since the last plain step. A plain step beside drafting ones waits for their work, so a
+        probe is the whole round's; counted in drafting steps of any member, as before, every other round of the
+        batch went plain at 8 requests."""
+        if step != self.step:
+            self.step, self.probing = step, self.since_plain >= Goodput.PROBE_EVERY * max(1, busy)
+        return self.probing
 
     def overhead(self, row_s: float) -> float | None:
         """Median seconds of a drafting step beyond the median plain step and ``row_s`` per draft token, or None
@@ -483,6 +484,8 @@ class Batcher:
                 except Exception as e:  # every member of the failed forward gets the error on its own thread
                     for w, _ in members:
                         w.error, w.computed = e, True
+        for device in {w.model.device for w, _ in work if w.model.device.type == "cuda"}:
+            torch.cuda.synchronize(device)  # a GPU runs behind the host: the wall the cost curve reads is its work's
         return StepRecord(began, windows, prompts, rows_run, prefill, time.perf_counter() - began)
 
     @staticmethod

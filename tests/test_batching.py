@@ -508,29 +508,31 @@ def test_goodput_prices_a_drafting_steps_own_work(busy: int) -> None:
     assert decisions["dear"] == 0  # 60 ms of its own: ar's plain step
 
 
-def test_goodput_gives_the_probe_to_one_member_and_counts_a_step_once() -> None:
-    """At 4 requests of a timed method, the plain step that times a plain one is one member's: before, every member
-    asking in that round went plain (at 8 requests, every other round of the batch). A member asked twice about one
-    step counts it once."""
+def test_goodput_times_a_plain_round_every_so_many_rounds_and_counts_a_step_once() -> None:
+    """At 4 requests of a timed method, a plain step is timed in a round of the whole batch's plain steps (one beside
+    drafting ones would wait for their work), once per :attr:`Goodput.PROBE_EVERY` drafting rounds: counted in
+    drafting steps of any member, every 16 / 4 rounds went plain before. A member asked twice about one step counts
+    it once."""
     rule = _rule_at(4)
     members = [SimpleNamespace(stats=GenerationStats("ss", gamma=3, accepted=[1] * 16, drafted=[3] * 16))
                for _ in range(4)]
     walls = rule._walls.setdefault("ss", StepWalls())
-    plain_steps = []
-    for round_ in range(8):
+    plain_rounds = []
+    for round_ in range(2 * Goodput.PROBE_EVERY + 4):
+        rule.batcher.total_steps = round_  # (every member asks between two batch steps)
         for m in members:
             limit = rule.limit(m)
             rule.limit(m)  # (asked again about the same step)
             if limit == 0:
-                plain_steps.append(round_)
+                plain_rounds.append(round_)
                 m.stats.record_step(0, 0, limit=0)
                 m.stats.step_s.append(0.045)
             else:
                 m.stats.record_step(1, 1)
                 m.stats.step_s.append(0.05)
-    assert plain_steps == [4]  # 16 drafting steps of the method (4 rounds of 4), then one member's plain step
-    assert list(walls.plain) == [0.045] and len(walls.drafting) == 16  # each step counted once
-    assert walls.since_plain == 2 * 4  # seen since the plain one: rounds 5 and 6's (round 7's are not asked about)
+    # 16 drafting rounds seen (the first asks about no step), then the whole round plain; again 16 rounds later
+    assert plain_rounds == [17] * 4 + [35] * 4
+    assert list(walls.plain) == [0.045] * 4 and len(walls.drafting) == 16  # each step counted once
 
 
 def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
@@ -538,13 +540,16 @@ def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
     walls = rule._walls.setdefault("ss", StepWalls())
     stats = GenerationStats("ss", gamma=3, accepted=[1] * 16, drafted=[3] * 16)
     state = SimpleNamespace(stats=stats)
-    for _ in range(Goodput.PROBE_EVERY):  # drafting steps only: no plain step timed yet
+    for step in range(Goodput.PROBE_EVERY):  # drafting steps only: no plain step timed yet
+        rule.batcher.total_steps = step
         assert rule.limit(state) is None
         stats.record_step(3, 1)
         stats.step_s.append(0.05)
+    rule.batcher.total_steps += 1
     assert rule.limit(state) == 0  # (seeing the 16th drafting step) a plain step, to time one
     assert walls.since_plain == Goodput.PROBE_EVERY
     stats.record_step(0, 0, limit=0)
     stats.step_s.append(0.045)
+    rule.batcher.total_steps += 1
     rule.limit(state)
     assert walls.since_plain == 0 and list(walls.plain) == [0.045]
