@@ -93,20 +93,19 @@ class Goodput(Fixed):
     A method whose drafting step does work of its own (``Roles.timed_steps``: an ``ss`` pass's stream rows, their head
     and the pruning exit) costs the batch that work too, which the row-cost curve does not see: an ``ss`` pass alone
     took ~58 ms where its batched rows took ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed
-    (:class:`StepWalls`: a drafting step's median wall time beyond the median plain step and its draft rows), and a
-    window is kept only where its expected gain ``Σ (α^j - price)`` exceeds what that time costs the batch,
-    ``S * own / (a + b R)``. To time both kinds, one batch step is plain for all the method's members after
-    :attr:`PROBE_EVERY` drafting rounds, and windows are timed again after :attr:`REPROBE_AFTER` plain rounds (a
-    round: a step of each member; a plain step timed beside drafting ones would wait for their rows and heads, and
-    look as dear as they). (Priced so, ``suffix``'s
-    windows lost up to 15% alone, where its lookups cost little and its long accepted runs are worth more than a
-    geometric rate says.)"""
+    (:class:`StepWalls`), and it drafts only while its drafting steps commit more tokens per second than its plain
+    ones, both measured in the batch (:meth:`StepWalls.pays`). To time both kinds, one batch step is plain for all
+    the method's members after :attr:`PROBE_EVERY` drafting rounds, and a drafting round is timed again after
+    :attr:`REPROBE_AFTER` plain rounds (a round: a step of each member; a plain step timed beside drafting ones would
+    wait for their rows and heads, and look as dear as they). Only such methods are timed: pricing ``suffix``'s steps
+    so cost its windows up to 15% alone, where its lookups cost little and its long accepted runs are worth more
+    than a geometric rate says."""
 
     RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
     PEERS = 32  # requests of a method whose recent acceptance a new request starts from
     PRIOR = 4.0  # pseudo-observations of the pooled rate in each request's own
     PROBE_EVERY = 16  # drafting rounds of a method after which its members step plainly once, to time a plain step
-    REPROBE_AFTER = 64  # plain rounds of a method after which its windows are no longer capped for their own work
+    REPROBE_AFTER = 64  # plain rounds of a method after which a drafting round is timed again
 
     def __init__(self, batcher: Batcher) -> None:
         super().__init__(batcher)
@@ -135,15 +134,11 @@ class Goodput(Fixed):
         window = None if busy <= 1 else int(math.log(price) / math.log(alpha))
         if stats.draft_forwards or drafting:
             return window
-        # A drafting step's own work beyond its rows (timed steps only): the window's expected gain must cover it.
+        # A drafting step with work of its own (timed steps only): more tokens a second than a plain step, or none.
         if walls.probe(self.batcher.total_steps, busy):
             return 0  # the whole batch's members of the method step plainly once, to time a plain step
-        own = walls.overhead(b)
-        if own is None:
-            return window
-        tokens = max(1, stats.gamma) if window is None else window
-        gain = sum(alpha ** j - price for j in range(1, tokens + 1))
-        if gain > busy * (1 + alpha) * own / (a + b * level) or walls.since_drafting >= self.REPROBE_AFTER * busy:
+        pays = walls.pays()
+        if pays is None or pays or walls.since_drafting >= self.REPROBE_AFTER * busy:
             return window  # (after many plain rounds, a drafting round is timed again: the load may have changed)
         return 0
 
@@ -180,7 +175,7 @@ class StepWalls:
 
     def __init__(self) -> None:
         self.plain: deque[float] = deque(maxlen=self.KEEP)
-        self.drafting: deque[tuple[float, int]] = deque(maxlen=self.KEEP)  # (seconds, draft tokens)
+        self.drafting: deque[tuple[float, int]] = deque(maxlen=self.KEEP)  # (seconds, tokens committed)
         self.since_plain = 0  # drafting steps timed since the last plain one
         self.since_drafting = 0  # plain steps timed since the last drafting one
         self.step, self.probing = -1, False  # the batch step last asked about, and whether it times a plain one
@@ -202,7 +197,7 @@ class StepWalls:
         elif step["drafted"]:
             if self.since_drafting >= Goodput.REPROBE_AFTER:
                 self.drafting.clear()  # timed again after a long plain run: the old windows' load is gone
-            self.drafting.append((seconds, step["drafted"]))
+            self.drafting.append((seconds, step["accepted"] + 1))
             self.since_plain, self.since_drafting = self.since_plain + 1, 0
 
     def probe(self, step: int, busy: int) -> bool:
@@ -215,16 +210,16 @@ class StepWalls:
             self.step, self.probing = step, self.since_plain >= Goodput.PROBE_EVERY * max(1, busy)
         return self.probing
 
-    def overhead(self, row_s: float) -> float | None:
-        """Median seconds of a drafting step beyond the median plain step and ``row_s`` per draft token, or None
-        until both kinds are timed. Only the shortest windows timed count: a CPU's row cost grows faster than the
-        fitted line beyond a few rows, and a long window's rows must not pass for work of its own."""
+    def pays(self) -> bool | None:
+        """Whether the method's drafting steps commit more tokens per second than its plain ones: their mean tokens
+        committed against their median wall time over the plain steps' (the tokens per pass a drafting step needs),
+        or None until both kinds are timed. Measured, not modelled: a Speculative Streaming pass commits a tree's
+        path, which a geometric rate over draft tokens overrates, and costs its stream rows, heads and pruning."""
         plain, drafting = list(self.plain), list(self.drafting)  # (other members' threads append as we read)
         if not plain or not drafting:
             return None
-        shortest = min(k for _, k in drafting)
-        own = statistics.median(s - row_s * k for s, k in drafting if k == shortest) - statistics.median(plain)
-        return max(0.0, own)
+        tokens = sum(c for _, c in drafting) / len(drafting)
+        return tokens > statistics.median(s for s, _ in drafting) / statistics.median(plain)
 
 
 def outcomes(accepted: list[int], drafted: list[int]) -> tuple[int, int]:
