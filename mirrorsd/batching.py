@@ -94,8 +94,8 @@ class Goodput(Fixed):
     and the pruning exit) costs the batch that work too, which the row-cost curve does not see: an ``ss`` pass alone
     took ~58 ms where its batched rows took ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed
     (:class:`StepWalls`), and it drafts only while its drafting steps commit more tokens per second than its plain
-    ones, both measured in the batch (:meth:`StepWalls.pays`). To time both kinds, one batch step is plain for all
-    the method's members after :attr:`PROBE_EVERY` drafting rounds, and a drafting round is timed again after
+    ones, both measured in the batch (:meth:`StepWalls.measured_pays`). To time both kinds, one batch step is plain
+    for all the method's members after :attr:`PROBE_EVERY` drafting rounds, and a drafting round is timed again after
     :attr:`REPROBE_AFTER` plain rounds (a round: a step of each member; a plain step timed beside drafting ones would
     wait for their rows and heads, and look as dear as they). Only such methods are timed: pricing ``suffix``'s steps
     so cost its windows up to 15% alone, where its lookups cost little and its long accepted runs are worth more
@@ -135,10 +135,10 @@ class Goodput(Fixed):
         if stats.draft_forwards or drafting:
             return window
         # A drafting step with work of its own (timed steps only): more tokens a second than a plain step, or none.
-        if walls.probe(self.batcher.total_steps, busy):
-            return 0  # the whole batch's members of the method step plainly once, to time a plain step
-        pays = walls.pays()
-        if pays is None or pays or walls.since_drafting >= self.REPROBE_AFTER * busy:
+        walls.decide(self.batcher.total_steps, stats)
+        if walls.probing:
+            return 0  # the method's members step plainly once, to time a plain step
+        if walls.pays is None or walls.pays or walls.retiming:
             return window  # (after many plain rounds, a drafting round is timed again: the load may have changed)
         return 0
 
@@ -168,8 +168,9 @@ class Goodput(Fixed):
 
 class StepWalls:
     """A method's latest steps' wall times (:attr:`GenerationStats.step_s`), plain (a budget of 0) and drafting, in
-    the order its requests took them: what a drafting step costs beyond a plain one and its draft rows. Every member
-    thread reports here without a lock: a lost count only moves a probe by a step."""
+    the order its requests took them, and what its members do in the batch step they are about to take (decided by
+    the first of them to ask: :meth:`decide`). Every member thread reports here without a lock: a lost count only
+    moves a probe by a step."""
 
     KEEP = 16  # steps of each kind
 
@@ -178,7 +179,12 @@ class StepWalls:
         self.drafting: deque[tuple[float, int]] = deque(maxlen=self.KEEP)  # (seconds, tokens committed)
         self.since_plain = 0  # drafting steps timed since the last plain one
         self.since_drafting = 0  # plain steps timed since the last drafting one
-        self.step, self.probing = -1, False  # the batch step last asked about, and whether it times a plain one
+        self.step = -1  # the batch step last asked about
+        self.callers: set[int] = set()  # the members of the method that asked about it
+        self.members = 1  # members of the method in the last round (not the batch's: other methods' count not here)
+        self.probing = False  # this step times a plain one
+        self.pays: bool | None = None  # this step drafts (None: not both kinds timed yet)
+        self.retiming = False  # this step drafts to time drafting again after a long plain run
         self._seen: dict[int, int] = {}  # id of a request's statistics -> its steps taken in
 
     def observe(self, stats: GenerationStats) -> None:
@@ -195,26 +201,34 @@ class StepWalls:
             self.plain.append(seconds)
             self.since_plain, self.since_drafting = 0, self.since_drafting + 1
         elif step["drafted"]:
-            if self.since_drafting >= Goodput.REPROBE_AFTER:
+            if self.since_drafting >= Goodput.REPROBE_AFTER * self.members:
                 self.drafting.clear()  # timed again after a long plain run: the old windows' load is gone
             self.drafting.append((seconds, step["accepted"] + 1))
             self.since_plain, self.since_drafting = self.since_plain + 1, 0
 
-    def probe(self, step: int, busy: int) -> bool:
-        """Whether the asking member steps plainly in batch step ``step`` to time a plain step. The first member
-        asking about a step decides for all of them: yes once :attr:`Goodput.PROBE_EVERY` drafting rounds of ``busy``
-        members have passed since the last plain step. A plain step beside drafting ones waits for their work, so a
-        probe is the whole round's; counted in drafting steps of any member, as before, every other round of the
-        batch went plain at 8 requests."""
-        if step != self.step:
-            self.step, self.probing = step, self.since_plain >= Goodput.PROBE_EVERY * max(1, busy)
-        return self.probing
+    def decide(self, step: int, asking: GenerationStats) -> None:
+        """What the method's members do in batch step ``step`` (``asking``: a member's statistics), decided once by the
+        first of them to ask, so a round is all plain or all drafting (a plain step beside drafting ones waits for
+        their work and looks as dear):
+        plain once :attr:`Goodput.PROBE_EVERY` drafting rounds have passed since the last plain step (counted in
+        drafting steps of any member, every other round of the batch went plain at 8 requests); drafting while it
+        :meth:`measured_pays`, or to time it again after :attr:`Goodput.REPROBE_AFTER` plain rounds."""
+        if step == self.step:
+            self.callers.add(id(asking))
+            return
+        if self.callers:
+            self.members = len(self.callers)
+        self.step, self.callers = step, {id(asking)}
+        self.probing = self.since_plain >= Goodput.PROBE_EVERY * self.members
+        self.pays = self.measured_pays()
+        self.retiming = self.since_drafting >= Goodput.REPROBE_AFTER * self.members
 
-    def pays(self) -> bool | None:
+    def measured_pays(self) -> bool | None:
         """Whether the method's drafting steps commit more tokens per second than its plain ones: their mean tokens
         committed against their median wall time over the plain steps' (the tokens per pass a drafting step needs),
         or None until both kinds are timed. Measured, not modelled: a Speculative Streaming pass commits a tree's
-        path, which a geometric rate over draft tokens overrates, and costs its stream rows, heads and pruning."""
+        path, which a geometric rate over draft tokens overrates, and costs its stream rows, heads and pruning. (Its
+        own tokens against its own steps: in a batch of other methods, what its work costs them is not counted.)"""
         plain, drafting = list(self.plain), list(self.drafting)  # (other members' threads append as we read)
         if not plain or not drafting:
             return None
@@ -480,7 +494,11 @@ class Batcher:
                     for w, _ in members:
                         w.error, w.computed = e, True
         for device in {w.model.device for w, _ in work if w.model.device.type == "cuda"}:
-            torch.cuda.synchronize(device)  # a GPU runs behind the host: the wall the cost curve reads is its work's
+            try:
+                torch.cuda.synchronize(device)  # a GPU runs behind the host: the cost curve reads its work's wall
+            except Exception as e:  # an asynchronous CUDA error: every member of the step gets it, the engine goes on
+                for w, _ in work:
+                    w.error, w.computed = e, True
         return StepRecord(began, windows, prompts, rows_run, prefill, time.perf_counter() - began)
 
     @staticmethod

@@ -490,7 +490,7 @@ def _timed_steps(method: str, plain_s: float, drafting_s: float, steps: int = 16
 
 
 @pytest.mark.parametrize("busy", [1, 4])
-def test_goodput_prices_a_drafting_steps_own_work(busy: int) -> None:
+def test_goodput_keeps_a_timed_methods_window_only_while_it_pays(busy: int) -> None:
     """A method that drafts inside the target's step (an ss pass: its streams, heads and pruning) keeps its window
     only while its drafting steps, as timed, commit more tokens per second than its plain ones (the row-cost curve
     does not see that work)."""
@@ -504,7 +504,7 @@ def test_goodput_prices_a_drafting_steps_own_work(busy: int) -> None:
                 GenerationStats("ss", drafted=stats.drafted[:i + 1], accepted=stats.accepted[:i + 1],
                                 step_log=stats.step_log[:i + 1], step_s=stats.step_s[:i + 1]))
         # 2 tokens a drafting step (1 accepted): it pays while it costs less than 2 plain steps
-        assert rule._walls["ss"].pays() == (drafting_s / 0.045 < 2)
+        assert rule._walls["ss"].measured_pays() == (drafting_s / 0.045 < 2)
         decisions[case] = rule.limit(state)
     assert decisions["cheap"] != 0  # 2 ms of its own: the window (alone: its own, in a batch: the rule's cap)
     assert decisions["dear"] == 0  # 60 ms of its own: ar's plain step
