@@ -209,10 +209,10 @@ class StepWalls:
     def decide(self, step: int, asking: GenerationStats) -> None:
         """What the method's members do in batch step ``step`` (``asking``: a member's statistics), decided once by the
         first of them to ask, so a round is all plain or all drafting (a plain step beside drafting ones waits for
-        their work and looks as dear):
-        plain once :attr:`Goodput.PROBE_EVERY` drafting rounds have passed since the last plain step (counted in
-        drafting steps of any member, every other round of the batch went plain at 8 requests); drafting while it
-        :meth:`measured_pays`, or to time it again after :attr:`Goodput.REPROBE_AFTER` plain rounds."""
+        their work and looks as dear): plain once :attr:`Goodput.PROBE_EVERY` drafting rounds have passed since the
+        last plain step (counted in drafting steps of any member, every other round of the batch went plain at 8
+        requests); drafting while it :meth:`measured_pays`, or to time it again after :attr:`Goodput.REPROBE_AFTER`
+        plain rounds."""
         if step == self.step:
             self.callers.add(id(asking))
             return
