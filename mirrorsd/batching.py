@@ -189,7 +189,8 @@ class StepWalls:
 
     def observe(self, stats: GenerationStats) -> None:
         """Takes a request's last step, once (the rule sees each request once per step, before it; a second look at
-        the same step must not count it twice)."""
+        the same step must not count it twice). The step after a plain one drafts with nothing to verify (one token
+        at drafting's cost) and is not timed: a re-timing round would hold only it and never find drafting paying."""
         n = len(stats.step_s)
         if not n or len(stats.step_log) < n or self._seen.get(id(stats)) == n:
             return

@@ -546,11 +546,12 @@ def run_cuda_tests(repo: Path, select: str | None = None, timeout: float = CUDA_
 BATCH_LEVELS = (1, 4, 16)
 
 
-def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: int) -> tuple[list[list[int]], float,
-                                                                                          int]:
+def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: int, timeout_s: float = 300.0
+                ) -> tuple[list[list[int]], float, int]:
     """Each request (``generate``'s keywords, ``prompt`` among them) on a thread of its own through one
     :class:`~mirrorsd.batching.Batcher`, as ``mirrorsd serve`` runs them: their tokens, the wall seconds, and the
-    most windows one step carried. A request's error is raised here."""
+    most windows one step carried. A request's error is raised here, and so is a batch still running after
+    ``timeout_s`` (a hung batch would otherwise spend a whole GPU lease; its daemon threads die with the process)."""
     import threading
 
     from ..batching import Batcher
@@ -565,13 +566,16 @@ def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: in
         except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
             out[i] = error
 
-    threads = [threading.Thread(target=member, args=(i, r)) for i, r in enumerate(requests)]
+    threads = [threading.Thread(target=member, args=(i, r), daemon=True) for i, r in enumerate(requests)]
     synchronize(target.device)
     start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(max(0.0, start + timeout_s - time.perf_counter()))
+    if any(thread.is_alive() for thread in threads):
+        raise TimeoutError(f"{sum(t.is_alive() for t in threads)} of {len(threads)} batched requests still running "
+                           f"after {timeout_s:.0f} s")
     synchronize(target.device)
     wall = time.perf_counter() - start
     for got in out:

@@ -265,3 +265,17 @@ def test_the_devices_backend_runs_once_with_a_draft_on_the_host():
     assert not any("devices" in label for label in labels)
     method, label, options = gpu._methods(torch.device("cuda"), draft, None, host_draft=draft)[-1]
     assert (method, options["backend"], options["draft"]) == ("mirror", "devices", draft)
+
+
+def test_a_batch_that_hangs_is_cut_off(monkeypatch):
+    """A batched run that never finishes raises within its timeout instead of holding the lease."""
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(gpu, "generate", lambda *a, **k: release.wait(30))
+    target, _ = _pair()
+    try:
+        with pytest.raises(TimeoutError, match="2 of 2 batched requests"):
+            gpu.run_batched(target, [{"prompt": [1, 2]}, {"prompt": [3, 4]}], 4, timeout_s=0.5)
+    finally:
+        release.set()
