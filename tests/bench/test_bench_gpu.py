@@ -245,7 +245,8 @@ def test_a_sync_count_that_fails_is_a_note_of_its_row(monkeypatch):
     the report, and the run goes on to measure the rest."""
     target, draft = _pair()
 
-    def counted(model, prompt, tokens=16, **options):
+    def counted(model, prompt, tokens=16, warm=False, **options):
+        assert tokens == gpu.SYNC_TOKENS and warm  # (several of sd's γ = 20 windows, after a warm request)
         if options.get("method") == "mirror":
             raise RuntimeError("CUDA error: an illegal memory access")
         return 1.0
