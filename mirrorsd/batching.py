@@ -94,7 +94,8 @@ class Goodput(Fixed):
     and the pruning exit) costs the batch that work too, which the row-cost curve does not see: an ``ss`` pass alone
     took ~58 ms where its batched rows took ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed
     (:class:`StepWalls`), and it drafts only while its drafting steps commit more tokens per second than its plain
-    ones, both measured in the batch (:meth:`StepWalls.measured_pays`). To time both kinds, one batch step is plain
+    ones, both measured in the batch (:meth:`StepWalls.measured_pays`); that verdict comes before the row-cost line,
+    which may still cap a window it lets draft. To time both kinds, one batch step is plain
     for all the method's members after :attr:`PROBE_EVERY` drafting rounds, and a drafting round is timed again after
     :attr:`REPROBE_AFTER` plain rounds (a round: a step of each member; a plain step timed beside drafting ones would
     wait for their rows and heads, and look as dear as they). Only such methods are timed: pricing ``suffix``'s steps
@@ -114,16 +115,23 @@ class Goodput(Fixed):
 
     def limit(self, state: RequestState) -> int | None:
         busy = self.batcher.members
-        walls = self._walls.setdefault(state.stats.method, StepWalls())
-        walls.observe(state.stats)
-        alpha = self.acceptance(state.stats)
+        stats = state.stats
+        if stats.step_s:  # a timed method: its measured verdict first (a row-cost line that looks flat must not
+            # override it: at 2 requests a noisy line sent ss drafting in half the steps where it did not pay)
+            walls = self._walls.setdefault(stats.method, StepWalls())
+            walls.observe(stats)
+            walls.decide(self.batcher.total_steps, stats)
+            if walls.probing:
+                return 0  # the method's members step plainly once, to time a plain step
+            if walls.pays is False and not walls.retiming:
+                return 0  # (after many plain rounds, a drafting round is timed again: the load may have changed)
+        alpha = self.acceptance(stats)
         recent = [r.rows - r.prefill_rows for r in list(self.batcher.steps)[-self.RECENT:]]
         level = sum(recent) / len(recent) if recent else float(busy)
         curve = self.batcher.cost_curve(level)
         if alpha is None or curve is None:
             return None
         a, b = curve
-        stats = state.stats
         # A draft model's position is a step of its own that the whole batch waits for: its wall time per forward.
         drafting = stats.draft_s / stats.draft_forwards if stats.draft_forwards else self._drafting(stats)
         price = busy * (1 + alpha) * (b + drafting) / (a + b * level)  # tokens a draft token costs the batch
@@ -131,16 +139,7 @@ class Goodput(Fixed):
             return None  # rows cost nothing, or every draft token is accepted: the method's own window
         if price >= 1.0 or alpha <= price:
             return 0
-        window = None if busy <= 1 else int(math.log(price) / math.log(alpha))
-        if stats.draft_forwards or drafting:
-            return window
-        # A drafting step with work of its own (timed steps only): more tokens a second than a plain step, or none.
-        walls.decide(self.batcher.total_steps, stats)
-        if walls.probing:
-            return 0  # the method's members step plainly once, to time a plain step
-        if walls.pays is None or walls.pays or walls.retiming:
-            return window  # (after many plain rounds, a drafting round is timed again: the load may have changed)
-        return 0
+        return None if busy <= 1 else int(math.log(price) / math.log(alpha))
 
     def acceptance(self, stats: GenerationStats) -> float | None:
         """``α`` for a request (see the class docstring), or None while no request of its method has drafted."""
@@ -173,6 +172,7 @@ class StepWalls:
     moves a probe by a step."""
 
     KEEP = 16  # steps of each kind
+    MIN_DRAFTING = 4  # drafting steps timed before deciding (a re-timed run starts with a step that has no guesses)
 
     def __init__(self) -> None:
         self.plain: deque[float] = deque(maxlen=self.KEEP)
@@ -189,8 +189,9 @@ class StepWalls:
 
     def observe(self, stats: GenerationStats) -> None:
         """Takes a request's last step, once (the rule sees each request once per step, before it; a second look at
-        the same step must not count it twice). The step after a plain one drafts with nothing to verify (one token
-        at drafting's cost) and is not timed: a re-timing round would hold only it and never find drafting paying."""
+        the same step must not count it twice). Every step not sent plain is a drafting one, those with nothing to
+        verify too (the first after a plain step; an ``ss`` pass after one whose guesses were all pruned, a third of
+        its steps on Spec-Bench): they run the stream rows for one token, and drafting's price includes them."""
         n = len(stats.step_s)
         if not n or len(stats.step_log) < n or self._seen.get(id(stats)) == n:
             return
@@ -201,7 +202,7 @@ class StepWalls:
         if step.get("limit") == 0:
             self.plain.append(seconds)
             self.since_plain, self.since_drafting = 0, self.since_drafting + 1
-        elif step["drafted"]:
+        else:
             if self.since_drafting >= Goodput.REPROBE_AFTER * self.members:
                 self.drafting.clear()  # timed again after a long plain run: the old windows' load is gone
             self.drafting.append((seconds, step["accepted"] + 1))
@@ -227,11 +228,12 @@ class StepWalls:
     def measured_pays(self) -> bool | None:
         """Whether the method's drafting steps commit more tokens per second than its plain ones: their mean tokens
         committed against their median wall time over the plain steps' (the tokens per pass a drafting step needs),
-        or None until both kinds are timed. Measured, not modelled: a Speculative Streaming pass commits a tree's
-        path, which a geometric rate over draft tokens overrates, and costs its stream rows, heads and pruning. (Its
-        own tokens against its own steps: in a batch of other methods, what its work costs them is not counted.)"""
+        or None until both kinds are timed (:attr:`MIN_DRAFTING` drafting steps). Measured, not modelled: a
+        Speculative Streaming pass commits a tree's path, which a geometric rate over draft tokens overrates, and
+        costs its stream rows, heads and pruning. (Its own tokens against its own steps: in a batch of other
+        methods, what its work costs them is not counted.)"""
         plain, drafting = list(self.plain), list(self.drafting)  # (other members' threads append as we read)
-        if not plain or not drafting:
+        if not plain or len(drafting) < self.MIN_DRAFTING:
             return None
         tokens = sum(c for _, c in drafting) / len(drafting)
         return tokens > statistics.median(s for s, _ in drafting) / statistics.median(plain)

@@ -555,3 +555,53 @@ def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
     rule.batcher.total_steps += 1
     rule.limit(state)
     assert walls.since_plain == 0 and list(walls.plain) == [0.045]
+
+
+def test_goodput_prices_drafting_with_its_steps_that_had_nothing_to_verify() -> None:
+    """A drafting step with no guesses to verify (an ss pass after one whose guesses were all pruned, or the first
+    after a plain step) runs its stream rows for one token: it counts as drafting. The rule decides only after
+    :attr:`StepWalls.MIN_DRAFTING` drafting steps, so a re-timed run, which starts with such a step, is not judged on
+    it alone."""
+    walls = StepWalls()
+    stats = GenerationStats("ss", gamma=3)
+
+    def step(drafted: int, accepted: int, seconds: float, **detail) -> None:
+        stats.record_step(drafted, accepted, **detail)
+        stats.step_s.append(seconds)
+        walls.observe(stats)
+
+    step(0, 0, 0.030, limit=0)  # plain: 30 ms a token
+    step(0, 0, 0.057)  # streams for one token
+    assert list(walls.drafting) == [(0.057, 1)] and walls.measured_pays() is None
+    for _ in range(StepWalls.MIN_DRAFTING - 1):
+        step(3, 2, 0.060)  # 3 tokens in 60 ms
+    assert walls.measured_pays() is True  # mean 2.5 tokens > 2 plain steps' time
+    for _ in range(6):
+        step(0, 0, 0.057)
+        step(3, 1, 0.060)
+    assert walls.measured_pays() is False  # every other step had nothing to verify: 1.75 tokens < 2
+    for _ in range(Goodput.REPROBE_AFTER):
+        step(0, 0, 0.030, limit=0)
+    step(0, 0, 0.057, limit=3)  # re-timed: a fresh start, one token
+    assert list(walls.drafting) == [(0.057, 1)] and walls.measured_pays() is None
+
+
+def test_goodput_a_timed_methods_measured_no_holds_where_the_row_line_looks_free() -> None:
+    """A timed method whose drafting steps measured as not paying steps plainly even where the batch's row-cost line
+    looks flat (a noisy fit at 2 requests: "rows cost nothing", the method's own window), and where its acceptance
+    is not known yet; the line still caps a method that measured as paying."""
+    batcher = Batcher()
+    batcher._running = 2
+    for rows in (2, 4, 8) * 3:
+        batcher.steps.append(StepRecord(0.0, rows, 0, rows, 0, 0.060 - 0.001 * rows))  # a falling line
+    rule = Goodput(batcher)
+    assert rule.batcher.cost_curve(4.0)[1] == 0.0  # (its slope clamped: rows look free)
+    answers = {}
+    for method, drafting_s in (("dear", 0.120), ("cheap", 0.060)):  # 2 tokens a step against a 45 ms plain step
+        stats = _timed_steps(method, 0.045, drafting_s)
+        for i in range(len(stats.step_s)):  # the rule sees every step as it comes
+            rule._walls.setdefault(method, StepWalls()).observe(
+                GenerationStats(method, drafted=stats.drafted[:i + 1], accepted=stats.accepted[:i + 1],
+                                step_log=stats.step_log[:i + 1], step_s=stats.step_s[:i + 1]))
+        answers[method] = rule.limit(SimpleNamespace(stats=stats))
+    assert answers == {"dear": 0, "cheap": None}  # (it pays: the line's answer, here the method's own window)
