@@ -110,7 +110,8 @@ class Goodput(Fixed):
 
     def __init__(self, batcher: Batcher) -> None:
         super().__init__(batcher)
-        self._peers: dict[str, deque[GenerationStats]] = {}  # method -> its latest requests' statistics
+        self._peers: dict[str, deque[_Drafted]] = {}  # method -> its latest requests' steps that drafted
+        self._curve: tuple[float, float] | None = None  # the batch's last fitted row-cost line
         self._walls: dict[str, StepWalls] = {}  # method -> its latest steps' wall times
 
     def limit(self, state: RequestState) -> int | None:
@@ -128,7 +129,11 @@ class Goodput(Fixed):
         alpha = self.acceptance(stats)
         recent = [r.rows - r.prefill_rows for r in list(self.batcher.steps)[-self.RECENT:]]
         level = sum(recent) / len(recent) if recent else float(busy)
-        curve = self.batcher.cost_curve(level)
+        fitted = self.batcher.cost_curve(level)
+        if fitted is not None:
+            self._curve = fitted
+        # (a batch that stepped plainly for a while has one size of step to fit: its rows cost what they did)
+        curve = self._curve
         if alpha is None or curve is None:
             return None
         a, b = curve
@@ -142,26 +147,27 @@ class Goodput(Fixed):
         return None if busy <= 1 else int(math.log(price) / math.log(alpha))
 
     def acceptance(self, stats: GenerationStats) -> float | None:
-        """``α`` for a request (see the class docstring), or None while no request of its method has drafted."""
+        """``α`` for a request (see the class docstring), or None while no request of its method has drafted. Over
+        each request's last :attr:`RECENT` steps that drafted, not its last steps: a method the rule has kept plain
+        for a while would otherwise have no rate, and draft freely again as if it were new."""
         peers = self._peers.setdefault(stats.method, deque(maxlen=self.PEERS))
-        if not any(p is stats for p in peers):
-            peers.append(stats)
+        own = next((p for p in peers if p.stats is stats), None)
+        if own is None:
+            own = _Drafted(stats)
+            peers.append(own)
         pooled_tokens = pooled_rejections = 0
         for peer in list(peers):
-            n = min(len(peer.accepted), len(peer.drafted))  # (another thread may be between the two appends)
-            tokens, rejections = outcomes(peer.accepted[:n][-self.RECENT:], peer.drafted[:n][-self.RECENT:])
+            tokens, rejections = peer.outcomes()
             pooled_tokens, pooled_rejections = pooled_tokens + tokens, pooled_rejections + rejections
         if pooled_tokens + pooled_rejections == 0:
             return None
         pooled = (pooled_tokens + 1) / (pooled_tokens + pooled_rejections + 2)  # (Laplace: a few windows say little)
-        tokens, rejections = outcomes(stats.accepted[-self.RECENT:], stats.drafted[-self.RECENT:])
-        if tokens + rejections == 0:
-            tokens, rejections = outcomes(stats.accepted, stats.drafted)
+        tokens, rejections = own.outcomes()
         return (tokens + self.PRIOR * pooled) / (tokens + rejections + self.PRIOR)
 
     def _drafting(self, stats: GenerationStats) -> float:
         """Seconds per draft forward of the method's peers (a request that has not drafted yet)."""
-        peers = [p for p in self._peers.get(stats.method, ()) if p.draft_forwards]
+        peers = [p.stats for p in self._peers.get(stats.method, ()) if p.stats.draft_forwards]
         return sum(p.draft_s for p in peers) / sum(p.draft_forwards for p in peers) if peers else 0.0
 
 
@@ -237,6 +243,27 @@ class StepWalls:
             return None
         tokens = sum(c for _, c in drafting) / len(drafting)
         return tokens > statistics.median(s for s, _ in drafting) / statistics.median(plain)
+
+
+class _Drafted:
+    """A request's last :attr:`Goodput.RECENT` steps that drafted, taken in as its steps come (its history is read
+    once, not at every step)."""
+
+    def __init__(self, stats: GenerationStats) -> None:
+        self.stats = stats
+        self.read = 0  # steps taken in
+        self.steps: deque[tuple[int, int]] = deque(maxlen=Goodput.RECENT)  # (accepted, drafted)
+
+    def outcomes(self) -> tuple[int, int]:
+        """:func:`outcomes` of those steps."""
+        stats = self.stats
+        n = min(len(stats.accepted), len(stats.drafted))  # (another thread may be between the two appends)
+        start, self.read = self.read, max(self.read, n)  # (claimed first: members of a batch ask at once)
+        for i in range(start, n):
+            if stats.drafted[i]:
+                self.steps.append((stats.accepted[i], stats.drafted[i]))
+        steps = list(self.steps)  # (one C call: another member may append meanwhile)
+        return outcomes([a for a, _ in steps], [d for _, d in steps])
 
 
 def outcomes(accepted: list[int], drafted: list[int]) -> tuple[int, int]:

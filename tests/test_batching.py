@@ -605,3 +605,18 @@ def test_goodput_a_timed_methods_measured_no_holds_where_the_row_line_looks_free
                                 step_log=stats.step_log[:i + 1], step_s=stats.step_s[:i + 1]))
         answers[method] = rule.limit(SimpleNamespace(stats=stats))
     assert answers == {"dear": 0, "cheap": None}  # (it pays: the line's answer, here the method's own window)
+
+
+def test_goodput_keeps_a_method_plain_after_a_long_plain_run() -> None:
+    """A method the rule kept plain for more than :attr:`Goodput.RECENT` steps keeps its rate (its last steps that
+    drafted), and the batch's last fitted row line stands while its steps are all of one size: it stays plain
+    instead of drafting freely again as if it were new (at 2 requests `sd` did, a full window every 16 steps)."""
+    rule = _rule_at(8)
+    poor = GenerationStats("sd", accepted=[0, 1, 0, 0] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=1.0)
+    state = SimpleNamespace(stats=poor)
+    assert rule.limit(state) == 0
+    for _ in range(3 * Goodput.RECENT):
+        poor.record_step(0, 0, limit=0)
+    rule.batcher.steps.extend(StepRecord(0.0, 8, 0, 8, 0, 0.080) for _ in range(256))  # one size: no line to fit
+    assert rule.batcher.cost_curve(8) is None
+    assert rule.acceptance(poor) is not None and rule.limit(state) == 0
