@@ -83,20 +83,20 @@ class Goodput(Fixed):
     draft token brings (the plain batched step). Alone, a request drafts its method's own window (today's
     single-request speed) unless not even the first draft token pays: then it decodes plainly, as ``ar`` would.
 
-    ``α`` is the request's own acceptance over its last steps that drafted (the maximum-likelihood rate of a geometric
-    run: accepted tokens over accepted tokens plus rejections; over all of them when none of the last did, so the cap
-    does not lift itself), shrunk toward its method's pooled rate over the last ``PEERS`` requests by ``PRIOR``
-    pseudo-observations: one early rejected window must not cap a request for good (a suffix match, say), and a new
-    request starts from what its method earns here (one of a method that does not pay never pays for a first window,
-    nor for its draft's prompt). The first request of a method drafts freely until it has a figure.
+    ``α`` is the request's own acceptance over its last :attr:`RECENT` steps that drafted, however long ago (the
+    maximum-likelihood rate of a geometric run: accepted tokens over accepted tokens plus rejections; so a cap does
+    not lift itself by plain steps), shrunk toward its method's pooled rate over the last ``PEERS`` requests by
+    ``PRIOR`` pseudo-observations: one early rejected window must not cap a request for good (a suffix match, say),
+    and a new request starts from what its method earns here (one of a method that does not pay never pays for a
+    first window, nor for its draft's prompt). The first request of a method drafts freely until it has a figure.
 
     A method whose drafting step does work of its own (``Roles.timed_steps``: an ``ss`` pass's stream rows, their head
     and the pruning exit) costs the batch that work too, which the row-cost curve does not see: an ``ss`` pass alone
     took ~58 ms where its batched rows took ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed
     (:class:`StepWalls`), and it drafts only while its drafting steps commit more tokens per second than its plain
     ones, both measured in the batch (:meth:`StepWalls.measured_pays`); that verdict comes before the row-cost line,
-    which may still cap a window it lets draft. To time both kinds, one batch step is plain
-    for all the method's members after :attr:`PROBE_EVERY` drafting rounds, and a drafting round is timed again after
+    which may still cap a window it lets draft. To time both kinds, one batch step is plain for all the method's
+    members after :attr:`PROBE_EVERY` drafting rounds, and a drafting round is timed again after
     :attr:`REPROBE_AFTER` plain rounds (a round: a step of each member; a plain step timed beside drafting ones would
     wait for their rows and heads, and look as dear as they). Only such methods are timed: pricing ``suffix``'s steps
     so cost its windows up to 15% alone, where its lookups cost little and its long accepted runs are worth more

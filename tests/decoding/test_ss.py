@@ -340,6 +340,18 @@ def test_a_tuned_prune_exit_scores_the_edges_and_keeps_ss_equal_to_ar(exact_mode
         generate(exact_model, prompt, method="ss", streams=adapters, prune_exit=str(tmp_path / "exit"), threshold=0)
 
 
+
+def test_requests_starting_at_once_share_one_attached_adapter(tmp_path):
+    """Two requests that start together (a server's batch) get one copy of the adapter: a batched call takes the
+    stream rows of one adapter only, and two copies attached at once failed both requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = Transformer.from_hf(tiny_hf(layers=4, seed=5))
+    random_adapters(model).save(tmp_path)
+    with ThreadPoolExecutor(8) as pool:
+        loaded = list(pool.map(lambda _: load_adapters(model, tmp_path), range(8)))
+    assert all(a is loaded[0] for a in loaded)
+
 def test_ss_bad_options_and_missing_adapters(exact_model, tmp_path):
     adapters = random_adapters(exact_model)
     for bad in ({"tree_k": 0}, {"threshold": 1.0}, {"depth": -1}, {"beam": 2}):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -236,8 +237,10 @@ def medusa_parameters(hidden: int, vocab: int, heads: int) -> int:
 
 # Adapters attached per model and folder, with the file version they were read from: building peft's modules and
 # reading the file took ~24 ms per request on the 1.5B (~20% of a short SmolLM2 answer). Decoding only reads them;
-# a re-saved file replaces its folder's entry, so checkpoints do not pile up.
+# a re-saved file replaces its folder's entry, so checkpoints do not pile up. The lock: two requests that start at
+# once (a server's batch) must get the same copy, as one batched call takes the stream rows of one adapter only.
 _ATTACHED: weakref.WeakKeyDictionary[Transformer, dict[str, tuple[int, StreamAdapters]]] = weakref.WeakKeyDictionary()
+_ATTACHING = threading.Lock()
 
 
 def load_adapters(model: Transformer, source: str | Path | StreamAdapters,
@@ -251,14 +254,15 @@ def load_adapters(model: Transformer, source: str | Path | StreamAdapters,
     folder = resolve_adapter(source, model_name)
     weights = folder / WEIGHTS_FILE
     version = weights.stat().st_mtime_ns if weights.exists() else 0  # (a missing file fails in load_file below)
-    attached = _ATTACHED.setdefault(model, {})
     key = str(folder.resolve())
-    if key not in attached or attached[key][0] != version:
-        config = StreamConfig(**json.loads((folder / CONFIG_FILE).read_text()))
-        adapters = StreamAdapters(model, config)
-        adapters.load_adapter_state(load_file(str(weights), device=str(model.device)))
-        attached[key] = (version, adapters.eval())
-    return attached[key][1]
+    with _ATTACHING:
+        attached = _ATTACHED.setdefault(model, {})
+        if key not in attached or attached[key][0] != version:
+            config = StreamConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+            adapters = StreamAdapters(model, config)
+            adapters.load_adapter_state(load_file(str(weights), device=str(model.device)))
+            attached[key] = (version, adapters.eval())
+        return attached[key][1]
 
 
 def msa_mask(ancestors: torch.Tensor, past: int, streams: int) -> torch.Tensor:
