@@ -111,14 +111,17 @@ class Goodput(Fixed):
     def __init__(self, batcher: Batcher) -> None:
         super().__init__(batcher)
         self._peers: dict[str, deque[_Drafted]] = {}  # method -> its latest requests' steps that drafted
+        self._drafted: dict[int, _Drafted] = {}  # id of a request's statistics -> its tracker (kept past its
+        # eviction from the pool: with more than PEERS running requests of a method, each would rebuild its own)
         self._curve: tuple[float, float] | None = None  # the batch's last fitted row-cost line
         self._walls: dict[str, StepWalls] = {}  # method -> its latest steps' wall times
 
     def limit(self, state: RequestState) -> int | None:
         busy = self.batcher.members
         stats = state.stats
-        if stats.step_s:  # a timed method: its measured verdict first (a row-cost line that looks flat must not
-            # override it: at 2 requests a noisy line sent ss drafting in half the steps where it did not pay)
+        if stats.step_s or stats.method in self._walls:  # a timed method (a new request of one too): its measured
+            # verdict first (a row-cost line that looks flat must not override it: at 2 requests a noisy line sent
+            # ss drafting in half the steps where it did not pay)
             walls = self._walls.setdefault(stats.method, StepWalls())
             walls.observe(stats)
             walls.decide(self.batcher.total_steps, stats)
@@ -151,10 +154,12 @@ class Goodput(Fixed):
         each request's last :attr:`RECENT` steps that drafted, not its last steps: a method the rule has kept plain
         for a while would otherwise have no rate, and draft freely again as if it were new."""
         peers = self._peers.setdefault(stats.method, deque(maxlen=self.PEERS))
-        own = next((p for p in peers if p.stats is stats), None)
-        if own is None:
-            own = _Drafted(stats)
+        own = self._drafted.get(id(stats))
+        if own is None or own.stats is not stats:
+            own = self._drafted[id(stats)] = _Drafted(stats)
             peers.append(own)
+            if len(self._drafted) > 4 * self.PEERS:  # (ended requests' entries: the oldest go first)
+                del self._drafted[next(iter(self._drafted))]
         pooled_tokens = pooled_rejections = 0
         for peer in list(peers):
             tokens, rejections = peer.outcomes()
@@ -167,7 +172,7 @@ class Goodput(Fixed):
 
     def _drafting(self, stats: GenerationStats) -> float:
         """Seconds per draft forward of the method's peers (a request that has not drafted yet)."""
-        peers = [p.stats for p in self._peers.get(stats.method, ()) if p.stats.draft_forwards]
+        peers = [p.stats for p in list(self._peers.get(stats.method, ())) if p.stats.draft_forwards]
         return sum(p.draft_s for p in peers) / sum(p.draft_forwards for p in peers) if peers else 0.0
 
 
@@ -196,8 +201,10 @@ class StepWalls:
     def observe(self, stats: GenerationStats) -> None:
         """Takes a request's last step, once (the rule sees each request once per step, before it; a second look at
         the same step must not count it twice). Every step not sent plain is a drafting one, those with nothing to
-        verify too (the first after a plain step; an ``ss`` pass after one whose guesses were all pruned, a third of
-        its steps on Spec-Bench): they run the stream rows for one token, and drafting's price includes them."""
+        verify too (an ``ss`` pass after one whose guesses were all pruned, a third of its steps on Spec-Bench: they
+        run the stream rows for one token, and drafting's price includes them), but for a fresh start: a request's
+        first step, or the first after its plain one. That one is the probe's cost, not drafting's, and a whole
+        round of them after a probe would fill the drafting record at 16 members and turn drafting off for good."""
         n = len(stats.step_s)
         if not n or len(stats.step_log) < n or self._seen.get(id(stats)) == n:
             return
@@ -208,7 +215,7 @@ class StepWalls:
         if step.get("limit") == 0:
             self.plain.append(seconds)
             self.since_plain, self.since_drafting = 0, self.since_drafting + 1
-        else:
+        elif n > 1 and stats.step_log[n - 2].get("limit") != 0:
             if self.since_drafting >= Goodput.REPROBE_AFTER * self.members:
                 self.drafting.clear()  # timed again after a long plain run: the old windows' load is gone
             self.drafting.append((seconds, step["accepted"] + 1))
@@ -247,22 +254,24 @@ class StepWalls:
 
 class _Drafted:
     """A request's last :attr:`Goodput.RECENT` steps that drafted, taken in as its steps come (its history is read
-    once, not at every step)."""
+    once, not at every step; the members of a batch read each other's at once, hence the lock)."""
 
     def __init__(self, stats: GenerationStats) -> None:
         self.stats = stats
         self.read = 0  # steps taken in
         self.steps: deque[tuple[int, int]] = deque(maxlen=Goodput.RECENT)  # (accepted, drafted)
+        self.lock = threading.Lock()
 
     def outcomes(self) -> tuple[int, int]:
         """:func:`outcomes` of those steps."""
         stats = self.stats
-        n = min(len(stats.accepted), len(stats.drafted))  # (another thread may be between the two appends)
-        start, self.read = self.read, max(self.read, n)  # (claimed first: members of a batch ask at once)
-        for i in range(start, n):
-            if stats.drafted[i]:
-                self.steps.append((stats.accepted[i], stats.drafted[i]))
-        steps = list(self.steps)  # (one C call: another member may append meanwhile)
+        with self.lock:
+            n = min(len(stats.accepted), len(stats.drafted))  # (its thread may be between the two appends)
+            for i in range(self.read, n):
+                if stats.drafted[i]:
+                    self.steps.append((stats.accepted[i], stats.drafted[i]))
+            self.read = max(self.read, n)
+            steps = list(self.steps)
         return outcomes([a for a, _ in steps], [d for _, d in steps])
 
 

@@ -520,7 +520,7 @@ def test_goodput_times_a_plain_round_every_so_many_rounds_and_counts_a_step_once
                for _ in range(4)]
     walls = rule._walls.setdefault("ss", StepWalls())
     plain_rounds = []
-    for round_ in range(2 * Goodput.PROBE_EVERY + 4):
+    for round_ in range(2 * Goodput.PROBE_EVERY + 7):
         rule.batcher.total_steps = round_  # (every member asks between two batch steps)
         for m in members:
             limit = rule.limit(m)
@@ -532,9 +532,10 @@ def test_goodput_times_a_plain_round_every_so_many_rounds_and_counts_a_step_once
             else:
                 m.stats.record_step(1, 1)
                 m.stats.step_s.append(0.05)
-    # 16 drafting rounds seen (the first asks about no step), then the whole round plain; again 16 rounds later
-    assert plain_rounds == [17] * 4 + [35] * 4
-    assert list(walls.plain) == [0.045] * 4 and len(walls.drafting) == 16  # each step counted once
+    # 16 drafting rounds timed (the first asks about no step, the second's are fresh starts: not timed), then the
+    # whole round plain; again 16 timed rounds later (the round after a plain one is a fresh start too)
+    assert plain_rounds == [18] * 4 + [37] * 4
+    assert list(walls.plain) == [0.045] * 8 and len(walls.drafting) == 16  # each step counted once
 
 
 def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
@@ -542,7 +543,7 @@ def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
     walls = rule._walls.setdefault("ss", StepWalls())
     stats = GenerationStats("ss", gamma=3, accepted=[1] * 16, drafted=[3] * 16)
     state = SimpleNamespace(stats=stats)
-    for step in range(Goodput.PROBE_EVERY):  # drafting steps only: no plain step timed yet
+    for step in range(Goodput.PROBE_EVERY + 1):  # drafting steps only (the first a fresh start, not timed)
         rule.batcher.total_steps = step
         assert rule.limit(state) is None
         stats.record_step(3, 1)
@@ -558,10 +559,10 @@ def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
 
 
 def test_goodput_prices_drafting_with_its_steps_that_had_nothing_to_verify() -> None:
-    """A drafting step with no guesses to verify (an ss pass after one whose guesses were all pruned, or the first
-    after a plain step) runs its stream rows for one token: it counts as drafting. The rule decides only after
-    :attr:`StepWalls.MIN_DRAFTING` drafting steps, so a re-timed run, which starts with such a step, is not judged on
-    it alone."""
+    """A drafting step with no guesses to verify (an ss pass after one whose guesses were all pruned) runs its stream
+    rows for one token: it counts as drafting. A fresh start (the first step after a plain one) is the probe's cost
+    and is not timed: a round of them after a probe would fill the record at 16 members. The rule decides only after
+    :attr:`StepWalls.MIN_DRAFTING` drafting steps."""
     walls = StepWalls()
     stats = GenerationStats("ss", gamma=3)
 
@@ -571,7 +572,9 @@ def test_goodput_prices_drafting_with_its_steps_that_had_nothing_to_verify() -> 
         walls.observe(stats)
 
     step(0, 0, 0.030, limit=0)  # plain: 30 ms a token
-    step(0, 0, 0.057)  # streams for one token
+    step(0, 0, 0.057)  # a fresh start: not timed
+    assert not walls.drafting
+    step(0, 0, 0.057)  # its guesses all pruned: streams for one token
     assert list(walls.drafting) == [(0.057, 1)] and walls.measured_pays() is None
     for _ in range(StepWalls.MIN_DRAFTING - 1):
         step(3, 2, 0.060)  # 3 tokens in 60 ms
@@ -582,8 +585,10 @@ def test_goodput_prices_drafting_with_its_steps_that_had_nothing_to_verify() -> 
     assert walls.measured_pays() is False  # every other step had nothing to verify: 1.75 tokens < 2
     for _ in range(Goodput.REPROBE_AFTER):
         step(0, 0, 0.030, limit=0)
-    step(0, 0, 0.057, limit=3)  # re-timed: a fresh start, one token
-    assert list(walls.drafting) == [(0.057, 1)] and walls.measured_pays() is None
+    step(0, 0, 0.057, limit=3)  # re-timed: the fresh start is not timed
+    assert len(walls.drafting) == 16
+    step(3, 2, 0.060, limit=3)  # the re-timed run's first timed step replaces the old record
+    assert list(walls.drafting) == [(0.060, 3)] and walls.measured_pays() is None
 
 
 def test_goodput_a_timed_methods_measured_no_holds_where_the_row_line_looks_free() -> None:
@@ -605,6 +610,7 @@ def test_goodput_a_timed_methods_measured_no_holds_where_the_row_line_looks_free
                                 step_log=stats.step_log[:i + 1], step_s=stats.step_s[:i + 1]))
         answers[method] = rule.limit(SimpleNamespace(stats=stats))
     assert answers == {"dear": 0, "cheap": None}  # (it pays: the line's answer, here the method's own window)
+    assert rule.limit(SimpleNamespace(stats=GenerationStats("dear"))) == 0  # a new request of it: from its first step
 
 
 def test_goodput_keeps_a_method_plain_after_a_long_plain_run() -> None:

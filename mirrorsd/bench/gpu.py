@@ -587,7 +587,8 @@ def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: in
         thread.join(max(0.0, start + timeout_s - time.perf_counter()))
     if any(thread.is_alive() for thread in threads):
         raise TimeoutError(f"{sum(t.is_alive() for t in threads)} of {len(threads)} batched requests still running "
-                           f"after {timeout_s:.0f} s")
+                           f"after {timeout_s:.0f} s (their threads run on: the figures after this one ran beside "
+                           "them)")
     synchronize(target.device)
     wall = time.perf_counter() - start
     for got in out:

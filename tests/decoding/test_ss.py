@@ -340,17 +340,23 @@ def test_a_tuned_prune_exit_scores_the_edges_and_keeps_ss_equal_to_ar(exact_mode
         generate(exact_model, prompt, method="ss", streams=adapters, prune_exit=str(tmp_path / "exit"), threshold=0)
 
 
-
-def test_requests_starting_at_once_share_one_attached_adapter(tmp_path):
+def test_requests_starting_at_once_share_one_attached_adapter(tmp_path, monkeypatch):
     """Two requests that start together (a server's batch) get one copy of the adapter: a batched call takes the
-    stream rows of one adapter only, and two copies attached at once failed both requests."""
+    stream rows of one adapter only, and two copies attached at once failed both requests. (The file's read is slowed
+    so that every thread is inside the attach at once.)"""
+    import time
     from concurrent.futures import ThreadPoolExecutor
+
+    import safetensors.torch
 
     model = Transformer.from_hf(tiny_hf(layers=4, seed=5))
     random_adapters(model).save(tmp_path)
+    read = safetensors.torch.load_file
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: (time.sleep(0.2), read(*a, **k))[1])
     with ThreadPoolExecutor(8) as pool:
         loaded = list(pool.map(lambda _: load_adapters(model, tmp_path), range(8)))
     assert all(a is loaded[0] for a in loaded)
+
 
 def test_ss_bad_options_and_missing_adapters(exact_model, tmp_path):
     adapters = random_adapters(exact_model)

@@ -617,6 +617,7 @@ def test_a_fused_layer_is_at_most_ten_launches():
     _interpret(LAUNCHES)
 
 
+@pytest.mark.slow  # (~140-240 s in Triton's interpreter; tests/test_cuda.py runs it compiled on a GPU)
 def test_a_stream_pass_as_one_graph_gives_the_eager_passs_bits():
     """Issue 61 item 2 for ``ss``: a Speculative Streaming pass through
     :class:`~mirrorsd.decoding.ss.passes.StreamPassGraph` (gather lists from the tree's shape and the cache length on
@@ -626,6 +627,7 @@ def test_a_stream_pass_as_one_graph_gives_the_eager_passs_bits():
     _interpret(STREAM_PASS_GRAPH)
 
 
+@pytest.mark.slow  # (~140-240 s in Triton's interpreter; tests/test_cuda.py runs it compiled on a GPU)
 def test_a_stream_rollout_as_one_graph_verifies_its_passes_on_the_device():
     """Issue 62 item 2: Mirror-SD's ``draft_streams`` rollout through
     :class:`~mirrorsd.decoding.ss.rollout_graph.StreamDraftGraph` (fixed passes, chains of stream guesses verified on
