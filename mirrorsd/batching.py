@@ -183,7 +183,7 @@ class StepWalls:
     moves a probe by a step."""
 
     KEEP = 16  # steps of each kind
-    MIN_DRAFTING = 4  # drafting steps timed before deciding (a re-timed run starts with a step that has no guesses)
+    MIN_DRAFTING = 4  # drafting steps timed before deciding (a re-timed run is not judged on its first step)
 
     def __init__(self) -> None:
         self.plain: deque[float] = deque(maxlen=self.KEEP)
