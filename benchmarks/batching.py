@@ -1,7 +1,8 @@
 """Continuous batching in one process, without HTTP (issue 57's goals, on the default Qwen pair, q4).
 
 ``sweep``: C requests at once (Spec-Bench first turns; ``--short``: only those under 100 tokens, a decode-bound load),
-for each concurrency level and each ``method:speculation`` configuration, in interleaved rounds; aggregate tok/s,
+for each concurrency level and each ``method:speculation`` configuration, in interleaved rounds after one untimed
+warm-up request per configuration (as ``mirrorsd serve`` warms up before it listens); aggregate tok/s,
 and each configuration's median as a ratio to batched ``ar`` at the same level. Every batched answer is checked
 against the level's first configuration's.
 
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import mirrorsd
-from mirrorsd.api import encode_chat
+from mirrorsd.api import encode_chat, warm_up
 from mirrorsd.batching import Batcher
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
 from mirrorsd.execution import release_thread_team
@@ -82,6 +83,9 @@ def sweep(args, target, draft) -> None:
     # One batcher per configuration for the whole sweep, as a server keeps one: its cost curve and the goodput
     # rule's acceptance of earlier requests carry over from level to level.
     batchers = {c: Batcher(speculation=speculation) for c, (_, speculation, _) in configs.items()}
+    for config, (method, _, options) in configs.items():  # as `mirrorsd serve` does before it listens
+        seconds = warm_up(target, method=method, draft=draft, **options)
+        print(f"warm-up {config} {seconds:.1f} s", flush=True)
     results: dict = {}
     for r in range(args.rounds):
         for level in args.levels:

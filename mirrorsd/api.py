@@ -20,7 +20,9 @@ from .collector import paused_collector
 from .decoding import DecodeRequest, GenerationStats, ModelShape, default_method, get_method, methods
 from .decoding.bridge import TokenBridge
 from .decoding.engine import run
+from .decoding.suffix_index import isolated_shared_indexes
 from .errors import OptionError
+from .execution import release_thread_team
 from .model import ACTIVATION_FORMATS, Transformer
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
@@ -487,3 +489,29 @@ def generate(target: LoadedModel | Transformer, prompt: Prompt, **kwargs: Any) -
         pass
     assert s.result is not None
     return s.result
+
+
+WARM_UP_PROMPT = "Hello"  # (a bare model without a tokenizer reads WARM_UP_IDS)
+WARM_UP_IDS = (1, 2, 3, 4)
+
+
+def warm_up(target: LoadedModel | Transformer, *, method: str, draft: LoadedModel | Transformer | None = None,
+            max_new_tokens: int = 4, **options: Any) -> float:
+    """One short greedy generation with ``method`` and ``options``, answered to nobody; returns its seconds.
+
+    Why: a method's first request in a process pays its one-time work (``ss`` imports peft and builds its stream
+    head: 6.4 s against 0.7 s for the next request, the 1.5B on a 2-core CPU), so without this a server's first
+    user waits for it and a load sweep's first round measures it (llama.cpp's server warms up the same way). The
+    suffix indexes are isolated, so the warm-up's answer is neither looked up later nor persisted; and the calling
+    thread's OpenMP team is ended after it, since the real requests' forwards run on other threads
+    (:func:`~mirrorsd.execution.release_thread_team`)."""
+    start = time.perf_counter()
+    try:
+        prompt = WARM_UP_PROMPT if _as_loaded(target).tokenizer is not None else list(WARM_UP_IDS)
+        with isolated_shared_indexes():
+            generate(target, prompt, raw=True, method=method,
+                     draft=draft if method == "auto" or get_method(method).needs_draft else None,
+                     max_new_tokens=max_new_tokens, temperature=0, **options)
+    finally:
+        release_thread_team()
+    return time.perf_counter() - start

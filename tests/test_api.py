@@ -223,3 +223,33 @@ def test_loading_pauses_the_collector_and_restores_it(monkeypatch):
         assert not gc.isenabled()  # the caller's own choice stays
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("method", ["ar", "suffix", "sd"])
+def test_warm_up_runs_the_method_and_leaves_no_trace(tiny, method):
+    """``api.warm_up`` (what `mirrorsd serve` runs before it listens) decodes with the method and its options,
+    greedy, and keeps its answer out of the shared suffix index that real requests read."""
+    from mirrorsd.decoding import suffix_index
+
+    key = "warm-up test"
+    calls = []
+    real = mirrorsd.api.generate
+
+    def recording(target, prompt, **kwargs):
+        calls.append(kwargs)
+        out = real(target, prompt, **kwargs)
+        suffix_index.shared_index(key).add(out.token_ids)  # what a request's answer would do
+        return out
+
+    options = {"gamma": 3} if method in ("suffix", "sd") else {}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mirrorsd.api, "generate", recording)
+    try:
+        seconds = mirrorsd.api.warm_up(tiny, method=method, draft=tiny, **options)
+    finally:
+        mp.undo()
+    assert seconds > 0 and len(calls) == 1
+    assert calls[0]["method"] == method and calls[0]["temperature"] == 0
+    assert all(calls[0][k] == v for k, v in options.items())
+    assert (calls[0]["draft"] is tiny) == (method == "sd")  # a draft only where the method takes one
+    assert len(suffix_index.shared_index(key)) == 0  # the warm-up's index was its own

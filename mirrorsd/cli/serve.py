@@ -67,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds running requests get to finish on shutdown before they are cancelled")
+    sv.add_argument("--no-warmup", action="store_true",
+                    help="skip the warm-up: by default one short untimed generation with the default method runs "
+                         "before the server listens, so its one-time work (loading a stream adapter, say) is not "
+                         "paid by the first request (llama.cpp's --no-warmup)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.add_argument("--device", default="cpu", help="torch device for both models")
     sv.add_argument("--draft-device", help="device for the draft model (default: --device)")
@@ -119,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                           prefill_rows=args.prefill_rows, speculation=args.speculation,
                           max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens=args.max_tokens, max_request_bytes=args.max_request_bytes,
-                          shutdown_timeout=args.shutdown_timeout, prefix_cache_bytes=args.prefix_cache_mib << 20)
+                          shutdown_timeout=args.shutdown_timeout, prefix_cache_bytes=args.prefix_cache_mib << 20,
+                          warm_up=not args.no_warmup)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"mirrorsd: warning: serving on {args.host} without --api-key: anyone who can reach this "

@@ -73,6 +73,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
     prefix_cache_bytes: int = 1 << 30  # finished requests' keys and values kept for prompts that start alike (0: off)
+    warm_up: bool = True  # one short untimed generation with the default method before serving (api.warm_up)
 
 
 @dataclass
@@ -269,6 +270,10 @@ def create_app(target: api.LoadedModel, draft: api.LoadedModel | None, config: S
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if config.warm_up:  # before uvicorn listens, so no request waits on the method's one-time work
+            seconds = await asyncio.to_thread(api.warm_up, target, method=config.method, draft=draft,
+                                              **config.options)
+            log.info("warmed up %s in %.1f s", config.method, seconds)
         server.scheduler.start()
         yield
         await asyncio.to_thread(server.scheduler.stop, config.shutdown_timeout)

@@ -238,6 +238,19 @@ def test_serve_prefill_rows_is_auto_or_a_positive_number(capsys, no_loading, val
     assert f"--prefill-rows: expected auto or a number of rows >= 1, got '{value}'" in capsys.readouterr().err
 
 
+@requires_smollm2
+@pytest.mark.parametrize("flags, warm", [([], True), (["--no-warmup"], False)])
+def test_serve_warms_up_unless_told_not_to(capsys, monkeypatch, flags, warm):
+    """`mirrorsd serve` hands the server its warm-up setting (the warm-up itself: tests/server)."""
+    import mirrorsd.cli.serve as serve
+
+    seen = []
+    monkeypatch.setattr(serve, "create_app", lambda target, draft, config: seen.append(config))
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, **kwargs: None)
+    rc, _, _ = run(capsys, "serve", "--target", "smollm2-135m", "--method", "ar", *flags)
+    assert rc == 0 and [c.warm_up for c in seen] == [warm]
+
+
 @pytest.mark.parametrize("command", ["serve", "distill"])
 def test_prefix_cache_mib_is_checked_before_loading(capsys, no_loading, command):
     rc, _, err = run(capsys, command, "--method", "ar", "--prefix-cache-mib", "-1")

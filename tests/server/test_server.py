@@ -157,6 +157,38 @@ def test_models_health_tokenize_page(live, models):
     assert "segments" in httpx.get(live.url + "/static/chat.js").text
 
 
+def test_the_server_warms_its_method_up_before_it_listens(models, monkeypatch):
+    """The default method's one-time work (here `ss` loading its stream adapter and head) runs before the server takes a
+    request, with the server's options, and is counted nowhere (`--no-warmup` turns it off)."""
+    target, _ = models
+    calls = []
+    real = mirrorsd.api.warm_up
+
+    def recording(*args, **kwargs):
+        seconds = real(*args, **kwargs)
+        calls.append((kwargs, time.monotonic()))
+        return seconds
+
+    monkeypatch.setattr(mirrorsd.api, "warm_up", recording)
+    server = LiveServer(create_app(target, None, ServerConfig(MODEL, method="ss", options={"tree_budget": 2},
+                                                              temperature=0)))
+    try:
+        assert len(calls) == 1
+        kwargs, done = calls[0]
+        assert kwargs["method"] == "ss" and kwargs["tree_budget"] == 2 and kwargs["draft"] is None
+        sent = time.monotonic()
+        assert done < sent  # over before uvicorn listened
+        got = server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12)
+        want = reference(models, PROMPTS[0], method="ss", raw=True, max_new_tokens=12, temperature=0, tree_budget=2)
+        assert got.choices[0].text == want.text
+        finished = server.metrics()
+        assert sum(v for (name, _), v in finished.items() if name == "mirrorsd:request_success_total") == 1
+    finally:
+        server.stop()
+    monkeypatch.setattr(mirrorsd.api, "warm_up", lambda *a, **k: pytest.fail("warmed up with warm_up=False"))
+    LiveServer(create_app(target, None, ServerConfig(MODEL, warm_up=False))).stop()
+
+
 # -- bad input: OpenAI-shaped 4xx, never a 500 ---------------------------------------------------------------
 
 
