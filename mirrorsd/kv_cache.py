@@ -90,43 +90,24 @@ class KVCache:
             raise ValueError(f"cannot truncate to a negative length ({length})")
         self.lengths = [min(n, length) for n in self.lengths]
 
-    def _index(self, positions: torch.Tensor | list[int]) -> torch.Tensor:
-        """Cache positions as an index on the cache's device (a list is sent without a host sync)."""
-        device = self.keys[0].device
-        if isinstance(positions, torch.Tensor):
-            return positions.to(device=device, dtype=torch.long)
-        return send(positions, device)
-
-    def keep(self, positions: torch.Tensor | list[int]) -> None:
+    def keep(self, positions: list[int]) -> None:
         """Keep only ``positions`` (in that order) in every layer: compaction after tree verification."""
-        index = self._index(positions)
-        n = index.numel()
-        last = _largest(positions)
-        for layer in range(self.n_layers):
-            if n and last >= self.lengths[layer]:
-                raise IndexError(f"position {last} is past layer {layer}'s length {self.lengths[layer]}")
-            # index_select copies first, so overlapping source and destination ranges are safe.
-            self.keys[layer][:, :, :n] = self.keys[layer].index_select(2, index)
-            self.values[layer][:, :, :n] = self.values[layer].index_select(2, index)
-            self.lengths[layer] = n
+        self.compact(0, positions)
 
     def compact(self, start: int, offsets: list[int], layers: range | None = None) -> None:
         """Keep ``[0, start)`` and then the entries at ``start + offsets`` (in that order) in ``layers``: tree
         compaction that moves only the tail. Speculative Streaming passes leave different trees in the layers
-        below and above the pruning layer, so each group is compacted with its own offsets."""
-        index = self._index(offsets) + start
-        last = start + _largest(offsets)
+        below and above the pruning layer, so each group is compacted with its own offsets. Entries already in
+        place (offsets that begin 0, 1, 2, ...: a path through the tree's first nodes, the root alone, or a kept
+        prefix) are not copied, so most passes copy nothing."""
+        last = start + max(offsets, default=-1)
+        moved = next((i for i, offset in enumerate(offsets) if offset != i), len(offsets))
+        index = send(offsets[moved:], self.keys[0].device) + start  # (a list is sent without a host sync)
         for layer in layers if layers is not None else range(self.n_layers):
-            if index.numel() and last >= self.lengths[layer]:
+            if offsets and last >= self.lengths[layer]:
                 raise IndexError(f"position {last} is past layer {layer}'s length {self.lengths[layer]}")
-            end = start + index.numel()
-            self.keys[layer][:, :, start:end] = self.keys[layer].index_select(2, index)
-            self.values[layer][:, :, start:end] = self.values[layer].index_select(2, index)
+            end = start + len(offsets)
+            if moved < len(offsets):  # (index_select copies first, so overlapping ranges are safe)
+                self.keys[layer][:, :, start + moved:end] = self.keys[layer].index_select(2, index)
+                self.values[layer][:, :, start + moved:end] = self.values[layer].index_select(2, index)
             self.lengths[layer] = end
-
-
-def _largest(positions: torch.Tensor | list[int]) -> int:
-    """The largest position, read on the host from a list (a device tensor's max would stall the host on a GPU)."""
-    if isinstance(positions, torch.Tensor):
-        return int(positions.max()) if positions.numel() else -1
-    return max(positions, default=-1)
