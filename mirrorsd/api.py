@@ -497,7 +497,8 @@ WARM_UP_IDS = (1, 2, 3, 4)
 
 def warm_up(target: LoadedModel | Transformer, *, method: str, draft: LoadedModel | Transformer | None = None,
             max_new_tokens: int = 4, **options: Any) -> float:
-    """One short greedy generation with ``method`` and ``options``, answered to nobody; returns its seconds.
+    """One short greedy generation with ``method`` and ``options`` (past an EOS, so its decoding steps run too),
+    answered to nobody; returns its seconds.
 
     Why: a method's first request in a process pays its one-time work (``ss`` imports peft and builds its stream
     head: 6.4 s against 0.7 s for the next request, the 1.5B on a 2-core CPU), so without this a server's first
@@ -511,7 +512,7 @@ def warm_up(target: LoadedModel | Transformer, *, method: str, draft: LoadedMode
         with isolated_shared_indexes():
             generate(target, prompt, raw=True, method=method,
                      draft=draft if method == "auto" or get_method(method).needs_draft else None,
-                     max_new_tokens=max_new_tokens, temperature=0, **options)
+                     max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, **options)
     finally:
         release_thread_team()
     return time.perf_counter() - start

@@ -102,12 +102,13 @@ class KVCache:
         prefix) are not copied, so most passes copy nothing."""
         last = start + max(offsets, default=-1)
         moved = next((i for i, offset in enumerate(offsets) if offset != i), len(offsets))
-        index = send(offsets[moved:], self.keys[0].device) + start  # (a list is sent without a host sync)
+        # (a list is sent without a host sync)
+        index = send([start + o for o in offsets[moved:]], self.keys[0].device) if moved < len(offsets) else None
         for layer in layers if layers is not None else range(self.n_layers):
             if offsets and last >= self.lengths[layer]:
                 raise IndexError(f"position {last} is past layer {layer}'s length {self.lengths[layer]}")
             end = start + len(offsets)
-            if moved < len(offsets):  # (index_select copies first, so overlapping ranges are safe)
+            if index is not None:  # (index_select copies first, so overlapping ranges are safe)
                 self.keys[layer][:, :, start + moved:end] = self.keys[layer].index_select(2, index)
                 self.values[layer][:, :, start + moved:end] = self.values[layer].index_select(2, index)
             self.lengths[layer] = end

@@ -226,7 +226,7 @@ def test_loading_pauses_the_collector_and_restores_it(monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["ar", "suffix", "sd"])
-def test_warm_up_runs_the_method_and_leaves_no_trace(tiny, method):
+def test_warm_up_runs_the_method_and_leaves_no_trace(tiny, monkeypatch, method):
     """``api.warm_up`` (what `mirrorsd serve` runs before it listens) decodes with the method and its options,
     greedy, and keeps its answer out of the shared suffix index that real requests read."""
     from mirrorsd.decoding import suffix_index
@@ -242,14 +242,11 @@ def test_warm_up_runs_the_method_and_leaves_no_trace(tiny, method):
         return out
 
     options = {"gamma": 3} if method in ("suffix", "sd") else {}
-    mp = pytest.MonkeyPatch()
-    mp.setattr(mirrorsd.api, "generate", recording)
-    try:
-        seconds = mirrorsd.api.warm_up(tiny, method=method, draft=tiny, **options)
-    finally:
-        mp.undo()
+    monkeypatch.setattr(mirrorsd.api, "generate", recording)
+    seconds = mirrorsd.api.warm_up(tiny, method=method, draft=tiny, **options)
+    monkeypatch.undo()
     assert seconds > 0 and len(calls) == 1
-    assert calls[0]["method"] == method and calls[0]["temperature"] == 0
+    assert calls[0]["method"] == method and calls[0]["temperature"] == 0 and calls[0]["ignore_eos"]
     assert all(calls[0][k] == v for k, v in options.items())
     assert (calls[0]["draft"] is tiny) == (method == "sd")  # a draft only where the method takes one
     assert len(suffix_index.shared_index(key)) == 0  # the warm-up's index was its own

@@ -89,10 +89,11 @@ def test_leased_caches_come_back_to_the_next_request_that_fits(monkeypatch):
     assert len(model.spare_caches) == 2  # only one-row caches come back
 
 
-@pytest.mark.parametrize("offsets", [[], [0], [0, 1, 2], [0, 1, 3], [0, 2, 4], [1], [2, 0], [0, 1, 2, 3, 4, 5]])
-def test_compaction_moves_only_what_moved(offsets):
-    """``compact`` skips entries already in place (its leading 0, 1, 2, ...), and gives what copying every kept
-    entry gives, in the layers it is asked for only."""
+@pytest.mark.parametrize("offsets", [[], [0], [0, 1, 2], [0, 1, 3], [0, 2, 4], [1], [2, 0], [0, 2, 2, 3],
+                                     [0, 1, 2, 3, 4, 5]])
+def test_compaction_moves_only_what_moved(monkeypatch, offsets):
+    """``compact`` gives what copying every kept entry gives, in the layers it is asked for only, and copies
+    nothing for the entries already in place (its leading 0, 1, 2, ...)."""
     c = KVCache(n_layers=3, n_kv_heads=2, head_dim=4, capacity=16)
     for layer in range(3):
         c.append(layer, torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4))
@@ -102,7 +103,13 @@ def test_compaction_moves_only_what_moved(offsets):
         index = torch.tensor([3 + o for o in offsets], dtype=torch.long)
         want_k[layer][:, :, 3:3 + len(offsets)] = want_k[layer].index_select(2, index)
         want_v[layer][:, :, 3:3 + len(offsets)] = want_v[layer].index_select(2, index)
+    copied = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, dim, index: copied.append(index.tolist()) or
+                        real(self, dim, index))
     c.compact(3, offsets, range(0, 3, 2))
+    moved = next((i for i, o in enumerate(offsets) if o != i), len(offsets))
+    assert copied == ([[3 + o for o in offsets[moved:]]] * 4 if moved < len(offsets) else [])
     assert c.lengths == [3 + len(offsets), 9, 3 + len(offsets)]
     for layer in range(3):
         n = c.lengths[layer]

@@ -10,7 +10,7 @@ import uvicorn
 from rich.console import Console
 
 import mirrorsd
-from mirrorsd.api import default_method, planned
+from mirrorsd.api import default_method, planned, warm_up
 from mirrorsd.batching import PREFILL_PACE, SPECULATION
 from mirrorsd.decoding import get_method
 from mirrorsd.server import ServerConfig, create_app
@@ -124,14 +124,18 @@ def run(args: argparse.Namespace) -> int:
                           max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens=args.max_tokens, max_request_bytes=args.max_request_bytes,
                           shutdown_timeout=args.shutdown_timeout, prefix_cache_bytes=args.prefix_cache_mib << 20,
-                          warm_up=not args.no_warmup)
+                          warm_up=False)  # (warmed below, where a method that fails to build is a clear error)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"mirrorsd: warning: serving on {args.host} without --api-key: anyone who can reach this "
                   "port can use the model", style="yellow", highlight=False)
+    app = create_app(target, draft, config)
+    if not args.no_warmup:
+        with err.status(f"warming up {method}…"):
+            seconds = warm_up(target, method=method, draft=draft, **options)
+        err.print(f"mirrorsd: warmed up {method} in {seconds:.1f} s", style="dim", highlight=False)
     err.print(f"mirrorsd: serving {config.model_name} with method {method} at http://{args.host}:{args.port} "
               f"(chat page at /, OpenAI API at /v1, metrics at /metrics)", highlight=False)
-    app = create_app(target, draft, config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

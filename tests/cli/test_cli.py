@@ -240,15 +240,34 @@ def test_serve_prefill_rows_is_auto_or_a_positive_number(capsys, no_loading, val
 
 @requires_smollm2
 @pytest.mark.parametrize("flags, warm", [([], True), (["--no-warmup"], False)])
-def test_serve_warms_up_unless_told_not_to(capsys, monkeypatch, flags, warm):
-    """`mirrorsd serve` hands the server its warm-up setting (the warm-up itself: tests/server)."""
+def test_serve_warms_up_before_it_listens_unless_told_not_to(capsys, monkeypatch, flags, warm):
+    """`mirrorsd serve` warms the default method up itself (the app's own warm-up off), before uvicorn runs."""
     import mirrorsd.cli.serve as serve
 
-    seen = []
-    monkeypatch.setattr(serve, "create_app", lambda target, draft, config: seen.append(config))
-    monkeypatch.setattr(serve.uvicorn, "run", lambda app, **kwargs: None)
-    rc, _, _ = run(capsys, "serve", "--target", "smollm2-135m", "--method", "ar", *flags)
-    assert rc == 0 and [c.warm_up for c in seen] == [warm]
+    events = []
+    monkeypatch.setattr(serve, "create_app", lambda target, draft, config: events.append(("app", config.warm_up)))
+    monkeypatch.setattr(serve, "warm_up", lambda target, method, draft, **options: events.append(
+        ("warm", method, options)) or 0.5)
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, **kwargs: events.append(("listen",)))
+    rc, _, err = run(capsys, "serve", "--target", "smollm2-135m", "--method", "suffix", "--gamma", "5", *flags)
+    assert rc == 0
+    assert events == [("app", False), *([("warm", "suffix", {"gamma": 5})] if warm else []), ("listen",)]
+    assert ("warmed up suffix" in err) == warm
+
+
+@requires_smollm2
+def test_serve_says_why_its_warm_up_failed(capsys, monkeypatch):
+    """A method that fails to build fails the warm-up: one error line before the server listens, not a traceback
+    from inside uvicorn's startup."""
+    import mirrorsd.cli.serve as serve
+
+    def fail(*args, **kwargs):
+        raise ValueError("the stream adapter is missing")
+
+    monkeypatch.setattr(serve, "warm_up", fail)
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, **kwargs: pytest.fail("listened after a failed warm-up"))
+    rc, _, err = run(capsys, "serve", "--target", "smollm2-135m", "--method", "ar")
+    assert rc == 2 and "the stream adapter is missing" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("command", ["serve", "distill"])
