@@ -91,9 +91,7 @@ class SubsetHead(nn.Module):
 def head_logits(model, hidden: torch.Tensor, head: SubsetHead | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Final norm + LM head on raw hidden states, and what each column scores: with ``head=None`` the full
     vocabulary (column = token id, ids ``None``), else ``head``'s subset (column ``c`` = ``ids[c]``)."""
-    if head is None:
-        return model.logits(hidden), None
-    return head(model.norm(hidden)), head.ids
+    return model.logits(hidden, head), None if head is None else head.ids
 
 
 def top_tokens(logits: torch.Tensor, ids: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
