@@ -271,14 +271,14 @@ def test_a_failing_forward_reaches_only_its_request(pair: Pair, monkeypatch) -> 
 @requires_smollm2
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_real_weights_batched_equal_alone(temperature: float) -> None:
-    """SmolLM2-135M's real q8 weights: ar, suffix, sd (a 10-layer self-draft), mirror and eagle (a random head)
-    side by side."""
+    """SmolLM2-135M's real q8 weights: ar, suffix, sd (a 10-layer self-draft), mirror, eagle (a random head) and ss
+    (the shipped adapter: its main, pruning and stream heads go to the engine as `[T, h]` rows) side by side."""
     model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
     draft = model.model.prefix_model(10)
     head = random_head(model.model)
     prompts = ["Write a haiku about the sea.", "def fibonacci(n):", "The capital of France is",
                "List three prime numbers:"]
-    cases = [(m, p) for p in prompts for m in ("ar", "suffix", "sd", "mirror", "eagle")]
+    cases = [(m, p) for p in prompts for m in ("ar", "suffix", "sd", "mirror", "eagle", "ss")]
 
     def one(method: str, prompt: str) -> list[int]:
         with isolated_shared_indexes():
@@ -301,6 +301,34 @@ def test_real_weights_batched_equal_alone(temperature: float) -> None:
         t.join(300)
     assert got == alone
     assert max(s.windows for s in batcher.steps) >= 4
+
+
+@pytest.mark.real
+@requires_smollm2
+def test_a_members_heads_on_rows_of_one_sequence_go_to_the_engine() -> None:
+    """``Transformer.logits`` sends a member's ``[T, h]`` rows (a tree's, a stream's) to its batcher as ``[1, T, h]``,
+    full head and reduced head alike, and gets back the bits it computes alone: on the member's own thread the head
+    met the engine's idle OpenMP team and ran at half speed."""
+    from mirrorsd.draft_vocab import head_logits, subset_head
+    from mirrorsd.execution import batched_by
+
+    model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False).model
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    subset = subset_head(model, 4096)
+    seen = []
+
+    class Hook:
+        def head(self, m, rows, head):
+            seen.append((tuple(rows.shape), head))
+            with batched_by(None):  # as the engine runs it
+                return m.logits(rows, head)
+
+    with torch.inference_mode():
+        alone = [model.logits(hidden), head_logits(model, hidden, subset)[0]]
+        with batched_by(Hook()):
+            hooked = [model.logits(hidden), head_logits(model, hidden, subset)[0]]
+    assert seen == [((1, 3, model.config.hidden_size), None), ((1, 3, model.config.hidden_size), subset)]
+    assert all(torch.equal(a, b) for a, b in zip(alone, hooked, strict=True))
 
 
 class RandomBudget:
