@@ -6,7 +6,8 @@ stop conditions). A thread that joins a :class:`Batcher` sends its batchable for
 window (1 row for a plain step, 1 + k for a verification window or tree) and a bounded chunk of each waiting prompt
 go through one ragged C++ forward per model and layer range, and the waiting LM heads through one product. A
 request joins at its first forward and leaves when its thread is done, without touching the others' caches: each
-sequence keeps its own contiguous cache (:class:`~mirrorsd.kv_cache.KVCache`; rollback stays ``truncate``).
+sequence keeps its own contiguous cache (:class:`~mirrorsd.kv_cache.KVCache`; rollback stays ``truncate``). A member
+alone runs its steps on its own thread, with nothing handed over: one request runs at its speed alone.
 
 Why contiguous caches, not paged blocks: on the CPU the cache lives in ordinary memory that grows by doubling, so
 paging would buy no capacity, and the attention kernel reads one sequence's keys as one strided block.
@@ -350,6 +351,7 @@ class Batcher:
         self._running = 0  # members between forwards
         self._waiting: list[_Waiting] = []
         self._engine: threading.Thread | None = None  # runs the steps (_run_steps)
+        self._solo = False  # the only member runs its forwards on its own thread (_claim_solo)
         self._local = threading.local()
         self.steps: deque[StepRecord] = deque(maxlen=history)
         self.total_steps = 0
@@ -413,9 +415,12 @@ class Batcher:
     # -- the barrier ----------------------------------------------------------------------------------------------
 
     def _wait(self, item: _Waiting) -> torch.Tensor:
-        release_thread_team()  # its forwards run on the engine's team; its own ops, an argmax, may have started one
         me = getattr(self._local, "member", None)
+        if me is not None and self._claim_solo(me):
+            return self._run_solo(item)
+        release_thread_team()  # its forwards run on the engine's team; its own ops, an argmax, may have started one
         with self._cond:
+            self._solo = False
             if me is not None and not me.counted:
                 me.counted = True  # joins waiting: the running count is unchanged
             else:
@@ -431,33 +436,67 @@ class Batcher:
         assert item.result is not None
         return item.result
 
+    def _claim_solo(self, me: _Member) -> bool:
+        """Whether this member is the batch's only one, with nothing waiting: then it runs its forward itself, on its
+        own thread and OpenMP team, as the engine would run it alone (the same step, so the same bits and the same
+        record). Handing each forward to the engine and back cost a lone ``ss`` request ~20% (an ``ss`` pass has
+        five forwards, and the member's own ops between them started a new team after each). A member that joins
+        waits for the solo member's next forward, which then goes to the engine with it."""
+        with self._cond:
+            if self._waiting or self._running != (1 if me.counted else 0):
+                return False
+            if not me.counted:
+                me.counted = True
+                self._running += 1
+            self._solo = True
+            self._cond.notify_all()  # an idle engine ends (its team would slow this thread's)
+            return True
+
+    def _run_solo(self, item: _Waiting) -> torch.Tensor:
+        """The forward as :meth:`_run_steps` runs a lone one: a window whole, a prompt in ``PREFILL_CHUNK`` chunks."""
+        item.prompt = item.splittable(self.prefill_rows or WHOLE_ROWS)
+        while not item.computed:
+            record = self._step([(item, min(item.rows - item.done, PREFILL_CHUNK) if item.prompt else item.rows)])
+            with self._cond:
+                self._record(record)
+        if item.error is not None:
+            raise item.error
+        assert item.result is not None
+        return item.result
+
+    def _record(self, record: StepRecord) -> None:
+        """Logs a step (under the lock)."""
+        self.steps.append(record)
+        self.total_steps += 1
+        if self.on_step is not None and record.rows:
+            self.on_step(record)
+
     def _run_steps(self) -> None:
         """The engine thread: a step each time every member waits. One thread runs every forward because each
         thread that starts parallel work gets a team of OpenMP workers of its own, which spin for a while after it:
         steps run by whichever member came last left idle teams spinning on the cores the next step needed (~30%
         slower steps on 2 cores). It ends when the last member leaves (a daemon thread still waiting at interpreter
-        exit can abort it), and starts again at the next forward."""
+        exit can abort it) or when one member is left to run its own forwards (:meth:`_claim_solo`), and starts again
+        at the next forward that waits."""
         with self._cond:
             while True:
-                self._cond.wait_for(lambda: self._running == 0)
-                if not self._waiting:
+                self._cond.wait_for(lambda: self._running == 0 or (self._solo and not self._waiting))
+                if not self._waiting:  # every member left, or the only one runs its forwards itself (_claim_solo)
                     self._engine = None
-                    return
+                    break
                 work = self._select()
                 self._cond.release()
                 try:
                     record = self._step(work)
                 finally:
                     self._cond.acquire()
-                self.steps.append(record)
-                self.total_steps += 1
-                if self.on_step is not None and record.rows:
-                    self.on_step(record)
+                self._record(record)
                 for item in [w for w, _ in work if w.computed]:
                     item.finished = True
                     self._waiting.remove(item)
                     self._running += 1
                 self._cond.notify_all()
+        release_thread_team()  # (a solo member's forwards run beside this thread until it ends)
 
     def _select(self) -> list[tuple[_Waiting, int]]:
         """This step's work: the waiting LM heads alone if any wait, else each waiting window whole and chunks of

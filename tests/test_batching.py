@@ -178,9 +178,46 @@ def test_forwards_are_shared(weights: str, request: pytest.FixtureRequest) -> No
     assert batcher.total_steps < sum(len(g) for g in got)
 
 
-def test_members_a_half_step_apart_fall_back_into_one_forward(pair: Pair) -> None:
+def test_a_lone_member_steps_itself_until_another_joins(pair: Pair, monkeypatch) -> None:
+    """Alone, a member runs its steps on its own thread (no hand-over to the engine: a lone request at its own
+    speed); a second member's first forward waits for the first member's next one, and from there they share the
+    engine's steps; each keeps its own tokens."""
+    threads: list[tuple[str, int]] = []
+    real = Batcher._step
+
+    def step(self, work):
+        threads.append((threading.current_thread().name, len(work)))
+        return real(self, work)
+
+    monkeypatch.setattr(Batcher, "_step", step)
+    batcher = Batcher(speculation="fixed")
+    requests = [Req("ar", (1, 2, 3), 40, 0.0, 0, 0, None), Req("sd", (4, 5, 6), 24, 1.0, 1, 0, None)]
+    got: list[list[int]] = [[], []]
+
+    def work(i: int) -> None:
+        with batcher.member():
+            got[i] = pair.tokens(requests[i])
+
+    first = threading.Thread(target=work, args=(0,))
+    first.start()
+    while batcher.total_steps < 8 and first.is_alive():
+        threading.Event().wait(0.001)
+    second = threading.Thread(target=work, args=(1,))
+    second.start()
+    for t in (first, second):
+        t.join(60)
+    assert got == [pair.tokens(r) for r in requests]
+    first = [name for name, _ in threads[:8]]
+    assert set(first) == {first[0]} and first[0] != "mirrorsd-batch"  # the first request's steps, on its thread
+    assert any(name == "mirrorsd-batch" and n == 2 for name, n in threads)  # then both in one step
+    assert batcher.members_running == 0 and not batcher._waiting
+
+
+def test_members_a_half_step_apart_fall_back_into_one_forward(pair: Pair, monkeypatch) -> None:
     """One member runs an LM head alone first (as a draft's extra forward or a prompt chunk puts it out of step):
-    the heads-first rule brings it back, so the two members' plain steps still share their layer forwards."""
+    the heads-first rule brings it back, so the two members' plain steps still share their layer forwards. (A lone
+    member runs its forwards itself, and the first one here would run that head before the other joins: off.)"""
+    monkeypatch.setattr(Batcher, "_claim_solo", lambda self, me: False)
     batcher = Batcher()
     d = pair.target.config.hidden_size
     out: list[list[int]] = [[], []]

@@ -105,10 +105,11 @@ def test_a_release_ends_the_callers_idle_team_and_a_new_region_starts_another() 
 
 
 @pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
-def test_a_batcher_member_keeps_no_team_through_its_forwards_nor_after_it_leaves() -> None:
+def test_a_batcher_member_keeps_no_team_through_its_forwards_nor_after_it_leaves(monkeypatch) -> None:
     """Its forwards run on the engine's team: its own team ends before each forward it hands over (an op of its own
     between forwards, an argmax, may have started one), and when it leaves (a server's worker that ran a request
-    alone would otherwise keep one between requests)."""
+    alone would otherwise keep one between requests). (A lone member runs its forwards itself: off here.)"""
+    monkeypatch.setattr(Batcher, "_claim_solo", lambda self, me: False)
     model = row_exact(tiny_hf(layers=2))
     cache = model.new_cache()
     batcher = Batcher()
@@ -125,6 +126,28 @@ def test_a_batcher_member_keeps_no_team_through_its_forwards_nor_after_it_leaves
     assert batched  # the forward did go through the batcher
     assert not after_forward
     assert not after_leaving
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
+def test_a_lone_member_runs_its_forwards_on_its_own_team_and_ends_it_when_it_leaves() -> None:
+    """Alone in its batcher, a member's forwards run on its own thread (no engine thread, its step still logged),
+    and it keeps its team between them, as a request alone does; leaving ends it."""
+    model = row_exact(tiny_hf(layers=2))
+    cache = model.new_cache()
+    batcher = Batcher()
+
+    def body() -> tuple[bool, bool, bool, bool]:
+        with batcher.member():
+            model(torch.tensor([[1, 2, 3]]), cache=cache)
+            engines = any(t.name == "mirrorsd-batch" for t in threading.enumerate())
+            after_forward = holds_a_team()
+        return engines, after_forward, holds_a_team(), batcher.total_steps > 0
+
+    engines, after_forward, after_leaving, logged = on_a_thread(body)
+    assert not engines
+    assert after_forward
+    assert not after_leaving
+    assert logged
 
 
 def test_starting_the_servers_workers_ends_the_callers_team() -> None:
