@@ -416,8 +416,8 @@ class Batcher:
 
     def _wait(self, item: _Waiting) -> torch.Tensor:
         me = getattr(self._local, "member", None)
-        if me is not None and self._claim_solo(me):
-            return self._run_solo(item)
+        if me is not None and self._claim_solo(me) and self._run_solo(item):
+            return self._result(item)
         release_thread_team()  # its forwards run on the engine's team; its own ops, an argmax, may have started one
         with self._cond:
             self._solo = False
@@ -431,6 +431,10 @@ class Batcher:
                 self._engine.start()
             self._cond.notify_all()
             self._cond.wait_for(lambda: item.finished)
+        return self._result(item)
+
+    @staticmethod
+    def _result(item: _Waiting) -> torch.Tensor:
         if item.error is not None:
             raise item.error
         assert item.result is not None
@@ -452,17 +456,19 @@ class Batcher:
             self._cond.notify_all()  # an idle engine ends (its team would slow this thread's)
             return True
 
-    def _run_solo(self, item: _Waiting) -> torch.Tensor:
-        """The forward as :meth:`_run_steps` runs a lone one: a window whole, a prompt in ``PREFILL_CHUNK`` chunks."""
+    def _run_solo(self, item: _Waiting) -> bool:
+        """The forward as :meth:`_run_steps` runs a lone one: a window whole, a prompt in ``PREFILL_CHUNK`` chunks.
+        False when a member came to wait before the prompt's last chunk: the rest goes to the engine beside it (a
+        long prompt alone must not hold a new request's first step for its whole prefill)."""
         item.prompt = item.splittable(self.prefill_rows or WHOLE_ROWS)
-        while not item.computed:
+        while True:
             record = self._step([(item, min(item.rows - item.done, PREFILL_CHUNK) if item.prompt else item.rows)])
             with self._cond:
                 self._record(record)
-        if item.error is not None:
-            raise item.error
-        assert item.result is not None
-        return item.result
+                if item.computed:
+                    return True
+                if self._waiting:
+                    return False
 
     def _record(self, record: StepRecord) -> None:
         """Logs a step (under the lock)."""

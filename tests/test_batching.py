@@ -213,6 +213,39 @@ def test_a_lone_member_steps_itself_until_another_joins(pair: Pair, monkeypatch)
     assert batcher.members_running == 0 and not batcher._waiting
 
 
+def test_a_lone_members_long_prompt_makes_room_for_a_member_that_joins(pair: Pair, monkeypatch) -> None:
+    """A lone member prefills its long prompt chunk by chunk itself; a member that joins meanwhile waits one chunk, not
+    the whole prompt: the rest goes to the engine beside the newcomer's rows. Both keep their tokens."""
+    import mirrorsd.batching as batching
+
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 4)  # a 60-token prompt: 15 chunks
+    real = Batcher._step
+
+    def slow_step(self, work):  # (time for the second thread to arrive while the prompt is still going in)
+        threading.Event().wait(0.02)
+        return real(self, work)
+
+    monkeypatch.setattr(Batcher, "_step", slow_step)
+    batcher = Batcher(speculation="fixed")
+    requests = [Req("ar", tuple(range(1, 61)), 4, 0.0, 0, 0, None), Req("ar", (7, 8, 9), 8, 0.0, 0, 0, None)]
+    got: list[list[int]] = [[], []]
+
+    def work(i: int) -> None:
+        with batcher.member():
+            got[i] = pair.tokens(requests[i])
+
+    first = threading.Thread(target=work, args=(0,))
+    first.start()
+    while batcher.total_steps < 2 and first.is_alive():
+        threading.Event().wait(0.001)
+    second = threading.Thread(target=work, args=(1,))
+    second.start()
+    for t in (first, second):
+        t.join(60)
+    assert got == [pair.tokens(r) for r in requests]
+    assert any(s.prompts and s.windows for s in batcher.steps)  # a chunk of the prompt beside the newcomer's rows
+
+
 def test_members_a_half_step_apart_fall_back_into_one_forward(pair: Pair, monkeypatch) -> None:
     """One member runs an LM head alone first (as a draft's extra forward or a prompt chunk puts it out of step):
     the heads-first rule brings it back, so the two members' plain steps still share their layer forwards. (A lone
