@@ -2,7 +2,7 @@
 
 Each request decodes on a thread of its own with its method's roles unchanged (proposers, verifiers, sampling noise,
 stop conditions). A thread that joins a :class:`Batcher` sends its batchable forwards here (through the hook of
-:mod:`mirrorsd.execution`) and waits; once every member is waiting, one of them runs a **step**: every waiting
+:mod:`mirrorsd.execution`) and waits; once every member is waiting, the engine thread runs a **step**: every waiting
 window (1 row for a plain step, 1 + k for a verification window or tree) and a bounded chunk of each waiting prompt
 go through one ragged C++ forward per model and layer range, and the waiting LM heads through one product. A
 request joins at its first forward and leaves when its thread is done, without touching the others' caches: each
