@@ -22,6 +22,7 @@ on its own thread as it does today.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import statistics
 import threading
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .model import Transformer
+
+log = logging.getLogger(__name__)
 
 #: What a step with prompt rows may cost, in running windows' own steps, when the prompt rows are paced
 #: (``prefill_rows=None``, the default): the running streams' time per token at most doubles while a prompt arrives,
@@ -471,11 +474,15 @@ class Batcher:
                     return False
 
     def _record(self, record: StepRecord) -> None:
-        """Logs a step (under the lock)."""
+        """Logs a step (under the lock). A failing ``on_step`` (metrics) is logged: raised here it would end the engine
+        thread with its members still waiting, or fail a lone member's computed forward."""
         self.steps.append(record)
         self.total_steps += 1
         if self.on_step is not None and record.rows:
-            self.on_step(record)
+            try:
+                self.on_step(record)
+            except Exception:
+                log.exception("the batcher's on_step callback failed")
 
     def _run_steps(self) -> None:
         """The engine thread: a step each time every member waits. One thread runs every forward because each

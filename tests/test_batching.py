@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import random
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -181,17 +182,30 @@ def test_forwards_are_shared(weights: str, request: pytest.FixtureRequest) -> No
 def test_a_lone_member_steps_itself_until_another_joins(pair: Pair, monkeypatch) -> None:
     """Alone, a member runs its steps on its own thread (no hand-over to the engine: a lone request at its own
     speed); a second member's first forward waits for the first member's next one, and from there they share the
-    engine's steps; each keeps its own tokens."""
-    threads: list[tuple[str, int]] = []
+    engine's steps; once one is left, the engine thread ends and it steps itself again. Each keeps its own tokens."""
+    batcher = Batcher(speculation="fixed")
+    steps: list[tuple[str, int]] = []
+    ended: list[bool] = []
     real = Batcher._step
 
+    def until(condition) -> bool:
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            threading.Event().wait(0.001)
+        return condition()
+
     def step(self, work):
-        threads.append((threading.current_thread().name, len(work)))
+        name = threading.current_thread().name
+        if name != "mirrorsd-batch":
+            if len(steps) == 8:  # the first member's 9th step waits for the second to wait
+                until(lambda: self._waiting)
+            if not ended and any(n == "mirrorsd-batch" for n, _ in steps):  # alone again after shared steps
+                ended.append(until(lambda: self._engine is None))
+        steps.append((name, len(work)))
         return real(self, work)
 
     monkeypatch.setattr(Batcher, "_step", step)
-    batcher = Batcher(speculation="fixed")
-    requests = [Req("ar", (1, 2, 3), 40, 0.0, 0, 0, None), Req("sd", (4, 5, 6), 24, 1.0, 1, 0, None)]
+    requests = [Req("ar", (1, 2, 3), 40, 0.0, 0, 0, None), Req("sd", (4, 5, 6), 12, 1.0, 1, 0, None)]
     got: list[list[int]] = [[], []]
 
     def work(i: int) -> None:
@@ -200,16 +214,16 @@ def test_a_lone_member_steps_itself_until_another_joins(pair: Pair, monkeypatch)
 
     first = threading.Thread(target=work, args=(0,))
     first.start()
-    while batcher.total_steps < 8 and first.is_alive():
-        threading.Event().wait(0.001)
+    until(lambda: len(steps) >= 8 or not first.is_alive())
     second = threading.Thread(target=work, args=(1,))
     second.start()
     for t in (first, second):
         t.join(60)
     assert got == [pair.tokens(r) for r in requests]
-    first = [name for name, _ in threads[:8]]
-    assert set(first) == {first[0]} and first[0] != "mirrorsd-batch"  # the first request's steps, on its thread
-    assert any(name == "mirrorsd-batch" and n == 2 for name, n in threads)  # then both in one step
+    names = {name for name, _ in steps[:8]}
+    assert len(names) == 1 and "mirrorsd-batch" not in names  # the first request's steps, on its own thread
+    assert any(name == "mirrorsd-batch" and n == 2 for name, n in steps)  # then both in one step
+    assert ended == [True]  # the one left steps itself, with the engine gone
     assert batcher.members_running == 0 and not batcher._waiting
 
 
@@ -315,6 +329,17 @@ def test_a_member_woken_by_another_waits_until_the_engine_counts_it(pair: Pair, 
     assert run_batched(pair, requests, batcher) == [pair.tokens(r) for r in requests]
     assert seen and min(seen) >= 0
     assert batcher.members_running == 0 and not batcher._waiting
+
+
+def test_a_failing_step_callback_is_logged_and_stops_nobody(pair: Pair, caplog) -> None:
+    """``on_step`` (the server's metrics) raising must neither end the engine with its members waiting nor fail a
+    lone member's computed forward."""
+    def broken(record) -> None:
+        raise RuntimeError("metrics down")
+
+    requests = [Req("ar", (1, 2, i), 6, 0.0, 0, 0, None) for i in range(3)]
+    assert run_batched(pair, requests, Batcher(on_step=broken)) == [pair.tokens(r) for r in requests]
+    assert "on_step callback failed" in caplog.text
 
 
 def test_a_failing_forward_reaches_only_its_request(pair: Pair, monkeypatch) -> None:

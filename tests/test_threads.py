@@ -131,21 +131,23 @@ def test_a_batcher_member_keeps_no_team_through_its_forwards_nor_after_it_leaves
 @pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernels")
 def test_a_lone_member_runs_its_forwards_on_its_own_team_and_ends_it_when_it_leaves() -> None:
     """Alone in its batcher, a member's forwards run on its own thread (no engine thread, its step still logged),
-    and it keeps its team between them, as a request alone does; leaving ends it."""
+    and it keeps its team through them, as a request alone does (one handed over ends it first); leaving ends it."""
     model = row_exact(tiny_hf(layers=2))
     cache = model.new_cache()
     batcher = Batcher()
 
     def body() -> tuple[bool, bool, bool, bool]:
         with batcher.member():
+            parallel_work()
             model(torch.tensor([[1, 2, 3]]), cache=cache)
-            engines = any(t.name == "mirrorsd-batch" for t in threading.enumerate())
-            after_forward = holds_a_team()
-        return engines, after_forward, holds_a_team(), batcher.total_steps > 0
+            engine = batcher._engine is not None
+            kept = holds_a_team()
+            parallel_work()
+        return engine, kept, holds_a_team(), batcher.total_steps > 0
 
-    engines, after_forward, after_leaving, logged = on_a_thread(body)
-    assert not engines
-    assert after_forward
+    engine, kept, after_leaving, logged = on_a_thread(body)
+    assert not engine
+    assert kept
     assert not after_leaving
     assert logged
 

@@ -88,7 +88,7 @@ class Metrics:
                 self.accepted_per_pos.labels(self.model, str(position)).inc()
 
     def batch_step(self, record: StepRecord) -> None:
-        """One batched step (called from the engine thread that ran it)."""
+        """One batched step (called under the batcher's lock by the thread that ran it: the engine or a lone member)."""
         self.batch_size.labels(self.model).observe(record.windows + record.prompts)
         self.step_rows.labels(self.model).observe(record.rows)
         self.step_prefill_rows.labels(self.model).observe(record.prefill_rows)
