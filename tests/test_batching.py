@@ -234,12 +234,17 @@ def test_a_lone_members_long_prompt_makes_room_for_a_member_that_joins(pair: Pai
 
     monkeypatch.setattr(batching, "PREFILL_CHUNK", 4)  # a 60-token prompt: 15 chunks
     real = Batcher._step
+    lone_steps = [0]
 
-    def slow_step(self, work):  # (time for the second thread to arrive while the prompt is still going in)
-        threading.Event().wait(0.02)
+    def held_step(self, work):  # the prompt's third chunk waits for the second member to wait
+        if threading.current_thread().name != "mirrorsd-batch":
+            lone_steps[0] += 1
+            deadline = time.monotonic() + 10
+            while lone_steps[0] == 3 and not self._waiting and time.monotonic() < deadline:
+                threading.Event().wait(0.001)
         return real(self, work)
 
-    monkeypatch.setattr(Batcher, "_step", slow_step)
+    monkeypatch.setattr(Batcher, "_step", held_step)
     batcher = Batcher(speculation="fixed")
     requests = [Req("ar", tuple(range(1, 61)), 4, 0.0, 0, 0, None), Req("ar", (7, 8, 9), 8, 0.0, 0, 0, None)]
     got: list[list[int]] = [[], []]
