@@ -179,6 +179,32 @@ def test_forwards_are_shared(weights: str, request: pytest.FixtureRequest) -> No
     assert batcher.total_steps < sum(len(g) for g in got)
 
 
+def until(condition, seconds: float = 10.0) -> bool:
+    """Polls ``condition`` until it holds or ``seconds`` pass; its last value."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        threading.Event().wait(0.001)
+    return bool(condition())
+
+
+def second_joins(pair: Pair, batcher: Batcher, requests: list[Req], joins) -> list[list[int]]:
+    """The first request decodes as a member alone until ``joins()`` holds, then the second joins; their tokens."""
+    got: list[list[int]] = [[], []]
+
+    def work(i: int) -> None:
+        with batcher.member():
+            got[i] = pair.tokens(requests[i])
+
+    first = threading.Thread(target=work, args=(0,))
+    first.start()
+    until(lambda: joins() or not first.is_alive())
+    second = threading.Thread(target=work, args=(1,))
+    second.start()
+    for t in (first, second):
+        t.join(60)
+    return got
+
+
 def test_a_lone_member_steps_itself_until_another_joins(pair: Pair, monkeypatch) -> None:
     """Alone, a member runs its steps on its own thread (no hand-over to the engine: a lone request at its own
     speed); a second member's first forward waits for the first member's next one, and from there they share the
@@ -187,12 +213,6 @@ def test_a_lone_member_steps_itself_until_another_joins(pair: Pair, monkeypatch)
     steps: list[tuple[str, int]] = []
     ended: list[bool] = []
     real = Batcher._step
-
-    def until(condition) -> bool:
-        deadline = time.monotonic() + 10
-        while not condition() and time.monotonic() < deadline:
-            threading.Event().wait(0.001)
-        return condition()
 
     def step(self, work):
         name = threading.current_thread().name
@@ -206,19 +226,7 @@ def test_a_lone_member_steps_itself_until_another_joins(pair: Pair, monkeypatch)
 
     monkeypatch.setattr(Batcher, "_step", step)
     requests = [Req("ar", (1, 2, 3), 40, 0.0, 0, 0, None), Req("sd", (4, 5, 6), 12, 1.0, 1, 0, None)]
-    got: list[list[int]] = [[], []]
-
-    def work(i: int) -> None:
-        with batcher.member():
-            got[i] = pair.tokens(requests[i])
-
-    first = threading.Thread(target=work, args=(0,))
-    first.start()
-    until(lambda: len(steps) >= 8 or not first.is_alive())
-    second = threading.Thread(target=work, args=(1,))
-    second.start()
-    for t in (first, second):
-        t.join(60)
+    got = second_joins(pair, batcher, requests, lambda: len(steps) >= 8)
     assert got == [pair.tokens(r) for r in requests]
     names = {name for name, _ in steps[:8]}
     assert len(names) == 1 and "mirrorsd-batch" not in names  # the first request's steps, on its own thread
@@ -239,28 +247,14 @@ def test_a_lone_members_long_prompt_makes_room_for_a_member_that_joins(pair: Pai
     def held_step(self, work):  # the prompt's third chunk waits for the second member to wait
         if threading.current_thread().name != "mirrorsd-batch":
             lone_steps[0] += 1
-            deadline = time.monotonic() + 10
-            while lone_steps[0] == 3 and not self._waiting and time.monotonic() < deadline:
-                threading.Event().wait(0.001)
+            if lone_steps[0] == 3:
+                until(lambda: self._waiting)
         return real(self, work)
 
     monkeypatch.setattr(Batcher, "_step", held_step)
     batcher = Batcher(speculation="fixed")
     requests = [Req("ar", tuple(range(1, 61)), 4, 0.0, 0, 0, None), Req("ar", (7, 8, 9), 8, 0.0, 0, 0, None)]
-    got: list[list[int]] = [[], []]
-
-    def work(i: int) -> None:
-        with batcher.member():
-            got[i] = pair.tokens(requests[i])
-
-    first = threading.Thread(target=work, args=(0,))
-    first.start()
-    while batcher.total_steps < 2 and first.is_alive():
-        threading.Event().wait(0.001)
-    second = threading.Thread(target=work, args=(1,))
-    second.start()
-    for t in (first, second):
-        t.join(60)
+    got = second_joins(pair, batcher, requests, lambda: batcher.total_steps >= 2)
     assert got == [pair.tokens(r) for r in requests]
     assert any(s.prompts and s.windows for s in batcher.steps)  # a chunk of the prompt beside the newcomer's rows
 
