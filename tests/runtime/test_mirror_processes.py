@@ -66,8 +66,11 @@ def test_the_draft_rank_serves_request_after_request(pair):
 
 
 def _decode_while(pair, act):
-    """Generate with the processes backend, calling ``act(worker)`` after the first step's tokens."""
+    """Generate with the processes backend, calling ``act(worker)`` after the first step's tokens. The draft rank
+    is started and warmed first with the default timeout: a rank still starting on a loaded host can take longer
+    than the short timeout below, and the request would give it up before ``act`` (a flaky test)."""
     target, draft = pair
+    generate(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=4)
     want = generate(target, PROMPT, method="ar", max_new_tokens=40, temperature=0.0).token_ids
     s = stream(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=40,
                temperature=0.0, channel_timeout=3.0)
