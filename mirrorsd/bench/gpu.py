@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..api import generate
+from ..api import generate, stream
 from ..cuda_graphs import cuda_graphs
 from ..decoding.ss.adapters import StreamAdapters, StreamConfig
 from ..model import Transformer
@@ -554,6 +554,8 @@ def run_cuda_tests(repo: Path, select: str | None = None, timeout: float = CUDA_
     return ran
 
 
+#: Seconds a timed-out batch's requests get to stop after their current step.
+STOP_WAIT_S = 30.0
 #: Concurrent ``ar`` requests of the continuous-batching rows (issue 57: the sweep on the 1.5B shape).
 BATCH_LEVELS = (1, 4, 16)
 
@@ -563,18 +565,27 @@ def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: in
     """Each request (``generate``'s keywords, ``prompt`` among them) on a thread of its own through one
     :class:`~mirrorsd.batching.Batcher`, as ``mirrorsd serve`` runs them: their tokens, the wall seconds, and the
     most windows one step carried. A request's error is raised here, and so is a batch still running after
-    ``timeout_s`` (a hung batch would otherwise spend a whole GPU lease; its daemon threads die with the process)."""
+    ``timeout_s`` (a hung batch would otherwise spend a whole GPU lease). Timed out, the requests are stopped at
+    their next token, so the figures after this one do not run beside them."""
     import threading
 
     from ..batching import Batcher
 
     batcher = Batcher(speculation="fixed")
     out: list[Any] = [None] * len(requests)
+    stop = threading.Event()
 
     def member(i: int, options: dict[str, Any]) -> None:
         try:
             with batcher.member():
-                out[i] = generate(target, max_new_tokens=max_new, **options).token_ids
+                s = stream(target, max_new_tokens=max_new, **options)
+                deltas = s.deltas()
+                for _ in deltas:
+                    if stop.is_set():
+                        deltas.close()
+                        out[i] = TimeoutError("stopped: the batch timed out")
+                        return
+                out[i] = s.result.token_ids
         except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
             out[i] = error
 
@@ -586,9 +597,14 @@ def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: in
     for thread in threads:
         thread.join(max(0.0, start + timeout_s - time.perf_counter()))
     if any(thread.is_alive() for thread in threads):
-        raise TimeoutError(f"{sum(t.is_alive() for t in threads)} of {len(threads)} batched requests still running "
-                           f"after {timeout_s:.0f} s (their threads run on: the figures after this one ran beside "
-                           "them)")
+        running = sum(t.is_alive() for t in threads)
+        stop.set()
+        for thread in threads:  # (each stops after its current step)
+            thread.join(STOP_WAIT_S)
+        left = sum(t.is_alive() for t in threads)
+        raise TimeoutError(f"{running} of {len(threads)} batched requests still running after {timeout_s:.0f} s; "
+                           + (f"{left} did not stop within {STOP_WAIT_S:.0f} s more (they run on beside what "
+                              "follows)" if left else "stopped"))
     synchronize(target.device)
     wall = time.perf_counter() - start
     for got in out:

@@ -13,6 +13,7 @@ import torch
 from mirrorsd import generate
 from mirrorsd.bench import gpu
 from mirrorsd.cli import main
+from tests.helpers import row_exact, tiny_hf
 
 
 @pytest.fixture(autouse=True)
@@ -273,10 +274,32 @@ def test_a_batch_that_hangs_is_cut_off(monkeypatch):
     import threading
 
     release = threading.Event()
-    monkeypatch.setattr(gpu, "generate", lambda *a, **k: release.wait(30))
+
+    class Hung:  # a request stuck inside its first step: it cannot be stopped, only named
+        def deltas(self):
+            release.wait(30)
+            yield from ()
+
+    monkeypatch.setattr(gpu, "stream", lambda *a, **k: Hung())
+    monkeypatch.setattr(gpu, "STOP_WAIT_S", 0.2)
     target, _ = _pair()
     try:
-        with pytest.raises(TimeoutError, match="2 of 2 batched requests"):
+        with pytest.raises(TimeoutError, match="2 of 2 batched requests.*2 did not stop"):
             gpu.run_batched(target, [{"prompt": [1, 2]}, {"prompt": [3, 4]}], 4, timeout_s=0.5)
     finally:
         release.set()
+
+
+def test_a_timed_out_batch_is_stopped_not_left_running():
+    """``run_batched`` on a timeout stops its requests at their next token: the figures after it must not run beside
+    them (a GPU lease's bench went on with a hung batch's threads still decoding)."""
+    import threading
+
+    target = row_exact(tiny_hf(layers=2, seed=1))
+    requests = [{"prompt": list(range(3, 30)), "method": "ar", "temperature": 0.0} for _ in range(3)]
+    got, _, _ = gpu.run_batched(target, requests, 8)
+    assert got == [generate(target, list(range(3, 30)), method="ar", max_new_tokens=8).token_ids] * 3
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(TimeoutError, match="stopped"):
+        gpu.run_batched(target, requests, 400, timeout_s=0.05)
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
