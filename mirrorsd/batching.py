@@ -28,7 +28,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -79,7 +79,8 @@ class Fixed:
 
 class Goodput(Fixed):
     """The goodput rule (SmartSpec, arXiv 2406.14066, applied per request): a draft row in a step of ``R`` rows
-    costs every request in the batch the step's marginal time ``b / (a + b R)`` (the batch's own measured cost curve),
+    costs every request in the batch the step's marginal time ``b / (a + b R)`` (the measured cost curve of the
+    request's target's own layer forwards: a draft's cheaper rows in the same steps would bend it),
     plus, for a draft model, the time of the draft step the batch waits for (the request's own wall time per draft
     forward), that is ``S * (b + d) / (a + b R)`` committed tokens for a batch committing ``S`` tokens a step; the
     ``k``-th draft token of a request whose tokens are accepted at rate ``α`` yields ``α^k``. So a request drafts the
@@ -134,9 +135,17 @@ class Goodput(Fixed):
             if walls.pays is False and not walls.retiming:
                 return 0  # (after many plain rounds, a drafting round is timed again: the load may have changed)
         alpha = self.acceptance(stats)
-        recent = [r.rows - r.prefill_rows for r in list(self.batcher.steps)[-self.RECENT:]]
+        target = id(state.request.target)
+        recent = []  # the target's running rows a step; a step of another model's layers alone (a draft's) is not
+        # the target's, a head step counts as none
+        for r in list(self.batcher.steps)[-self.RECENT:]:
+            mine = r.of(target)
+            if mine is not None:
+                recent.append(mine.rows - mine.prefill_rows)
+            elif not r.layers:
+                recent.append(0)
         level = sum(recent) / len(recent) if recent else float(busy)
-        fitted = self.batcher.cost_curve(level)
+        fitted = self.batcher.cost_curve(level, model=target)
         if fitted is not None:
             self._curve = fitted
         # (a batch that stepped plainly for a while has one size of step to fit: its rows cost what they did)
@@ -316,6 +325,17 @@ class _Waiting:
 
 
 @dataclass(frozen=True)
+class ModelLayers:
+    """One model's layer forwards in a step: a target's verification rows and a draft's rows cost differently, so
+    the goodput rule fits its row-cost line on the target's alone."""
+
+    model: int  # id() of the model
+    rows: int
+    prefill_rows: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One batched step, for the log and ``/metrics``."""
 
@@ -325,6 +345,11 @@ class StepRecord:
     rows: int  # rows through the layers
     prefill_rows: int  # of them, rows of prompts
     seconds: float
+    layers: tuple[ModelLayers, ...] = ()  # the step's layer forwards, per model
+
+    def of(self, model: int) -> ModelLayers | None:
+        """The layer forwards of the model whose ``id`` is ``model`` in this step, if it ran any."""
+        return next((m for m in self.layers if m.model == model), None)
 
     @property
     def speculation_rows(self) -> int:
@@ -369,11 +394,17 @@ class Batcher:
         """Members decoding now: between forwards or waiting on one."""
         return self._running + len({id(w) for w in self._waiting})
 
-    def cost_curve(self, near: float, sizes: int = 3) -> tuple[float, float] | None:
+    def cost_curve(self, near: float, sizes: int = 3, model: int | None = None) -> tuple[float, float] | None:
         """Seconds of a step as ``a + b * rows``, fitted by least squares to the recent steps of at most
         ``4 * near`` rows (a line fits a CPU's cost over a few dozen rows; a 512-row prompt chunk is off it), or None
-        while they are too few or of fewer than ``sizes`` sizes."""
-        points = [(r.rows, r.seconds) for r in list(self.steps)[-256:] if 0 < r.rows <= max(8.0, 4 * near)]
+        while they are too few or of fewer than ``sizes`` sizes. ``model`` (an ``id()``): that model's layer forwards
+        only (a draft's cheaper steps would bend a target's line), else whole steps."""
+        recent = list(self.steps)[-256:]
+        if model is None:
+            measured = [(r.rows, r.seconds) for r in recent]
+        else:
+            measured = [(m.rows, m.seconds) for m in (r.of(model) for r in recent) if m is not None]
+        points = [(rows, s) for rows, s in measured if 0 < rows <= max(8.0, 4 * near)]
         if len(points) < 8 or len({rows for rows, _ in points}) < sizes:
             return None
         n = len(points)
@@ -569,14 +600,16 @@ class Batcher:
         for w, rows in work:
             key = (id(w.model), w.start, w.end) if w.call is not None else (id(w.model), "head", id(w.head))
             groups.setdefault(key, []).append((w, rows))
-        rows_run = prefill = windows = prompts = 0
+        models = {id(w.model): w.model for w, _ in work}
+        per_model: dict[int, list] = {}  # id -> [rows, prefill rows, seconds] of its layer forwards
+        windows = prompts = 0
         with batched_by(None), torch.inference_mode():
             for members in groups.values():
+                model = members[0][0].model
+                start = time.perf_counter()
                 try:
                     if members[0][0].call is not None:
                         self._layers(members)
-                        rows_run += sum(rows for _, rows in members)
-                        prefill += sum(rows for w, rows in members if w.prompt)
                         prompts += sum(w.prompt for w, _ in members)
                         windows += sum(not w.prompt for w, _ in members)
                     else:
@@ -584,13 +617,29 @@ class Batcher:
                 except Exception as e:  # every member of the failed forward gets the error on its own thread
                     for w, _ in members:
                         w.error, w.computed = e, True
-        for device in {w.model.device for w, _ in work if w.model.device.type == "cuda"}:
+                if len(models) > 1:  # each model's own wall, for its own cost line (one model: the step's)
+                    self._synchronize([model], work)
+                if members[0][0].call is not None:
+                    mine = per_model.setdefault(id(model), [0, 0, 0.0])
+                    mine[0] += sum(rows for _, rows in members)
+                    mine[1] += sum(rows for w, rows in members if w.prompt)
+                    mine[2] += time.perf_counter() - start
+        self._synchronize(models.values(), work)
+        seconds = time.perf_counter() - began
+        layers = tuple(ModelLayers(m, rows, prefill, seconds if len(models) == 1 else s)
+                       for m, (rows, prefill, s) in per_model.items())
+        return StepRecord(began, windows, prompts, sum(m.rows for m in layers), sum(m.prefill_rows for m in layers),
+                          seconds, layers)
+
+    @staticmethod
+    def _synchronize(models: Iterable[Transformer], work: list[tuple[_Waiting, int]]) -> None:
+        """Waits for the models' GPU work: a GPU runs behind the host, and the cost lines read its work's wall."""
+        for device in {m.device for m in models if m.device.type == "cuda"}:
             try:
-                torch.cuda.synchronize(device)  # a GPU runs behind the host: the cost curve reads its work's wall
+                torch.cuda.synchronize(device)
             except Exception as e:  # an asynchronous CUDA error: every member of the step gets it, the engine goes on
                 for w, _ in work:
                     w.error, w.computed = e, True
-        return StepRecord(began, windows, prompts, rows_run, prefill, time.perf_counter() - began)
 
     @staticmethod
     def _layers(members: list[tuple[_Waiting, int]]) -> None:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import generate, kernels
-from mirrorsd.batching import PREFILL_START, Batcher, Goodput, StepRecord, StepWalls, outcomes
+from mirrorsd.batching import PREFILL_START, Batcher, Goodput, ModelLayers, StepRecord, StepWalls, outcomes
 from mirrorsd.decoding import GenerationStats, methods
 from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.mirror.options import batch_caps
@@ -513,19 +513,35 @@ def test_mirror_scales_kappa_and_draft_streams_with_the_batch(pair: Pair, temper
     assert batch_caps(32) == (2, 1) and batch_caps(64) == (1, 1)
 
 
+
+_TARGET = SimpleNamespace()  # the model the rule's requests verify on
+
+
+def _state(stats: GenerationStats) -> SimpleNamespace:
+    """What the goodput rule reads of a request in flight: its statistics and its target."""
+    return SimpleNamespace(stats=stats, request=SimpleNamespace(target=_TARGET))
+
+
+def _record(windows: int, prompts: int, rows: int, prefill_rows: int, seconds: float,
+            model: object = _TARGET) -> StepRecord:
+    """A step of ``model``'s layers alone (of none when ``rows`` is 0: a head step)."""
+    layers = (ModelLayers(id(model), rows, prefill_rows, seconds),) if rows else ()
+    return StepRecord(0.0, windows, prompts, rows, prefill_rows, seconds, layers)
+
+
 def test_goodput_drafts_freely_alone_and_less_as_the_batch_grows() -> None:
     batcher = Batcher()
     rule = Goodput(batcher)
     stats = GenerationStats("sd", accepted=[2, 3, 1, 3] * 4, drafted=[3, 3, 3, 3] * 4)
-    state = SimpleNamespace(stats=stats)
+    state = _state(stats)
     for rows in (1, 2, 4, 8, 16, 32) * 3:  # a CPU-like curve: 40 ms + 5 ms a row
-        batcher.steps.append(StepRecord(0.0, rows, 0, rows, 0, 0.040 + 0.005 * rows))
+        batcher.steps.append(_record(rows, 0, rows, 0, 0.040 + 0.005 * rows))
     a, b = batcher.cost_curve(8)
     assert a == pytest.approx(0.040) and b == pytest.approx(0.005)
     limits = {}
     for busy in (1, 2, 4, 8, 16):
         batcher._running = busy
-        batcher.steps.extend(StepRecord(0.0, busy, 0, busy, 0, 0.040 + 0.005 * busy) for _ in range(16))
+        batcher.steps.extend(_record(busy, 0, busy, 0, 0.040 + 0.005 * busy) for _ in range(16))
         limits[busy] = rule.limit(state)
     assert limits[1] is None  # alone: the method's own window
     assert limits[2] >= limits[4] >= limits[8] >= limits[16] == 0
@@ -533,17 +549,55 @@ def test_goodput_drafts_freely_alone_and_less_as_the_batch_grows() -> None:
     assert outcomes([2, 3, 0], [3, 3, 0]) == (5, 1) and outcomes([0], [0]) == (0, 0)
 
 
+
+def test_goodput_prices_rows_on_the_targets_line_alone() -> None:
+    """A draft model's steps (cheaper rows, other sizes) go through the same batcher as its target's verification
+    windows; fitted together they bent the line the rule prices a draft row by. The rule reads the target's layer
+    forwards only, and decides as it would without the draft's steps."""
+    draft = SimpleNamespace()
+    stats = GenerationStats("sd", accepted=[2, 3, 1, 3] * 4, drafted=[3, 3, 3, 3] * 4, draft_forwards=48,
+                            draft_s=0.048)
+    decisions = {}
+    for with_draft in (False, True):
+        batcher = Batcher()
+        batcher._running = 4
+        rule = Goodput(batcher)
+        for rows in (4, 8, 16) * 6:  # the target: 40 ms + 5 ms a row
+            batcher.steps.append(_record(4, 0, rows, 0, 0.040 + 0.005 * rows))
+            if with_draft:  # the draft: 4 rows (one a member) in 10 ms, after 1 to 4 catch-up rows each
+                batcher.steps.append(_record(4, 0, 4 + rows // 4, 0, 0.010 + 0.001 * rows, model=draft))
+        a, b = batcher.cost_curve(8, model=id(_TARGET))
+        assert a == pytest.approx(0.040) and b == pytest.approx(0.005)
+        decisions[with_draft] = rule.limit(_state(stats))
+    assert batcher.cost_curve(8)[1] != pytest.approx(0.005)  # (the whole steps' line is another)
+    assert decisions[True] == decisions[False]
+
+
+def test_a_step_of_two_models_records_each_models_layers(pair: Pair) -> None:
+    """A step that carries a draft's rows beside a target's window records each model's rows and wall apart."""
+    batcher = Batcher()
+    requests = [Req("sd", (1, 2, 3), 20, 0.0, 0, 0, None), Req("ar", (4, 5), 20, 0.0, 0, 0, None)]
+    got = run_batched(pair, requests, batcher)
+    assert not any(isinstance(g, BaseException) for g in got), got
+    steps = [r for r in batcher.steps if r.layers]
+    assert all(r.rows == sum(m.rows for m in r.layers) for r in steps)
+    assert {m.model for r in steps for m in r.layers} == {id(pair.target), id(pair.draft)}
+    both = [r for r in steps if len(r.layers) == 2]
+    assert both  # (a member steps when the other waits: the draft's rows meet ar's window)
+    assert all(0 < m.seconds <= r.seconds for r in both for m in r.layers)
+
+
 def test_paced_prompt_rows_keep_a_step_within_twice_the_windows_own() -> None:
     assert Batcher(12).prefill_budget(8) == 12  # a fixed number is a fixed number
     batcher = Batcher()
     assert batcher.prefill_budget(8) == PREFILL_START  # no cost line measured yet
     for rows in (8, 16) * 4:  # a CPU-like line: 40 ms + 10 ms a row; two step sizes are enough to draw it
-        batcher.steps.append(StepRecord(0.0, 8, rows > 8, rows, rows - 8, 0.040 + 0.010 * rows))
+        batcher.steps.append(_record(8, rows > 8, rows, rows - 8, 0.040 + 0.010 * rows))
     # 8 window rows cost 120 ms a step; 12 prompt rows beside them make 240 ms, twice that
     assert batcher.prefill_budget(8) == 12
-    batcher.steps.extend(StepRecord(0.0, 0, 0, 0, 0, 0.030) for _ in range(4))  # the windows' heads: 30 ms a step
+    batcher.steps.extend(_record(0, 0, 0, 0, 0.030) for _ in range(4))  # the windows' heads: 30 ms a step
     assert batcher.prefill_budget(8) == 15  # their step is 150 ms with its head: 15 rows make it 300 ms
-    batcher.steps.extend(StepRecord(0.0, 1, rows > 1, rows, rows - 1, 0.040 + 0.010 * rows) for rows in (1, 4) * 4)
+    batcher.steps.extend(_record(1, rows > 1, rows, rows - 1, 0.040 + 0.010 * rows) for rows in (1, 4) * 4)
     assert batcher.prefill_budget(1) == 8  # one stream: (50 + 30) ms a step, so 8 rows
 
 
@@ -552,11 +606,11 @@ def test_paced_prompt_rows_grow_by_steps_they_have_seen_never_to_a_whole_chunk_a
     is measured, within the fitted range, before the next; a jump to a 512-row chunk would stall every stream."""
     batcher = Batcher()
     for rows in (8, 16) * 4:
-        batcher.steps.append(StepRecord(0.0, 8, rows > 8, rows, rows - 8, 0.100))  # 16 rows cost what 8 do
+        batcher.steps.append(_record(8, rows > 8, rows, rows - 8, 0.100))  # 16 rows cost what 8 do
     assert batcher.prefill_budget(8) == 16
-    batcher.steps.append(StepRecord(0.0, 8, 1, 24, 16, 0.100))
+    batcher.steps.append(_record(8, 1, 24, 16, 0.100))
     assert batcher.prefill_budget(8) == 32
-    batcher.steps.extend(StepRecord(0.0, 8, 1, 40, 32, 0.100 + 0.010 * 32) for _ in range(8))  # 10 ms a row after all
+    batcher.steps.extend(_record(8, 1, 40, 32, 0.100 + 0.010 * 32) for _ in range(8))  # 10 ms a row after all
     assert batcher.prefill_budget(8) < 32
 
 
@@ -565,7 +619,7 @@ def _rule_at(busy: int) -> Goodput:
     batcher = Batcher()
     batcher._running = busy
     for rows in (1, 2, 4, 8, 16, 32) * 3:
-        batcher.steps.append(StepRecord(0.0, rows, 0, rows, 0, 0.040 + 0.005 * rows))
+        batcher.steps.append(_record(rows, 0, rows, 0, 0.040 + 0.005 * rows))
     return Goodput(batcher)
 
 
@@ -573,19 +627,19 @@ def test_goodput_alone_decodes_plainly_when_not_even_the_first_draft_token_pays(
     cheap = GenerationStats("sd", accepted=[1, 2, 0, 1] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=0.048)
     dear = GenerationStats("sd", accepted=[1, 2, 0, 1] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=48 * 0.035)
     rule = _rule_at(1)
-    assert rule.limit(SimpleNamespace(stats=cheap)) is None  # alone, a draft forward of 1 ms pays: its own window
-    assert rule.limit(SimpleNamespace(stats=dear)) == 0  # one of 35 ms (α = .5) does not: ar's plain step
+    assert rule.limit(_state(cheap)) is None  # alone, a draft forward of 1 ms pays: its own window
+    assert rule.limit(_state(dear)) == 0  # one of 35 ms (α = .5) does not: ar's plain step
 
 
 def test_goodput_starts_a_new_request_from_its_methods_peers() -> None:
     rule = _rule_at(8)
-    fresh = SimpleNamespace(stats=GenerationStats("sd"))
+    fresh = _state(GenerationStats("sd"))
     assert rule.limit(fresh) is None  # the first request of a method drafts freely until it has a figure
     poor = GenerationStats("sd", accepted=[0, 1, 0, 0] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=1.0)
-    assert rule.limit(SimpleNamespace(stats=poor)) == 0
+    assert rule.limit(_state(poor)) == 0
     assert rule.acceptance(fresh.stats) == pytest.approx((4 + 1) / (4 + 16 + 2))  # the pooled rate (Laplace)
     assert rule.limit(fresh) == 0  # it starts capped, as its peer is: no first window, no draft prefill
-    assert rule.limit(SimpleNamespace(stats=GenerationStats("suffix"))) is None  # another method's peers don't count
+    assert rule.limit(_state(GenerationStats("suffix"))) is None  # another method's peers don't count
     prior = rule.acceptance(fresh.stats)
     fresh.stats.accepted.append(3)
     fresh.stats.drafted.append(3)
@@ -594,7 +648,7 @@ def test_goodput_starts_a_new_request_from_its_methods_peers() -> None:
 
 def test_goodput_one_early_rejection_does_not_cap_a_request_for_good() -> None:
     rule = _rule_at(1)
-    unlucky = SimpleNamespace(stats=GenerationStats("suffix", accepted=[0], drafted=[4]))
+    unlucky = _state(GenerationStats("suffix", accepted=[0], drafted=[4]))
     assert 0 < rule.acceptance(unlucky.stats) < 0.5
     assert rule.limit(unlucky) is None  # alone, free draft rows still pay at that rate: its own window
 
@@ -620,7 +674,7 @@ def test_goodput_keeps_a_timed_methods_window_only_while_it_pays(busy: int) -> N
     for case, drafting_s in (("cheap", 0.062), ("dear", 0.120)):  # plain steps 45 ms
         rule = _rule_at(busy)
         stats = _timed_steps("ss", 0.045, drafting_s)
-        state = SimpleNamespace(stats=stats)
+        state = _state(stats)
         for i in range(len(stats.step_s)):  # the rule sees every step as it comes
             rule._walls.setdefault("ss", StepWalls()).observe(
                 GenerationStats("ss", drafted=stats.drafted[:i + 1], accepted=stats.accepted[:i + 1],
@@ -638,7 +692,7 @@ def test_goodput_times_a_plain_round_every_so_many_rounds_and_counts_a_step_once
     drafting steps of any member, every 16 / 4 rounds went plain before. A member asked twice about one step counts
     it once."""
     rule = _rule_at(4)
-    members = [SimpleNamespace(stats=GenerationStats("ss", gamma=3, accepted=[1] * 16, drafted=[3] * 16))
+    members = [_state(GenerationStats("ss", gamma=3, accepted=[1] * 16, drafted=[3] * 16))
                for _ in range(4)]
     walls = rule._walls.setdefault("ss", StepWalls())
     plain_rounds = []
@@ -664,7 +718,7 @@ def test_goodput_times_plain_steps_again_after_a_run_of_drafting_ones() -> None:
     rule = _rule_at(1)
     walls = rule._walls.setdefault("ss", StepWalls())
     stats = GenerationStats("ss", gamma=3, accepted=[1] * 16, drafted=[3] * 16)
-    state = SimpleNamespace(stats=stats)
+    state = _state(stats)
     for step in range(Goodput.PROBE_EVERY + 1):  # drafting steps only (the first a fresh start, not timed)
         rule.batcher.total_steps = step
         assert rule.limit(state) is None
@@ -720,7 +774,7 @@ def test_goodput_a_timed_methods_measured_no_holds_where_the_row_line_looks_free
     batcher = Batcher()
     batcher._running = 2
     for rows in (2, 4, 8) * 3:
-        batcher.steps.append(StepRecord(0.0, rows, 0, rows, 0, 0.060 - 0.001 * rows))  # a falling line
+        batcher.steps.append(_record(rows, 0, rows, 0, 0.060 - 0.001 * rows))  # a falling line
     rule = Goodput(batcher)
     assert rule.batcher.cost_curve(4.0)[1] == 0.0  # (its slope clamped: rows look free)
     answers = {}
@@ -730,9 +784,9 @@ def test_goodput_a_timed_methods_measured_no_holds_where_the_row_line_looks_free
             rule._walls.setdefault(method, StepWalls()).observe(
                 GenerationStats(method, drafted=stats.drafted[:i + 1], accepted=stats.accepted[:i + 1],
                                 step_log=stats.step_log[:i + 1], step_s=stats.step_s[:i + 1]))
-        answers[method] = rule.limit(SimpleNamespace(stats=stats))
+        answers[method] = rule.limit(_state(stats))
     assert answers == {"dear": 0, "cheap": None}  # (it pays: the line's answer, here the method's own window)
-    assert rule.limit(SimpleNamespace(stats=GenerationStats("dear"))) == 0  # a new request of it: from its first step
+    assert rule.limit(_state(GenerationStats("dear"))) == 0  # a new request of it: from its first step
 
 
 def test_goodput_keeps_a_method_plain_after_a_long_plain_run() -> None:
@@ -741,10 +795,10 @@ def test_goodput_keeps_a_method_plain_after_a_long_plain_run() -> None:
     instead of drafting freely again as if it were new (at 2 requests `sd` did, a full window every 16 steps)."""
     rule = _rule_at(8)
     poor = GenerationStats("sd", accepted=[0, 1, 0, 0] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=1.0)
-    state = SimpleNamespace(stats=poor)
+    state = _state(poor)
     assert rule.limit(state) == 0
     for _ in range(3 * Goodput.RECENT):
         poor.record_step(0, 0, limit=0)
-    rule.batcher.steps.extend(StepRecord(0.0, 8, 0, 8, 0, 0.080) for _ in range(256))  # one size: no line to fit
+    rule.batcher.steps.extend(_record(8, 0, 8, 0, 0.080) for _ in range(256))  # one size: no line to fit
     assert rule.batcher.cost_curve(8) is None
     assert rule.acceptance(poor) is not None and rule.limit(state) == 0
