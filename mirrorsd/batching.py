@@ -96,11 +96,14 @@ class Goodput(Fixed):
     first window, nor for its draft's prompt). The first request of a method drafts freely until it has a figure.
 
     A method whose drafting step does work of its own (``Roles.timed_steps``: an ``ss`` pass's stream rows, their head
-    and the pruning exit) costs the batch that work too, which the row-cost curve does not see: an ``ss`` pass alone
-    took ~58 ms where its batched rows took ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed
-    (:class:`StepWalls`), and it drafts only while its drafting steps commit more tokens per second than its plain
-    ones, both measured in the batch (:meth:`StepWalls.measured_pays`); that verdict comes before the row-cost line,
-    which may still cap a window it lets draft. To time both kinds, one batch step is plain for all the method's
+    and the pruning exit; ``sd``'s draft model, whose forwards per draft token the suffix lookup lowers) costs the batch
+    that work too, which the row-cost curve does not see: an ``ss`` pass alone took ~58 ms where its batched rows took
+    ~32 and ``ar``'s whole step ~31 (``docs/server.md``). Its steps are timed (:class:`StepWalls`), and it drafts only
+    while its drafting steps commit more tokens per second than its plain ones, both measured in the batch
+    (:meth:`StepWalls.measured_pays`); that verdict comes before the row-cost line, which may still cap a window it
+    lets draft in a busy batch. Alone, the verdict decides: a modelled price had kept ``sd`` plain for good at one
+    request after its first windows (.40 accepted), 13% slower than its own window over Spec-Bench's first turns.
+    To time both kinds, one batch step is plain for all the method's
     members after :attr:`PROBE_EVERY` drafting rounds, and a drafting round is timed again after
     :attr:`REPROBE_AFTER` plain rounds (a round: a step of each member; a plain step timed beside drafting ones would
     wait for their rows and heads, and look as dear as they). Only such methods are timed: pricing ``suffix``'s steps
@@ -134,6 +137,9 @@ class Goodput(Fixed):
                 return 0  # the method's members step plainly once, to time a plain step
             if walls.pays is False and not walls.retiming:
                 return 0  # (after many plain rounds, a drafting round is timed again: the load may have changed)
+            if busy <= 1:
+                return None  # alone, its measured steps are the whole story: the row line prices other members'
+                # time, and its draft term (a draft forward's wall, its prompt's catch-up in it) priced sd out alone
         alpha = self.acceptance(stats)
         target = id(state.request.target)
         recent = []  # the target's running rows a step; a step of another model's layers alone (a draft's) is not

@@ -686,6 +686,32 @@ def test_goodput_keeps_a_timed_methods_window_only_while_it_pays(busy: int) -> N
     assert decisions["dear"] == 0  # 60 ms of its own: ar's plain step
 
 
+
+def test_goodput_alone_a_timed_method_with_a_dear_draft_drafts_while_its_steps_pay(pair: Pair) -> None:
+    """``sd`` alone: a draft forward's wall (35 ms against a 45 ms step, its prompt's catch-up in it) prices every
+    draft token out on the row line, yet its measured drafting steps pay (its suffix lookup drafts without forwards,
+    and its windows are long); the measured verdict decides alone, and a measured "no" still keeps it plain. Its real
+    steps are timed."""
+    decisions = {}
+    for case, drafting_s in (("pays", 0.062), ("does not", 0.120)):
+        rule = _rule_at(1)
+        stats = _timed_steps("sd", 0.045, drafting_s)
+        stats.draft_forwards, stats.draft_s = 48, 48 * 0.035
+        for i in range(len(stats.step_s)):
+            rule._walls.setdefault("sd", StepWalls()).observe(
+                GenerationStats("sd", drafted=stats.drafted[:i + 1], accepted=stats.accepted[:i + 1],
+                                step_log=stats.step_log[:i + 1], step_s=stats.step_s[:i + 1]))
+        decisions[case] = rule.limit(_state(stats))
+    assert decisions == {"pays": None, "does not": 0}
+    early = GenerationStats("sd", gamma=3, draft_forwards=6, draft_s=6 * 0.035)  # two windows, 1 of 6 accepted
+    for accepted in (0, 1):
+        early.record_step(3, accepted)
+        early.step_s.append(0.060)
+    assert _rule_at(1).limit(_state(early)) is None  # not yet timed: it drafts, to time its steps (priced on the line
+    # alone, it stayed plain for good)
+    got = generate(pair.target, [1, 2, 3], method="sd", draft=pair.draft, max_new_tokens=8)
+    assert len(got.stats.step_s) == len(got.stats.drafted) > 0
+
 def test_goodput_times_a_plain_round_every_so_many_rounds_and_counts_a_step_once() -> None:
     """At 4 requests of a timed method, a plain step is timed in a round of the whole batch's plain steps (one beside
     drafting ones would wait for their work), once per :attr:`Goodput.PROBE_EVERY` drafting rounds: counted in

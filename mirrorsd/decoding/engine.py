@@ -530,7 +530,8 @@ class Roles:
     gamma: int = 0
     close: Callable[[], None] | None = None
     log: Callable[[Scores, Verdict], dict[str, Any]] | None = None  # extra per-step details for step_log
-    # A drafting step does work of its own beyond its draft rows (an SS pass: its stream rows, their head, pruning):
+    # A drafting step does work of its own beyond its draft rows (an SS pass: its stream rows, their head, pruning;
+    # sd: its draft model's forwards):
     # the loop times its steps (``GenerationStats.step_s``), which a batch's goodput rule prices that work by.
     timed_steps: bool = False
 

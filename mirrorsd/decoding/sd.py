@@ -104,12 +104,14 @@ def build(req: DecodeRequest, opts: SDOptions) -> Roles:
     rejection = opts.acceptance == "rejection"
     proposer = model_proposer(req, opts, rejection)
     scorer = ChainScorer(req.target, chooses=not rejection or req.sampling.greedy)  # (rejection: match when greedy)
+    # Timed steps: a draft model's forwards per draft token (fewer where the suffix lookup drafts), its catch-up and
+    # its acceptance set what a window is worth, and a batch's goodput rule measures that rather than modelling it.
     if not opts.suffix_match:
-        return Roles(proposer, scorer, VERIFIERS[opts.acceptance], gamma=opts.gamma)
+        return Roles(proposer, scorer, VERIFIERS[opts.acceptance], gamma=opts.gamma, timed_steps=True)
     lookup = suffix_proposer(req, HYBRID_LOOKUP, gamma=opts.gamma, rejection=rejection)
     hybrid = SuffixFirst(lookup, proposer, opts.suffix_match, gate=ModelGate(opts.model_gate == "measured"))
     return Roles(hybrid, scorer, VERIFIERS[opts.acceptance], gamma=opts.gamma,
-                 close=lookup.close, log=hybrid.log)
+                 close=lookup.close, log=hybrid.log, timed_steps=True)
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: SDOptions) -> float:
