@@ -86,7 +86,9 @@ class Goodput(Fixed):
     ``k``-th draft token of a request whose tokens are accepted at rate ``α`` yields ``α^k``. So a request drafts the
     largest ``k`` with ``α^k`` above that price: less as the batch grows, and none once a row costs more than any
     draft token brings (the plain batched step). Alone, a request drafts its method's own window (today's
-    single-request speed) unless not even the first draft token pays: then it decodes plainly, as ``ar`` would.
+    single-request speed) unless not even the first draft token pays: then it decodes plainly, as ``ar`` would (a
+    timed method, below: unless its measured steps say so). Prompt chunks are paced on whole steps instead
+    (:meth:`Batcher.prefill_budget`): what the running streams feel is the whole step.
 
     ``α`` is the request's own acceptance over its last :attr:`RECENT` steps that drafted, however long ago (the
     maximum-likelihood rate of a geometric run: accepted tokens over accepted tokens plus rejections; so a cap does
@@ -142,14 +144,11 @@ class Goodput(Fixed):
                 # time, and its draft term (a draft forward's wall, its prompt's catch-up in it) priced sd out alone
         alpha = self.acceptance(stats)
         target = id(state.request.target)
-        recent = []  # the target's running rows a step; a step of another model's layers alone (a draft's) is not
-        # the target's, a head step counts as none
+        recent = []  # the target's running rows in its steps (a head step's none); a draft's steps are not its
         for r in list(self.batcher.steps)[-self.RECENT:]:
             mine = r.of(target)
             if mine is not None:
                 recent.append(mine.rows - mine.prefill_rows)
-            elif not r.layers:
-                recent.append(0)
         level = sum(recent) / len(recent) if recent else float(busy)
         fitted = self.batcher.cost_curve(level, model=target)
         if fitted is not None:
@@ -331,9 +330,9 @@ class _Waiting:
 
 
 @dataclass(frozen=True)
-class ModelLayers:
-    """One model's layer forwards in a step: a target's verification rows and a draft's rows cost differently, so
-    the goodput rule fits its row-cost line on the target's alone."""
+class ModelWork:
+    """One model's work in a step: its layer rows (none in a head step) and their wall. A target's verification rows
+    and a draft's rows cost differently, so the goodput rule reads the target's alone."""
 
     model: int  # id() of the model
     rows: int
@@ -351,11 +350,11 @@ class StepRecord:
     rows: int  # rows through the layers
     prefill_rows: int  # of them, rows of prompts
     seconds: float
-    layers: tuple[ModelLayers, ...] = ()  # the step's layer forwards, per model
+    models: tuple[ModelWork, ...] = ()  # each model's part of it
 
-    def of(self, model: int) -> ModelLayers | None:
-        """The layer forwards of the model whose ``id`` is ``model`` in this step, if it ran any."""
-        return next((m for m in self.layers if m.model == model), None)
+    def of(self, model: int) -> ModelWork | None:
+        """The part of the model whose ``id`` is ``model`` in this step, if it had one."""
+        return next((m for m in self.models if m.model == model), None)
 
     @property
     def speculation_rows(self) -> int:
@@ -600,42 +599,44 @@ class Batcher:
         return max(1, min(cap, PREFILL_CHUNK, int(rows + 1e-6)))  # (a fitted line's rounding must not cost a row)
 
     def _step(self, work: list[tuple[_Waiting, int]]) -> StepRecord:
-        """One forward per (model, layer range) and one head product per model, outside the lock."""
+        """One forward per (model, layer range) and one head product per model, outside the lock, one model's after
+        another, each model's rows and wall recorded apart (:class:`ModelWork`)."""
         began = time.perf_counter()
         groups: dict[tuple, list[tuple[_Waiting, int]]] = {}
-        for w, rows in work:
+        for w, rows in sorted(work, key=lambda item: id(item[0].model)):  # (stable: each model's in arrival order)
             key = (id(w.model), w.start, w.end) if w.call is not None else (id(w.model), "head", id(w.head))
             groups.setdefault(key, []).append((w, rows))
         models = {id(w.model): w.model for w, _ in work}
-        per_model: dict[int, list] = {}  # id -> [rows, prefill rows, seconds] of its layer forwards
+        apart = len(models) > 1 and isinstance(self.budget, Goodput)  # a GPU model's own wall needs a sync (only
+        # the goodput rule reads it)
+        per_model: dict[int, list] = {}  # id -> [rows, prefill rows, seconds]
         windows = prompts = 0
         with batched_by(None), torch.inference_mode():
             for members in groups.values():
                 model = members[0][0].model
+                mine = per_model.setdefault(id(model), [0, 0, 0.0])
                 start = time.perf_counter()
                 try:
                     if members[0][0].call is not None:
                         self._layers(members)
                         prompts += sum(w.prompt for w, _ in members)
                         windows += sum(not w.prompt for w, _ in members)
+                        mine[0] += sum(rows for _, rows in members)
+                        mine[1] += sum(rows for w, rows in members if w.prompt)
                     else:
                         self._heads(members)
                 except Exception as e:  # every member of the failed forward gets the error on its own thread
                     for w, _ in members:
                         w.error, w.computed = e, True
-                if len(models) > 1:  # each model's own wall, for its own cost line (one model: the step's)
+                if apart:
                     self._synchronize([model], work)
-                if members[0][0].call is not None:
-                    mine = per_model.setdefault(id(model), [0, 0, 0.0])
-                    mine[0] += sum(rows for _, rows in members)
-                    mine[1] += sum(rows for w, rows in members if w.prompt)
-                    mine[2] += time.perf_counter() - start
+                mine[2] += time.perf_counter() - start
         self._synchronize(models.values(), work)
         seconds = time.perf_counter() - began
-        layers = tuple(ModelLayers(m, rows, prefill, seconds if len(models) == 1 else s)
-                       for m, (rows, prefill, s) in per_model.items())
-        return StepRecord(began, windows, prompts, sum(m.rows for m in layers), sum(m.prefill_rows for m in layers),
-                          seconds, layers)
+        parts = tuple(ModelWork(m, rows, prefill, seconds if len(models) == 1 else s)
+                      for m, (rows, prefill, s) in per_model.items())
+        return StepRecord(began, windows, prompts, sum(m.rows for m in parts), sum(m.prefill_rows for m in parts),
+                          seconds, parts)
 
     @staticmethod
     def _synchronize(models: Iterable[Transformer], work: list[tuple[_Waiting, int]]) -> None:

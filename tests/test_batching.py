@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import generate, kernels
-from mirrorsd.batching import PREFILL_START, Batcher, Goodput, ModelLayers, StepRecord, StepWalls, outcomes
+from mirrorsd.batching import PREFILL_START, Batcher, Goodput, ModelWork, StepRecord, StepWalls, outcomes
 from mirrorsd.decoding import GenerationStats, methods
 from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.mirror.options import batch_caps
@@ -524,9 +524,9 @@ def _state(stats: GenerationStats) -> SimpleNamespace:
 
 def _record(windows: int, prompts: int, rows: int, prefill_rows: int, seconds: float,
             model: object = _TARGET) -> StepRecord:
-    """A step of ``model``'s layers alone (of none when ``rows`` is 0: a head step)."""
-    layers = (ModelLayers(id(model), rows, prefill_rows, seconds),) if rows else ()
-    return StepRecord(0.0, windows, prompts, rows, prefill_rows, seconds, layers)
+    """A step of ``model``'s alone: its layers, or its heads when ``rows`` is 0."""
+    return StepRecord(0.0, windows, prompts, rows, prefill_rows, seconds,
+                      (ModelWork(id(model), rows, prefill_rows, seconds),))
 
 
 def test_goodput_drafts_freely_alone_and_less_as_the_batch_grows() -> None:
@@ -570,21 +570,32 @@ def test_goodput_prices_rows_on_the_targets_line_alone() -> None:
         assert a == pytest.approx(0.040) and b == pytest.approx(0.005)
         decisions[with_draft] = rule.limit(_state(stats))
     assert batcher.cost_curve(8)[1] != pytest.approx(0.005)  # (the whole steps' line is another)
-    assert decisions[True] == decisions[False]
+    assert decisions == {False: 3, True: 3}
 
 
-def test_a_step_of_two_models_records_each_models_layers(pair: Pair) -> None:
-    """A step that carries a draft's rows beside a target's window records each model's rows and wall apart."""
+def test_a_step_of_two_models_records_each_models_rows_and_wall(pair: Pair) -> None:
+    """A step that carries a draft's rows beside a target's windows records each model's rows and wall apart; a
+    model's head step records the model, with no rows."""
+    from mirrorsd.batching import _Waiting
+    from mirrorsd.execution import LayerCall
+
+    def window(model: Transformer, tokens: int) -> _Waiting:
+        ids = torch.arange(tokens).unsqueeze(0) % 64
+        call = LayerCall(model.embed(ids), torch.arange(tokens).unsqueeze(0), model.new_cache())
+        return _Waiting(model, call, 0, model.config.n_layers)
+
     batcher = Batcher()
-    requests = [Req("sd", (1, 2, 3), 20, 0.0, 0, 0, None), Req("ar", (4, 5), 20, 0.0, 0, 0, None)]
-    got = run_batched(pair, requests, batcher)
-    assert not any(isinstance(g, BaseException) for g in got), got
-    steps = [r for r in batcher.steps if r.layers]
-    assert all(r.rows == sum(m.rows for m in r.layers) for r in steps)
-    assert {m.model for r in steps for m in r.layers} == {id(pair.target), id(pair.draft)}
-    both = [r for r in steps if len(r.layers) == 2]
-    assert both  # (a member steps when the other waits: the draft's rows meet ar's window)
-    assert all(0 < m.seconds <= r.seconds for r in both for m in r.layers)
+    target_work = [(window(pair.target, 5), 5), (window(pair.target, 1), 1)]
+    record = batcher._step([(window(pair.draft, 3), 3), *target_work])
+    parts = {m.model: m for m in record.models}
+    assert {k: (m.rows, m.prefill_rows) for k, m in parts.items()} == {id(pair.target): (6, 0), id(pair.draft): (3, 0)}
+    assert record.rows == 9 and record.windows == 3
+    assert 0 < sum(m.seconds for m in record.models) <= record.seconds
+    alone = batcher._step([(window(pair.target, 2), 2)])
+    assert alone.models == (ModelWork(id(pair.target), 2, 0, alone.seconds),)  # one model: the step's wall
+    hidden = target_work[0][0].result
+    head = batcher._step([(_Waiting(pair.target, hidden=hidden[:, -1:]), 1)])
+    assert [(m.model, m.rows) for m in head.models] == [(id(pair.target), 0)] and head.rows == 0
 
 
 def test_paced_prompt_rows_keep_a_step_within_twice_the_windows_own() -> None:
@@ -624,8 +635,9 @@ def _rule_at(busy: int) -> Goodput:
 
 
 def test_goodput_alone_decodes_plainly_when_not_even_the_first_draft_token_pays() -> None:
-    cheap = GenerationStats("sd", accepted=[1, 2, 0, 1] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=0.048)
-    dear = GenerationStats("sd", accepted=[1, 2, 0, 1] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=48 * 0.035)
+    """A method that is not timed (its draft's forwards priced on the line: ``eagle``'s head)."""
+    cheap = GenerationStats("eagle", accepted=[1, 2, 0, 1] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=0.048)
+    dear = GenerationStats("eagle", accepted=[1, 2, 0, 1] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=48 * 0.035)
     rule = _rule_at(1)
     assert rule.limit(_state(cheap)) is None  # alone, a draft forward of 1 ms pays: its own window
     assert rule.limit(_state(dear)) == 0  # one of 35 ms (α = .5) does not: ar's plain step
@@ -633,9 +645,9 @@ def test_goodput_alone_decodes_plainly_when_not_even_the_first_draft_token_pays(
 
 def test_goodput_starts_a_new_request_from_its_methods_peers() -> None:
     rule = _rule_at(8)
-    fresh = _state(GenerationStats("sd"))
+    fresh = _state(GenerationStats("eagle"))
     assert rule.limit(fresh) is None  # the first request of a method drafts freely until it has a figure
-    poor = GenerationStats("sd", accepted=[0, 1, 0, 0] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=1.0)
+    poor = GenerationStats("eagle", accepted=[0, 1, 0, 0] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=1.0)
     assert rule.limit(_state(poor)) == 0
     assert rule.acceptance(fresh.stats) == pytest.approx((4 + 1) / (4 + 16 + 2))  # the pooled rate (Laplace)
     assert rule.limit(fresh) == 0  # it starts capped, as its peer is: no first window, no draft prefill
@@ -816,11 +828,12 @@ def test_goodput_a_timed_methods_measured_no_holds_where_the_row_line_looks_free
 
 
 def test_goodput_keeps_a_method_plain_after_a_long_plain_run() -> None:
-    """A method the rule kept plain for more than :attr:`Goodput.RECENT` steps keeps its rate (its last steps that
-    drafted), and the batch's last fitted row line stands while its steps are all of one size: it stays plain
-    instead of drafting freely again as if it were new (at 2 requests `sd` did, a full window every 16 steps)."""
+    """A method that is not timed (``eagle``; ``sd`` was until its steps were timed) which the rule kept plain for
+    more than :attr:`Goodput.RECENT` steps keeps its rate (its last steps that drafted), and the batch's last fitted
+    row line stands while its steps are all of one size: it stays plain instead of drafting freely again as if it
+    were new (at 2 requests `sd` did, a full window every 16 steps)."""
     rule = _rule_at(8)
-    poor = GenerationStats("sd", accepted=[0, 1, 0, 0] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=1.0)
+    poor = GenerationStats("eagle", accepted=[0, 1, 0, 0] * 4, drafted=[3] * 16, draft_forwards=48, draft_s=1.0)
     state = _state(poor)
     assert rule.limit(state) == 0
     for _ in range(3 * Goodput.RECENT):
