@@ -104,13 +104,12 @@ class Goodput(Fixed):
     while its drafting steps commit more tokens per second than its plain ones, both measured in the batch
     (:meth:`StepWalls.measured_pays`); that verdict comes before the row-cost line, which may still cap a window it
     lets draft in a busy batch. Alone, the verdict decides: a modelled price had kept ``sd`` plain for good at one
-    request after its first windows (.40 accepted), 13% slower than its own window over Spec-Bench's first turns.
-    To time both kinds, one batch step is plain for all the method's
-    members after :attr:`PROBE_EVERY` drafting rounds, and a drafting round is timed again after
-    :attr:`REPROBE_AFTER` plain rounds (a round: a step of each member; a plain step timed beside drafting ones would
-    wait for their rows and heads, and look as dear as they). Only such methods are timed: pricing ``suffix``'s steps
-    so cost its windows up to 15% alone, where its lookups cost little and its long accepted runs are worth more
-    than a geometric rate says."""
+    request after its first windows (.40 accepted), 13% slower than its own window over Spec-Bench's first turns. To
+    time both kinds, one batch step is plain for all the method's members after :attr:`PROBE_EVERY` drafting rounds,
+    and a drafting round is timed again after :attr:`REPROBE_AFTER` plain rounds (a round: a step of each member; a
+    plain step timed beside drafting ones would wait for their rows and heads, and look as dear as they). Only such
+    methods are timed: pricing ``suffix``'s steps so cost its windows up to 15% alone, where its lookups cost little
+    and its long accepted runs are worth more than a geometric rate says."""
 
     RECENT = 16  # steps of a request's acceptance, and of the batch's row level, that the rule reads
     PEERS = 32  # requests of a method whose recent acceptance a new request starts from
