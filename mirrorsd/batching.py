@@ -122,7 +122,7 @@ class Goodput(Fixed):
         self._peers: dict[str, deque[_Drafted]] = {}  # method -> its latest requests' steps that drafted
         self._drafted: dict[int, _Drafted] = {}  # id of a request's statistics -> its tracker (kept past its
         # eviction from the pool: with more than PEERS running requests of a method, each would rebuild its own)
-        self._curve: tuple[float, float] | None = None  # the batch's last fitted row-cost line
+        self._curves: dict[int, tuple[float, float]] = {}  # id of a target -> its last fitted row-cost line
         self._walls: dict[str, StepWalls] = {}  # method -> its latest steps' wall times
 
     def limit(self, state: RequestState) -> int | None:
@@ -151,9 +151,9 @@ class Goodput(Fixed):
         level = sum(recent) / len(recent) if recent else float(busy)
         fitted = self.batcher.cost_curve(level, model=target)
         if fitted is not None:
-            self._curve = fitted
+            self._curves[target] = fitted
         # (a batch that stepped plainly for a while has one size of step to fit: its rows cost what they did)
-        curve = self._curve
+        curve = self._curves.get(target)
         if alpha is None or curve is None:
             return None
         a, b = curve

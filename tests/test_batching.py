@@ -573,6 +573,25 @@ def test_goodput_prices_rows_on_the_targets_line_alone() -> None:
     assert decisions == {False: 3, True: 3}
 
 
+def test_goodput_keeps_each_targets_last_line_apart() -> None:
+    """The line the rule falls back on while a target's recent steps are too few to fit is that target's own: a
+    batcher serving two targets must not price one's rows by the other's."""
+    other = SimpleNamespace()
+    stats = GenerationStats("sd", accepted=[2, 3, 1, 3] * 4, drafted=[3, 3, 3, 3] * 4, draft_forwards=48,
+                            draft_s=0.048)
+    batcher = Batcher()
+    batcher._running = 4
+    rule = Goodput(batcher)
+    for rows in (4, 8, 16) * 6:  # _TARGET: 40 ms + 5 ms a row
+        batcher.steps.append(_record(4, 0, rows, 0, 0.040 + 0.005 * rows))
+    assert rule.limit(_state(stats)) == 3
+    other_state = SimpleNamespace(stats=stats, request=SimpleNamespace(target=other))
+    assert rule.limit(other_state) is None  # no line of its own yet: its method's window, not _TARGET's price
+    batcher.steps.clear()  # too few steps to fit now: each target's last line stands (no line: None), and
+    assert rule.limit(_state(stats)) == 1  # _TARGET's prices the batch's 4 members' rows (no recent level: 4)
+    assert rule.limit(other_state) is None
+
+
 def test_a_step_of_two_models_records_each_models_rows_and_wall(pair: Pair) -> None:
     """A step that carries a draft's rows beside a target's windows records each model's rows and wall apart; a
     model's head step records the model, with no rows."""
