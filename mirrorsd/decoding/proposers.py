@@ -205,8 +205,10 @@ class StreamProposer(ModelProposer):
         while len(tokens) < window:
             depth = min(streams, window - len(tokens) - 1)
             tree = guesses.tree(depth, self.tree_budget)
+            # the next pass, after at least one more token, reads streams 1..window - len(tokens) - 2 at most
+            rows = max(1, min(streams, window - len(tokens) - 2))
             result = ss_pass(self.model, self.adapters, cache, trunk, tree, self.params, noise=sampler.noise,
-                             tree_k=self.tree_k, head=self.stream_head, streams=streams, defer=self.defer,
+                             tree_k=self.tree_k, head=self.stream_head, streams=rows, defer=self.defer,
                              main_head=sampler.id_head)
             forwards += 1
             new = [*result.accepted, result.next_token]

@@ -250,6 +250,8 @@ def test_ss_equals_ar_on_row_exact_models(exact_model, streams, layers, tree_k, 
     if threshold == 0:
         assert x.tree_after == x.tree_before
     assert all(a <= d for a, d in zip(got.stats.accepted, got.stats.drafted, strict=True))
+    rows = max(1, streams if depth is None else min(depth, streams))  # a tree depth deep reads no deeper stream
+    assert {s["streams"] for s in got.stats.step_log} <= {0, rows}
 
 
 def test_ss_equals_ar_on_fp32_up_to_near_ties(dense_model):

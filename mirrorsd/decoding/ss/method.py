@@ -61,7 +61,8 @@ class SSOptions(MethodOptions):
                          check=at_least(1))
     tree_budget: int = option(DEFAULT_TREE_BUDGET, "run only the N most likely nodes of that tree (by the streams' "
                               "path probability); 0 runs all of them, as the paper does", check=at_least(0))
-    depth: int | None = option(None, "tree depth, at most the adapter's γ streams", parse=int, default_text="γ",
+    depth: int | None = option(None, "tree depth, at most the adapter's γ streams (a pass runs streams 1..depth)",
+                               parse=int, default_text="γ",
                                check=at_least(0), flag="--tree-depth")
     threshold: float | None = option(None, "drop tree edges whose pruning-exit probability is below this, with their "
                                      "subtrees; 0 never prunes", parse=float, check=probability(),
@@ -133,21 +134,22 @@ class TreeScores(Scores):
 
 
 class StreamTreeScorer(ChainScorer):
-    """The fused pass over ``[last committed] + tree``; commit compacts the cache to the accepted path."""
+    """The fused pass over ``[last committed] + tree``; commit compacts the cache to the accepted path. ``streams``:
+    the stream rows a pass runs, the first of the adapters' (a tree ``depth`` deep reads no deeper stream)."""
 
     def __init__(self, model: Transformer, adapters: StreamAdapters, threshold: float, stats: SSStats,
                  head: SubsetHead | None, prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 defer: str = "never", tree_k: int = DEFAULT_TREE_K) -> None:
+                 defer: str = "never", tree_k: int = DEFAULT_TREE_K, streams: int | None = None) -> None:
         super().__init__(model)
         self.adapters, self.threshold, self.stats, self.head = adapters, threshold, stats, head
-        self.prune_exit, self.defer, self.tree_k = prune_exit, defer, tree_k
+        self.prune_exit, self.defer, self.tree_k, self.streams = prune_exit, defer, tree_k, streams
 
     def score(self, state: RequestState, draft: Proposal) -> Scores:
         if state.room == 0 and not draft.tokens:  # a plain step: see :meth:`plain`
             return self.plain(state, draft)
         forward, read = pass_and_read(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
                                       state.params, Noise.TARGET, self.threshold, self.tree_k, self.head,
-                                      self.prune_exit, defer=self.defer)
+                                      self.prune_exit, streams=self.streams, defer=self.defer)
         self.stats.tree_before.append(forward.nodes)
         self.stats.tree_after.append(len(forward.kept))
         self.stats.graphed.append(forward.graphed)
@@ -217,8 +219,8 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     if opts.streams is None:
         raise ValueError("method 'ss' needs a stream adapter (streams=FOLDER or a zoo name with a shipped one)")
     adapters = load_adapters(req.target, opts.streams)
-    streams = adapters.config.streams
-    depth = streams if opts.depth is None else min(opts.depth, streams)
+    depth = adapters.config.streams if opts.depth is None else min(opts.depth, adapters.config.streams)
+    streams = max(depth, 1)  # stream rows per node: a tree ``depth`` deep reads streams 1..depth only
     stats = SSStats()
     req.stats.extra["ss"] = stats
     top_fraction = adapters.config.layers / req.target.config.n_layers
@@ -237,12 +239,12 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
     def log(scores: Scores, verdict: Verdict) -> dict[str, Any]:
         forward = scores.forward if isinstance(scores, TreeScores) else None  # None: a plain step
         return {"tree": forward.nodes if forward else 1, "kept": len(forward.kept) if forward else 1,
-                "streams": streams if forward else 0, "deferred": forward is not None and forward.deferred is not None,
-                "top_fraction": top_fraction,
+                "streams": forward.streams if forward else 0,
+                "deferred": forward is not None and forward.deferred is not None, "top_fraction": top_fraction,
                 **(proposer.log(scores, verdict) if lookup else {})}
 
     scorer = StreamTreeScorer(req.target, adapters, prune_threshold(opts, req.target.device), stats, head, prune_exit,
-                              opts.defer_streams, opts.tree_k)
+                              opts.defer_streams, opts.tree_k, streams)
     return Roles(proposer, scorer, match, gamma=window,
                  log=log, close=lookup.close if lookup else None, timed_steps=True)
 
