@@ -556,28 +556,33 @@ def run_cuda_tests(repo: Path, select: str | None = None, timeout: float = CUDA_
 
 #: Seconds a timed-out batch's requests get to stop after their current step.
 STOP_WAIT_S = 30.0
-#: Concurrent ``ar`` requests of the continuous-batching rows (issue 57: the sweep on the 1.5B shape).
+#: Concurrent requests of the continuous-batching rows (issue 57: the sweep on the 1.5B shape).
 BATCH_LEVELS = (1, 4, 16)
+#: The speculating method of those rows, under each speculation rule: the only one that drafts right on random
+#: weights (their greedy answers fall into loops a suffix match copies), so the goodput rule has windows to keep or cut.
+BATCH_SPECULATION = "suffix"
 
 
-def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: int, timeout_s: float = 300.0
-                ) -> tuple[list[list[int]], float, int]:
+def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: int, timeout_s: float = 300.0,
+                speculation: str = "fixed") -> tuple[list[list[int]], float, list[Any]]:
     """Each request (``generate``'s keywords, ``prompt`` among them) on a thread of its own through one
-    :class:`~mirrorsd.batching.Batcher`, as ``mirrorsd serve`` runs them: their tokens, the wall seconds, and the
-    most windows one step carried. A request's error is raised here, and so is a batch still running after
-    ``timeout_s`` (a hung batch would otherwise spend a whole GPU lease). Timed out, the requests are stopped at
-    their next token, so the figures after this one do not run beside them."""
+    :class:`~mirrorsd.batching.Batcher` under ``speculation``, as ``mirrorsd serve`` runs them: their tokens, the
+    wall seconds, and the batcher's step records. Each request's suffix index is its own (no request copies
+    another's answer, nor one of an earlier batch's). A request's error is raised here, and so is a batch still
+    running after ``timeout_s`` (a hung batch would otherwise spend a whole GPU lease). Timed out, the requests are
+    stopped at their next token, so the figures after this one do not run beside them."""
     import threading
 
     from ..batching import Batcher
+    from ..decoding.suffix_index import isolated_shared_indexes
 
-    batcher = Batcher(speculation="fixed")
+    batcher = Batcher(speculation=speculation)
     out: list[Any] = [None] * len(requests)
     stop = threading.Event()
 
     def member(i: int, options: dict[str, Any]) -> None:
         try:
-            with batcher.member():
+            with batcher.member(), isolated_shared_indexes():
                 s = stream(target, max_new_tokens=max_new, **options)
                 deltas = s.deltas()
                 for _ in deltas:
@@ -610,13 +615,17 @@ def run_batched(target: Transformer, requests: list[dict[str, Any]], max_new: in
     for got in out:
         if isinstance(got, BaseException):
             raise got
-    return out, wall, max((s.windows + s.prompts for s in batcher.steps), default=0)
+    return out, wall, list(batcher.steps)
 
 
-def batched_ar(target: Transformer, prompt: list[int], max_new: int, levels: tuple[int, ...] = BATCH_LEVELS
-               ) -> list[dict[str, Any]]:
-    """``ar`` at each concurrency in ``levels`` (request ``i`` on the prompt rotated by ``i``), against the same
-    requests one after another: aggregate tok/s both ways, and whether every answer is its alone answer."""
+def batched_runs(target: Transformer, prompt: list[int], max_new: int, levels: tuple[int, ...] = BATCH_LEVELS
+                 ) -> list[dict[str, Any]]:
+    """At each concurrency in ``levels`` (request ``i`` on the prompt rotated by ``i``): ``ar`` one request after
+    another and all at once, then :data:`BATCH_SPECULATION` all at once under each speculation rule (``fixed``: its
+    own windows; ``goodput``: the rule that cuts them where rows cost, which on a GPU's flat row curve should keep
+    them). Aggregate tok/s, the draft rows per step, and whether every answer is its alone ``ar`` answer."""
+    from ..batching import SPECULATION
+
     rows = []
     for level in levels:
         requests = [{"prompt": prompt[i:] + prompt[:i], "method": "ar", "temperature": 0.0} for i in range(level)]
@@ -625,10 +634,19 @@ def batched_ar(target: Transformer, prompt: list[int], max_new: int, levels: tup
             res, secs = timed_generate(target, r["prompt"], max_new, method="ar")
             alone.append(res.token_ids)
             alone_s += secs
-        got, wall, shared = run_batched(target, requests, max_new)
+        got, wall, steps = run_batched(target, requests, max_new)
         tokens = sum(len(a) for a in alone)
-        rows.append({"requests": level, "alone_tok_s": tokens / alone_s, "batched_tok_s": sum(map(len, got)) / wall,
-                     "most_windows_in_a_step": shared, "equal_alone": got == alone})
+        row = {"requests": level, "alone_tok_s": tokens / alone_s, "batched_tok_s": sum(map(len, got)) / wall,
+               "most_windows_in_a_step": max((s.windows + s.prompts for s in steps), default=0),
+               "equal_alone": got == alone}
+        speculating = [{**r, "method": BATCH_SPECULATION} for r in requests]
+        for rule in SPECULATION:
+            got, wall, steps = run_batched(target, speculating, max_new, speculation=rule)
+            windows = [s for s in steps if s.windows]
+            row[f"{BATCH_SPECULATION}_{rule}"] = {
+                "tok_s": sum(map(len, got)) / wall, "equal_alone": got == alone,
+                "draft_rows_per_step": sum(s.speculation_rows for s in windows) / max(len(windows), 1)}
+        rows.append(row)
     return rows
 
 
@@ -717,9 +735,9 @@ def run(out: Path, *, device: str | None = None, max_new: int | None = None, pro
                                         say, overlaps))
         _write(out, report)
         if i == 0:  # (last: a failure here loses only these rows)
-            say("  continuous batching (ar)…", flush=True)
+            say(f"  continuous batching (ar, {BATCH_SPECULATION})…", flush=True)
             try:
-                report["batched"][name] = batched_ar(target, prompt, max_new, (1, 2) if dry else BATCH_LEVELS)
+                report["batched"][name] = batched_runs(target, prompt, max_new, (1, 2) if dry else BATCH_LEVELS)
             except Exception as error:  # noqa: BLE001 - reported, as a method's failure is
                 report["batched"][name] = f"failed: {type(error).__name__}: {str(error)[:300]}"
             _write(out, report)
@@ -1014,17 +1032,24 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {name} | {recipe} | {t['cache_ms_per_chunk']:.1f} | {t['step_ms']:.1f} | "
                          f"{t['train_tokens_per_s']:.0f} | {t['minutes_per_epoch_of_ceiling']:.1f} |")
     if report.get("batched"):
-        lines += ["", "## Continuous batching: `ar` requests at once through one batcher (the fused layers, eager)", "",
-                  "| target | requests | one after another, tok/s | batched, tok/s | × | most windows in a step | "
-                  "every answer its alone one |", "|---|---|---|---|---|---|---|"]
+        spec = BATCH_SPECULATION
+        lines += ["", "## Continuous batching: requests at once through one batcher (the fused layers, eager)", "",
+                  f"`ar` one request after another and batched; `{spec}` batched with its own windows (`fixed`) and "
+                  "under the goodput rule, ÷ batched `ar`, with the draft rows a step carried.", "",
+                  "| target | requests | `ar` one after another, tok/s | `ar` batched, tok/s | × | most windows in a "
+                  f"step | `{spec}` fixed (draft rows a step) | `{spec}` goodput (draft rows a step) | every answer "
+                  "its alone one |", "|---|---|---|---|---|---|---|---|---|"]
         for name, rows in report["batched"].items():
             if isinstance(rows, str):
-                lines.append(f"| {name} | {rows} | | | | | |")
+                lines.append(f"| {name} | {rows} | | | | | | | |")
                 continue
             for r in rows:
+                cells = [(f"{c['tok_s'] / r['batched_tok_s']:.2f}× ({c['draft_rows_per_step']:.1f})", c["equal_alone"])
+                         for c in (r.get(f"{spec}_{rule}") for rule in ("fixed", "goodput")) if c is not None]
+                equal = r["equal_alone"] and all(ok for _, ok in cells)
                 lines.append(f"| {name} | {r['requests']} | {r['alone_tok_s']:.1f} | {r['batched_tok_s']:.1f} | "
                              f"{r['batched_tok_s'] / r['alone_tok_s']:.2f}× | {r['most_windows_in_a_step']} | "
-                             f"{r['equal_alone']} |")
+                             + " | ".join(c for c, _ in cells) + f" | {equal} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1036,7 +1061,9 @@ def summary(report: dict[str, Any]) -> str:
             if not (r["sd"]["equal_to_ar"] and r["mirror"]["equal_to_ar"])]
     for name, rows in report.get("batched", {}).items():
         bad += [f"{name} batched ({rows})"] if isinstance(rows, str) else \
-            [f"{name} batched at {r['requests']}" for r in rows if not r["equal_alone"]]
+            [f"{name} batched at {r['requests']}" for r in rows if not r["equal_alone"]] + \
+            [f"{name} batched {key} at {r['requests']}" for r in rows for key, c in r.items()
+             if isinstance(c, dict) and not c["equal_alone"]]
     ratios = [r["mirror_over_sd"] for r in ran if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT
               and r.get("overlap", "thread") == "thread" and r.get("draft", "plain") == "plain"]
     where = "dry run" if report["dry_run"] else report["device"]

@@ -143,6 +143,10 @@ def test_dry_run_report(tmp_path):
     assert all(m["equal_to_ar"] for m in report["methods"])
     batched = report["batched"]["qwen2.5-1.5b"]  # (a CPU's dense fp32 layers run them alone: the rows' code ran)
     assert [r["requests"] for r in batched] == [1, 2] and all(r["equal_alone"] for r in batched)
+    for rule in ("fixed", "goodput"):  # the speculating method under each rule: every answer its alone ar one
+        cells = [r[f"{gpu.BATCH_SPECULATION}_{rule}"] for r in batched]
+        assert all(c["equal_alone"] and c["tok_s"] > 0 and c["draft_rows_per_step"] >= 0 for c in cells)
+    assert "goodput (draft rows a step)" in (tmp_path / "report.md").read_text()
     hit = gpu.EXIT_HIT
     assert [(r["accept"], r["draft"], r["exit_hit_rate"]) for r in report["forced"]] == [
         ("3", "plain", hit), *(("3", "plain", h) for h in gpu.EXIT_HITS_AT_3), ("3", "ss", hit), ("all", "plain", hit)]
