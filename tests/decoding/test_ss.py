@@ -577,11 +577,13 @@ def test_a_pass_read_at_once_holds_every_rows_next_guesses(exact_model, monkeypa
     assert read.own == streaming.choose(forward.main_logits, [4, 5, 5, 6, 6, 6, 6], sampled).tolist()
 
 
-def test_the_default_prune_threshold_prunes_on_a_cpu_only():
+def test_the_default_prune_threshold_prunes_only_the_whole_tree_on_a_cpu():
     from mirrorsd.decoding.ss.method import DEFAULT_THRESHOLD, SSOptions, prune_threshold
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert prune_threshold(SSOptions(), cpu) == DEFAULT_THRESHOLD and prune_threshold(SSOptions(), gpu) == 0.0
+    assert prune_threshold(SSOptions(), cpu) == 0.0 and prune_threshold(SSOptions(), gpu) == 0.0  # budgeted trees
+    whole = SSOptions(tree_budget=0)
+    assert prune_threshold(whole, cpu) == DEFAULT_THRESHOLD and prune_threshold(whole, gpu) == 0.0
     assert prune_threshold(SSOptions(threshold=0.2), gpu) == 0.2 and prune_threshold(SSOptions(threshold=0.0), cpu) == 0
     assert prune_threshold(SSOptions(prune_exit="some/exit"), gpu) == DEFAULT_THRESHOLD
 
