@@ -132,10 +132,9 @@ def run_kernels(bound: list[torch.ScriptObject], layers: list[int], split: bool,
         if kept == t:
             out = torch.ops.mirrorsd.blocks_forward.default(bound, x, cos, sin, keys, values, starts, mask, split)
         else:
-            a, b, scale = zip(*(streams.adapters.weights(layer, name) for layer in layers for name in PROJECTIONS),
-                              strict=True)
+            a, b, scale = streams.adapters.weight_lists(layers)
             out = torch.ops.mirrorsd.stream_blocks_forward.default(bound, x, cos, sin, keys, values, starts, mask,
-                                                                   split, list(a), list(b), list(scale), t - kept)
+                                                                   split, a, b, scale, t - kept)
     for layer, start in zip(layers, starts, strict=True):
         cache.lengths[layer] = start + kept
     return out
@@ -269,14 +268,13 @@ def ragged_layers(model: Transformer, calls: list[LayerCall], start: int, end: i
     sin = torch.cat([a[1][0] for a in angles])
     x = torch.cat([c.hidden[0] for c in calls])
     masks = [None if c.mask is None else c.mask[0] for c in calls]
-    a = b = scale = ()
+    a = b = scale = []
     if adapters:
-        lora = next(iter(adapters.values()))
-        a, b, scale = zip(*(lora.weights(layer, name) for layer in layers for name in PROJECTIONS), strict=True)
+        a, b, scale = next(iter(adapters.values())).weight_lists(layers)
     with torch._C.DisableTorchFunction():  # (see run_kernels)
         out = torch.ops.mirrorsd.ragged_blocks_forward.default(
             bound, x, cos, sin, lengths, streams, [k for k, _ in buffers], [v for _, v in buffers], starts, masks,
-            split, list(a), list(b), list(scale))
+            split, a, b, scale)
     i = 0
     for layer in layers:
         for c, t, s in zip(calls, lengths, streams, strict=True):

@@ -135,6 +135,10 @@ class SSDeltas(Protocol):
         add to stream rows (``delta`` is ``(x A^T) B^T · scale``)."""
         ...
 
+    def weight_lists(self, layers: range | list[int]) -> tuple[list, list, list]:
+        """:meth:`weights` of every projection of ``layers`` in order, as three lists (A's, B^T's, scales)."""
+        ...
+
 
 @dataclass(frozen=True)
 class SSRows:

@@ -393,6 +393,22 @@ def test_saved_adapter_round_trips(exact_model, tmp_path):
         torch.testing.assert_close(reloaded.adapter_state()[key], value.half().float())
 
 
+def test_the_kept_weight_lists_follow_a_changed_b(exact_model):
+    """The C++ stream blocks' weight lists are kept between passes; training (an in-place step on B) must not leave
+    them stale."""
+    adapters = random_adapters(exact_model)
+    layers = range(adapters.first_layer, exact_model.config.n_layers)
+    first = adapters.weight_lists(layers)
+    assert adapters.weight_lists(layers) is first  # kept
+    one = [adapters.weights(layer, name) for layer in layers for name in mirrorsd.execution.PROJECTIONS]
+    assert all(torch.equal(b, w[1]) for b, w in zip(first[1], one, strict=True))
+    b = adapters.lora[f"{adapters.first_layer}_v_proj"].lora_B["default"].weight
+    with torch.no_grad():
+        b.add_(1.0)
+    again = adapters.weight_lists(layers)
+    assert again is not first and torch.equal(again[1][2], b.t())  # (v_proj: the third projection)
+
+
 def test_a_warm_start_may_grow_n_s_keeping_the_saved_layers(exact_model, tmp_path):
     from mirrorsd.train_streams import warm_start
 

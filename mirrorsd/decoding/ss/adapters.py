@@ -99,6 +99,7 @@ class StreamAdapters(nn.Module):
         self.prune = PruneAdapter(hidden, config.prune_rank).to(model.device)
         self.cpu_op = model.device.type == "cpu" and kernels.available()  # :meth:`delta`'s C++ path
         self._transposed: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}  # :meth:`weights`' B^T
+        self._lists: dict[tuple[int, ...], tuple[list, tuple[list, list, list]]] = {}  # :meth:`weight_lists`
         for module in self.lora.values():
             module.base_layer.requires_grad_(False)  # the wrapped base layers stay frozen
             module.lora_A.float()  # the trained parts stay fp32 whatever dtype the base runs in
@@ -126,6 +127,20 @@ class StreamAdapters(nn.Module):
         if cached is None or cached[0] != stamp:
             cached = self._transposed[key] = (stamp, b.detach().t().contiguous())
         return lora.lora_A["default"].weight, cached[1], float(lora.scaling["default"])
+
+    def weight_lists(self, layers: range | list[int]) -> tuple[list, list, list]:
+        """:meth:`weights` of every projection of ``layers``, as the C++ stream blocks take them (A's, B^T's, scales).
+        Kept between passes and checked by the B's versions alone: through the modules, 28 lookups cost the 0.5B's
+        pass ~0.3 ms (3%)."""
+        key = tuple(layers)
+        kept = self._lists.get(key)
+        if kept is not None and all(b._version == v and b.data_ptr() == p for b, v, p in kept[0]):
+            return kept[1]
+        weights = [self.weights(layer, name) for layer in key for name in PROJECTIONS]
+        bs = [self.lora[f"{layer}_{name}"].lora_B["default"].weight for layer in key for name in PROJECTIONS]
+        lists = ([a for a, _, _ in weights], [b for _, b, _ in weights], [s for _, _, s in weights])
+        self._lists[key] = ([(b, b._version, b.data_ptr()) for b in bs], lists)
+        return lists
 
     def rows(self, count: int) -> SSRows:
         return SSRows(count, self)
