@@ -27,6 +27,7 @@ import math
 import statistics
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -122,7 +123,7 @@ class Goodput(Fixed):
         self._peers: dict[str, deque[_Drafted]] = {}  # method -> its latest requests' steps that drafted
         self._drafted: dict[int, _Drafted] = {}  # id of a request's statistics -> its tracker (kept past its
         # eviction from the pool: with more than PEERS running requests of a method, each would rebuild its own)
-        self._curves: dict[int, tuple[float, float]] = {}  # id of a target -> its last fitted row-cost line
+        self._curves: dict[int, tuple[float, float]] = {}  # a target's model_key -> its last fitted row-cost line
         self._walls: dict[str, StepWalls] = {}  # method -> its latest steps' wall times
 
     def limit(self, state: RequestState) -> int | None:
@@ -142,7 +143,7 @@ class Goodput(Fixed):
                 return None  # alone, its measured steps are the whole story: the row line prices other members'
                 # time, and its draft term (a draft forward's wall, its prompt's catch-up in it) priced sd out alone
         alpha = self.acceptance(stats)
-        target = id(state.request.target)
+        target = model_key(state.request.target)
         recent = []  # the target's running rows in its steps (a head step's none); a draft's steps are not its
         for r in list(self.batcher.steps)[-self.RECENT:]:
             mine = r.of(target)
@@ -328,12 +329,26 @@ class _Waiting:
         return self.call is not None and self.call.mask is None and self.call.streams is None and self.rows > rows
 
 
+_MODEL_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its serial (see model_key)
+_SERIALS = itertools.count()
+
+
+def model_key(model: Transformer) -> int:
+    """A number for ``model`` that no other model of this process ever gets: the step records and the goodput rule's
+    lines outlive a step, and an ``id()`` is reused once its object is collected (a target loaded after another was
+    dropped would inherit the old one's cost line)."""
+    key = _MODEL_KEYS.get(model)
+    if key is None:
+        key = _MODEL_KEYS[model] = next(_SERIALS)
+    return key
+
+
 @dataclass(frozen=True)
 class ModelWork:
     """One model's work in a step: its layer rows (none in a head step) and their wall. A target's verification rows
     and a draft's rows cost differently, so the goodput rule reads the target's alone."""
 
-    model: int  # id() of the model
+    model: int  # the model's :func:`model_key`
     rows: int
     prefill_rows: int
     seconds: float
@@ -401,8 +416,8 @@ class Batcher:
     def cost_curve(self, near: float, sizes: int = 3, model: int | None = None) -> tuple[float, float] | None:
         """Seconds of a step as ``a + b * rows``, fitted by least squares to the recent steps of at most
         ``4 * near`` rows (a line fits a CPU's cost over a few dozen rows; a 512-row prompt chunk is off it), or None
-        while they are too few or of fewer than ``sizes`` sizes. ``model`` (an ``id()``): that model's layer forwards
-        only (a draft's cheaper steps would bend a target's line), else whole steps."""
+        while they are too few or of fewer than ``sizes`` sizes. ``model`` (a :func:`model_key`): that model's layer
+        forwards only (a draft's cheaper steps would bend a target's line), else whole steps."""
         recent = list(self.steps)[-256:]
         if model is None:
             measured = [(r.rows, r.seconds) for r in recent]
@@ -605,7 +620,7 @@ class Batcher:
         for w, rows in sorted(work, key=lambda item: id(item[0].model)):  # (stable: each model's in arrival order)
             key = (id(w.model), w.start, w.end) if w.call is not None else (id(w.model), "head", id(w.head))
             groups.setdefault(key, []).append((w, rows))
-        models = {id(w.model): w.model for w, _ in work}
+        models = {model_key(w.model): w.model for w, _ in work}
         apart = len(models) > 1 and isinstance(self.budget, Goodput)  # a GPU model's own wall needs a sync (only
         # the goodput rule reads it)
         per_model: dict[int, list] = {}  # id -> [rows, prefill rows, seconds]
@@ -613,7 +628,7 @@ class Batcher:
         with batched_by(None), torch.inference_mode():
             for members in groups.values():
                 model = members[0][0].model
-                mine = per_model.setdefault(id(model), [0, 0, 0.0])
+                mine = per_model.setdefault(model_key(model), [0, 0, 0.0])
                 start = time.perf_counter()
                 try:
                     if members[0][0].call is not None:

@@ -23,7 +23,16 @@ from hypothesis import strategies as st
 
 import mirrorsd
 from mirrorsd import generate, kernels
-from mirrorsd.batching import PREFILL_START, Batcher, Goodput, ModelWork, StepRecord, StepWalls, outcomes
+from mirrorsd.batching import (
+    PREFILL_START,
+    Batcher,
+    Goodput,
+    ModelWork,
+    StepRecord,
+    StepWalls,
+    model_key,
+    outcomes,
+)
 from mirrorsd.decoding import GenerationStats, methods
 from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.mirror.options import batch_caps
@@ -514,7 +523,11 @@ def test_mirror_scales_kappa_and_draft_streams_with_the_batch(pair: Pair, temper
 
 
 
-_TARGET = SimpleNamespace()  # the model the rule's requests verify on
+class _Model:
+    """A stand-in for a model the rule prices rows of (what :func:`model_key` keys: a weakly referable object)."""
+
+
+_TARGET = _Model()  # the model the rule's requests verify on
 
 
 def _state(stats: GenerationStats) -> SimpleNamespace:
@@ -526,7 +539,7 @@ def _record(windows: int, prompts: int, rows: int, prefill_rows: int, seconds: f
             model: object = _TARGET) -> StepRecord:
     """A step of ``model``'s alone: its layers, or its heads when ``rows`` is 0."""
     return StepRecord(0.0, windows, prompts, rows, prefill_rows, seconds,
-                      (ModelWork(id(model), rows, prefill_rows, seconds),))
+                      (ModelWork(model_key(model), rows, prefill_rows, seconds),))
 
 
 def test_goodput_drafts_freely_alone_and_less_as_the_batch_grows() -> None:
@@ -554,7 +567,7 @@ def test_goodput_prices_rows_on_the_targets_line_alone() -> None:
     """A draft model's steps (cheaper rows, other sizes) go through the same batcher as its target's verification
     windows; fitted together they bent the line the rule prices a draft row by. The rule reads the target's layer
     forwards only, and decides as it would without the draft's steps."""
-    draft = SimpleNamespace()
+    draft = _Model()
     stats = GenerationStats("sd", accepted=[2, 3, 1, 3] * 4, drafted=[3, 3, 3, 3] * 4, draft_forwards=48,
                             draft_s=0.048)
     decisions = {}
@@ -566,7 +579,7 @@ def test_goodput_prices_rows_on_the_targets_line_alone() -> None:
             batcher.steps.append(_record(4, 0, rows, 0, 0.040 + 0.005 * rows))
             if with_draft:  # the draft: 4 rows (one a member) in 10 ms, after 1 to 4 catch-up rows each
                 batcher.steps.append(_record(4, 0, 4 + rows // 4, 0, 0.010 + 0.001 * rows, model=draft))
-        a, b = batcher.cost_curve(8, model=id(_TARGET))
+        a, b = batcher.cost_curve(8, model=model_key(_TARGET))
         assert a == pytest.approx(0.040) and b == pytest.approx(0.005)
         decisions[with_draft] = rule.limit(_state(stats))
     assert batcher.cost_curve(8)[1] != pytest.approx(0.005)  # (the whole steps' line is another)
@@ -576,7 +589,7 @@ def test_goodput_prices_rows_on_the_targets_line_alone() -> None:
 def test_goodput_keeps_each_targets_last_line_apart() -> None:
     """The line the rule falls back on while a target's recent steps are too few to fit is that target's own: a
     batcher serving two targets must not price one's rows by the other's."""
-    other = SimpleNamespace()
+    other = _Model()
     stats = GenerationStats("sd", accepted=[2, 3, 1, 3] * 4, drafted=[3, 3, 3, 3] * 4, draft_forwards=48,
                             draft_s=0.048)
     batcher = Batcher()
@@ -590,6 +603,20 @@ def test_goodput_keeps_each_targets_last_line_apart() -> None:
     batcher.steps.clear()  # too few steps to fit now: each target's last line stands (no line: None), and
     assert rule.limit(_state(stats)) == 1  # _TARGET's prices the batch's 4 members' rows (no recent level: 4)
     assert rule.limit(other_state) is None
+
+
+def test_a_model_key_is_never_reused_by_another_model() -> None:
+    """Step records and the rule's lines outlive a step: a model made after another was collected (an ``id()`` it may
+    reuse) must not inherit the old one's records."""
+    import gc
+
+    first = _Model()
+    key = model_key(first)
+    assert model_key(first) == key
+    del first
+    gc.collect()
+    later = [_Model() for _ in range(64)]  # (some may land at the freed address)
+    assert key not in {model_key(m) for m in later} and len({model_key(m) for m in later}) == 64
 
 
 def test_a_step_of_two_models_records_each_models_rows_and_wall(pair: Pair) -> None:
@@ -607,14 +634,15 @@ def test_a_step_of_two_models_records_each_models_rows_and_wall(pair: Pair) -> N
     target_work = [(window(pair.target, 5), 5), (window(pair.target, 1), 1)]
     record = batcher._step([(window(pair.draft, 3), 3), *target_work])
     parts = {m.model: m for m in record.models}
-    assert {k: (m.rows, m.prefill_rows) for k, m in parts.items()} == {id(pair.target): (6, 0), id(pair.draft): (3, 0)}
+    assert {k: (m.rows, m.prefill_rows) for k, m in parts.items()} == {model_key(pair.target): (6, 0),
+                                                                        model_key(pair.draft): (3, 0)}
     assert record.rows == 9 and record.windows == 3
     assert 0 < sum(m.seconds for m in record.models) <= record.seconds
     alone = batcher._step([(window(pair.target, 2), 2)])
-    assert alone.models == (ModelWork(id(pair.target), 2, 0, alone.seconds),)  # one model: the step's wall
+    assert alone.models == (ModelWork(model_key(pair.target), 2, 0, alone.seconds),)  # one model: the step's wall
     hidden = target_work[0][0].result
     head = batcher._step([(_Waiting(pair.target, hidden=hidden[:, -1:]), 1)])
-    assert [(m.model, m.rows) for m in head.models] == [(id(pair.target), 0)] and head.rows == 0
+    assert [(m.model, m.rows) for m in head.models] == [(model_key(pair.target), 0)] and head.rows == 0
 
 
 def test_paced_prompt_rows_keep_a_step_within_twice_the_windows_own() -> None:
