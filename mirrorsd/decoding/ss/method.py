@@ -212,8 +212,9 @@ def prune_threshold(opts: SSOptions, device: torch.device) -> float:
     wherever a tuned prune exit is asked for (it exists to prune). Else 0: off the CPU rows cost next to nothing and
     pruning would read its edge scores on the host mid-pass (a pass that prunes nothing reads the host once,
     :func:`~.passes.read_pass`); and a budgeted tree (3 nodes by default) leaves a CPU little to prune, where the
-    pruning exit's head over the parents costs ~1.6 ms of the 1.5B's pass: without it ``ss`` ran 1.085x ``ar``
-    against 1.027x on Spec-Bench (``docs/speculative_streaming.md``, "Pruning a budgeted tree")."""
+    pruning exit's head over the parents costs ~1.6 ms of the 1.5B's pass: without it ``ss`` was faster in six of nine
+    paired Spec-Bench runs, +0.019x ``ar`` in the median one, with a higher call reduction in every bench
+    (``docs/speculative_streaming.md``, "Pruning a budgeted tree")."""
     if opts.threshold is not None:
         return opts.threshold
     if opts.prune_exit != "adapter":
