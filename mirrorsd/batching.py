@@ -214,7 +214,9 @@ class StepWalls:
         self.probing = False  # this step times a plain one
         self.pays: bool | None = None  # this step drafts (None: not both kinds timed yet)
         self.retiming = False  # this step drafts to time drafting again after a long plain run
-        self._seen: dict[int, int] = {}  # id of a request's statistics -> its steps taken in
+        # id of a request's statistics -> (a weak reference to them, the steps taken in): an id alone is reused once
+        # its object is collected, and a later request at the same step count would have its step skipped
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}
 
     def observe(self, stats: GenerationStats) -> None:
         """Takes a request's last step, once (the rule sees each request once per step, before it; a second look at
@@ -224,9 +226,10 @@ class StepWalls:
         first step, or the first after its plain one. That one is the probe's cost, not drafting's, and a whole
         round of them after a probe would fill the drafting record at 16 members and turn drafting off for good."""
         n = len(stats.step_s)
-        if not n or len(stats.step_log) < n or self._seen.get(id(stats)) == n:
+        seen = self._seen.get(id(stats))
+        if not n or len(stats.step_log) < n or (seen is not None and seen[0]() is stats and seen[1] == n):
             return
-        self._seen[id(stats)] = n
+        self._seen[id(stats)] = (weakref.ref(stats), n)
         if len(self._seen) > 4 * self.KEEP:  # (ended requests' entries: the oldest go first)
             del self._seen[next(iter(self._seen))]
         seconds, step = stats.step_s[-1], stats.step_log[n - 1]

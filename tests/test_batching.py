@@ -852,6 +852,24 @@ def test_goodput_prices_drafting_with_its_steps_that_had_nothing_to_verify() -> 
     assert list(walls.drafting) == [(0.060, 3)] and walls.measured_pays() is None
 
 
+def test_step_walls_count_a_step_of_statistics_that_reuse_a_collected_ones_id() -> None:
+    """A request's statistics are looked at once per step, keyed by their id; a later request's statistics that get
+    a collected request's id, at the same step count, are still counted (an id alone would skip their step)."""
+    walls = StepWalls()
+    old, new = GenerationStats("ss", gamma=3), GenerationStats("ss", gamma=3)
+    for stats in (old, new):
+        stats.record_step(0, 0)
+        stats.record_step(3, 2)
+        stats.step_s += [0.057, 0.060]
+    walls.observe(old)
+    assert list(walls.drafting) == [(0.060, 3)]
+    walls.observe(old)  # the same step again: not counted twice
+    assert len(walls.drafting) == 1
+    walls._seen[id(new)] = walls._seen.pop(id(old))  # as if ``old`` were collected and ``new`` got its id
+    walls.observe(new)
+    assert len(walls.drafting) == 2
+
+
 def test_goodput_a_timed_methods_measured_no_holds_where_the_row_line_looks_free() -> None:
     """A timed method whose drafting steps measured as not paying steps plainly even where the batch's row-cost line
     looks flat (a noisy fit at 2 requests: "rows cost nothing", the method's own window), and where its acceptance
