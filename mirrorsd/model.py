@@ -690,14 +690,35 @@ class Transformer(nn.Module):
         positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
         self._run_window(tokens, positions, cache, None, keep=0)
 
+    def prefill_at(self, tokens: torch.Tensor, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt's prefill that also keeps what its last token has made: its logits ``[1, vocab]`` and its hidden
+        state entering block ``layer`` ``[1, 1, hidden]``. Speculative Streaming inserts its streams there, so the
+        prompt's last token drafts the first tree without a forward of its own."""
+        tokens = tokens if tokens.dim() == 2 else tokens.unsqueeze(0)
+        past = cache.lengths[0]
+        positions = torch.arange(past, past + tokens.shape[1], device=tokens.device).expand_as(tokens)
+        step = self._piece(tokens, cache, None)
+        for begin in range(0, tokens.shape[1], step):
+            piece = slice(begin, begin + step)
+            low = self.run_layers(self.embed(tokens[:, piece]), positions[:, piece], cache, None, 0, layer)
+            out = self.run_layers(low, positions[:, piece], cache, None, layer, None)
+        return self.logits(out[:, -1:])[0], low[:, -1:]
+
+    def _piece(self, tokens: torch.Tensor, cache: KVCache | None, mask: torch.Tensor | None) -> int:
+        """How many tokens of a causal window one call runs: on the batch-invariant path pieces of PREFILL_CHUNK
+        tokens per row, which gives the same bits faster; elsewhere all of them."""
+        rows, t = tokens.shape
+        if not self.fused or cache is None or mask is not None:
+            return t
+        return min(t, max(1, PREFILL_CHUNK // rows))
+
     def _run_window(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                     mask: torch.Tensor | None, keep: int) -> torch.Tensor:
-        """All blocks on a causal window; the hidden states of (at least) its last ``keep`` tokens. On the
-        batch-invariant path a long window runs in pieces of PREFILL_CHUNK tokens per row, which gives the same
-        bits faster."""
-        rows, t = tokens.shape
-        step = max(1, PREFILL_CHUNK // rows)
-        if not self.fused or cache is None or mask is not None or t <= step:
+        """All blocks on a causal window; the hidden states of (at least) its last ``keep`` tokens, run in
+        :meth:`_piece`'s pieces."""
+        t = tokens.shape[1]
+        step = self._piece(tokens, cache, mask)
+        if t <= step:
             return self.run_layers(self.embed(tokens), positions, cache, mask)
         kept = []
         for begin in range(0, t, step):

@@ -496,8 +496,10 @@ def test_ss_under_a_budget_of_zero_runs_ars_plain_step(pair: Pair, temperature: 
     with budgeted_by(NoDrafts()):
         got = pair.tokens(r)
     assert got == want
-    decode = calls[1:]  # (after the prompt's prefill)
-    assert len(decode) == len(got) and all(rows == 1 and not streams for rows, streams in decode)
+    prefill, decode = calls[:2], calls[2:]  # the prompt's prefill, in two calls: its state at layer N - N_s kept
+    assert [rows for rows, _ in prefill] == [len(r.prompt)] * 2
+    # the first token the prefill's (as ``ar``'s), then one row a token
+    assert len(decode) == len(got) - 1 and all(rows == 1 and not streams for rows, streams in decode)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

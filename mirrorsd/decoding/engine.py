@@ -452,12 +452,7 @@ class ChainScorer:
         self.chooses = chooses  # the verifier takes the target's own token at every row (:func:`match`)
 
     def prefill(self, state: RequestState) -> int:
-        prompt = state.tokens if self.whole_prompt else state.tokens[:-1]
-        store = state.request.prefix_cache
-        if store is not None:  # a whole-prompt prefill keeps its last token to score
-            state.stats.cached_tokens = store.restore(prompt[:-1] if self.whole_prompt else prompt,
-                                                      state.target_cache)
-        prompt = prompt[len(state.target_cache):]
+        prompt = self.unfilled(state)
         if not prompt:
             return 0
         ids = torch.tensor([prompt], device=self.model.device)
@@ -466,6 +461,16 @@ class ChainScorer:
         else:
             self.model.prefill(ids, state.target_cache)
         return 1
+
+    def unfilled(self, state: RequestState) -> list[int]:
+        """The prompt tokens the prefill runs: those the request's prefix cache, if any, does not restore (a
+        whole-prompt prefill keeps at least its last token, to score it)."""
+        prompt = state.tokens if self.whole_prompt else state.tokens[:-1]
+        store = state.request.prefix_cache
+        if store is not None:
+            state.stats.cached_tokens = store.restore(prompt[:-1] if self.whole_prompt else prompt,
+                                                      state.target_cache)
+        return prompt[len(state.target_cache):]
 
     def score(self, state: RequestState, draft: Proposal) -> Scores:
         device = self.model.device

@@ -51,7 +51,7 @@ ADAPTER_OPTIONS = {"streams": ("target", True), "draft_streams": ("draft", False
 # Frequency tables ship for real tokenizers only; tests/test_draft_vocab.py runs reduced vocabularies on these
 # models with a table of their own.
 FIXED_OPTIONS = {"draft_vocab": 0, "exit_vocab": None, "stream_vocab": None}  # None: the full vocabulary here
-WHOLE_PROMPT = {"ar", "suffix"}  # methods whose scorer prefills the whole prompt (ChainScorer(whole_prompt=True))
+WHOLE_PROMPT = {"ar", "suffix", "ss"}  # methods whose scorer prefills the whole prompt (ChainScorer(whole_prompt=True))
 OWN_DRAFTER = {"eagle"}  # methods that draft with a network of their own (its forwards count), not a draft model
 OWN_PREFILL = {"eagle"}  # methods whose scorer prefills by itself (it needs every prompt row): nothing is restored
 
@@ -215,8 +215,9 @@ def check_stats(name: str, prompt: list[int], max_new: int, got, opts) -> None:
     # One target forward per step, plus the prefill of all prompt tokens but the last (none for a 1-token
     # prompt). Draft-free methods (ChainScorer(whole_prompt=True)) prefill the whole prompt instead (one forward
     # even for a single token) and keep the last row's logits, so their first step forwards only its draft:
-    # none at all when it drafted nothing (always, for ``ar``).
-    first = stats.drafted[0] > 0 if name in WHOLE_PROMPT else len(prompt) > 1
+    # none at all when it drafted nothing (always, for ``ar``), or ``ss``'s pass of a tree it pruned to nothing.
+    proposed = stats.drafted[0] > 0 or stats.step_log[0].get("tree", 1) > 1
+    first = proposed if name in WHOLE_PROMPT else len(prompt) > 1
     expected = stats.steps + first
     assert stats.target_forwards == expected, (stats.target_forwards, stats.steps, len(prompt))
     if "gamma" in opts.to_dict():

@@ -48,6 +48,7 @@ from .passes import (
     compact,
     next_guesses,
     pass_and_read,
+    read_root,
 )
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; on the whole k=3 tree the CR was unchanged and a CPU ran 1.5x faster
@@ -133,20 +134,44 @@ class TreeScores(Scores):
     read: PassRead | None = None  # the verdict's tokens and every row's next guesses, read at once (off the CPU)
 
 
+@dataclass
+class RootScores(Scores):
+    """The first step's: the prefill's logits after the prompt, and the first tree's candidates."""
+
+    guesses: StreamGuesses = field(default_factory=StreamGuesses)
+
+
 class StreamTreeScorer(ChainScorer):
     """The fused pass over ``[last committed] + tree``; commit compacts the cache to the accepted path. ``streams``:
-    the stream rows a pass runs, the first of the adapters' (a tree ``depth`` deep reads no deeper stream)."""
+    the stream rows a pass runs, the first of the adapters' (a tree ``depth`` deep reads no deeper stream).
+
+    The prefill takes the whole prompt and keeps its last token's state at layer ``N - N_s``: the first step then
+    runs only that token's stream rows (:meth:`first`), where a pass over it would cost a forward more than ``ar``
+    spends on its first token."""
 
     def __init__(self, model: Transformer, adapters: StreamAdapters, threshold: float, stats: SSStats,
                  head: SubsetHead | None, prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  defer: str = "never", tree_k: int = DEFAULT_TREE_K, streams: int | None = None) -> None:
-        super().__init__(model)
+        super().__init__(model, whole_prompt=True)
         self.adapters, self.threshold, self.stats, self.head = adapters, threshold, stats, head
         self.prune_exit, self.defer, self.tree_k, self.streams = prune_exit, defer, tree_k, streams
+        self.root: torch.Tensor | None = None  # the prompt's last token at layer N - N_s, until its streams run
+
+    def prefill(self, state: RequestState) -> int:
+        ids = torch.tensor([self.unfilled(state)], device=self.model.device)
+        state.next_logits, self.root = self.model.prefill_at(ids, state.target_cache, self.adapters.first_layer)
+        return 1
 
     def score(self, state: RequestState, draft: Proposal) -> Scores:
         if state.room == 0 and not draft.tokens:  # a plain step: see :meth:`plain`
             return self.plain(state, draft)
+        if state.next_logits is not None:
+            if not draft.tokens:
+                return self.first(state, draft)
+            # A tree already (a suffix match in the prompt): the pass verifies it under the prompt's last token, which
+            # it runs again.
+            state.target_cache.truncate(len(state.tokens) - 1)
+            state.next_logits = self.root = None
         forward, read = pass_and_read(self.model, self.adapters, state.target_cache, state.tokens[-1:], draft,
                                       state.params, Noise.TARGET, self.threshold, self.tree_k, self.head,
                                       self.prune_exit, streams=self.streams, defer=self.defer)
@@ -156,6 +181,20 @@ class StreamTreeScorer(ChainScorer):
         return TreeScores(forward.main_logits, forward.draft, forward=forward, own=read.own if read else None,
                           read=read)
 
+    def first(self, state: RequestState, draft: Proposal) -> Scores:
+        """The first step: the prefill's logits after the prompt, and the streams of its last token over the whole
+        prompt (:func:`~.passes.read_root`: the stream rows of a deferred pass; part of the prefill's forward, as
+        those are of their pass's)."""
+        assert self.root is not None and state.next_logits is not None
+        n_streams = min(self.streams or self.adapters.config.streams, self.adapters.config.streams)
+        logits, state.next_logits, root, self.root = state.next_logits, None, self.root, None
+        own, guesses = read_root(self.model, self.adapters, state.target_cache, root, logits, state.params,
+                                 n_streams, self.tree_k, self.head)
+        self.stats.tree_before.append(1)
+        self.stats.tree_after.append(1)
+        self.stats.graphed.append(False)
+        return RootScores(logits, draft, forwards=0, own=own, guesses=guesses)
+
     def plain(self, state: RequestState, draft: Proposal) -> Scores:
         """The target's own one-row step, with no stream rows: a step that may draft nothing (a batch's speculation
         budget of 0, or the answer's last token) has no next tree to draft, and so costs what ``ar``'s step costs
@@ -164,6 +203,7 @@ class StreamTreeScorer(ChainScorer):
         self.stats.tree_before.append(1)
         self.stats.tree_after.append(1)
         self.stats.graphed.append(False)
+        self.root = None  # (a first step sent plain: the next pass starts with no tree)
         return super().score(state, draft)
 
     def commit(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
@@ -196,6 +236,9 @@ class StreamGuessProposer:
         return self.candidates.tree(min(self.depth, state.room), budget)
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
+        if isinstance(scores, RootScores):
+            self.candidates = scores.guesses
+            return
         if not isinstance(scores, TreeScores):  # a plain step drafted nothing
             self.candidates = StreamGuesses()
             return

@@ -234,18 +234,46 @@ def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForw
     if forward.deferred is not None:
         if cache is None:
             raise ValueError("a deferred pass reads its streams over the compacted cache: pass it")
-        length, device = len(cache), forward.deferred.device
-        x = adapters.insert(forward.deferred[:, [last]], n_streams)[:, 1:]
-        mask = stream_mask(torch.ones(1, length, dtype=torch.bool, device=device),
-                           torch.zeros(1, dtype=torch.long, device=device), n_streams)[:, 1:]
-        positions = forward.positions[last].expand(1, n_streams)
-        rows = model.run_layers(x, positions, cache, mask, adapters.first_layer, None,
-                                streams=adapters.rows(n_streams))[0]
+        tops = last_token_tops(model, adapters, cache, forward.deferred[:, [last]], forward.positions[last],
+                               n_streams, tree_k, head)
     else:
         assert forward.out is not None  # (a graphed pass read its streams: it never gets here)
         rows = forward.out[0, m + last * n_streams: m + (last + 1) * n_streams]
-    ids, logprobs = read_all(*stream_tops(model, rows, n_streams, tree_k, head))
+        tops = stream_tops(model, rows, n_streams, tree_k, head)
+    ids, logprobs = read_all(*tops)
     return StreamGuesses(ids[0], logprobs[0])
+
+
+def last_token_tops(model: Transformer, adapters: StreamAdapters, cache: KVCache, state: torch.Tensor,
+                    position: torch.Tensor | int, streams: int, tree_k: int,
+                    head: SubsetHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stream_tops` of the cache's last token's streams, run on their own: ``state`` is that token's hidden
+    state at layer ``N - N_s`` ``[1, 1, hidden]`` and ``position`` its position (a stream sees what its token sees,
+    the whole cache). After a deferred pass's compaction that token is the last accepted node; after a whole-prompt
+    prefill (:meth:`~mirrorsd.model.Transformer.prefill_at`), the prompt's last token."""
+    device = state.device
+    x = adapters.insert(state, streams)[:, 1:]
+    mask = stream_mask(torch.ones(1, len(cache), dtype=torch.bool, device=device),
+                       torch.zeros(1, dtype=torch.long, device=device), streams)[:, 1:]
+    positions = torch.as_tensor(position, device=device).expand(1, streams)
+    rows = model.run_layers(x, positions, cache, mask, adapters.first_layer, None, streams=adapters.rows(streams))[0]
+    return stream_tops(model, rows, streams, tree_k, head)
+
+
+def read_root(model: Transformer, adapters: StreamAdapters, cache: KVCache, state: torch.Tensor,
+              logits: torch.Tensor, params: SamplingParams, streams: int, tree_k: int,
+              head: SubsetHead | None = None) -> tuple[list[int] | None, StreamGuesses]:
+    """After a whole-prompt prefill, the first tree's candidates: the streams of the prompt's last token (its
+    ``state`` at layer ``N - N_s``; :func:`last_token_tops`). Where :func:`reads_every_row` says so, the model's own
+    token after the prompt (from the prefill's ``logits``) comes in the same host read, as a pass's do
+    (:func:`read_pass`); else None, for the verdict to choose."""
+    ids, logprobs = last_token_tops(model, adapters, cache, state, len(cache) - 1, streams, tree_k, head)
+    own = None
+    if reads_every_row(logits, params):
+        own, ids, logprobs = read_all(choose(logits, [len(cache)], params), ids, logprobs)
+    else:
+        ids, logprobs = read_all(ids, logprobs)
+    return own, StreamGuesses(ids[0], logprobs[0])
 
 
 @dataclass(frozen=True)
