@@ -410,6 +410,18 @@ def test_the_kept_weight_lists_follow_a_changed_b(exact_model):
     assert again is not first and torch.equal(again[1][2], b.t())  # (v_proj: the third projection)
 
 
+def test_an_adapter_made_under_inference_mode_decodes(exact_model):
+    """Code that wraps everything in ``torch.inference_mode()`` attaches the adapter there too: its tensors then keep
+    no version counter, which the kept copies of B must not ask for."""
+    want = generate(exact_model, [5, 6, 7], method="ar", max_new_tokens=12).token_ids
+    with torch.inference_mode():
+        adapters = random_adapters(exact_model, std=0.1)
+        layers = range(adapters.first_layer, exact_model.config.n_layers)
+        assert adapters.weight_lists(layers) is adapters.weight_lists(layers)
+        got = generate(exact_model, [5, 6, 7], method="ss", streams=adapters, max_new_tokens=12)
+    assert got.token_ids == want
+
+
 def test_a_warm_start_may_grow_n_s_keeping_the_saved_layers(exact_model, tmp_path):
     from mirrorsd.train_streams import warm_start
 

@@ -60,6 +60,12 @@ class StreamConfig:
             raise ValueError(f"streams must be >= 1, got {self.streams}")
 
 
+def version(weight: torch.Tensor) -> int:
+    """How many times ``weight`` was changed in place (training's steps), for the copies made of it. An adapter made
+    under ``torch.inference_mode`` holds inference tensors, which keep no count (and which training cannot step): -1."""
+    return -1 if weight.is_inference() else weight._version
+
+
 class PruneAdapter(nn.Module):
     """o_θ: identity + rank-r residual (B starts at 0, so an untrained adapter is the plain logit lens)."""
 
@@ -122,7 +128,7 @@ class StreamAdapters(nn.Module):
         key = f"{layer}_{name}"
         lora = self.lora[key]
         b = lora.lora_B["default"].weight
-        stamp = (b.data_ptr(), b._version)
+        stamp = (b.data_ptr(), version(b))
         cached = self._transposed.get(key)
         if cached is None or cached[0] != stamp:
             cached = self._transposed[key] = (stamp, b.detach().t().contiguous())
@@ -134,12 +140,12 @@ class StreamAdapters(nn.Module):
         pass ~0.3 ms (3%)."""
         key = tuple(layers)
         kept = self._lists.get(key)
-        if kept is not None and all(b._version == v and b.data_ptr() == p for b, v, p in kept[0]):
+        if kept is not None and all(version(b) == v and b.data_ptr() == p for b, v, p in kept[0]):
             return kept[1]
         weights = [self.weights(layer, name) for layer in key for name in PROJECTIONS]
         bs = [self.lora[f"{layer}_{name}"].lora_B["default"].weight for layer in key for name in PROJECTIONS]
         lists = ([a for a, _, _ in weights], [b for _, b, _ in weights], [s for _, _, s in weights])
-        self._lists[key] = ([(b, b._version, b.data_ptr()) for b in bs], lists)
+        self._lists[key] = ([(b, version(b), b.data_ptr()) for b in bs], lists)
         return lists
 
     def rows(self, count: int) -> SSRows:
