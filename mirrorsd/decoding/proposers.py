@@ -196,7 +196,7 @@ class StreamProposer(ModelProposer):
     def propose(self, state: RequestState, window: int | None = None, streams: int | None = None) -> Proposal:
         """``streams``: pass with only the first of the adapters' streams (fewer rows for a busy batch)."""
         window = min(self.gamma, state.room) if window is None else window
-        streams = min(streams or self.adapters.config.streams, self.adapters.config.streams)
+        streams = self.adapters.stream_count(streams)
         cache, position, sampler = state.draft_cache, len(state.tokens), self.sampler
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []

@@ -455,7 +455,7 @@ class LocalDraft:
         if len(cache) + len(spine_feed) != committed + window:
             raise RuntimeError(f"draft cache holds {len(cache)} positions and {len(spine_feed)} are fed, expected "
                                f"{committed + window} in all")
-        n_streams = min(batch_caps(state.batch)[1] or adapters.config.streams, adapters.config.streams)
+        n_streams = adapters.stream_count(batch_caps(state.batch)[1])
         at = roots.at if isinstance(roots, DeviceRoots) else [j for j, _ in roots]
         passes = self.passes(steps)
         ids = roots.ids.to(device) if isinstance(roots, DeviceRoots) else [v for _, v in roots]

@@ -148,6 +148,11 @@ class StreamAdapters(nn.Module):
         self._lists[key] = ([(b, version(b), b.data_ptr()) for b in bs], lists)
         return lists
 
+    def stream_count(self, asked: int | None) -> int:
+        """The streams a pass runs: ``asked`` (0 or None: all) capped at those trained, so a busy batch's cap or a
+        user's option never asks for a stream that has no embedding."""
+        return min(asked or self.config.streams, self.config.streams)
+
     def rows(self, count: int) -> SSRows:
         return SSRows(count, self)
 

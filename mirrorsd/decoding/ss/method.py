@@ -186,7 +186,7 @@ class StreamTreeScorer(ChainScorer):
         prompt (:func:`~.passes.read_root`: the stream rows of a deferred pass; part of the prefill's forward, as
         those are of their pass's)."""
         assert self.root is not None and state.next_logits is not None
-        n_streams = min(self.streams or self.adapters.config.streams, self.adapters.config.streams)
+        n_streams = self.adapters.stream_count(self.streams)
         logits, state.next_logits, root, self.root = state.next_logits, None, self.root, None
         own, guesses = read_root(self.model, self.adapters, state.target_cache, root, logits, state.params,
                                  n_streams, self.tree_k, self.head)

@@ -181,7 +181,7 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
             alive[i] = alive[parents[i]] and p >= threshold
         kept = [i for i in range(n) if alive[i]]
 
-    m, n_streams = len(kept), min(streams or adapters.config.streams, adapters.config.streams)
+    m, n_streams = len(kept), adapters.stream_count(streams)
     sub = send(kept, device)
     deferred = None
     if defers(defer, m, n_streams, device):
@@ -362,7 +362,7 @@ def pass_and_read(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
                   defer: str = "never", main_head: MainHead = None) -> tuple[TreeForward, PassRead | None]:
     """:func:`fused_forward` and :func:`read_pass`: as one graph where the pass prunes nothing and runs its streams
     beside its nodes (:func:`graphed_pass`), else op by op."""
-    n_streams = min(streams or adapters.config.streams, adapters.config.streams)
+    n_streams = adapters.stream_count(streams)
     if (threshold == 0 or not tree.tokens) and defer != "always":
         graphed = graphed_pass(model, adapters, cache, trunk, tree, params, noise, n_streams, tree_k, head,
                                main_head)
