@@ -24,6 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import api
 from ..batching import Batcher
@@ -280,17 +282,8 @@ def create_app(target: api.LoadedModel, draft: api.LoadedModel | None, config: S
 
     app = FastAPI(title="mirrorsd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    open_paths = {"/health", "/", "/favicon.ico"}
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):  # noqa: ANN202 (Starlette's signature)
-        path = request.url.path
-        if config.api_key and path not in open_paths and not path.startswith("/static/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return error(APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
-                                      code="invalid_api_key"))
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(KeyGate, key=config.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -367,6 +360,29 @@ def create_app(target: api.LoadedModel, draft: api.LoadedModel | None, config: S
     return app
 
 
+class KeyGate:
+    """Every path but the page, its files and ``/health`` asks for ``Authorization: Bearer KEY``. A plain ASGI
+    middleware: Starlette's ``@app.middleware("http")`` (``BaseHTTPMiddleware``) wraps ``receive`` so that
+    ``Request.is_disconnected()`` never sees a client leave (Starlette discussion 2094; vLLM and SGLang hit the same),
+    and a non-streaming answer would then decode to ``max_tokens`` for nobody."""
+
+    OPEN = frozenset({"/health", "/", "/favicon.ico"})
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in self.OPEN and not path.startswith("/static/"):
+            given = Headers(scope=scope).get("authorization", "")
+            if not hmac.compare_digest(given.encode(), self.expected):
+                denied = error(APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                                        code="invalid_api_key"))
+                await denied(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -378,8 +394,9 @@ async def respond(server: Server, request: Request, req: SamplingFields, prompt_
     job = server.job(prepared, seed_given=req.seed is not None)
     job.id = new_id("chatcmpl" if chat else "cmpl")
     server.scheduler.submit(job)
+    client = Departure(request, job)
     try:
-        first = await until_disconnect(request, job)
+        first = await client.next()
     except BaseException:
         job.cancel()
         raise
@@ -391,46 +408,66 @@ async def respond(server: Server, request: Request, req: SamplingFields, prompt_
     if req.stream:
         return StreamingResponse(stream_events(server, job, req, chat), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await whole_response(server, request, job, req, chat)
+    return await whole_response(server, client, job, chat)
 
 
-async def until_disconnect(request: Request, job: Job) -> Any:
-    """The job's next event; if the client disconnects meanwhile, the job is cancelled and this returns
-    :data:`LEFT` (non-streaming answers have no other way to notice a client that went away)."""
-    getter = asyncio.ensure_future(job.next())
-    try:
-        while True:
-            done, _ = await asyncio.wait({getter}, timeout=0.25)
-            if done:
-                return getter.result()
-            if await request.is_disconnected():
-                job.cancel()
-                return LEFT
-    finally:
-        getter.cancel()
+class Departure:
+    """A request's job events, watching its client: once the client disconnects, the job is cancelled and
+    :meth:`next` returns :data:`LEFT` (non-streaming answers have no other way to notice a client that went away).
+    The client is looked at every :attr:`EVERY` seconds however fast the events come: a decoding step's tokens arrive
+    every few ms, and a check made only in the gaps between events would never run."""
+
+    EVERY = 0.25
+
+    def __init__(self, request: Request, job: Job) -> None:
+        self.request, self.job = request, job
+        self.looked = time.monotonic()
+
+    async def next(self) -> Any:
+        getter = asyncio.ensure_future(self.job.next())
+        try:
+            while True:
+                due = self.looked + self.EVERY - time.monotonic()
+                if due <= 0:
+                    self.looked = time.monotonic()
+                    if await self.request.is_disconnected():
+                        self.job.cancel()
+                        return LEFT
+                    due = self.EVERY
+                done, _ = await asyncio.wait({getter}, timeout=due)
+                if done:
+                    return getter.result()
+        finally:
+            getter.cancel()
 
 
 LEFT = Event("left")
 
 
-async def whole_response(server: Server, request: Request, job: Job, req: SamplingFields, chat: bool) -> Response:
+async def whole_response(server: Server, client: Departure, job: Job, chat: bool) -> Response:
     first_token_at: float | None = None
     tokens = 0
-    while True:
-        event = await until_disconnect(request, job)
-        if event.kind == "delta":
-            if event.value.token_ids and first_token_at is None:
-                first_token_at = event.at
-            tokens += len(event.value.token_ids)
-        elif event.kind == "done":
-            result = event.value
-            server.finish(job, FINISH_REASONS[result.finish_reason], first_token_at, len(result.token_ids))
-            return JSONResponse(completion_body(job.id, server.config.model_name, result, chat))
-        elif event.kind == "error":
-            raise event.value
-        else:  # cancelled, or the client left
-            server.finish(job, "abort", first_token_at, tokens)
-            return Response(status_code=499)
+    try:
+        while True:
+            event = await client.next()
+            if event.kind == "delta":
+                if event.value.token_ids and first_token_at is None:
+                    first_token_at = event.at
+                tokens += len(event.value.token_ids)
+            elif event.kind == "done":
+                result = event.value
+                server.finish(job, FINISH_REASONS[result.finish_reason], first_token_at, len(result.token_ids))
+                return JSONResponse(completion_body(job.id, server.config.model_name, result, chat))
+            elif event.kind == "error":  # counted as the streaming answer counts it
+                server.finish(job, "error", first_token_at, tokens)
+                raise event.value
+            else:  # cancelled, or the client left
+                server.finish(job, "abort", first_token_at, tokens)
+                return Response(status_code=499)
+    except asyncio.CancelledError:  # the server's graceful shutdown ran out: stop decoding for nobody
+        job.cancel()
+        server.finish(job, "abort", first_token_at, tokens)
+        raise
 
 
 def completion_body(id_: str, model: str, result: api.Generation, chat: bool) -> dict[str, Any]:

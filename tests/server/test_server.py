@@ -308,6 +308,35 @@ def test_client_disconnect_stops_its_generation(live, models):
     assert aborted_tokens < 256  # it stopped early instead of decoding to max_tokens for nobody
 
 
+def finished_requests(live, key: str | None = None) -> dict[str, float]:
+    return {dict(labels)["finished_reason"]: value for (name, labels), value in live.metrics(key).items()
+            if name == "mirrorsd:request_success_total"}
+
+
+@pytest.mark.parametrize("key", [None, "s3cret"])
+def test_a_client_that_leaves_a_whole_answer_stops_its_generation(models, key):
+    """A non-streaming client that times out mid-answer (the OpenAI client's default reaction is to retry) must not
+    leave its request decoding to ``max_tokens`` for nobody, although a step's tokens keep arriving every few ms;
+    behind the API key's middleware too (Starlette's own middleware hid every disconnect from the handlers)."""
+    target, _ = models
+    live = LiveServer(create_app(target, None, ServerConfig(MODEL, api_key=key, max_tokens=256)))
+    try:
+        before = finished_requests(live, key)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 256,
+                "temperature": 0.9, "seed": 5, "ignore_eos": True, "mirrorsd": {"method": "ar"}}
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(60, read=0.6)) as h:
+            h.post(live.url + "/v1/chat/completions", json=body, headers=headers)
+        deadline = time.monotonic() + 60
+        while (after := finished_requests(live, key)) == before:
+            assert time.monotonic() < deadline, "the request never finished"
+            time.sleep(0.05)
+        assert after.get("abort", 0) - before.get("abort", 0) == 1
+        assert after.get("length", 0) == before.get("length", 0)  # not decoded to max_tokens for nobody
+    finally:
+        live.stop()
+
+
 def test_full_queue_answers_429(models):
     """With one request running and room for one waiting, of five more at once one waits its turn and the rest get
     429. (The first request is seen running before the others are sent: sent all at once, they could all reach
