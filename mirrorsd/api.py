@@ -300,6 +300,7 @@ class GenerationStream:
         self.ignore_eos = ignore_eos  # decode past EOS (kept as output) up to max_new_tokens: fixed-length loads
         self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # "" would match at once
         self._steps: Iterator[list[int]] | None = steps
+        self._iteration: Iterator[StreamDelta] | None = None  # the one iteration over the steps, once asked for
         self.token_ids: list[int] = []
         self.result: Generation | None = None
         self._text = ""
@@ -311,17 +312,24 @@ class GenerationStream:
         return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
 
     def __iter__(self) -> Iterator[str]:
-        return (d.text for d in self._run(segments=False) if d.text)
+        iteration = self._run(segments=False)
+        self._iteration = self._iteration or iteration
+        return (d.text for d in iteration if d.text)
 
     def close(self) -> None:
-        """Stop generating (a client went away); ``.result`` stays None unless the stream had finished."""
-        if self._steps is not None:
+        """Stop generating (a client went away), also mid-iteration: the engine's steps end now, not when the
+        iterator is collected; ``.result`` stays None unless the stream had finished."""
+        if self._iteration is not None:
+            self._iteration.close()
+        if self._steps is not None:  # (never iterated)
             self._steps.close()
             self._steps = None
 
     def deltas(self) -> Iterator[StreamDelta]:
         """One :class:`StreamDelta` per decoding step (and a last one with any held-back text)."""
-        return self._run(segments=True)
+        iteration = self._run(segments=True)
+        self._iteration = self._iteration or iteration  # (a second iteration raises at once: nothing to close)
+        return iteration
 
     def _run(self, segments: bool) -> Iterator[StreamDelta]:
         # segments cost a decode per drafted token, so plain text iteration (CLI, bench) skips them

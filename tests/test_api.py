@@ -189,6 +189,19 @@ def test_options_are_checked_before_iterating_and_streams_run_once(tiny):
         list(s)
 
 
+def test_closing_a_stream_mid_iteration_ends_its_steps_at_once(tiny):
+    """What the server does when a client leaves: the engine's steps (and the KV cache they hold) end at close(),
+    not whenever the half-read iterator is collected."""
+    s = stream(tiny, [1, 2], max_new_tokens=50, ignore_eos=True)
+    it = s.deltas()
+    next(it)
+    s.close()
+    assert s.request.stats.new_tokens >= 1  # the steps' finally ran: what was made is accounted for
+    assert s.result is None
+    with pytest.raises(StopIteration):
+        next(it)
+
+
 def test_stats_gamma_is_the_configured_window_and_max_drafted_the_largest_drafted(tiny):
     draft = tiny.prefix_model(1)
     g = generate(tiny, [1, 2, 3], method="sd", draft=draft, gamma=10000, confidence=0.0, max_new_tokens=5)

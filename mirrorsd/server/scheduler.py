@@ -67,12 +67,15 @@ class Scheduler:
     """``max_running`` worker threads sharing one :class:`Batcher`, and a queue of at most ``max_queued`` waiting
     jobs (429 beyond)."""
 
+    LOOK_S = 0.1  # how often a job waiting for its place looks whether its client left
+
     def __init__(self, max_queued: int, max_running: int = 1, batcher: Batcher | None = None) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
-        self.max_running = max_running
+        self.max_running, self.max_queued = max_running, max_queued
         self.batcher = batcher if batcher is not None else Batcher()
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queued)
+        # unbounded, so stop() can always wake every worker; submit(), on the event loop's thread alone, bounds it
+        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._work, name=f"mirrorsd-engine-{i}", daemon=True)
                          for i in range(max_running)]
         self._stopping = False
@@ -95,11 +98,10 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         if self._stopping:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise APIError(429, f"too many requests: {self._queue.maxsize} are waiting already; retry later",
-                           code="queue_full") from None
+        if self._queue.qsize() >= self.max_queued:
+            raise APIError(429, f"too many requests: {self.max_queued} are waiting already; retry later",
+                           code="queue_full")
+        self._queue.put_nowait(job)
 
     def stop(self, timeout: float) -> None:
         """Refuse new jobs, cancel the waiting ones, give the running ones ``timeout`` seconds, then cancel them."""
@@ -122,17 +124,28 @@ class Scheduler:
             for thread in self._threads:
                 thread.join(5.0)
 
-    def _admit(self, job: Job) -> None:
-        """Wait for a place: a job that runs alone waits until nothing runs, and nothing starts beside it."""
+    def _admit(self, job: Job) -> bool:
+        """Wait for a place: a job that runs alone waits until nothing runs, and nothing starts beside it. False: the
+        job's client left while it waited (a job waiting to run alone holds every other admission, so it must not
+        wait on for nobody)."""
         with self._admission:
-            self._admission.wait_for(lambda: not self._solo)
+            while self._solo and not job.cancelled.is_set():
+                self._admission.wait(self.LOOK_S)
+            if job.cancelled.is_set():
+                return False
             if job.alone is not None:
                 self._solo = True
                 if self.running:
                     log.info("request %s runs alone once the %d running finish: %s", job.id, len(self.running),
                              job.alone)
-                self._admission.wait_for(lambda: not self.running)
+                while self.running and not job.cancelled.is_set():
+                    self._admission.wait(self.LOOK_S)
+                if job.cancelled.is_set():
+                    self._solo = False
+                    self._admission.notify_all()
+                    return False
             self.running.add(job)
+            return True
 
     def _leave(self, job: Job) -> None:
         with self._admission:
@@ -146,17 +159,14 @@ class Scheduler:
             job = self._queue.get()
             if job is None:
                 return
-            if job.cancelled.is_set():
+            if job.cancelled.is_set() or not self._admit(job):
                 job.send("cancelled")
                 continue
-            self._admit(job)
             try:
                 with self.batcher.member():
                     self._run(job)
             except APIError as e:
                 job.send("error", e)
-            except (ValueError, FileNotFoundError) as e:  # checks in mirrorsd.stream: the request's fault
-                job.send("error", APIError(400, str(e)))
             except Exception as e:  # a bug: the client gets a 500 without a traceback, the log keeps it
                 log.exception("generation failed")
                 job.send("error", APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
@@ -164,7 +174,10 @@ class Scheduler:
                 self._leave(job)
 
     def _run(self, job: Job) -> None:
-        stream = job.stream = job.make_stream()
+        try:
+            stream = job.stream = job.make_stream()
+        except (ValueError, FileNotFoundError) as e:  # mirrorsd.stream checks everything here: the request's fault
+            raise APIError(400, str(e)) from None  # (past this point such an error is a bug: a 500, logged)
         job.send("started")
         stats = stream.request.stats
         seen = 0
