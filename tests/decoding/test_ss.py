@@ -530,6 +530,33 @@ def test_deferred_streams_give_the_one_pass_bits(exact_model, budget, threshold)
         assert torch.equal(one.path_logits, deferred.path_logits) and _same_cache(one_cache, deferred_cache)
 
 
+@pytest.mark.parametrize("budget", [0, 3])
+def test_a_trunk_before_the_root_gets_no_stream_rows(exact_model, budget):
+    """Text the cache lacks before the root (an SS draft's prompt, or a suffix step's tokens) is verified but never
+    drafts from: its rows carry no streams (on a GPU a prompt's every token used to carry γ, its mask growing with
+    their square), and the pass gives what a prefill of that text and a one-token trunk give, bit for bit."""
+    model = exact_model
+    adapters = random_adapters(model, streams=3, layers=2, std=0.1)
+    prompt = [5, 17, 3, 44, 9, 21]
+    guesses = streaming.StreamGuesses([[7, 8], [9, 3], [11, 12]], [[-0.2, -1.0]] * 3)
+    results = []
+    with torch.inference_mode():
+        for cut in (2, len(prompt) - 1):  # a trunk of four tokens; of one
+            cache = model.new_cache()
+            model.prefill(torch.tensor([prompt[:cut]]), cache)
+            forward = streaming.fused_forward(model, adapters, cache, prompt[cut:], guesses.tree(3, budget),
+                                              defer="never")
+            m, root = len(forward.kept), forward.root_row
+            assert forward.out.shape[1] == m + (m - root) * 3
+            cache.truncate(cut)
+            results.append(streaming.ss_pass(model, adapters, cache, prompt[cut:], guesses.tree(3, budget),
+                                             SamplingParams(), defer="never"))
+    long_trunk, one_token = results
+    assert (long_trunk.accepted, long_trunk.next_token) == (one_token.accepted, one_token.next_token)
+    assert long_trunk.candidates == one_token.candidates
+    assert torch.equal(long_trunk.path_logits, one_token.path_logits)
+
+
 def test_deferring_is_a_cpu_rule_for_trees_of_three_nodes_and_more():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert streaming.defers("auto", 3, 2, cpu) and not streaming.defers("auto", 2, 3, cpu)

@@ -31,7 +31,7 @@ from ...sampling import Noise, SamplingParams, choose, graph_choice, rows_apart,
 from ...transfer import read_all, send
 from ...verify import Verdict, tree_positions, verify_tree
 from ..engine import Proposal, draft_tokens
-from .adapters import StreamAdapters, msa_mask, stream_mask
+from .adapters import StreamAdapters, stream_mask
 
 DEFAULT_TREE_K = 3  # PMLR: γ = 3, k = 3 (a 40-node tree)
 DEFAULT_TREE_BUDGET = 3  # the most likely nodes of that tree a pass runs (0: all); 2-4 measured alike, 6 slower
@@ -118,8 +118,8 @@ class TreeForward:
     trunk: int  # trunk length (the root is node ``trunk - 1``)
     nodes: int  # tree size before pruning, trunk included
     kept: list[int]  # surviving nodes in order (the trunk always survives); their rows in ``out``
-    out: torch.Tensor | None  # [1, m + m·γ, d]: main rows of the kept nodes, then their stream rows (none when
-    # deferred); None from a graphed pass (:func:`graphed_pass`), which read its streams already
+    out: torch.Tensor | None  # [1, m + (m - root)·γ, d]: main rows of the kept nodes, then the stream rows of those
+    # from the root on (none when deferred); None from a graphed pass (:func:`graphed_pass`), which read its streams
     main_logits: torch.Tensor  # [m - root, vocab]: main logits from the root on
     draft: Proposal  # the surviving tree below the root, aligned with main_logits rows 1..
     streams: int  # stream rows per kept node (the adapters' streams, or the first of them)
@@ -183,16 +183,20 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
 
     m, n_streams = len(kept), adapters.stream_count(streams)
     sub = send(kept, device)
+    main_mask = torch.cat([torch.ones(m, past, dtype=torch.bool, device=device), anc[sub][:, sub]], 1)
     deferred = None
-    if defers(defer, m, n_streams, device):
+    if defers(defer, m - root, n_streams, device):
         deferred = hidden[:, sub]
-        main_mask = torch.cat([torch.ones(m, past, dtype=torch.bool, device=device), anc[sub][:, sub]], 1)[None]
-        out = model.run_layers(deferred, positions[sub][None], cache, main_mask, split, None)
-    else:
-        x = adapters.insert(hidden[:, sub], n_streams)
-        up_positions = torch.cat([positions[sub], positions[sub].repeat_interleave(n_streams)])[None]
-        up_mask = msa_mask(anc[sub][:, sub], past, n_streams)
-        out = model.run_layers(x, up_positions, cache, up_mask, split, None, streams=adapters.rows(m * n_streams))
+        out = model.run_layers(deferred, positions[sub][None], cache, main_mask[None], split, None)
+    else:  # stream rows beside the root and the tree only (the next tree grows under one of them; a trunk before
+        # the root, a prompt or a suffix step the cache lacks, is never read: on a GPU, where passes do not defer,
+        # a prompt's every token would carry γ rows and the mask would grow with their square)
+        main = hidden[:, sub]
+        x = torch.cat([main, adapters.insert(main[:, root:], n_streams)[:, m - root:]], 1)
+        up_positions = torch.cat([positions[sub], positions[sub][root:].repeat_interleave(n_streams)])[None]
+        up_mask = stream_mask(main_mask, torch.arange(root, m, device=device), n_streams)
+        out = model.run_layers(x, up_positions, cache, up_mask, split, None,
+                               streams=adapters.rows((m - root) * n_streams))
     where = {node: r for r, node in enumerate(kept)}
     below = kept[len(trunk):]
     draft = Proposal([tokens[i] for i in below],
@@ -204,15 +208,15 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
 DEFER_STREAMS = ("auto", "always", "never")
 
 
-def defers(defer: str, kept: int, streams: int, device: torch.device) -> bool:
-    """Whether a pass runs its streams after verification. One pass carries ``kept · (1 + γ)`` rows through the top
-    layers; deferred, ``kept`` rows and then γ rows in a second call, which reads those layers' weights again. A
-    GPU's row curve is flat, so one call wins there; on a CPU rows cost (16 rows ~3x one on AVX-512, ~6x on AVX2,
-    ``docs/benchmarks.md``), and ``auto`` defers from 3 kept nodes up, where the rows saved outweigh the second read
-    (``benchmarks/ss_pass_cost.py``; ``docs/speculative_streaming.md``, "Stream deltas in one call, and streams
-    after verification")."""
+def defers(defer: str, nodes: int, streams: int, device: torch.device) -> bool:
+    """Whether a pass runs its streams after verification. ``nodes``: the root and the kept tree nodes, which one
+    pass gives ``nodes · γ`` stream rows through the top layers beside the main rows; deferred, γ rows in a second
+    call, which reads those layers' weights again. A GPU's row curve is flat, so one call wins there; on a CPU rows
+    cost (16 rows ~3x one on AVX-512, ~6x on AVX2, ``docs/benchmarks.md``), and ``auto`` defers from 3 nodes up,
+    where the rows saved outweigh the second read (``benchmarks/ss_pass_cost.py``; ``docs/speculative_streaming.md``,
+    "Stream deltas in one call, and streams after verification")."""
     if defer == "auto":
-        return device.type == "cpu" and kept >= 3 and streams > 1
+        return device.type == "cpu" and nodes >= 3 and streams > 1
     return defer == "always"
 
 
@@ -238,7 +242,8 @@ def next_guesses(model: Transformer, adapters: StreamAdapters, forward: TreeForw
                                n_streams, tree_k, head)
     else:
         assert forward.out is not None  # (a graphed pass read its streams: it never gets here)
-        rows = forward.out[0, m + last * n_streams: m + (last + 1) * n_streams]
+        first = m + (last - forward.root_row) * n_streams
+        rows = forward.out[0, first:first + n_streams]
         tops = stream_tops(model, rows, n_streams, tree_k, head)
     ids, logprobs = read_all(*tops)
     return StreamGuesses(ids[0], logprobs[0])
@@ -314,7 +319,7 @@ def read_pass(model: Transformer, forward: TreeForward, params: SamplingParams, 
     own = choose(forward.main_logits, tree_positions(forward.draft.parents or [], forward.past + forward.trunk),
                  params, noise)
     assert forward.out is not None
-    ids, logprobs = stream_tops(model, forward.out[0, m + root * n_streams:m + m * n_streams], n_streams, tree_k, head)
+    ids, logprobs = stream_tops(model, forward.out[0, m:m + (m - root) * n_streams], n_streams, tree_k, head)
     own, ids, logprobs = read_all(own, ids, logprobs)
     return PassRead(own, [StreamGuesses(ids[r], logprobs[r]) for r in range(rows)])
 
