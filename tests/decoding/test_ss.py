@@ -309,6 +309,22 @@ def test_zero_threshold_never_prunes_and_a_high_one_keeps_the_root(exact_model):
             assert len(forward.draft.tokens) == kept - 1 == forward.main_logits.shape[0] - 1
 
 
+def test_pruning_keeps_an_edge_its_restricted_vocabulary_cannot_score(exact_model):
+    """Only a suffix chain's tokens can lie outside the vocabulary the streams guess from; the exit cannot score
+    them, and a rare token copied from the context is what a suffix match is for, so pruning keeps them."""
+    from mirrorsd.draft_vocab import SubsetHead
+
+    model = exact_model
+    adapters = random_adapters(model)
+    head = SubsetHead(model.lm_head, model.embed_tokens.weight, torch.arange(0, 40), model.config.tie_word_embeddings)
+    chain = Proposal([50, 51, 7], [-1, 0, 1])  # 50 and 51 outside the 40 ids, then 7 inside
+    with torch.inference_mode():
+        cache = model.new_cache()
+        model.prefill(torch.tensor([[1, 2, 3]]), cache)
+        forward = streaming.fused_forward(model, adapters, cache, [4], chain, threshold=0.99, head=head)
+    assert forward.draft.tokens == [50, 51]  # unscored edges stay; the exit's unlikely in-vocabulary one goes
+
+
 def test_a_tuned_prune_exit_scores_the_edges_and_keeps_ss_equal_to_ar(exact_model, tmp_path):
     """``prune_exit=FOLDER``: the tuned exit's translator at layer N - N_s scores tree edges instead of the
     pruning adapter. A translator with zero weights sends every state to its bias, so every parent has the same

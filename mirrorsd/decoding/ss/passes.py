@@ -141,12 +141,12 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
                   prune_exit: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   streams: int | None = None, defer: str = "never", main_head: MainHead = None) -> TreeForward:
     """Layers below ``N - N_s`` over the whole tree, pruning, then the top layers with stream rows. ``head``: the
-    restricted vocabulary the pruning exit reads (a token outside it has probability 0). ``prune_exit``: a tuned
-    exit's translator for layer ``N - N_s`` to score edges with instead of the adapter's o_θ. ``streams``: run only
-    the first of the adapters' streams (stream ``j`` sees streams ``1..j`` alone, so they are what they are with
-    all of them: fewer rows when a batch has few to spare). ``defer`` (:data:`DEFER_STREAMS`): run the top layers
-    over the main rows only, and only the last accepted node's streams after compaction (:func:`next_guesses`).
-    ``main_head``: the main rows' head (:data:`MainHead`)."""
+    restricted vocabulary the pruning exit reads (an edge to a token outside it is kept unscored). ``prune_exit``:
+    a tuned exit's translator for layer ``N - N_s`` to score edges with instead of the adapter's o_θ. ``streams``:
+    run only the first of the adapters' streams (stream ``j`` sees streams ``1..j`` alone, so they are what they are
+    with all of them: fewer rows when a batch has few to spare). ``defer`` (:data:`DEFER_STREAMS`): run the top
+    layers over the main rows only, and only the last accepted node's streams after compaction
+    (:func:`next_guesses`). ``main_head``: the main rows' head (:data:`MainHead`)."""
     device = model.device
     past = len(cache)
     root = len(trunk) - 1
@@ -175,7 +175,9 @@ def fused_forward(model: Transformer, adapters: StreamAdapters, cache: KVCache, 
         children = send([tokens[i] for i in edges], device)
         columns = children if ids is None else head.index[children]  # -1: outside the restricted vocabulary
         probs = logits.softmax(-1)[[row[parents[i]] for i in edges], columns.clamp(min=0)]
-        edge_probs = probs.masked_fill(columns < 0, 0.0).tolist()
+        # an edge the exit cannot score stays: only a suffix chain's tokens lie outside the vocabulary the streams
+        # guess from, and a rare token copied from the context is what a suffix match is for
+        edge_probs = probs.masked_fill(columns < 0, 1.0).tolist()
         alive = [True] * n
         for i, p in zip(edges, edge_probs, strict=True):
             alive[i] = alive[parents[i]] and p >= threshold
