@@ -72,6 +72,18 @@ def default_format(name_or_path: str | Path, path: Path, device: str | torch.dev
     return ("q4", "int8x2") if (Path(path) / "model.gguf").is_file() else ("fp32", "int8")
 
 
+def usable_device(device: str | torch.device) -> torch.device:
+    """``device`` as torch names it, checked before anything loads: a typo or a GPU this machine lacks is one clear
+    error, not a traceback from deep inside the load."""
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {str(device)!r} (cpu, cuda, cuda:1, ...): {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: this machine has no usable CUDA GPU (torch {torch.__version__})")
+    return device
+
+
 def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32, weights: str | None = None, activations: str | None = None,
                linear: str = "auto", progress: bool = True) -> LoadedModel:
@@ -87,6 +99,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
 
     from . import tuned_drafts, zoo
 
+    device = usable_device(device)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")

@@ -11,6 +11,7 @@ agrees with it more often, which costs nothing in exactness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -42,8 +43,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise OptionError("temperature", f"must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == math.inf:  # (NaN fails every comparison)
+            raise OptionError("temperature", f"must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise OptionError("top_k", f"must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

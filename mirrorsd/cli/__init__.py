@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, ZooError, FileNotFoundError) as e:
+    except (ValueError, ZooError, OSError) as e:  # a user's mistake (a bad value, a missing or unwritable path)
         print(f"mirrorsd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -24,7 +24,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, False) or "(default" in text:
+        if action.default is None or action.default is False or "(default" in text:  # (0 == False: 0 is shown)
             return text
         return super()._get_help_string(action)
 

@@ -20,7 +20,7 @@ from .common import HelpFormatter, warn_if_busy
 def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser(
         "distill", formatter_class=HelpFormatter, help=COMMANDS["distill"],
-        description="Answer ~26,000 prompts of our own making (code, QA, translation, math word problems, answers "
+        description="Answer ~30,000 prompts of our own making (code, QA, translation, math word problems, answers "
         "from a given context, summaries of passages the model writes, multi-turn, the model's own self-instruct "
         "questions, and the chat kinds: writing, role-play, advice and reasoning requests, questions in a user's "
         "voice, short facts, translation into English; never a Spec-Bench question) with the model itself, many at "
@@ -56,8 +56,10 @@ def kind_list(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.batch < 1 or args.shard_items < 1 or args.max_new_tokens < 1:
-        raise ValueError("--batch, --shard-items and --max-new-tokens must be >= 1")
+    if args.batch < 1 or args.shard_items < 1 or args.max_new_tokens < 1 or (args.items is not None and args.items < 1):
+        raise ValueError("--batch, --shard-items, --max-new-tokens and --items must be >= 1")
+    if args.minutes is not None and not args.minutes > 0:
+        raise ValueError(f"--minutes must be > 0, got {args.minutes}")
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix-cache-mib must be >= 0, got {args.prefix_cache_mib}")
     if not 0 <= args.sampled_share <= 1 or args.temperature <= 0:

@@ -102,6 +102,11 @@ def test_bad_input(capsys, extra, match):
     assert rc == 2 and match in err
 
 
+def test_a_prompts_path_that_is_a_folder_is_a_one_line_error(capsys, tmp_path):
+    rc, _, err = run(capsys, "generate", "--target", "no-such-model", "--method", "ar", "--prompts", str(tmp_path))
+    assert rc == 2 and "Is a directory" in err and err.count("\n") == 1
+
+
 def test_malformed_prompts_file(capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
@@ -179,6 +184,10 @@ def test_bench_perplexity_json(capsys):
     (["train-exit", "--model", "smollm2-135m", "--out", "x", "--topk-weight", "1"], "needs --kl-steps"),
     (["train-exit", "--model", "smollm2-135m", "--out", "x", "--kl-steps", "5", "--topk-weight", "-1"],
      "--topk-weight must be >= 0"),
+    (["distill", "--items", "0"], "--items must be >= 1"),
+    (["distill", "--minutes", "0"], "--minutes must be > 0"),
+    (["generate", "--target", "smollm2-135m", "--method", "ar", "--prompt", "hi", "--device", "cdua"],
+     "unknown device 'cdua'"),
 ])
 def test_bench_and_train_bad_input(capsys, argv, match):
     rc, _, err = run(capsys, *argv)
@@ -212,6 +221,7 @@ def prepared_smollm2() -> None:
         (["--method", "mirror", "--exit-layer", "1.5"], "--exit-layer as a fraction must be in (0, 1)"),
         (["--method", "sd", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
         (["--method", "ar", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["--method", "ar", "--temperature", "nan"], "--temperature must be >= 0 and finite, got nan"),
         (["--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--method", "sd", "--confidence", "abc"], "--confidence must be a number, got 'abc'"),
         (["--method", "mirror", "--threads", "x"], "--threads must be TARGET,DRAFT thread counts"),
