@@ -393,7 +393,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
                "train_vocab": vocab or cfg.vocab_size,
                "train_seconds_this_run": fitted.seconds, "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
-               "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
+               "epochs": round(steps / max(1, len(train_items)), 2), "held_out_chunks": len(eval_items),
                "dtype": str(model.dtype).removeprefix("torch."), "spd_tracks": spd_tracks, "curve": curve}
     TuneConfig(base=model_name, target=target_name, layers=layers, rank=rank, alpha=2 * rank,
                hidden_size=cfg.hidden_size, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,

@@ -215,7 +215,7 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
                "depth": depth, "train_vocab": vocab or cfg.vocab_size,
                "train_seconds_this_run": fitted.seconds, "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
-               "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
+               "epochs": round(steps / max(1, len(train_items)), 2), "held_out_chunks": len(eval_items),
                "dtype": str(dtype).removeprefix("torch."), "curve": curve}
     HeadConfig(model_name, layers, cfg.hidden_size, cfg.n_layers, depth, (recipe or {}) | summary).save(out, head)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

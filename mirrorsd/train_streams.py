@@ -357,7 +357,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
                "labels": LABELS[loss], "loss": loss, "train_vocab": vocab or cfg.vocab_size,
                "train_seconds_this_run": fitted.seconds, "steps": steps,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
-               "epochs": round(steps / len(train_items), 2), "held_out_chunks": len(eval_items),
+               "epochs": round(steps / max(1, len(train_items)), 2), "held_out_chunks": len(eval_items),
                "self_distilled_chunks": distill, "dtype": str(model.dtype).removeprefix("torch.")}
     for key in ("stream_accuracy_answers", "stream_overlap"):  # measures older curves' points may lack
         if key in curve[0] and key in curve[-1]:

@@ -333,21 +333,31 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
 
     bar = tqdm(total=steps, initial=start_step, desc=desc, unit="step", disable=not progress)
     started = time.perf_counter()
-    for index in range(start_step, steps):
-        epoch, position = divmod(index, len(items))
-        loss, counted, postfix = step(items[epoch_order(len(items), seed, epoch)[position]])
-        if loss is not None:
-            optimize(optimizer, loss, trainable.params)
-            bar.set_postfix(postfix | {"epoch": epoch})
-        schedule.step()
-        tokens += counted
-        bar.update()
-        if (index + 1) % eval_every == 0 or index + 1 == steps:
-            curve.append({"step": index + 1, "train_tokens": tokens} | evaluate())
-            bar.write(f"step {index + 1}: held-out {curve[-1]}")
-        if (index + 1) % save_every == 0 or index + 1 == steps:
-            save(index + 1)
-    bar.close()
+    done = saved = start_step
+    try:
+        for index in range(start_step, steps):
+            epoch, position = divmod(index, len(items))
+            loss, counted, postfix = step(items[epoch_order(len(items), seed, epoch)[position]])
+            if loss is not None:
+                optimize(optimizer, loss, trainable.params)
+                bar.set_postfix(postfix | {"epoch": epoch})
+            schedule.step()
+            tokens += counted
+            done = index + 1
+            bar.update()
+            if done % eval_every == 0 or done == steps:
+                curve.append({"step": done, "train_tokens": tokens} | evaluate())
+                bar.write(f"step {done}: held-out {curve[-1]}")
+            if done % save_every == 0 or done == steps:
+                save(done)
+                saved = done
+    except KeyboardInterrupt:  # Ctrl-C keeps every finished step: the next run resumes after it
+        if done > saved:
+            save(done)
+        bar.write(f"interrupted after step {done} of {steps}: saved to {checkpoint}; run the same command to resume")
+        raise
+    finally:
+        bar.close()
     (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")  # also after --steps 0: an evaluation alone
     return Fitted(curve, tokens, round(time.perf_counter() - started, 1))
 

@@ -14,7 +14,8 @@ class Stop(Exception):
     pass
 
 
-def _run(out, steps: int, stop_at: int | None = None) -> tuple[torch.nn.Linear, dict]:
+def _run(out, steps: int, stop_at: int | None = None, save_every: int = 1,
+         interrupt: type[BaseException] = Stop) -> tuple[torch.nn.Linear, dict]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     data = [torch.randn(8, 4) for _ in range(3)]
@@ -24,7 +25,7 @@ def _run(out, steps: int, stop_at: int | None = None) -> tuple[torch.nn.Linear, 
     def step(i: int):
         calls["n"] += 1
         if stop_at is not None and calls["n"] == stop_at:
-            raise Stop
+            raise interrupt
         if i == 2:  # a window with nothing to learn: the schedule moves, the weights do not
             return None, 0, {}
         loss = torch.nn.functional.mse_loss(model(data[i]), targets[i])
@@ -38,8 +39,8 @@ def _run(out, steps: int, stop_at: int | None = None) -> tuple[torch.nn.Linear, 
     trainable = Trainable(list(model.parameters()), model.state_dict, model.load_state_dict, "linear")
     try:
         fitted = fit(out, trainable, [0, 1, 2], step, evaluate, steps=steps, lr=0.05, seed=3, eval_every=2,
-                     save_every=1, desc="test", progress=False)
-    except Stop:
+                     save_every=save_every, desc="test", progress=False)
+    except (Stop, KeyboardInterrupt):
         return model, {}
     return model, {"curve": fitted.curve, "tokens": fitted.tokens}
 
@@ -70,3 +71,15 @@ def test_fit_stopped_before_its_first_checkpoint_starts_over(tmp_path, stop_at):
     _, again = _run(tmp_path / "x", 5)
     _, fresh = _run(tmp_path / "y", 5)
     assert again == fresh
+
+
+def test_ctrl_c_between_checkpoints_keeps_every_finished_step(tmp_path):
+    """Checkpoints come every 25 steps; Ctrl-C at the fifth step still saves the four finished, and the resumed run
+    is the run that was never stopped."""
+    whole, done = _run(tmp_path / "whole", 7, save_every=25)
+    _run(tmp_path / "resumed", 7, stop_at=5, save_every=25, interrupt=KeyboardInterrupt)
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["step"] == 4
+    resumed, done_again = _run(tmp_path / "resumed", 7, save_every=25)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert done_again == done

@@ -109,21 +109,37 @@ def add_method_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, **kwargs)
 
 
+def count(least: int):
+    """An argparse type: an integer of at least ``least`` (a count of steps, chunks, tokens...), refused at parse
+    time, before any model loads, instead of failing as a division by zero after the caches are built."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
+        return value
+    return parse
+
+
 def add_training(p: argparse.ArgumentParser, *, seq_len: int, lr: float, held_out: int, measured: str,
                  trained: str) -> None:
     """The state-cache trainers' flags (``train-streams``, ``train-draft``): steps over cached chunks, the
     restricted training head, the precision of the frozen tower; ``measured``: what held-out chunks measure,
     ``trained``: what stays fp32."""
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (one chunk each)")
-    p.add_argument("--chunks", type=int, help="training chunks to cache (default: --steps, at most 10000); "
+    p.add_argument("--steps", type=count(0), default=200, help="optimizer steps (one chunk each)")
+    p.add_argument("--chunks", type=count(1), help="training chunks to cache (default: --steps, at most 10000); "
                                               "steps beyond it start further epochs")
-    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per training chunk")
+    p.add_argument("--seq-len", type=count(2), default=seq_len, help="tokens per training chunk")
     p.add_argument("--lr", type=float, default=lr, help="AdamW learning rate (linear warmup and decay)")
-    p.add_argument("--held-out", type=int, default=held_out, help=f"chunks kept out of training to measure {measured}")
+    p.add_argument("--held-out", type=count(1), default=held_out,
+                   help=f"chunks kept out of training to measure {measured}")
     p.add_argument("--vocab", type=int, default=32768,
                    help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; "
                         f"held-out {measured} always uses the full vocabulary)")
-    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out points of the learning curve")
+    p.add_argument("--eval-every", type=count(1), default=50,
+                   help="steps between held-out points of the learning curve")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help=f"precision of the frozen weights the {trained} are trained through ({trained} stay "
                         "fp32); auto: bfloat16 on CUDA and on CPUs with bf16 arithmetic (AVX-512 BF16, AMX), else "

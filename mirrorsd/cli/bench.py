@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -305,6 +306,15 @@ def _run_bench(config, out: Path) -> int:
     bench = Bench(config)
     try:
         results = bench.run()
+    except BaseException as e:  # Ctrl-C or a failure hours in: keep every question all methods answered
+        if bench.answers:
+            bench.notes.append(f"interrupted ({type(e).__name__}) after {len(bench.answers)} answers: partial")
+            partial = bench.results(None, None)
+            (out / "results.json").write_text(json.dumps(partial, indent=1, ensure_ascii=False), encoding="utf-8")
+            write_answers(partial, out)
+            print(f"mirrorsd: interrupted; the {len(bench.answers)} answers finished so far are in "
+                  f"{out / 'results.json'} and {out / 'answers'}/", file=sys.stderr, flush=True)
+        raise
     finally:
         bench.close()
     (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")

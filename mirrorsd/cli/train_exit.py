@@ -13,7 +13,7 @@ from mirrorsd.exit_heads import ExitTranslators, resolve_exit_layer
 from mirrorsd.train_exit import KLRefine, fit_exit, plot_curve, self_distilled
 from mirrorsd.training import corpus_texts
 
-from .args import COMMANDS, add_formats, add_model
+from .args import COMMANDS, add_formats, add_model, count
 from .common import HelpFormatter, number, parse_csv, say_loaded, warn_if_busy
 
 
@@ -35,15 +35,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="an existing tuned exit: the fitted layers replace its own, its other layers stay (their "
                             "recipes are kept; the refit's recipe and curve go under refits in its exit_head.json)")
     te.add_argument("--layers", default="0.25,0.5,0.75", help="exit layers: indices or fractions of the depth")
-    te.add_argument("--chunks", type=int, default=64, help="windows of the corpus text")
-    te.add_argument("--self-distill", type=int, default=0, metavar="N",
+    te.add_argument("--chunks", type=count(1), default=64, help="windows of the corpus text")
+    te.add_argument("--self-distill", type=count(0), default=0, metavar="N",
                     help="also fit on N chat transcripts of the model's own greedy answers to prompts about stdlib "
                          "modules (the text Mirror-SD decodes; none is a benchmark question); at most 84")
-    te.add_argument("--distill-tokens", type=int, default=128, help="tokens per self-distilled answer")
-    te.add_argument("--held-out", type=int, default=8, help="windows (of all) kept out to measure the hit rates")
-    te.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    te.add_argument("--distill-tokens", type=count(1), default=128, help="tokens per self-distilled answer")
+    te.add_argument("--held-out", type=count(1), default=8, help="windows (of all) kept out to measure the hit rates")
+    te.add_argument("--seq-len", type=count(2), default=256, help="tokens per window")
     te.add_argument("--seed", type=int, default=0, help="data order")
-    te.add_argument("--kl-steps", type=int, default=0, metavar="N",
+    te.add_argument("--kl-steps", type=count(0), default=0, metavar="N",
                     help="then fine-tune each translator for N steps of 256 tokens by KL to the final distribution "
                          "(the tuned lens's objective; the best held-out step is kept). 300 is the shipped recipe")
     te.add_argument("--kl-lr", type=float, default=1e-4, help="Adam learning rate of the KL fine-tune")

@@ -417,6 +417,34 @@ def test_bench_samples_through_the_filters_it_is_given(tmp_path, monkeypatch, ca
 
 
 @requires_smollm2
+def test_an_interrupted_bench_keeps_the_questions_it_finished(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or a failure) hours into a bench writes what every method finished, not nothing."""
+    from mirrorsd.bench.runner import Bench
+
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"Name a colour ({i})."]})
+                             + "\n" for i in range(3)))
+    answer, calls = Bench._answer, []
+
+    def stopped_at_the_fifth(self, *args, **kwargs):  # 2 methods: questions 0 and 1 finish, then Ctrl-C
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return answer(self, *args, **kwargs)
+
+    monkeypatch.setattr(Bench, "_answer", stopped_at_the_fifth)
+    out = tmp_path / "out"
+    rc = main(["bench", "--target", "smollm2-135m", "--suite", str(suite), "--methods", "ar,suffix",
+               "--max-new-tokens", "4", "--runs", "1", "--warmup", "0", "--no-probe", "--no-predict",
+               "--out", str(out)])
+    assert rc == 130 and "interrupted" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert sorted({a["question_id"] for a in results["answers"]}) == [0, 1] and len(results["answers"]) == 4
+    assert any("interrupted (KeyboardInterrupt) after 4 answers" in n for n in results["notes"])
+    assert len((out / "answers" / "ar.jsonl").read_text().splitlines()) == 2
+
+
+@requires_smollm2
 def test_lossless_check_reports_the_logit_gap_at_a_divergence(smollm2):
     import mirrorsd
     from mirrorsd.bench.runner import Bench, BenchConfig

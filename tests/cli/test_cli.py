@@ -240,6 +240,23 @@ def test_every_flag_is_checked_before_loading_and_named(capsys, prepared_smollm2
     assert err.count("\n") == 1  # one line, no traceback
 
 
+@pytest.mark.parametrize("argv, flag, least", [
+    (["train-streams", "--eval-every", "0"], "--eval-every", 1),
+    (["train-draft", "--held-out", "0"], "--held-out", 1),
+    (["train-eagle", "--steps", "-1"], "--steps", 0),
+    (["train-streams", "--chunks", "x"], "--chunks", 1),
+    (["train-exit", "--out", "o", "--held-out", "0"], "--held-out", 1),
+    (["train-exit", "--out", "o", "--seq-len", "1"], "--seq-len", 2),
+])
+def test_the_trainers_counts_are_checked_when_parsed(capsys, no_loading, argv, flag, least):
+    """A count the training loop would divide by, or index with, is refused before any model loads and any cache
+    is built."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}: must be an integer >= {least}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
 def test_serve_prefill_rows_is_auto_or_a_positive_number(capsys, no_loading, value):
     with pytest.raises(SystemExit) as e:
