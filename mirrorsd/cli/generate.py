@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                 "(`mirrorsd bench quality`); q4 for other folders holding a model.gguf; else fp32)",
                 "activation precision of quantized weights: int8 (per 32 features, fastest) or int8x2 (a second "
                 "int8 plane for the remainder, ~15 bits: what small models need on chat prompts) (default: the zoo "
-                "model's gate-picked one; int8x2 otherwise)")
+                "model's gate-picked one; int8x2 for other folders holding a model.gguf; else int8)")
     g.add_argument("--target-tp", type=int, default=1, metavar="N",
                    help="shard the target's projections over N ranks (Megatron tensor parallelism) under torchrun: "
                         "--nproc-per-node N, or N + 1 with --backend processes (the last rank serves the draft); "

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Measures the target's k-token forward, prefix and early-exit costs and the draft's k-row "
         "costs here, probes acceptance and early-exit fallback on a few Spec-Bench prompts, predicts every "
         "method's speed with the Mirror-SD latency law (Eq. 10) and saves the best for `generate --method auto`.")
-    add_pair(pl)
+    add_pair(pl, self_drafts=False)  # (a plan is kept under its draft's name; a self-draft has none)
     add_weights(pl)
     pl.add_argument("--suite", default="specbench:1", help="calibration prompts: specbench[:N], assist or FILE.jsonl")
     add_sampling(pl, max_new_tokens=(48, "tokens per calibration prompt"))
@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out and Path(args.out).is_dir():  # (found out only when saving, after minutes of measuring)
+        raise ValueError(f"--out names the plan's file, and {args.out} is a folder")
     warn_if_busy("the plan")
     target = mirrorsd.load_model(args.target, weights=args.weights)
     draft = mirrorsd.load_model(args.draft, weights=args.weights)

@@ -66,10 +66,18 @@ def run(args: argparse.Namespace) -> int:
     if args.topk_weight < 0 or (args.topk_weight and not args.kl_steps):
         raise ValueError(f"--topk-weight must be >= 0 and needs --kl-steps, got {args.topk_weight}")
     layers_asked = [number(x) for x in parse_csv(args.layers)]
+    # the exit a refit joins, and the folder a new one goes to, are checked before minutes of fitting
+    base = ExitTranslators.load(Path(args.into)) if args.into else None
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     warn_if_busy("train-exit")
     loaded = mirrorsd.load_model(args.model, weights=args.weights, activations=args.activations)
     say_loaded("model", loaded, args)
     layers = sorted({resolve_exit_layer(x, loaded.config.n_layers) for x in layers_asked})
+    width = next(iter(base.layers.values())).shape[-1] if base is not None and base.layers else None
+    if width is not None and width != loaded.config.hidden_size:
+        raise ValueError(f"--into {args.into}: its translators are {width} wide, {args.model}'s states "
+                         f"{loaded.config.hidden_size}: it belongs to another model")
     corrections = None
     if args.corrections:
         corrections = mirrorsd.load_model(args.corrections, weights=args.weights, activations=args.activations)
@@ -88,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         **({"corrections_draft": args.corrections} if args.corrections else {}))
     if args.into:
         out, refit = Path(args.into), translators
-        translators = refit.merged_into(ExitTranslators.load(out))
+        translators = refit.merged_into(base)
         translators.save(out)
         plot_curve(refit.meta, out / f"learning_curve_refit_{'_'.join(map(str, layers))}.png")
     else:

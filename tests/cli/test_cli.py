@@ -303,6 +303,15 @@ def test_prefix_cache_mib_is_checked_before_loading(capsys, no_loading, command)
     assert rc == 2 and "--prefix-cache-mib must be >= 0, got -1" in err, err
 
 
+def test_train_exit_into_and_plan_out_are_checked_before_loading(capsys, no_loading, tmp_path):
+    """A refit's target exit (a typo, or a folder holding none) and a plan's --out that is a folder used to fail
+    only when saving, after minutes of fitting or measuring."""
+    rc, _, err = run(capsys, "train-exit", "--model", "smollm2-135m", "--into", str(tmp_path))
+    assert rc == 2 and "holds no tuned exit" in err
+    rc, _, err = run(capsys, "plan", "--out", str(tmp_path))
+    assert rc == 2 and "is a folder" in err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
