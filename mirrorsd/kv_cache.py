@@ -76,6 +76,12 @@ class KVCache:
 
     def _grow(self, layer: int, needed: int) -> None:
         old_k, old_v = self.keys[layer], self.values[layer]
+        if old_k.is_cuda:  # the copy below runs on this thread's stream (a rollout's side stream, say), which may not
+            # be the one the old buffers came from: without this the caching allocator could hand their memory to
+            # that other stream as soon as they are dropped, before the copy has read them
+            stream = torch.cuda.current_stream(old_k.device)
+            old_k.record_stream(stream)
+            old_v.record_stream(stream)
         new_cap = max(needed, 2 * old_k.shape[2])
         shape = (*old_k.shape[:2], new_cap, old_k.shape[3])
         self.keys[layer] = old_k.new_zeros(shape)

@@ -313,3 +313,30 @@ def test_the_all_reduce_law_fits_and_predicts():
     assert out["ranks"] == 2 and set(out["measured_ms"]) == {"1", "4"} and min(out["measured_ms"].values()) > 0
     step = out["predicted"]["1"]
     assert step["layer_step_ms"] == pytest.approx(24 * step["spd_step_ms"], rel=1e-3)
+
+
+def test_a_draft_worker_serves_only_the_draft_it_was_spawned_for(monkeypatch):
+    """Workers are kept by the draft's id: a model that gets a collected draft's id must get a worker of its own,
+    not one drafting with the old weights."""
+    import weakref
+
+    class FakeWorker:  # (no process: this is about which worker a draft gets)
+        def __init__(self, entry, args, threads=None) -> None:
+            self.draft, self.closed = args[0], False
+
+        def alive(self) -> bool:
+            return not self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(mirror_remote, "Worker", FakeWorker)
+    monkeypatch.setattr(mirror_remote, "_workers", {})
+    monkeypatch.setattr(mirror_remote, "_served", {})
+    old, new = tiny_hf(layers=1, seed=3), tiny_hf(layers=1, seed=4)
+    worker = mirror_remote.draft_worker(old, None)
+    assert mirror_remote.draft_worker(old, None) is worker  # kept for later requests
+    key = (id(new), None)  # as if `new` had been given the id of a collected `old`
+    mirror_remote._workers[key], mirror_remote._served[key] = worker, weakref.ref(old)
+    fresh = mirror_remote.draft_worker(new, None)
+    assert fresh is not worker and fresh.draft is new and worker.closed

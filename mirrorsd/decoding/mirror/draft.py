@@ -577,7 +577,7 @@ class LocalDraft:
 
     def keep_branch(self, state: RequestState, tree: Tree, branch: int) -> Proposal:
         """Compact the cache to the spine through ``d_A`` plus the branch's inputs ``c, t_1..t_{w-1}``."""
-        limit = min(self.proposer.gamma, state.room)
+        limit = max(0, min(self.proposer.gamma, state.room))  # (a window that filled the room: nothing left)
         count, entries = tree.kept(branch)
         if tree.top_probs is not None:
             window = min(limit, window_end(tree.top_probs[branch], self.confidence))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -194,6 +195,7 @@ def serve_draft(channel: Any, draft: Transformer, syncs: SyncCount | None = None
 # -- the target's process ------------------------------------------------------------------------------------
 
 _workers: dict[tuple[int, int | None], Worker | LaunchedPeer] = {}
+_served: dict[tuple[int, int | None], weakref.ref] = {}  # the draft each spawned worker holds a copy of
 
 
 def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker | LaunchedPeer:
@@ -211,10 +213,13 @@ def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker
         raise ChannelError("a tensor-parallel target needs its draft rank from torchrun (WORLD_SIZE = tp + 1)")
     key = (id(draft), threads)
     worker = _workers.get(key)
-    if worker is None or not worker.alive():
+    # a worker is this draft's only while that draft lives: a later model may get a collected one's id, and must
+    # not draft with the old weights
+    if worker is None or not worker.alive() or _served.get(key, lambda: None)() is not draft:
         if worker is not None:
             worker.close()
         worker = _workers[key] = Worker(serve_draft, (draft,), threads=threads)
+        _served[key] = weakref.ref(draft)
     return worker
 
 
@@ -263,6 +268,7 @@ def close_workers() -> None:
     """Stop every draft rank this process spawned (they are also stopped at exit)."""
     while _workers:
         _workers.popitem()[1].close()
+    _served.clear()
 
 
 @dataclass
