@@ -85,7 +85,10 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        """Jobs in the queue whose client is still there (one that left is skipped when its turn comes, and must not
+        cost a live client a 429 meanwhile)."""
+        with self._queue.mutex:
+            return sum(job is not None and not job.cancelled.is_set() for job in self._queue.queue)
 
     def start(self) -> None:
         """Start the workers. Every forward runs on them or the batcher's engine from now on, so the calling thread
@@ -98,7 +101,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         if self._stopping:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if self._queue.qsize() >= self.max_queued:
+        if self.waiting >= self.max_queued:
             raise APIError(429, f"too many requests: {self.max_queued} are waiting already; retry later",
                            code="queue_full")
         self._queue.put_nowait(job)

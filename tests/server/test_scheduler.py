@@ -124,3 +124,27 @@ def test_a_bad_request_is_a_400_but_an_error_while_decoding_is_a_500():
         assert error.status == 500 and "a bug" not in str(error.body())
         await asyncio.to_thread(scheduler.stop, 5.0)
     run_jobs(body)
+
+
+def test_a_queued_job_whose_client_left_frees_its_place():
+    """The queue holds one; a waiting job whose client left is skipped when its turn comes, and meanwhile a live
+    client gets its place instead of a 429."""
+    async def body(loop) -> None:
+        scheduler = Scheduler(max_queued=1, max_running=1)
+        scheduler.start()
+        running = Job(EndlessStream, loop)
+        scheduler.submit(running)
+        await first_event(running, "started")
+        left = Job(EndlessStream, loop)
+        scheduler.submit(left)
+        assert scheduler.waiting == 1
+        left.cancel()
+        assert scheduler.waiting == 0
+        live = Job(EndlessStream, loop)
+        scheduler.submit(live)  # no 429
+        running.cancel()
+        await first_event(left, "cancelled")
+        await first_event(live, "started")
+        live.cancel()
+        await asyncio.to_thread(scheduler.stop, 5.0)
+    run_jobs(body)
