@@ -171,3 +171,46 @@ def test_sigterm_stops_a_run_and_keeps_the_answers_in_flight(tmp_path):
     summary = json.loads(stdout.decode().splitlines()[0])
     index = json.loads((out / INDEX_FILE).read_text())
     assert index["done_items"] == summary["done_items"] >= 2  # the answered item and the one in flight
+
+
+def test_one_run_writes_to_a_folder_at_a_time(tmp_path):
+    """Two runs on one folder would number their next shard alike and replace each other's."""
+    settings = Settings("smollm2-135m", max_new_tokens=4)
+    first, second = Shards(tmp_path, settings, MINI), Shards(tmp_path, settings)
+    with first.writing(), pytest.raises(ValueError, match="another mirrorsd distill is writing to"), \
+            second.writing():
+        pass
+    with second.writing():  # free again once the first run ends
+        pass
+
+
+def test_ctrl_c_inside_a_flush_writes_no_record_twice(tmp_path, monkeypatch):
+    """A Ctrl-C landing in a shard's flush after the shard is in place (here: in its index) must not write those
+    records again as the run's last shard."""
+    from mirrorsd.distill import engine
+
+    def answered(target, item, settings, store):
+        return [Record(item.id, 0, item.kind, False, [1, 2, 3], [4, 5])]
+
+    monkeypatch.setattr(engine, "answer", answered)
+    monkeypatch.setattr(engine, "Batcher", lambda speculation: type("B", (), {"member": lambda self: _no_op()})())
+    settings = Settings("smollm2-135m", max_new_tokens=4)
+    shards = Shards(tmp_path, settings, MINI)
+    index, calls = Shards.write_index, []
+
+    def interrupted(self):
+        calls.append(1)
+        index(self)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Shards, "write_index", interrupted)
+    run(None, shards, batch=1, shard_items=2, progress=False, prefix_cache_bytes=0)
+    items = [int(i) for data in map(np.load, sorted(tmp_path.glob("shard-*.npz"))) for i in data["item"]]
+    assert len(items) == len(set(items)) and set(items) <= set(range(6))
+
+
+def _no_op():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -15,6 +15,8 @@ sampled (seeded by the item's id) for a share of them. Many items decode at once
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import json
 import os
@@ -37,7 +39,7 @@ from ..execution import release_thread_team
 from ..prefix_cache import PrefixCache
 from .prompts import ASKED_ANEW, KINDS, VERSION, Prompt, build, digest, extend
 
-PROMPTS_FILE, INDEX_FILE = "prompts.jsonl.gz", "index.json"
+PROMPTS_FILE, INDEX_FILE, LOCK_FILE = "prompts.jsonl.gz", "index.json", ".lock"
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,21 @@ class Shards:
             self.freeze()
         return added
 
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """One run writes to a folder at a time: two would both number their next shard alike, and one would
+        replace the other's (its items counted done, then gone)."""
+        with (self.folder / LOCK_FILE).open("a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ValueError(f"another mirrorsd distill is writing to {self.folder}: one run per folder at a "
+                                 "time") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     def freeze(self) -> None:
         write_atomic(self.folder / PROMPTS_FILE,
                      gzip.compress("".join(json.dumps(asdict(p)) + "\n" for p in self.prompts).encode(), mtime=0))
@@ -222,7 +239,13 @@ def run(target: LoadedModel, shards: Shards, *, batch: int = 16, shard_items: in
     done, ``items`` more are, or ``seconds`` have passed; flush a shard every ``shard_items`` items. Ctrl-C stops
     after the items in flight. ``prefix_cache_bytes``: a :class:`PrefixCache` of that size is shared by the
     conversations (0: none)."""
-    todo = shards.pending(kinds)[:items]
+    with shards.writing():
+        return _run(target, shards, batch, shard_items, shards.pending(kinds)[:items], seconds, progress,
+                    prefix_cache_bytes)
+
+
+def _run(target: LoadedModel, shards: Shards, batch: int, shard_items: int, todo: list[Prompt],
+         seconds: float | None, progress: bool, prefix_cache_bytes: int) -> dict[str, Any]:
     store = PrefixCache(target.model, prefix_cache_bytes) if prefix_cache_bytes else None
     work = iter(todo)
     lock, stop = threading.Lock(), threading.Event()
@@ -266,9 +289,11 @@ def run(target: LoadedModel, shards: Shards, *, batch: int = 16, shard_items: in
             bar.update(1)
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
             if answered % shard_items == 0:
-                now = time.perf_counter()
-                shards.write(buffer, now - flushed)
-                buffer, flushed = [], now
+                # the buffer empties before the write: a Ctrl-C inside it (after the shard is in place) must not
+                # write the same records again below; one before it loses them, and a resumed run answers them again
+                now, flushing, buffer = time.perf_counter(), buffer, []
+                shards.write(flushing, now - flushed)
+                flushed = now
             if seconds is not None and time.perf_counter() - start >= seconds:
                 stop.set()
     except KeyboardInterrupt:
