@@ -30,7 +30,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 PREFILL_PACE = 2.0
 #: Prompt rows a paced step takes before the batch has measured its cost line (and a second step size to fit it by).
 PREFILL_START = 8
-#: With paced prompt rows, a causal window of up to this many rows (a short prompt, a draft's catch-up) runs whole in
-#: one step, as a verification window does; a longer one is a prompt, run in paced chunks.
+#: A causal window of up to this many rows (a short prompt, a draft's catch-up, a verification window) runs whole in
+#: one step; a longer one is a prompt, run in chunks (``Batcher.whole_rows``).
 WHOLE_ROWS = 32
 
 
@@ -177,7 +177,7 @@ class Goodput(Fixed):
             own = self._drafted[id(stats)] = _Drafted(stats)
             peers.append(own)
             if len(self._drafted) > 4 * self.PEERS:  # (ended requests' entries: the oldest go first)
-                del self._drafted[next(iter(self._drafted))]
+                drop_oldest(self._drafted)
         pooled_tokens = pooled_rejections = 0
         for peer in list(peers):
             tokens, rejections = peer.outcomes()
@@ -231,7 +231,7 @@ class StepWalls:
             return
         self._seen[id(stats)] = (weakref.ref(stats), n)
         if len(self._seen) > 4 * self.KEEP:  # (ended requests' entries: the oldest go first)
-            del self._seen[next(iter(self._seen))]
+            drop_oldest(self._seen)
         seconds, step = stats.step_s[-1], stats.step_log[n - 1]
         if step.get("limit") == 0:
             self.plain.append(seconds)
@@ -330,6 +330,14 @@ class _Waiting:
         """A causal window without stream rows longer than ``rows``: a prompt, which may run in pieces with the same
         bits (shorter ones, a plain step or a verification window, always run whole)."""
         return self.call is not None and self.call.mask is None and self.call.streams is None and self.rows > rows
+
+
+def drop_oldest(table: dict) -> None:
+    """Forget a full table's oldest entry. Member threads update these tables without a lock, so two may pick the
+    same oldest key, or one may insert while another looks: a key already gone, or a table changing under the look,
+    is let go (the next insert drops one again), never raised into a request."""
+    with suppress(RuntimeError, StopIteration):
+        table.pop(next(iter(table)), None)
 
 
 _MODEL_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its serial (see model_key)
@@ -516,7 +524,7 @@ class Batcher:
         """The forward as :meth:`_run_steps` runs a lone one: a window whole, a prompt in ``PREFILL_CHUNK`` chunks.
         False when a member came to wait before the prompt's last chunk: the rest goes to the engine beside it (a
         long prompt alone must not hold a new request's first step for its whole prefill)."""
-        item.prompt = item.splittable(self.prefill_rows or WHOLE_ROWS)
+        item.prompt = item.splittable(self.whole_rows)
         while True:
             record = self._step([(item, min(item.rows - item.done, PREFILL_CHUNK) if item.prompt else item.rows)])
             with self._cond:
@@ -577,7 +585,7 @@ class Batcher:
         if heads:
             return heads
         for w in self._waiting:
-            w.prompt = w.prompt or w.splittable(self.prefill_rows or WHOLE_ROWS)
+            w.prompt = w.prompt or w.splittable(self.whole_rows)
         windows = [(w, w.rows) for w in self._waiting if not w.prompt]
         prompts = [w for w in self._waiting if w.prompt]
         budget = self.prefill_budget(sum(rows for _, rows in windows)) if windows else PREFILL_CHUNK
@@ -589,6 +597,13 @@ class Batcher:
             work.append((w, take))
             budget -= take
         return work
+
+    @property
+    def whole_rows(self) -> int:
+        """The longest causal window a step always runs whole, as a running stream's step: never fewer than
+        :data:`WHOLE_ROWS`, however small ``prefill_rows`` is (a 17-row verification window counted as a prompt when
+        ``prefill_rows`` was 8, and waited, oldest prompt first, behind another request's whole prefill)."""
+        return max(self.prefill_rows or 0, WHOLE_ROWS)
 
     def prefill_budget(self, window_rows: int) -> int:
         """Prompt rows a step takes beside ``window_rows`` rows of running windows: ``prefill_rows``, or, paced, as many
@@ -633,18 +648,12 @@ class Batcher:
                 model = members[0][0].model
                 mine = per_model.setdefault(model_key(model), [0, 0, 0.0])
                 start = time.perf_counter()
-                try:
-                    if members[0][0].call is not None:
-                        self._layers(members)
-                        prompts += sum(w.prompt for w, _ in members)
-                        windows += sum(not w.prompt for w, _ in members)
-                        mine[0] += sum(rows for _, rows in members)
-                        mine[1] += sum(rows for w, rows in members if w.prompt)
-                    else:
-                        self._heads(members)
-                except Exception as e:  # every member of the failed forward gets the error on its own thread
-                    for w, _ in members:
-                        w.error, w.computed = e, True
+                if members[0][0].call is not None:
+                    prompts += sum(w.prompt for w, _ in members)
+                    windows += sum(not w.prompt for w, _ in members)
+                    mine[0] += sum(rows for _, rows in members)
+                    mine[1] += sum(rows for w, rows in members if w.prompt)
+                self._run_group(members)
                 if apart:
                     self._synchronize([model], work)
                 mine[2] += time.perf_counter() - start
@@ -664,6 +673,24 @@ class Batcher:
             except Exception as e:  # an asynchronous CUDA error: every member of the step gets it, the engine goes on
                 for w, _ in work:
                     w.error, w.computed = e, True
+
+    def _run_group(self, members: list[tuple[_Waiting, int]]) -> None:
+        """One forward (or head product) for ``members``. If it fails, each member runs alone, as it would outside the
+        batch (the same bits), so the member whose window is at fault gets its error on its own thread and the others
+        their results: a request must not fail because of whom it shared a forward with. Nothing a failed call ran
+        counts (a window's outputs and cache length move only once its call returns)."""
+        run = self._layers if members[0][0].call is not None else self._heads
+        try:
+            run(members)
+        except Exception as e:
+            if len(members) == 1:
+                members[0][0].error, members[0][0].computed = e, True
+                return
+            for member in members:
+                try:
+                    run([member])
+                except Exception as own:
+                    member[0].error, member[0].computed = own, True
 
     @staticmethod
     def _layers(members: list[tuple[_Waiting, int]]) -> None:

@@ -351,21 +351,25 @@ def test_a_failing_step_callback_is_logged_and_stops_nobody(pair: Pair, caplog) 
 
 
 def test_a_failing_forward_reaches_only_its_request(pair: Pair, monkeypatch) -> None:
-    """An error in a batched forward goes to the threads whose rows were in it; the batcher stays usable."""
+    """A forward that fails runs each of its members alone: the member whose window is at fault gets the error on its
+    thread, the others their own tokens; the batcher stays usable."""
     batcher = Batcher()
-    calls = [0]
+    calls, at_fault = [0], []
     real = Batcher._layers
 
     def flaky(members):
         calls[0] += 1
         if calls[0] == 3:
+            at_fault.append(members[0][0])  # this member's window fails, batched or alone
+        if any(w is bad for bad in at_fault for w, _ in members):
             raise RuntimeError("boom")
         return real(members)
 
     monkeypatch.setattr(Batcher, "_layers", staticmethod(flaky))
     requests = [Req("ar", (1, 2, i), 8, 0.0, 0, 0, None) for i in range(3)]
     got = run_batched(pair, requests, batcher)
-    assert any(isinstance(g, RuntimeError) for g in got)
+    assert sum(isinstance(g, RuntimeError) for g in got) == 1
+    assert all(g == pair.tokens(r) for g, r in zip(got, requests, strict=True) if not isinstance(g, RuntimeError))
     monkeypatch.setattr(Batcher, "_layers", staticmethod(real))
     assert run_batched(pair, requests, batcher) == [pair.tokens(r) for r in requests]
 
@@ -645,6 +649,49 @@ def test_a_step_of_two_models_records_each_models_rows_and_wall(pair: Pair) -> N
     hidden = target_work[0][0].result
     head = batcher._step([(_Waiting(pair.target, hidden=hidden[:, -1:]), 1)])
     assert [(m.model, m.rows) for m in head.models] == [(model_key(pair.target), 0)] and head.rows == 0
+
+
+@pytest.mark.parametrize("prefill_rows", [8, None])
+def test_a_verification_window_never_waits_behind_another_requests_prompt(pair: Pair, prefill_rows) -> None:
+    """A 17-row window (a suffix step's verification) runs whole in the next step, even beside an older long
+    prompt that takes the whole prompt budget, whatever ``prefill_rows`` is."""
+    from mirrorsd.batching import _Waiting
+    from mirrorsd.execution import LayerCall
+
+    def window(tokens: int) -> _Waiting:
+        model = pair.target
+        ids = torch.arange(tokens).unsqueeze(0) % 64
+        call = LayerCall(model.embed(ids), torch.arange(tokens).unsqueeze(0), model.new_cache())
+        return _Waiting(model, call, 0, model.config.n_layers)
+
+    batcher = Batcher(prefill_rows)
+    prompt, verification, step = window(400), window(17), window(1)
+    batcher._waiting.extend([prompt, verification, step])
+    work = dict((id(w), rows) for w, rows in batcher._select())
+    assert work[id(verification)] == 17 and work[id(step)] == 1
+    assert prompt.prompt and 0 < work[id(prompt)] < 400
+
+
+def test_a_window_at_fault_fails_alone_and_its_forward_mates_get_their_results(pair: Pair) -> None:
+    """One member's malformed window (here a mask for the wrong number of keys) must not fail the requests that share
+    its forward: they get what they get alone, it gets its error."""
+    from mirrorsd.batching import _Waiting
+    from mirrorsd.execution import LayerCall
+
+    model = pair.target
+
+    def window(tokens: int, mask: torch.Tensor | None = None) -> _Waiting:
+        ids = torch.arange(tokens).unsqueeze(0) % 64
+        call = LayerCall(model.embed(ids), torch.arange(tokens).unsqueeze(0), model.new_cache(), mask)
+        return _Waiting(model, call, 0, model.config.n_layers)
+
+    good, bad = window(3), window(3, torch.ones(1, 3, 7, dtype=torch.bool))
+    with torch.inference_mode():
+        Batcher()._step([(good, 3), (bad, 3)])
+        alone = window(3)
+        Batcher()._step([(alone, 3)])
+    assert good.error is None and good.computed and torch.equal(good.result, alone.result)
+    assert bad.error is not None and bad.computed
 
 
 def test_paced_prompt_rows_keep_a_step_within_twice_the_windows_own() -> None:
