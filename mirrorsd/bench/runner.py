@@ -394,7 +394,7 @@ class Bench:
                    disable=not self.progress, dynamic_ncols=True)
         for run in range(cfg.runs):
             for qi, question in enumerate(self.questions):
-                rotation = (run * len(self.questions) + qi) % len(methods)
+                rotation = (run + qi) % len(methods)  # (each run shifts every question's order)
                 done: dict[str, Answer] = {}
                 for spec in methods[rotation:] + methods[:rotation]:
                     done[spec.label] = self._answer(spec, question, run, cfg.max_new_tokens)

@@ -53,7 +53,8 @@ METRICS = (("output_token_throughput", "avg", "tok_s"), ("time_to_first_token", 
            ("time_to_first_token", "p99", "ttft_p99_ms"), ("inter_token_latency", "p50", "tpot_p50_ms"),
            ("inter_token_latency", "p99", "tpot_p99_ms"), ("request_latency", "p50", "latency_p50_ms"),
            ("request_latency", "p99", "latency_p99_ms"), ("completed_request_count", "avg", "completed"),
-           ("input_sequence_length", "avg", "prompt_tokens"), ("output_sequence_length", "avg", "answer_tokens"))
+           ("input_sequence_length", "avg", "prompt_tokens"), ("output_sequence_length", "avg", "answer_tokens"),
+           ("error_request_count", "avg", "errors"))
 
 
 @dataclass(frozen=True)
@@ -331,6 +332,12 @@ def run(cfg: ServeConfig) -> dict[str, Any]:
                     with open(folder / "aiperf.out", "w") as log:
                         subprocess.run(command, env=aiperf_env(), stdout=log, stderr=subprocess.STDOUT, check=True)
                     figures = read_run(folder)
+                    # aiperf's percentiles are over the requests that succeeded: a failed one must show, not vanish
+                    asked = cfg.per_client * level * cfg.turns
+                    if failed := max(asked - figures.get("completed", 0), figures.get("errors", 0)):
+                        figures["failed"] = failed
+                        print(f"warning: {spec.label} at concurrency {level}: {failed:.0f} of {asked} requests "
+                              f"failed (aiperf's log: {folder / 'aiperf.out'})", file=sys.stderr, flush=True)
                     after = prefix_cache_counts(server.url) if before is not None else None
                     if before is not None and after is not None and after[0] > before[0]:
                         figures["cached_prompt_share"] = (after[1] - before[1]) / (after[0] - before[0])
@@ -364,7 +371,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "## Aggregate output tok/s", "", "| concurrency | " + " | ".join(labels) + " |",
               "|---|" + "---|" * len(labels)]
     for c in results["levels"]:
-        row = [_cell(results["median"][lb].get(str(c)), lambda f: f"{f['tok_s']:.2f}") for lb in labels]
+        row = [_cell(results["median"][lb].get(str(c)), lambda f: f"{f['tok_s']:.2f}")
+               + (f" ⚠ {n:.0f} failed" if (n := failures(results, lb, c)) else "") for lb in labels]
         lines.append(f"| {c} | " + " | ".join(row) + " |")
     for key, title in (("ttft", "Time to first token, ms (p50 / p99)"),
                        ("tpot", "Time per output token, ms (p50 / p99)")):
@@ -383,6 +391,13 @@ def markdown(results: dict[str, Any]) -> str:
                    for lb in cached]
             lines.append(f"| {c} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def failures(results: dict[str, Any], label: str, level: int | None = None) -> float:
+    """Requests that failed in a server's runs (at one concurrency level, or at all): its figures at that level
+    come from the ones that succeeded alone."""
+    levels = results.get("runs", {}).get(label, {})
+    return sum(run.get("failed", 0) for c, runs in levels.items() if level is None or c == str(level) for run in runs)
 
 
 def _cell(figures: dict[str, float] | None, text) -> str:

@@ -14,7 +14,7 @@ import torch
 from mirrorsd import perplexity, quality
 from mirrorsd.bench import forward, gpu, serve
 from mirrorsd.bench.peers import find_llama_server
-from mirrorsd.bench.report import write_report
+from mirrorsd.bench.report import diverged, write_report
 from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, parse_methods, write_answers
 from mirrorsd.decoding import get_method
 from mirrorsd.decoding import methods as registered_methods
@@ -322,6 +322,10 @@ def _run_bench(config, out: Path) -> int:
     report = write_report(results, out)
     print(report.read_text(encoding="utf-8"))
     print(f"written: {out / 'results.json'}, {report}, {out / 'answers'}/*.jsonl and plots in {out}")
+    if bad := [m for m, s in results["summary"].items() if diverged(s)]:  # a script must not read this as a pass
+        print(f"mirrorsd: error: not lossless: {', '.join(bad)} gave answers that differ from their reference "
+              "(the report's Lossless check lists where)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -367,6 +371,10 @@ def _serve(args: argparse.Namespace) -> int:
     serve.plot(results, out / "throughput_latency.png")
     print(report)
     print(f"written: {out / 'results.json'}, {out / 'report.md'}, {out / 'throughput_latency.png'}")
+    if bad := [label for label in results["runs"] if serve.failures(results, label)]:
+        print(f"mirrorsd: error: requests failed on {', '.join(bad)}: their figures cover the rest only (the "
+              "report marks the levels)", file=sys.stderr)
+        return 1
     return 0
 
 

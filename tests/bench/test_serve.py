@@ -126,6 +126,10 @@ def test_median_report_and_plot(tmp_path):
     assert "## Prompt tokens the prefix cache restored" in text and "| 2 | 62% |" in text and "| 1 | – |" in text
     serve.plot(results, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+    # a request that failed shows at its level: aiperf's figures cover the ones that succeeded only
+    results["runs"] = {"ar": {"1": [{"tok_s": 12.5}], "2": [{"tok_s": 20.0, "failed": 3.0}]}, "ar1": {"1": []}}
+    assert "| 2 | 20.00 ⚠ 3 failed | – |" in serve.markdown(results)
+    assert serve.failures(results, "ar") == 3 and serve.failures(results, "ar1") == 0
 
 
 def test_aiperf_runs_without_the_offline_switch(monkeypatch, tmp_path):
