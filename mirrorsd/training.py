@@ -8,6 +8,7 @@ steps and evaluates into a learning curve, so a run stopped at any moment resume
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sysconfig
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -35,7 +37,8 @@ DISTILL = "distill:"  # a `mirrorsd distill` folder: token ids as the model read
 DISTILL_RECORDS = 32  # records joined per document, so windows fill up
 # How distill_documents builds documents; a state cache records it, so one built from other documents is refused.
 # 2: a conversation's earlier turn is dropped where the next turn's record holds it whole.
-DISTILL_DOCUMENTS = 2
+# 3: and a record that another holds whole (as its start or as itself) is kept once.
+DISTILL_DOCUMENTS = 3
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 CHECKPOINT, CURVE, CURVE_PLOT = "checkpoint.pt", "curve.json", "learning_curve.png"
 CACHE_META, HELD_OUT = "cache.json", "held-out.safetensors"
@@ -74,24 +77,39 @@ def distill_documents(folder: str | Path) -> list[Tokens]:
 
     A conversation's next turn is recorded with the earlier turns as its prompt, ids for ids, so the earlier record
     is dropped and its answer marks carried over: read twice, those turns were ~17% of the folder's tokens and
-    weighed double in training."""
+    weighed double in training. A record that another holds whole, as that one's start or as itself, is kept once:
+    a multi-turn item opens with a code or QA item's prompt word for word, and answered greedily both record the same
+    ids (and a window of one could land in the held-out chunks while the other trains)."""
     from .distill.engine import records
 
-    kept: list[tuple[list[int], list[bool]]] = []
+    kept: list[tuple[list[int], list[bool], set[bytes]]] = []  # (ids, answer marks, the earlier turns it holds)
     for ids, answer_from, _ in records(folder):
-        ids = ids.tolist()
         answer = [False] * answer_from + [True] * (len(ids) - answer_from)
-        if kept and len(ids) > len(kept[-1][0]) and ids[:len(kept[-1][0])] == kept[-1][0]:
-            earlier = kept.pop()[1]
-            answer[:len(earlier)] = earlier
-        kept.append((ids, answer))
+        holds: set[bytes] = set()
+        if kept and len(ids) > len(kept[-1][0]) and np.array_equal(ids[:len(kept[-1][0])], kept[-1][0]):
+            earlier, marks, held = kept.pop()
+            answer[:len(marks)] = marks
+            holds = held | {_key(earlier)}
+        kept.append((ids, answer, holds))
     if not kept:
         raise ValueError(f"{folder} holds no distilled records: run `mirrorsd distill --out {folder}` first")
+    starts = set().union(*(held for _, _, held in kept))
+    unique, seen = [], set()
+    for ids, answer, _ in kept:
+        key = _key(ids)
+        if key not in seen and key not in starts:
+            seen.add(key)
+            unique.append((ids.tolist(), answer))
     docs = []
-    for start in range(0, len(kept), DISTILL_RECORDS):
-        group = kept[start:start + DISTILL_RECORDS]
+    for start in range(0, len(unique), DISTILL_RECORDS):
+        group = unique[start:start + DISTILL_RECORDS]
         docs.append(Tokens([t for ids, _ in group for t in ids], [a for _, answer in group for a in answer]))
     return docs
+
+
+def _key(ids: np.ndarray) -> bytes:
+    """A record's ids as a short fixed-size key (32k records of ~250 ids each)."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.uint32).tobytes(), digest_size=16).digest()
 
 
 def data_versions(sources: list[str]) -> dict[str, int]:

@@ -214,3 +214,21 @@ def _no_op():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+def test_a_record_another_holds_whole_trains_once(tmp_path):
+    """A multi-turn item opens with a code item's prompt word for word; answered greedily, both record the same ids.
+    Its second turn holds that record whole, so the code item's copy goes too; an exact repeat is kept once."""
+    from mirrorsd.training import distill_documents
+
+    settings = Settings("smollm2-135m", max_new_tokens=4)
+    shards = Shards(tmp_path, settings, MINI)
+    first_turn = ([1, 2, 3], [4, 5])
+    shards.write([Record(0, 0, "code", False, *first_turn),  # the code item
+                  Record(9, 0, "qa", False, [7, 7], [8]),
+                  Record(9, 0, "qa", False, [7, 7], [8])], 1.0)  # (the same record twice)
+    shards.write([Record(5, 0, "multi-turn", False, *first_turn),  # its first turn: the code item's ids
+                  Record(5, 1, "multi-turn", False, [1, 2, 3, 4, 5, 6], [7])], 1.0)
+    (doc,) = distill_documents(tmp_path)
+    assert list(doc) == [7, 7, 8, 1, 2, 3, 4, 5, 6, 7]
+    assert doc.answer == [False, False, True, False, False, False, True, True, False, True]
