@@ -186,6 +186,9 @@ def test_latency_law_terms():
     short = {**step, "gamma": 1, "roots": 1}
     assert step_ms("mirror", short, backend="threads") == pytest.approx(8.5 + ee + 8.5)
     assert step_ms("mirror", {**short, "hit": False}, backend="threads") == pytest.approx(8.5 + ee + 8.5 + 2.0)
+    # the first step's fresh rollout also reads the prompt (64 tokens): D(64), as sd's draft does
+    first = {**short, "hit": False, "fed": 64}
+    assert step_ms("mirror", first, backend="threads") == pytest.approx(8.5 + ee + 8.5 + 32.0)
     # the serial budget rolls out nothing: no exit, a fresh rollout for every window (vanilla SD's step)
     none = {**step, "roots": 0, "hit": None}
     assert step_ms("mirror", none) == pytest.approx(17.0 + 7 * 2.0) == step_ms("sd", {"drafted": 7})

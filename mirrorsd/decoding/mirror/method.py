@@ -74,7 +74,9 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     # a window no branch was kept for (a miss, or no rollout) is a fresh rollout; a suffix draft is free
     fresh = float(step["hit"] is not True and step.get("source", "model") == "model")
     exit_head = c.exit_head(w) if roots else 0.0  # the exit only picks roots: none rolled out, none read
-    return pre + exit_head + core + fresh * gamma * c.draft(1, opts.draft_vocab)
+    # the fresh rollout's first forward reads what the draft's cache lacked (the prompt, on the first step), as sd's
+    rollout_fresh = c.draft(max(step.get("fed", 1), 1), opts.draft_vocab) + (gamma - 1) * c.draft(1, opts.draft_vocab)
+    return pre + exit_head + core + fresh * rollout_fresh
 
 
 def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
