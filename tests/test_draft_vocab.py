@@ -248,7 +248,7 @@ def test_mirror_with_a_restricted_exit_equals_ar_and_reads_subset_candidates(tab
         generate(target, prompt, method="mirror", draft=draft, exit_vocab=-1)
 
 
-def test_ss_with_restricted_stream_heads_equals_ar_and_prunes_outside_tokens(tables):
+def test_ss_with_restricted_stream_heads_equals_ar_and_keeps_edges_they_cannot_score(tables):
     from mirrorsd.decoding.ss import passes as streaming
     from tests.helpers import random_adapters
 
@@ -274,6 +274,7 @@ def test_ss_with_restricted_stream_heads_equals_ar_and_prunes_outside_tokens(tab
             kept[name] = {tree.tokens[i - 1] for i in forward.kept[1:]}
             cache.truncate(3)
     assert outside[0] in kept["full"]
-    assert inside[0] in kept["restricted"] and kept["restricted"] <= set(inside)  # outside: probability 0
+    # the restricted exit scores only its ids; an edge it cannot score stays (only a suffix chain holds such tokens)
+    assert inside[0] in kept["restricted"] and {outside[0], outside[1]} <= kept["restricted"]
     candidates = streaming.next_guesses(model, adapters, forward, Verdict(0, 0), 3, head)
     assert all(len(row) == 3 and set(row) <= set(inside) for row in candidates.tokens)
