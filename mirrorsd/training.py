@@ -82,7 +82,7 @@ def distill_documents(folder: str | Path) -> list[Tokens]:
     ids (and a window of one could land in the held-out chunks while the other trains)."""
     from .distill.engine import records
 
-    kept: list[tuple[list[int], list[bool], set[bytes]]] = []  # (ids, answer marks, the earlier turns it holds)
+    kept: list[tuple[np.ndarray, list[bool], set[bytes]]] = []  # (ids, answer marks, the earlier turns it holds)
     for ids, answer_from, _ in records(folder):
         answer = [False] * answer_from + [True] * (len(ids) - answer_from)
         holds: set[bytes] = set()
