@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 import uvicorn
 from rich.console import Console
@@ -93,6 +94,22 @@ def prefill_rows(text: str) -> int | None:
     return rows
 
 
+def check_bindable(host: str, port: int) -> None:
+    """Fail before minutes of loading, not after, when the address is taken or not this machine's (uvicorn would
+    say so only once the models are up). The probe socket is closed again: uvicorn binds it for real."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} is not an address of this machine: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     method = args.method or default_method(args.draft)
@@ -104,14 +121,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix-cache-mib must be >= 0, got {args.prefix_cache_mib}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    needs_draft = args.draft is not None or method == "auto" or get_method(method).needs_draft
+    if needs_draft and args.draft is None and method != "auto":
+        raise ValueError(f"--method {method} needs --draft (a zoo name or folder, or self:N)")
+    check_bindable(args.host, args.port)
     api_key = args.api_key or os.environ.get("MIRRORSD_API_KEY") or None
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
                                      activations=args.activations)
     say_loaded("target", target, args)
-    needs_draft = args.draft is not None or method == "auto" or get_method(method).needs_draft
-    if needs_draft and args.draft is None and method != "auto":
-        raise ValueError(f"--method {method} needs --draft (a zoo name or folder, or self:N)")
     draft = load_draft(args, target, err) if needs_draft and (args.draft or method != "auto") else None
     if method == "auto":
         method, options, chosen = planned(target, draft, options)

@@ -297,6 +297,25 @@ def test_serve_says_why_its_warm_up_failed(capsys, monkeypatch):
     assert rc == 2 and "the stream adapter is missing" in err and "Traceback" not in err
 
 
+def test_serve_checks_its_draft_and_address_before_loading(capsys, no_loading):
+    """A method that needs a draft, a port out of range, or an address in use failed only once the target was up
+    (uvicorn's bind error came after minutes of loading)."""
+    import socket
+
+    rc, _, err = run(capsys, "serve", "--method", "sd")
+    assert rc == 2 and "--method sd needs --draft" in err, err
+    rc, _, err = run(capsys, "serve", "--method", "ar", "--port", "70000")
+    assert rc == 2 and "--port must be in 0..65535, got 70000" in err, err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, _, err = run(capsys, "serve", "--method", "ar", "--port", str(port))
+    assert rc == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err, err
+    rc, _, err = run(capsys, "serve", "--method", "ar", "--host", "no-such-host.invalid")
+    assert rc == 2 and "--host 'no-such-host.invalid' is not an address of this machine" in err, err
+
+
 @pytest.mark.parametrize("command", ["serve", "distill"])
 def test_prefix_cache_mib_is_checked_before_loading(capsys, no_loading, command):
     rc, _, err = run(capsys, command, "--method", "ar", "--prefix-cache-mib", "-1")
