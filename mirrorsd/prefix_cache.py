@@ -98,6 +98,9 @@ class PrefixCache:
         if not self.enabled or n == 0 or cache.rows != 1:
             return
         ids = np.asarray(tokens[:n], dtype=np.int64)
+        per_position = sum(t[0, :, :1].numel() * t.element_size() for t in (*cache.keys, *cache.values))
+        if n * per_position > self.max_bytes:  # before anything is dropped: a shorter entry it extends stays
+            return
         with self._lock:
             for key, entry in list(self._entries.items()):
                 shared = common_prefix(entry.tokens, ids)
@@ -106,12 +109,8 @@ class PrefixCache:
                     return
                 if shared == len(entry.tokens):  # the new sequence extends it
                     del self._entries[key]
-        entry = _Entry(ids, [k[0, :, :n].clone() for k in cache.keys],
-                       [v[0, :, :n].clone() for v in cache.values])
-        if entry.nbytes > self.max_bytes:
-            return
-        with self._lock:
-            self._entries[self._next] = entry
+            self._entries[self._next] = _Entry(ids, [k[0, :, :n].clone() for k in cache.keys],
+                                               [v[0, :, :n].clone() for v in cache.values])
             self._next += 1
             total = sum(e.nbytes for e in self._entries.values())
             while total > self.max_bytes:

@@ -63,6 +63,9 @@ def test_the_least_recently_used_go_first_within_the_budget(model):
     too_small = PrefixCache(model, max_bytes=one.nbytes - 1)
     too_small.store([1, 2, 3], prefilled(model, [1, 2, 3]))
     assert len(too_small) == 0
+    too_small.store([1, 2], prefilled(model, [1, 2]))
+    too_small.store([1, 2, 3], prefilled(model, [1, 2, 3]))  # too large to keep: the entry it extends stays
+    assert len(too_small) == 1 and too_small.restore([1, 2, 3], model.new_cache()) == 2
 
 
 def test_off_where_a_restored_prefix_could_differ_from_a_prefill():
