@@ -228,8 +228,8 @@ class SuffixProposer:
             return
         with self.shared.lock:
             self.shared.add(output)
-            if self.persist is not None:
-                self.shared.save(self.persist)
+        if self.persist is not None:
+            self.shared.save(self.persist)
 
 
 GATES = ("always", "measured")  # sd's model_gate: see ModelGate

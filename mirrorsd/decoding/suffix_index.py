@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,6 +62,8 @@ class SuffixIndex:
         self.tokens = 0
         self._next_doc = 0
         self.lock = threading.Lock()  # the shared index is read and written by concurrent requests
+        self._save_lock = threading.Lock()
+        self._copies = self._saved = 0  # of the documents taken for saving, and the newest one written
 
     def __len__(self) -> int:
         return self.tokens
@@ -153,10 +157,26 @@ class SuffixIndex:
     # -- persistence of the shared index (documents only; the table is rebuilt) -------------------------------
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(list(self.docs.values())))
-        tmp.replace(path)
+        """Write the documents to ``path`` whole. Call it without holding :attr:`lock`: the copy is taken under it,
+        the write is not (requests keep drafting meanwhile); each write has a temporary file of its own (two
+        processes may persist to one path), and a slower writer never replaces a newer copy."""
+        with self.lock:
+            docs = [list(doc) for doc in self.docs.values()]
+            self._copies += 1
+            copy = self._copies
+        with self._save_lock:
+            if copy < self._saved:
+                return
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(docs, f)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self._saved = copy
 
     def load(self, path: Path) -> None:
         for doc in json.loads(path.read_text()):

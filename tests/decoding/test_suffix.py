@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -62,6 +63,24 @@ def test_shared_index_round_trips_through_a_file(tmp_path):
     again = SuffixIndex()
     again.load(tmp_path / "s.json")
     assert list(again.docs.values()) == [[1, 2, 3], [4, 5]] and again.table == index.table
+
+
+def test_concurrent_saves_leave_the_newest_whole_copy(tmp_path):
+    """Requests finishing together each save the shared index: each write has its own temporary file (one fixed
+    name made writers replace or truncate each other's), and the last copy taken is the one left."""
+    index, path = SuffixIndex(), tmp_path / "s.json"
+
+    def finish(i: int) -> None:
+        with index.lock:
+            index.add(list(range(i, i + 2000)))
+        index.save(path)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(finish, range(16)))
+    again = SuffixIndex()
+    again.load(path)
+    assert sorted(again.docs.values()) == sorted(index.docs.values()) and len(again.docs) == 16
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
 
 
 def _state(tokens: list[int], max_new: int = 32) -> RequestState:
