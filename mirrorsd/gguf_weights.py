@@ -250,6 +250,7 @@ class _PlainViewReader(GGUFReader):
                    **{t: np.dtype(d).itemsize for t, d in GGUFReader.gguf_scalar_to_np.items()}}
 
     def __init__(self, path: str, mode: str = "r") -> None:
+        self.path = path  # (for errors that name the file)
         super().__init__(path, mode)
         for key in [k for k, f in self.fields.items() if f.types[:1] == [GGUFValueType.ARRAY] and not f.data]:
             del self.fields[key]  # (stepped over: no items parsed)
@@ -279,8 +280,13 @@ class _PlainViewReader(GGUFReader):
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
-    """A read-only :class:`GGUFReader` of ``path`` (tensor data stays memory-mapped)."""
-    return _PlainViewReader(os.fspath(path), "r")
+    """A read-only :class:`GGUFReader` of ``path`` (tensor data stays memory-mapped). A big-endian file is refused:
+    the block decoders read little-endian fields, so its weights would load as noise."""
+    reader = _PlainViewReader(os.fspath(path), "r")
+    if reader.byte_order != "I":
+        raise ValueError(f"{os.fspath(path)} is a big-endian GGUF, which mirrorsd cannot read: convert it with "
+                         "llama.cpp's gguf tools, or use --weights fp32")
+    return reader
 
 
 def _field(reader: GGUFReader, key: str) -> Any:
@@ -312,6 +318,7 @@ def load_gguf_weights(path: str | os.PathLike | GGUFReader, config: Any) -> dict
     and merges) is most of the load time of a small model.
     """
     reader = path if isinstance(path, GGUFReader) else open_gguf(path)
+    source = getattr(reader, "path", "the GGUF file")
     arch = _field(reader, "general.architecture")
     tied = bool(_cfg(config, "tie_word_embeddings", False))
     n_head = _cfg(config, "num_attention_heads") or _field(reader, f"{arch}.attention.head_count")
@@ -324,9 +331,13 @@ def load_gguf_weights(path: str | os.PathLike | GGUFReader, config: Any) -> dict
         if t.name == "output.weight" and tied:
             log.debug("config ties the head: ignoring GGUF output.weight")
             continue
-        hf = gguf_to_hf_name(t.name)
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # ggml (ne0=K, ne1=N) → torch (N, K)
-        w = decode_tensor(t.data, t.tensor_type, shape)
+        try:
+            hf = gguf_to_hf_name(t.name)
+            w = decode_tensor(t.data, t.tensor_type, shape)
+        except (KeyError, NotImplementedError) as e:  # a user's GGUF of another kind: one line, not a traceback
+            raise ValueError(f"{source}: {e.args[0]}; --weights fp32 loads the folder's "
+                             "converted checkpoint instead") from None
         # transformers' LlamaTensorProcessor keys on the GGUF architecture, so do we.
         if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
             w = _unpermute_rows(w, int(n_head if ".attn_q." in t.name else n_kv))

@@ -18,11 +18,14 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from . import kernels
@@ -38,6 +41,7 @@ FORMAT = "1"
 SOURCES = ("gguf_weights.py", "quant.py", "kernels/__init__.py", "linear.py", "model.py", "loading.py",
            "weight_cache.py")
 _QUANT_FIELDS = ("codes", "scales", "offsets", "super_scales", "super_offsets")
+STALE_WRITE_S = 3600  # a half-written file this old is a killed writer's, not one in progress
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +112,18 @@ def store(file: Path, model: Transformer, source: Path) -> None:
             log.info("not keeping packed weights (%d MB): too little free disk in %s", size >> 20, folder)
             return
         _write(file, arrays, {"weights": json.dumps(entries), "source": str(source.resolve())})
-    except (OSError, CacheDirError) as error:
+    except (OSError, CacheDirError, SafetensorError) as error:  # (safetensors reports a full disk as its own)
         warnings.warn(f"could not keep the packed weights at {file} ({error}); the next load decodes again",
                       RuntimeWarning, stacklevel=3)
         return
     log.debug("packed weights kept in %s (%d MB)", file, size >> 20)
     stem = file.name.rsplit("-", 1)[0]
+    for stale in [*folder.glob("*.partial"), *folder.glob(".tmp*")]:  # a killed write's (safetensors' own .tmp*)
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_WRITE_S:
+                stale.unlink(missing_ok=True)
+        except OSError:
+            pass
     for other in folder.glob("*.safetensors"):  # this model's older files, and those of checkpoints now gone
         if other != file and (other.name.startswith(f"{stem}-") or not _source_exists(other)):
             other.unlink(missing_ok=True)
@@ -132,7 +142,7 @@ def _source_exists(file: Path) -> bool:
 def _write(file: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     from safetensors.numpy import save_file
 
-    partial = file.with_name(f"{file.name}.{os.getpid()}.partial")  # a reader never sees half a file
+    partial = file.with_name(f"{file.name}.{os.getpid()}.{threading.get_ident()}.partial")  # never half a file
     try:
         save_file(arrays, partial, metadata=metadata)
         os.replace(partial, file)

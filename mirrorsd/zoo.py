@@ -350,6 +350,7 @@ def _convert(gguf: Path, out: Path) -> None:
     model peaks around 9 GB, so the model is freed before returning.
     """
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": gguf.name, "local_files_only": True}
@@ -362,7 +363,10 @@ def _convert(gguf: Path, out: Path) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
+        try:
+            model.save_pretrained(out)
+        except SafetensorError as e:  # (safetensors' own error for a failed write, a full disk: not an OSError)
+            raise OSError(f"could not write the converted model to {out}: {e}") from None
         tokenizer.save_pretrained(out)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(out)

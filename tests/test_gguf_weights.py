@@ -203,3 +203,31 @@ def test_qwen_0_5b_gguf_equals_converted_checkpoint():
     reader = open_gguf(zoo.gguf_path(name))
     assert set(describe_gguf(reader)) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K", "F32"}
     _assert_matches_checkpoint(name, reader, tied=False)
+
+
+def _written_gguf(path, tensors: dict[str, np.ndarray], **writer) -> str:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama", **writer)
+    for name, array in tensors.items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_a_gguf_of_another_kind_is_one_clear_error(tmp_path):
+    """A user's GGUF with a tensor we have no name for (a mixture of experts) or that is big-endian (the block
+    decoders read little-endian fields: it would load as noise) is refused with a ValueError naming the file, which
+    the CLI prints as one line; it was a KeyError traceback, or silent garbage."""
+    from gguf import GGUFEndian
+
+    moe = _written_gguf(tmp_path / "moe.gguf", {"blk.0.ffn_gate_exps.weight": np.ones((4, 8), np.float32)})
+    with pytest.raises(ValueError, match=r"moe\.gguf: no Hugging Face name known .*--weights fp32"):
+        load_gguf_weights(moe, {})
+    big = _written_gguf(tmp_path / "big.gguf", {"token_embd.weight": np.ones((4, 8), np.float32)},
+                        endianess=GGUFEndian.BIG)
+    with pytest.raises(ValueError, match="big-endian"):
+        load_gguf_weights(big, {})

@@ -96,3 +96,28 @@ def test_the_cache_stays_out_of_the_way_where_it_does_not_apply(folder, decodes,
     assert weight_cache.file_for(gguf, "auto").parent == folder
     _load(linear="dense")
     assert not list(folder.iterdir())
+
+
+def test_a_full_disk_is_a_warning_and_killed_writes_leftovers_go(folder, monkeypatch):
+    """safetensors reports a failed write (a full disk) as its own SafetensorError, not an OSError: it escaped as a
+    traceback after a model that had loaded fine. A killed writer's half files (ours, and safetensors' own .tmp*)
+    are removed once old, never while they may be another process's write in progress."""
+    import os
+    import time
+
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("No space left on device (os error 28)")
+
+    with monkeypatch.context() as m:
+        m.setattr(weight_cache, "_write", full)
+        with pytest.warns(RuntimeWarning, match="could not keep the packed weights"):
+            _load()
+    old, fresh = folder / "x.safetensors.1.2.partial", folder / ".tmpAbC123"
+    for leftover in (old, fresh):
+        leftover.write_bytes(b"half")
+    hour_ago = time.time() - weight_cache.STALE_WRITE_S - 60
+    os.utime(old, (hour_ago, hour_ago))
+    _load()
+    assert not old.exists() and fresh.exists()
