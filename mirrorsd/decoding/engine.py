@@ -507,8 +507,10 @@ class RunAheadScorer(ChainScorer):
         self.chosen: torch.Tensor | None = None  # the token the forward run ahead chose after ``next_logits``
 
     def score(self, state: RequestState, draft: Proposal) -> Scores:
-        if draft.tokens or state.next_logits is None:
-            raise ValueError("RunAheadScorer scores empty drafts after a whole-prompt prefill")
+        if draft.tokens:
+            raise ValueError("RunAheadScorer scores empty drafts")
+        if state.next_logits is None:  # not run ahead (a batch's member: its forwards wait for the batch's step)
+            return super().score(state, draft)
         logits, state.next_logits = state.next_logits, None
         own, self.chosen = self.chosen if self.chosen is not None else \
             choose(logits, [len(state.tokens)], state.params), None

@@ -253,6 +253,12 @@ def test_running_ahead_gives_ar_its_own_tokens(monkeypatch, params):
     assert again.stats.cached_tokens == len(longer) - 1
     assert again.token_ids == alone.token_ids[5:]
 
+    from mirrorsd.batching import Batcher
+
+    with Batcher().member():  # a server's request: its forwards wait for the batch's step, none is run ahead
+        batched = generate(target, prompt, method="ar", max_new_tokens=12, **params)
+    assert batched.token_ids == alone.token_ids  # (the second step raised: nothing had been run ahead)
+
 
 @pytest.mark.parametrize("params", [{}, {"temperature": 0.8, "seed": 3}])
 def test_a_fixed_sd_window_reads_the_host_once_per_step(tiny_pair, monkeypatch, params):
