@@ -463,7 +463,9 @@ def linear_quant_reference(x: torch.Tensor, q: GroupQuant, bias: torch.Tensor | 
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
         codes = q.codes[start:stop].view(stop - start, groups, q.group).float()
-        dots = torch.einsum("mgk,ngk->mng", xg, codes)
+        # (contiguous: einsum hands the group dimension back outermost, and a sum over that strided dimension
+        # groups its terms by how many rows share the call: a row's bits would depend on its batch)
+        dots = torch.einsum("mgk,ngk->mng", xg, codes).contiguous()
         out[:, start:stop] = (dots * sw[start:stop] * xs_g[:, None]).sum(-1) + (ow[start:stop] * xsum[:, None]).sum(-1)
     if split:
         out = out.view(m, 2, n).sum(1)

@@ -127,6 +127,18 @@ def test_quant_reference_is_close_to_dequantized_matmul():
     assert err.item() < 0.01
 
 
+@pytest.mark.parametrize("n", [904, 1000, 1105, 4864])
+def test_the_plain_pytorch_fallback_is_batch_invariant(n):
+    """Where the C++ kernels cannot run (no compiler, MIRRORSD_KERNELS=off, not x86) a quantized layer runs
+    ``linear_quant_reference``: its rows too must not depend on how many share the call (a draft vocabulary's head
+    has any row count; with 1000 rows up to 131 outputs differed)."""
+    torch.manual_seed(n)
+    q, x = quantize_q8(torch.randn(n, 256)), torch.randn(8, 256)
+    together = kernels.linear_quant_reference(x, q)
+    for i in range(8):
+        assert torch.equal(kernels.linear_quant_reference(x[i : i + 1], q), together[i : i + 1])
+
+
 @requires_kernels
 @pytest.mark.parametrize("make", ["f32", "q4", "q8"])
 def test_kernels_are_batch_invariant(make):
