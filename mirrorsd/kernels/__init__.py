@@ -258,9 +258,20 @@ def _load() -> str | None:
         except CacheDirError as exc:  # nowhere to build: fall back, saying which variable to fix
             reason = str(exc)
         except Exception as exc:  # a compiler error, missing ninja, ...: fall back, but say so
-            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            detail = build_failure(exc)
             reason = f"the {name} C++ extension failed to build in {build_dir(name)}: {detail}"
     return reason
+
+
+def build_failure(exc: Exception) -> str:
+    """What a failed build's exception says that a user can act on: torch's message is ninja's whole log, whose last
+    line is always "ninja: build stopped: subcommand failed."; the compiler's own ``error:`` lines say why."""
+    text = str(exc).strip()
+    if not text:
+        return repr(exc)
+    lines = text.splitlines()
+    errors = list(dict.fromkeys(line.strip() for line in lines if "error:" in line or "fatal error" in line))
+    return "; ".join(errors[:3]) if errors else lines[-1]
 
 
 @cache

@@ -914,3 +914,14 @@ def test_kernel_isa_override_must_be_runnable(monkeypatch):
     monkeypatch.setenv("MIRRORSD_KERNEL_ISA", "avx512-vnni-and-more")
     with pytest.raises(RuntimeError, match="MIRRORSD_KERNEL_ISA"):
         kernels.isa()
+
+
+def test_a_failed_build_says_the_compilers_error():
+    """torch's build error ends with ninja's "build stopped" line, which was all the warning said."""
+    log = ("Error building extension 'mirrorsd_cpu': [1/3] c++ -O3 -c cpu_linear.cpp\nFAILED: cpu_linear.o\n"
+           "cpu_linear.cpp:12:10: fatal error: immintrin.h: No such file or directory\ncompilation terminated.\n"
+           "ninja: build stopped: subcommand failed.")
+    assert kernels.build_failure(RuntimeError(log)) == \
+        "cpu_linear.cpp:12:10: fatal error: immintrin.h: No such file or directory"
+    assert kernels.build_failure(RuntimeError("ninja: not found")) == "ninja: not found"
+    assert kernels.build_failure(OSError()) == "OSError()"
