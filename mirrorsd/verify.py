@@ -76,7 +76,7 @@ def verify_rejection(draft: Sequence[int], draft_probs: torch.Tensor, target_log
         q_x = draft_probs[i, token].item()
         if q_x > 0 and u * q_x < p[i, token].item():
             continue
-        residual = (p[i] - draft_probs[i]).clamp_min(0)
+        residual = (p[i] - draft_probs[i].to(p.device)).clamp_min(0)  # (a guess's point mass is made on the host)
         total = residual.sum()
         if total <= 0:  # p == q: any rejection is measure-zero; fall back to p itself
             residual, total = p[i], p[i].sum()

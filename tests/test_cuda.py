@@ -247,6 +247,15 @@ def test_mirror_with_oracles_equals_ar_in_every_setting(roots, kappa, exit_layer
     assert_mirror_with_oracles_equals_ar(target, draft, roots, kappa, exit_layer, gamma, options, temperature)
 
 
+def test_rejection_sampling_takes_guesses_made_on_the_host():
+    """A suffix match's guesses are point masses made on the host: rejecting one on a GPU mixed devices."""
+    target, draft = _pair(torch.float32)
+    looped = PROMPT[:16] * 4  # (text a suffix match has continuations for)
+    got = generate(target, looped, method="sd", draft=draft, acceptance="rejection", suffix_match=3,
+                   max_new_tokens=48, temperature=1.0, seed=7)
+    assert len(got.token_ids) == 48 and sum(got.stats.drafted) > sum(got.stats.accepted)  # (guesses rejected)
+
+
 def test_requests_batched_on_cuda_get_their_alone_tokens():
     """Issue 57 item 1 on a GPU: several requests' windows through one call of the fused layers (RoPE, the cache
     writes and attention per request over its own cache), their heads through one product: every request's tokens
@@ -268,9 +277,9 @@ def test_requests_batched_on_cuda_get_their_alone_tokens():
                 dict(prompt=PROMPT, method="ar", temperature=0.8, seed=3),
                 dict(prompt=PROMPT[9:], method="sd", draft=draft, temperature=0.8, seed=5)]
     alone = [generate(target, max_new_tokens=24, **r).token_ids for r in requests]
-    got, _, shared = gpu.run_batched(target, requests, 24)
+    got, _, steps = gpu.run_batched(target, requests, 24)
     assert got == alone
-    assert shared >= 3  # the requests' windows shared forwards
+    assert sum(step.windows > 1 for step in steps) >= 3  # the requests' windows shared forwards
 
 
 def test_the_next_request_reuses_a_returned_cache_and_its_graphs():
