@@ -411,8 +411,17 @@ class GenerationStream:
         return StreamDelta(text, segments, token_ids, sources)
 
     def _hit_stop(self) -> bool:
-        # A stop string that just appeared ends within the last few tokens: decode only those first.
-        tail = self._decode(self.token_ids[-(max(len(s) for s in self.stop) + 8):])
+        # A stop string that just appeared ends in the last token's text: decode only the tokens that hold the
+        # longest one. Tokens and characters do not pair up (a byte-level token may be a third of a character, a
+        # special token decodes to nothing), so the tail grows until its text is long enough (a cut character at
+        # its start decodes to up to 3 replacement characters).
+        longest = max(len(s) for s in self.stop)
+        n = longest + 8
+        while True:
+            tail = self._decode(self.token_ids[-n:])
+            if len(tail) >= longest + 3 or n >= len(self.token_ids):
+                break
+            n *= 2
         if not any(s in tail for s in self.stop):
             return False
         text = self._decode(self.token_ids)
@@ -462,8 +471,8 @@ def stream(
     if method == "auto":
         method, options, draft = planned(target, draft, options)
     spec = get_method(method)
-    if max_new_tokens < 1:
-        raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise OptionError("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens}")
     draft_model = bridge = None
     if spec.needs_draft:
         if draft is None:

@@ -33,6 +33,9 @@ class Noise(IntEnum):
 
 
 
+SAMPLING_EPS = 1e-5  # temperatures below it are greedy
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those filters off."""
@@ -45,14 +48,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not self.temperature >= 0 or self.temperature == math.inf:  # (NaN fails every comparison)
             raise OptionError("temperature", f"must be >= 0 and finite, got {self.temperature}")
-        if self.top_k < 0:
-            raise OptionError("top_k", f"must be >= 0, got {self.top_k}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:  # (2.5 failed only inside torch.topk)
+            raise OptionError("top_k", f"must be an integer >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Below :data:`SAMPLING_EPS` too: logits divided by 1e-45 overflow to inf and softmax gives NaN, whose
+        draws are noise; the limit of a vanishing temperature is the argmax (vLLM's ``_SAMPLING_EPS`` rule)."""
+        return self.temperature < SAMPLING_EPS
 
 
 def _int64(value: int) -> int:

@@ -27,6 +27,23 @@ def test_eos_stops_and_is_not_output(tiny, method):
     assert g.stats.new_tokens == first
 
 
+def test_a_stop_string_over_more_tokens_than_characters_is_found(tiny):
+    """Only the last few tokens were decoded to look for a stop string, as many as it has characters plus 8; but a
+    token may decode to nothing (a special token) or to a third of a character (byte-level BPE and CJK or emoji),
+    and the stop string went unseen."""
+    reference = generate(tiny, [1, 2, 3], max_new_tokens=64).token_ids
+    mark = max(set(reference), key=reference.count)
+    at = [i for i, t in enumerate(reference) if t == mark]
+    assert len(at) >= 3 and at[2] - at[0] > len("xxx") + 8  # (the test's premise: the marks lie far apart)
+
+    class Marks:  # every token decodes to nothing but ``mark``, to "x"
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join("x" for t in ids if t == mark)
+
+    g = generate(LoadedModel(tiny, tokenizer=Marks()), [1, 2, 3], max_new_tokens=64, stop="xxx")
+    assert g.finish_reason == "stop" and g.token_ids == reference[:at[2] + 1] and g.text == ""
+
+
 def test_empty_stop_strings_are_ignored(tiny):
     for stop in ("", [""], ()):
         g = generate(tiny, [1, 2, 3], max_new_tokens=6, stop=stop)
@@ -51,6 +68,8 @@ def test_prompt_over_context_is_a_clear_error(tiny):
     [
         ({"method": "beam"}, "method must be one of ar, suffix, sd, mirror, ss"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),  # (a TypeError at the first token)
+        ({"temperature": 0.5, "top_k": 2.5}, "top_k must be an integer"),  # (a TypeError inside torch.topk)
         ({"temperature": -0.5}, "temperature"),
         ({"method": "ar", "draft": "x"}, "does not use a draft"),
     ],
@@ -58,6 +77,14 @@ def test_prompt_over_context_is_a_clear_error(tiny):
 def test_bad_arguments(tiny, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(tiny, [1, 2], **kwargs)
+
+
+def test_a_vanishing_temperature_is_greedy(tiny):
+    """Logits divided by 1e-45 overflow to inf and softmax gives NaN: the draws were noise, not the argmax that a
+    vanishing temperature tends to (vLLM treats temperatures below 1e-5 as greedy; so do we)."""
+    greedy = generate(tiny, [1, 2, 3], max_new_tokens=16).token_ids
+    for tiny_t in (1e-45, 1e-7):
+        assert generate(tiny, [1, 2, 3], max_new_tokens=16, temperature=tiny_t, seed=3).token_ids == greedy
 
 
 def test_bad_prompts(tiny):
