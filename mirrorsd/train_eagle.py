@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .decoding.eagle.head import EagleHead, HeadConfig, feature_layers, rms_norm
+from .decoding.eagle.head import EagleHead, HeadConfig, check_target, feature_layers, rms_norm
 from .draft_vocab import draft_table_kind, head_weight, load_table
 from .linear import batch_invariance
 from .model import Transformer
@@ -156,7 +156,7 @@ def evaluate(head: EagleHead, target: Transformer, full_head: torch.Tensor, item
     ``tokens_per_pass`` = 1 + their sum, a chain of ``depth`` drafted tokens verified in one target pass."""
     right, total = [0] * depth, 0
     for item in items:
-        with torch.autocast("cpu", dtype=full_head.dtype, enabled=full_head.dtype != torch.float32):
+        with torch.autocast(full_head.device.type, dtype=full_head.dtype, enabled=full_head.dtype != torch.float32):
             states = unroll(head, target, item.features, item.ids, depth)
             labels = step_labels(item, depth, answers_only=True)
             hits = [F.linear(rms_norm(s, head.norm, head.eps), full_head).argmax(-1) == lab
@@ -175,6 +175,7 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
           progress: bool = True) -> dict:
     """Train (or resume) a head in ``out``; returns a summary with the learning curve. ``target`` is the model
     decoding runs: it fills the feature cache (default ``out/cache``) and lends its embedding and LM head."""
+    check_target(target)  # (before the feature cache's minutes)
     torch.manual_seed(seed)
     cfg = target.config
     layers = feature_layers(cfg.n_layers)
@@ -193,12 +194,12 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
     # The draft table: the subset decoding's head reads by default (--draft-vocab), ranked by the target's answers.
     table = load_table(cfg.vocab_size, draft_table_kind(cfg.vocab_size)) if vocab else None
     train_head = TrainHead(target, table[:vocab] if table is not None else torch.arange(cfg.vocab_size))
-    head = EagleHead(target)  # fp32 master weights; the products run in ``dtype`` (autocast)
+    head = EagleHead(target).to(target.device)  # fp32 master weights; the products run in ``dtype`` (autocast)
     weights = [0.8 ** j for j in range(depth)]  # EAGLE-3's per-step loss weights
 
     def step(item: FeatureItem) -> tuple[torch.Tensor, int, dict[str, str]]:
         labels = [train_head.labels(lab) for lab in step_labels(item, depth, answers_only=False)]
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
             states = unroll(head, target, item.features, item.ids, depth)
             loss = sum(w * F.cross_entropy(F.linear(rms_norm(s, head.norm, head.eps), train_head.weight).float(),
                                            lab, ignore_index=-100)

@@ -423,6 +423,24 @@ def test_train_streams_runs_unchanged_on_cuda(tmp_path):
     train_streams_on(CUDA, tmp_path)
 
 
+def test_train_eagle_runs_on_cuda(tmp_path):
+    """The head was made on the host and trained under a CPU autocast: a device mismatch at its first step."""
+    from mirrorsd import Transformer
+    from mirrorsd.train_eagle import train
+    from tests.helpers import tiny_hf
+
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1)).to(CUDA)
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(65 + (i * 7) % 29) for i in range(1200)))
+
+    def tokenizer(text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) % 64 for c in text]}
+
+    summary = train(target, tokenizer, [str(text)], tmp_path / "out", model_name="t", decode_format="fp32",
+                    chunks=8, seq_len=32, steps=4, held_out=2, vocab=0, depth=2, eval_every=4, progress=False)
+    assert summary["tokens_per_pass_after"] >= 1 and (tmp_path / "out" / "eagle_head.safetensors").exists()
+
+
 def test_train_costs_on_cuda():
     target, _ = _pair(torch.bfloat16)
     costs = gpu.train_costs(target, steps=2, chunks=2, recipe=gpu.DRY_TRAIN_RECIPE)

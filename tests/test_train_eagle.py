@@ -88,3 +88,14 @@ def test_training_raises_chain_acceptance_and_resumes(tmp_path):
     assert (tmp_path / "out" / "eagle_head.safetensors").exists()
     again = train(target, _tokenizer, [str(text)], tmp_path / "out", steps=130, **common)
     assert [p["step"] for p in again["curve"]] == [0, 120, 130]
+
+
+def test_a_target_with_qk_norms_is_refused_before_any_work(tmp_path):
+    """A head trained on a Qwen3 target could not decode (its block is run as the target's, which reads q/k norms
+    the head lacks: a bare KeyError); training is refused before the feature cache, and so is a head to load."""
+    target = Transformer.from_hf(tiny_hf("qwen3", layers=4, seed=1))
+    with pytest.raises(ValueError, match="no q/k norms"):
+        train(target, _tokenizer, ["unused"], tmp_path / "out", model_name="t", decode_format="fp32", progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="no q/k norms"):
+        EagleHead(target, init_from_target=False)  # (what loading a head builds)

@@ -34,17 +34,25 @@ def feature_layers(n_layers: int) -> tuple[int, int, int]:
 # -- the head -------------------------------------------------------------------------------------------------
 
 
-def _dense(linear: nn.Module, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _dense(linear: nn.Module, bias: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A (possibly quantized) linear's weight ``[out, in]`` and bias, read off by applying it to the identity (each
     row has one non-zero, so int8-activation kernels read it exactly)."""
-    eye = torch.eye(linear.in_features)
-    zero = linear(torch.zeros(1, linear.in_features)).float()[0]
+    eye = torch.eye(linear.in_features, device=device)
+    zero = linear(torch.zeros(1, linear.in_features, device=device)).float()[0]
     return (linear(eye).float() - zero).T.contiguous(), zero if bias else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = x.float()
     return (weight.float() * y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def check_target(target: Transformer) -> None:
+    """A head's block is decoded as one of the target's (:class:`~.runtime.HeadRunner`), which reads q/k norms
+    where the target has them; the head has none."""
+    if target.config.qk_norm:
+        raise ValueError("an EAGLE head has no q/k norms, which this target's blocks have (Qwen3): heads are "
+                         "built for targets without them (Qwen2.5, Llama)")
 
 
 class EagleHead(nn.Module):
@@ -55,6 +63,7 @@ class EagleHead(nn.Module):
     def __init__(self, target: Transformer, init_from_target: bool = True) -> None:
         super().__init__()
         cfg = target.config
+        check_target(target)
         h, self.eps = cfg.hidden_size, cfg.rms_norm_eps
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.fc3 = nn.Linear(3 * h, h, bias=False)
@@ -78,7 +87,7 @@ class EagleHead(nn.Module):
                        **{n: getattr(last.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}}
             with torch.no_grad():
                 for name, linear in sources.items():
-                    weight, bias = _dense(linear, self.proj[name].bias is not None)
+                    weight, bias = _dense(linear, self.proj[name].bias is not None, target.device)
                     self.proj[name].weight.copy_(weight)
                     if bias is not None:
                         self.proj[name].bias.copy_(bias)
