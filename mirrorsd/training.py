@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import signal
 import sysconfig
+import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -323,6 +327,29 @@ class Fitted:
     seconds: float  # this run's training time (not a resumed run's earlier part)
 
 
+@contextmanager
+def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
+    """Ctrl-C takes effect after the step it came in: inside one it could save parameters the optimizer had half
+    updated, or a step without its evaluation. A second Ctrl-C stops at once. (Signals reach the main thread only:
+    elsewhere Ctrl-C is left as it is.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    asked: list[bool] = []
+
+    def ask(signum: int, frame: Any) -> None:
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(True)
+        bar.write("stopping after this step (Ctrl-C again to stop at once)")
+
+    previous = signal.signal(signal.SIGINT, ask)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evaluate: Callable[[], dict[str, Any]],
         *, steps: int, lr: float, seed: int, eval_every: int, save_every: int, desc: str, tokens: int = 0,
         device: torch.device | str = "cpu", progress: bool = True) -> Fitted:
@@ -344,31 +371,36 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
         curve.append({"step": 0, "train_tokens": tokens} | evaluate())
 
     def save(step: int) -> None:
+        partial = checkpoint.with_name(checkpoint.name + ".partial")  # a kill while writing keeps the last one
         torch.save({"step": step, trainable.key: {k: v.detach() for k, v in trainable.state().items()},
                     "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "curve": curve,
-                    "train_tokens": tokens}, checkpoint)
+                    "train_tokens": tokens}, partial)
+        os.replace(partial, checkpoint)
         (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
 
     bar = tqdm(total=steps, initial=start_step, desc=desc, unit="step", disable=not progress)
     started = time.perf_counter()
     done = saved = start_step
     try:
-        for index in range(start_step, steps):
-            epoch, position = divmod(index, len(items))
-            loss, counted, postfix = step(items[epoch_order(len(items), seed, epoch)[position]])
-            if loss is not None:
-                optimize(optimizer, loss, trainable.params)
-                bar.set_postfix(postfix | {"epoch": epoch})
-            schedule.step()
-            tokens += counted
-            done = index + 1
-            bar.update()
-            if done % eval_every == 0 or done == steps:
-                curve.append({"step": done, "train_tokens": tokens} | evaluate())
-                bar.write(f"step {done}: held-out {curve[-1]}")
-            if done % save_every == 0 or done == steps:
-                save(done)
-                saved = done
+        with interrupts_between_steps(bar) as stop_asked:
+            for index in range(start_step, steps):
+                epoch, position = divmod(index, len(items))
+                loss, counted, postfix = step(items[epoch_order(len(items), seed, epoch)[position]])
+                if loss is not None:
+                    optimize(optimizer, loss, trainable.params)
+                    bar.set_postfix(postfix | {"epoch": epoch})
+                schedule.step()
+                tokens += counted
+                done = index + 1
+                bar.update()
+                if done % eval_every == 0 or done == steps:
+                    curve.append({"step": done, "train_tokens": tokens} | evaluate())
+                    bar.write(f"step {done}: held-out {curve[-1]}")
+                if done % save_every == 0 or done == steps:
+                    save(done)
+                    saved = done
+                if stop_asked():
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:  # Ctrl-C keeps every finished step: the next run resumes after it
         if done > saved:
             save(done)

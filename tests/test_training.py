@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
@@ -15,7 +16,10 @@ class Stop(Exception):
 
 
 def _run(out, steps: int, stop_at: int | None = None, save_every: int = 1,
-         interrupt: type[BaseException] = Stop) -> tuple[torch.nn.Linear, dict]:
+         interrupt: type[BaseException] | None = Stop, signal_at_eval: int | None = None
+         ) -> tuple[torch.nn.Linear, dict]:
+    """``interrupt`` None: a real SIGINT (Ctrl-C) arrives in the middle of step ``stop_at`` (or of evaluation
+    number ``signal_at_eval``)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     data = [torch.randn(8, 4) for _ in range(3)]
@@ -24,14 +28,22 @@ def _run(out, steps: int, stop_at: int | None = None, save_every: int = 1,
 
     def step(i: int):
         calls["n"] += 1
-        if stop_at is not None and calls["n"] == stop_at:
-            raise interrupt
         if i == 2:  # a window with nothing to learn: the schedule moves, the weights do not
             return None, 0, {}
         loss = torch.nn.functional.mse_loss(model(data[i]), targets[i])
+        if stop_at is not None and calls["n"] == stop_at:
+            if interrupt is None:
+                signal.raise_signal(signal.SIGINT)  # (the step goes on: Ctrl-C waits for its end)
+            else:
+                raise interrupt
         return loss, 8, {"mse": f"{loss.item():.3f}"}
 
+    evaluations = {"n": 0}
+
     def evaluate() -> dict:
+        evaluations["n"] += 1
+        if evaluations["n"] == signal_at_eval:
+            signal.raise_signal(signal.SIGINT)
         with torch.no_grad():
             return {"mse": sum(torch.nn.functional.mse_loss(model(x), y).item()
                                for x, y in zip(data, targets, strict=True))}
@@ -83,3 +95,20 @@ def test_ctrl_c_between_checkpoints_keeps_every_finished_step(tmp_path):
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
     assert done_again == done
+
+
+def test_ctrl_c_inside_a_step_takes_effect_after_it(tmp_path):
+    """A real Ctrl-C in the middle of the fifth step: the step finishes (its update whole), is saved, and the run
+    stops; the resumed run is the one never stopped. One in the last evaluation keeps that evaluation."""
+    whole, done = _run(tmp_path / "whole", 7, save_every=25)
+    handler = signal.getsignal(signal.SIGINT)
+    assert _run(tmp_path / "resumed", 7, stop_at=5, save_every=25, interrupt=None)[1] == {}  # (stopped)
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["step"] == 5
+    assert signal.getsignal(signal.SIGINT) is handler  # (given back)
+    resumed, done_again = _run(tmp_path / "resumed", 7, save_every=25)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert done_again == done
+    assert _run(tmp_path / "last", 7, signal_at_eval=5)[1] == {}  # evaluations at steps 0, 2, 4, 6 and 7
+    _, finished = _run(tmp_path / "last", 7)
+    assert finished == done
