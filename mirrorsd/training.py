@@ -205,8 +205,10 @@ def check_cache(folder: Path, meta: dict[str, Any]) -> None:
     old = json.loads(path.read_text())
     if old != meta:
         changed = sorted(k for k in meta.keys() | old.keys() if old.get(k) != meta.get(k))
+        # (the chunk count follows --steps unless given: more steps over the same cache need it named)
+        hint = f"--chunks {old['chunks']} trains over it, " if changed == ["chunks"] else ""
         raise ValueError(f"the state cache in {folder} was built with other settings ({', '.join(changed)}); "
-                         "give another --cache folder or delete this one")
+                         f"{hint}give another --cache folder or delete this one")
 
 
 def write_shards(folder: Path, train_chunks: list[Chunk], held_out: list[Chunk],

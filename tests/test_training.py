@@ -112,3 +112,16 @@ def test_ctrl_c_inside_a_step_takes_effect_after_it(tmp_path):
     assert _run(tmp_path / "last", 7, signal_at_eval=5)[1] == {}  # evaluations at steps 0, 2, 4, 6 and 7
     _, finished = _run(tmp_path / "last", 7)
     assert finished == done
+
+
+def test_a_cache_built_for_fewer_steps_says_how_to_train_on(tmp_path):
+    """The chunk count defaults to --steps: resuming with more steps was refused as "other settings (chunks)"."""
+    from mirrorsd.training import check_cache
+
+    meta = {"model": "m", "chunks": 200, "seq_len": 256}
+    check_cache(tmp_path, meta)
+    (tmp_path / "shard-0.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"other settings \(chunks\); --chunks 200 trains over it"):
+        check_cache(tmp_path, meta | {"chunks": 400})
+    with pytest.raises(ValueError, match=r"other settings \(seq_len\); give another --cache folder"):
+        check_cache(tmp_path, meta | {"seq_len": 128})
