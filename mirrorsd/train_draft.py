@@ -39,6 +39,7 @@ from .linear import DenseLinear, batch_invariance
 from .model import Transformer
 from .runtime.tensor_parallel import run_tracks, segment_bounds
 from .training import (
+    CACHE_META,
     CURVE_PLOT,
     HELD_OUT,
     Chunk,
@@ -160,6 +161,22 @@ def target_labels(target: Transformer, top_k: int = 0) -> Labeller:
         return out
 
     return labels
+
+
+def check_labeller(folder: Path, target_name: str) -> None:
+    """A state cache's labels are its model's tokens (a draft cache's, its target's): another model's would distill
+    the draft toward that model while its folder names ``target_name``."""
+    path = folder / CACHE_META
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} holds no {CACHE_META}: not a state cache of `mirrorsd train-streams` or "
+                                "`train-draft`")
+    meta = json.loads(path.read_text())
+    labeller = meta.get("target", meta.get("model"))
+    same_folder = all(Path(n).expanduser().is_dir() for n in (labeller, target_name)) and \
+        Path(labeller).expanduser().resolve() == Path(target_name).expanduser().resolve()
+    if labeller != target_name and not same_folder:
+        raise ValueError(f"the state cache {folder} holds {labeller}'s tokens, not {target_name}'s: give the cache "
+                         f"of {target_name}, or --target {labeller}")
 
 
 def cached_labels(folder: Path, target: Transformer | None = None, top_k: int = 0) -> Labeller:
@@ -354,6 +371,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     if not complete:
         if target_cache is None and target is None:
             raise ValueError("labels need the target model or its state cache")
+        if target_cache is not None:
+            check_labeller(target_cache, target_name)
         all_chunks = make_chunks(tokenizer, corpus_texts(data, model_name, tokenizer), seq_len, n_train + held_out,
                                  seed)
         labels = (cached_labels(target_cache, target, soft_top) if target_cache is not None

@@ -273,6 +273,9 @@ def test_training_in_the_spd_form_caches_trains_and_saves_that_form(tmp_path):
     assert torch.equal(item.hidden, spd) and not torch.equal(item.hidden, whole)
     # Another form over the same windows reads the labels from this cache: no target needed.
     common |= {"cache": tmp_path / "cache4", "target_cache": tmp_path / "cache"}
+    with pytest.raises(ValueError, match="holds target's tokens, not bigger's"):  # (silently distilled toward it)
+        train(tower(), draft, None, _tokenizer, [str(text)], tmp_path / "all", layers=4, steps=1,
+              **common | {"target_name": "bigger"})
     train(tower(), draft, None, _tokenizer, [str(text)], tmp_path / "all", layers=4, steps=1, **common)
     assert torch.equal(DraftCache([tmp_path / "cache4" / HELD_OUT], "cpu")[0].labels, item.labels)
 
