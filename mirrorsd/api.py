@@ -485,7 +485,8 @@ def stream(
     shape = ModelShape(target.config.n_layers, target.config.vocab_size)
     opts = spec.options.parse(options, method, shape).resolved(ZooFiles(target, draft), shape)
     if getattr(target.model, "tp_size", 1) > 1:
-        spec.check_tensor_parallel(opts)
+        shares = draft_model is not None and draft_model.layers[0] is target.model.layers[0]  # (a prefix_model)
+        spec.check_tensor_parallel(opts, self_draft=shares)
     ids = encode_prompt(target, prompt, raw=raw)
     context = target.config.context_length
     if draft_model is not None:

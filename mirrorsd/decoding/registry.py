@@ -139,10 +139,10 @@ class MethodOptions:
         """These options with the defaults that name shipped files filled in (a request's, by the API)."""
         return self
 
-    def check_tensor_parallel(self) -> None:
+    def check_tensor_parallel(self, self_draft: bool = False) -> None:
         """Every rank of a sharded target must take the same decisions, so no proposal may depend on timings: a
         method that can run tensor-parallel refuses here the options whose drafts do (:attr:`Method.tensor_parallel`
-        says whether it can at all)."""
+        says whether it can at all). ``self_draft``: the draft is the target's own first blocks, sharded with it."""
         if getattr(self, "suffix_match", 0):
             raise ValueError("a tensor-parallel target needs suffix_match=0 (--suffix-match 0): the suffix "
                              "proposer's windows depend on timings, which differ between ranks")
@@ -273,12 +273,12 @@ class Method:
         """Ms of one step with these options, by the method's cost model."""
         return self.step_cost(costs, step, self.options.parse(options, self.name))
 
-    def check_tensor_parallel(self, opts: MethodOptions) -> None:
+    def check_tensor_parallel(self, opts: MethodOptions, self_draft: bool = False) -> None:
         if not self.tensor_parallel:
             takes = ", ".join(m.name for m in methods() if m.tensor_parallel)
             raise ValueError(f"method {self.name!r} cannot run on a tensor-parallel target (its drafts depend on "
                              f"timings, which differ between ranks); use {takes}")
-        opts.check_tensor_parallel()
+        opts.check_tensor_parallel(self_draft)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "summary": self.summary, "needs_draft": self.needs_draft,

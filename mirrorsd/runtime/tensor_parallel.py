@@ -127,17 +127,26 @@ def shard_target(model: nn.Module, group: Any, partial: bool = False, count: Syn
     down_proj keep each rank's partial sum (no all-reduce; :func:`shard_draft`'s tracks). ``count`` records every
     all-reduce."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if getattr(model, "tp_size", 1) > 1:
+        raise ValueError("this model is sharded already")
     cfg = model.config
     check_split(cfg, size)
+    if model.embed_tokens.weight.device.type != "cpu":  # the fused CUDA layers read o_proj/down_proj's weights
+        raise ValueError("--target-tp shards a target on CPUs (gloo): on a GPU the fused layers would skip the "
+                         "all-reduces, and each rank would decode from its own partial sums")
+    for block in model.layers:  # every projection checked before any is split: a refusal leaves the model whole
+        for name in (*COLUMNWISE, *ROWWISE):
+            parent_name, attr = name.split(".")
+            layer = getattr(getattr(block, parent_name), attr)
+            if not isinstance(layer, DenseLinear):
+                raise ValueError(f"--target-tp shards dense weights; this target's {name} is a "
+                                 f"{type(layer).__name__} (load it with weights='fp32' and linear='dense': --weights "
+                                 "fp32 on the CLI)")
     for block in model.layers:
         for name in (*COLUMNWISE, *ROWWISE):
             parent_name, attr = name.split(".")
             parent = getattr(block, parent_name)
             layer = getattr(parent, attr)
-            if not isinstance(layer, DenseLinear):
-                raise ValueError(f"--target-tp shards dense weights; this target's {name} is a "
-                                 f"{type(layer).__name__} (load it with weights='fp32' and linear='dense': --weights "
-                                 "fp32 on the CLI)")
             if name in COLUMNWISE:
                 bias = None if layer.bias is None else layer.bias.chunk(size)[rank].clone()
                 setattr(parent, attr, DenseLinear(layer.weight.chunk(size)[rank].clone(), bias))

@@ -192,6 +192,9 @@ def test_tensor_parallel_target_with_a_draft_rank(tmp_path):
         assert rank0[f"mirror_{label}_failed"] is None and rank0[f"mirror_{label}_steps"] < 24  # drafts accepted
     assert rank0["ar_greedy"] == rank0["unsharded_ar"]  # a small model: the sharded sums did not flip a token
     assert "suffix_match=0" in rank0["refused"]
+    assert "use backend='serial'" in rank0["self_draft_refused"]
+    assert "shards dense weights" in rank0["quantized_refused"] and rank0["refused_left_whole"]
+    assert "sharded already" in rank0["sharded_refused"]
     assert rank0["local_heads"] == [2, 1]
 
 

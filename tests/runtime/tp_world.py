@@ -43,6 +43,18 @@ def main(out: Path) -> None:
         generate(target, PROMPT, method="sd", draft=draft, max_new_tokens=4)  # suffix_match=3 by default
     except ValueError as error:
         rows["refused"] = str(error)
+    try:  # the self-draft's all-reduces would run on the worker thread beside the target's, on one group
+        generate(target, PROMPT, max_new_tokens=4, **mirror | {"draft": target.prefix_model(2), "backend": "threads"})
+    except ValueError as error:
+        rows["self_draft_refused"] = str(error)
+    mixed = Transformer.from_hf(tiny_hf(layers=4, seed=1), linear="dense")
+    mixed.layers[1].mlp.down_proj = Transformer.from_hf(tiny_hf(layers=4, seed=1)).layers[1].mlp.down_proj
+    for label, model in (("quantized_refused", mixed), ("sharded_refused", target)):
+        try:
+            shard_target(model, world.tp_group)
+        except ValueError as error:
+            rows[label] = str(error)
+    rows["refused_left_whole"] = mixed.layers[0].self_attn.n_heads == mixed.config.n_heads == 4
     rows["local_heads"] = [target.layers[0].self_attn.n_heads, target.layers[0].self_attn.n_kv_heads]
     (out / f"rank{world.rank}.json").write_text(json.dumps(rows))
     leave_launched_world()

@@ -147,8 +147,12 @@ class MirrorOptions(MethodOptions):
             opts = replace(opts, exit_head=files.exit_for_layer(exit_layer) or "lens")
         return opts
 
-    def check_tensor_parallel(self) -> None:
-        super().check_tensor_parallel()
+    def check_tensor_parallel(self, self_draft: bool = False) -> None:
+        super().check_tensor_parallel(self_draft)
+        if self_draft and self.backend != "serial":  # its blocks' all-reduces on two threads, paired at random
+            raise ValueError(f"a self-draft shares the sharded target's blocks, whose all-reduces the {self.backend} "
+                             "backend would run beside the target's on one group: use backend='serial' (--backend "
+                             "serial)")
         if self.roots == "budget" and self.budget is None:
             raise ValueError("roots='budget' (the default) fits its root count to timings, which differ between "
                              "ranks; give a fixed budget (--budget N) or roots='paper' on a tensor-parallel target")
