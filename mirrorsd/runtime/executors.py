@@ -108,10 +108,11 @@ class WorkerExecutor(Executor):
                     (torch.cuda.stream(self.stream) if self.stream else nullcontext()):
                 if issued is not None:
                     self.stream.wait_event(issued)
-                out = job()
-                if self.stream is not None:
-                    self.stream.synchronize()
-                return out
+                try:
+                    return job()
+                finally:  # a failed job too: its queued kernels may still write the cache the caller takes back
+                    if self.stream is not None:
+                        self.stream.synchronize()
 
         return self.pool.submit(run)
 

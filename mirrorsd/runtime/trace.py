@@ -43,6 +43,7 @@ class Tracer:
         self.origin = time.perf_counter()
         self.spans: list[Span] = []
         self.device_times = device is not None and device.type == "cuda"
+        self.device = device
         self._pending: list[tuple[Span, Any, Any]] = []  # spans whose events :meth:`resolve` has not read yet
         if self.device_times:
             with torch.cuda.device(device):
@@ -63,11 +64,12 @@ class Tracer:
             self.spans.append(s)
 
     def _event(self) -> Any:
-        """A timing event recorded on this thread's current stream, or None (host times only)."""
+        """A timing event recorded on this thread's current stream of the tracer's device (not the current device:
+        on cuda:1 that is cuda:0's idle stream), or None (host times only)."""
         if not self.device_times:
             return None
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def resolve(self) -> None:

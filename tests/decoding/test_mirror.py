@@ -562,8 +562,11 @@ class _HalfSpeedEvent:
         cls.last.t = _perf_counter()
         return cls.last.t
 
+    streams: list[object] = []  # what each event was recorded on
+
     def record(self, stream: object = None) -> None:
         self.t = 0.5 * self.last.t
+        self.streams.append(stream)
 
     def query(self) -> bool:
         return True
@@ -584,8 +587,10 @@ def test_eq10_terms_come_from_device_events_where_the_tracer_records_them(tiny_p
     from mirrorsd.runtime import Tracer
 
     monkeypatch.setattr(torch.cuda, "Event", _HalfSpeedEvent)
+    monkeypatch.setattr(_HalfSpeedEvent, "streams", [])
     monkeypatch.setattr(time, "perf_counter", _HalfSpeedEvent.host_clock)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
     monkeypatch.setattr(mirror_stats, "Tracer", lambda device=None: Tracer(torch.device("cuda")))
     target, draft = tiny_pair
     prompt = list(range(3, 23))
@@ -594,6 +599,8 @@ def test_eq10_terms_come_from_device_events_where_the_tracer_records_them(tiny_p
     assert m.token_ids == generate(target, prompt, method="ar", max_new_tokens=20).token_ids
     stats = m.stats.extra["mirror"]
     assert stats.device_times and stats.to_dict()["device_times"]
+    # every span's events on the tracer's device (the current device's stream was cuda:0's, whatever it traced)
+    assert set(_HalfSpeedEvent.streams[1:]) == {("stream of", torch.device("cuda"))}
     spans = m.stats.spans
     by_name = {name: [s for s in spans if s.name == name] for name in ("layers < ℓe", "early exit", "layers ≥ ℓe")}
     for span in [s for group in by_name.values() for s in group]:
