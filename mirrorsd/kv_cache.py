@@ -109,10 +109,13 @@ class KVCache:
         last = start + max(offsets, default=-1)
         moved = next((i for i, offset in enumerate(offsets) if offset != i), len(offsets))
         # (a list is sent without a host sync)
+        layers = layers if layers is not None else range(self.n_layers)
+        for layer in layers:  # every layer checked before any moves: a refusal leaves them all as they were
+            if max(last, start - 1) >= self.lengths[layer]:
+                raise IndexError(f"position {max(last, start - 1)} is past layer {layer}'s length "
+                                 f"{self.lengths[layer]}")
         index = send([start + o for o in offsets[moved:]], self.keys[0].device) if moved < len(offsets) else None
-        for layer in layers if layers is not None else range(self.n_layers):
-            if offsets and last >= self.lengths[layer]:
-                raise IndexError(f"position {last} is past layer {layer}'s length {self.lengths[layer]}")
+        for layer in layers:
             end = start + len(offsets)
             if index is not None:  # (index_select copies first, so overlapping ranges are safe)
                 self.keys[layer][:, :, start + moved:end] = self.keys[layer].index_select(2, index)

@@ -30,6 +30,13 @@ def test_append_truncate_keep_and_growth():
     assert c.values[1][0, 0, :2, 0].tolist() == [-3.0, -1.0]
     with pytest.raises(IndexError):
         c.keep([0, 5])
+    c.append(0, kv(2, 4.0), kv(2, -4.0))  # layer 0 holds 4, layer 1 holds 2
+    before = [k.clone() for k in c.keys]
+    with pytest.raises(IndexError, match="layer 1's length 2"):
+        c.keep([0, 3])  # (layer 0 was compacted before layer 1 refused)
+    assert c.lengths == [4, 2] and all(torch.equal(a, b) for a, b in zip(before, c.keys, strict=True))
+    with pytest.raises(IndexError, match="position 4 is past layer 0's length 4"):
+        c.compact(5, [])  # (slots never written would have become history)
     with pytest.raises(ValueError):
         c.truncate(-1)
 
