@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import Counter
 from importlib import resources
 from pathlib import Path
@@ -111,8 +112,9 @@ def draft_counts(tokenizer, answers: list[list[int]], weight: float = ANSWER_WEI
 def build_table(model_dir: Path, limit_chars: int = 30_000_000) -> torch.Tensor:
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return ranked(corpus_counts(tokenizer, limit_chars), tokenizer, AutoConfig.from_pretrained(model_dir).vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    vocab = AutoConfig.from_pretrained(model_dir, local_files_only=True).vocab_size
+    return ranked(corpus_counts(tokenizer, limit_chars), tokenizer, vocab)
 
 
 def prompts(prompt_set: str = "draft_vocab") -> list[dict[str, str]]:
@@ -136,7 +138,10 @@ def answers_of(model_name: str, max_new_tokens: int = 128, prompt_set: str = "dr
     done = {}
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill: its prompt is answered again
+                continue
             done[row["prompt"]] = row["answer_ids"]
     rows = prompts(prompt_set)
     todo = [p for p in rows if p["prompt"] not in done]
@@ -166,15 +171,20 @@ def main() -> None:
     args = p.parse_args()
     from transformers import AutoConfig, AutoTokenizer
 
-    vocab = AutoConfig.from_pretrained(args.folder).vocab_size
+    if not (args.folder / "config.json").is_file():  # (transformers would take a missing folder for a hub name)
+        p.error(f"{args.folder} holds no config.json: give a model folder (a prepared zoo model: "
+                "~/.cache/mirrorsd/NAME)")
+    vocab = AutoConfig.from_pretrained(args.folder, local_files_only=True).vocab_size
     if args.answers_of is None:
         kind, table = "corpus", build_table(args.folder)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.folder)
+        tokenizer = AutoTokenizer.from_pretrained(args.folder, local_files_only=True)
         spoken = answers_of(args.answers_of, args.max_new_tokens)
         kind, table = "draft", ranked(draft_counts(tokenizer, spoken, args.weight), tokenizer, vocab)
     out = Path(__file__).parent / "data" / "draft_vocab" / TABLE_FILES[kind].format(vocab)
-    torch.save(table, out)
+    partial = out.with_name(out.name + ".partial")  # a kill while writing keeps the old table, not half a new one
+    torch.save(table, partial)
+    os.replace(partial, out)
     print(f"{out}: {len(table)} ids")
 
 

@@ -278,3 +278,18 @@ def test_ss_with_restricted_stream_heads_equals_ar_and_keeps_edges_they_cannot_s
     assert inside[0] in kept["restricted"] and {outside[0], outside[1]} <= kept["restricted"]
     candidates = streaming.next_guesses(model, adapters, forward, Verdict(0, 0), 3, head)
     assert all(len(row) == 3 and set(row) <= set(inside) for row in candidates.tokens)
+
+
+def test_answers_resume_past_a_line_cut_short(tmp_path, monkeypatch):
+    """The answers file is appended a line per prompt; a kill mid-line left one json.loads refused on every later
+    run. Such a line is skipped (its prompt answered again), the rest kept."""
+    import json
+
+    monkeypatch.setenv("MIRRORSD_CACHE", str(tmp_path))
+    rows = vt.prompts()
+    path = tmp_path / "draft_vocab" / "answers-m-8.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps({**r, "answer_ids": [i]}) + "\n" for i, r in enumerate(rows))
+                    + '{"prompt": "cut sho', encoding="utf-8")
+    monkeypatch.setattr("mirrorsd.api.load_model", lambda name: pytest.fail("every prompt was answered already"))
+    assert vt.answers_of("m", 8) == [[i] for i in range(len(rows))]
