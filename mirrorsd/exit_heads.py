@@ -49,8 +49,12 @@ class ExitTranslators:
         a = self.layers[layer].to(hidden)  # no copy when device and dtype already match
         return unit_rms(hidden) @ a[:-1] + a[-1]
 
-    def check(self, layer: int, hidden_size: int,
+    def check(self, layer: int, hidden_size: int, n_layers: int | None = None,
               fix: str = "pick one of those exit layers or fit it with `mirrorsd train-exit --layers`") -> None:
+        fitted = self.meta.get("n_layers")
+        if n_layers is not None and fitted is not None and fitted != n_layers:  # (same width, another depth)
+            raise ValueError(f"the tuned exit was fitted on a {fitted}-layer model, the target has {n_layers}: it "
+                             "belongs to another model")
         if layer not in self.layers:
             raise ValueError(f"the tuned exit has translators for layers {sorted(self.layers)}, not layer {layer}; "
                              f"{fix}")
@@ -110,11 +114,11 @@ def tuned_exit(target: Transformer, head: str, layer: int, option: str = "exit_h
                           "it); pass the folder from `mirrorsd train-exit` instead")
     translators = ExitTranslators.load(head)
     if option == "prune_exit":  # the layer is fixed by the adapter's N_s, and the zoo ships N/4, N/2, 3N/4 only
-        translators.check(layer, target.config.hidden_size,
+        translators.check(layer, target.config.hidden_size, target.config.n_layers,
                           f"ss prunes at layer N - N_s = {layer}: fit one with `mirrorsd train-exit --layers {layer}` "
                           "and pass prune_exit=FOLDER (--prune-exit FOLDER)")
     else:
-        translators.check(layer, target.config.hidden_size)
+        translators.check(layer, target.config.hidden_size, target.config.n_layers)
     return partial(translators, layer=layer)
 
 

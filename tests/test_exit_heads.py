@@ -42,6 +42,10 @@ def test_files_round_trip_and_clear_errors(tiny_pair, tmp_path):
     ExitTranslators({1: torch.randn(d + 2, d + 1)}, {}).save(tmp_path / "other")
     with pytest.raises(ValueError, match="another model"):
         tuned_exit(target, str(tmp_path / "other"), 1)
+    deeper = target.config.n_layers + 4  # as wide, deeper (an R1 distill beside a Qwen2.5 of one width)
+    ExitTranslators({1: a}, {"layers": [1], "n_layers": deeper}).save(tmp_path / "deeper")
+    with pytest.raises(ValueError, match=f"fitted on a {deeper}-layer model, the target has"):
+        tuned_exit(target, str(tmp_path / "deeper"), 1)
 
 
 def test_mirror_with_a_tuned_exit_equals_ar(tiny_pair, tmp_path):

@@ -205,7 +205,7 @@ class Bench:
         self.target = load_model(config.target, **load)
         if self.probe_exit is not None:
             for layer in self.probe_exit.layers:
-                self.probe_exit.check(layer, self.target.config.hidden_size)
+                self.probe_exit.check(layer, self.target.config.hidden_size, self.target.config.n_layers)
         self.draft = None
         if drafting or config.probe:
             self.draft = (self_draft(self.target, config.draft) if config.draft.startswith(SELF_DRAFT)
