@@ -127,14 +127,17 @@ def unroll(head: EagleHead, target: Transformer, features: torch.Tensor, ids: to
 
 def step_labels(item: FeatureItem, depth: int, answers_only: bool) -> list[torch.Tensor]:
     """Per step j, the labels ``[T - 1 - j]`` (-100 where not a target: before ``loss_from`` and, ``answers_only``,
-    where the target did not write the token)."""
+    where the target did not write the token, or where the token step j reads is not the target's greedy one: a
+    drafted chain reads the target's tokens, so text it would not have written (a sampled answer's, a corpus's)
+    measures no chain)."""
     out = []
     n = item.labels.shape[0]
     for j in range(depth):
-        u = torch.arange(1 + j, n, device=item.labels.device)  # the label's own position
+        u = torch.arange(1 + j, n, device=item.labels.device)  # the label's own position, and the token read
         keep = u + 1 >= item.loss_from
         if answers_only:
             keep &= torch.cat([item.answer[1:], item.answer[-1:]])[u]
+            keep &= item.ids[u] == item.labels[u - 1]
         out.append(torch.where(keep, item.labels[u], -100))
     return out
 

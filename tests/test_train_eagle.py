@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mirrorsd import Transformer
+from mirrorsd import Transformer, generate
 from mirrorsd.decoding.eagle.head import EagleHead, feature_layers, rotary
 from mirrorsd.train_eagle import FeatureCache, target_features, train, unroll
 from mirrorsd.training import HELD_OUT, Chunk
@@ -74,19 +74,32 @@ def test_rope_rotates_pairs_of_halves():
     torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
 
 
+def _own_texts(target: Transformer, folder, count: int = 40, distinct: int = 4, length: int = 32) -> str:
+    """``count`` texts of one chunk each, ``distinct`` of them different: two random tokens and the target's greedy
+    continuation (what the held-out chains measure on), written so that :func:`_tokenizer` reads the tokens back.
+    (A random target's next-but-one token is no function a head learns from a few hundred tokens: repeats make the
+    held-out windows ones it has seen.)"""
+    folder.mkdir()
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 64, (2,)).tolist() for _ in range(distinct)]
+    texts = [p + generate(target, p, method="ar", max_new_tokens=length - 2).token_ids for p in prompts]
+    for i in range(count):
+        (folder / f"{i}.txt").write_text("".join(chr(64 + t) for t in texts[i % distinct]))
+    return str(folder)
+
+
 def test_training_raises_chain_acceptance_and_resumes(tmp_path):
     target = Transformer.from_hf(tiny_hf(layers=8, seed=1))
-    text = tmp_path / "corpus.txt"
-    text.write_text("".join(chr(65 + (i * 7) % 29) for i in range(2400)))
+    text = _own_texts(target, tmp_path / "corpus")
     common = dict(model_name="target", decode_format="fp32", cache=tmp_path / "cache", chunks=24, seq_len=32,
                   lr=1e-2, held_out=2, vocab=0, depth=3, eval_every=120, dtype=torch.float32, progress=False)
-    summary = train(target, _tokenizer, [str(text)], tmp_path / "out", steps=120, **common)
+    summary = train(target, _tokenizer, [text], tmp_path / "out", steps=120, **common)
     before, after = summary["tokens_per_pass_before"], summary["tokens_per_pass_after"]
     assert after > before + 0.1, (before, after)
     assert len(summary["accept_after"]) == 3 and summary["accept_after"] == sorted(summary["accept_after"])[::-1]
     assert len(FeatureCache([tmp_path / "cache" / HELD_OUT], "cpu")) == 2
     assert (tmp_path / "out" / "eagle_head.safetensors").exists()
-    again = train(target, _tokenizer, [str(text)], tmp_path / "out", steps=130, **common)
+    again = train(target, _tokenizer, [text], tmp_path / "out", steps=130, **common)
     assert [p["step"] for p in again["curve"]] == [0, 120, 130]
 
 
@@ -99,3 +112,19 @@ def test_a_target_with_qk_norms_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="no q/k norms"):
         EagleHead(target, init_from_target=False)  # (what loading a head builds)
+
+
+def test_held_out_chains_start_only_where_the_tokens_read_are_the_targets():
+    """Drafting reads the target's own tokens; text it would not have written (a sampled answer, a corpus) was
+    teacher-forced into the held-out chains all the same, which then measured no chain."""
+    from mirrorsd.train_eagle import FeatureItem, chain, step_labels
+
+    labels = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17])
+    ids = torch.tensor([0, 10, 11, 99, 13, 14, 15, 16])  # position 3 read 99, not the target's 12
+    item = FeatureItem(torch.zeros(8, 3), labels, ids, 0, torch.ones(8, dtype=torch.bool))
+    steps = step_labels(item, 2, answers_only=True)
+    assert steps[0].tolist() == [11, 12, -100, 14, 15, 16, 17]  # step 0 at t reads ids[t + 1]
+    assert steps[1].tolist() == [12, -100, 14, 15, 16, 17]
+    hits = [torch.ones(7, dtype=torch.bool), torch.ones(6, dtype=torch.bool)]
+    assert chain(hits, steps) == ([4, 4], 4)  # starts 1 and 2 read position 3
+    assert step_labels(item, 2, answers_only=False)[0].tolist() == labels[1:].tolist()  # training keeps all
