@@ -143,11 +143,18 @@ def compile_flags(name: str) -> list[str]:
     return ["-O3", *ISAS[name][1], "-std=c++17", "-fopenmp"]
 
 
-def _why_unavailable() -> str | None:
+def _switched_off() -> str | None:
+    """Why the kernels must not run whatever the CPU, or None."""
     if os.environ.get("MIRRORSD_KERNELS", "").lower() in {"0", "off", "false", "no"}:
         return "disabled by MIRRORSD_KERNELS"
     if platform.machine().lower() not in {"x86_64", "amd64"}:
         return f"needs x86-64, this is {platform.machine()}"
+    return None
+
+
+def _why_unavailable() -> str | None:
+    if (off := _switched_off()) is not None:
+        return off
     if isa() is None:
         return f"this CPU lacks {', '.join(f for f in ISAS['avx2'][0] if f not in _cpu_flags())} (AVX2 at least)"
     return None
@@ -319,7 +326,13 @@ def code_widths() -> tuple[int, ...]:
     """The code widths weights are packed at on this CPU, narrowest first. AVX2 has no byte-masked add to put 5/6-bit
     codes' high bits back from their planes (it takes ~14 instructions per 32 codes instead of one), so there they
     stay whole bytes: a third more weight bytes, several times fewer instructions."""
-    return (4, 8) if isa() == "avx2" else (4, 5, 6, 8)
+    try:
+        name = isa()
+    except RuntimeError:  # MIRRORSD_KERNEL_ISA names a build this CPU cannot run: only loading the kernels cares
+        if _switched_off() is None:
+            raise
+        name = (usable_isas() or [None])[0]
+    return (4, 8) if name == "avx2" else (4, 5, 6, 8)
 
 
 def packed_bits(q: GroupQuant) -> int:

@@ -925,3 +925,13 @@ def test_a_failed_build_says_the_compilers_error():
         "cpu_linear.cpp:12:10: fatal error: immintrin.h: No such file or directory"
     assert kernels.build_failure(RuntimeError("ninja: not found")) == "ninja: not found"
     assert kernels.build_failure(OSError()) == "OSError()"
+
+
+def test_a_forced_isa_is_ignored_where_the_kernels_are_off(monkeypatch):
+    """MIRRORSD_KERNEL_ISA names a build to load; with the kernels switched off it made packing a layer raise."""
+    monkeypatch.setenv("MIRRORSD_KERNELS", "off")
+    monkeypatch.setenv("MIRRORSD_KERNEL_ISA", "no-such-isa")
+    assert kernels.code_widths() in ((4, 8), (4, 5, 6, 8))
+    monkeypatch.delenv("MIRRORSD_KERNELS")
+    with pytest.raises(RuntimeError, match="MIRRORSD_KERNEL_ISA=no-such-isa"):
+        kernels.code_widths()
