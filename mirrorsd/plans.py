@@ -47,6 +47,28 @@ def _made_here(plan: dict[str, Any]) -> bool:
     return plan.get("machine") == machine_label()
 
 
+def setup_label(target: Any, draft: Any) -> str:
+    """What else a plan's costs and acceptance were measured with: the loaded formats and the device (an fp32 plan
+    prices q4's default badly; a CPU plan a GPU's)."""
+    device = getattr(getattr(target, "model", target), "device", "cpu")
+    draft_format = "none" if draft is None else getattr(draft, "format", "?")
+    return f"target {getattr(target, 'format', '?')} on {device}, draft {draft_format}"
+
+
+def _readable(path: Path) -> dict[str, Any] | None:
+    """The plan at ``path`` if it still names a method and options this code takes, else None (cut short, hand
+    edited, or older than a method or option it names): `auto` then plans again instead of failing on it."""
+    from .decoding import get_method
+
+    try:
+        plan = json.loads(path.read_text())
+        pick = plan["recommended"]
+        get_method(pick["method"]).options.parse(pick["options"], pick["method"])
+    except (OSError, ValueError, KeyError, TypeError):  # (OptionError is a ValueError)
+        return None
+    return plan
+
+
 def set_planner(planner: Planner | None) -> None:
     """What :func:`plan_for` runs when no plan is saved yet (``mirrorsd`` installs the quick planner)."""
     global _planner
@@ -65,10 +87,19 @@ def saved_recommendation(target: str, draft: str | None) -> dict[str, Any] | Non
     """The saved plan's pick for this pair (method, options, label), or None when there is no plan made on this
     machine yet: lets the CLI resolve ``auto`` and check its flags before any model loads."""
     path = plan_path(target, draft)
-    if not path.is_file():
+    plan = _readable(path) if path.is_file() else None
+    return plan["recommended"] if plan is not None and _made_here(plan) else None
+
+
+def measured_otherwise(target_name: str, draft_name: str | None, target: Any) -> str | None:
+    """What the saved plan measured, where its target's format or device is not the loaded ``target``'s (the CLI
+    resolves `auto` from the plan before loading, when the loaded format is not known yet), else None."""
+    path = plan_path(target_name, draft_name)
+    plan = _readable(path) if path.is_file() else None
+    mine = setup_label(target, None).rsplit(", draft", 1)[0]
+    if plan is None or not plan.get("setup") or plan["setup"].rsplit(", draft", 1)[0] == mine:
         return None
-    plan = json.loads(path.read_text())
-    return plan["recommended"] if _made_here(plan) else None
+    return plan["setup"]
 
 
 def plan_for(target: Any, draft: Any) -> dict[str, Any]:
@@ -79,10 +110,16 @@ def plan_for(target: Any, draft: Any) -> dict[str, Any]:
     if _planner is None:
         return load_plan(target.name, draft_name)
     if path.is_file():
-        plan = load_plan(target.name, draft_name)
-        if _made_here(plan):
+        plan = _readable(path)
+        setup = setup_label(target, draft)
+        if plan is None:
+            why = "the saved plan is unreadable or names a method or option this version lacks"
+        elif not _made_here(plan):
+            why = f"the saved plan was made on {plan.get('machine', 'an unnamed machine')}, this is {machine_label()}"
+        elif plan.get("setup", setup) != setup:
+            why = f"the saved plan was made for {plan['setup']}, this is {setup}"
+        else:
             return plan
-        why = f"the saved plan was made on {plan.get('machine', 'an unnamed machine')}, this is {machine_label()}"
     else:
         why = "no plan on this machine yet"
     print(f"mirrorsd: {target.name} + {draft_name or 'no draft'}: {why}: planning briefly (1-2 minutes) and saving "

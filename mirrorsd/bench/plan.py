@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,7 +51,7 @@ from ..decoding.drafting import draft_vocab_size
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..draft_vocab import draft_table_kind, subset_head
 from ..model import Transformer
-from ..plans import machine_label, plan_path
+from ..plans import machine_label, plan_path, setup_label
 from ..runtime.executors import split_threads
 from .metrics import expected_accepted
 
@@ -314,15 +315,17 @@ class Plan:
     ranked: list[dict[str, Any]] = field(default_factory=list)
 
     recommended: dict[str, Any] = field(default_factory=dict)
+    setup: str = ""  # the formats and device it measured (plans.setup_label)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "draft": self.draft, "machine": self.machine, "costs": self.costs.to_dict(),
+        return {"target": self.target, "draft": self.draft, "machine": self.machine, "setup": self.setup,
+                "costs": self.costs.to_dict(),
                 "probe": self.probe, "recommended": self.recommended, "ranked": self.ranked}
 
     def save(self, path: Path | None = None) -> Path:
         path = path or plan_path(self.target, self.draft)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(json.dumps(self.to_dict(), indent=1))
         tmp.replace(path)
         return path
@@ -356,7 +359,7 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
                      "tokens_per_step": round(c.tokens_per_step, 3), "step_ms": round(c.step_ms, 3)}
     return Plan(target.name, draft.name if draft else None, machine_label(),
                 costs, probe.to_dict() if probe else {}, [row(c) for c in ranked],
-                row(recommend(ranked)))
+                row(recommend(ranked)), setup_label(target, draft))
 
 
 def quick_plan(target, draft) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import mirrorsd
 from mirrorsd import tuned_drafts
 from mirrorsd.api import SELF_DRAFT
 from mirrorsd.decoding import MethodOptions, get_method, leave_launched_world, methods, serve_launched
-from mirrorsd.plans import saved_recommendation
+from mirrorsd.plans import measured_otherwise, saved_recommendation
 from mirrorsd.runtime import write_chrome_trace
 from mirrorsd.runtime.processes import launched_rank
 from mirrorsd.runtime.tensor_parallel import DRAFT_SYNCS, gather_spans, launched_world, shard_draft, shard_target
@@ -96,9 +96,14 @@ def _auto_choice(args: argparse.Namespace) -> tuple[str, dict]:
     """``--method auto``: the plan saved for this target and draft on this machine, resolved before any model loads
     so that the flags are checked against the method it picked; ``("auto", {})`` when there is no plan yet (the
     API then plans briefly after loading)."""
-    draft = args.draft or DEFAULT_DRAFT
+    draft = _plan_draft(args)
     pick = None if draft.startswith(SELF_DRAFT) else saved_recommendation(args.target, draft)
     return ("auto", {}) if pick is None else (pick["method"], pick["options"])
+
+
+def _plan_draft(args: argparse.Namespace) -> str:
+    """The draft a plan for ``--method auto`` is keyed by."""
+    return args.draft or DEFAULT_DRAFT
 
 
 def _checked_target_tp(args: argparse.Namespace) -> int:
@@ -206,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     if tp > 1:
         shard_target(target.model, launched_world(tp).tp_group)
     say_loaded("target", target, args)
+    if by_auto and method != "auto" and (other := measured_otherwise(args.target, _plan_draft(args), target)):
+        err.print(f"mirrorsd: warning: the plan auto followed was measured with {other}; this run has "
+                  f"{target.format} on {target.model.device}: `mirrorsd plan` with these flags measures it",
+                  style="yellow", highlight=False)
     draft = load_draft(args, target, err) if needs_draft else None
     spans = []
     for prompt in prompts:

@@ -608,6 +608,34 @@ def test_a_plan_made_on_another_machine_is_made_again(tmp_path, monkeypatch, cap
     assert "made on Another CPU, 64 threads" in err and plans.machine_label() in err
 
 
+def test_a_plan_auto_cannot_follow_is_made_again(tmp_path, monkeypatch, capsys):
+    """A plan cut short, naming a method or option this version lacks, or measured with another format or device
+    failed every `auto` run (a JSON error without a path, or 'method must be one of ...' the user never chose), or
+    was followed silently; now `auto` plans again and says why."""
+    saved = tmp_path / "plan.json"
+    monkeypatch.setattr(plans, "plan_path", lambda target, draft: saved)
+    made = []
+    monkeypatch.setattr(plans, "_planner", lambda target, draft: made.append(target.name) or {"fresh": True})
+    target = SimpleNamespace(name="t", format="q4 weights, int8x2 activations", model=SimpleNamespace(device="cpu"))
+    pair = target, SimpleNamespace(name="d", format="q4 weights, int8x2 activations")
+    here = {"machine": plans.machine_label(), "setup": plans.setup_label(*pair)}
+    pick = {"method": "suffix", "options": {"gamma": 4}, "label": "suffix"}
+    for broken in ('{"machine": "cut sh', json.dumps(here | {"recommended": {"method": "gone", "options": {}}}),
+                   json.dumps(here | {"recommended": {"method": "suffix", "options": {"gone_option": 3}}})):
+        saved.write_text(broken)
+        assert plans.saved_recommendation("t", "d") is None
+        assert plans.plan_for(*pair) == {"fresh": True}
+        assert "unreadable or names a method or option this version lacks" in capsys.readouterr().err
+    fp32 = here | {"setup": plans.setup_label(SimpleNamespace(format="fp32", model=target.model), pair[1])}
+    saved.write_text(json.dumps(fp32 | {"recommended": pick}))
+    assert plans.plan_for(*pair) == {"fresh": True} and len(made) == 4
+    assert "made for target fp32 on cpu" in capsys.readouterr().err
+    assert plans.measured_otherwise("t", "d", target).startswith("target fp32 on cpu")
+    saved.write_text(json.dumps(here | {"recommended": pick}))
+    assert plans.plan_for(*pair)["recommended"] == pick and len(made) == 4
+    assert plans.measured_otherwise("t", "d", target) is None
+
+
 def test_the_machine_label_names_the_kernel_build(monkeypatch):
     """Two VMs that report the same CPU name may run different kernel builds (AVX-512 or only AVX2), which price
     the methods differently, so a plan made on one is not reused on the other."""
