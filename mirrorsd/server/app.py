@@ -175,7 +175,7 @@ class Server:
                            f"model's context is {self.context} tokens", param="max_tokens",
                            code="context_length_exceeded")
         return Prepared(prompt_ids, method, options, params, min(limit or cfg.max_tokens, room), req.stops, alone,
-                        req.ignore_eos)
+                        bool(req.ignore_eos))
 
     def encode(self, prompt: str | list[int], *, raw: bool) -> list[int]:
         try:

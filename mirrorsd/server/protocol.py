@@ -56,10 +56,10 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 and 0 disable it
     seed: int | None = None
     stop: Stop = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1  # (null: OpenAI's default, as for stream and vLLM's ignore_eos)
+    stream: bool | None = False
     stream_options: dict[str, Any] | None = None
-    ignore_eos: bool = False  # vLLM's extension: decode past EOS up to max_tokens (load generators send it)
+    ignore_eos: bool | None = False  # vLLM's extension: decode past EOS up to max_tokens (load generators send it)
     mirrorsd: MirrorsdOptions | None = None
     # OpenAI fields mirrorsd does not implement: refused unless neutral
     logprobs: bool | int | None = None
@@ -71,19 +71,37 @@ class SamplingFields(BaseModel):
     echo: bool | None = None
     suffix: str | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # (OpenAI's older function calling)
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None  # (predicted outputs: mirrorsd's drafts are its own)
+    # vLLM's extensions a client may send expecting them honoured
+    min_tokens: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> None:
         neutral = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
                    "frequency_penalty": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
-                   "echo": (None, False), "suffix": (None, ""), "tools": (None, [])}
+                   "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+                   "tool_choice": (None, "none", "auto"), "functions": (None, []),
+                   "function_call": (None, "none", "auto"), "prediction": (None,), "min_tokens": (None, 0),
+                   "min_p": (None, 0), "repetition_penalty": (None, 1), "stop_token_ids": (None, []),
+                   "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+                   "guided_grammar": (None,)}
         for name, values in neutral.items():
             if getattr(self, name) not in values:
                 raise APIError(400, f"{name} is not supported by mirrorsd", param=name, code="unsupported_parameter")
         if self.response_format not in (None, {"type": "text"}):
             raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format",
                            code="unsupported_parameter")
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise APIError(400, f"n must be 1 (one completion per request for now), got {self.n}", param="n",
                            code="unsupported_parameter")
 
@@ -111,8 +129,12 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[Any] | None = None
 
     def text(self) -> str:
+        if self.tool_calls:  # (dropped, the turn would read as an empty answer)
+            raise APIError(400, "assistant tool_calls are not supported by mirrorsd", param="messages",
+                           code="unsupported_parameter")
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         kinds = {p.type for p in self.content} - {"text"}

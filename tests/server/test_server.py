@@ -234,6 +234,15 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, words
      "mirrorsd.exit_head", "lens, tuned or auto"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages", "at most 512"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 404, None, ""),  # a completions body sent to the chat route
+    # what clients send expecting it honoured was ignored: refused instead
+    *[({"model": MODEL, "messages": [{"role": "user", "content": "x"}], name: value}, 400, name, "not supported")
+      for name, value in (("tool_choice", "required"), ("functions", [{"name": "f"}]), ("function_call", "auto2"),
+                          ("prediction", {"type": "content", "content": "x"}), ("min_tokens", 4),
+                          ("repetition_penalty", 1.2), ("min_p", 0.1), ("stop_token_ids", [7]),
+                          ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]))],
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "messages",
+     "tool_calls are not supported"),
 ])
 def test_bad_requests(live, body, status, param, words):
     if "prompt" in body:  # the chat route needs messages: 400, not 404
@@ -241,6 +250,15 @@ def test_bad_requests(live, body, status, param, words):
         assert_error(post(live, "/v1/completions", json=body), 400, "prompt", "one prompt per request")
         return
     assert_error(post(live, "/v1/chat/completions", json=body), status, param, words)
+
+
+def test_nulls_openai_accepts_are_defaults(live):
+    """OpenAI takes null for n and stream (vLLM for ignore_eos): they were 400s here."""
+    r = post(live, "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                 "max_tokens": 2, "n": None, "stream": None, "ignore_eos": None,
+                                                 "tool_choice": "none", "min_tokens": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion" and r.json()["usage"]["completion_tokens"] <= 2
 
 
 def test_malformed_and_oversize_bodies(live):
