@@ -137,6 +137,10 @@ class BridgedProposer:
         self.text += self.bridge.target.decode(state.tokens[self.converted:])
         self.converted = len(state.tokens)
         keep = max(0, len(self.ids) - RETOKENIZE)
+        # A draft token may end inside a character (byte-level BPE splits CJK and emoji): text re-tokenized from
+        # there would start with bytes that decode to U+FFFD, and the offsets would drift from the text.
+        while keep and self.ends[keep - 1] < len(self.text) and self.text[self.ends[keep - 1]] & 0xC0 == 0x80:
+            keep -= 1
         start = self.ends[keep - 1] if keep else 0
         fresh = self.bridge.draft.encode(self.text[start:])
         table = self.bridge.draft.bytes
@@ -168,7 +172,9 @@ class BridgedProposer:
         if window <= 0:
             return self.last
         feed = self._sync(state)
-        if not feed:  # (no whole character of text yet)
+        if not feed or complete_utf8(self.text) < len(self.text):
+            # (no whole character of text yet; or the target stopped inside one, which the draft's text cannot
+            # continue: its tokens would start the character again, and none could be accepted)
             return self.last
         cache = state.draft_cache
         drafted: list[int] = []

@@ -186,6 +186,28 @@ def test_rejection_sampling_through_the_bridge_keeps_the_target_distribution(toy
     assert keep.sum() >= 5 and chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
 
 
+def test_the_drafts_text_stays_the_committed_text_through_split_characters(smol, toy_tokenizer):
+    """SmolLM2 writes a CJK character or an emoji as several byte tokens; re-tokenizing the tail from the end of one
+    of them started inside a character, which decoded to U+FFFD and drifted the offsets (the draft read
+    '你��，����' and dropped later English letters). Fed one target token at a time, the draft's tokens now always
+    spell the committed text up to its last whole character; and the target stopped inside a character drafts
+    nothing (its tokens would begin that character again, none acceptable)."""
+    from types import SimpleNamespace
+
+    b = TokenBridge(toy_tokenizer, smol.tokenizer)
+    proposer = bridge.BridgedProposer(smol.model, b, len(toy_tokenizer), 4)
+    ids = toy_tokenizer.encode("你好，世界。今天天气很好，我们去公园散步吧。Then 🦜 flies.", add_special_tokens=False)
+    cache = smol.model.new_cache()
+    for n in range(1, len(ids) + 1):
+        state = SimpleNamespace(tokens=ids[:n], draft_cache=cache, room=8)
+        proposer._sync(state)
+        text = b.target.decode(ids[:n])
+        assert b.draft.decode(proposer.ids) == text[:complete_utf8(text)], n
+    proposer = bridge.BridgedProposer(smol.model, b, len(toy_tokenizer), 4)
+    cut = next(n for n in range(1, len(ids)) if complete_utf8(b.target.decode(ids[:n])) < len(b.target.decode(ids[:n])))
+    assert not proposer.propose(SimpleNamespace(tokens=ids[:cut], draft_cache=smol.model.new_cache(), room=8)).tokens
+
+
 def test_a_prompt_ending_inside_a_character_waits_for_its_last_bytes(smol, toy_draft):
     """A prompt of one byte of a 3-byte character has no text the draft could read yet: the first step drafts
     nothing, and decoding goes on as ``ar``."""
