@@ -113,7 +113,14 @@ class Costs:
         if backend not in ("threads", "processes") or not self.split:
             return self
         s = self.split
-        return Costs(self.context, self.threads, s["target_ms"], s["prefix_ms"], self.exit_head_ms, s["draft_ms"])
+        # The reduced heads' tables are not measured split: each scaled by the whole draft's split slowdown at that
+        # row count (without them the split draft was priced with the full head, biasing threads against serial).
+        slowdown = {k: s["draft_ms"][k] / ms for k, ms in self.draft_ms.items() if k in s["draft_ms"] and ms > 0}
+        vocab_ms = {v: {k: ms * slowdown[k] for k, ms in table.items() if k in slowdown}
+                    for v, table in self.draft_vocab_ms.items()}
+        return Costs(self.context, self.threads, s["target_ms"], s["prefix_ms"], self.exit_head_ms, s["draft_ms"],
+                     default_draft_vocab=self.default_draft_vocab,
+                     draft_vocab_ms={v: t for v, t in vocab_ms.items() if t})
 
 
 def interpolate(table: dict[int, float], k: float) -> float:

@@ -156,6 +156,18 @@ def costs(draft_ms=2.0) -> plan.Costs:
                       exit_head_ms={1: 0.5, 16: 1.5}, draft_ms={1: draft_ms, 64: 64 * draft_ms / 4})
 
 
+def test_split_thread_costs_keep_the_reduced_draft_heads():
+    """The split tables (threads, processes) were built without the reduced heads' tables: a draft_vocab draft on
+    those backends was priced with the full head, serial with its own. They are scaled by the split slowdown."""
+    whole = costs()
+    whole.default_draft_vocab, whole.draft_vocab_ms = 8192, {8192: {1: 1.0, 64: 16.0}}
+    whole.split = {"target_ms": {k: 2 * v for k, v in whole.target_ms.items()}, "prefix_ms": whole.prefix_ms,
+                   "draft_ms": {1: 3.0, 64: 48.0}}  # the draft 1.5x slower on its share of the cores
+    split = whole.for_backend("threads")
+    assert split.draft(1, None) == pytest.approx(1.5) and split.draft(64, None) == pytest.approx(24.0)
+    assert split.draft(1, 0) == 3.0 and whole.for_backend("serial") is whole
+
+
 def test_interpolate_is_piecewise_linear_and_extends_past_the_ends():
     table = {1: 10.0, 2: 11.0, 8: 17.0}
     assert plan.interpolate(table, 2) == 11.0
