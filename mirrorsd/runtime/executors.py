@@ -17,6 +17,7 @@ result is read with ``future.result()``. One small interface, four placements:
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -114,7 +115,9 @@ class WorkerExecutor(Executor):
                     if self.stream is not None:
                         self.stream.synchronize()
 
-        return self.pool.submit(run)
+        # The caller's settings (cuda_graphs, batch_invariance) are context variables, which a pool's thread does not
+        # inherit: the job runs in a copy of the caller's context, so ``graphs`` means "as the caller has them".
+        return self.pool.submit(contextvars.copy_context().run, run)
 
     @contextmanager
     def overlapping(self) -> Iterator[None]:

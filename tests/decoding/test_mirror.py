@@ -749,3 +749,20 @@ def test_quantized_attention_ignores_the_callers_thread_count(monkeypatch):
     monkeypatch.setattr(model_module, "_one_thread", contextlib.nullcontext)
     if torch.equal(decode(1), decode(2)):
         pytest.skip("this CPU's SDPA happens to give the same bits at 1 and 2 threads: the test has no power here")
+
+
+def test_the_draft_worker_runs_with_the_callers_settings():
+    """cuda_graphs and batch_invariance are context variables, which a pool's thread does not inherit: with
+    ``graphs`` the worker ran with the defaults, not "as the caller has them"."""
+    from mirrorsd import cuda_graphs as graphs
+    from mirrorsd.linear import _INVARIANT, batch_invariance
+    from mirrorsd.runtime.executors import WorkerExecutor
+
+    worker = WorkerExecutor("threads", torch.device("cpu"), None, None, graphs=True)
+    try:
+        with graphs.cuda_graphs(False), batch_invariance(False):
+            assert worker.submit(lambda: (graphs.enabled(), _INVARIANT.get())).result() == (False, False)
+        with graphs.cuda_graphs(True):
+            assert worker.submit(graphs.enabled).result() is True
+    finally:
+        worker.close()
