@@ -37,6 +37,7 @@ class PerplexityReport:
     tokens: int
     window: int
     corpus: str
+    activations: str = "int8"  # (of the quantized formats: fp32 weights take fp32 activations)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,7 +62,7 @@ def perplexity(model: Transformer, token_ids: list[int], window: int = 512, prog
 
 
 def run(name: str, weights: str, max_tokens: int = 4096, window: int = 512,
-        progress: bool = True) -> PerplexityReport:
+        progress: bool = True, activations: str = "int8") -> PerplexityReport:
     """Score a zoo model (or folder) in one weight format on the first ``max_tokens`` corpus tokens."""
     import platform
 
@@ -72,7 +73,8 @@ def run(name: str, weights: str, max_tokens: int = 4096, window: int = 512,
     path = resolve(name, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     ids = tokenizer(corpus_text(), add_special_tokens=False)["input_ids"][:max_tokens]
-    model = Transformer.from_pretrained(path, weights=weights)
+    model = Transformer.from_pretrained(path, weights=weights, activations=activations)
     value = perplexity(model, ids, window, progress)
     corpus = f"Python {platform.python_version()} stdlib: {', '.join(CORPUS_MODULES)}"
-    return PerplexityReport(name, weights, round(value, 4), len(ids), window, corpus)
+    return PerplexityReport(name, weights, round(value, 4), len(ids), window, corpus,
+                            "fp32" if weights == "fp32" else activations)

@@ -21,6 +21,7 @@ from mirrorsd.decoding import methods as registered_methods
 from mirrorsd.errors import OptionError
 from mirrorsd.linear import LINEAR_IMPLS
 from mirrorsd.loading import WEIGHT_FORMATS
+from mirrorsd.model import ACTIVATION_FORMATS
 from mirrorsd.specbench import load_suite
 from mirrorsd.zoo import ZOO
 
@@ -190,6 +191,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "non-overlapping windows) so the quality cost of q8/q4 against fp32 can be read off side by side.")
     add_model(bp)
     add_weights(bp, "comma-separated weight formats", default="fp32,q8,q4", choices=None)
+    bp.add_argument("--activations", choices=ACTIVATION_FORMATS, default="int8",
+                    help="activation precision of the quantized formats (int8x2 is what zoo models run by default)")
     bp.add_argument("--tokens", type=int, default=4096, help="corpus tokens scored")
     bp.add_argument("--window", type=int, default=512, help="tokens per scored window")
     bp.add_argument("--json", action="store_true", help="print one JSON object per format")
@@ -387,13 +390,15 @@ def _perplexity(args: argparse.Namespace) -> int:
         raise ValueError("--tokens and --window must be at least 2")
     first = None
     for fmt in formats:
-        report = perplexity.run(args.model, fmt, args.tokens, args.window, progress=not args.json)
+        report = perplexity.run(args.model, fmt, args.tokens, args.window, progress=not args.json,
+                                activations=args.activations)
         first = first or report
         if args.json:
             print(json.dumps(report.to_dict()), flush=True)
         else:
             delta = 100 * (report.perplexity / first.perplexity - 1)
-            print(f"{report.model} {fmt:>5}: perplexity {report.perplexity:.4f} over {report.tokens} tokens "
+            shown = fmt if fmt == "fp32" else f"{fmt} weights, {report.activations} activations"
+            print(f"{report.model} {shown}: perplexity {report.perplexity:.4f} over {report.tokens} tokens "
                   f"({delta:+.2f}% vs {first.weights})", flush=True)
     return 0
 

@@ -175,6 +175,10 @@ def test_bench_perplexity_json(capsys):
     rows = [json.loads(line) for line in out.strip().splitlines()]
     assert rc == 0 and [r["weights"] for r in rows] == ["fp32", "q4"]
     assert all(1 < r["perplexity"] < 1000 and r["tokens"] == 64 for r in rows)
+    assert [r["activations"] for r in rows] == ["fp32", "int8"]  # (the report named no activation format)
+    rc, out, _ = run(capsys, "bench", "perplexity", "--model", "smollm2-135m", "--weights", "q4",
+                     "--activations", "int8x2", "--tokens", "64", "--window", "32")
+    assert rc == 0 and "smollm2-135m q4 weights, int8x2 activations: perplexity" in out
 
 
 @pytest.mark.parametrize("argv, match", [
