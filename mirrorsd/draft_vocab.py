@@ -123,7 +123,8 @@ def subset_head(model, size: int, kind: str = "corpus") -> SubsetHead:
     if key not in heads:
         table = load_table(model.config.vocab_size, kind)
         if size > len(table):
-            raise ValueError(f"the shipped table has {len(table)} ids; a restricted vocabulary must be at most that")
+            raise ValueError(f"a restricted vocabulary of {size} ids is larger than the shipped table ({len(table)} "
+                             "ids for this tokenizer): give at most that, or 0 for the full vocabulary")
         heads[key] = SubsetHead(model.lm_head, model.embed_tokens.weight, table[:size],
                                 model.config.tie_word_embeddings).eval()
     return heads[key]
