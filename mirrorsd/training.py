@@ -334,7 +334,8 @@ def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
     """Ctrl-C takes effect after the step it came in: inside one it could save parameters the optimizer had half
     updated, or a step without its evaluation. A second Ctrl-C stops at once. (Signals reach the main thread only:
     elsewhere Ctrl-C is left as it is.)"""
-    if threading.current_thread() is not threading.main_thread():
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous in (None, signal.SIG_IGN):  # (another thread; Ctrl-C ignored, or handled outside Python: as it is)
         yield lambda: False
         return
     asked: list[bool] = []
@@ -345,7 +346,7 @@ def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
         asked.append(True)
         bar.write("stopping after this step (Ctrl-C again to stop at once)")
 
-    previous = signal.signal(signal.SIGINT, ask)
+    signal.signal(signal.SIGINT, ask)
     try:
         yield lambda: bool(asked)
     finally:

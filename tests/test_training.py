@@ -125,3 +125,15 @@ def test_a_cache_built_for_fewer_steps_says_how_to_train_on(tmp_path):
         check_cache(tmp_path, meta | {"chunks": 400})
     with pytest.raises(ValueError, match=r"other settings \(seq_len\); give another --cache folder"):
         check_cache(tmp_path, meta | {"seq_len": 128})
+
+
+def test_ctrl_c_left_alone_where_it_is_ignored(tmp_path):
+    """A trainer started with Ctrl-C ignored (a background job of a script) keeps it ignored: fit's own handler
+    would have stopped it on a Ctrl-C meant for its parent."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _, done = _run(tmp_path / "x", 3, stop_at=2, interrupt=None)  # (the SIGINT arrives, and is ignored)
+        assert done and [p["step"] for p in done["curve"]][-1] == 3
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

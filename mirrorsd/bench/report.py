@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..decoding import REFERENCE
+from ..sampling import SAMPLING_EPS
 from ..specbench import GROUPS
 from .metrics import OVERALL
 
@@ -158,7 +159,7 @@ def _probe(results: dict[str, Any]) -> list[str]:
     ea = p["expected_accepted"]["all"]
     fb = p["fallback"]["all"]
     kappas = sorted({int(k) for row in fb.values() for k in row})
-    decoding = f"temperature {p['temperature']}" if p.get("temperature") else "greedy"
+    decoding = f"temperature {p['temperature']}" if (p.get("temperature") or 0) >= SAMPLING_EPS else "greedy"
     out = [f"## Acceptance probe (one untimed vanilla-SD pass, γ = {p['gamma']}, {decoding}, {p['steps']} full "
            "windows)",
            "", "E[A_t] vs γ: " + ", ".join(f"γ={g}: {v:.2f}" for g, v in ea.items()), "",

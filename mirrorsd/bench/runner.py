@@ -34,7 +34,7 @@ from ..plans import cpu_name
 from ..runtime import synchronize
 from ..runtime.executors import split_threads
 from ..runtime.load import busy_warning, others_cpu_share
-from ..sampling import SamplingParams
+from ..sampling import SAMPLING_EPS, SamplingParams
 from ..specbench import GROUPS, Question, load_suite
 from . import metrics, plan, probe
 from .metrics import Answer, Turn
@@ -331,7 +331,7 @@ class Bench:
     # -- the lossless check -------------------------------------------------------------------------------
 
     def _comparable(self, spec: MethodSpec) -> bool:
-        if self.config.temperature <= 0 or spec.label == spec.reference:
+        if self.config.temperature < SAMPLING_EPS or spec.label == spec.reference:
             return True
         # Position-keyed sampling makes our match-acceptance methods equal ar token for token at any
         # temperature; speculative sampling and other libraries' RNGs only match in distribution.

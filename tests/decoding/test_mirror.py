@@ -766,3 +766,18 @@ def test_the_draft_worker_runs_with_the_callers_settings():
             assert worker.submit(graphs.enabled).result() is True
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("backend, refused", [("threads", True), ("serial", False), ("processes", False)])
+def test_a_self_draft_on_a_sharded_target_needs_no_shared_group(backend, refused):
+    """A self-draft shares the sharded target's blocks: a worker thread would run its all-reduces beside the
+    target's on one group. The processes backend's draft rank builds its own, so it stays allowed (a documented
+    torchrun command was refused)."""
+    from mirrorsd.decoding import get_method
+
+    opts = get_method("mirror").options.parse({"backend": backend, "roots": "paper"}, "mirror")
+    if refused:
+        with pytest.raises(ValueError, match="use backend='serial'"):
+            opts.check_tensor_parallel(self_draft=True)
+    else:
+        opts.check_tensor_parallel(self_draft=True)

@@ -149,7 +149,8 @@ class MirrorOptions(MethodOptions):
 
     def check_tensor_parallel(self, self_draft: bool = False) -> None:
         super().check_tensor_parallel(self_draft)
-        if self_draft and self.backend != "serial":  # its blocks' all-reduces on two threads, paired at random
+        # its blocks' all-reduces on two threads, paired at random (processes: the draft rank builds its own)
+        if self_draft and self.backend not in ("serial", "processes"):
             raise ValueError(f"a self-draft shares the sharded target's blocks, whose all-reduces the {self.backend} "
                              "backend would run beside the target's on one group: use backend='serial' (--backend "
                              "serial)")
