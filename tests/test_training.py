@@ -101,6 +101,14 @@ def test_ctrl_c_inside_a_step_takes_effect_after_it(tmp_path):
     """A real Ctrl-C in the middle of the fifth step: the step finishes (its update whole), is saved, and the run
     stops; the resumed run is the one never stopped. One in the last evaluation keeps that evaluation."""
     whole, done = _run(tmp_path / "whole", 7, save_every=25)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: xdist's workers ignore it)
+    try:
+        _ctrl_c_inside_a_step(tmp_path, whole, done)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+
+
+def _ctrl_c_inside_a_step(tmp_path, whole, done) -> None:
     handler = signal.getsignal(signal.SIGINT)
     assert _run(tmp_path / "resumed", 7, stop_at=5, save_every=25, interrupt=None)[1] == {}  # (stopped)
     assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["step"] == 5
