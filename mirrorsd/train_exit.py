@@ -6,12 +6,14 @@ states are never stored and the ridge solution ``A = (XᵀX + λI)⁻¹ (XᵀY +
 data. The ridge pulls towards ``A₀ = [I; 0]``, the plain logit lens, so a strong λ falls back to the paper's
 exit rather than to nothing; λ is chosen on held-out windows.
 Held-out chunks measure what Mirror-SD needs: how often the target's own next token (the final layer's
-argmax) is among the exit's top-κ, for the plain logit lens and the tuned exit. The sums are additive, so
-the learning curve (held-out hit rate against training tokens) costs a solve per point, not a retraining.
+argmax) is among the exit's top-κ, for the plain logit lens and the tuned exit. They are split in two: the
+first half (validation) picks λ and the KL step, the second (test) is what gets reported, so a reported hit rate
+is never the maximum over the candidates it chose between. The sums are additive, so the learning curve
+(held-out hit rate against training tokens) costs a solve per point, not a retraining.
 
 Optionally (:class:`KLRefine`) the ridge fit is then fine-tuned by gradient descent on KL(final ‖ exit), the
 tuned lens's own objective (Belrose et al. 2023), over the restricted vocabulary the exit reads by default. The
-states are kept for that (bf16, ~6 KB per token and layer on a 1.5B), and held-out checks keep the best step,
+states are kept for that (bf16, ~6 KB per token and layer on a 1.5B), and validation checks keep the best step,
 so a refinement that does not help leaves the ridge fit in place.
 """
 
@@ -164,8 +166,9 @@ def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, fin
               ) -> tuple[torch.Tensor, dict[int, float], dict[str, Any]]:
     """Fine-tune translator ``start`` on unit-RMS ``states`` → final ``finals`` (rows matched) by KL to the
     final distribution (plus :func:`topk_hinge` on its argmax when ``opts.topk_weight``), drawing rows in
-    proportion to ``weights`` (None: uniformly). Returns the best translator by held-out top-8 (``start`` itself
-    when no step beats it), its hit rates, and a record (vocabulary, best step, held-out curve over steps)."""
+    proportion to ``weights`` (None: uniformly). Returns the best translator by top-8 on the ``held`` rows (``start``
+    itself when no step beats it), its hit rates there, and a record (vocabulary, best step, the ``held`` rows' curve
+    over steps). The rows are chosen on, so :func:`fit_exit` passes validation rows and reports on others."""
     head = _RestrictedHead(model, opts.vocab)
     gen = torch.Generator().manual_seed(seed)
     a = start.clone().requires_grad_()
@@ -201,20 +204,44 @@ def refine_kl(model: Transformer, start: torch.Tensor, states: torch.Tensor, fin
     return best[2], best[0], {"vocab": head.vocab, "best_step": best[1], "curve": curve}
 
 
+class _HeldRows:
+    """Held-out windows' layer states, the model's greedy next tokens on them, and (with a corrections draft) the
+    rows where that draft disagrees: the rows Mirror-SD's exit must get right."""
+
+    def __init__(self, model: Transformer, windows: list, layers: list[int], corrections: Transformer | None,
+                 progress: bool, desc: str) -> None:
+        xs: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+        wants, hard = [], []
+        for ids, answer in tqdm(windows, desc=desc, disable=not progress):
+            states, final = _states(model, ids, layers)
+            for layer in layers:
+                xs[layer].append(states[layer])
+            wants.append(_greedy(model, final))
+            if corrections is not None:
+                hard.append(_corrections(corrections, ids, wants[-1], answer))
+        self.want = torch.cat(wants)
+        self.states = {layer: torch.cat(x) for layer, x in xs.items()}
+        self.hard = torch.cat(hard).nonzero()[:, 0] if corrections is not None else None
+        if self.hard is not None and not len(self.hard):
+            raise ValueError(f"the held-out windows ({desc.split()[0]}) hold no row where the draft and the model "
+                             "disagree on text the model wrote: give more held-out windows, or data with the model's "
+                             "own answers")
+
+
 def fit_exit(model: Transformer, tokenizer, texts: list[str | list[int]], layers: list[int], *, chunks: int = 64,
              held_out: int = 8, seq_len: int = 256, ridges: tuple[float, ...] = RIDGES,
              kappas: tuple[int, ...] = KAPPAS, seed: int = 0, progress: bool = True,
              transcripts: list[torch.Tensor] = (), refine: KLRefine | None = None,
              corrections: Transformer | None = None, correction_weight: float = 4.0) -> ExitTranslators:
     """Fit translators for ``layers`` on ``chunks`` windows of ``seq_len`` tokens of ``texts`` plus whole
-    ``transcripts`` (:func:`self_distilled`), ``held_out`` of the shuffled windows kept out, then (``refine``)
-    fine-tune each by KL; ``meta`` holds the recipe, the held-out top-κ hit rates (lens, ridge, tuned) and the
-    learning curves.
+    ``transcripts`` (:func:`self_distilled`), ``held_out`` of the shuffled windows kept out (half to choose λ and the
+    KL step, half to report), then (``refine``) fine-tune each by KL; ``meta`` holds the recipe, the test windows'
+    top-κ hit rates (lens, ridge, tuned) and the learning curves.
 
     ``corrections``: a draft model whose disagreements with the target mark the rows Mirror-SD's exit must get
     right (the correction after a rejected draft token; issue 17 measured these as the hard tokens). Those rows
-    count ``correction_weight`` times in the ridge sums and the KL's row draws, the held-out hit rates are also
-    reported on them, and λ and the KL step are chosen by them."""
+    count ``correction_weight`` times in the ridge sums and the KL's row draws, the test hit rates are also
+    reported on them, and λ and the KL step are chosen by the validation windows' ones."""
     n_layers = model.config.n_layers
     bad = [layer for layer in layers if not 0 < layer < n_layers]
     if bad:
@@ -224,6 +251,9 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str | list[int]], layers
                          f"model {model.config.vocab_size}: it must share the model's tokenizer")
     if correction_weight < 1:
         raise ValueError(f"correction_weight must be at least 1, got {correction_weight}")
+    if held_out < 2:
+        raise ValueError(f"held_out must be at least 2 windows (half pick λ and the KL step, half are reported), "
+                         f"got {held_out}")
     windows = [(c.ids, c.answer) for c in make_chunks(tokenizer, texts, seq_len, chunks + held_out, seed)]
     windows += [(t, None) for t in transcripts]
     random.Random(seed).shuffle(windows)
@@ -231,32 +261,20 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str | list[int]], layers
     d = model.config.hidden_size
     start = time.perf_counter()
     with torch.inference_mode():
-        test_x: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
-        test_want, test_hard = [], []
-        for ids, answer in tqdm(test, desc="held-out states", disable=not progress):
-            states, final = _states(model, ids, layers)
-            for layer in layers:
-                test_x[layer].append(states[layer])
-            test_want.append(_greedy(model, final))
-            if corrections is not None:
-                test_hard.append(_corrections(corrections, ids, test_want[-1], answer))
-        want = torch.cat(test_want)
-        held = {layer: torch.cat(xs) for layer, xs in test_x.items()}
-        hard = torch.cat(test_hard).nonzero()[:, 0] if corrections is not None else None
-        if hard is not None and not len(hard):
-            raise ValueError("the held-out windows hold no row where the draft and the model disagree on text the "
-                             "model wrote: give more held-out windows, or data with the model's own answers")
+        # Validation picks λ and the KL step; the test rows, never chosen on, are what ``meta`` reports.
+        val = _HeldRows(model, test[:held_out // 2], layers, corrections, progress, "validation states")
+        tst = _HeldRows(model, test[held_out // 2:], layers, corrections, progress, "test states")
 
-        def scores(layer: int, a: torch.Tensor | None) -> dict[str, dict[int, float]]:
-            """Held-out hit rates on all rows and on the corrections (``a`` None: the lens itself, since the final
+        def scores(layer: int, a: torch.Tensor | None, rows: _HeldRows = tst) -> dict[str, dict[int, float]]:
+            """Hit rates on all ``rows`` and on their corrections (``a`` None: the lens itself, since the final
             RMSNorm ignores the unit-RMS scale)."""
-            x = held[layer].float() if a is None else _with_bias(held[layer]).float() @ a
-            out = {"all": _hits(model, x, want, kappas)}
-            if hard is not None:
-                out["corrections"] = _hits(model, x[hard], want[hard], kappas)
+            x = rows.states[layer].float() if a is None else _with_bias(rows.states[layer]).float() @ a
+            out = {"all": _hits(model, x, rows.want, kappas)}
+            if rows.hard is not None:
+                out["corrections"] = _hits(model, x[rows.hard], rows.want[rows.hard], kappas)
             return out
 
-        chosen = "all" if hard is None else "corrections"  # what picks λ and the KL step
+        chosen = "all" if corrections is None else "corrections"  # what picks λ and the KL step
         lens = {layer: scores(layer, None) for layer in layers}
 
         gram = {layer: torch.zeros(d + 1, d + 1, dtype=torch.float64) for layer in layers}
@@ -295,25 +313,25 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str | list[int]], layers
                 scored = []
                 for ridge in ridges:
                     a = torch.linalg.solve(gram[layer] + ridge * eye, cross[layer] + ridge * identity).float()
-                    hits = scores(layer, a)
-                    scored.append((hits[chosen][_selecting_kappa(kappas)], ridge, a, hits))
+                    picked = scores(layer, a, val)[chosen][_selecting_kappa(kappas)]
+                    scored.append((picked, ridge, a))
                 top = max(scored, key=lambda s: s[0])
-                best[layer] = top
-                point[str(layer)] = {"ridge": top[1], **_rates(top[3]["all"])}
-                if hard is not None:
-                    point[str(layer)]["corrections"] = _rates(top[3]["corrections"])
+                best[layer] = (*top, scores(layer, top[2]))
+                point[str(layer)] = {"ridge": top[1], **_rates(best[layer][3]["all"])}
+                if corrections is not None:
+                    point[str(layer)]["corrections"] = _rates(best[layer][3]["corrections"])
             curve.append(point)
             bar.set_postfix_str(", ".join(f"ℓ{layer} top8 {best[layer][3][chosen].get(8, 0):.2f}" for layer in layers))
     ridge_hits = {layer: best[layer][3] for layer in layers}
     refined: dict[int, dict[str, Any]] = {}
     if refine:
         finals, weights = torch.cat(kept.pop("final")), torch.cat(kept.pop("w"))
-        select = slice(None) if hard is None else hard
+        select = slice(None) if val.hard is None else val.hard
         for layer in layers:
             a, _, refined[layer] = refine_kl(model, best[layer][2], torch.cat(kept.pop(layer)), finals,
-                                             held[layer][select].float(), want[select], refine, kappas, seed,
-                                             progress, desc=f"KL, layer {layer}",
-                                             weights=None if hard is None else weights)
+                                             val.states[layer][select].float(), val.want[select], refine, kappas,
+                                             seed, progress, desc=f"KL, layer {layer}",
+                                             weights=None if corrections is None else weights)
             best[layer] = (best[layer][0], best[layer][1], a, scores(layer, a))
 
     rates = {}
@@ -321,8 +339,8 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str | list[int]], layers
         row = {"lens": _rates(lens[layer]["all"]), "tuned": _rates(best[layer][3]["all"]), "ridge": best[layer][1]}
         if refine:
             row |= {"ridge_fit": _rates(ridge_hits[layer]["all"]), "kl": refined[layer]}
-        if hard is not None:
-            row["corrections"] = {"rows": len(hard), "lens": _rates(lens[layer]["corrections"]),
+        if corrections is not None:
+            row["corrections"] = {"rows": len(tst.hard), "lens": _rates(lens[layer]["corrections"]),
                                   "tuned": _rates(best[layer][3]["corrections"]),
                                   **({"ridge_fit": _rates(ridge_hits[layer]["corrections"])} if refine else {})}
         rates[str(layer)] = row
@@ -331,12 +349,13 @@ def fit_exit(model: Transformer, tokenizer, texts: list[str | list[int]], layers
                 + (", then KL to the final distribution)" if refine else ")"),
         "hidden_size": d, "n_layers": n_layers, "layers": layers,
         "recipe": {"chunks": chunks, "held_out": held_out, "seq_len": seq_len, "train_tokens": seen,
-                   "held_out_tokens": len(want),
+                   "held_out_tokens": len(val.want) + len(tst.want),
+                   "validation_tokens": len(val.want), "reported_on": "test (held-out, not used to choose)",
                    "self_distilled_transcripts": len(transcripts),
                    "ridges_tried": list(ridges), "seed": seed, "labels": "the model's own greedy next token",
                    **({"kl": asdict(refine)} if refine else {}),
                    **({"corrections": {"weight": correction_weight, "train_rows": marked,
-                                       "selected_by": "held-out top-8 on the corrections"}}
+                                       "selected_by": "validation top-8 on the corrections"}}
                       if corrections is not None else {})},
         "held_out": rates,
         "curve": curve,

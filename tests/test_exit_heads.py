@@ -262,7 +262,7 @@ def test_corrections_are_the_rows_where_the_draft_and_the_model_disagree_on_writ
 def test_a_fit_weighted_toward_corrections_reports_them_and_weighs_them(tiny_pair):
     target, draft = tiny_pair
     docs = _documents(target.config.vocab_size)
-    common = dict(chunks=6, held_out=2, seq_len=32, ridges=(10.0,), progress=False)
+    common = dict(chunks=6, held_out=4, seq_len=64, ridges=(10.0,), progress=False)
     plain = fit_exit(target, None, docs, [2], **common)
     same = fit_exit(target, None, docs, [2], corrections=draft, correction_weight=1.0, **common)
     heavy = fit_exit(target, None, docs, [2], corrections=draft, correction_weight=8.0, **common,
@@ -270,7 +270,7 @@ def test_a_fit_weighted_toward_corrections_reports_them_and_weighs_them(tiny_pai
     assert torch.equal(same.layers[2], plain.layers[2])  # weight 1: the plain ridge fit
     assert not torch.allclose(heavy.layers[2], plain.layers[2])
     held = heavy.meta["held_out"]["2"]
-    assert 0 < held["corrections"]["rows"] <= 2 * 32 // 2  # written rows of the two held-out windows at most
+    assert 0 < held["corrections"]["rows"] <= 2 * 64 // 2  # written rows of the two test windows at most
     assert set(held["corrections"]) == {"rows", "lens", "tuned", "ridge_fit"}
     assert "corrections" not in plain.meta["held_out"]["2"]
     assert heavy.meta["recipe"]["corrections"]["weight"] == 8.0 and heavy.meta["recipe"]["corrections"]["train_rows"]
@@ -286,7 +286,7 @@ def test_a_refit_of_some_layers_joins_an_exit_and_keeps_its_other_layers(tiny_pa
     held = {"1": {"tuned": {"top8": 0.5}}, "2": {"tuned": {"top8": 0.4}}}
     base = ExitTranslators({1: torch.randn(d + 1, d), 2: torch.randn(d + 1, d)},
                            {"layers": [1, 2], "held_out": held, "recipe": {"data": ["stdlib"]}})
-    refit = fit_exit(target, None, _documents(target.config.vocab_size), [2], chunks=6, held_out=2, seq_len=32,
+    refit = fit_exit(target, None, _documents(target.config.vocab_size), [2], chunks=6, held_out=4, seq_len=64,
                      progress=False, corrections=draft)
     merged = refit.merged_into(base)
     assert torch.equal(merged.layers[1], base.layers[1]) and torch.equal(merged.layers[2], refit.layers[2])
@@ -298,3 +298,33 @@ def test_a_refit_of_some_layers_joins_an_exit_and_keeps_its_other_layers(tiny_pa
     assert ExitTranslators.load(tmp_path / "exit").meta["refits"]["2"]["recipe"] == refit.meta["recipe"]
     with pytest.raises(ValueError, match="different models"):
         ExitTranslators({2: torch.zeros(d + 2, d + 1)}, {}).merged_into(base)
+
+
+def test_fit_reports_hit_rates_on_windows_it_did_not_choose_on(tiny_pair):
+    """λ (and the KL step) are picked on the first half of the held-out windows; the rates in ``meta`` are those of
+    the second half, so a reported rate is never the best of the candidates measured on the same rows."""
+    import random
+
+    from mirrorsd.train_exit import _hits, _states, _with_bias
+    from mirrorsd.training import make_chunks
+
+    target, _ = tiny_pair
+    gen = torch.Generator().manual_seed(3)
+    texts = [torch.randint(0, 64, (160,), generator=gen).tolist() for _ in range(4)]
+    translators = fit_exit(target, None, texts, [2], chunks=32, held_out=6, seq_len=16, progress=False)
+    windows = [c.ids for c in make_chunks(None, texts, 16, 38, 0)]
+    random.Random(0).shuffle(windows)
+
+    def rates(part, translator):
+        hidden = torch.cat([_states(target, ids, [2])[0][2] for ids in part])
+        want = torch.cat([target.logits(_states(target, ids, [])[1][None])[0].argmax(-1) for ids in part])
+        x = hidden.float() if translator is None else _with_bias(hidden).float() @ translator
+        return {f"top{k}": round(v, 4) for k, v in _hits(target, x, want, (1, 4, 8, 16)).items()}
+
+    held = translators.meta["held_out"]["2"]
+    assert translators.meta["recipe"]["validation_tokens"] == 3 * 16
+    assert held["tuned"] == rates(windows[3:6], translators.layers[2])
+    assert held["lens"] == rates(windows[3:6], None)
+    assert held["tuned"] != rates(windows[:6], translators.layers[2])  # not the old all-windows rates
+    with pytest.raises(ValueError, match="held_out must be at least 2"):
+        fit_exit(target, None, texts, [2], chunks=8, held_out=1, seq_len=16, progress=False)

@@ -40,12 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="also fit on N chat transcripts of the model's own greedy answers to prompts about stdlib "
                          "modules (the text Mirror-SD decodes; none is a benchmark question); at most 84")
     te.add_argument("--distill-tokens", type=count(1), default=128, help="tokens per self-distilled answer")
-    te.add_argument("--held-out", type=count(1), default=8, help="windows (of all) kept out to measure the hit rates")
+    te.add_argument("--held-out", type=count(2), default=8,
+                    help="windows (of all) kept out: the first half picks λ and the KL step, the second half "
+                         "measures the reported hit rates")
     te.add_argument("--seq-len", type=count(2), default=256, help="tokens per window")
     te.add_argument("--seed", type=int, default=0, help="data order")
     te.add_argument("--kl-steps", type=count(0), default=0, metavar="N",
                     help="then fine-tune each translator for N steps of 256 tokens by KL to the final distribution "
-                         "(the tuned lens's objective; the best held-out step is kept). 300 is the shipped recipe")
+                         "(the tuned lens's objective; the best step on the validation half is kept). 300 is the shipped recipe")
     te.add_argument("--kl-lr", type=float, default=1e-4, help="Adam learning rate of the KL fine-tune")
     te.add_argument("--topk-weight", type=float, default=0.0, metavar="W",
                     help="add to the KL fine-tune a top-8 hinge weighted W: it pushes the final token above the 8th "
@@ -53,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     te.add_argument("--corrections", metavar="DRAFT",
                     help="a draft model (zoo name or folder, the model's tokenizer): rows where its greedy next "
                          "token differs from the model's are the corrections Mirror-SD's exit must hold; they weigh "
-                         "--correction-weight times in the fit, and pick λ and the KL step by their held-out top-8")
+                         "--correction-weight times in the fit, and pick λ and the KL step by their validation top-8")
     te.add_argument("--correction-weight", type=float, default=4.0, metavar="W",
                     help="how much more a correction row counts (with --corrections)")
     add_formats(te, "the format decoding will use (default: as generate)", "(default: as generate)")

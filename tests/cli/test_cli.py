@@ -249,7 +249,7 @@ def test_every_flag_is_checked_before_loading_and_named(capsys, prepared_smollm2
     (["train-draft", "--held-out", "0"], "--held-out", 1),
     (["train-eagle", "--steps", "-1"], "--steps", 0),
     (["train-streams", "--chunks", "x"], "--chunks", 1),
-    (["train-exit", "--out", "o", "--held-out", "0"], "--held-out", 1),
+    (["train-exit", "--out", "o", "--held-out", "1"], "--held-out", 2),
     (["train-exit", "--out", "o", "--seq-len", "1"], "--seq-len", 2),
 ])
 def test_the_trainers_counts_are_checked_when_parsed(capsys, no_loading, argv, flag, least):
