@@ -47,12 +47,19 @@ def _made_here(plan: dict[str, Any]) -> bool:
     return plan.get("machine") == machine_label()
 
 
-def setup_label(target: Any, draft: Any) -> str:
+def setup_of(target: Any, draft: Any) -> dict[str, str]:
     """What else a plan's costs and acceptance were measured with: the loaded formats and the device (an fp32 plan
     prices q4's default badly; a CPU plan a GPU's)."""
     device = getattr(getattr(target, "model", target), "device", "cpu")
-    draft_format = "none" if draft is None else getattr(draft, "format", "?")
-    return f"target {getattr(target, 'format', '?')} on {device}, draft {draft_format}"
+    return {"target": str(getattr(target, "format", "?")), "device": str(device),
+            "draft": "none" if draft is None else str(getattr(draft, "format", "?"))}
+
+
+def describe_setup(setup: dict[str, str], draft: bool = True) -> str:
+    """``setup_of``'s record as the messages say it: "target q4 on cpu, draft q8" (``draft`` False: the target's
+    part alone)."""
+    text = f"target {setup.get('target', '?')} on {setup.get('device', '?')}"
+    return f"{text}, draft {setup.get('draft', '?')}" if draft else text
 
 
 def _readable(path: Path) -> dict[str, Any] | None:
@@ -62,6 +69,8 @@ def _readable(path: Path) -> dict[str, Any] | None:
 
     try:
         plan = json.loads(path.read_text())
+        if not isinstance(plan.get("setup", {}), dict):  # an older plan's setup, one string: measure it again
+            return None
         pick = plan["recommended"]
         get_method(pick["method"]).options.parse(pick["options"], pick["method"])
     except (OSError, ValueError, KeyError, TypeError):  # (OptionError is a ValueError)
@@ -96,10 +105,12 @@ def measured_otherwise(target_name: str, draft_name: str | None, target: Any) ->
     resolves `auto` from the plan before loading, when the loaded format is not known yet), else None."""
     path = plan_path(target_name, draft_name)
     plan = _readable(path) if path.is_file() else None
-    mine = setup_label(target, None).rsplit(", draft", 1)[0]
-    if plan is None or not plan.get("setup") or plan["setup"].rsplit(", draft", 1)[0] == mine:
+    if plan is None or not plan.get("setup"):
         return None
-    return plan["setup"]
+    mine, saved = setup_of(target, None), plan["setup"]
+    if (saved.get("target"), saved.get("device")) == (mine["target"], mine["device"]):
+        return None
+    return describe_setup(saved)
 
 
 def plan_for(target: Any, draft: Any) -> dict[str, Any]:
@@ -111,13 +122,13 @@ def plan_for(target: Any, draft: Any) -> dict[str, Any]:
         return load_plan(target.name, draft_name)
     if path.is_file():
         plan = _readable(path)
-        setup = setup_label(target, draft)
+        setup = setup_of(target, draft)
         if plan is None:
-            why = "the saved plan is unreadable or names a method or option this version lacks"
+            why = "the saved plan is unreadable, older than this version's plans, or names a method or option it lacks"
         elif not _made_here(plan):
             why = f"the saved plan was made on {plan.get('machine', 'an unnamed machine')}, this is {machine_label()}"
         elif plan.get("setup", setup) != setup:
-            why = f"the saved plan was made for {plan['setup']}, this is {setup}"
+            why = f"the saved plan was made for {describe_setup(plan['setup'])}, this is {describe_setup(setup)}"
         else:
             return plan
     else:

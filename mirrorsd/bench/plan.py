@@ -51,7 +51,7 @@ from ..decoding.drafting import draft_vocab_size
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..draft_vocab import draft_table_kind, subset_head
 from ..model import Transformer
-from ..plans import machine_label, plan_path, setup_label
+from ..plans import machine_label, plan_path, setup_of
 from ..runtime.executors import split_threads
 from .metrics import expected_accepted
 
@@ -322,7 +322,7 @@ class Plan:
     ranked: list[dict[str, Any]] = field(default_factory=list)
 
     recommended: dict[str, Any] = field(default_factory=dict)
-    setup: str = ""  # the formats and device it measured (plans.setup_label)
+    setup: dict[str, str] = field(default_factory=dict)  # the formats and device it measured (plans.setup_of)
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "draft": self.draft, "machine": self.machine, "setup": self.setup,
@@ -366,7 +366,7 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
                      "tokens_per_step": round(c.tokens_per_step, 3), "step_ms": round(c.step_ms, 3)}
     return Plan(target.name, draft.name if draft else None, machine_label(),
                 costs, probe.to_dict() if probe else {}, [row(c) for c in ranked],
-                row(recommend(ranked)), setup_label(target, draft))
+                row(recommend(ranked)), setup_of(target, draft))
 
 
 def quick_plan(target, draft) -> dict[str, Any]:

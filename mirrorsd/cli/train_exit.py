@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     te.add_argument("--seed", type=int, default=0, help="data order")
     te.add_argument("--kl-steps", type=count(0), default=0, metavar="N",
                     help="then fine-tune each translator for N steps of 256 tokens by KL to the final distribution "
-                         "(the tuned lens's objective; the best step on the validation half is kept). 300 is the shipped recipe")
+                         "(the tuned lens's objective; the best step on the validation half is kept). 300 is the "
+                         "shipped recipe")
     te.add_argument("--kl-lr", type=float, default=1e-4, help="Adam learning rate of the KL fine-tune")
     te.add_argument("--topk-weight", type=float, default=0.0, metavar="W",
                     help="add to the KL fine-tune a top-8 hinge weighted W: it pushes the final token above the 8th "

@@ -630,15 +630,15 @@ def test_a_plan_auto_cannot_follow_is_made_again(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plans, "_planner", lambda target, draft: made.append(target.name) or {"fresh": True})
     target = SimpleNamespace(name="t", format="q4 weights, int8x2 activations", model=SimpleNamespace(device="cpu"))
     pair = target, SimpleNamespace(name="d", format="q4 weights, int8x2 activations")
-    here = {"machine": plans.machine_label(), "setup": plans.setup_label(*pair)}
+    here = {"machine": plans.machine_label(), "setup": plans.setup_of(*pair)}
     pick = {"method": "suffix", "options": {"gamma": 4}, "label": "suffix"}
     for broken in ('{"machine": "cut sh', json.dumps(here | {"recommended": {"method": "gone", "options": {}}}),
                    json.dumps(here | {"recommended": {"method": "suffix", "options": {"gone_option": 3}}})):
         saved.write_text(broken)
         assert plans.saved_recommendation("t", "d") is None
         assert plans.plan_for(*pair) == {"fresh": True}
-        assert "unreadable or names a method or option this version lacks" in capsys.readouterr().err
-    fp32 = here | {"setup": plans.setup_label(SimpleNamespace(format="fp32", model=target.model), pair[1])}
+        assert "unreadable, older than this version's plans, or names a method" in capsys.readouterr().err
+    fp32 = here | {"setup": plans.setup_of(SimpleNamespace(format="fp32", model=target.model), pair[1])}
     saved.write_text(json.dumps(fp32 | {"recommended": pick}))
     assert plans.plan_for(*pair) == {"fresh": True} and len(made) == 4
     assert "made for target fp32 on cpu" in capsys.readouterr().err
@@ -646,6 +646,10 @@ def test_a_plan_auto_cannot_follow_is_made_again(tmp_path, monkeypatch, capsys):
     saved.write_text(json.dumps(here | {"recommended": pick}))
     assert plans.plan_for(*pair)["recommended"] == pick and len(made) == 4
     assert plans.measured_otherwise("t", "d", target) is None
+    older = here | {"setup": "target q4 weights, int8x2 activations on cpu, draft q4 weights, int8x2 activations"}
+    saved.write_text(json.dumps(older | {"recommended": pick}))  # a plan from before setups were records
+    assert plans.saved_recommendation("t", "d") is None and plans.measured_otherwise("t", "d", target) is None
+    assert plans.plan_for(*pair) == {"fresh": True} and len(made) == 5
 
 
 def test_the_machine_label_names_the_kernel_build(monkeypatch):
