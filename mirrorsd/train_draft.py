@@ -172,9 +172,13 @@ def check_labeller(folder: Path, target_name: str) -> None:
                                 "`train-draft`")
     meta = json.loads(path.read_text())
     labeller = meta.get("target", meta.get("model"))
-    same_folder = all(Path(n).expanduser().is_dir() for n in (labeller, target_name)) and \
-        Path(labeller).expanduser().resolve() == Path(target_name).expanduser().resolve()
-    if labeller != target_name and not same_folder:
+
+    def where(name: str) -> Path:  # a zoo name and its converted folder are one model
+        from .zoo import ZOO, model_dir
+
+        return (model_dir(name) if name in ZOO else Path(name).expanduser()).resolve()
+
+    if labeller != target_name and where(labeller) != where(target_name):
         raise ValueError(f"the state cache {folder} holds {labeller}'s tokens, not {target_name}'s: give the cache "
                          f"of {target_name}, or --target {labeller}")
 

@@ -206,7 +206,7 @@ def check_cache(folder: Path, meta: dict[str, Any]) -> None:
     if old != meta:
         changed = sorted(k for k in meta.keys() | old.keys() if old.get(k) != meta.get(k))
         # (the chunk count follows --steps unless given: more steps over the same cache need it named)
-        hint = f"--chunks {old['chunks']} trains over it, " if changed == ["chunks"] else ""
+        hint = f"--chunks {old['chunks']} trains over it, " if changed == ["chunks"] and "chunks" in old else ""
         raise ValueError(f"the state cache in {folder} was built with other settings ({', '.join(changed)}); "
                          f"{hint}give another --cache folder or delete this one")
 

@@ -355,3 +355,23 @@ def test_distilled_documents_mark_the_answers_and_the_loss_covers_only_them():
     item = DraftItem(torch.zeros(6, 4), torch.arange(10, 16), 1, answer)
     assert loss_labels(item, True).tolist() == [-100, 11, 12, -100, 14, 15]
     assert loss_labels(item, False).tolist() == [10, 11, 12, 13, 14, 15]
+
+
+def test_a_cache_labelled_by_a_zoo_name_serves_the_same_model_named_by_its_folder(tmp_path, monkeypatch):
+    """`--target qwen2.5-coder-1.5b` and `--target ~/.cache/mirrorsd/qwen2.5-coder-1.5b` are one model: a cache built
+    under either name serves the other; a different folder is still refused."""
+    import json
+
+    from mirrorsd import zoo
+
+    folder = tmp_path / "models" / "qwen2.5-coder-1.5b"
+    folder.mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    monkeypatch.setattr(zoo, "cache_dir", lambda: tmp_path / "models")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for labeller, asked in (("qwen2.5-coder-1.5b", str(folder)), (str(folder), "qwen2.5-coder-1.5b")):
+        (cache / train_draft.CACHE_META).write_text(json.dumps({"target": labeller}))
+        train_draft.check_labeller(cache, asked)
+    with pytest.raises(ValueError, match="not .*other's tokens|tokens, not"):
+        train_draft.check_labeller(cache, str(tmp_path / "other"))

@@ -124,7 +124,7 @@ def _ctrl_c_inside_a_step(tmp_path, whole, done) -> None:
 
 def test_a_cache_built_for_fewer_steps_says_how_to_train_on(tmp_path):
     """The chunk count defaults to --steps: resuming with more steps was refused as "other settings (chunks)"."""
-    from mirrorsd.training import check_cache
+    from mirrorsd.training import CACHE_META, check_cache
 
     meta = {"model": "m", "chunks": 200, "seq_len": 256}
     check_cache(tmp_path, meta)
@@ -133,6 +133,10 @@ def test_a_cache_built_for_fewer_steps_says_how_to_train_on(tmp_path):
         check_cache(tmp_path, meta | {"chunks": 400})
     with pytest.raises(ValueError, match=r"other settings \(seq_len\); give another --cache folder"):
         check_cache(tmp_path, meta | {"seq_len": 128})
+    older = {k: v for k, v in meta.items() if k != "chunks"}  # a cache that recorded no chunk count
+    (tmp_path / CACHE_META).write_text(json.dumps(older))
+    with pytest.raises(ValueError, match=r"other settings \(chunks\); give another --cache folder"):
+        check_cache(tmp_path, meta)
 
 
 def test_ctrl_c_left_alone_where_it_is_ignored(tmp_path):
