@@ -121,18 +121,19 @@ def leave_world(wait: bool = True, timeout: float = 60.0) -> None:
     _world = None
 
 
-def shard_target(model: nn.Module, group: Any, partial: bool = False, count: SyncCount | None = None) -> nn.Module:
+def shard_target(model: nn.Module, group: Any, partial: bool = False, count: SyncCount | None = None,
+                 flag: str = "--target-tp") -> nn.Module:
     """Shard ``model``'s (a :class:`~mirrorsd.model.Transformer` with dense weights) projections over
     ``group`` in place and give its attention and cache the local head counts; returns it. ``partial``: o_proj and
     down_proj keep each rank's partial sum (no all-reduce; :func:`shard_draft`'s tracks). ``count`` records every
-    all-reduce."""
+    all-reduce. ``flag``: the option a refusal names (the draft is sharded by the same code)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if getattr(model, "tp_size", 1) > 1:
         raise ValueError("this model is sharded already")
     cfg = model.config
     check_split(cfg, size)
     if model.embed_tokens.weight.device.type != "cpu":  # the fused CUDA layers read o_proj/down_proj's weights
-        raise ValueError("--target-tp shards a target on CPUs (gloo): on a GPU the fused layers would skip the "
+        raise ValueError(f"{flag} shards a model on CPUs (gloo): on a GPU the fused layers would skip the "
                          "all-reduces, and each rank would decode from its own partial sums")
     for block in model.layers:  # every projection checked before any is split: a refusal leaves the model whole
         for name in (*COLUMNWISE, *ROWWISE):
@@ -234,7 +235,7 @@ def shard_draft(model: nn.Module, group: Any, syncs: str = "spd", segments: int 
     bounds = segment_bounds(model.config.n_layers, segments)
     count = SyncCount()
     partial = syncs == "spd"
-    shard_target(model, group, partial=partial, count=count)
+    shard_target(model, group, partial=partial, count=count, flag="--draft-tp")
     if not partial:
         return count
     for first, last in zip(bounds, bounds[1:], strict=False):

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from mirrorsd import generate, stream
+from mirrorsd import Transformer, generate, stream
 from mirrorsd.decoding import OptionError
 from mirrorsd.decoding.mirror import remote as mirror_remote
 from mirrorsd.runtime.processes import free_port
@@ -343,3 +343,18 @@ def test_a_draft_worker_serves_only_the_draft_it_was_spawned_for(monkeypatch):
     mirror_remote._workers[key], mirror_remote._served[key] = worker, weakref.ref(old)
     fresh = mirror_remote.draft_worker(new, None)
     assert fresh is not worker and fresh.draft is new and worker.closed
+
+
+def test_a_gpu_model_refused_for_sharding_names_the_flag_that_asked(monkeypatch):
+    """`--draft-tp` on a GPU draft was refused with a message about `--target-tp`, which the user never gave."""
+    from torch import nn
+
+    from mirrorsd.runtime import tensor_parallel
+
+    monkeypatch.setattr(tensor_parallel.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(tensor_parallel.dist, "get_rank", lambda group=None: 0)
+    for shard, flag in ((tensor_parallel.shard_target, "--target-tp"), (tensor_parallel.shard_draft, "--draft-tp")):
+        model = Transformer.from_hf(tiny_hf(layers=4, seed=1), linear="dense")
+        model.embed_tokens.weight = nn.Parameter(torch.empty_like(model.embed_tokens.weight, device="meta"))
+        with pytest.raises(ValueError, match=f"^{flag} shards a model on CPUs"):
+            shard(model, None)
