@@ -157,6 +157,12 @@ class Scores:
     own: list[int] | None = None  # the target's own token at every row, where the scorer chose and read them already
     own_ids: torch.Tensor | None = None  # the same, chosen where the logits are (inside their forward) and not read
     rider: VerdictRider | None = None  # device work the verdict's host read carries along, if it reads on the device
+    proposed: Proposal | None = None  # the proposal the scorer was given, where ``draft`` is a pruned copy of it
+
+    def scored(self, proposal: Proposal | None) -> bool:
+        """Whether these scores verify ``proposal`` (or the tree a scorer pruned from it): a hybrid's proposers
+        learn only from their own windows."""
+        return proposal is not None and (self.draft is proposal or self.proposed is proposal)
 
 
 class MethodStats(Protocol):

@@ -161,7 +161,7 @@ class ModelProposer:
         return feed
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
-        own = scores.draft is self.last  # a hybrid may have scored another proposer's draft
+        own = scores.scored(self.last)  # a hybrid may have scored another proposer's draft
         if own:
             self.settled(state, scores.draft)
         self.rollback(state, verdict.accepted, self.skipped)

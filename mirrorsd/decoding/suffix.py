@@ -209,7 +209,7 @@ class SuffixProposer:
 
     def feedback(self, state: RequestState, scores: Scores, verdict: Verdict) -> None:
         self.index.extend(self.doc, state.tokens[len(self.index.docs[self.doc]):])
-        if self.last is None or scores.draft is not self.last:
+        if not scores.scored(self.last):
             return  # a hybrid's model drafted this window
         if self.after_prefill:  # (an empty window there costs nothing; timing it would zero the base cost)
             self.after_prefill = False

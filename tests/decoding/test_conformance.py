@@ -300,16 +300,20 @@ def test_rejection_sampling_matches_target_distribution(small_vocab_pair, name):
         options["gamma"] = 3
     if any(o.name == "model_gate" for o in method.options.fields()):
         options["model_gate"] = "always"  # the gate starts suffix-only: no model window in a 4-token answer
+    if any(o.name == "roots" for o in method.options.fields()):
+        options |= {"roots": "paper", "kappa": 4}  # branches rolled out and kept: a hit's window is a branch's q
     prompt, n = [5, 6], 1500
     exact = exact_pair_distribution(target, prompt, 1.0).flatten()
     counts = torch.zeros(64)
-    windows = Counter()
+    windows, branches = Counter(), 0
     for seed in range(n):
         g = generate(target, prompt, method=name, draft=draft if method.needs_draft else None, temperature=1.0,
                      seed=seed, max_new_tokens=4, **options)
         counts[g.token_ids[0] * 8 + g.token_ids[1]] += 1
         windows[g.stats.drafted[0]] += 1
+        branches += sum(step.get("source") == "branch" for step in g.stats.step_log)
     assert max(windows) >= 2, windows  # multi-token windows were drafted, so rejection decided several tokens
+    assert branches > n // 2 or "roots" not in options, branches  # kept branches decided many of them
     keep = exact * n >= 5  # chi-square needs expected counts >= 5; pool the rare cells
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     exp = torch.cat([exact[keep] * n, (exact[~keep] * n).sum()[None]])

@@ -1050,3 +1050,18 @@ def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, ca
     model = mirrorsd.load_model("smollm2-135m", weights="q8", progress=False)
     got = generate(model, "Hi there", method="ss", streams=str(out), max_new_tokens=12)
     assert got.token_ids == generate(model, "Hi there", method="ar", max_new_tokens=12).token_ids
+
+
+def test_ss_learns_from_its_suffix_windows(monkeypatch):
+    """The fused pass hands back its pruned tree as a new proposal: the suffix proposer took that for another
+    proposer's window and never updated its acceptance or cost model, so ss's suffix rule kept its priors."""
+    from mirrorsd.decoding import suffix
+
+    observed = []
+    monkeypatch.setattr(suffix.AcceptanceModel, "observe", lambda self, *args: observed.append(args))
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    adapters = random_adapters(target, streams=2, layers=2, seed=0, std=0.1)
+    got = generate(target, [1, 2, 3, 4, 5] * 6, method="ss", streams=adapters, suffix_match=1, max_new_tokens=40)
+    assert got.token_ids == generate(target, [1, 2, 3, 4, 5] * 6, method="ar", max_new_tokens=40).token_ids
+    suffix_steps = sum(1 for step in got.stats.step_log if step.get("source") == "suffix")
+    assert suffix_steps and len(observed) == suffix_steps

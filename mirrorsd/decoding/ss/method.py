@@ -179,7 +179,7 @@ class StreamTreeScorer(ChainScorer):
         self.stats.tree_after.append(len(forward.kept))
         self.stats.graphed.append(forward.graphed)
         return TreeScores(forward.main_logits, forward.draft, forward=forward, own=read.own if read else None,
-                          read=read)
+                          read=read, proposed=draft)
 
     def first(self, state: RequestState, draft: Proposal) -> Scores:
         """The first step: the prefill's logits after the prompt, and the streams of its last token over the whole
