@@ -25,7 +25,7 @@ from .errors import OptionError
 from .execution import release_thread_team
 from .model import ACTIVATION_FORMATS, Transformer
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams
+from .sampling import SamplingParams, is_integer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -158,8 +158,14 @@ class Generation:
                 "stats": self.stats.to_dict()}
 
 
-def _as_loaded(m: LoadedModel | Transformer) -> LoadedModel:
-    return m if isinstance(m, LoadedModel) else LoadedModel(m)
+def _as_loaded(m: LoadedModel | Transformer, role: str = "target") -> LoadedModel:
+    if isinstance(m, LoadedModel):
+        return m
+    if not isinstance(m, Transformer):  # a name given where a model is wanted failed as an AttributeError
+        hint = f": load it first, {role}=mirrorsd.load_model({m!r})" if isinstance(m, str | Path) else ""
+        raise TypeError(f"{role} must be a model from mirrorsd.load_model (or a Transformer), got "
+                        f"{type(m).__name__}{hint}")
+    return LoadedModel(m)
 
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]  # text, token ids or chat messages
@@ -180,16 +186,23 @@ def encode_chat(target: LoadedModel, messages: Sequence[dict[str, str]]) -> list
 def encode_prompt(target: LoadedModel, prompt: Prompt, *, raw: bool = False) -> list[int]:
     """Token ids for a prompt: ids pass through; text goes through the chat template unless ``raw``; chat
     messages (``[{"role": ..., "content": ...}]``, as HF pipelines take them) through the template."""
+    if isinstance(prompt, torch.Tensor):  # HF's input_ids: [T] or one row [1, T], of integers
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise ValueError(f"a tensor prompt is one sequence of token ids, [T] or [1, T] of integers; got "
+                             f"{list(prompt.shape)} of {prompt.dtype}")
+        prompt = prompt.tolist()
     if not isinstance(prompt, str):
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
             ids = encode_chat(target, items)
-        else:
-            try:
-                ids = [int(t) for t in items]
-            except (TypeError, ValueError):
-                raise ValueError("a prompt is text, token ids or chat messages ([{'role': 'user', 'content': ...}]); "
-                                 f"got a sequence of {type(items[0]).__name__}") from None
+        elif all(is_integer(t) for t in items):
+            ids = [int(t) for t in items]
+        else:  # ("1", 1.9 and True were taken as ids)
+            kind = next(type(t).__name__ for t in items if not is_integer(t))
+            raise ValueError("a prompt is text, token ids or chat messages ([{'role': 'user', 'content': ...}]); "
+                             f"got a sequence holding {kind}")
     elif raw:
         if target.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids instead of text")
@@ -281,7 +294,13 @@ def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
     briefly now on first use); options given explicitly win over the plan's."""
     from .plans import plan_for
 
-    recommended = plan_for(target, _as_loaded(draft) if draft is not None else None)["recommended"]
+    draft = _as_loaded(draft, "draft") if draft is not None else None
+    unnamed = [role for role, m in (("target", target), ("draft", draft)) if m is not None and not m.name]
+    if unnamed or target.tokenizer is None:  # plans are saved per named pair and measured on text prompts
+        raise ValueError(f"method='auto' follows the plan saved for a named target and draft and plans on text, so "
+                         f"it needs models from mirrorsd.load_model (this {unnamed[0] if unnamed else 'target'} has "
+                         f"{'no name' if unnamed else 'no tokenizer'}): give a method instead")
+    recommended = plan_for(target, draft)["recommended"]
     method = recommended["method"]
     return method, {**recommended["options"], **options}, draft if get_method(method).needs_draft else None
 
@@ -371,6 +390,9 @@ class GenerationStream:
                     if len(self.token_ids) >= req.max_new_tokens:
                         done = True
                         break
+                if done and len(kept) < len(chunk) and stats.accepted:  # EOS or a stop string cut this step:
+                    cut = min(stats.accepted[-1], len(kept))  # what it accepted past the cut is not output
+                    stats.accepted[-1] = stats.step_log[-1]["accepted"] = cut
                 if finish != "stop":
                     self._text = self._decode(self.token_ids)
                 if segments:
@@ -448,12 +470,12 @@ def stream(
     *,
     draft: LoadedModel | Transformer | None = None,
     method: str | None = None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | None = 0.0,
+    top_k: int | None = 0,
+    top_p: float | None = 1.0,
     seed: int | None = None,
     max_new_tokens: int = 128,
-    stop: str | Sequence[str] = (),
+    stop: str | Sequence[str] | None = (),
     raw: bool = False,
     ignore_eos: bool = False,
     prefix_cache: PrefixCache | None = None,
@@ -465,19 +487,24 @@ def stream(
     ``prefix_cache``: a :class:`~mirrorsd.prefix_cache.PrefixCache` of the target; the prompt's longest stored
     prefix is not prefilled again, and the request's own keys and values are stored when it ends."""
     target = _as_loaded(target)
+    # None means the default, as OpenAI's clients send it
+    temperature, top_k, top_p = (0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
+                                 1.0 if top_p is None else top_p)
+    stop = () if stop is None else stop
     if prefix_cache is not None and prefix_cache.model is not target.model:
         raise ValueError("prefix_cache belongs to another model than the target")
     method = method or default_method(draft)
     if method == "auto":
         method, options, draft = planned(target, draft, options)
     spec = get_method(method)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise OptionError("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens}")
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise OptionError("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     draft_model = bridge = None
     if spec.needs_draft:
         if draft is None:
             raise ValueError(f"method {method!r} needs a draft model (draft=... / --draft)")
-        draft = _as_loaded(draft)
+        draft = _as_loaded(draft, "draft")
         bridge = draft_bridge(method, target, draft)
         draft_model = draft.model
     elif draft is not None:
@@ -489,11 +516,14 @@ def stream(
         spec.check_tensor_parallel(opts, self_draft=shares)
     ids = encode_prompt(target, prompt, raw=raw)
     context = target.config.context_length
-    if draft_model is not None:
-        context = min(context, draft_model.config.context_length)
     if len(ids) >= context:
         raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {context}")
     max_new = min(max_new_tokens, context - len(ids))
+    short = draft_model.config.context_length if draft_model is not None else context
+    if len(ids) + max_new > short:  # the draft would stop drafting, or its cache overflow, before the answer ends
+        raise ValueError(f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new}, but the draft's context "
+                         f"is {short} tokens (the target's {context}): give max_new_tokens <= "
+                         f"{max(short - len(ids), 0)}, a draft with a longer context, or a method without a draft")
     if seed is None:  # like HF and vLLM, no seed means a fresh one; it is reported in the stats
         seed = secrets.randbits(63)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))

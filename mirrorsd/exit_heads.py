@@ -143,6 +143,7 @@ def resolve_exit_layer(exit_layer: int | float, n_layers: int) -> int:
     else:
         index = int(exit_layer)
     if not 1 <= index <= n_layers - 1:
+        given = f"{exit_layer} of {n_layers} layers is layer {index}" if index != exit_layer else f"got {exit_layer}"
         raise OptionError("exit_layer", f"must be in 1..{n_layers - 1} for a {n_layers}-layer target (or a fraction "
-                          f"in (0, 1)), got {exit_layer}")
+                          f"in (0, 1) that rounds to one), {given}")
     return index

@@ -12,10 +12,12 @@ agrees with it more often, which costs nothing in exactness.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -36,6 +38,11 @@ class Noise(IntEnum):
 SAMPLING_EPS = 1e-5  # temperatures below it are greedy
 
 
+def is_integer(value: Any) -> bool:
+    """An integer of any kind (numpy's too) but not a bool, which Python counts as one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those filters off."""
@@ -46,12 +53,17 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # (None or text failed as a TypeError inside a comparison)
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real):
+                raise OptionError(name, f"must be a number, got {getattr(self, name)!r}")
         if not self.temperature >= 0 or self.temperature == math.inf:  # (NaN fails every comparison)
             raise OptionError("temperature", f"must be >= 0 and finite, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:  # (2.5 failed only inside torch.topk)
-            raise OptionError("top_k", f"must be an integer >= 0, got {self.top_k}")
+        if not is_integer(self.top_k) or self.top_k < 0:  # (2.5 failed only inside torch.topk)
+            raise OptionError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
+        for name, cast in (("temperature", float), ("top_k", int), ("top_p", float)):  # numpy's numbers too
+            object.__setattr__(self, name, cast(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mirrorsd
 from mirrorsd import LoadedModel, Transformer, generate, stream
@@ -63,6 +64,21 @@ def test_prompt_over_context_is_a_clear_error(tiny):
     assert len(g.token_ids) == 3 and g.finish_reason == "length"
 
 
+def test_a_draft_with_a_shorter_context_is_a_clear_error_not_a_shorter_answer():
+    """A draft of 256 tokens' context beside a 1024-token target cut sd's and mirror's answers at 256 tokens in all,
+    where `ar` wrote them whole, and blamed "the model's context"."""
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    short = Transformer.from_hf(tiny_hf("mistral", layers=2, seed=2, sliding_window=256))
+    prompt = ([1, 2, 3, 4, 5, 6, 7, 8] * 40)[:200]
+    for method in ("sd", "mirror"):
+        with pytest.raises(ValueError, match="the draft's context is 256 tokens .the target's 1024.: give "
+                                             "max_new_tokens <= 56"):
+            generate(target, prompt, method=method, draft=short, max_new_tokens=100)
+        got = generate(target, prompt, method=method, draft=short, max_new_tokens=56)
+        assert got.token_ids == generate(target, prompt, method="ar", max_new_tokens=56).token_ids
+    assert len(generate(target, prompt, method="ar", max_new_tokens=100).token_ids) == 100
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -72,11 +88,55 @@ def test_prompt_over_context_is_a_clear_error(tiny):
         ({"temperature": 0.5, "top_k": 2.5}, "top_k must be an integer"),  # (a TypeError inside torch.topk)
         ({"temperature": -0.5}, "temperature"),
         ({"method": "ar", "draft": "x"}, "does not use a draft"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an integer >= 1, got True"),  # (taken as 1)
+        ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
+        ({"method": "ss", "tree_k": 65}, "tree_k must be in 1..64 .the vocabulary."),
+        ({"method": "mirror", "exit_layer": 0.99}, "0.99 of 2 layers is layer 2"),
     ],
 )
 def test_bad_arguments(tiny, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        generate(tiny, [1, 2], **kwargs)
+        generate(tiny, [1, 2], **({"draft": tiny} if kwargs.get("method") == "mirror" else {}), **kwargs)
+
+
+def test_what_users_of_hf_and_openai_pass_is_taken_or_refused_clearly(tiny):
+    """None for the sampling arguments and stop (OpenAI's clients send it: a TypeError), numpy integers (refused as
+    "must be an integer ..., got 3"), HF's [1, T] input_ids (refused) and text or floats as ids (taken as ids)."""
+    import numpy as np
+
+    want = generate(tiny, [1, 2, 3], max_new_tokens=6)
+    nulls = {"temperature": None, "top_k": None, "top_p": None, "stop": None}
+    assert generate(tiny, [1, 2, 3], max_new_tokens=np.int64(6), **nulls).token_ids == want.token_ids
+    assert generate(tiny, torch.tensor([[1, 2, 3]]), max_new_tokens=6).token_ids == want.token_ids
+    assert generate(tiny, np.array([1, 2, 3]), max_new_tokens=6).token_ids == want.token_ids
+    sampled = generate(tiny, [1, 2, 3], max_new_tokens=6, temperature=np.float32(0.8), top_k=np.int64(5), seed=1)
+    assert sampled.token_ids == generate(tiny, [1, 2, 3], max_new_tokens=6, temperature=0.8, top_k=5, seed=1).token_ids
+    for prompt in (["1", "2"], [1.9, 2.2], [True, False]):
+        with pytest.raises(ValueError, match="got a sequence holding"):
+            generate(tiny, prompt)
+    for prompt in (torch.tensor([[1, 2], [3, 4]]), torch.tensor([1.0, 2.0])):
+        with pytest.raises(ValueError, match="a tensor prompt is one sequence of token ids"):
+            generate(tiny, prompt)
+    with pytest.raises(TypeError, match=r"load it first, target=mirrorsd.load_model\('smollm2-135m'\)"):
+        generate("smollm2-135m", "Hi")
+    with pytest.raises(TypeError, match=r"draft must be a model .* load it first, draft=mirrorsd.load_model"):
+        generate(tiny, [1, 2], draft="qwen2.5-coder-0.5b")
+    for kwargs in ({}, {"draft": tiny}):  # a bare model has no name to key a plan by, nor a tokenizer
+        with pytest.raises(ValueError, match="method='auto' follows the plan saved for a named target and draft"):
+            generate(tiny, [1, 2], method="auto", **kwargs)
+    with pytest.raises(ValueError, match="this draft has no name"):
+        generate(LoadedModel(tiny, tokenizer=object(), name="t"), [1, 2], method="auto", draft=tiny)
+
+
+def test_tokens_accepted_past_an_eos_or_stop_cut_are_not_counted(tiny):
+    """A window accepted whole past the EOS that ends the answer counted its tokens as accepted: the server's
+    accepted_prediction_tokens exceeded its completion_tokens."""
+    plain = generate(tiny, [1, 2, 3], max_new_tokens=12).token_ids
+    ends = LoadedModel(tiny, eos_token_ids=frozenset({plain[5]}))
+    got = generate(ends, [1, 2, 3], method="sd", draft=tiny, gamma=8, confidence=0, max_new_tokens=12)
+    assert got.finish_reason == "eos" and got.token_ids == plain[:plain.index(plain[5])]
+    assert sum(got.stats.accepted) <= len(got.token_ids)
+    assert [s["accepted"] for s in got.stats.step_log] == got.stats.accepted
 
 
 def test_a_vanishing_temperature_is_greedy(tiny):

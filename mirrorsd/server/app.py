@@ -117,7 +117,7 @@ class Server:
             log.info("no prefix cache: %s is not on the batch-invariant C++ path, where restored keys and values are "
                      "the bits a prefill writes", config.model_name)
         context = target.config.context_length
-        if draft is not None:
+        if draft is not None and get_method(config.method).needs_draft:  # what /v1/models reports
             context = min(context, draft.config.context_length)
         self.context = context
 
@@ -165,14 +165,17 @@ class Server:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this server takes at most "
                            f"{cfg.max_prompt_tokens} (--max-prompt-tokens)", param="messages",
                            code="context_length_exceeded")
-        room = self.context - len(prompt_ids)
+        context, whose = self.target.config.context_length, "model"
+        if spec.needs_draft and self.draft.config.context_length < context:  # (a request's method may use the draft)
+            context, whose = self.draft.config.context_length, "draft"
+        room = context - len(prompt_ids)
         limit = req.token_limit
         if limit is not None and limit > cfg.max_tokens:
             raise APIError(400, f"max_tokens is {limit}; this server allows at most {cfg.max_tokens} "
                            "(--max-tokens)", param="max_tokens")
         if room < 1 or (limit is not None and limit > room):
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {limit}, but the "
-                           f"model's context is {self.context} tokens", param="max_tokens",
+                           f"{whose}'s context is {context} tokens", param="max_tokens",
                            code="context_length_exceeded")
         return Prepared(prompt_ids, method, options, params, min(limit or cfg.max_tokens, room), req.stops, alone,
                         bool(req.ignore_eos))

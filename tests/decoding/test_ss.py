@@ -1065,3 +1065,14 @@ def test_ss_learns_from_its_suffix_windows(monkeypatch):
     assert got.token_ids == generate(target, [1, 2, 3, 4, 5] * 6, method="ar", max_new_tokens=40).token_ids
     suffix_steps = sum(1 for step in got.stats.step_log if step.get("source") == "suffix")
     assert suffix_steps and len(observed) == suffix_steps
+
+
+def test_an_unbudgeted_tree_too_big_to_run_is_refused_before_the_first_pass():
+    """tree_k = 64 with tree_budget = 0 asked every pass for 64 + 64² nodes with their stream rows: a 70 GB
+    allocation on SmolLM2 instead of an error naming the option."""
+    target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    adapters = random_adapters(target, streams=2, layers=2, seed=0, std=0.1)
+    with pytest.raises(ValueError, match="tree_k 64 with tree_budget 0 runs the whole tree, 4161 nodes"):
+        generate(target, [1, 2, 3], method="ss", streams=adapters, tree_k=64, tree_budget=0)
+    got = generate(target, [1, 2, 3], method="ss", streams=adapters, tree_k=64, tree_budget=3, max_new_tokens=8)
+    assert got.token_ids == generate(target, [1, 2, 3], method="ar", max_new_tokens=8).token_ids

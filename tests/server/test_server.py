@@ -556,3 +556,23 @@ def test_ignore_eos_decodes_to_max_tokens_as_load_generators_ask(live, models):
         "finish_reason"] == "length"
     text = "".join(c["choices"][0]["delta"].get("content", "") or "" for c in chunks if c["choices"])
     assert text.startswith(short["choices"][0]["message"]["content"])
+
+
+def test_only_requests_that_use_the_draft_are_bounded_by_its_context(models):
+    """A draft with a shorter context capped every request, `ar` and `suffix` ones too, and the refusal blamed the
+    model's context."""
+    from mirrorsd.server.protocol import APIError, CompletionRequest
+
+    target, draft = models
+    short = target.model.prefix_model(draft.model.config.n_layers)
+    short.config = type(short.config)(**{**short.config.__dict__, "max_position_embeddings": 64})
+    draft = LoadedModel(short, target.tokenizer, "short", target.path, target.eos_token_ids, target.weights,
+                        target.activations)
+    server = create_app(target, draft, ServerConfig(MODEL, method="sd", warm_up=False)).state.server
+    ids = list(range(100, 140))
+    ask = lambda method: CompletionRequest(model=MODEL, prompt=ids, max_tokens=40,  # noqa: E731
+                                           mirrorsd={"method": method})
+    assert server.prepare(ask("ar"), ids).max_new_tokens == server.prepare(ask("suffix"), ids).max_new_tokens == 40
+    with pytest.raises(APIError, match="the draft's context is 64 tokens") as refused:
+        server.prepare(ask("sd"), ids)
+    assert refused.value.status == 400

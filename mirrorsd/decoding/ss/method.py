@@ -54,6 +54,9 @@ from .passes import (
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; on the whole k=3 tree the CR was unchanged and a CPU ran 1.5x faster
 
 
+MAX_WHOLE_TREE = 4096  # nodes of an unbudgeted tree (the paper's k = 3, γ = 3 has 40): beyond, a pass's rows OOM
+
+
 @dataclass(frozen=True)
 class SSOptions(MethodOptions):
     streams: Any = option(None, "stream adapter folder (from `mirrorsd train-streams`) or a zoo name with a shipped "
@@ -81,6 +84,8 @@ class SSOptions(MethodOptions):
     suffix_match: int = suffix_match_option()
 
     def check(self, shape: ModelShape | None) -> None:
+        if shape is not None and self.tree_k > shape.vocab_size:
+            raise OptionError("tree_k", f"must be in 1..{shape.vocab_size} (the vocabulary), got {self.tree_k}")
         if self.prune_exit != "adapter" and self.threshold == 0:
             raise OptionError("prune_exit", "scores edges for pruning, and threshold 0 never prunes: give a "
                               "threshold above 0 (--prune-threshold), or leave prune_exit at 'adapter'")
@@ -270,6 +275,11 @@ def build(req: DecodeRequest, opts: SSOptions) -> Roles:
         raise ValueError("method 'ss' needs a stream adapter (streams=FOLDER or a zoo name with a shipped one)")
     adapters = load_adapters(req.target, opts.streams)
     depth = adapters.config.streams if opts.depth is None else min(opts.depth, adapters.config.streams)
+    nodes = sum(opts.tree_k ** g for g in range(depth + 1))
+    if opts.tree_budget == 0 and nodes > MAX_WHOLE_TREE:
+        raise OptionError("tree_k", f"{opts.tree_k} with tree_budget 0 runs the whole tree, {nodes} nodes {depth} "
+                          f"deep, in every pass (at most {MAX_WHOLE_TREE}): give a tree_budget, a smaller tree_k or "
+                          "depth")
     streams = max(depth, 1)  # stream rows per node: a tree ``depth`` deep reads streams 1..depth only
     stats = SSStats()
     req.stats.extra["ss"] = stats
