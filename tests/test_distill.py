@@ -232,3 +232,14 @@ def test_a_record_another_holds_whole_trains_once(tmp_path):
     (doc,) = distill_documents(tmp_path)
     assert list(doc) == [7, 7, 8, 1, 2, 3, 4, 5, 6, 7]
     assert doc.answer == [False, False, True, False, False, False, True, True, False, True]
+
+
+def test_the_index_is_on_disk_before_its_name_replaces_the_old_one(tmp_path, monkeypatch):
+    """A shard or index renamed into place before its bytes reach the disk is an empty file after a power cut."""
+    from mirrorsd.distill import engine
+
+    synced = []
+    real = engine.os.fsync
+    monkeypatch.setattr(engine.os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    engine.write_atomic(tmp_path / "index.json", b"{}\n")
+    assert synced and (tmp_path / "index.json").read_bytes() == b"{}\n" and not list(tmp_path.glob("*.tmp"))

@@ -193,6 +193,8 @@ class Shards:
         tmp = self.folder / f"incomplete-{number:05d}.npz"  # a crash mid-write leaves no file named shard-*
         with tmp.open("wb") as f:
             np.savez_compressed(f, **data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before its name says complete: a power cut leaves no empty shard-*
         os.replace(tmp, path)
         self.shards.append(path)
         self._count(data)
@@ -215,7 +217,10 @@ class Shards:
 
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
