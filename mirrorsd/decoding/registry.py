@@ -11,12 +11,15 @@ A new method is one new module that calls :func:`register` (see ``tests/decoding
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Self
 
 from ..errors import OptionError
+from ..sampling import is_integer
 from .engine import Roles
 
 __all__ = ["OptionError"]  # re-exported: methods raise it from their option checks
@@ -53,11 +56,25 @@ class Option:
                 raise OptionError(self.name, f"must be {kind}, got {value!r}") from None
         if value is None:
             return value
+        value = self._typed(value)
         if self.choices is not None and value not in self.choices:
             raise OptionError(self.name, f"must be one of {', '.join(map(str, self.choices))}, got {value!r}")
         if self.check is not None and not self.check[0](value):
             raise OptionError(self.name, f"{self.check[1]}, got {value!r}")
         return value
+
+
+    def _typed(self, value: Any) -> Any:
+        """A value given as a Python object (the API, a server request's JSON) of the option's type: a float or a list
+        where an integer belongs failed deep inside decoding (a server's 500)."""
+        if self.parse is int and not is_integer(value):
+            raise OptionError(self.name, f"must be an integer, got {value!r}")
+        if self.parse is float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise OptionError(self.name, f"must be a number, got {value!r}")
+        text = (str, os.PathLike, bool) if self.default is None else (str, os.PathLike)  # (draft_streams=True)
+        if self.parse is str and not isinstance(value, text):
+            raise OptionError(self.name, f"must be text, got {value!r}")
+        return int(value) if self.parse is int else value
 
 
 def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None,

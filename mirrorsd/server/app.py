@@ -49,7 +49,8 @@ from .scheduler import Event, Job, Scheduler
 
 log = logging.getLogger("mirrorsd.server")
 STATIC = Path(__file__).parent / "static"
-SERVER_ONLY_OPTIONS = frozenset({"streams", "draft_streams", "backend", "threads"})  # paths and hardware
+# Paths (a client must not name the server's files, nor make it write them) and hardware: the command line's to set
+SERVER_ONLY_OPTIONS = frozenset({"streams", "draft_streams", "head", "datastore", "shared", "backend", "threads"})
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
 
 
@@ -149,6 +150,9 @@ class Server:
         if asked.get("exit_head", "auto") not in ("lens", "tuned", "auto"):  # a folder is the command line's to name
             raise APIError(400, "mirrorsd.exit_head must be lens, tuned or auto per request",
                            param="mirrorsd.exit_head")
+        if asked.get("prune_exit", "adapter") not in ("adapter", "tuned"):
+            raise APIError(400, "mirrorsd.prune_exit must be adapter or tuned per request",
+                           param="mirrorsd.prune_exit")
         options = {**(cfg.options if method == cfg.method else {}), **asked}
         shape = ModelShape(self.target.config.n_layers, self.target.config.vocab_size)
         try:

@@ -167,9 +167,29 @@ def test_draft_with_a_smaller_padded_vocabulary(tiny_pair):
         kw = dict(temperature=temperature, seed=4, max_new_tokens=25)
         ar = generate(target, [1, 2, 3], method="ar", **kw)
         sd = generate(target, [1, 2, 3], method="sd", draft=small, acceptance=rule, confidence=0, gamma=3, **kw)
-        assert len(sd.token_ids) == 25
+        assert len(sd.token_ids) == 25 and sum(sd.stats.drafted) > 0
         if rule == "match":
             assert sd.token_ids == ar.token_ids
+
+
+def test_a_smaller_draft_vocabulary_keeps_the_targets_distribution_under_rejection():
+    """The draft's q over 6 ids is padded with zeros to the target's 8: the joint law of the first two tokens must
+    still be the target's (the ids only the target has are reached through the residual)."""
+    target = Transformer.from_hf(tiny_hf(vocab=8, layers=2, seed=3, std=0.5))
+    small = Transformer.from_hf(tiny_hf(vocab=6, layers=1, seed=4, std=0.5))
+    prompt, n = [5, 4], 1500
+    exact = exact_pair_distribution(target, prompt, 1.0).flatten()
+    counts, drafted = torch.zeros(64), 0
+    for seed in range(n):
+        g = generate(target, prompt, method="sd", draft=small, gamma=3, acceptance="rejection", confidence=0,
+                     temperature=1.0, seed=seed, max_new_tokens=4, model_gate="always", suffix_match=0)
+        counts[g.token_ids[0] * 8 + g.token_ids[1]] += 1
+        drafted += g.stats.drafted[0]
+    assert drafted == 3 * n and counts.view(8, 8)[6:].sum() > 0  # full windows, and ids the draft lacks came out
+    keep = exact * n >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([exact[keep] * n, (exact[~keep] * n).sum()[None]])
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
 
 
 @pytest.mark.parametrize("bad", [{"gamma": 0}, {"acceptance": "typical"}, {"beta": 1}, {"confidence": 1.0},

@@ -232,6 +232,22 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, words
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"method": "mirror",
                                                                                   "exit_head": "/tmp"}}, 400,
      "mirrorsd.exit_head", "lens, tuned or auto"),
+    # a client named the server's files (a gzip error's 500 against a 400 told it whether a path exists) or made
+    # it write one; a float or a list where an integer belongs was a 500 from deep inside decoding
+    *[({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"method": method, name: v}},
+       400, f"mirrorsd.{name}", "command line")
+      for method, name, v in (("suffix", "datastore", "/etc/passwd"), ("suffix", "shared", "persist"),
+                              ("eagle", "head", "/etc"))],
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"method": "ss",
+                                                                                  "prune_exit": "/tmp"}}, 400,
+     "mirrorsd.prune_exit", "adapter or tuned"),
+    *[({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"method": method, name: v}},
+       400, f"mirrorsd.{name}", "must be an integer")
+      for method, name, v in (("suffix", "gamma", 4.5), ("sd", "gamma", [3]), ("mirror", "kappa", 2.5),
+                              ("sd", "gamma", True))],
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"method": "sd",
+                                                                                  "confidence": "high"}}, 400,
+     "mirrorsd.confidence", "must be a number"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages", "at most 512"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 404, None, ""),  # a completions body sent to the chat route
     # what clients send expecting it honoured was ignored: refused instead
