@@ -129,14 +129,24 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
 SELF_DRAFT = "self:"
 
 
+def self_draft_depth(spec: str) -> int | float:
+    """``self:N``'s layer count or ``self:F``'s fraction, checked before any model loads."""
+    text = spec.removeprefix(SELF_DRAFT)
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"draft {spec}: give self:N (the target's first N layers) or self:F (a fraction of them, "
+                         "e.g. self:0.5)") from None
+
+
 def self_draft(target: LoadedModel, spec: str) -> LoadedModel:
     """``self:N`` / ``self:F``: the target's first N layers (or that fraction of them) as a draft, sharing its
     weights (the early layers are the cheapest draft that needs nothing loaded)."""
-    text = spec.removeprefix(SELF_DRAFT)
-    try:
-        depth: int | float = int(text)
-    except ValueError:
-        depth = float(text)
+    depth = self_draft_depth(spec)
     n_layers = target.config.n_layers
     layers = round(depth * n_layers) if isinstance(depth, float) else depth
     if not 0 < layers < n_layers:

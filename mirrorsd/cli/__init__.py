@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import sys
 from collections.abc import Collection
 
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `mirrorsd generate ... | head -1`: the reader left; exit quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error when Python flushes)
+        return 141
     except (ValueError, ZooError, OSError) as e:  # a user's mistake (a bad value, a missing or unwritable path)
         print(f"mirrorsd: error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from rich.console import Console
 
 import mirrorsd
 from mirrorsd import tuned_drafts
-from mirrorsd.api import SELF_DRAFT
+from mirrorsd.api import SELF_DRAFT, self_draft_depth
 from mirrorsd.decoding import MethodOptions, get_method, leave_launched_world, methods, serve_launched
 from mirrorsd.plans import measured_otherwise, saved_recommendation
 from mirrorsd.runtime import write_chrome_trace
@@ -78,15 +79,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=run)
 
 
-def _read_prompts(path: str) -> list[str]:
+def _read_prompts(path: str) -> list[str | list[dict]]:
+    """One JSON object a line, ``{"prompt": TEXT}`` or ``{"prompt": [chat messages]}``: every line is checked before
+    any model loads (a number or null failed as a traceback after loading)."""
     prompts = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")  # (a BOM, as editors on Windows write it)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            prompts.append(json.loads(line)["prompt"])
+            prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f'{path}:{n}: expected a JSON object with a "prompt" field ({e})') from None
+        chat = isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt)
+        if not (isinstance(prompt, str) or chat):
+            raise ValueError(f'{path}:{n}: "prompt" must be text or chat messages ([{{"role": ..., "content": ...}}]), '
+                             f"got {json.dumps(prompt)[:60]}")
+        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
@@ -182,8 +196,20 @@ def _serve_draft_rank(args: argparse.Namespace, err, tp: int, draft_tp: int) -> 
     return 0
 
 
+def _checked_trace(path: str | None) -> None:
+    """``--trace``: a file that can be written, checked before loading (the spans were lost after generating)."""
+    if path is None:
+        return
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"--trace {path}: cannot write there ({folder} is not a writable folder)")
+
+
 def run(args: argparse.Namespace) -> int:
-    err = Console(stderr=True)
+    err = Console(stderr=True, markup=False, soft_wrap=True)  # ("[sd, q4 ...]" is text, not markup)
+    _checked_trace(args.trace)
+    if args.draft and args.draft.startswith(SELF_DRAFT):
+        self_draft_depth(args.draft)
     method, options = args.method or "auto", {}
     by_auto = method == "auto"
     if by_auto:
@@ -201,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if ranked is not None and ranked.draft_ranks() and rank is not None and rank >= tp:
         return _serve_draft_rank(args, err, tp, draft_tp)
     if rank not in (None, 0):  # another rank of a sharded target: the same loop, silently
-        args.json, err = True, Console(stderr=True, quiet=True)
+        args.json, err = True, Console(stderr=True, quiet=True, markup=False)
     if needs_draft:
         _warn_draft_form(args, draft_tp, err)
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)

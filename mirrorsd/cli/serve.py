@@ -111,7 +111,7 @@ def check_bindable(host: str, port: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    err = Console(stderr=True)
+    err = Console(stderr=True, markup=False, soft_wrap=True)
     method = args.method or default_method(args.draft)
     options = checked_options(args, method)
     for name, value in (("--max-queued", args.max_queued), ("--max-num-seqs", args.max_num_seqs),

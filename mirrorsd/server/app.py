@@ -167,7 +167,8 @@ class Server:
             raise APIError(400, f"{where} {e.message}", param=where) from None
         if len(prompt_ids) > cfg.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this server takes at most "
-                           f"{cfg.max_prompt_tokens} (--max-prompt-tokens)", param="messages",
+                           f"{cfg.max_prompt_tokens} (--max-prompt-tokens)",
+                           param="prompt" if isinstance(req, CompletionRequest) else "messages",
                            code="context_length_exceeded")
         context, whose = self.target.config.context_length, "model"
         if spec.needs_draft and self.draft.config.context_length < context:  # (a request's method may use the draft)

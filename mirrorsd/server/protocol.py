@@ -18,6 +18,7 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error",
              413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
@@ -51,10 +52,10 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 and 0 disable it
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # (larger ones wrapped round silently)
     stop: Stop = None
     n: int | None = 1  # (null: OpenAI's default, as for stream and vLLM's ignore_eos)
     stream: bool | None = False

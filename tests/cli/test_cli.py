@@ -87,6 +87,7 @@ def test_streaming_output_and_prompts_file(capsys, tmp_path):
     rc, out, err = run(capsys, "generate", "--target", "smollm2-135m", "--method", "ar", "--prompt", "Say hi.",
                        "--max-new-tokens", "4")
     assert rc == 0 and out.strip() and "tok/s" in err
+    assert "[ar, q4 weights, " in err  # (read as Rich markup, the label vanished)
 
 
 @requires_smollm2
@@ -112,6 +113,43 @@ def test_malformed_prompts_file(capsys, tmp_path):
     bad.write_text('{"text": "no prompt key"}\n')
     rc, _, err = run(capsys, "generate", "--target", "no-such-model", "--method", "ar", "--prompts", str(bad))
     assert rc == 2 and 'expected a JSON object with a "prompt" field' in err
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"prompt": 5}', '2: "prompt" must be text or chat messages'),
+    ('{"prompt": null}', '2: "prompt" must be text or chat messages'),
+    ('{"prompt": ["Hi", "x"]}', '2: "prompt" must be text or chat messages'),
+])
+def test_a_prompts_line_that_is_no_prompt_is_refused_before_loading(capsys, tmp_path, no_loading, line, message):
+    """A number or null failed as a traceback after the model had loaded."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('\ufeff{"prompt": "fine"}\n' + line + "\n", encoding="utf-8")  # (a BOM is taken)
+    rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--method", "ar", "--prompts", str(bad))
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_trace_path_and_a_self_draft_are_checked_before_loading(capsys, tmp_path, no_loading):
+    """An unwritable --trace failed after generating everything (the spans lost); self:abc after the target loaded."""
+    rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--method", "mirror", "--prompt", "hi",
+                     "--trace", str(tmp_path / "no" / "t.json"))
+    assert rc == 2 and "--trace" in err and "not a writable folder" in err
+    rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--method", "sd", "--prompt", "hi",
+                     "--draft", "self:abc")
+    assert rc == 2 and "give self:N" in err and err.count("\n") == 1
+
+
+def test_a_reader_that_leaves_is_no_error(tmp_path):
+    """`mirrorsd ... | head -1` printed "error: [Errno 32] Broken pipe" and exited 2."""
+    import subprocess
+    import sys
+
+    script = ("import argparse, sys; from mirrorsd import cli\n"
+              "def noisy(args):\n    [print('line', i) for i in range(100000)]\n    return 0\n"
+              "argparse.ArgumentParser.parse_args = lambda self, *a: argparse.Namespace(func=noisy)\n"
+              "sys.exit(cli.main(['methods']))\n")
+    proc = subprocess.run(f"{sys.executable} -c \"{script}\" | head -1", shell=True, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout == "line 0\n" and proc.stderr == "", proc.stderr
 
 
 @requires_smollm2

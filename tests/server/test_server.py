@@ -285,6 +285,17 @@ def test_malformed_and_oversize_bodies(live):
         {"role": "user", "content": "y" * (70 * 1024)}]}), 413, None, "--max-request-bytes")
     assert_error(post(live, "/v1/completions", json={"model": MODEL, "prompt": [10 ** 9]}), 400, "prompt", "range")
     assert_error(httpx.get(live.url + "/v1/nothing"), 404)
+    wrong_verb = httpx.get(live.url + "/v1/chat/completions")  # (typed "server_error")
+    assert_error(wrong_verb, 405)
+    assert wrong_verb.json()["error"]["type"] == "invalid_request_error"
+    for seed in (2**64, -(2**63) - 1):  # (wrapped round to another seed's answer)
+        assert_error(post(live, "/v1/chat/completions", json={"model": MODEL, "seed": seed, "messages": [
+            {"role": "user", "content": "x"}]}), 400, "seed")
+    assert_error(post(live, "/v1/chat/completions", content=b'{"model": "%s", "temperature": NaN, "messages": '
+                      b'[{"role": "user", "content": "x"}]}' % MODEL.encode(),
+                      headers={"content-type": "application/json"}), 400, "temperature", "finite")
+    assert_error(post(live, "/v1/completions", json={"model": MODEL, "prompt": "x " * 600}), 400, "prompt",
+                 "at most 512")  # (blamed on "messages", a field completions do not have)
     with pytest.raises(openai.NotFoundError):
         live.client().chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="gamma"):
