@@ -60,24 +60,31 @@ def test_mirror_with_a_tuned_exit_equals_ar(tiny_pair, tmp_path):
         got = mirrorsd.generate(target, prompt, draft=draft, method="mirror", exit_layer=2,
                                 exit_head=str(tmp_path / "exit"), max_new_tokens=24, **sampling)
         assert got.token_ids == want.token_ids
-    message = early_exit(target, torch.randn(1, 3, d), 4, SamplingParams(),
-                         tuned_exit(target, str(tmp_path / "exit"), 2))
-    assert len(message.ids) == 3 and all(len(row) == 4 for row in message.ids)
+    hidden, translate = torch.randn(1, 3, d), tuned_exit(target, str(tmp_path / "exit"), 2)
+    message = early_exit(target, hidden, 4, SamplingParams(), translate)
+    with torch.no_grad():
+        want = target.logits(translate(hidden))[0].topk(4).indices
+        lens = target.logits(hidden)[0].topk(4).indices
+    assert message.ids == want.tolist() != lens.tolist()  # the translated state's top-4, not the lens's
 
 
 def test_probe_reads_tuned_exits_next_to_the_lens(tiny_pair):
     """The acceptance probe (Fig. 7's fallback grid) adds a "<depth> tuned" row per translated depth; an identity
-    translator is the lens, so its row equals the lens row."""
+    translator is the lens, so its row equals the lens row, and a translator that scrambles the state moves it."""
     from mirrorsd.api import LoadedModel
     from mirrorsd.bench.probe import run_probe
 
     target, draft = tiny_pair
     d = target.config.hidden_size
-    tuned = ExitTranslators({2: torch.cat([torch.eye(d), torch.zeros(1, d)])}, {})
-    probe = run_probe(LoadedModel(target), LoadedModel(draft), [("g", [1, 2, 3, 4])], 12, gamma=3,
-                      exits={"1/2": 0.5}, progress=False, tuned=tuned)
-    fallback = probe.fallback()
-    assert set(fallback) == {"1/2", "1/2 tuned"} and fallback["1/2 tuned"] == fallback["1/2"]
+    rows = {}
+    for name, a in (("identity", torch.cat([torch.eye(d), torch.zeros(1, d)])),
+                    ("scrambled", torch.randn(d + 1, d, generator=torch.Generator().manual_seed(5)))):
+        probe = run_probe(LoadedModel(target), LoadedModel(draft), [("g", [1, 2, 3, 4])], 12, gamma=3,
+                          exits={"1/2": 0.5}, progress=False, tuned=ExitTranslators({2: a}, {}))
+        rows[name] = probe.fallback()
+        assert set(rows[name]) == {"1/2", "1/2 tuned"}
+    assert rows["identity"]["1/2 tuned"] == rows["identity"]["1/2"] == rows["scrambled"]["1/2"]
+    assert rows["scrambled"]["1/2 tuned"] != rows["scrambled"]["1/2"]  # the probe read the translator
 
 
 def test_probe_measures_the_draft_runner_ups(tiny_pair):

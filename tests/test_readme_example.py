@@ -23,3 +23,4 @@ def test_readme_method_example_registers_and_equals_ar(tiny_pair):
         got = mirrorsd.generate(target, prompt, method="lookup", gamma=3, max_new_tokens=20, **sampling)
         assert got.token_ids == want.token_ids
         assert sum(a + 1 for a in got.stats.accepted) == 20
+        assert sum(got.stats.drafted) > 0  # the example's proposer drafted

@@ -72,6 +72,11 @@ def test_rope_rotates_pairs_of_halves():
     cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
     got = rotary(x, cos, sin)
     torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # HF's, the target's convention
+
+    want, _ = apply_rotary_pos_emb(x[:, None], x[:, None], cos[None], sin[None])  # (heads at dim 1)
+    torch.testing.assert_close(got, want[:, 0])  # direction and pairing too, not only the lengths
+    assert not torch.allclose(got, x)
 
 
 def _own_texts(target: Transformer, folder, count: int = 40, distinct: int = 4, length: int = 32) -> str:

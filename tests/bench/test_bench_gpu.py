@@ -124,6 +124,7 @@ def test_real_vocabulary_in_bf16_runs_every_method_and_forces_acceptance(tmp_pat
         assert got.token_ids == reference
     rows = gpu._forced("qwen2.5-1.5b", target, draft, prompt, reference, (2,), 5, torch.device("cpu"), 12,
                        tmp_path, lambda *a, **k: None)
+    assert [row["accept"] for row in rows] == ["2", "all"]  # (the checks below ran)
     for row in rows:
         want = 3.0 if row["accept"] == "2" else 6.0  # 12 tokens: 4 windows of 2 + 1, or 2 of all 5 + 1
         assert row["sd"]["equal_to_ar"] and row["mirror"]["equal_to_ar"]

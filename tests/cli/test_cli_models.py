@@ -103,6 +103,18 @@ def test_existing_unwritable_cache_is_refused(tmp_path: Path, monkeypatch: pytes
         cache.chmod(0o700)
 
 
+def test_existing_unwritable_cache_is_refused_for_root_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above skips as root (root writes through chmod): the same refusal, with access denied simulated."""
+    from mirrorsd import cache as cache_module
+
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    monkeypatch.setenv("MIRRORSD_CACHE", str(folder))
+    monkeypatch.setattr(cache_module.os, "access", lambda path, mode: Path(path) != folder)
+    with pytest.raises(zoo.CacheDirError, match="is not writable"):
+        zoo.ensure_cache_dir()
+
+
 def test_ensure_cache_dir_creates_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MIRRORSD_CACHE", str(tmp_path / "c"))
     assert zoo.ensure_cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()

@@ -173,8 +173,12 @@ def test_suffix_equals_ar_with_and_without_earlier_outputs():
     target = row_exact(tiny_hf(layers=2, seed=1))
     prompt = [3, 1, 4, 1, 5]
     want = generate(target, prompt, method="ar", max_new_tokens=24).token_ids
+    drafted = []
     for shared in ("process", "process", "none"):
-        assert generate(target, prompt, method="suffix", max_new_tokens=24, shared=shared).token_ids == want
+        got = generate(target, prompt, method="suffix", max_new_tokens=24, shared=shared)
+        assert got.token_ids == want
+        drafted.append(sum(got.stats.drafted))
+    assert drafted[1] > 0  # the second run drafted from the first one's output
 
 
 def _write_store(path, docs) -> str:
@@ -229,7 +233,7 @@ def test_suffix_with_a_datastore_equals_ar(tmp_path, temperature):
     store = _write_store(tmp_path / "s.json.gz", [prompt + want, prompt + [(t + 1) % 512 for t in want]])
     got = generate(target, prompt, method="suffix", max_new_tokens=24, temperature=temperature, seed=3,
                    datastore=store)
-    assert got.token_ids == want
+    assert got.token_ids == want and sum(got.stats.accepted) >= 12  # the stored answer was drafted and accepted
 
 
 def test_persisted_outputs_are_found_by_the_next_process(tmp_path, monkeypatch):
