@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import os
 import sys
+import warnings
 from collections.abc import Collection
 
 import mirrorsd
@@ -47,10 +48,22 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     return p
 
 
+_warned: set[str] = set()
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library warning, said the way the CLI says its own ("mirrorsd: warning: ..."), not as a source location,
+    and once (options are checked before loading and again by the API after it)."""
+    if str(message) not in _warned:
+        _warned.add(str(message))
+        print(f"mirrorsd: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)  # the top level takes no option values
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
+    warnings.showwarning = _one_line_warning
     try:
         return args.func(args)
     except BrokenPipeError:  # `mirrorsd generate ... | head -1`: the reader left; exit quietly, as other tools do

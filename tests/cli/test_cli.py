@@ -471,3 +471,24 @@ def test_train_exit_refits_one_layer_into_an_existing_exit(capsys, tmp_path):
     assert after.meta["refits"]["15"]["recipe"]["chunks"] == 4 and (folder / "learning_curve_refit_15.png").exists()
     with pytest.raises(SystemExit):
         main(["train-exit", "--model", "smollm2-135m", "--out", str(tmp_path / "a"), "--into", str(folder)])
+
+
+def test_a_value_out_of_range_is_refused_before_unused_options_are_warned_about(capsys, prepared_smollm2,
+                                                                                 no_loading):
+    """`--exit-layer 99` on the serial backend printed a raw `registry.py:...: UserWarning` that exit_layer changes
+    nothing, then refused it as out of range."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning before the refusal fails the test
+        rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--method", "mirror", "--exit-layer", "99",
+                         "--prompt", "hi")
+    assert rc == 2 and "--exit-layer must be in 1..29" in err and err.count("\n") == 1
+
+
+def test_a_library_warning_is_one_cli_line(capsys):
+    from mirrorsd import cli
+
+    cli._one_line_warning("the option changes nothing", UserWarning, "registry.py", 149)
+    cli._one_line_warning("the option changes nothing", UserWarning, "registry.py", 149)  # (again, after loading)
+    assert capsys.readouterr().err == "mirrorsd: warning: the option changes nothing\n"

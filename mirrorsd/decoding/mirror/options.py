@@ -119,6 +119,10 @@ class MirrorOptions(MethodOptions):
                               "token ids only (use acceptance='match')")
         if isinstance(self.exit_layer, float) and not self.exit_layer.is_integer() and not 0 < self.exit_layer < 1:
             raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {self.exit_layer}")
+        if shape is not None:
+            resolve_exit_layer(self.exit_layer, shape.n_layers)
+            if self.kappa > shape.vocab_size:
+                raise OptionError("kappa", f"must be in 1..{shape.vocab_size} (the vocabulary), got {self.kappa}")
         if self.backend == "serial" and self.roots == "budget" and self.budget is None:
             unused = [name for name, default in (("kappa", DEFAULT_KAPPA), ("candidates", "exit"),
                                                  ("exit_layer", DEFAULT_EXIT), ("exit_vocab", None))
@@ -127,10 +131,6 @@ class MirrorOptions(MethodOptions):
                 warnings.warn("mirror: the serial backend rolls out no branch unless told (nothing overlaps there, "
                               f"so a rollout is never hidden), so these options change nothing: {', '.join(unused)}; "
                               "give budget=N or roots='paper', or an overlapping backend", UserWarning, stacklevel=2)
-        if shape is not None:
-            resolve_exit_layer(self.exit_layer, shape.n_layers)
-            if self.kappa > shape.vocab_size:
-                raise OptionError("kappa", f"must be in 1..{shape.vocab_size} (the vocabulary), got {self.kappa}")
 
     def resolved(self, files: ShippedFiles, shape: ModelShape) -> MirrorOptions:
         """``draft_streams`` alone: the draft's shipped adapter; ``exit_head="tuned"``: the target's shipped tuned
