@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)  # the top level takes no option values
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
-    warnings.showwarning = _one_line_warning
+    shown, warnings.showwarning = warnings.showwarning, _one_line_warning
     try:
         return args.func(args)
     except BrokenPipeError:  # `mirrorsd generate ... | head -1`: the reader left; exit quietly, as other tools do
@@ -74,3 +74,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        warnings.showwarning = shown  # (main called in-process, as tests do, leaves the caller's as it was)
