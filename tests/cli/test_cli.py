@@ -492,3 +492,14 @@ def test_a_library_warning_is_one_cli_line(capsys):
     cli._one_line_warning("the option changes nothing", UserWarning, "registry.py", 149)
     cli._one_line_warning("the option changes nothing", UserWarning, "registry.py", 149)  # (again, after loading)
     assert capsys.readouterr().err == "mirrorsd: warning: the option changes nothing\n"
+
+
+def test_sampling_flags_at_temperature_zero_are_said_to_change_nothing(capsys, no_loading):
+    """At the default greedy temperature --seed, --top-k and --top-p were ignored without a word."""
+    from mirrorsd.cli import main
+
+    for extra, said in ((["--seed", "3", "--top-k", "5"], True), (["--seed", "3", "--temperature", "0.7"], False)):
+        with pytest.raises(AssertionError, match="a model was loaded"):  # (the warning comes before loading)
+            main(["generate", "--target", "smollm2-135m", "--method", "ar", "--prompt", "hi", *extra])
+        err = capsys.readouterr().err
+        assert ("warning: --top-k, --seed change nothing at --temperature 0 (greedy)" in err) == said, err
