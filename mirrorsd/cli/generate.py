@@ -210,16 +210,16 @@ def run(args: argparse.Namespace) -> int:
     _checked_trace(args.trace)
     if args.draft and args.draft.startswith(SELF_DRAFT):
         self_draft_depth(args.draft)
-    idle = [flag for flag, on in (("--top-k", args.top_k), ("--top-p", args.top_p != 1.0),
-                                  ("--seed", args.seed is not None)) if on]
-    if args.temperature == 0 and idle:  # (as HF's generate warns when do_sample is off)
-        err.print(f"mirrorsd: warning: {', '.join(idle)} change nothing at --temperature 0 (greedy); give "
-                  "--temperature > 0 to sample", style="yellow", highlight=False)
     method, options = args.method or "auto", {}
     by_auto = method == "auto"
     if by_auto:
         method, options = _auto_choice(args)
     options = {**options, **checked_options(args, method, by_auto)}
+    idle = [flag for flag, on in (("--top-k", args.top_k), ("--top-p", args.top_p != 1.0),
+                                  ("--seed", args.seed is not None)) if on]
+    if args.temperature == 0 and idle:  # (as HF's generate warns when do_sample is off)
+        err.print(f"mirrorsd: warning: {', '.join(idle)} {'changes' if len(idle) == 1 else 'change'} nothing at "
+                  "--temperature 0 (greedy); give --temperature > 0 to sample", style="yellow", highlight=False)
     if by_auto and method != "auto":
         shown = " ".join(f"{k}={v}" for k, v in options.items())
         err.print(f"mirrorsd: auto chose {method} {shown} (this machine's plan for the pair; `mirrorsd plan` "
