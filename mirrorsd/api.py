@@ -400,9 +400,8 @@ class GenerationStream:
                     if len(self.token_ids) >= req.max_new_tokens:
                         done = True
                         break
-                if done and len(kept) < len(chunk) and stats.accepted:  # EOS or a stop string cut this step:
-                    cut = min(stats.accepted[-1], len(kept))  # what it accepted past the cut is not output
-                    stats.accepted[-1] = stats.step_log[-1]["accepted"] = cut
+                if done and len(kept) < len(chunk) and stats.step_log:  # EOS or a stop string cut this step:
+                    stats.step_log[-1]["output"] = len(kept)  # what it accepted past the cut is no output
                 if finish != "stop":
                     self._text = self._decode(self.token_ids)
                 if segments:

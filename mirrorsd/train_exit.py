@@ -223,9 +223,10 @@ class _HeldRows:
         self.states = {layer: torch.cat(x) for layer, x in xs.items()}
         self.hard = torch.cat(hard).nonzero()[:, 0] if corrections is not None else None
         if self.hard is not None and not len(self.hard):
-            raise ValueError(f"the held-out windows ({desc.split()[0]}) hold no row where the draft and the model "
-                             "disagree on text the model wrote: give more held-out windows, or data with the model's "
-                             "own answers")
+            raise ValueError(f"the {len(windows)} held-out {desc.split()[0]} window(s) hold no row where the draft "
+                             "and the model disagree on text the model wrote (half of --held-out choose λ and the KL "
+                             "step, half are reported, and each half needs such rows): give more held-out windows, "
+                             "or data with the model's own answers")
 
 
 def fit_exit(model: Transformer, tokenizer, texts: list[str | list[int]], layers: list[int], *, chunks: int = 64,

@@ -43,7 +43,7 @@ def commands(page: Path) -> list[str]:
     for block in _shell_blocks(page.read_text(encoding="utf-8")):
         for line in re.sub(r"\\\n\s*", "", block).splitlines():
             line = line.strip()
-            match = re.search(r"(?:^|[;&|(]\s*|\s)(?:python3? -m mirrorsd(?:\.cli)?|mirrorsd)\s+(\S.*)", line)
+            match = re.search(r"(?:^|[;&|(]\s*|\s)(?:python3? -m |-m )?mirrorsd(?:\.cli)?\s+(\S.*)", line)
             if line.startswith("#") or not match:
                 continue
             command = re.split(r"\s(?:&&|\|\||\||;|>|2>|#|&$)", match.group(1))[0]

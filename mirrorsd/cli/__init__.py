@@ -11,6 +11,7 @@ import argparse
 import importlib
 import importlib.metadata
 import os
+import stat
 import sys
 import warnings
 from collections.abc import Collection
@@ -49,14 +50,25 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
 
 
 _warned: set[str] = set()
+_PACKAGE = os.path.dirname(mirrorsd.__file__)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A library warning, said the way the CLI says its own ("mirrorsd: warning: ..."), not as a source location,
-    and once (options are checked before loading and again by the API after it)."""
-    if str(message) not in _warned:
+    """mirrorsd's own warning, said the way the CLI says its errors ("mirrorsd: warning: ..."), not as a source
+    location, and once (options are checked before loading and again by the API after it); other libraries' warnings
+    keep Python's form, their source included."""
+    if not str(filename).startswith(_PACKAGE):
+        print(warnings.formatwarning(message, category, filename, lineno, line), end="", file=file or sys.stderr)
+    elif str(message) not in _warned:
         _warned.add(str(message))
         print(f"mirrorsd: warning: {message}", file=file or sys.stderr)
+
+
+def _stdout_is_a_pipe() -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError):  # (pytest's captured stdout has no descriptor)
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,9 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)  # the top level takes no option values
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
     shown, warnings.showwarning = warnings.showwarning, _one_line_warning
+    _warned.clear()
     try:
         return args.func(args)
-    except BrokenPipeError:  # `mirrorsd generate ... | head -1`: the reader left; exit quietly, as other tools do
+    except BrokenPipeError as e:
+        if not _stdout_is_a_pipe():  # another pipe broke: an error like any other
+            print(f"mirrorsd: error: {e}", file=sys.stderr)
+            return 2
+        # `mirrorsd generate ... | head -1`: the reader left; exit quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error when Python flushes)
         return 141
     except (ValueError, ZooError, OSError) as e:  # a user's mistake (a bad value, a missing or unwritable path)

@@ -79,9 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=run)
 
 
-def _read_prompts(path: str) -> list[str | list[dict]]:
-    """One JSON object a line, ``{"prompt": TEXT}`` or ``{"prompt": [chat messages]}``: every line is checked before
-    any model loads (a number or null failed as a traceback after loading)."""
+def _read_prompts(path: str) -> list[str | list]:
+    """One JSON object a line, ``{"prompt": TEXT}``, ``{"prompt": [token ids]}`` or ``{"prompt": [chat messages]}``:
+    every line is checked before any model loads (a number or null failed as a traceback after loading)."""
     prompts = []
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # (a BOM, as editors on Windows write it)
@@ -97,9 +97,10 @@ def _read_prompts(path: str) -> list[str | list[dict]]:
         chat = isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in prompt)
-        if not (isinstance(prompt, str) or chat):
-            raise ValueError(f'{path}:{n}: "prompt" must be text or chat messages ([{{"role": ..., "content": ...}}]), '
-                             f"got {json.dumps(prompt)[:60]}")
+        ids = isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+        if not (isinstance(prompt, str) or chat or ids):
+            raise ValueError(f'{path}:{n}: "prompt" must be text, token ids or chat messages ([{{"role": ..., '
+                             f'"content": ...}}]), got {json.dumps(prompt)[:60]}')
         prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{path} holds no prompts")

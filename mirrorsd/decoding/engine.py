@@ -219,6 +219,12 @@ class GenerationStats:
         return max(self.drafted, default=0)
 
     @property
+    def accepted_output(self) -> int:
+        """Accepted draft tokens that reached the output: a step cut by EOS or a stop string (its ``output`` in the
+        step log) accepted tokens past the cut, which the verifier counts but the answer does not hold."""
+        return sum(min(a, step.get("output", a)) for a, step in zip(self.accepted, self.step_log, strict=False))
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens per target decoding step, accepted + 1 averaged over steps (Spec-Bench's convention; a
         step with an empty window counts as 1)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,8 +70,9 @@ class Option:
             raise OptionError(self.name, f"must be an integer, got {value!r}")
         if self.parse is float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise OptionError(self.name, f"must be a number, got {value!r}")
-        text = (str, os.PathLike, bool) if self.default is None else (str, os.PathLike)  # (draft_streams=True)
-        if self.parse is str and not isinstance(value, text):
+        # JSON's other shapes where text belongs (objects the API passes, adapters or a head, go through)
+        shaped = isinstance(value, numbers.Number | list | tuple | dict) and not isinstance(value, bool)
+        if self.parse is str and (shaped or (isinstance(value, bool) and self.default is not None)):
             raise OptionError(self.name, f"must be text, got {value!r}")
         return int(value) if self.parse is int else value
 

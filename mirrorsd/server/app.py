@@ -229,7 +229,7 @@ class Server:
 
 def usage(result: api.Generation) -> dict[str, Any]:
     st = result.stats
-    drafted, accepted = sum(st.drafted), sum(st.accepted)
+    drafted, accepted = sum(st.drafted), st.accepted_output  # (usage counts output tokens only)
     return {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
             "total_tokens": len(result.prompt_ids) + len(result.token_ids),
             "prompt_tokens_details": {"cached_tokens": st.cached_tokens},

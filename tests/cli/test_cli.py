@@ -116,9 +116,10 @@ def test_malformed_prompts_file(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ('{"prompt": 5}', '2: "prompt" must be text or chat messages'),
-    ('{"prompt": null}', '2: "prompt" must be text or chat messages'),
-    ('{"prompt": ["Hi", "x"]}', '2: "prompt" must be text or chat messages'),
+    ('{"prompt": 5}', '2: "prompt" must be text, token ids or chat messages'),
+    ('{"prompt": null}', '2: "prompt" must be text, token ids or chat messages'),
+    ('{"prompt": ["Hi", "x"]}', '2: "prompt" must be text, token ids or chat messages'),
+    ('{"prompt": [1, true]}', '2: "prompt" must be text, token ids or chat messages'),
 ])
 def test_a_prompts_line_that_is_no_prompt_is_refused_before_loading(capsys, tmp_path, no_loading, line, message):
     """A number or null failed as a traceback after the model had loaded."""
@@ -489,9 +490,12 @@ def test_a_value_out_of_range_is_refused_before_unused_options_are_warned_about(
 def test_a_library_warning_is_one_cli_line(capsys):
     from mirrorsd import cli
 
-    cli._one_line_warning("the option changes nothing", UserWarning, "registry.py", 149)
-    cli._one_line_warning("the option changes nothing", UserWarning, "registry.py", 149)  # (again, after loading)
+    ours = cli._PACKAGE + "/decoding/registry.py"
+    cli._one_line_warning("the option changes nothing", UserWarning, ours, 149)
+    cli._one_line_warning("the option changes nothing", UserWarning, ours, 149)  # (again, after loading)
     assert capsys.readouterr().err == "mirrorsd: warning: the option changes nothing\n"
+    cli._one_line_warning("deprecated", FutureWarning, "/site-packages/transformers/x.py", 7)  # another library's
+    assert "transformers/x.py:7: FutureWarning: deprecated" in capsys.readouterr().err
 
 
 def test_sampling_flags_at_temperature_zero_are_said_to_change_nothing(capsys, no_loading):
