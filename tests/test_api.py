@@ -7,6 +7,7 @@ import torch
 
 import mirrorsd
 from mirrorsd import LoadedModel, Transformer, generate, stream
+from mirrorsd.server.app import usage
 from tests.helpers import requires_smollm2, tiny_hf
 
 
@@ -139,6 +140,11 @@ def test_tokens_accepted_past_an_eos_or_stop_cut_are_not_counted(tiny):
     assert got.finish_reason == "eos" and got.token_ids == plain[:plain.index(plain[5])]
     assert got.stats.accepted_output <= len(got.token_ids) < sum(got.stats.accepted)  # the verifier's count stays
     assert got.stats.step_log[-1]["output"] == len(got.token_ids) - sum(a + 1 for a in got.stats.accepted[:-1])
+    # OpenAI's prediction fields split the drafted tokens by whether they reached the completion (they summed to
+    # less than drafted_tokens: rejected was the verifier's)
+    details = usage(got)["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] == got.stats.accepted_output
+    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] == sum(got.stats.drafted)
 
 
 def test_a_vanishing_temperature_is_greedy(tiny):

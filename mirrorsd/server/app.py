@@ -229,14 +229,15 @@ class Server:
 
 def usage(result: api.Generation) -> dict[str, Any]:
     st = result.stats
-    # OpenAI's prediction tokens count the output (an EOS or stop cut leaves accepted tokens out of it); ours,
-    # drafted/accepted_tokens, are the verifier's, as the spec_decode metrics are (vLLM's convention)
+    # OpenAI's prediction tokens split the drafted ones by whether they reached the output (an EOS or stop cut
+    # leaves accepted tokens out of it), so the two add up to drafted_tokens; ours, drafted/accepted_tokens, are
+    # the verifier's, as the spec_decode metrics are (vLLM's convention)
     drafted, accepted, output = sum(st.drafted), sum(st.accepted), st.accepted_output
     return {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
             "total_tokens": len(result.prompt_ids) + len(result.token_ids),
             "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": output,
-                                          "rejected_prediction_tokens": drafted - accepted},
+                                          "rejected_prediction_tokens": drafted - output},
             "drafted_tokens": drafted, "accepted_tokens": accepted}
 
 
