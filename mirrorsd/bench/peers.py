@@ -145,8 +145,11 @@ class LlamaServer:
         with urllib.request.urlopen(request, timeout=3600) as r:
             reply = json.loads(r.read())
         wall = time.perf_counter() - start
-        tokens = [t for t in reply.get("tokens", []) if t not in eos]
         timings = reply.get("timings", {})
+        if "tokens" not in reply and timings.get("predicted_n", 0) > 0:  # (no ids: nothing to check or count)
+            raise RuntimeError("llama-server's reply has no token ids (`return_tokens`): this build is too old to "
+                               "check against; build a newer llama.cpp")
+        tokens = [t for t in reply.get("tokens", []) if t not in eos]
         counters = {k: float(timings[k]) for k in ("draft_n", "draft_n_accepted") if k in timings}
         return Turn(new_tokens=len(tokens), wall_s=wall, token_ids=tokens, text=reply.get("content", ""),
                     prefill_s=timings.get("prompt_ms", 0.0) / 1e3, counters=counters)

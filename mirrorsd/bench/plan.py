@@ -53,6 +53,7 @@ from ..draft_vocab import draft_table_kind, subset_head
 from ..model import Transformer
 from ..plans import machine_label, plan_path, setup_of
 from ..runtime.executors import split_threads
+from ..runtime.trace import synchronize
 from .metrics import expected_accepted
 
 TARGET_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -138,12 +139,14 @@ def interpolate(table: dict[int, float], k: float) -> float:
 # -- measuring ------------------------------------------------------------------------------------------------
 
 
-def _median_ms(fn, rounds: int) -> float:
+def _median_ms(fn, rounds: int, device: torch.device) -> float:
     fn()  # warm-up
     times = []
     for _ in range(rounds):
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)  # CUDA runs asynchronously: time the work, not its launch
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -165,15 +168,15 @@ def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], c
             model(x, cache=cache, head=lm_head)
             cache.truncate(context)
 
-        full[k] = _median_ms(forward, rounds)
+        full[k] = _median_ms(forward, rounds, device)
         for e in exit_layers:
             def pre(x=x, positions=positions, e=e):
                 model.run_layers(model.embed(x), positions, cache, end=e)
                 cache.truncate(context)
 
-            prefix[e][k] = _median_ms(pre, rounds)
+            prefix[e][k] = _median_ms(pre, rounds, device)
         if probes:  # (one method reads an early exit: its cost row)
-            head[k] = _median_ms(partial(probes[0], model.embed(x)), rounds)
+            head[k] = _median_ms(partial(probes[0], model.embed(x)), rounds, device)
     return full, prefix, head
 
 

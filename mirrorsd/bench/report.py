@@ -95,7 +95,8 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         s = summary[m]
         tps = s["tokens_per_s"]
         loss = s["lossless"]
-        lossless = f"{loss['equal']}/{loss['checked']} = {s['reference']}" if loss["checked"] else "n/a (sampling)"
+        lossless = ("reference" if m == s["reference"] else f"{loss['equal']}/{loss['checked']} = {s['reference']}"
+                    if loss["checked"] else "n/a (sampling)")
         own = _x(s["speedup_vs_reference"].get(OVERALL)) if "speedup_vs_reference" in s else "–"
         lines.append(
             f"| `{m}` | {tps['median']:.2f} ({tps['min']:.2f}–{tps['max']:.2f}) | {_x(s['speedup'].get(OVERALL))} "

@@ -121,6 +121,9 @@ def parse_methods(text: str) -> list[MethodSpec]:
         else:
             options = {k: _value(v) for k, v in raw.items()}
         specs.append(MethodSpec(label, kind, options))
+    for s in specs:  # a baseline's name on another decoder would silently become every ratio's denominator
+        if s.label in (REFERENCE, "hf-ar", "llama-server-ar") and s.kind != s.label:
+            raise ValueError(f"the label {s.label!r} names a baseline; give {s.kind} another label")
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"method labels must be unique: {', '.join(labels)}")
@@ -338,7 +341,7 @@ class Bench:
         return ours(spec.kind) and spec.options.get("acceptance", "match") == "match"
 
     def _check(self, spec: MethodSpec, answer: Answer, reference: Answer) -> None:
-        if not self._comparable(spec):
+        if not self._comparable(spec) or spec.label == spec.reference:  # (a baseline equal to itself proves nothing)
             return
         answer.equal_to_reference = True
         for i, (mine, ref) in enumerate(zip(answer.turns, reference.turns, strict=True)):

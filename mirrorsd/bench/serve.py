@@ -8,9 +8,10 @@ aiperf 0.13 refuses a local folder, so that variable is dropped from its environ
 no network call.
 
 Every server is started once and stays up; the sweep then runs in interleaved rounds (each round: every
-concurrency level, every server in turn), so a noisy host spreads over all servers alike, and each figure is the
-median over rounds. Each (level, round) sends its own slice of shuffled Spec-Bench first turns, the same slice to
-every server, so no request repeats a prompt an earlier one answered (``suffix`` would otherwise copy it).
+concurrency level, every server in turn, the order rotating), so a noisy host spreads over all servers alike, and
+each figure is the median over rounds. Each (level, round) sends its own slice of shuffled Spec-Bench first turns,
+the same slice to every server, so no request repeats a prompt an earlier one answered (``suffix`` would otherwise
+copy it).
 Answers are ``max_tokens`` long (``ignore_eos``), greedy.
 
 With ``turns`` 2 each request is a conversation instead: Spec-Bench's two-turn questions as aiperf multi-turn
@@ -114,6 +115,14 @@ def find_aiperf(path: str | None = None, install: bool = True) -> str:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"aiperf=={AIPERF_VERSION}"], check=True)
     return str(venv / "bin" / "aiperf")
+
+
+def run_order(servers: list[ServerSpec], level: int, shift: int) -> list[ServerSpec]:
+    """The servers that run at ``level``, rotated by ``shift`` (round + level index): who runs first, after an
+    idle or a busy neighbour, changes from round to round, as the Spec-Bench runner rotates its methods."""
+    running = [s for s in servers if s.runs_at(level)]
+    shift = shift % len(running) if running else 0
+    return running[shift:] + running[:shift]
 
 
 def prompt_slices(levels: list[int], rounds: int, per_client: int, seed: int = 0,
@@ -316,8 +325,8 @@ def run(cfg: ServeConfig) -> dict[str, Any]:
             warm(servers[spec.label][0].url, servers[spec.label][1])
         total, done = cfg.rounds * sum(s.runs_at(c) for c in cfg.levels for s in cfg.servers), 0
         for r in range(cfg.rounds):
-            for level in cfg.levels:
-                for spec in (s for s in cfg.servers if s.runs_at(level)):
+            for li, level in enumerate(cfg.levels):
+                for spec in run_order(cfg.servers, level, r + li):
                     server, model = servers[spec.label]
                     folder = cfg.out / "aiperf" / spec.label / f"c{level}-r{r}"
                     shutil.rmtree(folder, ignore_errors=True)

@@ -308,6 +308,9 @@ def test_parse_methods_options_labels_and_references():
     with pytest.raises(ValueError, match="unique"):
         parse_methods("sd,sd")
     assert [s.kind for s in parse_methods("auto")] == ["ar", "auto"]  # resolved when the models are loaded
+    for text in ("ar=sd:gamma=4,mirror", "hf-ar=hf-pld,hf-assisted"):  # (a baseline's label on another decoder)
+        with pytest.raises(ValueError, match="names a baseline"):
+            parse_methods(text)
     with pytest.raises(ValueError, match="no options"):
         parse_methods("auto:gamma=2")
 
@@ -388,7 +391,8 @@ def test_bench_end_to_end_with_peers(tmp_path, monkeypatch, capsys):
     assert list(summary) == ["ar", "hf-ar", "sd", "mirror:backend=threads", "ss", "suffix", "hf-assisted", "hf-pld"]
     assert any("llama-server skipped" in n for n in results["notes"])
     for label, s in summary.items():
-        assert s["lossless"]["checked"] == 4 and s["lossless"]["equal"] == 4, label  # 2 questions x 2 runs
+        checked = 0 if label == s["reference"] else 4  # 2 questions x 2 runs; a baseline is not checked against itself
+        assert s["lossless"]["checked"] == s["lossless"]["equal"] == checked, label
         assert set(s["speedup"]) == {"qa", "mt_bench", "overall"} and len(s["tokens_per_s"]["runs"]) == 2
     assert summary["ar"]["speedup"]["overall"]["median"] == 1.0
     assert summary["hf-pld"]["speedup_vs_reference"]["overall"]["median"] > 0

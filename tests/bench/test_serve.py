@@ -29,6 +29,15 @@ def test_servers_parse_with_labels_kinds_and_flags():
     assert one[0].max_concurrency is None and one[0].runs_at(10**6)
 
 
+def test_the_servers_take_turns_going_first():
+    """The sweep ran its servers in one fixed order every round: whatever running first costs (or saves) fell on
+    the same server each time."""
+    specs = serve.parse_servers("a=mirrorsd,b=mirrorsd,c=mirrorsd:max-concurrency=1")
+    firsts = {serve.run_order(specs, 1, shift)[0].label for shift in range(3)}
+    assert firsts == {"a", "b", "c"}
+    assert [s.label for s in serve.run_order(specs, 4, 1)] == ["b", "a"]  # (c does not run at 4)
+
+
 @pytest.mark.parametrize("text, message", [("vllm", "unknown server kind"), ("a=mirrorsd:method", "flag=value"),
                                            ("a=mirrorsd,a=llama-server", "uniquely"), ("", "uniquely"),
                                            ("a=mirrorsd:max-concurrency=0", "positive integer"),
