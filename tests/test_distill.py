@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import numpy as np
@@ -243,3 +244,63 @@ def test_the_index_is_on_disk_before_its_name_replaces_the_old_one(tmp_path, mon
     monkeypatch.setattr(engine.os, "fsync", lambda fd: synced.append(fd) or real(fd))
     engine.write_atomic(tmp_path / "index.json", b"{}\n")
     assert synced and (tmp_path / "index.json").read_bytes() == b"{}\n" and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_ctrl_c_writes_the_answers_made_before_waiting_for_those_in_flight(tmp_path, monkeypatch):
+    """SIGTERM's grace is short (docker stop: 10 s, then SIGKILL): the answers already made were written only after
+    the items in flight finished, so a kill in between lost them all."""
+    from mirrorsd.distill import engine
+
+    seen: list[bool] = []
+
+    def answered(target, item, settings, store):
+        if item.id == 2:  # in flight: finishes only once it sees the others on disk (or gives up)
+            deadline = time.monotonic() + 5
+            while not list(tmp_path.glob("shard-*.npz")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            seen.append(bool(list(tmp_path.glob("shard-*.npz"))))
+        return [Record(item.id, 0, item.kind, False, [1, 2, 3], [4, 5])]
+
+    class Bar:  # tqdm's stand-in: Ctrl-C once two items are answered
+        def __init__(self, *args, **kwargs):
+            self.n = 0
+
+        def update(self, n):
+            self.n += n
+            if self.n == 2:
+                raise KeyboardInterrupt
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(engine, "answer", answered)
+    monkeypatch.setattr(engine, "tqdm", Bar)
+    monkeypatch.setattr(engine, "Batcher", lambda speculation: type("B", (), {"member": lambda self: _no_op()})())
+    shards = Shards(tmp_path, Settings("smollm2-135m", max_new_tokens=4), MINI)
+    run(None, shards, batch=3, shard_items=100, items=3, progress=False, prefix_cache_bytes=0)
+    assert seen == [True]
+    first = np.load(sorted(tmp_path.glob("shard-*.npz"))[0])
+    assert sorted(first["item"].tolist()) == [0, 1] and Shards(tmp_path, shards.settings).done == {0, 1, 2}
+
+
+def test_a_folder_without_its_index_still_refuses_other_settings(tmp_path):
+    """The settings lived only in the index: a shard written before the first index (a crash between the two) or a
+    deleted index let another model's answers join the folder."""
+    shards = Shards(tmp_path, Settings("smollm2-135m", max_new_tokens=4), MINI)
+    shards.write([Record(0, 0, "code", False, [1, 2], [3])], 1.0)
+    (tmp_path / INDEX_FILE).unlink()
+    with pytest.raises(ValueError, match="shard-00000.npz was made with other settings"):
+        Shards(tmp_path, Settings("qwen2.5-coder-1.5b", max_new_tokens=4))
+    assert Shards(tmp_path, shards.settings).done == {0}
+
+
+def test_a_shard_on_disk_but_not_yet_listed_is_not_overwritten(tmp_path):
+    """A Ctrl-C between a shard's rename and its listing numbered the next shard alike, which replaced it."""
+    shards = Shards(tmp_path, Settings("smollm2-135m", max_new_tokens=4), MINI)
+    shards.write([Record(0, 0, "code", False, [1, 2], [3])], 1.0)
+    shards.shards.pop()  # (as if the Ctrl-C came right after the rename)
+    shards.write([Record(1, 0, "code", False, [1, 2], [3])], 1.0)
+    assert Shards(tmp_path, shards.settings).done == {0, 1}

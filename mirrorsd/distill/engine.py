@@ -4,8 +4,9 @@ that a stopped run resumes from.
 The output folder holds ``prompts.jsonl.gz`` (the prompt set, frozen at the first run, so that a later run on a
 machine whose Python has another standard library answers the same prompts), ``shard-NNNNN.npz`` (one per flush:
 the answered items' token ids) and ``index.json`` (counts per kind, tokens, rate). Shards are the truth: the index is
-rebuilt from them, and an item is done once a shard holds it. A stop at any moment loses at most the items answered
-since the last flush (``shard_items``).
+rebuilt from them, and an item is done once a shard holds it; each shard also records the settings it was made
+with. A stop at any moment loses at most the items answered since the last flush (``shard_items``); a Ctrl-C or
+SIGTERM writes those at once, then the items in flight once they finish.
 
 Every record is one answered turn: the prompt's token ids as the model read them (its chat template applied, earlier
 turns included) and the answer's ids as the model produced them, never re-tokenized. Greedy for most items and
@@ -110,18 +111,23 @@ class Shards:
             self.freeze()
         index = self.folder / INDEX_FILE
         if index.exists():
-            recorded = json.loads(index.read_text())["settings"]
-            if recorded != asdict(settings):
-                changed = {k: (recorded.get(k), v) for k, v in asdict(settings).items() if recorded.get(k) != v}
-                raise ValueError(f"{self.folder} was made with other settings (recorded, asked): {changed}; resume "
-                                 "with the recorded ones or use another folder")
+            self._check(json.loads(index.read_text())["settings"], index)
         self.done: set[int] = set()
         self.stats: Counter[str] = Counter()
         self.kinds: Counter[str] = Counter()
         self.shards = sorted(self.folder.glob("shard-*.npz"))
         for shard in self.shards:
-            self._count(np.load(shard))
+            data = np.load(shard)
+            if "settings" in data.files:  # (each shard says how it was made: the index may be gone, or not yet written)
+                self._check(json.loads(str(data["settings"])), shard)
+            self._count(data)
         self.seconds = json.loads(index.read_text()).get("seconds", 0.0) if index.exists() else 0.0
+
+    def _check(self, recorded: dict[str, Any], where: Path) -> None:
+        if recorded != asdict(self.settings):
+            changed = {k: (recorded.get(k), v) for k, v in asdict(self.settings).items() if recorded.get(k) != v}
+            raise ValueError(f"{where} was made with other settings (recorded, asked): {changed}; resume with the "
+                             "recorded ones or use another folder")
 
     def _count(self, data: Any) -> None:
         items = data["item"]
@@ -187,8 +193,10 @@ class Shards:
                 "item": np.asarray([r.item for r in records], dtype=np.int32),
                 "turn": np.asarray([r.turn for r in records], dtype=np.int8),
                 "kind": np.asarray([KINDS.index(r.kind) for r in records], dtype=np.int8),
-                "sampled": np.asarray([r.sampled for r in records], dtype=bool)}
-        number = int(self.shards[-1].stem.split("-")[1]) + 1 if self.shards else 0
+                "sampled": np.asarray([r.sampled for r in records], dtype=bool),
+                "settings": np.asarray(json.dumps(asdict(self.settings)))}
+        # numbered from the folder: a shard renamed into place just before a Ctrl-C is on disk but not yet listed
+        number = max((int(p.stem.split("-")[1]) for p in self.folder.glob("shard-*.npz")), default=-1) + 1
         path = self.folder / f"shard-{number:05d}.npz"
         tmp = self.folder / f"incomplete-{number:05d}.npz"  # a crash mid-write leaves no file named shard-*
         with tmp.open("wb") as f:
@@ -303,6 +311,10 @@ def _run(target: LoadedModel, shards: Shards, batch: int, shard_items: int, todo
                 stop.set()
     except KeyboardInterrupt:
         stop.set()
+        if buffer:  # the answers already made reach the disk first: a SIGKILL may follow the SIGTERM before the
+            now, flushing, buffer = time.perf_counter(), buffer, []  # items in flight finish (docker stop: 10 s)
+            shards.write(flushing, now - flushed)
+            flushed = now
         for t in threads:  # the items in flight finish and are kept
             t.join()
         while not done.empty():
