@@ -403,7 +403,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
     fitted = fit(out, Trainable(list(lora.trainable()), lora.state, lora.load_state, "lora"), train_items, step,
                  lambda: evaluate(model, lora, eval_items, spd_tracks), steps=steps, lr=lr, seed=seed,
                  eval_every=eval_every, save_every=save_every, desc="train draft", device=model.device,
-                 progress=progress)
+                 settings={"layers": layers, "rank": rank, "vocab": vocab, "answers_only": answers_only,
+                           "spd_tracks": spd_tracks, "soft_top": soft_top, "cache": meta}, progress=progress)
     curve, tokens = fitted.curve, fitted.tokens
     summary = {"held_out_agreement_before": curve[0]["agreement"], "held_out_agreement_after": curve[-1]["agreement"],
                "held_out_agreement_all_before": curve[0]["agreement_all"],

@@ -212,7 +212,8 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
     trainable = Trainable(list(head.parameters()), head.state_dict, head.load_state_dict, "head")
     fitted = fit(out, trainable, train_items, step, lambda: evaluate(head, target, full, eval_items, depth),
                  steps=steps, lr=lr, seed=seed, eval_every=eval_every, save_every=save_every,
-                 desc="train eagle head", progress=progress)
+                 desc="train eagle head", settings={"vocab": vocab, "depth": depth, "dtype": str(dtype), "cache": meta},
+                 progress=progress)
     curve, tokens = fitted.curve, fitted.tokens
     summary = {"tokens_per_pass_before": curve[0]["tokens_per_pass"],
                "tokens_per_pass_after": curve[-1]["tokens_per_pass"], "accept_after": curve[-1]["accept"],

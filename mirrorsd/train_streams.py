@@ -348,7 +348,8 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     fitted = fit(out, trainable, train_items, step, lambda: evaluate(model, adapters, eval_items), steps=steps, lr=lr,
                  seed=seed, eval_every=eval_every, save_every=save_every, desc="train streams",
                  tokens=warm_start(model, adapters, init) if init is not None else 0, device=model.device,
-                 progress=progress)
+                 settings={"streams": streams, "layers": layers, "rank": rank, "vocab": vocab, "loss": loss,
+                           "init": init, "cache": meta}, progress=progress)
     curve, tokens = fitted.curve, fitted.tokens
     summary = {"held_out_stream_accuracy_before": curve[0]["stream_accuracy"],
                "held_out_stream_accuracy_after": curve[-1]["stream_accuracy"],

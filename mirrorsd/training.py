@@ -16,7 +16,7 @@ import signal
 import sysconfig
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,6 +329,10 @@ class Fitted:
     seconds: float  # this run's training time (not a resumed run's earlier part)
 
 
+class StopNow(KeyboardInterrupt):
+    """The second Ctrl-C: it lands anywhere in a step, so nothing it leaves half done is saved."""
+
+
 @contextmanager
 def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
     """Ctrl-C takes effect after the step it came in: inside one it could save parameters the optimizer had half
@@ -342,7 +346,7 @@ def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
 
     def ask(signum: int, frame: Any) -> None:
         if asked:
-            raise KeyboardInterrupt
+            raise StopNow
         asked.append(True)
         bar.write("stopping after this step (Ctrl-C again to stop at once)")
 
@@ -355,17 +359,28 @@ def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
 
 def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evaluate: Callable[[], dict[str, Any]],
         *, steps: int, lr: float, seed: int, eval_every: int, save_every: int, desc: str, tokens: int = 0,
-        device: torch.device | str = "cpu", progress: bool = True) -> Fitted:
+        settings: Mapping[str, Any] | None = None, device: torch.device | str = "cpu", progress: bool = True
+        ) -> Fitted:
     """Train ``steps`` steps of AdamW under :func:`warmup_decay` over ``items`` in :func:`epoch_order`, or resume a
     run from ``out/checkpoint.pt``. ``step(item)`` gives the loss (None: nothing to learn in this window, only the
-    schedule moves), its token count and the progress bar's postfix. ``tokens`` counts what a warm start had seen."""
+    schedule moves), its token count and the progress bar's postfix. ``tokens`` counts what a warm start had seen.
+    ``settings``: what else shapes the run (its loss, its start...); a checkpoint resumes only the same run, on to
+    ``steps`` (the optimizer's state would bring back the old learning rate, and a finished run would train
+    nothing yet be saved under the new recipe)."""
     optimizer = torch.optim.AdamW(trainable.params, lr=lr, weight_decay=0.0)
     schedule = warmup_decay(optimizer, steps)
     out.mkdir(parents=True, exist_ok=True)
     start_step, curve = 0, []
     checkpoint = out / CHECKPOINT
+    # (not --steps: a finished or stopped run trains on to a larger count)
+    run = json.loads(json.dumps({"lr": lr, "seed": seed, **(settings or {})}, default=str))
     if checkpoint.exists():
         state = torch.load(checkpoint, map_location=device, weights_only=False)
+        recorded = state.get("settings", run)  # (checkpoints from before settings were recorded: as asked)
+        if recorded != run:
+            changed = {k: (recorded.get(k), run.get(k)) for k in {*recorded, *run} if recorded.get(k) != run.get(k)}
+            raise ValueError(f"{checkpoint} is a run with other settings (recorded, asked): {changed}; give the "
+                             "recorded ones to resume it, or another --out (--init FOLDER starts from its result)")
         trainable.load(state[trainable.key])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -377,7 +392,7 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
         partial = checkpoint.with_name(checkpoint.name + ".partial")  # a kill while writing keeps the last one
         torch.save({"step": step, trainable.key: {k: v.detach() for k, v in trainable.state().items()},
                     "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "curve": curve,
-                    "train_tokens": tokens}, partial)
+                    "train_tokens": tokens, "settings": run}, partial)
         os.replace(partial, checkpoint)
         (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
 
@@ -404,7 +419,10 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
                     saved = done
                 if stop_asked():
                     raise KeyboardInterrupt
-    except KeyboardInterrupt:  # Ctrl-C keeps every finished step: the next run resumes after it
+    except KeyboardInterrupt as stopped:  # Ctrl-C keeps every finished step: the next run resumes after it
+        if isinstance(stopped, StopNow):  # (mid-step: the weights may hold part of the next step)
+            bar.write(f"stopped at once: {checkpoint} holds step {saved}; run the same command to resume")
+            raise
         if done > saved:
             save(done)
         bar.write(f"interrupted after step {done} of {steps}: saved to {checkpoint}; run the same command to resume")

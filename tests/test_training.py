@@ -149,3 +149,46 @@ def test_ctrl_c_left_alone_where_it_is_ignored(tmp_path):
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_ctrl_c_saves_nothing_half_done(tmp_path, monkeypatch):
+    """The second Ctrl-C stops at once, anywhere in a step: landing after the optimizer's update it saved the step
+    count before it, so the resumed run applied that update twice."""
+    import mirrorsd.training as training
+
+    whole, done = _run(tmp_path / "whole", 7, save_every=3)
+    real, calls = training.optimize, {"n": 0}
+
+    def interrupted(*args) -> None:
+        real(*args)
+        calls["n"] += 1
+        if calls["n"] == 4:  # step 5's update is made; both Ctrl-Cs land before the step is counted
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: xdist's workers ignore it)
+    try:
+        monkeypatch.setattr(training, "optimize", interrupted)
+        assert _run(tmp_path / "resumed", 7, save_every=3)[1] == {}  # (stopped)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    monkeypatch.setattr(training, "optimize", real)
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["step"] == 3  # the last whole one
+    resumed, done_again = _run(tmp_path / "resumed", 7, save_every=3)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert done_again == done
+
+
+def test_a_checkpoint_resumes_only_its_own_run(tmp_path):
+    """Resuming with another learning rate ran the old one (the optimizer's state holds it); a finished run asked
+    for with other settings trained nothing and was saved as if it had."""
+    _run(tmp_path / "x", 7, stop_at=5)
+    model = torch.nn.Linear(4, 1)
+    trainable = Trainable(list(model.parameters()), model.state_dict, model.load_state_dict, "linear")
+    with pytest.raises(ValueError, match=r"other settings .*'lr': \(0.05, 0.001\)"):
+        fit(tmp_path / "x", trainable, [0, 1, 2], lambda i: (None, 0, {}), dict, steps=7, lr=1e-3, seed=3,
+            eval_every=2, save_every=1, desc="test", progress=False)
+    with pytest.raises(ValueError, match=r"other settings .*'loss': \(None, 'kl'\)"):
+        fit(tmp_path / "x", trainable, [0, 1, 2], lambda i: (None, 0, {}), dict, steps=7, lr=0.05, seed=3,
+            eval_every=2, save_every=1, desc="test", settings={"loss": "kl"}, progress=False)
