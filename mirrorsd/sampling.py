@@ -142,6 +142,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the token that crosses top_p
+        drop_sorted[..., 0] = False  # and the likeliest always (a top_p below float32's least value dropped all)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

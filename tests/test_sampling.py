@@ -83,6 +83,9 @@ def test_top_k_and_top_p_filters():
     assert kept == [True, True, False, False]  # 0.5 < 0.7, adding 0.3 crosses it: keep both
     p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.7))[0]
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0], dtype=torch.float64))
+    for tiny in (1e-300, 1e-40):  # below float32's least value every token was dropped, and id 0 came out
+        kept = warp(logits[:, [2, 0, 1, 3]], SamplingParams(temperature=1.0, top_p=tiny)).isfinite()[0].tolist()
+        assert kept == [False, True, False, False]  # the likeliest alone
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_k": -2}, {"top_p": 0}, {"top_p": 1.5}])

@@ -333,9 +333,11 @@ def create_app(target: api.LoadedModel, draft: api.LoadedModel | None, config: S
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = server.encode_chat(ChatCompletionRequest(model=config.model_name, messages=req.messages))
-        else:
-            ids = server.target.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            ids = await asyncio.to_thread(server.encode_chat, ChatCompletionRequest(model=config.model_name,
+                                                                                    messages=req.messages))
+        else:  # (off the event loop, as the generation routes: a 1 MB body takes a second, every stream waiting)
+            ids = (await asyncio.to_thread(server.target.tokenizer, req.prompt,
+                                           add_special_tokens=req.add_special_tokens))["input_ids"]
         return {"tokens": ids, "count": len(ids), "max_model_len": server.context}
 
     @app.post("/detokenize")
@@ -346,7 +348,7 @@ def create_app(target: api.LoadedModel, draft: api.LoadedModel | None, config: S
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
-        return {"prompt": server.target.tokenizer.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(server.target.tokenizer.decode, req.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

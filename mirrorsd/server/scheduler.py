@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,21 +74,26 @@ class Scheduler:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         self.max_running, self.max_queued = max_running, max_queued
         self.batcher = batcher if batcher is not None else Batcher()
-        # unbounded, so stop() can always wake every worker; submit(), on the event loop's thread alone, bounds it
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        # unbounded, so stop() can always wake every worker; submit(), on the event loop's thread alone, bounds it.
+        # (None: a worker's signal to end.) One lock for the queue and the busy count: ``waiting`` reads both.
+        self._queue: deque[Job | None] = deque()
+        self._ready = threading.Condition()
         self._threads = [threading.Thread(target=self._work, name=f"mirrorsd-engine-{i}", daemon=True)
                          for i in range(max_running)]
         self._stopping = False
         self._admission = threading.Condition()
         self._solo = False  # a job that runs alone is running or waiting for the others to finish
         self.running: set[Job] = set()
+        self._busy = 0  # workers holding a job (taken from the queue, not yet finished)
 
     @property
     def waiting(self) -> int:
         """Jobs in the queue whose client is still there (one that left is skipped when its turn comes, and must not
-        cost a live client a 429 meanwhile)."""
-        with self._queue.mutex:
-            return sum(job is not None and not job.cancelled.is_set() for job in self._queue.queue)
+        cost a live client a 429 meanwhile), less those an idle worker is about to take: a burst submitted before
+        the idle workers wake got 429s while places were free."""
+        with self._ready:
+            queued = sum(job is not None and not job.cancelled.is_set() for job in self._queue)
+            return max(0, queued - (self.max_running - self._busy))
 
     def start(self) -> None:
         """Start the workers. Every forward runs on them or the batcher's engine from now on, so the calling thread
@@ -101,23 +106,22 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         if self._stopping:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if self.waiting >= self.max_queued:
-            raise APIError(429, f"too many requests: {self.max_queued} are waiting already; retry later",
-                           code="queue_full")
-        self._queue.put_nowait(job)
+        with self._ready:
+            if self.waiting >= self.max_queued:
+                raise APIError(429, f"too many requests: {self.max_queued} are waiting already; retry later",
+                               code="queue_full")
+            self._queue.append(job)
+            self._ready.notify()
 
     def stop(self, timeout: float) -> None:
         """Refuse new jobs, cancel the waiting ones, give the running ones ``timeout`` seconds, then cancel them."""
         self._stopping = True
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
+        with self._ready:
+            left, self._queue = self._queue, deque([None] * len(self._threads))
+            self._ready.notify_all()
+        for job in left:
             if job is not None:
                 job.send("error", APIError(503, "the server is shutting down", code="shutting_down"))
-        for _ in self._threads:
-            self._queue.put(None)
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -157,24 +161,37 @@ class Scheduler:
                 self._solo = False
             self._admission.notify_all()
 
+    def _take(self) -> Job | None:
+        """The next job, counted busy in the same step as it leaves the queue (``waiting`` reads both at once)."""
+        with self._ready:
+            while not self._queue:
+                self._ready.wait()
+            job = self._queue.popleft()
+            self._busy += job is not None
+            return job
+
     def _work(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._take()
             if job is None:
                 return
-            if job.cancelled.is_set() or not self._admit(job):
-                job.send("cancelled")
-                continue
             try:
-                with self.batcher.member():
-                    self._run(job)
-            except APIError as e:
-                job.send("error", e)
-            except Exception as e:  # a bug: the client gets a 500 without a traceback, the log keeps it
-                log.exception("generation failed")
-                job.send("error", APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
+                if job.cancelled.is_set() or not self._admit(job):
+                    job.send("cancelled")
+                    continue
+                try:
+                    with self.batcher.member():
+                        self._run(job)
+                except APIError as e:
+                    job.send("error", e)
+                except Exception as e:  # a bug: the client gets a 500 without a traceback, the log keeps it
+                    log.exception("generation failed")
+                    job.send("error", APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
+                finally:
+                    self._leave(job)
             finally:
-                self._leave(job)
+                with self._ready:
+                    self._busy -= 1
 
     def _run(self, job: Job) -> None:
         try:

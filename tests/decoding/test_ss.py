@@ -1079,3 +1079,9 @@ def test_an_unbudgeted_tree_too_big_to_run_is_refused_before_the_first_pass():
         generate(target, [1, 2, 3], method="ss", streams=adapters, tree_k=64, tree_budget=0)
     got = generate(target, [1, 2, 3], method="ss", streams=adapters, tree_k=64, tree_budget=3, max_new_tokens=8)
     assert got.token_ids == generate(target, [1, 2, 3], method="ar", max_new_tokens=8).token_ids
+    # A budget of thousands of nodes ran thousands of rows a pass (beside a batch's other requests, whose streams
+    # stalled for seconds), and each chosen node pushed its tree_k children on the heap
+    with pytest.raises(ValueError, match="tree_budget must be at most 4096 nodes"):
+        generate(target, [1, 2, 3], method="ss", streams=adapters, tree_budget=8000)
+    with pytest.raises(ValueError, match="tree_k 40 with tree_budget 2000 weighs 80000 candidate nodes"):
+        generate(target, [1, 2, 3], method="ss", streams=adapters, tree_k=40, tree_budget=2000)

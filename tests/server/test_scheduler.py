@@ -8,6 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from mirrorsd.server.protocol import APIError
 from mirrorsd.server.scheduler import Job, Scheduler
 
 
@@ -146,5 +147,28 @@ def test_a_queued_job_whose_client_left_frees_its_place():
         await first_event(left, "cancelled")
         await first_event(live, "started")
         live.cancel()
+        await asyncio.to_thread(scheduler.stop, 5.0)
+    run_jobs(body)
+
+
+def test_a_burst_fills_every_free_place_before_any_429():
+    """Jobs submitted before the idle workers woke counted as waiting: a burst of no more than the free places got
+    429s (a load generator's first wave did)."""
+    async def body(loop) -> None:
+        scheduler = Scheduler(max_queued=2, max_running=4)
+        scheduler.start()
+        jobs = [Job(EndlessStream, loop) for _ in range(6)]
+        for job in jobs:  # at once: 4 places running and 2 waiting, however far the workers got
+            scheduler.submit(job)
+        try:
+            scheduler.submit(Job(EndlessStream, loop))
+            raise AssertionError("the seventh job found a place")
+        except APIError as e:
+            assert e.status == 429
+        for job in jobs[:4]:
+            await first_event(job, "started")
+        assert scheduler.waiting == 2
+        for job in jobs:
+            job.cancel()
         await asyncio.to_thread(scheduler.stop, 5.0)
     run_jobs(body)

@@ -384,8 +384,7 @@ def test_a_client_that_leaves_a_whole_answer_stops_its_generation(models, key):
 
 def test_full_queue_answers_429(models):
     """With one request running and room for one waiting, of five more at once one waits its turn and the rest get
-    429. (The first request is seen running before the others are sent: sent all at once, they could all reach
-    the queue before the worker took the first one out, and only one would be served.)"""
+    429."""
     target, _ = models
     server = LiveServer(create_app(target, None, ServerConfig(MODEL, max_queued=1, max_tokens=128)))
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 96,

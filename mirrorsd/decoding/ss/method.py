@@ -54,6 +54,7 @@ from .passes import (
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; on the whole k=3 tree the CR was unchanged and a CPU ran 1.5x faster
 
 
+MAX_TREE_CANDIDATES = 1 << 16  # candidates a budgeted tree weighs (budget × tree_k): beyond, one pass took seconds
 MAX_WHOLE_TREE = 4096  # nodes of an unbudgeted tree (the paper's k = 3, γ = 3 has 40): beyond, a pass's rows OOM
 
 
@@ -86,6 +87,12 @@ class SSOptions(MethodOptions):
     def check(self, shape: ModelShape | None) -> None:
         if shape is not None and self.tree_k > shape.vocab_size:
             raise OptionError("tree_k", f"must be in 1..{shape.vocab_size} (the vocabulary), got {self.tree_k}")
+        if self.tree_budget > MAX_WHOLE_TREE:  # (its rows run in every pass, and beside a batch's other requests)
+            raise OptionError("tree_budget", f"must be at most {MAX_WHOLE_TREE} nodes, got {self.tree_budget}")
+        if self.tree_budget * self.tree_k > MAX_TREE_CANDIDATES:  # each node chosen offers its tree_k children
+            raise OptionError("tree_k", f"{self.tree_k} with tree_budget {self.tree_budget} weighs "
+                              f"{self.tree_k * self.tree_budget} candidate nodes in every pass (at most "
+                              f"{MAX_TREE_CANDIDATES}): give a smaller tree_k or tree_budget")
         if self.prune_exit != "adapter" and self.threshold == 0:
             raise OptionError("prune_exit", "scores edges for pruning, and threshold 0 never prunes: give a "
                               "threshold above 0 (--prune-threshold), or leave prune_exit at 'adapter'")
