@@ -29,6 +29,7 @@ import torch
 from ..draft_vocab import default_size, draft_table_kind, subset_head
 from ..model import Transformer
 from ..sampling import Noise, SamplingParams, choose, graph_choice, probabilities, sample
+from ..verify import ACCEPTANCE_RULES
 from .registry import at_least, option
 from .ss.passes import DEFER_STREAMS
 
@@ -51,6 +52,14 @@ def draft_streams_option() -> Any:
                   "in one forward, so a window takes fewer draft forwards (the same tokens: its main stream "
                   "verifies). ADAPTER is a folder; alone, the draft's shipped adapter", parse=str, metavar="ADAPTER",
                   const="auto", default_text="an AR draft")
+
+
+def acceptance_option() -> Any:
+    """How a drafted window is verified, shared by the methods that draft with a model (``sd``, Mirror-SD)."""
+    return option("match", "match: greedy / sample-and-match (the target's own tokens, as ar, and the same tokens "
+                  "for a seed); rejection: speculative sampling (the target's distribution; a seed fixes that "
+                  "distribution, not the tokens: where windows end, which timing and batch mates move, changes "
+                  "the draws)", choices=ACCEPTANCE_RULES)
 
 
 def defer_streams_option() -> Any:

@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from ..verify import ACCEPTANCE_RULES
 from .bridge import BridgedProposer
 from .drafting import (
     SINK_TOKENS,
+    acceptance_option,
     defer_streams_option,
     draft_streams_option,
     draft_vocab_option,
@@ -61,8 +61,7 @@ class SDOptions(MethodOptions):
                                 "(StreamingLLM's sink and window; its prompt prefill is what makes a draft lose on "
                                 "long prompts); 0: the whole prompt (a draft_streams draft always reads it whole)",
                                 check=at_least(0))  # 1.22x ar vs 1.20x at 256
-    acceptance: str = option("match", "match: greedy / sample-and-match (the target's own tokens, as ar); "
-                             "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
+    acceptance: str = acceptance_option()
     draft_streams: Any = draft_streams_option()  # Mirror-SD paper Fig. 4's "SD × SS draft" cell
     defer_streams: str = defer_streams_option()  # with draft_streams
 

@@ -8,8 +8,7 @@ from typing import Any
 
 from ...exit_heads import layer_or_fraction, resolve_exit_layer
 from ...runtime import BACKENDS
-from ...verify import ACCEPTANCE_RULES
-from ..drafting import draft_streams_option, draft_vocab_option, streams_flag
+from ..drafting import acceptance_option, draft_streams_option, draft_vocab_option, streams_flag
 from ..registry import MethodOptions, ModelShape, OptionError, ShippedFiles, at_least, option, probability
 from ..suffix import suffix_match_option
 
@@ -78,8 +77,7 @@ class MirrorOptions(MethodOptions):
                                              "they overlap", default_text="the larger half to the target",
                                              parse=thread_split, check=(lambda v: len(v) == 2 and min(v) >= 1,
                                                                         "must be two positive counts"))
-    acceptance: str = option("match", "match: greedy / sample-and-match (the target's own tokens, as ar); "
-                             "rejection: speculative sampling (the target's distribution)", choices=ACCEPTANCE_RULES)
+    acceptance: str = acceptance_option()
     confidence: float = option(0.6, "end a draft window at the first position where the draft's top probability "
                                "is below this; 0 always drafts γ tokens (the paper)",
                                check=probability())  # Spec-Bench, serial: 1.10x ar vs 0.92x at 0 (docs/mirror_sd.md)
