@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .errors import OptionError
+from .files import save_tensors, write_text
 
 if TYPE_CHECKING:
     from .model import Transformer
@@ -80,10 +81,11 @@ class ExitTranslators:
     def save(self, folder: str | Path) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        # bf16 halves the shipped size; the fit is not precise to more than 3 digits anyway
-        save_file({f"layer{i}": a.to(torch.bfloat16).contiguous() for i, a in self.layers.items()},
-                  str(folder / WEIGHTS_FILE))
-        (folder / CONFIG_FILE).write_text(json.dumps(self.meta, indent=2) + "\n", encoding="utf-8")
+        # bf16 halves the shipped size; the fit is not precise to more than 3 digits anyway. Each file whole, the
+        # config last (``--into`` rewrites an exit in place: a kill must not leave it truncated, or half new)
+        save_tensors({f"layer{i}": a.to(torch.bfloat16).contiguous() for i, a in self.layers.items()},
+                     folder / WEIGHTS_FILE)
+        write_text(folder / CONFIG_FILE, json.dumps(self.meta, indent=2) + "\n")
 
     @classmethod
     def load(cls, folder: str | Path) -> ExitTranslators:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import signal
 import sysconfig
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .draft_vocab import head_weight
+from .files import save_tensors, save_torch
 from .model import Transformer
 
 CORPORA = {
@@ -182,11 +182,8 @@ def make_chunks(tokenizer, texts: list[str | list[int]], seq_len: int, count: in
 
 
 def _save_shard(items: list[dict[str, torch.Tensor]], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_suffix(".tmp")  # a shard is complete or absent: an interrupted run redoes only the last one
-    save_file({k: torch.stack([x[k] for x in items]).cpu().contiguous() for k in items[0]}, str(tmp))
-    tmp.replace(path)
+    # a shard is complete or absent (on disk, not only named): an interrupted run redoes only the last one
+    save_tensors({k: torch.stack([x[k] for x in items]).cpu().contiguous() for k in items[0]}, path)
 
 
 def shard_paths(folder: Path, count: int, shard_size: int) -> list[Path]:
@@ -389,11 +386,9 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
         curve.append({"step": 0, "train_tokens": tokens} | evaluate())
 
     def save(step: int) -> None:
-        partial = checkpoint.with_name(checkpoint.name + ".partial")  # a kill while writing keeps the last one
-        torch.save({"step": step, trainable.key: {k: v.detach() for k, v in trainable.state().items()},
+        save_torch({"step": step, trainable.key: {k: v.detach() for k, v in trainable.state().items()},  # (whole)
                     "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "curve": curve,
-                    "train_tokens": tokens, "settings": run}, partial)
-        os.replace(partial, checkpoint)
+                    "train_tokens": tokens, "settings": run}, checkpoint)
         (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
 
     bar = tqdm(total=steps, initial=start_step, desc=desc, unit="step", disable=not progress)

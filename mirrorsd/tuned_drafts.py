@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .execution import PROJECTIONS
+from .files import save_tensors, write_text
 from .quant import GroupQuant, quantize_groups
 
 TUNE_FILE, LORA_FILE = "draft_tune.json", "lora.safetensors"
@@ -51,13 +52,10 @@ class TuneConfig:
         return [f"layers.{i}.{p}.weight" for i in range(self.first_layer, self.n_layers) for p in TUNED_PROJECTIONS]
 
     def save(self, folder: Path, lora: dict[str, torch.Tensor]) -> None:
-        """``draft_tune.json`` + ``lora.safetensors`` (fp16: a few MB per tuned layer set)."""
-        from safetensors.torch import save_file
-
+        """``lora.safetensors`` (fp16: a few MB per tuned layer set), then ``draft_tune.json``, each whole."""
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / TUNE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
-        save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in lora.items()},
-                  str(folder / LORA_FILE))
+        save_tensors({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in lora.items()}, folder / LORA_FILE)
+        write_text(folder / TUNE_FILE, json.dumps(asdict(self), indent=2) + "\n")
 
 
 def resolve(name_or_path: str | Path) -> Path | None:

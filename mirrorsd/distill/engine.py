@@ -37,6 +37,7 @@ from ..api import LoadedModel, encode_chat, generate
 from ..batching import Batcher
 from ..decoding import REFERENCE
 from ..execution import release_thread_team
+from ..files import write_atomic
 from ..prefix_cache import PrefixCache
 from .prompts import ASKED_ANEW, KINDS, VERSION, Prompt, build, digest, extend
 
@@ -221,15 +222,6 @@ class Shards:
             "answer_tokens_per_s": round(answer_tokens / self.seconds, 2) if self.seconds else None,
         }
         write_atomic(self.folder / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_prompts(path: Path) -> list[Prompt]:

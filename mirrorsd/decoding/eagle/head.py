@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...files import save_tensors, write_text
 from ...model import Transformer, _rotate_half
 
 HEAD_CONFIG, HEAD_WEIGHTS = "eagle_head.json", "eagle_head.safetensors"
@@ -133,13 +134,11 @@ class HeadConfig:
     recipe: dict
 
     def save(self, folder: Path, head: EagleHead) -> None:
-        from safetensors.torch import save_file
-
+        """The weights, then the config, each whole."""
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / HEAD_CONFIG).write_text(json.dumps(self.__dict__ | {"feature_layers": list(self.feature_layers)},
-                                                     indent=1) + "\n")
-        save_file({k: v.detach().float().contiguous() for k, v in head.state_dict().items()},
-                  str(folder / HEAD_WEIGHTS))
+        save_tensors({k: v.detach().float().contiguous() for k, v in head.state_dict().items()}, folder / HEAD_WEIGHTS)
+        write_text(folder / HEAD_CONFIG, json.dumps(self.__dict__ | {"feature_layers": list(self.feature_layers)},
+                                                    indent=1) + "\n")
 
 
 def load_head(target: Transformer, source: str | Path | EagleHead) -> EagleHead:

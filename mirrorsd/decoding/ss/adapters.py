@@ -29,6 +29,7 @@ from torch import nn
 from ... import kernels
 from ...draft_vocab import SubsetHead, head_logits, optional_head
 from ...execution import PROJECTIONS
+from ...files import save_tensors, write_text
 from ...model import SSRows, Transformer
 
 CONFIG_FILE, WEIGHTS_FILE = "stream_config.json", "adapter.safetensors"
@@ -207,15 +208,13 @@ class StreamAdapters(nn.Module):
                 tensor.copy_(state[key].to(tensor.dtype))
 
     def save(self, folder: str | Path, recipe: dict | None = None) -> Path:
-        """``stream_config.json`` + ``adapter.safetensors`` (fp16: the shipped files stay a few MB)."""
-        from safetensors.torch import save_file
-
+        """``adapter.safetensors`` (fp16: the shipped files stay a few MB), then ``stream_config.json``, each whole."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         config = asdict(self.config) | ({"recipe": recipe} if recipe is not None else {})
-        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in self.adapter_state().items()},
-                  str(folder / WEIGHTS_FILE))
+        save_tensors({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in self.adapter_state().items()},
+                     folder / WEIGHTS_FILE)
+        write_text(folder / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         return folder
 
 
