@@ -121,6 +121,22 @@ def data_versions(sources: list[str]) -> dict[str, int]:
     return {s: len(list(Path(s.removeprefix(DISTILL)).glob("shard-*.npz"))) for s in sources if s.startswith(DISTILL)}
 
 
+def text_digests(sources: list[str]) -> dict[str, str]:
+    """What a state cache must also match for its text sources: a digest of the text each reads (``stdlib`` differs
+    between Python versions, files are edited), so a cache of other text is refused rather than reused stale, or
+    resumed from another chunking (repeated windows, held-out ones trained on). ``distill:`` folders count their
+    shards instead (:func:`data_versions`); ``chat-answers`` are the recorded model's own."""
+    out = {}
+    for source in sources:
+        if source.startswith(DISTILL) or source == "chat-answers":
+            continue
+        h = hashlib.sha256()
+        for text in corpus_texts([source]):
+            h.update(str(text).encode("utf-8", errors="replace") + b"\0")
+        out[source] = h.hexdigest()[:16]
+    return out
+
+
 def corpus_texts(sources: list[str], model: str | None = None, tokenizer=None) -> list[str | list[int]]:
     """Texts from named offline corpora (:data:`CORPORA`), files, or folders (their *.py/*.txt/*.md/*.rst), and
     token-id documents from ``distill:FOLDER`` sources. ``chat-answers`` needs the ``model`` name and its
@@ -200,6 +216,8 @@ def check_cache(folder: Path, meta: dict[str, Any]) -> None:
         path.write_text(json.dumps(meta, indent=1) + "\n")
         return
     old = json.loads(path.read_text())
+    if "data_digests" not in old:  # (a cache from before the text was digested: as it was)
+        meta = {k: v for k, v in meta.items() if k != "data_digests"}
     if old != meta:
         changed = sorted(k for k in meta.keys() | old.keys() if old.get(k) != meta.get(k))
         # (the chunk count follows --steps unless given: more steps over the same cache need it named)
@@ -293,6 +311,8 @@ def open_cache(folder: Path, meta: dict[str, Any], sources: list[str], count: in
     :func:`check_cache`."""
     if versions := data_versions(list(sources)):
         meta = meta | {"data_shards": versions, "distill_documents": DISTILL_DOCUMENTS}
+    if digests := text_digests(list(sources)):
+        meta = meta | {"data_digests": digests}
     check_cache(folder, meta)
     shards = shard_paths(folder, count, SHARD_CHUNKS)
     return shards, all(p.exists() for p in [*shards, folder / HELD_OUT])

@@ -192,3 +192,23 @@ def test_a_checkpoint_resumes_only_its_own_run(tmp_path):
     with pytest.raises(ValueError, match=r"other settings .*'loss': \(None, 'kl'\)"):
         fit(tmp_path / "x", trainable, [0, 1, 2], lambda i: (None, 0, {}), dict, steps=7, lr=0.05, seed=3,
             eval_every=2, save_every=1, desc="test", settings={"loss": "kl"}, progress=False)
+
+
+def test_a_cache_of_text_that_changed_is_refused(tmp_path):
+    """Text sources were keyed by their names alone: an edited file (or stdlib under another Python) reused a
+    complete cache of the old text, or resumed a partial one from another chunking."""
+    from mirrorsd.training import CACHE_META, open_cache
+
+    text, cache = tmp_path / "notes.txt", tmp_path / "cache"
+    text.write_text("one text\n")
+    meta = {"model": "m", "chunks": 4, "seq_len": 8}
+    open_cache(cache, meta, [str(text)], 4)
+    (cache / "shard-00000.safetensors").write_bytes(b"")  # (states cached)
+    open_cache(cache, meta, [str(text)], 4)  # the same text: resumed
+    text.write_text("another text\n")
+    with pytest.raises(ValueError, match=r"other settings \(data_digests\)"):
+        open_cache(cache, meta, [str(text)], 4)
+    recorded = json.loads((cache / CACHE_META).read_text())
+    del recorded["data_digests"]  # a cache from before the digests: taken as it was
+    (cache / CACHE_META).write_text(json.dumps(recorded))
+    open_cache(cache, meta, [str(text)], 4)
