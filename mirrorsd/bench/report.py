@@ -210,13 +210,15 @@ def _costs(results: dict[str, Any]) -> list[str]:
 # -- plots ---------------------------------------------------------------------------------------------------
 
 
+PLOTS = ("speedup_by_group.png", "acceptance_vs_gamma.png", "fallback_kappa_exit.png", "step_timeline.png")
+
+
 def plot_all(results: dict[str, Any], out: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     made = []
-    for name, fn in (("speedup_by_group.png", _plot_speedup), ("acceptance_vs_gamma.png", _plot_gamma),
-                     ("fallback_kappa_exit.png", _plot_fallback), ("step_timeline.png", _plot_timeline)):
+    for name, fn in zip(PLOTS, (_plot_speedup, _plot_gamma, _plot_fallback, _plot_timeline), strict=True):
         if fn(results, out / name):
             made.append(name)
     if plot_tradeoff([results], out / TRADEOFF_PLOT):
@@ -406,6 +408,13 @@ def _plot_timeline(results: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return True
+
+
+def clear_report(out: Path) -> None:
+    """Remove what :func:`write_report` made of an earlier run in ``out``: a plot this run does not draw (or a report
+    it does not reach, when stopped) would sit beside its results as if it were theirs."""
+    for name in ("report.md", *PLOTS, TRADEOFF_PLOT):
+        (out / name).unlink(missing_ok=True)
 
 
 def write_report(results: dict[str, Any], out: Path) -> Path:

@@ -18,6 +18,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,8 @@ class Bench:
         self.methods = [m for m in config.methods if m.kind not in LLAMA_METHODS or m.label in self.servers]
         self.answers: list[Answer] = []
         self.timeline: dict[str, Any] | None = None
+        self.costs: plan.Costs | None = None  # the latency law's, once measured (kept by a stopped run's results)
+        self.on_question: Callable[[], None] | None = None  # called as each question's answers are all in
 
     def _resolve_auto(self, spec: MethodSpec) -> MethodSpec:
         """``auto`` runs the plan's recommendation for this pair (planned now if there is none yet)."""
@@ -385,8 +388,8 @@ class Bench:
                             for layer in get_method(m.kind).options.parse(m.options, m.kind).priced_layers(n)})
             if self.progress:
                 print("measuring forward costs for the latency law…", flush=True)
-            costs = plan.measure_costs(self.target.model, self.draft.model if self.draft else None, exits,
-                                       split=cfg.threads_split or split_threads())
+            costs = self.costs = plan.measure_costs(self.target.model, self.draft.model if self.draft else None,
+                                                    exits, split=cfg.threads_split or split_threads())
         first = self.questions[0]
         for _ in range(cfg.warmup):
             for spec in tqdm(methods, desc="warm-up", disable=not self.progress, leave=False):
@@ -408,6 +411,8 @@ class Bench:
                     if spec.reference in done:
                         self._check(spec, done[spec.label], done[spec.reference])
                 self.answers.extend(done[spec.label] for spec in methods)
+                if self.on_question is not None:
+                    self.on_question()
         bar.close()
         probe_result = None
         if cfg.probe and self.draft is not None:
@@ -474,6 +479,8 @@ def write_answers(results: dict[str, Any], out: Path) -> list[Path]:
     """One Spec-Bench answer file per method: a line per question, ``choices[r]`` holding run r."""
     folder = out / "answers"
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.jsonl"):  # (an earlier run's methods: not this run's answers)
+        stale.unlink()
     model_id = f"{results['config']['target']}+{results['config']['draft']}"
     paths = []
     for label in results["summary"]:

@@ -14,11 +14,12 @@ import torch
 from mirrorsd import perplexity, quality
 from mirrorsd.bench import forward, gpu, serve
 from mirrorsd.bench.peers import find_llama_server
-from mirrorsd.bench.report import diverged, write_report
+from mirrorsd.bench.report import clear_report, diverged, write_report
 from mirrorsd.bench.runner import Bench, BenchConfig, MethodSpec, parse_methods, write_answers
 from mirrorsd.decoding import get_method
 from mirrorsd.decoding import methods as registered_methods
 from mirrorsd.errors import OptionError
+from mirrorsd.files import write_text
 from mirrorsd.linear import LINEAR_IMPLS
 from mirrorsd.loading import WEIGHT_FORMATS
 from mirrorsd.model import ACTIVATION_FORMATS
@@ -304,24 +305,38 @@ def _bench_config(args: argparse.Namespace, methods) -> object:
         raise ValueError(f"--{e.option.replace('_', '-')} {e.message}") from None
 
 
+def _write_results(results: dict, out: Path) -> None:
+    write_text(out / "results.json", json.dumps(results, indent=1, ensure_ascii=False))
+    write_answers(results, out)
+
+
 def _run_bench(config, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(config)
+
+    def so_far() -> None:  # after every question: a kill (SIGKILL, out of memory) loses at most the one in flight
+        if not bench.answers:
+            return
+        bench.notes.append(f"partial: the {len(bench.answers)} answers so far (the run had not finished)")
+        try:
+            _write_results(bench.results(bench.costs, None), out)
+        finally:
+            bench.notes.pop()
+
+    clear_report(out)  # (an earlier run's report and plots would sit beside this run's results)
+    bench.on_question = so_far
     try:
         results = bench.run()
     except BaseException as e:  # Ctrl-C or a failure hours in: keep every question all methods answered
         if bench.answers:
             bench.notes.append(f"interrupted ({type(e).__name__}) after {len(bench.answers)} answers: partial")
-            partial = bench.results(None, None)
-            (out / "results.json").write_text(json.dumps(partial, indent=1, ensure_ascii=False), encoding="utf-8")
-            write_answers(partial, out)
+            _write_results(bench.results(bench.costs, None), out)
             print(f"mirrorsd: interrupted; the {len(bench.answers)} answers finished so far are in "
                   f"{out / 'results.json'} and {out / 'answers'}/", file=sys.stderr, flush=True)
         raise
     finally:
         bench.close()
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
-    write_answers(results, out)
+    _write_results(results, out)
     report = write_report(results, out)
     print(report.read_text(encoding="utf-8"))
     print(f"written: {out / 'results.json'}, {report}, {out / 'answers'}/*.jsonl and plots in {out}")
@@ -423,6 +438,9 @@ def _tradeoff(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ValueError(f"{run_path}: no results.json there (give `mirrorsd bench` output folders)")
         runs.append(json.loads(path.read_text()))
+        if any(n.startswith(("interrupted", "partial:")) for n in runs[-1].get("notes", [])):
+            print(f"mirrorsd: warning: {path} is a run that did not finish: its figures cover only the questions "
+                  "it answered", file=sys.stderr)
     table = tradeoff_table(runs)
     if not table:
         raise ValueError("no method in these runs comes at two or more values of gamma: nothing to draw")

@@ -445,22 +445,33 @@ def test_an_interrupted_bench_keeps_the_questions_it_finished(tmp_path, monkeypa
                              + "\n" for i in range(3)))
     answer, calls = Bench._answer, []
 
+    out = tmp_path / "out"
+    seen = []
+
     def stopped_at_the_fifth(self, *args, **kwargs):  # 2 methods: questions 0 and 1 finish, then Ctrl-C
         calls.append(1)
+        if len(calls) == 3:  # on disk as each question ends, in case what stops the run is a SIGKILL
+            seen.append(json.loads((out / "results.json").read_text()))
         if len(calls) == 5:
             raise KeyboardInterrupt
         return answer(self, *args, **kwargs)
 
     monkeypatch.setattr(Bench, "_answer", stopped_at_the_fifth)
-    out = tmp_path / "out"
+    out.mkdir()
+    for stale in ("report.md", "step_timeline.png", "answers/hf-ar.jsonl"):  # an earlier run's, in the same folder
+        (out / stale).parent.mkdir(exist_ok=True)
+        (out / stale).write_text("an earlier run")
     rc = main(["bench", "--target", "smollm2-135m", "--suite", str(suite), "--methods", "ar,suffix",
                "--max-new-tokens", "4", "--runs", "1", "--warmup", "0", "--no-probe", "--no-predict",
                "--out", str(out)])
     assert rc == 130 and "interrupted" in capsys.readouterr().err
+    assert len(seen[0]["answers"]) == 2 and any("partial: the 2 answers so far" in n for n in seen[0]["notes"])
     results = json.loads((out / "results.json").read_text())
     assert sorted({a["question_id"] for a in results["answers"]}) == [0, 1] and len(results["answers"]) == 4
     assert any("interrupted (KeyboardInterrupt) after 4 answers" in n for n in results["notes"])
+    assert not any(n.startswith("partial: the") for n in results["notes"])
     assert len((out / "answers" / "ar.jsonl").read_text().splitlines()) == 2
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["ar.jsonl", "results.json", "suffix.jsonl"]
 
 
 @requires_smollm2
