@@ -437,8 +437,9 @@ class Transformer(nn.Module):
         return self.fused
 
     def _fusable(self) -> bool:
-        return kernels.available() and self.config.head_dim % 16 == 0 and self.dtype == torch.float32 \
-            and self.device.type == "cpu"
+        """The C++ layers take fp32 on a CPU, head_dim a multiple of 16 up to 256 (their attention's registers)."""
+        return kernels.available() and self.config.head_dim % 16 == 0 and self.config.head_dim <= 256 \
+            and self.dtype == torch.float32 and self.device.type == "cpu"
 
     def _route(self, row_exact: bool) -> None:
         """Row-exact models take the row-local C++ layers where they apply, bit-identical however tokens are

@@ -26,6 +26,33 @@ def test_logits_match_hf(arch):
     assert (torch.cat(pieces, 1) - ref).abs().max().item() < TOL
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
+def test_a_head_dim_beyond_the_kernels_stays_on_pytorch():
+    """head_dim 288 (a multiple of 16 above the C++ attention's 256) was routed to the kernels, which refused every
+    forward: the model could not run at all. It runs on the PyTorch layers, as an odd head_dim does."""
+    hf = tiny_hf(vocab=300, hidden=64, std=0.1, head_dim=288, layers=2)
+    ours = Transformer.from_hf(hf)
+    assert not ours.make_row_exact()
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max().item() < TOL
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
+def test_empty_inputs_are_errors_not_crashes():
+    """Zero keys with a mask read as causal through the mask's null data (a segfault); zero-width rows divided the
+    parallel grain by zero (SIGFPE). Both killed the process instead of raising."""
+    with pytest.raises(RuntimeError, match="no keys"):
+        kernels.attend(torch.randn(1, 4, 2, 64), torch.zeros(1, 2, 0, 64), torch.zeros(1, 2, 0, 64),
+                       torch.zeros(1, 2, 0, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="rows must not be empty"):
+        kernels.rms_norm(torch.zeros(3, 0), torch.zeros(0), 1e-6)
+    a, bt = torch.randn(16, 8), torch.randn(16, 32)
+    assert kernels.lora_delta(torch.zeros(0, 8), a, bt, 1.0).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="rank must be positive"):
+        kernels.lora_delta(torch.zeros(2, 8), torch.zeros(0, 8), torch.zeros(0, 32), 1.0)
+
+
 def test_llama3_rope_scaling_matches_hf():
     from transformers import AutoModelForCausalLM, LlamaConfig
 

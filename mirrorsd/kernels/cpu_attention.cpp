@@ -232,6 +232,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   TORCH_CHECK(D % kLanes == 0 && D <= kMaxDim, "attend: head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(k.size(0) == R && v.size(0) == R && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
               v.size(3) == D && Hkv > 0 && H % Hkv == 0, "attend: q, k, v shapes disagree");
+  TORCH_CHECK(S > 0, "attend: no keys to attend to");  // (an empty mask's data is null: read as causal)
   TORCH_CHECK(mask || S >= T, "attend: a causal call needs the queries' own keys in the cache");
   const bool* mp = nullptr;
   int64_t mask_row_stride = 0;

@@ -163,10 +163,12 @@ torch::Tensor lora_delta(const torch::Tensor& x, const torch::Tensor& a, const t
   const int64_t K = x.size(-1), r = a.size(0), N = bt.size(-1);
   TORCH_CHECK(a.dim() == 2 && a.size(1) == K && bt.dim() == 2 && bt.size(0) == r,
               "lora_delta: a must be [rank, ", K, "] and bt [rank, out]");
+  TORCH_CHECK(K > 0 && r > 0, "lora_delta: features and rank must be positive");  // (they divide the grain)
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
   const int64_t s = x.numel() / K;
+  if (s == 0) return y;
   std::vector<float> u(s * r);
   mirrorsd::lora_delta_rows(x.data_ptr<float>(), s, K, a.data_ptr<float>(), r, bt.data_ptr<float>(), N,
                             static_cast<float>(scale), y.data_ptr<float>(), u.data());
@@ -177,7 +179,9 @@ torch::Tensor lora_delta(const torch::Tensor& x, const torch::Tensor& a, const t
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_rows(x, "rms_norm: x");
   check_rows(weight, "rms_norm: weight");
-  const int64_t K = x.size(-1), M = x.numel() / K;
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0, "rms_norm: rows must not be empty");  // (K divides the grain)
+  const int64_t M = x.numel() / K;
   TORCH_CHECK(weight.numel() == K, "rms_norm: weight must have ", K, " elements");
   auto y = torch::empty_like(x);
   mirrorsd::rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, eps);

@@ -614,7 +614,8 @@ QuantWeight check_weight(int64_t K, const torch::Tensor& codes, const std::optio
   const int64_t cbits = bits == 8 ? 8 : 4;
   TORCH_CHECK(offsets ? zero == 0 : zero > 0, "give offsets, or zero > 0 for a symmetric format (offset = -zero * scale)");
   TORCH_CHECK(scales.is_contiguous() && (!offsets || offsets->is_contiguous()), "scales/offsets must be contiguous");
-  TORCH_CHECK(K % kActGroup == 0 && K % group == 0, "K must be a multiple of 32 and of the group size");
+  TORCH_CHECK(K > 0 && K % kActGroup == 0 && K % group == 0,
+              "K must be a positive multiple of 32 and of the group size");
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t blocks = codes.size(0);
   TORCH_CHECK(codes.numel() == blocks * kBlockN * K * cbits / 8, "codes do not match [N/16, K] at ", bits, " bits");
