@@ -115,17 +115,24 @@ def head_weight(head: nn.Module, embedding: torch.Tensor, tied: bool) -> torch.T
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(size, kind, device): SubsetHead}
 
 
+def subset_table(vocab_size: int, size: int, kind: str = "corpus") -> torch.Tensor:
+    """The ``size`` most frequent ids of a tokenizer's shipped ``kind`` table (a process that only checks the option,
+    as the target's does for a draft in another process, builds no head)."""
+    table = load_table(vocab_size, kind)
+    if size > len(table):
+        raise ValueError(f"a restricted vocabulary of {size} ids is larger than the shipped table ({len(table)} ids "
+                         "for this tokenizer): give at most that, or 0 for the full vocabulary")
+    return table[:size]
+
+
 def subset_head(model, size: int, kind: str = "corpus") -> SubsetHead:
     """``model``'s head restricted to the ``size`` most frequent ids of its tokenizer's shipped ``kind`` table;
     built once per model (a q8 copy of those rows) and shared by every request and role that asks for it."""
     heads = _HEADS.setdefault(model, {})
     key = (size, kind, model.device)
     if key not in heads:
-        table = load_table(model.config.vocab_size, kind)
-        if size > len(table):
-            raise ValueError(f"a restricted vocabulary of {size} ids is larger than the shipped table ({len(table)} "
-                             "ids for this tokenizer): give at most that, or 0 for the full vocabulary")
-        heads[key] = SubsetHead(model.lm_head, model.embed_tokens.weight, table[:size],
+        table = subset_table(model.config.vocab_size, size, kind)
+        heads[key] = SubsetHead(model.lm_head, model.embed_tokens.weight, table,
                                 model.config.tie_word_embeddings).eval()
     return heads[key]
 

@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -127,6 +128,9 @@ def decode_text(data: torch.Tensor) -> str:
 
 
 def _child(port: int, timeout: float, threads: int | None, entry: Callable[..., None], inbox: Any) -> None:
+    # The caller decides when this process ends (a closed channel ends it too): a terminal's Ctrl-C reaches the
+    # whole process group, and would print this process's traceback beside the caller's quiet exit
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if threads:
         torch.set_num_threads(threads)
     channel = Channel(_group(1, port, timeout), 1)

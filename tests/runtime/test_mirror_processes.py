@@ -6,12 +6,14 @@ and the request finishes with the target alone, still equal to ``ar``."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -136,6 +138,51 @@ def test_draft_candidates_cross_the_channel(pair):
     assert runs["serial", "draft"] != runs["serial", "exit"]  # else this prompt could not tell them apart
     assert runs["processes", "draft"] == runs["serial", "draft"]
     assert _worker().process.is_alive()
+
+
+def test_an_error_the_draft_rank_meets_starting_a_request_reaches_the_caller_at_once(pair, tmp_path):
+    """START gets no reply: the draft rank sent its error while the caller was sending, both blocked in gloo for
+    the channel's timeout (60 s by default), and the rank's own message was lost."""
+    target, draft = pair
+    generate(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=4)  # (warm)
+    (tmp_path / "stream_config.json").write_text("{}")  # found here; the draft rank cannot build it
+    want = generate(target, PROMPT, method="ar", max_new_tokens=12).token_ids
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got = generate(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=12,
+                       draft_streams=str(tmp_path), channel_timeout=30.0)
+    assert time.monotonic() - start < 15 and got.token_ids == want
+    why = got.stats.extra["mirror"].draft_failed
+    assert "the other process failed: ValueError: stream adapter was trained for" in why, why
+
+
+@requires_smollm2
+def test_what_only_the_draft_rank_reads_is_checked_before_the_request():
+    """As the serial backend refuses them: the draft rank met them only after the request had started."""
+    import mirrorsd
+
+    target = mirrorsd.load_model("smollm2-135m", progress=False)
+    draft = mirrorsd.api.self_draft(target, "self:10")
+    with pytest.raises(ValueError, match="larger than"):
+        generate(target, "Hi", method="mirror", draft=draft, backend="processes", draft_vocab=10**9)
+    with pytest.raises(FileNotFoundError, match="no stream adapter"):
+        generate(target, "Hi", method="mirror", draft=draft, backend="processes", draft_streams="/no/such/dir")
+    assert not any(ref() is draft.model for ref in mirror_remote._served.values())  # (no rank was started)
+
+
+def test_a_collected_draft_takes_its_draft_rank_with_it(pair):
+    """Draft ranks were kept by the draft's id and never swept: each new draft object left a process (and its
+    shared weights, ~350 MB for SmolLM2) behind."""
+    target, _ = pair
+    draft = row_exact(tiny_hf(layers=2, seed=5))
+    generate(target, PROMPT, method="mirror", draft=draft, backend="processes", max_new_tokens=4)
+    (key,) = [k for k, ref in mirror_remote._served.items() if ref() is draft]
+    process = mirror_remote._workers[key].process
+    del draft
+    gc.collect()
+    process.join(5)
+    assert not process.is_alive() and key not in mirror_remote._workers
 
 
 def test_close_workers_stops_every_draft_rank(pair):
@@ -331,6 +378,9 @@ def test_a_draft_worker_serves_only_the_draft_it_was_spawned_for(monkeypatch):
             return not self.closed
 
         def close(self) -> None:
+            self.closed = True
+
+        def abandon(self, why: str) -> None:
             self.closed = True
 
     monkeypatch.setattr(mirror_remote, "Worker", FakeWorker)

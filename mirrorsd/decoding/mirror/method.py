@@ -8,15 +8,17 @@ from typing import Any
 
 import torch
 
-from ...draft_vocab import optional_head
+from ...draft_vocab import draft_table_kind, optional_head, subset_table
 from ...exit_heads import tuned_exit
 from ...model import Transformer
 from ...runtime import make_executor
 from ...sampling import SamplingParams
 from ...verify import Verdict
+from ..drafting import draft_vocab_size
 from ..engine import VERIFIERS, DecodeRequest, Proposer, Roles, Scores
 from ..proposers import check_draft
 from ..registry import Method, OptionError, PlanInputs, Priced, register
+from ..ss.adapters import resolve_adapter
 from ..suffix import HYBRID_LOOKUP, SuffixFirst, suffix_proposer
 from .channel import early_exit
 from .draft import BranchProposer, DraftSide, LocalDraft, fresh_proposer
@@ -37,6 +39,11 @@ def build(req: DecodeRequest, opts: MirrorOptions) -> Roles:
                              graphs=opts.overlap_graphs == "on", inline=opts.draft_issue == "inline")
     run = MirrorRun(req, opts, exit_layer, executor, translate, optional_head(req.target, opts.exit_vocab))
     run.stats.draft_streams = opts.draft_streams is not None
+    if opts.backend == "processes":  # what the draft rank would refuse, refused here, as the serial backend does
+        if size := draft_vocab_size(opts.draft_vocab, req.draft):
+            subset_table(req.draft.config.vocab_size, size, draft_table_kind(req.draft.config.vocab_size))
+        if opts.draft_streams is not None:
+            resolve_adapter(opts.draft_streams)
     side: DraftSide = (RemoteDraft(run, req) if opts.backend == "processes" else
                        LocalDraft(run, fresh_proposer(req.draft, req.target.config.vocab_size, req.sampling, opts)))
     branches = BranchProposer(run, side)

@@ -164,6 +164,9 @@ def serve_draft(channel: Any, draft: Transformer, syncs: SyncCount | None = None
     counts that draft's all-reduces."""
     kernels.available()  # a quantized draft needs this process to load the CPU kernels too
     session: _Session | None = None
+    # START and LAUNCH get no reply: an error in one waits for the caller's next receive (sent while the caller
+    # sends, both sides would block in gloo until its timeout, and the message would be lost)
+    pending: Exception | None = None
     with torch.inference_mode():
         while True:
             try:
@@ -176,9 +179,13 @@ def serve_draft(channel: Any, draft: Transformer, syncs: SyncCount | None = None
             try:
                 payload = data.tolist()
                 if kind == START:
+                    pending = None
                     session = _Session(draft, json.loads(decode_text(data)), syncs)
                 elif kind == END:
-                    session = None
+                    session = pending = None
+                elif pending is not None and kind in (FRESH, VERDICT):
+                    error, pending = pending, None
+                    raise error
                 elif session is None:
                     raise RuntimeError(f"message {kind} outside a request")
                 elif kind == FRESH:
@@ -189,7 +196,14 @@ def serve_draft(channel: Any, draft: Transformer, syncs: SyncCount | None = None
                     channel.send(VERDICT, session.verdict(payload, received))
             except Exception as error:  # noqa: BLE001 - reported to the target, which goes on alone
                 session = None
-                channel.send_error(error)
+                if kind in (START, LAUNCH):
+                    pending = error
+                    continue
+                try:
+                    channel.send_error(error)
+                except ChannelError:
+                    return  # the caller is gone: nobody to tell
+
 
 
 # -- the target's process ------------------------------------------------------------------------------------
@@ -220,7 +234,16 @@ def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker
             worker.close()
         worker = _workers[key] = Worker(serve_draft, (draft,), threads=threads)
         _served[key] = weakref.ref(draft)
+        weakref.finalize(draft, _retire, key, worker)  # its process and shared weights go with the draft
     return worker
+
+
+def _retire(key: tuple[int, int | None], worker: Worker) -> None:
+    """A draft was collected: stop the rank that held its copy (each new draft object spawned one more)."""
+    if _workers.get(key) is worker:
+        del _workers[key]
+        _served.pop(key, None)
+    worker.abandon("its draft model was collected")
 
 
 def _launched_channel(tp: int) -> Channel | RelayedChannel:
@@ -293,6 +316,7 @@ class RemoteDraft:
         self.synced = 0  # committed tokens the draft rank has been sent
         self.launched: int | None = None  # perf_counter_ns when this step's LAUNCH left, if one did
         self.channel_s: dict[str, list[float]] = run.stats.channel_s
+        self.awaiting = False  # a FRESH or VERDICT went and its reply has not come: the rank is busy answering
 
     # -- the channel
 
@@ -303,11 +327,13 @@ class RemoteDraft:
 
     def _send(self, kind: int, payload: list[int]) -> None:
         assert self.worker is not None
+        self.awaiting = kind in (FRESH, VERDICT)
         self.worker.channel.send(kind, payload)
 
     def _reply(self, kind: int) -> list[int]:
         assert self.worker is not None
         got, data = self.worker.channel.recv()
+        self.awaiting = False
         if got != kind:
             raise ChannelError(f"expected reply {kind}, got {got}")
         return data.tolist()
@@ -376,8 +402,12 @@ class RemoteDraft:
         return error
 
     def close(self, failed: bool) -> None:
-        """The request is over: the draft rank drops its session and waits for the next one."""
-        if self.worker is not None and not failed:
+        """The request is over: the draft rank drops its session and waits for the next one. Stopped between a
+        request and its reply (a Ctrl-C), the rank is sending that reply: an END sent into it would wait for the
+        channel's timeout, so the rank is given up at once (the next request spawns another)."""
+        if self.worker is not None and self.awaiting and not failed:
+            self.worker.abandon("stopped while the draft rank was answering")
+        elif self.worker is not None and not failed:
             try:
                 self._send(END, [])
             except ChannelError as error:
