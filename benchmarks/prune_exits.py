@@ -15,7 +15,7 @@ import sys
 import torch
 
 import mirrorsd
-from mirrorsd.decoding.ss.adapters import load_adapters
+from mirrorsd.decoding.streams.adapters import load_adapters
 from mirrorsd.exit_heads import ExitTranslators
 from mirrorsd.training import corpus_texts, make_chunks
 

@@ -16,8 +16,8 @@ import time
 import torch
 
 import mirrorsd
-from mirrorsd.decoding.ss.adapters import load_adapters
-from mirrorsd.decoding.ss.passes import StreamGuesses, ss_pass
+from mirrorsd.decoding.streams.adapters import load_adapters
+from mirrorsd.decoding.streams.passes import StreamGuesses, ss_pass
 from mirrorsd.draft_vocab import draft_table_kind, subset_head
 from mirrorsd.sampling import SamplingParams
 

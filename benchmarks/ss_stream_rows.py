@@ -12,7 +12,7 @@ import statistics
 import time
 
 import mirrorsd
-from mirrorsd.decoding.ss.adapters import load_adapters
+from mirrorsd.decoding.streams.adapters import load_adapters
 from mirrorsd.specbench import load_suite
 
 METHODS = ("ar", "ss-cpp", "ss-python")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import mirrorsd
-from mirrorsd.decoding.ss.adapters import load_adapters, msa_mask
+from mirrorsd.decoding.streams.adapters import load_adapters, msa_mask
 from mirrorsd.training import distill_documents, make_chunks
 
 DATA = Path("data/distill/qwen2.5-coder-1.5b")

@@ -19,7 +19,7 @@ import torch
 
 import mirrorsd
 from mirrorsd.api import encode_prompt
-from mirrorsd.decoding.ss.adapters import CONFIG_FILE, StreamAdapters, StreamConfig
+from mirrorsd.decoding.streams.adapters import CONFIG_FILE, StreamAdapters, StreamConfig
 from mirrorsd.specbench import load_suite
 from mirrorsd.train_streams import Cached, evaluate, freeze, warm_start
 from mirrorsd.training import Chunk

@@ -270,7 +270,7 @@ class ZooFiles:
 
     def streams(self, role: str) -> Path:
         """The Speculative Streaming adapter shipped for a zoo model (``streams=`` overrides it)."""
-        from .decoding.ss.adapters import shipped_adapter
+        from .decoding.streams.adapters import shipped_adapter
 
         model = self.target if role == "target" else self.draft
         folder = shipped_adapter(model.name or "") if model is not None else None

@@ -126,7 +126,7 @@ class ModelConfig:
 
 
 class SSDeltas(Protocol):
-    """Speculative Streaming's stream adapters as the layers see them (:mod:`mirrorsd.decoding.ss.adapters`)."""
+    """Speculative Streaming's stream adapters as the layers see them (:mod:`mirrorsd.decoding.streams.adapters`)."""
 
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor: ...
 

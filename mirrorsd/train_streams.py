@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .decoding.ss.adapters import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, msa_mask
+from .decoding.streams.adapters import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, msa_mask
 from .draft_vocab import load_table
 from .kv_cache import KVCache
 from .linear import batch_invariance

@@ -527,7 +527,7 @@ def resolve(name_or_path: str | os.PathLike, *, progress: bool = True) -> Path:
 def list_models() -> list[dict]:
     """One row per zoo model for ``mirrorsd models list``: what it is, whether it's installed/prepared, and the
     Speculative Streaming adapter shipped for it (``--method ss`` / ``--draft-streams`` use it by default)."""
-    from .decoding.ss.adapters import shipped_adapter
+    from .decoding.streams.adapters import shipped_adapter
 
     rows = []
     for name, entry in ZOO.items():

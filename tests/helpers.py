@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from mirrorsd import Transformer, generate
 from mirrorsd.cuda_graphs import cuda_graphs
-from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
+from mirrorsd.decoding.streams.adapters import StreamAdapters, StreamConfig
 from mirrorsd.loading import _is_projection
 from mirrorsd.quant import quantize_q8
 

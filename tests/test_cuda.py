@@ -16,7 +16,7 @@ from mirrorsd import generate
 from mirrorsd.bench import gpu
 from mirrorsd.bench.forward import forward_costs
 from mirrorsd.cuda_graphs import cuda_graphs
-from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
+from mirrorsd.decoding.streams.adapters import StreamAdapters, StreamConfig
 from mirrorsd.linear import DenseLinear, make_linear
 from mirrorsd.quant import GroupQuant, quantize_q8
 from tests.helpers import assert_graphed_windows_decode_bit_for_bit, assert_windows_and_trees_decode_bit_for_bit
@@ -187,11 +187,11 @@ def test_drafts_replay_as_one_captured_graph(monkeypatch, options):
 @pytest.mark.parametrize("options", [{"backend": "serial"}, {"backend": "cuda-streams", "draft_issue": "inline"}])
 def test_stream_rollouts_replay_as_one_captured_graph(monkeypatch, options):
     """Issue 62, item 2: with ``draft_streams`` a tree rollout's passes are one CUDA graph
-    (:class:`~mirrorsd.decoding.ss.rollout_graph.StreamDraftGraph`: J passes, each verified on the device), captured
-    without a host read inside, replayed, and still lossless, greedy and seeded, with the oracle draft's streams
-    guessing right half the time (so branches accept different counts) and the exit oracle holding the correction
-    half the time (kept branches and misses)."""
-    from mirrorsd.decoding.ss.rollout_graph import StreamDraftGraph
+    (:class:`~mirrorsd.decoding.streams.rollout_graph.StreamDraftGraph`: J passes, each verified on the device),
+    captured without a host read inside, replayed, and still lossless, greedy and seeded, with the oracle draft's
+    streams guessing right half the time (so branches accept different counts) and the exit oracle holding the
+    correction half the time (kept branches and misses)."""
+    from mirrorsd.decoding.streams.rollout_graph import StreamDraftGraph
 
     made = _graphs_run(monkeypatch, StreamDraftGraph, "feed")
     target, draft = _pair(torch.bfloat16)
@@ -316,9 +316,9 @@ def test_a_sampled_request_replays_the_graph_another_seed_captured():
 
 def test_ss_streams_on_cuda(monkeypatch):
     """``ss`` equals ``ar``; a pass that prunes nothing reads its verdict and every row's next guesses at once, and
-    runs as one captured graph (:class:`~mirrorsd.decoding.ss.passes.StreamPassGraph`; issue 61, item 2), greedy and
-    seeded."""
-    from mirrorsd.decoding.ss.passes import StreamPassGraph
+    runs as one captured graph (:class:`~mirrorsd.decoding.streams.passes.StreamPassGraph`; issue 61, item 2), greedy
+    and seeded."""
+    from mirrorsd.decoding.streams.passes import StreamPassGraph
 
     made = _graphs_run(monkeypatch, StreamPassGraph, "__call__")
     target, _ = _pair(torch.bfloat16)

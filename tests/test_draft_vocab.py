@@ -249,7 +249,7 @@ def test_mirror_with_a_restricted_exit_equals_ar_and_reads_subset_candidates(tab
 
 
 def test_ss_with_restricted_stream_heads_equals_ar_and_keeps_edges_they_cannot_score(tables):
-    from mirrorsd.decoding.ss import passes as streaming
+    from mirrorsd.decoding.streams import passes as streaming
     from tests.helpers import random_adapters
 
     model = row_exact(tiny_hf(layers=4, seed=1))

@@ -72,6 +72,26 @@ def test_no_module_imports_an_upper_layer():
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
+SHARED = ("engine", "registry", "drafting", "draft_graph", "proposers", "bridge", "streams")  # the loop and draft core
+METHOD_PACKAGES = ("ss", "mirror", "eagle")
+
+
+def test_the_shared_decoding_core_imports_no_method_package():
+    """The draft step and the streams every method shares live outside the methods' packages: the core importing
+    ``ss`` (for its adapters and passes) made one method's package everyone's dependency."""
+    found = []
+    decoding = PACKAGE / "decoding"
+    for path in sorted(decoding.rglob("*.py")):
+        parts = path.relative_to(decoding).with_suffix("").parts
+        if parts[0] not in SHARED:
+            continue
+        for line, module in imports(path.read_text(encoding="utf-8"), ["decoding", *parts[:-1]]):
+            names = module.split(".")
+            if names[0] == "decoding" and len(names) > 1 and names[1] in METHOD_PACKAGES:
+                found.append(f"mirrorsd/decoding/{'/'.join(parts)}.py:{line} imports mirrorsd.{module}")
+    assert not found, "\n".join(found)
+
+
 def test_the_checker_sees_upward_imports_in_functions_too():
     source = "import torch\n\ndef f():\n    from ..api import generate\n    from mirrorsd.bench import plan\n"
     found = imports(source, ["decoding"])

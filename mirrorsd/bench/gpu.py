@@ -31,7 +31,7 @@ import torch
 
 from ..api import generate, stream
 from ..cuda_graphs import cuda_graphs
-from ..decoding.ss.adapters import StreamAdapters, StreamConfig
+from ..decoding.streams.adapters import StreamAdapters, StreamConfig
 from ..model import Transformer
 from ..runtime import synchronize, write_chrome_trace
 from ..sampling import keyed_uniforms

@@ -81,7 +81,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _params(args: argparse.Namespace) -> int:
-    from mirrorsd.decoding.ss.adapters import extra_parameters, medusa_parameters, shipped_adapter
+    from mirrorsd.decoding.streams.adapters import extra_parameters, medusa_parameters, shipped_adapter
 
     rows = []
     for name in zoo.ZOO:

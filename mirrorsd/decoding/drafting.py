@@ -31,7 +31,7 @@ from ..model import Transformer
 from ..sampling import Noise, SamplingParams, choose, graph_choice, probabilities, sample
 from ..verify import ACCEPTANCE_RULES
 from .registry import at_least, option
-from .ss.passes import DEFER_STREAMS
+from .streams.passes import DEFER_STREAMS
 
 SINK_TOKENS = 4  # first prompt tokens a ``context``-limited draft always keeps (StreamingLLM's attention sinks)
 

@@ -20,8 +20,8 @@ from ..verify import Verdict
 from .draft_graph import graphed_draft
 from .drafting import DraftSampler, prompt_window, window_end
 from .engine import DrawnChain, Proposal, RequestState, Scores, draft_tokens
-from .ss.adapters import StreamAdapters
-from .ss.passes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_K, StreamGuesses, ss_pass
+from .streams.adapters import StreamAdapters
+from .streams.passes import DEFAULT_TREE_BUDGET, DEFAULT_TREE_K, StreamGuesses, ss_pass
 
 SCHEDULES = ("constant", "heuristic")
 

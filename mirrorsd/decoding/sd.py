@@ -40,7 +40,7 @@ from .registry import (
     probability,
     register,
 )
-from .ss.adapters import load_adapters
+from .streams.adapters import load_adapters
 from .suffix import GATES, HYBRID_LOOKUP, ModelGate, SuffixFirst, suffix_match_option, suffix_proposer
 
 

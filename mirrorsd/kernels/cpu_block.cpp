@@ -147,7 +147,7 @@ struct StreamLora {
 };
 
 // out [M, N] += the delta of linear `which` on its input in [M, K], for each part's stream rows (lora_delta_rows: row
-// by row, the bits of mirrorsd.decoding.ss.adapters' delta outside training, whoever shares the call).
+// by row, the bits of mirrorsd.decoding.streams.adapters' delta outside training, whoever shares the call).
 void add_stream_delta(const StreamLora* lora, int64_t which, const float* in, int64_t K, float* out, int64_t N,
                       const std::vector<Part>& parts) {
   if (lora == nullptr) return;

@@ -155,7 +155,7 @@ void lora_delta_rows(const float* x, int64_t s, int64_t K, const float* A, int64
 namespace {
 
 // ((x A^T) B^T) * scale over x's last dimension, given B^T: the stream adapters' delta as the C++ blocks add it
-// (mirrorsd.decoding.ss.adapters uses it outside training, so the Python blocks give the same bits).
+// (mirrorsd.decoding.streams.adapters uses it outside training, so the Python blocks give the same bits).
 torch::Tensor lora_delta(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt, double scale) {
   check_rows(x, "lora_delta: x");
   check_rows(a, "lora_delta: a");

@@ -97,7 +97,7 @@ def test_stream_oracle_sets_the_ss_drafts_acceptance(hit):
 
 def test_the_stream_oracle_needs_adapters_that_count_their_streams():
     """Plain adapters do not say how many streams a pass inserted beside each node: a clear error, not wrong rows."""
-    from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
+    from mirrorsd.decoding.streams.adapters import StreamAdapters, StreamConfig
 
     target, draft = _pair()
     prompt = list(range(5, 45))

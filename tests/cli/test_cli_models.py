@@ -195,7 +195,7 @@ def test_models_params_counts_the_shipped_adapters_against_medusa(capsys) -> Non
     heads·(h² + h·v); checked against the paper's own OPT-1.3b figures and against each shipped file's config."""
     import json
 
-    from mirrorsd.decoding.ss.adapters import medusa_parameters
+    from mirrorsd.decoding.streams.adapters import medusa_parameters
 
     assert medusa_parameters(2048, 50272, 4) == 428_605_440  # the paper: 4.28E8 for OPT-1.3b
     assert cli.main(["models", "params", "--json"]) == 0
@@ -214,7 +214,7 @@ def test_models_params_counts_the_shipped_adapters_against_medusa(capsys) -> Non
 
 
 def zoo_adapter(name: str) -> Path:
-    from mirrorsd.decoding.ss.adapters import shipped_adapter
+    from mirrorsd.decoding.streams.adapters import shipped_adapter
 
     folder = shipped_adapter(name)
     assert folder is not None

@@ -205,7 +205,7 @@ def test_the_device_branch_pick_is_the_hosts():
 
 
 def test_a_ragged_rollouts_branch_rides_the_verdicts_read(exact_pair):
-    """A graphed stream rollout's branches end with their own counts (:mod:`~mirrorsd.decoding.ss.rollout_graph`):
+    """A graphed stream rollout's branches end with their own counts (:mod:`~mirrorsd.decoding.streams.rollout_graph`):
     ``BranchPick`` reads every count and the kept branch's entries with the verdict, so keeping it reads nothing
     more; the window is its count, cut at γ, and the draft cache keeps the spine and the branch's inputs; the
     kept branches set the pass count. A rollout that read its roots on the host leaves the pick to the host."""

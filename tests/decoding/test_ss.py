@@ -16,8 +16,8 @@ import mirrorsd
 from mirrorsd import Transformer, generate, kernels
 from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, Proposal, RequestState
 from mirrorsd.decoding.proposers import ModelProposer, StreamProposer
-from mirrorsd.decoding.ss import passes as streaming
-from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
+from mirrorsd.decoding.streams import passes as streaming
+from mirrorsd.decoding.streams.adapters import StreamAdapters, StreamConfig, load_adapters, msa_mask, shipped_adapter
 from mirrorsd.exit_heads import ExitTranslators, tuned_exit
 from mirrorsd.kv_cache import KVCache
 from mirrorsd.sampling import SamplingParams
@@ -407,7 +407,7 @@ def test_saved_adapter_round_trips(exact_model, tmp_path):
     retrained.save(tmp_path)  # a new file version is attached afresh
     reloaded = load_adapters(exact_model, tmp_path)
     assert reloaded is not loaded and load_adapters(exact_model, tmp_path) is reloaded
-    assert len(mirrorsd.decoding.ss.adapters._ATTACHED[exact_model]) == 1  # the stale version was replaced, not kept
+    assert len(mirrorsd.decoding.streams.adapters._ATTACHED[exact_model]) == 1  # the stale one replaced
     for key, value in retrained.adapter_state().items():
         torch.testing.assert_close(reloaded.adapter_state()[key], value.half().float())
 

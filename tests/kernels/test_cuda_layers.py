@@ -80,7 +80,7 @@ print("ok")
 
 METHODS = FORCE_CUDA_PATH + """
 from mirrorsd import Transformer, generate
-from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
+from mirrorsd.decoding.streams.adapters import StreamAdapters, StreamConfig
 from tests.helpers import tiny_hf
 
 force(True)
@@ -276,8 +276,8 @@ print("ok")
 
 STREAM_PASS_GRAPH = TINY_PAIR + """
 from mirrorsd.decoding.engine import Proposal
-from mirrorsd.decoding.ss.adapters import StreamAdapters, StreamConfig
-from mirrorsd.decoding.ss.passes import StreamPassGraph, fused_forward, graphed_pass, read_pass
+from mirrorsd.decoding.streams.adapters import StreamAdapters, StreamConfig
+from mirrorsd.decoding.streams.passes import StreamPassGraph, fused_forward, graphed_pass, read_pass
 from mirrorsd.sampling import Noise, SamplingParams
 from tests.helpers import tiny_hf
 
@@ -313,7 +313,7 @@ for trunk, tree in (([9], Proposal([4, 5], [-1, 0])), ([7, 8, 9], Proposal([4, 5
     assert graphed_read.own == own, trunk
     out = forward.out[0]
     m = len(forward.kept)
-    from mirrorsd.decoding.ss.passes import stream_tops
+    from mirrorsd.decoding.streams.passes import stream_tops
     ids, logprobs = stream_tops(target, out[m + (len(trunk) - 1) * 2:m + m * 2], 2, 3)
     assert [g.tokens for g in graphed_read.guesses] == ids.tolist(), trunk
     assert [g.logprobs for g in graphed_read.guesses] == logprobs.tolist(), trunk
@@ -355,8 +355,8 @@ STREAM_DRAFT_GRAPH = TINY_PAIR + """
 from mirrorsd.bench.gpu import ExitOracle, OracleDraft, OracleStreams
 from mirrorsd.decoding.drafting import DraftSampler
 from mirrorsd.decoding.mirror.draft import LocalDraft
-from mirrorsd.decoding.ss.adapters import StreamConfig
-from mirrorsd.decoding.ss.rollout_graph import StreamDraftGraph, graphed_stream_draft
+from mirrorsd.decoding.streams.adapters import StreamConfig
+from mirrorsd.decoding.streams.rollout_graph import StreamDraftGraph, graphed_stream_draft
 from mirrorsd.sampling import SamplingParams
 from tests.helpers import tiny_hf
 
@@ -620,21 +620,21 @@ def test_a_fused_layer_is_at_most_ten_launches():
 @pytest.mark.slow  # (~140-240 s in Triton's interpreter; tests/test_cuda.py runs it compiled on a GPU)
 def test_a_stream_pass_as_one_graph_gives_the_eager_passs_bits():
     """Issue 61 item 2 for ``ss``: a Speculative Streaming pass through
-    :class:`~mirrorsd.decoding.ss.passes.StreamPassGraph` (gather lists from the tree's shape and the cache length on
-    the device; the main rows' choice and every row's stream candidates inside; eager here, captured on CUDA) gives
-    the eager pass's logits, tokens, candidates and cache rows bit for bit, for chains, trees and longer trunks; and
-    ``ss`` and ``sd`` with a ``draft_streams`` draft run their passes through it, equal to ``ar``."""
+    :class:`~mirrorsd.decoding.streams.passes.StreamPassGraph` (gather lists from the tree's shape and the cache
+    length on the device; the main rows' choice and every row's stream candidates inside; eager here, captured on
+    CUDA) gives the eager pass's logits, tokens, candidates and cache rows bit for bit, for chains, trees and longer
+    trunks; and ``ss`` and ``sd`` with a ``draft_streams`` draft run their passes through it, equal to ``ar``."""
     _interpret(STREAM_PASS_GRAPH)
 
 
 @pytest.mark.slow  # (~140-240 s in Triton's interpreter; tests/test_cuda.py runs it compiled on a GPU)
 def test_a_stream_rollout_as_one_graph_verifies_its_passes_on_the_device():
     """Issue 62 item 2: Mirror-SD's ``draft_streams`` rollout through
-    :class:`~mirrorsd.decoding.ss.rollout_graph.StreamDraftGraph` (fixed passes, chains of stream guesses verified on
-    the device; eager here, captured on CUDA). With the bench's oracle draft every branch's tokens are the reference
-    after its root, its count is one token for the first pass plus the guesses that held and one token for each
-    later pass, and its entries are its inputs' slots (greedy and sampled); in Mirror-SD the graphed rollouts draw
-    the host-driven ones' tokens with a request's noise, and the output is ``ar``'s."""
+    :class:`~mirrorsd.decoding.streams.rollout_graph.StreamDraftGraph` (fixed passes, chains of stream guesses
+    verified on the device; eager here, captured on CUDA). With the bench's oracle draft every branch's tokens are
+    the reference after its root, its count is one token for the first pass plus the guesses that held and one token
+    for each later pass, and its entries are its inputs' slots (greedy and sampled); in Mirror-SD the graphed
+    rollouts draw the host-driven ones' tokens with a request's noise, and the output is ``ar``'s."""
     _interpret(STREAM_DRAFT_GRAPH)
 
 

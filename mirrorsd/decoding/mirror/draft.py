@@ -24,9 +24,9 @@ from ..draft_graph import graphed_draft
 from ..drafting import draft_vocab_size, window_end, window_ends
 from ..engine import DrawnChain, Proposal, RequestState, Scores, VerdictRider, draft_tokens
 from ..proposers import ModelProposer, StreamProposer
-from ..ss.adapters import load_adapters, stream_mask
-from ..ss.passes import StreamGuesses, ancestors, reads_every_row, stream_tops
-from ..ss.rollout_graph import graphed_stream_draft
+from ..streams.adapters import load_adapters, stream_mask
+from ..streams.passes import StreamGuesses, ancestors, reads_every_row, stream_tops
+from ..streams.rollout_graph import graphed_stream_draft
 from .options import MirrorOptions, batch_caps
 from .roots import DeviceRoots
 from .stats import MirrorRun
@@ -45,7 +45,7 @@ class Tree:
     span: Span | None = None
     alternatives: list[list[list[int]]] | None = None  # [R][γ][κ+1] the draft's likeliest tokens (candidates=draft)
     graphed: bool = False  # replayed as one captured CUDA graph (:mod:`~..draft_graph`)
-    # a stream rollout's graph (:mod:`~..ss.rollout_graph`): branch r's first ``counts[r]`` tokens, and ``entries``
+    # a stream rollout's graph (:mod:`~..streams.rollout_graph`): branch r's first ``counts[r]`` tokens, and ``entries``
     # then ``[R, ·]`` on the device too; what was read of them on the host
     counts: torch.Tensor | None = None
     read_counts: list[int] | None = None
@@ -437,7 +437,7 @@ class LocalDraft:
         of γ (the paper's J ≤ ⌈γ/η̄⌉), with the same tokens: each branch's main stream verifies, as in
         :class:`~..proposers.StreamProposer`.
 
-        Where a graph applies, the rollout is one (:func:`~..ss.rollout_graph.graphed_stream_draft`): J =
+        Where a graph applies, the rollout is one (:func:`~..streams.rollout_graph.graphed_stream_draft`): J =
         :meth:`passes` passes verified on the device, chains of the streams' top guesses, nothing read until the
         verdict, and branches ending with their own counts. Otherwise, driven from the host: one forward carries
         every unfinished branch: its next input (the root, then its last token) and its guess tree, over the spine
@@ -446,7 +446,7 @@ class LocalDraft:
 
         The pass's mask and positions are built on the host and sent once. Its verdicts decide the next pass's
         inputs, so each pass reads the host: off the CPU once, every branch row's own token with every row's next
-        guesses (:func:`~..ss.passes.reads_every_row`); on a CPU twice, the guesses of the rows the verdicts kept
+        guesses (:func:`~..streams.passes.reads_every_row`); on a CPU twice, the guesses of the rows the verdicts kept
         after them (and sampled rows not drawn apart, ``top_p``, one by one)."""
         proposer = self.proposer
         assert isinstance(proposer, StreamProposer)

@@ -18,7 +18,7 @@ from ..drafting import draft_vocab_size
 from ..engine import VERIFIERS, DecodeRequest, Proposer, Roles, Scores
 from ..proposers import check_draft
 from ..registry import Method, OptionError, PlanInputs, Priced, register
-from ..ss.adapters import resolve_adapter
+from ..streams.adapters import resolve_adapter
 from ..suffix import HYBRID_LOOKUP, SuffixFirst, suffix_proposer
 from .channel import early_exit
 from .draft import BranchProposer, DraftSide, LocalDraft, fresh_proposer

@@ -37,9 +37,8 @@ from ..registry import (
     probability,
     register,
 )
-from ..suffix import HYBRID_LOOKUP, SuffixFirst, suffix_match_option, suffix_proposer
-from .adapters import StreamAdapters, load_adapters
-from .passes import (
+from ..streams.adapters import StreamAdapters, load_adapters
+from ..streams.passes import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_K,
     PassRead,
@@ -50,6 +49,7 @@ from .passes import (
     pass_and_read,
     read_root,
 )
+from ..suffix import HYBRID_LOOKUP, SuffixFirst, suffix_match_option, suffix_proposer
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; on the whole k=3 tree the CR was unchanged and a CPU ran 1.5x faster
 
