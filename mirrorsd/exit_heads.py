@@ -82,7 +82,8 @@ class ExitTranslators:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         # bf16 halves the shipped size; the fit is not precise to more than 3 digits anyway. Each file whole, the
-        # config last (``--into`` rewrites an exit in place: a kill must not leave it truncated, or half new)
+        # config last (``--into`` rewrites an exit in place: a kill must not leave a truncated file; between the two
+        # renames it leaves the new weights under the old config, which a rerun of the same command replaces)
         save_tensors({f"layer{i}": a.to(torch.bfloat16).contiguous() for i, a in self.layers.items()},
                      folder / WEIGHTS_FILE)
         write_text(folder / CONFIG_FILE, json.dumps(self.meta, indent=2) + "\n")

@@ -121,14 +121,18 @@ def data_versions(sources: list[str]) -> dict[str, int]:
     return {s: len(list(Path(s.removeprefix(DISTILL)).glob("shard-*.npz"))) for s in sources if s.startswith(DISTILL)}
 
 
-def text_digests(sources: list[str]) -> dict[str, str]:
+def text_digests(sources: list[str], recorded: dict[str, str] | None = None) -> dict[str, str]:
     """What a state cache must also match for its text sources: a digest of the text each reads (``stdlib`` differs
     between Python versions, files are edited), so a cache of other text is refused rather than reused stale, or
     resumed from another chunking (repeated windows, held-out ones trained on). ``distill:`` folders count their
-    shards instead (:func:`data_versions`); ``chat-answers`` are the recorded model's own."""
+    shards instead (:func:`data_versions`); ``chat-answers`` are the recorded model's own. A file or folder gone
+    since takes its ``recorded`` digest: a cache made from it still serves (only an incomplete one needs the text)."""
     out = {}
     for source in sources:
         if source.startswith(DISTILL) or source == "chat-answers":
+            continue
+        if source not in CORPORA and not Path(source).exists() and source in (recorded or {}):
+            out[source] = recorded[source]
             continue
         h = hashlib.sha256()
         for text in corpus_texts([source]):
@@ -311,7 +315,9 @@ def open_cache(folder: Path, meta: dict[str, Any], sources: list[str], count: in
     :func:`check_cache`."""
     if versions := data_versions(list(sources)):
         meta = meta | {"data_shards": versions, "distill_documents": DISTILL_DOCUMENTS}
-    if digests := text_digests(list(sources)):
+    path = folder / CACHE_META
+    recorded = json.loads(path.read_text()).get("data_digests") if path.is_file() else None
+    if digests := text_digests(list(sources), recorded):
         meta = meta | {"data_digests": digests}
     check_cache(folder, meta)
     shards = shard_paths(folder, count, SHARD_CHUNKS)
@@ -397,7 +403,7 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
         if recorded != run:
             changed = {k: (recorded.get(k), run.get(k)) for k in {*recorded, *run} if recorded.get(k) != run.get(k)}
             raise ValueError(f"{checkpoint} is a run with other settings (recorded, asked): {changed}; give the "
-                             "recorded ones to resume it, or another --out (--init FOLDER starts from its result)")
+                             "recorded ones to resume it, or another --out")
         trainable.load(state[trainable.key])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -436,7 +442,8 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
                     raise KeyboardInterrupt
     except KeyboardInterrupt as stopped:  # Ctrl-C keeps every finished step: the next run resumes after it
         if isinstance(stopped, StopNow):  # (mid-step: the weights may hold part of the next step)
-            bar.write(f"stopped at once: {checkpoint} holds step {saved}; run the same command to resume")
+            bar.write(f"stopped at once: {checkpoint} holds step {saved}; run the same command to resume" if saved
+                      else "stopped at once, before the first checkpoint: the same command starts over")
             raise
         if done > saved:
             save(done)

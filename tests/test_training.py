@@ -208,6 +208,10 @@ def test_a_cache_of_text_that_changed_is_refused(tmp_path):
     text.write_text("another text\n")
     with pytest.raises(ValueError, match=r"other settings \(data_digests\)"):
         open_cache(cache, meta, [str(text)], 4)
+    text.write_text("one text\n")
+    text.rename(tmp_path / "moved.txt")  # gone since: the cache made from it still serves
+    open_cache(cache, meta, [str(text)], 4)
+    (tmp_path / "moved.txt").rename(text)
     recorded = json.loads((cache / CACHE_META).read_text())
     del recorded["data_digests"]  # a cache from before the digests: taken as it was
     (cache / CACHE_META).write_text(json.dumps(recorded))

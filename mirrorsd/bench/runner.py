@@ -31,6 +31,7 @@ from ..decoding import REFERENCE, get_method, methods
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..errors import OptionError
 from ..exit_heads import ExitTranslators
+from ..files import write_text
 from ..plans import cpu_name
 from ..runtime import synchronize
 from ..runtime.executors import split_threads
@@ -479,8 +480,10 @@ def write_answers(results: dict[str, Any], out: Path) -> list[Path]:
     """One Spec-Bench answer file per method: a line per question, ``choices[r]`` holding run r."""
     folder = out / "answers"
     folder.mkdir(parents=True, exist_ok=True)
+    names = {label: re.sub(r"[^\w.\-]+", "_", label) + ".jsonl" for label in results["summary"]}
     for stale in folder.glob("*.jsonl"):  # (an earlier run's methods: not this run's answers)
-        stale.unlink()
+        if stale.name not in names.values():
+            stale.unlink()
     model_id = f"{results['config']['target']}+{results['config']['draft']}"
     paths = []
     for label in results["summary"]:
@@ -494,7 +497,7 @@ def write_answers(results: dict[str, Any], out: Path) -> list[Path]:
                 "decoding_steps": [len(t["accept_lengths"]) for t in a["turns"]],
                 "new_tokens": [t["new_tokens"] for t in a["turns"]], "wall_time": [t["wall_s"] for t in a["turns"]],
                 "accept_lengths": [n for t in a["turns"] for n in t["accept_lengths"]]})
-        path = folder / (re.sub(r"[^\w.\-]+", "_", label) + ".jsonl")
-        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()), encoding="utf-8")
+        path = folder / names[label]
+        write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
         paths.append(path)
     return paths

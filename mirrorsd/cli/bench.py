@@ -7,6 +7,7 @@ import argparse
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -314,9 +315,12 @@ def _run_bench(config, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(config)
 
-    def so_far() -> None:  # after every question: a kill (SIGKILL, out of memory) loses at most the one in flight
-        if not bench.answers:
+    written = [0.0]
+
+    def so_far() -> None:  # after a question, every 30 s at most: a kill (SIGKILL, out of memory) loses little
+        if not bench.answers or time.monotonic() - written[0] < 30:
             return
+        written[0] = time.monotonic()
         bench.notes.append(f"partial: the {len(bench.answers)} answers so far (the run had not finished)")
         try:
             _write_results(bench.results(bench.costs, None), out)

@@ -104,9 +104,9 @@ class Scheduler:
             thread.start()
 
     def submit(self, job: Job) -> None:
-        if self._stopping:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        with self._ready:
+        with self._ready:  # (stop() swaps the queue under this lock: a job appended after its sentinels hung)
+            if self._stopping:
+                raise APIError(503, "the server is shutting down", code="shutting_down")
             if self.waiting >= self.max_queued:
                 raise APIError(429, f"too many requests: {self.max_queued} are waiting already; retry later",
                                code="queue_full")
@@ -115,8 +115,8 @@ class Scheduler:
 
     def stop(self, timeout: float) -> None:
         """Refuse new jobs, cancel the waiting ones, give the running ones ``timeout`` seconds, then cancel them."""
-        self._stopping = True
         with self._ready:
+            self._stopping = True
             left, self._queue = self._queue, deque([None] * len(self._threads))
             self._ready.notify_all()
         for job in left:

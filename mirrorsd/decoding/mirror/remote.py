@@ -197,7 +197,7 @@ def serve_draft(channel: Any, draft: Transformer, syncs: SyncCount | None = None
             except Exception as error:  # noqa: BLE001 - reported to the target, which goes on alone
                 session = None
                 if kind in (START, LAUNCH):
-                    pending = error
+                    pending = pending or error  # (the first: a LAUNCH after a failed START says only "outside")
                     continue
                 try:
                     channel.send_error(error)

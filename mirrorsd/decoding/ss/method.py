@@ -1,5 +1,5 @@
 """``ss``: Speculative Streaming (Bhendawade et al. 2024) -- one model verifies the last draft tree and drafts
-the next one in the same forward pass (:mod:`.passes`).
+the next one in the same forward pass (:mod:`..streams.passes`).
 
 On the loop: the proposer turns the last pass's stream candidates into a tree (no forward of its own); the
 scorer runs the fused pass (pruning included) and exposes the stream rows; the shared tree verifier walks the
@@ -195,8 +195,8 @@ class StreamTreeScorer(ChainScorer):
 
     def first(self, state: RequestState, draft: Proposal) -> Scores:
         """The first step: the prefill's logits after the prompt, and the streams of its last token over the whole
-        prompt (:func:`~.passes.read_root`: the stream rows of a deferred pass; part of the prefill's forward, as
-        those are of their pass's)."""
+        prompt (:func:`~..streams.passes.read_root`: the stream rows of a deferred pass; part of the prefill's
+        forward, as those are of their pass's)."""
         assert self.root is not None and state.next_logits is not None
         n_streams = self.adapters.stream_count(self.streams)
         logits, state.next_logits, root, self.root = state.next_logits, None, self.root, None
@@ -266,9 +266,9 @@ def prune_threshold(opts: SSOptions, device: torch.device) -> float:
     for the whole Cartesian tree (``tree_budget=0``: 40 nodes at k = 3, where a pruned node saves a row's cost), and
     wherever a tuned prune exit is asked for (it exists to prune). Else 0: off the CPU rows cost next to nothing and
     pruning would read its edge scores on the host mid-pass (a pass that prunes nothing reads the host once,
-    :func:`~.passes.read_pass`); and a budgeted tree (3 nodes by default) leaves a CPU little to prune, where the
-    pruning exit's head over the parents costs ~1.6 ms of the 1.5B's pass: without it ``ss`` was faster in six of nine
-    paired Spec-Bench runs, +0.019x ``ar`` in the median one, with a higher call reduction in every bench
+    :func:`~..streams.passes.read_pass`); and a budgeted tree (3 nodes by default) leaves a CPU little to prune, where
+    the pruning exit's head over the parents costs ~1.6 ms of the 1.5B's pass: without it ``ss`` was faster in six of
+    nine paired Spec-Bench runs, +0.019x ``ar`` in the median one, with a higher call reduction in every bench
     (``docs/speculative_streaming.md``, "Pruning a budgeted tree")."""
     if opts.threshold is not None:
         return opts.threshold
