@@ -520,6 +520,8 @@ def static_graph(model: Transformer, cache: KVCache, key: tuple, needed: int,
     grown to ``needed`` positions first (a growth drops graphs). Where one applies: the fused CUDA layers with graphs
     on, no continuous batching, a one-row cache with every layer at one length. None otherwise, and on the key's
     first sight (a one-off, such as a prompt, costs no static buffers)."""
+    if key[0] not in GRAPH_KINDS:  # (kinds share a cache's graph set: a misspelt one would evict another's graphs)
+        raise ValueError(f"unknown graph kind {key[0]!r}: one of {', '.join(GRAPH_KINDS)}")
     if not cuda_graphs.enabled() or batcher() is not None or cache.rows != 1 or len(set(cache.lengths)) != 1 \
             or not fused_applies(model, model.norm.weight):  # (not a quantized embedding: it dequantizes)
         return None

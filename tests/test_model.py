@@ -213,3 +213,13 @@ def test_a_long_prompt_in_pieces_gives_the_same_bits(monkeypatch):
     whole = run(1000)
     for chunk in (16, 7):  # 8 and 3 tokens per row: pieces that do not divide the window
         assert all(torch.equal(a, b) for a, b in zip(run(chunk), whole, strict=True))
+
+
+def test_a_graph_kind_outside_the_list_is_refused():
+    """Graph kinds share a cache's graph set and a new one evicts the graphs of its kind: a misspelt kind would
+    evict another's (GRAPH_KINDS listed them, read by nothing)."""
+    from mirrorsd.execution import static_graph
+
+    model = Transformer.from_hf(tiny_hf(layers=1))
+    with pytest.raises(ValueError, match="unknown graph kind 'drafts'"):
+        static_graph(model, model.new_cache(capacity=4), ("drafts", model, None), 4, lambda pool: None)
