@@ -38,16 +38,24 @@ def main() -> None:
     models = {name: mirrorsd.load_model(name, progress=False) for name in models}
     drafts = {spec: (models[spec.split(",")[0]], options | _options(spec.split(",")[1:])) for spec in args.drafts}
     questions = load_suite(args.suite)
+    warm = [{"role": "user", "content": questions[0].turns[0]}]
+    mirrorsd.generate(target, warm, max_new_tokens=8, method="ar")  # untimed: first-use costs fall on no one
+    for model, kwargs in drafts.values():
+        mirrorsd.generate(target, warm, max_new_tokens=8, method="sd", draft=model, **kwargs)
     rows = []
     for run in range(args.runs):
-        for q in questions:
+        for qi, q in enumerate(questions):
             messages = [{"role": "user", "content": q.turns[0]}]
-            ar = mirrorsd.generate(target, messages, max_new_tokens=args.max_new_tokens, method="ar")
-            order = list(drafts) if (run + q.question_id) % 2 == 0 else list(reversed(drafts))
-            for name in order:
-                model, kwargs = drafts[name]
-                g = mirrorsd.generate(target, messages, max_new_tokens=args.max_new_tokens, method="sd",
-                                      draft=model, **kwargs)
+            turns = [None, *drafts]  # None: ar; the order rotates per question and run, so no one always goes first
+            shift = (run + qi) % len(turns)
+            results = {}
+            for name in turns[shift:] + turns[:shift]:
+                model, kwargs = drafts[name] if name else (None, {})
+                results[name] = mirrorsd.generate(target, messages, max_new_tokens=args.max_new_tokens,
+                                                  method="sd" if name else "ar", draft=model, **kwargs)
+            ar = results[None]
+            for name in drafts:
+                g = results[name]
                 if g.token_ids != ar.token_ids:
                     raise SystemExit(f"draft {name}, question {q.question_id}: sd differs from ar")
                 rows.append({"run": run, "question": q.question_id, "group": q.group, "draft": name,
