@@ -234,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
         return _serve_draft_rank(args, err, tp, draft_tp)
     if rank not in (None, 0):  # another rank of a sharded target: the same loop, silently
         args.json, err = True, Console(stderr=True, quiet=True, markup=False)
+    if rank is not None and (tp > 1 or (ranked is not None and ranked.draft_ranks())):
+        launched_world(tp)  # the launcher's world is mirrorsd's: its draft rank serves this target's rank 0
     if needs_draft:
         _warn_draft_form(args, draft_tp, err)
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)

@@ -408,3 +408,34 @@ def test_a_gpu_model_refused_for_sharding_names_the_flag_that_asked(monkeypatch)
         model.embed_tokens.weight = nn.Parameter(torch.empty_like(model.embed_tokens.weight, device="meta"))
         with pytest.raises(ValueError, match=f"^{flag} shards a model on CPUs"):
             shard(model, None)
+
+
+def test_an_api_call_inside_a_callers_torchrun_world_spawns_its_own_draft_process(monkeypatch):
+    """Data-parallel API calls under the user's torchrun took that world's last rank as their draft (stalling for
+    the channel's timeout and leaving the default process group set up): only a world mirrorsd's CLI joined is
+    served by a draft rank; elsewhere each rank spawns its own draft process."""
+    class FakeWorker:  # (no process: this is about which kind of draft rank a call gets)
+        def __init__(self, entry, args, threads=None) -> None:
+            self.draft = args[0]
+
+        def alive(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            pass
+
+        def abandon(self, why: str) -> None:
+            pass
+
+    def launched(tp):
+        raise AssertionError("took the launcher's world")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(mirror_remote, "Worker", FakeWorker)
+    monkeypatch.setattr(mirror_remote, "_launched_channel", launched)
+    monkeypatch.setattr(mirror_remote, "_workers", {})
+    monkeypatch.setattr(mirror_remote, "_served", {})
+    draft = tiny_hf(layers=1, seed=3)
+    assert isinstance(mirror_remote.draft_worker(draft, None), FakeWorker)
+    assert not torch.distributed.is_initialized()

@@ -43,7 +43,6 @@ from ...runtime.processes import (
     Worker,
     decode_text,
     encode_text,
-    launched_rank,
     now_ns,
 )
 from ...runtime.tensor_parallel import RelayedChannel, SyncCount, current_world, launched_world, leave_world
@@ -213,10 +212,12 @@ _served: dict[tuple[int, int | None], weakref.ref] = {}  # the draft each spawne
 
 
 def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker | LaunchedPeer:
-    """The draft rank for this draft model: spawned on first use and kept for later requests, or, under
-    ``torchrun``, the last rank of the launcher's world (then ``serve_launched`` runs there). ``tp``: the target's
-    tensor-parallel ranks; rank 0 relays the channel to the others."""
-    if launched_rank() is not None:
+    """The draft rank for this draft model: spawned on first use and kept for later requests, or, when this process
+    joined a ``torchrun`` world for mirrorsd (``mirrorsd generate`` under torchrun, :func:`launched_world`), that
+    world's draft rank (``serve_launched`` runs there). A caller's own torchrun world (data-parallel API calls, say)
+    is not taken over: each rank spawns its own draft process. ``tp``: the target's tensor-parallel ranks; rank 0
+    relays the channel to the others."""
+    if current_world() is not None:
         key = (0, None)
         if key not in _workers:
             _workers[key] = LaunchedPeer(_launched_channel(tp))
