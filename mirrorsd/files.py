@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 
-def _synced(tmp: Path, path: Path) -> None:
+def replace_synced(tmp: Path, path: Path) -> None:
+    """``tmp``, written whole, on disk and then named ``path``."""
     with tmp.open("rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -18,11 +19,8 @@ def _synced(tmp: Path, path: Path) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp.write_bytes(data)
+    replace_synced(tmp, path)
 
 
 def write_text(path: Path, text: str) -> None:
@@ -35,11 +33,11 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp))
-    _synced(tmp, path)
+    replace_synced(tmp, path)
 
 
 def save_torch(obj: object, path: Path) -> None:
     """``torch.save``, whole or not at all."""
     tmp = path.with_name(path.name + ".partial")
     torch.save(obj, tmp)
-    _synced(tmp, path)
+    replace_synced(tmp, path)

@@ -237,13 +237,17 @@ def test_a_record_another_holds_whole_trains_once(tmp_path):
 
 def test_the_index_is_on_disk_before_its_name_replaces_the_old_one(tmp_path, monkeypatch):
     """A shard or index renamed into place before its bytes reach the disk is an empty file after a power cut."""
+    from mirrorsd import files
     from mirrorsd.distill import engine
 
     synced = []
-    real = engine.os.fsync
-    monkeypatch.setattr(engine.os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    real = files.os.fsync
+    monkeypatch.setattr(files.os, "fsync", lambda fd: synced.append(fd) or real(fd))
     engine.write_atomic(tmp_path / "index.json", b"{}\n")
     assert synced and (tmp_path / "index.json").read_bytes() == b"{}\n" and not list(tmp_path.glob("*.tmp"))
+    shards, before = Shards(tmp_path / "folder", Settings("smollm2-135m", max_new_tokens=4), MINI), len(synced)
+    shards.write([Record(0, 0, "code", False, [1, 2], [3])], 1.0)
+    assert len(synced) >= before + 2 and not list((tmp_path / "folder").glob("incomplete-*"))  # the shard, the index
 
 
 def test_a_ctrl_c_writes_the_answers_made_before_waiting_for_those_in_flight(tmp_path, monkeypatch):

@@ -20,7 +20,6 @@ import contextlib
 import fcntl
 import gzip
 import json
-import os
 import queue
 import threading
 import time
@@ -37,7 +36,7 @@ from ..api import LoadedModel, encode_chat, generate
 from ..batching import Batcher
 from ..decoding import REFERENCE
 from ..execution import release_thread_team
-from ..files import write_atomic
+from ..files import replace_synced, write_atomic
 from ..prefix_cache import PrefixCache
 from .prompts import ASKED_ANEW, KINDS, VERSION, Prompt, build, digest, extend
 
@@ -200,11 +199,8 @@ class Shards:
         number = max((int(p.stem.split("-")[1]) for p in self.folder.glob("shard-*.npz")), default=-1) + 1
         path = self.folder / f"shard-{number:05d}.npz"
         tmp = self.folder / f"incomplete-{number:05d}.npz"  # a crash mid-write leaves no file named shard-*
-        with tmp.open("wb") as f:
-            np.savez_compressed(f, **data)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before its name says complete: a power cut leaves no empty shard-*
-        os.replace(tmp, path)
+        np.savez_compressed(tmp, **data)
+        replace_synced(tmp, path)  # on disk before its name says complete: a power cut leaves no empty shard-*
         self.shards.append(path)
         self._count(data)
         self.seconds += seconds
