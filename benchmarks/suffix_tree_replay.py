@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mirrorsd
 from mirrorsd.api import encode_chat
-from mirrorsd.decoding.suffix import AcceptanceModel
+from mirrorsd.decoding.lookup import AcceptanceModel
 from mirrorsd.decoding.suffix_index import Match, SuffixIndex, datastore
 from mirrorsd.specbench import load_suite
 

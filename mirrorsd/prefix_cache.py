@@ -37,9 +37,10 @@ class _Entry:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: np.ndarray | list[int], b: np.ndarray | list[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(differ[0]) if differ.size else n
 
 

@@ -1,8 +1,7 @@
 """Decoding methods on one loop (:mod:`.engine`), one module or package each, registered in :mod:`.registry`."""
 
 # Importing a method module registers it; this order is the listing order.
-from . import ar, sd  # noqa: F401, I001
-from . import suffix, mirror  # noqa: F401
+from . import ar, suffix, sd, mirror  # noqa: F401, I001
 from .ss import method as _ss  # noqa: F401
 from .eagle import method as _eagle  # noqa: F401
 from .engine import DecodeRequest, Proposal, GenerationStats, RequestState, Roles, Scores

@@ -23,6 +23,7 @@ import torch
 from tokenizers.decoders import ByteLevel
 
 from ..model import Transformer
+from ..prefix_cache import common_prefix
 from ..sampling import SamplingParams
 from ..verify import Verdict
 from .drafting import SINK_TOKENS, DraftSampler, prompt_window
@@ -94,14 +95,6 @@ class TokenBridge:
         self.target, self.draft = byte_tokenizer(target_tokenizer), byte_tokenizer(draft_tokenizer)
         eos = draft_tokenizer.eos_token_id
         self.draft_eos = frozenset([eos] if eos is not None else [])
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class BridgedProposer:

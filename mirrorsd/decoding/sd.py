@@ -4,7 +4,7 @@ One step: the draft feeds the committed tokens its cache lacks and proposes up t
 (:class:`~mirrorsd.decoding.proposers.ModelProposer`); the target scores ``[last committed, d_1..d_k]`` in one
 forward; the verifier accepts ``A`` tokens and gives the target's own next token; both caches roll back to
 what is committed. ``confidence=0`` with ``schedule="constant"`` is textbook fixed-γ SD (the papers' baseline).
-``suffix_match`` puts the suffix proposer in front (:class:`~mirrorsd.decoding.suffix.SuffixFirst`);
+``suffix_match`` puts the suffix proposer in front (:class:`~mirrorsd.decoding.lookup.SuffixFirst`);
 ``draft_vocab`` restricts the draft's LM head (:mod:`mirrorsd.draft_vocab`). A draft with a tokenizer of its own
 drafts through text (:class:`~mirrorsd.decoding.bridge.BridgedProposer`).
 """
@@ -26,6 +26,7 @@ from .drafting import (
     streams_flag,
 )
 from .engine import VERIFIERS, ChainScorer, DecodeRequest, Proposer, Roles
+from .lookup import GATES, HYBRID_LOOKUP, ModelGate, SuffixFirst, suffix_match_option, suffix_proposer
 from .proposers import SCHEDULES, ModelProposer, StreamProposer, check_draft
 from .registry import (
     Method,
@@ -41,7 +42,6 @@ from .registry import (
     register,
 )
 from .streams.adapters import load_adapters
-from .suffix import GATES, HYBRID_LOOKUP, ModelGate, SuffixFirst, suffix_match_option, suffix_proposer
 
 
 @dataclass(frozen=True)

@@ -1058,10 +1058,10 @@ def test_train_streams_cli_trains_resumes_and_saves_a_small_adapter(tmp_path, ca
 def test_ss_learns_from_its_suffix_windows(monkeypatch):
     """The fused pass hands back its pruned tree as a new proposal: the suffix proposer took that for another
     proposer's window and never updated its acceptance or cost model, so ss's suffix rule kept its priors."""
-    from mirrorsd.decoding import suffix
+    from mirrorsd.decoding import lookup
 
     observed = []
-    monkeypatch.setattr(suffix.AcceptanceModel, "observe", lambda self, *args: observed.append(args))
+    monkeypatch.setattr(lookup.AcceptanceModel, "observe", lambda self, *args: observed.append(args))
     target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
     adapters = random_adapters(target, streams=2, layers=2, seed=0, std=0.1)
     got = generate(target, [1, 2, 3, 4, 5] * 6, method="ss", streams=adapters, suffix_match=1, max_new_tokens=40)

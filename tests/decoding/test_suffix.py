@@ -13,7 +13,7 @@ import torch
 from mirrorsd import generate
 from mirrorsd.decoding import suffix_index
 from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, RequestState, Scores
-from mirrorsd.decoding.suffix import AcceptanceModel, ModelGate, SuffixProposer, VerifyCost
+from mirrorsd.decoding.lookup import AcceptanceModel, ModelGate, SuffixProposer, VerifyCost
 from mirrorsd.decoding.suffix_index import MAX_MATCH, SuffixIndex
 from mirrorsd.sampling import SamplingParams
 from mirrorsd.verify import Verdict

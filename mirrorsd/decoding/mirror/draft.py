@@ -177,7 +177,7 @@ class DraftSide(Protocol):
 class BranchProposer:
     """The draft: a kept branch when the last verdict hit one, else a fresh rollout; the scorer launches the
     tree rollouts at the early exit (:meth:`launch`). A failing draft degrades the request to target-only
-    decoding. The suffix hybrid wraps it (:class:`~mirrorsd.decoding.suffix.SuffixFirst`), which hands a held
+    decoding. The suffix hybrid wraps it (:class:`~mirrorsd.decoding.lookup.SuffixFirst`), which hands a held
     branch (:attr:`ready`) precedence over a suffix match."""
 
     def __init__(self, run: MirrorRun, side: DraftSide) -> None:

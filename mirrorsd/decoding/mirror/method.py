@@ -16,10 +16,10 @@ from ...sampling import SamplingParams
 from ...verify import Verdict
 from ..drafting import draft_vocab_size
 from ..engine import VERIFIERS, DecodeRequest, Proposer, Roles, Scores
+from ..lookup import HYBRID_LOOKUP, SuffixFirst, suffix_proposer
 from ..proposers import check_draft
 from ..registry import Method, OptionError, PlanInputs, Priced, register
 from ..streams.adapters import resolve_adapter
-from ..suffix import HYBRID_LOOKUP, SuffixFirst, suffix_proposer
 from .channel import early_exit
 from .draft import BranchProposer, DraftSide, LocalDraft, fresh_proposer
 from .options import DEFAULT_KAPPA, MirrorOptions, resolve_exit_layer

@@ -9,8 +9,8 @@ from typing import Any
 from ...exit_heads import layer_or_fraction, resolve_exit_layer
 from ...runtime import BACKENDS
 from ..drafting import acceptance_option, draft_streams_option, draft_vocab_option, streams_flag
+from ..lookup import suffix_match_option
 from ..registry import MethodOptions, ModelShape, OptionError, ShippedFiles, at_least, option, probability
-from ..suffix import suffix_match_option
 
 DEFAULT_GAMMA = 7  # the paper's window
 DEFAULT_KAPPA = 8  # the paper's top-κ at batch size 1

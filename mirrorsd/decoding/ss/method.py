@@ -5,7 +5,7 @@ On the loop: the proposer turns the last pass's stream candidates into a tree (n
 scorer runs the fused pass (pruning included) and exposes the stream rows; the shared tree verifier walks the
 tree; committing compacts the cache to the accepted path; the feedback reads the next candidates off the
 streams of the last accepted node. With ``suffix_match`` a long suffix match is proposed instead, as a
-one-branch tree (:class:`~mirrorsd.decoding.suffix.SuffixFirst`).
+one-branch tree (:class:`~mirrorsd.decoding.lookup.SuffixFirst`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ...sampling import Noise
 from ...verify import Verdict
 from ..drafting import defer_streams_option
 from ..engine import ChainScorer, DecodeRequest, Proposal, RequestState, Roles, Scores, match
+from ..lookup import HYBRID_LOOKUP, SuffixFirst, suffix_match_option, suffix_proposer
 from ..registry import (
     Method,
     MethodOptions,
@@ -49,7 +50,6 @@ from ..streams.passes import (
     pass_and_read,
     read_root,
 )
-from ..suffix import HYBRID_LOOKUP, SuffixFirst, suffix_match_option, suffix_proposer
 
 DEFAULT_THRESHOLD = 0.05  # the paper gives none; on the whole k=3 tree the CR was unchanged and a CPU ran 1.5x faster
 
