@@ -7,6 +7,7 @@ validation, EOS / stop strings / ``max_new_tokens``, incremental detokenisation 
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -187,6 +188,10 @@ def encode_chat(target: LoadedModel, messages: Sequence[dict[str, str]]) -> list
     tok = target.tokenizer
     if tok is None:
         raise ValueError("this model has no tokenizer; pass token ids instead of text")
+    for n, m in enumerate(messages):  # (a jinja2 UndefinedError from inside the template, or a KeyError)
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"chat message {n} needs a text 'role' and 'content' ({{'role': 'user', 'content': "
+                             f"...}}), got {str(m)[:60]}")
     if getattr(tok, "chat_template", None):
         text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -310,6 +315,11 @@ def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
         raise ValueError(f"method='auto' follows the plan saved for a named target and draft and plans on text, so "
                          f"it needs models from mirrorsd.load_model (this {unnamed[0] if unnamed else 'target'} has "
                          f"{'no name' if unnamed else 'no tokenizer'}): give a method instead")
+    if draft is not None and not shares_tokenizer(target, draft):
+        print(f"mirrorsd: method auto: draft {draft.name} has a tokenizer of its own (the plan probes acceptance in "
+              f"the target's token ids), so auto chooses among the methods without a draft model", file=sys.stderr,
+              flush=True)
+        draft = None
     recommended = plan_for(target, draft)["recommended"]
     method = recommended["method"]
     return method, {**recommended["options"], **options}, draft if get_method(method).needs_draft else None
@@ -477,7 +487,7 @@ def stream(
     target: LoadedModel | Transformer,
     prompt: Prompt,
     *,
-    draft: LoadedModel | Transformer | None = None,
+    draft: LoadedModel | Transformer | str | None = None,
     method: str | None = None,
     temperature: float | None = 0.0,
     top_k: int | None = 0,
@@ -494,12 +504,17 @@ def stream(
     argument and option is checked here, before the first token. ``ignore_eos`` (vLLM's and llama.cpp's extension):
     decode past EOS, keeping it as output, up to ``max_new_tokens`` (what load generators ask for fixed lengths).
     ``prefix_cache``: a :class:`~mirrorsd.prefix_cache.PrefixCache` of the target; the prompt's longest stored
-    prefix is not prefilled again, and the request's own keys and values are stored when it ends."""
+    prefix is not prefilled again, and the request's own keys and values are stored when it ends. ``draft`` may be
+    ``"self:N"`` / ``"self:F"``, the target's first N layers (or that fraction of them), as the CLI's ``--draft``."""
     target = _as_loaded(target)
+    if isinstance(draft, str) and draft.startswith(SELF_DRAFT):
+        draft = self_draft(target, draft)
     # None means the default, as OpenAI's clients send it
     temperature, top_k, top_p = (0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
                                  1.0 if top_p is None else top_p)
     stop = () if stop is None else stop
+    if not isinstance(stop, str) and not (isinstance(stop, Sequence) and all(isinstance(x, str) for x in stop)):
+        raise OptionError("stop", f"must be a string or a list of strings, got {stop!r}")
     if prefix_cache is not None and prefix_cache.model is not target.model:
         raise ValueError("prefix_cache belongs to another model than the target")
     method = method or default_method(draft)
@@ -535,6 +550,8 @@ def stream(
                          f"{max(short - len(ids), 0)}, a draft with a longer context, or a method without a draft")
     if seed is None:  # like HF and vLLM, no seed means a fresh one; it is reported in the stats
         seed = secrets.randbits(63)
+    if not is_integer(seed) or not -(2**63) <= seed < 2**63:  # (1.7 and True became 1, 2**64 + 1 wrapped round)
+        raise OptionError("seed", f"must be an integer in [-2**63, 2**63), got {seed!r}")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))
     stats = GenerationStats(method, seed=params.seed)
     request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge, prefix_cache)

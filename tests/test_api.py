@@ -93,11 +93,57 @@ def test_a_draft_with_a_shorter_context_is_a_clear_error_not_a_shorter_answer():
         ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
         ({"method": "ss", "tree_k": 65}, "tree_k must be in 1..64 .the vocabulary."),
         ({"method": "mirror", "exit_layer": 0.99}, "0.99 of 2 layers is layer 2"),
+        ({"temperature": 0.5, "seed": 1.7}, "seed must be an integer"),  # (taken as 1)
+        ({"temperature": 0.5, "seed": True}, "seed must be an integer"),
+        ({"temperature": 0.5, "seed": "12"}, "seed must be an integer"),
+        ({"temperature": 0.5, "seed": 2**64 + 1}, r"seed must be an integer in \[-2\*\*63"),  # (seed 1's tokens)
+        ({"stop": 5}, "stop must be a string or a list of strings, got 5"),  # ('int' object is not iterable)
+        ({"stop": ["a", None]}, "stop must be a string or a list of strings"),
     ],
 )
 def test_bad_arguments(tiny, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(tiny, [1, 2], **({"draft": tiny} if kwargs.get("method") == "mirror" else {}), **kwargs)
+
+
+def test_a_self_draft_is_taken_by_name_as_the_cli_takes_it(tiny):
+    """``draft="self:1"`` raised a TypeError whose hint, ``mirrorsd.load_model('self:1')``, failed too."""
+    got = generate(tiny, [1, 2, 3], draft="self:1", method="sd", max_new_tokens=8)
+    assert got.token_ids == generate(tiny, [1, 2, 3], max_new_tokens=8).token_ids
+    with pytest.raises(ValueError, match="needs 1..1 of the target's layers"):
+        generate(tiny, [1, 2, 3], draft="self:2", method="sd")
+
+
+class _Vocab:
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+def test_auto_with_a_draft_of_another_tokenizer_plans_without_it(tiny, tmp_path, monkeypatch, capsys):
+    """The plan probes the draft's acceptance in the target's ids: with SmolLM2 as the target and the CLI's default
+    Qwen draft, ``generate --target smollm2-135m`` (auto) failed with an IndexError inside the probe."""
+    from mirrorsd import plans
+
+    asked = []
+    monkeypatch.setattr(plans, "plan_path", lambda target, draft: tmp_path / f"{target}-{draft}.json")
+    monkeypatch.setattr(plans, "_planner", lambda target, draft: asked.append(draft) or
+                        {"recommended": {"method": "ar", "options": {}}})
+    target = LoadedModel(tiny, tokenizer=_Vocab({"a": 0}), name="t")
+    draft = LoadedModel(tiny, tokenizer=_Vocab({"b": 0}), name="d")
+    got = generate(target, [1, 2, 3], draft=draft, method="auto", max_new_tokens=4)
+    assert asked == [None] and got.stats.method == "ar"
+    assert "draft d has a tokenizer of its own" in capsys.readouterr().err
+
+
+@requires_smollm2
+def test_chat_messages_without_a_role_or_content_are_refused_clearly():
+    target = mirrorsd.load_model("smollm2-135m")
+    for messages in ([{"content": "hi"}], [{"role": "user"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(ValueError, match="chat message 0 needs a text 'role' and 'content'"):
+            generate(target, messages)  # (jinja2's UndefinedError, or a TypeError inside the template)
 
 
 def test_what_users_of_hf_and_openai_pass_is_taken_or_refused_clearly(tiny):

@@ -348,7 +348,12 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
               progress: bool = True, quick: bool = False) -> Plan:
     """Measure costs, probe acceptance on ``prompts`` ((group, ids) pairs), rank every candidate. ``quick``:
     fewer window sizes and rounds, no split-thread tables and no hybrid runs (``method="auto"``'s first use)."""
+    from ..api import shares_tokenizer
     from .probe import EXITS, run_probe
+
+    if draft is not None and not shares_tokenizer(target, draft):
+        raise ValueError(f"draft {draft.name} has a tokenizer of its own: a plan probes the draft's acceptance in the "
+                         f"target's token ids, so plan {target.name} with a draft of its tokenizer")
     n = target.config.n_layers
     exits = {name: min(n - 1, max(1, round(f * n))) for name, f in EXITS.items()}
     if progress:

@@ -679,6 +679,21 @@ def test_the_machine_label_names_the_kernel_build(monkeypatch):
     assert off.endswith(", off kernels") and (off != here) == (not here.endswith(", off kernels"))
 
 
+def test_a_plan_refuses_a_draft_of_another_tokenizer_before_measuring(monkeypatch):
+    """`mirrorsd plan --target smollm2-135m` (with the default Qwen draft) measured costs, then failed with an
+    IndexError inside the acceptance probe: the draft's ids indexed the target's embedding."""
+    monkeypatch.setattr(plan, "measure_costs", lambda *a, **k: pytest.fail("measured before the check"))
+    class Tokenizer:  # (weakly referenced: shares_tokenizer remembers each pair)
+        def __init__(self, words: dict[str, int]) -> None:
+            self.get_vocab = lambda: words
+
+    vocab = Tokenizer
+    target = SimpleNamespace(name="t", tokenizer=vocab({"a": 0}))
+    draft = SimpleNamespace(name="d", tokenizer=vocab({"b": 0}))
+    with pytest.raises(ValueError, match="draft d has a tokenizer of its own"):
+        plan.make_plan(target, draft, [("g", [1, 2])], progress=False)
+
+
 def test_generate_auto_without_a_plan_says_what_to_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plans, "plan_path", lambda target, draft: Path(tmp_path / "none.json"))
     with pytest.raises(FileNotFoundError, match="mirrorsd plan --target t"):
