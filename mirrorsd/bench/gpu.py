@@ -1058,7 +1058,21 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary(report: dict[str, Any]) -> str:
+def failed_checks(report: dict[str, Any]) -> list[str]:
+    """What failed: forced-acceptance runs that raised, and CUDA-gated tests that failed or were cut short (the
+    command's exit status is 1 then, as `mirrorsd bench`'s is when a method is not lossless)."""
+    failed = [f"forced {r['accept']} ({r.get('draft')} draft)" for r in report["forced"] if "failed" in r]
+    tests = report.get("cuda_tests") or {}
+    failed += [f"CUDA test {name}" for name in tests.get("failed", {})]
+    if tests.get("timed_out"):
+        failed.append("CUDA tests (timed out)")
+    elif tests.get("ran") and tests.get("returncode") not in (0, None) and not tests.get("failed"):
+        failed.append(f"CUDA tests (pytest exit status {tests['returncode']})")
+    return failed
+
+
+def not_lossless(report: dict[str, Any]) -> list[str]:
+    """The runs whose tokens differ from ``ar``'s (or from the run alone) beyond a float near-tie."""
     bad = [m["label"] + (" (failed)" if m.get("failed") else "") for m in report["methods"] if not m["equal_to_ar"]
            and (m["divergence"] or {}).get("verdict") != "float near-tie"]
     ran = [r for r in report["forced"] if "failed" not in r]
@@ -1069,12 +1083,17 @@ def summary(report: dict[str, Any]) -> str:
             [f"{name} batched at {r['requests']}" for r in rows if not r["equal_alone"]] + \
             [f"{name} batched {key} at {r['requests']}" for r in rows for key, c in r.items()
              if isinstance(c, dict) and not c["equal_alone"]]
+    return bad
+
+
+def summary(report: dict[str, Any]) -> str:
+    bad, ran = not_lossless(report), [r for r in report["forced"] if "failed" not in r]
     ratios = [r["mirror_over_sd"] for r in ran if r.get("exit_hit_rate", EXIT_HIT) == EXIT_HIT
               and r.get("overlap", "thread") == "thread" and r.get("draft", "plain") == "plain"]
     where = "dry run" if report["dry_run"] else report["device"]
     equal = "all equal to ar" if not bad else "NOT equal to ar: " + ", ".join(bad)
     ratio = f"; Mirror/SD at forced acceptance and exit hit rate {EXIT_HIT}, median {statistics.median(ratios):.2f}×" \
         if ratios else ""
-    failed = [f"forced {r['accept']} ({r.get('draft')} draft)" for r in report["forced"] if "failed" in r]
+    failed = failed_checks(report)
     failed_text = "; FAILED: " + ", ".join(failed) if failed else ""
     return f"{where}: {len(report['methods'])} method runs, {equal}{ratio}{failed_text}"

@@ -5,6 +5,7 @@ one format)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from mirrorsd.decoding import methods
 from mirrorsd.loading import WEIGHT_FORMATS
@@ -124,6 +125,17 @@ def count(least: int):
     return parse
 
 
+def positive(text: str) -> float:
+    """An argparse type: a finite number > 0 (a learning rate), refused before the caches are built."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def add_training(p: argparse.ArgumentParser, *, seq_len: int, lr: float, held_out: int, measured: str,
                  trained: str) -> None:
     """The state-cache trainers' flags (``train-streams``, ``train-draft``): steps over cached chunks, the
@@ -133,10 +145,10 @@ def add_training(p: argparse.ArgumentParser, *, seq_len: int, lr: float, held_ou
     p.add_argument("--chunks", type=count(1), help="training chunks to cache (default: --steps, at most 10000); "
                                               "steps beyond it start further epochs")
     p.add_argument("--seq-len", type=count(2), default=seq_len, help="tokens per training chunk")
-    p.add_argument("--lr", type=float, default=lr, help="AdamW learning rate (linear warmup and decay)")
+    p.add_argument("--lr", type=positive, default=lr, help="AdamW learning rate (linear warmup and decay)")
     p.add_argument("--held-out", type=count(1), default=held_out,
                    help=f"chunks kept out of training to measure {measured}")
-    p.add_argument("--vocab", type=int, default=32768,
+    p.add_argument("--vocab", type=count(0), default=32768,
                    help="train on the N most frequent token ids of the tokenizer's shipped table (0: all; "
                         f"held-out {measured} always uses the full vocabulary)")
     p.add_argument("--eval-every", type=count(1), default=50,

@@ -250,7 +250,7 @@ def _gpu(args: argparse.Namespace) -> int:
                      peer=not args.no_peer, peer_tokens=args.peer_tokens)
     print(gpu.summary(report))
     print(f"report: {Path(args.out) / 'report.md'}")
-    return 0
+    return 1 if gpu.not_lossless(report) or gpu.failed_checks(report) else 0
 
 
 def _forward(args: argparse.Namespace) -> int:

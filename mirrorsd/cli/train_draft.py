@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import mirrorsd
+from mirrorsd.api import shares_tokenizer
 from mirrorsd.runtime.tensor_parallel import segment_bounds
 from mirrorsd.train_draft import train
 
@@ -67,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
     warn_if_busy("train-draft")
     draft = mirrorsd.load_model(args.model, device=args.device)  # the draft decoding will run (q4 on CPU)
     need_target = not args.target_cache or args.soft_top  # a streams cache holds argmax labels only
-    target = mirrorsd.load_model(args.target, device=args.device).model if need_target else None
+    target = mirrorsd.load_model(args.target, device=args.device) if need_target else None
+    if target is not None and not shares_tokenizer(target, draft):  # (an IndexError after the whole cache)
+        raise ValueError(f"draft {args.model} does not share the tokenizer of target {args.target}: it learns the "
+                         "target's token ids, so it needs the same vocabulary")
+    target = target.model if target is not None else None
     tower = mirrorsd.load_model(args.model, device=args.device, dtype=training_dtype(args.dtype, args.device),
                                 weights="fp32", linear="dense", progress=False)
     layers = args.layers

@@ -197,7 +197,7 @@ def test_a_method_that_fails_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch)
 
     monkeypatch.setattr(gpu, "timed_generate", failing)
     assert main(["bench", "gpu", "--out", str(tmp_path), "--targets", "qwen2.5-1.5b", "--accept", "3",
-                 "--max-new-tokens", "8", "--ks", "1", "--no-tests"]) == 0
+                 "--max-new-tokens", "8", "--ks", "1", "--no-tests"]) == 1  # (a failed method: exit status 1)
     report = json.loads((tmp_path / "report.json").read_text())
     rows = {m["label"]: m for m in report["methods"]}
     assert "device-side assert" in rows["suffix"]["failed"] and rows["sd"]["equal_to_ar"]
@@ -308,3 +308,23 @@ def test_a_timed_out_batch_is_stopped_not_left_running():
     with pytest.raises(TimeoutError, match="stopped"):
         gpu.run_batched(target, requests, 400, timeout_s=0.05)
     assert not [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+
+
+@pytest.mark.parametrize("change, rc", [
+    ({}, 0),
+    ({"methods": [{"label": "sd", "equal_to_ar": False, "divergence": None}]}, 1),
+    ({"forced": [{"accept": 3, "draft": "plain", "failed": "RuntimeError: boom"}]}, 1),
+    ({"cuda_tests": {"ran": True, "returncode": 1, "passed": [], "failed": {"test_graphs": "AssertionError"}}}, 1),
+    ({"cuda_tests": {"ran": True, "returncode": None, "passed": ["a"], "failed": {}, "timed_out": True}}, 1),
+])
+def test_bench_gpu_exits_1_when_a_check_fails(capsys, monkeypatch, change, rc):
+    """`bench gpu` exited 0 with methods not equal to ar or CUDA tests failed (the summary did not even name
+    failed CUDA tests): a lease's script reads the exit status, as `mirrorsd bench`'s (1 when not lossless)."""
+    report = {"dry_run": True, "device": "cpu", "methods": [{"label": "ar", "equal_to_ar": True, "divergence": None}],
+              "forced": [], "cuda_tests": {"ran": True, "returncode": 0, "passed": ["a"], "failed": {}}} | change
+    monkeypatch.setattr(gpu, "run", lambda out, **kwargs: report)
+    assert main(["bench", "gpu", "--out", "unused", "--no-tests"]) == rc
+    out = capsys.readouterr().out
+    assert ("FAILED" in out or "NOT equal" in out) == bool(rc)
+    if "cuda_tests" in change:
+        assert "CUDA test" in out

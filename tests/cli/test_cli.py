@@ -300,6 +300,34 @@ def test_the_trainers_counts_are_checked_when_parsed(capsys, no_loading, argv, f
     assert f"argument {flag}: must be an integer >= {least}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train-streams", "--vocab", "-5"], "argument --vocab: must be an integer >= 0, got '-5'"),  # (table[:-5])
+    (["train-draft", "--lr", "-1"], "argument --lr: must be a finite number > 0, got '-1'"),
+    (["train-streams", "--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),  # (after caching)
+])
+def test_the_trainers_numbers_are_checked_when_parsed(capsys, no_loading, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_draft_refuses_a_draft_of_another_tokenizer_before_caching(capsys, monkeypatch, tmp_path):
+    """A SmolLM2 draft for the Qwen target cached the draft's states, then failed with an IndexError: the target's
+    ids index the draft's head."""
+    from mirrorsd import LoadedModel
+
+    class Tokenizer:  # (weakly referenced: shares_tokenizer remembers each pair)
+        def __init__(self, words: dict[str, int]) -> None:
+            self.get_vocab = lambda: words
+
+    models = {"d": LoadedModel(None, Tokenizer({"a": 0}), "d"), "t": LoadedModel(None, Tokenizer({"b": 0}), "t")}
+    monkeypatch.setattr("mirrorsd.load_model", lambda name, **kwargs: models[name])
+    monkeypatch.setattr("mirrorsd.cli.train_draft.train", lambda *a, **k: pytest.fail("trained"))
+    rc, _, err = run(capsys, "train-draft", "--model", "d", "--target", "t", "--data", "stdlib", "--out",
+                     str(tmp_path / "out"))
+    assert rc == 2 and "draft d does not share the tokenizer of target t" in err, err
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
 def test_serve_prefill_rows_is_auto_or_a_positive_number(capsys, no_loading, value):
     with pytest.raises(SystemExit) as e:
