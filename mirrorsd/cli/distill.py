@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer")
     d.add_argument("--sampled-share", type=float, default=0.2, help="share of items answered by sampling")
     d.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled answers")
-    d.add_argument("--method", default=REFERENCE, choices=[m.name for m in methods() if not m.needs_draft],
+    d.add_argument("--method", default=REFERENCE, choices=[m.name for m in methods() if not m.needs_draft
+                                                           and not any(o.required for o in m.options.fields())],
                    help="decoding method (all give the model's own tokens; ar is the reference)")
     d.add_argument("--kinds", type=kind_list, metavar="KIND,...",
                    help="answer only these kinds' pending items (default: all, in id order); kinds: "

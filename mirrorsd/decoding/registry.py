@@ -40,10 +40,11 @@ class Option:
     metavar: str | None = None
     const: Any = None  # value of the flag given without an argument (``--draft-streams``)
     default_text: str | None = None  # what a None default means (``the target's shipped adapter``)
+    required: bool = False  # no default: a request must give it (the method's build says what to give)
 
     @property
     def shown_default(self) -> str:
-        return self.default_text or str(self.default)
+        return "required" if self.required else self.default_text or str(self.default)
 
     def convert(self, value: Any) -> Any:
         """A Python value, parsing strings for non-string options and checking it."""
@@ -80,10 +81,11 @@ class Option:
 def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None,
            choices: Sequence[Any] | None = None, check: tuple[Callable[[Any], bool], str] | None = None,
            flag: str | None = None, metavar: str | None = None, const: Any = None,
-           default_text: str | None = None) -> Any:
+           default_text: str | None = None, required: bool = False) -> Any:
     """A dataclass field carrying its :class:`Option` description (``parse`` defaults to the default's type)."""
     meta = {"help": help, "parse": parse or type(default), "choices": tuple(choices) if choices else None,
-            "check": check, "flag": flag, "metavar": metavar, "const": const, "default_text": default_text}
+            "check": check, "flag": flag, "metavar": metavar, "const": const, "default_text": default_text,
+            "required": required}
     return dataclasses.field(default=default, metadata={"option": meta})
 
 

@@ -185,8 +185,11 @@ def _paths(sources: Path | Sequence[Path]) -> list[Path]:
 
 
 def build_key(sources: Path | Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str]) -> str:
-    """A hash of everything that makes the built library differ (two environments never share a folder)."""
-    parts = [*(source.read_bytes() for source in _paths(sources)), " ".join(cflags).encode(),
+    """A hash of everything that makes the built library differ (two environments never share a folder). The
+    sources' paths too: ninja's build file names them, so two checkouts of the same code sharing a folder rebuilt
+    each other's library on every switch (minutes, under the lock the other waited on)."""
+    parts = [*(source.read_bytes() for source in _paths(sources)),
+             *(str(source.resolve()).encode() for source in _paths(sources)), " ".join(cflags).encode(),
              " ".join(ldflags).encode(), torch.__version__.encode(),
              str(Path(torch.__file__).resolve().parent).encode(), sys.version.encode(),
              str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), platform.machine().encode(),

@@ -535,3 +535,15 @@ def test_sampling_flags_at_temperature_zero_are_said_to_change_nothing(capsys, n
             main(["generate", "--target", "smollm2-135m", "--method", "ar", "--prompt", "hi", *extra])
         err = capsys.readouterr().err
         assert ("warning: --top-k, --seed change nothing at --temperature 0 (greedy)" in err) == said, err
+
+
+def test_distill_offers_no_method_it_cannot_run(capsys, no_loading):
+    """A method whose option has no default (eagle's head) was offered, then failed after the model loaded: distill
+    has no flag to give it."""
+    from mirrorsd.decoding import methods
+
+    needs = [m.name for m in methods() if any(o.required for o in m.options.fields())]
+    assert needs  # (else this test checks nothing)
+    with pytest.raises(SystemExit) as e:
+        main(["distill", "--method", needs[0]])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err

@@ -117,6 +117,9 @@ def test_build_key_covers_compiler_flags_source_and_torch(tmp_path, monkeypatch)
     source.write_text(SOURCE + "// changed\n")
     assert kernels.build_key(source, ["-O3"], []) != base
     source.write_text(SOURCE)
+    (tmp_path / "clone").mkdir()
+    (tmp_path / "clone" / "a.cpp").write_text(SOURCE)  # the same code in another checkout (ninja records paths)
+    assert kernels.build_key(tmp_path / "clone" / "a.cpp", ["-O3"], []) != base
     monkeypatch.setattr(kernels.torch, "__version__", "0.0.0-other")
     assert kernels.build_key(source, ["-O3"], []) != base
     monkeypatch.undo()

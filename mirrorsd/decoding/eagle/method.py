@@ -30,7 +30,7 @@ from .runtime import HeadRunner
 @dataclass(frozen=True)
 class EagleOptions(MethodOptions):
     head: Any = option(None, "the trained head: a `mirrorsd train-eagle` folder (or an EagleHead)", parse=str,
-                       metavar="FOLDER", default_text="required")
+                       metavar="FOLDER", required=True)
     gamma: int = option(5, "draft tokens per verification window (a chain)", check=at_least(1))
     draft_vocab: int | None = draft_vocab_option(None)
 
