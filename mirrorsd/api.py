@@ -322,6 +322,11 @@ def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
         draft = None
     recommended = plan_for(target, draft)["recommended"]
     method = recommended["method"]
+    takes = {o.name for o in get_method(method).options.fields()}
+    for name in options:
+        if name not in takes:  # ("gamma is not an option of method 'ar'", of a method the user never named)
+            raise OptionError(name, f"is not an option of method {method!r}, which method='auto' chose from this "
+                              "machine's plan for the pair; name a method to use it")
     return method, {**recommended["options"], **options}, draft if get_method(method).needs_draft else None
 
 

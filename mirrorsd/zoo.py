@@ -158,7 +158,7 @@ def _entry(name: str) -> ZooEntry:
     try:
         return ZOO[name]
     except KeyError:
-        raise ModelNotFoundError(f"{name!r} is not a zoo model. {_zoo_hint(name)}") from None
+        raise ModelNotFoundError(f"{name!r} is not a zoo model. {_zoo_hint(name, folders=False)}") from None
 
 
 def model_dir(name: str) -> Path:
@@ -171,14 +171,14 @@ def gguf_path(name: str) -> Path:
     return model_dir(name) / GGUF_NAME
 
 
-def _zoo_hint(name: str | None = None) -> str:
+def _zoo_hint(name: str | None = None, folders: bool = True) -> str:
+    """The zoo's names (the closest first); ``folders``: where a model is loaded, a local folder works too (not
+    where only zoo models are meant: `models prepare` of a folder was told to pass the folder it had passed)."""
     names = sorted(ZOO)
     close = difflib.get_close_matches(name, names, n=1) if name else []
     maybe = f"Did you mean {close[0]!r}? " if close else ""
-    return (
-        f"{maybe}Zoo models: {', '.join(names)} (see `mirrorsd models list`); "
-        "or pass a local Hugging Face folder containing config.json."
-    )
+    return (f"{maybe}Zoo models: {', '.join(names)} (see `mirrorsd models list`)"
+            + ("; or pass a local Hugging Face folder containing config.json." if folders else "."))
 
 
 # ------------------------------------------------------------------------------------ locating parts

@@ -138,6 +138,17 @@ def test_auto_with_a_draft_of_another_tokenizer_plans_without_it(tiny, tmp_path,
     assert "draft d has a tokenizer of its own" in capsys.readouterr().err
 
 
+def test_an_option_the_method_auto_chose_does_not_take_says_auto_chose_it(tiny, tmp_path, monkeypatch):
+    from mirrorsd import plans
+
+    monkeypatch.setattr(plans, "plan_path", lambda target, draft: tmp_path / f"{target}-{draft}.json")
+    monkeypatch.setattr(plans, "_planner", lambda target, draft: {"recommended": {"method": "ar", "options": {}}})
+    target = LoadedModel(tiny, tokenizer=_Vocab({"a": 0}), name="t")
+    with pytest.raises(ValueError, match="gamma is not an option of method 'ar', which method='auto' chose"):
+        generate(target, [1, 2, 3], draft=LoadedModel(tiny, tokenizer=target.tokenizer, name="d"), method="auto",
+                 gamma=4)
+
+
 @requires_smollm2
 def test_chat_messages_without_a_role_or_content_are_refused_clearly():
     target = mirrorsd.load_model("smollm2-135m")

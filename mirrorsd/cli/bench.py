@@ -194,7 +194,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model(bp)
     add_weights(bp, "comma-separated weight formats", default="fp32,q8,q4", choices=None)
     bp.add_argument("--activations", choices=ACTIVATION_FORMATS, default="int8",
-                    help="activation precision of the quantized formats (int8x2 is what zoo models run by default)")
+                    help="activation precision of the quantized formats (`mirrorsd models list` shows each zoo model's "
+                         "default format)")
     bp.add_argument("--tokens", type=int, default=4096, help="corpus tokens scored")
     bp.add_argument("--window", type=int, default=512, help="tokens per scored window")
     bp.add_argument("--json", action="store_true", help="print one JSON object per format")

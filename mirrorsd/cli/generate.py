@@ -281,7 +281,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trace and rank in (None, 0):
         write_chrome_trace(spans, args.trace, metadata={"target": args.target, "draft": args.draft, "method": method,
                                                         "options": {k: str(v) for k, v in options.items()}})
-        err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)", style="dim", highlight=False)
+        err.print(f"trace written to {args.trace} (open in ui.perfetto.dev)" if spans else
+                  f"--trace: method {method} recorded no spans ({args.trace} holds none: only a draft that runs "
+                  "beside the target traces its lanes)", style="dim", highlight=False)
     if rank is not None:
         leave_launched_world()
     return 0

@@ -219,3 +219,11 @@ def zoo_adapter(name: str) -> Path:
     folder = shipped_adapter(name)
     assert folder is not None
     return folder
+
+
+def test_models_prepare_of_a_folder_does_not_suggest_passing_a_folder(tmp_path: Path, capsys) -> None:
+    """`models prepare` takes zoo names only: a folder holding config.json was told to pass such a folder."""
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(["models", "prepare", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert "is not a zoo model" in err and "folder" not in err.split("is not a zoo model")[1]
