@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .sampling import is_integer
+
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
@@ -81,10 +83,12 @@ def load_suite(spec: str) -> list[Question]:
             turns = row["turns"] if "turns" in row else [row["prompt"]]
             if not turns or not all(isinstance(t, str) and t for t in turns):
                 raise ValueError("turns must be non-empty strings")
-            questions.append(Question(int(row.get("question_id", n)), str(row.get("category", "custom")),
-                                      tuple(turns)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f'{path}:{n}: expected a JSON object with "turns" (list) or "prompt" ({e})') from None
+        qid = row.get("question_id", n)
+        if not is_integer(qid):  # (int("q2") failed as if "turns" were missing)
+            raise ValueError(f'{path}:{n}: "question_id" must be an integer, got {json.dumps(qid)}')
+        questions.append(Question(int(qid), str(row.get("category", "custom")), tuple(turns)))
     if not questions:
         raise ValueError(f"{path} holds no questions")
     return questions

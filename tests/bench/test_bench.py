@@ -326,6 +326,9 @@ def test_suites(tmp_path):
     path.write_text('{"turns": []}\n')
     with pytest.raises(ValueError, match=":1:"):
         load_suite(str(path))
+    path.write_text('{"turns": ["a"], "question_id": "q2"}\n')  # (blamed "turns", which was there)
+    with pytest.raises(ValueError, match=':1: "question_id" must be an integer, got "q2"'):
+        load_suite(str(path))
     with pytest.raises(FileNotFoundError):
         load_suite("nope.jsonl")
     with pytest.raises(ValueError, match="positive"):
