@@ -349,6 +349,7 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     """Measure costs, probe acceptance on ``prompts`` ((group, ids) pairs), rank every candidate. ``quick``:
     fewer window sizes and rounds, no split-thread tables and no hybrid runs (``method="auto"``'s first use)."""
     from ..api import shares_tokenizer
+    from ..exit_heads import ExitTranslators, shipped_exit
     from .probe import EXITS, run_probe
 
     if draft is not None and not shares_tokenizer(target, draft):
@@ -361,9 +362,15 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     sizes = dict(rounds=3, target_ks=(1, 2, 4, 8, 16), draft_ks=(1, 2, 4, 8, 16, 32, 64)) if quick else {}
     costs = measure_costs(target.model, draft.model if draft else None, sorted(set(exits.values())),
                           split=None if quick else split_threads(), **sizes)
-    probe = run_probe(target, draft, prompts, max_new, exits=EXITS, progress=progress) if draft else None
+    # The exit Mirror-SD's priced options run (exit_head "auto"): the target's shipped tuned exit at the layers it
+    # has a translator for, the lens elsewhere. The lens's fallback priced a tuned run (0.89 against 0.75 on the
+    # Qwen pair at κ = 8, N/2). γ up to the largest priced (a window of 8 was priced with 7's acceptance).
+    shipped = shipped_exit(target.name or "")
+    tuned = ExitTranslators.load(shipped) if shipped is not None else None
+    probe = run_probe(target, draft, prompts, max_new, gamma=max(Measured.gammas), exits=EXITS, progress=progress,
+                      tuned=tuned) if draft else None
     per_position = probe.per_position() if probe else []
-    fallback = {exits[name]: row for name, row in probe.fallback().items()} if probe else {}
+    fallback = exit_fallback(probe.fallback(), exits) if probe else {}
     if progress:
         print("pricing the methods (short runs where acceptance depends on the text)…", flush=True)
     found = candidates(Measured(costs, per_position, fallback, quick=quick, target=target, draft=draft,
@@ -375,6 +382,14 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     return Plan(target.name, draft.name if draft else None, machine_label(),
                 costs, probe.to_dict() if probe else {}, [row(c) for c in ranked],
                 row(recommend(ranked)), setup_of(target, draft))
+
+
+def exit_fallback(rows: Mapping[str, Mapping[int, float]], exits: Mapping[str, int]) -> dict[int, Mapping[int, float]]:
+    """Per exit layer, the probe's fallback per κ of the exit a priced Mirror-SD runs there: the tuned one where the
+    probe read one (``exit_head="auto"`` takes the shipped tuned exit wherever it has that layer), else the lens."""
+    from .probe import TUNED
+
+    return {layer: rows.get(name + TUNED, rows[name]) for name, layer in exits.items() if name in rows}
 
 
 def quick_plan(target, draft) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Acceptance and early-exit statistics from one untimed vanilla-SD pass (fixed γ windows; greedy, or speculative
-sampling at a temperature).
+"""Acceptance and early-exit statistics from one untimed vanilla-SD pass (fixed γ windows; greedy, or sampling at a
+temperature, verified by sample-and-match as the methods do by default, or by speculative sampling).
 
 At every step the target's early exit is read at several depths (N/4, N/2, 3N/4) on the verified window, and
 the rank of the target's correction (or bonus token) among the exit's top candidates at slot A+1 is recorded.
@@ -15,7 +15,8 @@ Proposition 1 bounds the fallback by 1 − Ω_κ, Ω_κ being the target's proba
 a correction *drawn from* q. The correction is drawn from q only at a bonus slot. After a rejection it comes from
 the residual norm(max(q − p, 0)) under speculative sampling, and under greedy decoding it is the argmax, a point
 mass. So the probe records Ω twice: with the paper's q (at temperature 1 when greedy), and with the distribution
-the correction was actually drawn from, whose complement is exactly the fallback's expectation.
+the correction was actually drawn from, whose complement is exactly the fallback's expectation (greedy and under
+speculative sampling; under sample-and-match a mismatch conditions the target's own draw, with no closed form).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..decoding.engine import (
     rejection,
 )
 from ..decoding.proposers import ModelProposer
+from ..draft_vocab import head_logits, optional_head
 from ..exit_heads import ExitTranslators
 from ..sampling import SamplingParams, probabilities
 
@@ -64,6 +66,7 @@ class Probe:
     drawn: dict[str, dict[str, list[list[float]]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     temperature: float = 0.0
+    acceptance: str = "greedy"  # how windows were verified: greedy, match or rejection (:func:`run_probe`)
 
     def groups(self) -> list[str]:
         return [*self.accepted, "all"]
@@ -120,7 +123,8 @@ class Probe:
 
     def to_dict(self) -> dict:
         return {"gamma": self.gamma, "exit_layers": self.exit_layers, "steps": len(self._accepted("all")),
-                "temperature": self.temperature, "overlap_drawn": {g: self.overlap(g, True) for g in self.groups()},
+                "temperature": self.temperature, "acceptance": self.acceptance,
+                "overlap_drawn": {g: self.overlap(g, True) for g in self.groups()},
                 "expected_accepted": {g: self.expected_accepted(g) for g in self.groups()},
                 "per_position_acceptance": self.per_position(),
                 "fallback": {g: self.fallback(g) for g in self.groups()},
@@ -135,6 +139,7 @@ class ExitReader(ChainScorer):
     def __init__(self, model, exit_layers: dict[str, int], kappa: int, tuned: ExitTranslators | None = None) -> None:
         super().__init__(model)
         self.exit_layers, self.kappa, self.tuned = exit_layers, kappa, tuned
+        self.head = optional_head(model, None)  # the exit head decoding reads by default (exit_vocab's default)
         self.bounds = sorted(set(exit_layers.values()))
         self.exit_ids: dict[str, list[list[int]]] = {}
         self.final: torch.Tensor | None = None  # the target's logits over the window, for Ω_κ
@@ -149,7 +154,9 @@ class ExitReader(ChainScorer):
             for name, layer in self.exit_layers.items():
                 if layer == end:
                     read = self.tuned(hidden, layer) if name.endswith(TUNED) and self.tuned else hidden
-                    self.exit_ids[name] = model.logits(read)[0].topk(self.kappa, -1).indices.tolist()
+                    logits, ids = head_logits(model, read, self.head)
+                    top = logits[0].topk(self.kappa, -1).indices
+                    self.exit_ids[name] = (top if ids is None else ids[top]).tolist()
             start = end
         self.final = model.logits(hidden)[0]
         return Scores(self.final, draft)
@@ -158,26 +165,33 @@ class ExitReader(ChainScorer):
 def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: int, gamma: int = 7,
               kappas: tuple[int, ...] = KAPPAS, exits: dict[str, float] = EXITS, progress: bool = True,
               tuned: ExitTranslators | None = None, temperature: float = 0.0, seed: int = 0, top_k: int = 0,
-              top_p: float = 1.0) -> Probe:
+              top_p: float = 1.0, acceptance: str = "match") -> Probe:
     """``prompts`` are (group, token ids) pairs; ``target``/``draft`` are loaded models. The steps are the decoding
-    loop's with the shared draft proposer (fixed γ windows) and a scorer that reads the exits; with ``tuned``,
-    every depth it has a translator for is also read through it (``"1/2 tuned"``). ``temperature`` > 0: speculative
-    sampling (the draft's own noise, the target's distribution) with ``seed``, after the ``top_k`` / ``top_p``
-    filters."""
+    loop's with the shared draft proposer (fixed γ windows) and a scorer that reads the exits through the exit
+    head decoding reads by default (the reduced vocabulary where a table ships); with ``tuned``, every depth it has
+    a translator for is also read through it (``"1/2 tuned"``). ``temperature`` > 0: sampling with ``seed`` after
+    the ``top_k`` / ``top_p`` filters, verified as ``acceptance`` says: ``match`` (the methods' default: the draft
+    coupled to the target's noise, sample-and-match) or ``rejection`` (speculative sampling: the draft's own noise;
+    only then is the distribution each correction was drawn from known, the residual, for :meth:`Probe.overlap`'s
+    ``drawn`` rows)."""
+    if acceptance not in ("match", "rejection"):
+        raise ValueError(f"acceptance must be match or rejection, got {acceptance!r}")
     model, dmodel = target.model, draft.model
     n = model.config.n_layers
     exit_layers = {name: min(n - 1, max(1, round(f * n))) for name, f in exits.items()}
     if tuned is not None:
         exit_layers.update({name + TUNED: layer for name, layer in list(exit_layers.items()) if layer in tuned.layers})
-    probe = Probe(gamma, exit_layers, tuple(kappas), temperature=temperature)
+    probe = Probe(gamma, exit_layers, tuple(kappas), temperature=temperature,
+                  acceptance=acceptance if temperature > 0 else "greedy")
     bonus_exit = "1/2" + TUNED if "1/2" + TUNED in exit_layers else "1/2"
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     sampling = not params.greedy
+    speculative = sampling and acceptance == "rejection"
     for group, ids in tqdm(prompts, desc="acceptance probe", unit="prompt", disable=not progress):
         scorer = ExitReader(model, exit_layers, max(kappas), tuned)
-        proposer = ModelProposer(dmodel, model.config.vocab_size, params, gamma, rejection=sampling)
+        proposer = ModelProposer(dmodel, model.config.vocab_size, params, gamma, rejection=speculative)
         proposer.sampler.runner_ups = max(kappas) + 1
-        roles = Roles(proposer, scorer, rejection if sampling else match)
+        roles = Roles(proposer, scorer, rejection if speculative else match)
         # Room for full windows up to the last step (the loop keeps windows inside max_new_tokens).
         request = DecodeRequest(model, list(ids), max_new + gamma + 1, params, GenerationStats("probe"), dmodel)
         produced = 0
@@ -187,13 +201,18 @@ def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
                 probe.accepted[group].append(a)
             window = proposer.last
             q = (probabilities(scorer.final[a:a + 1], params)[0] if sampling else scorer.final[a].double().softmax(-1))
-            source = probabilities(scorer.final[a:a + 1], params)[0]  # greedy: the point mass on the argmax
-            if sampling and a < len(window.tokens):  # a rejection: the residual the correction was drawn from
+            # the distribution the correction was drawn from: greedy, the point mass on the argmax; a bonus slot,
+            # q; after a rejection, the residual. Under sample-and-match it has no closed form (the draft's noise is
+            # the target's, so a mismatch tells on the target's draw): no such row.
+            source = probabilities(scorer.final[a:a + 1], params)[0] if not sampling or speculative else None
+            if speculative and a < len(window.tokens):
                 residual = (source - window.probs[a].to(source)).clamp_min(0)
                 source = residual / residual.sum() if residual.sum() > 0 else source
             for name, rows in scorer.exit_ids.items():
                 probe.ranks[group][name].append(rows[a].index(c) if c in rows[a] else max(kappas))
                 for masses, dist in ((probe.omegas, q), (probe.drawn, source)):
+                    if dist is None:
+                        continue
                     mass = dist[rows[a]].cumsum(0).tolist()
                     masses[group][name].append([mass[k - 1] for k in kappas])
             if bonus_exit in scorer.exit_ids:

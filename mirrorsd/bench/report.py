@@ -160,11 +160,15 @@ def _probe(results: dict[str, Any]) -> list[str]:
     ea = p["expected_accepted"]["all"]
     fb = p["fallback"]["all"]
     kappas = sorted({int(k) for row in fb.values() for k in row})
-    decoding = f"temperature {p['temperature']}" if (p.get("temperature") or 0) >= SAMPLING_EPS else "greedy"
+    decoding = "greedy"
+    if (p.get("temperature") or 0) >= SAMPLING_EPS:  # (a probe from before "acceptance" sampled speculatively)
+        verified = {"match": "sample-and-match"}.get(p.get("acceptance", "rejection"), "speculative sampling")
+        decoding = f"temperature {p['temperature']}, {verified}"
     out = [f"## Acceptance probe (one untimed vanilla-SD pass, γ = {p['gamma']}, {decoding}, {p['steps']} full "
            "windows)",
            "", "E[A_t] vs γ: " + ", ".join(f"γ={g}: {v:.2f}" for g, v in ea.items()), "",
-           "Fallback frequency of the `paper` reuse rule (correction not among the exit's top-κ) per κ × ℓe:", "",
+           "Fallback frequency of the `paper` reuse rule (correction not among the exit's top-κ, read through the "
+           "exit head decoding reads by default) per κ × ℓe:", "",
            "| ℓe | " + " | ".join(f"κ={k}" for k in kappas) + " |", "|---|" + "---|" * len(kappas)]
     for name, row in fb.items():
         layer = p["exit_layers"][name]
@@ -179,9 +183,9 @@ def _probe(results: dict[str, Any]) -> list[str]:
     if omega:
         out += ["", "Top-κ overlap mass Ω_κ(ℓe) (Eq. 9: the target's probability on the exit's top-κ at the "
                 "correction's slot) and Proposition 1's bound on the fallback of a correction drawn from the "
-                "target, each cell measured fallback / bound 1 − Ω_κ / 1 − Ω_κ under the distribution the "
+                "target, each cell measured fallback / bound 1 − Ω_κ" + (" / 1 − Ω_κ under the distribution the "
                 "correction was drawn from (the residual after a rejection, the argmax's point mass when greedy: "
-                "the fallback's own expectation):", "",
+                "the fallback's own expectation)" if drawn else "") + ":", "",
                 "| ℓe | " + " | ".join(f"κ={k}" for k in kappas) + " |", "|---|" + "---|" * len(kappas)]
         for name, row in omega.items():
             own = drawn.get(name, {})

@@ -175,6 +175,7 @@ class BenchConfig:
     llama_server: str | None = None
     probe: bool = True
     probe_exit_head: str | None = None  # a tuned-exit folder for the probe (None: the target's shipped one)
+    probe_acceptance: str = "match"  # how the probe verifies when sampling: match (the methods' default) or rejection
     predict: bool = True
     threads_split: tuple[int, int] | None = None
 
@@ -427,7 +428,8 @@ class Bench:
                 tuned = ExitTranslators.load(shipped)
             probe_result = probe.run_probe(self.target, self.draft, prompts, cfg.max_new_tokens,
                                            progress=self.progress, tuned=tuned, temperature=cfg.temperature,
-                                           top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed).to_dict()
+                                           top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed,
+                                           acceptance=cfg.probe_acceptance).to_dict()
         return self.results(costs, probe_result)
 
     def results(self, costs: plan.Costs | None, probe_result: dict | None) -> dict[str, Any]:

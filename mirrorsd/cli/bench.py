@@ -63,7 +63,11 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
     p.add_argument("--threads-split", metavar="T,D", help="target,draft threads the planner times for the threads "
                                                          "backend (default: half each)")
     p.add_argument("--no-probe", action="store_true", help="skip the untimed acceptance / early-exit probe (it decodes "
-                   "at --temperature: speculative sampling when > 0)")
+                   "at --temperature, verified as --probe-acceptance says when > 0)")
+    p.add_argument("--probe-acceptance", choices=["match", "rejection"], default="match",
+                   help="how the probe verifies its windows when --temperature > 0: match (sample-and-match, the "
+                        "methods' default acceptance) or rejection (speculative sampling, the papers' setting; only "
+                        "then does the report give 1 - Ω under the distribution each correction was drawn from)")
     p.add_argument("--probe-exit-head", metavar="FOLDER", help="the tuned exit the probe reads next to the lens "
                    "(a `mirrorsd train-exit` folder), to compare exits on the same rollouts (default: the target's "
                    "shipped one)")
@@ -301,7 +305,8 @@ def _bench_config(args: argparse.Namespace, methods) -> object:
                            top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0), seed=args.seed,
                            runs=args.runs, warmup=args.warmup, weights=args.weights, device=args.device,
                            dtype=args.dtype, llama_server=getattr(args, "llama_server", None), probe=not args.no_probe,
-                           probe_exit_head=getattr(args, "probe_exit_head", None), predict=not args.no_predict,
+                           probe_exit_head=getattr(args, "probe_exit_head", None),
+                           probe_acceptance=getattr(args, "probe_acceptance", "match"), predict=not args.no_predict,
                            threads_split=split)
     except OptionError as e:
         raise ValueError(f"--{e.option.replace('_', '-')} {e.message}") from None

@@ -697,6 +697,27 @@ def test_a_plan_refuses_a_draft_of_another_tokenizer_before_measuring(monkeypatc
         plan.make_plan(target, draft, [("g", [1, 2])], progress=False)
 
 
+def test_the_planner_prices_mirror_with_the_exit_its_options_run(monkeypatch):
+    """Mirror-SD's priced options leave exit_head at auto, which runs the shipped tuned exit where it has the layer;
+    the planner priced them with the lens's fallback (0.89 against the tuned 0.75 at κ = 8, N/2 on the Qwen pair),
+    and a window of 8 with 7's acceptance."""
+    rows = {"1/4": {8: 0.95}, "1/2": {8: 0.89}, "1/2 tuned": {8: 0.75}}
+    assert plan.exit_fallback(rows, {"1/4": 7, "1/2": 14, "3/4": 21}) == {7: {8: 0.95}, 14: {8: 0.75}}
+    asked = {}
+
+    def probe(target, draft, prompts, max_new, **kwargs):
+        asked.update(kwargs)
+        raise StopIteration  # (what came before the probe is what this test reads)
+
+    monkeypatch.setattr(plan, "measure_costs", lambda *a, **k: None)
+    monkeypatch.setattr("mirrorsd.bench.probe.run_probe", probe)
+    target = mirrorsd.LoadedModel(SimpleNamespace(config=SimpleNamespace(n_layers=28)), name="qwen2.5-coder-1.5b")
+    with pytest.raises(StopIteration):
+        plan.make_plan(target, SimpleNamespace(model=None, name="d", tokenizer=None), [("g", [1])], progress=False)
+    assert asked["tuned"] is not None and 14 in asked["tuned"].layers  # the shipped exit at N/2
+    assert asked["gamma"] == max(plan.Measured.gammas)
+
+
 def test_generate_auto_without_a_plan_says_what_to_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plans, "plan_path", lambda target, draft: Path(tmp_path / "none.json"))
     with pytest.raises(FileNotFoundError, match="mirrorsd plan --target t"):
@@ -744,25 +765,49 @@ def test_probe_overlap_is_the_mean_mass_per_exit_and_kappa():
     assert probe.overlap() == {"1/2": {1: pytest.approx(0.4), 4: pytest.approx(0.8)}}
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_probe_omega_of_the_drawn_distribution_is_the_fallbacks_expectation(temperature):
+@pytest.mark.parametrize("temperature, acceptance", [(0.0, "match"), (1.0, "rejection"), (1.0, "match")])
+def test_probe_omega_of_the_drawn_distribution_is_the_fallbacks_expectation(temperature, acceptance):
     """Greedy, the correction's distribution is a point mass: 1 − Ω of it is the measured fallback, step by step.
-    Sampled, the correction comes from the residual after a rejection (q at a bonus slot): the masses are
-    distributions' and the fallback matches them on average only."""
+    Sampled speculatively, the correction comes from the residual after a rejection (q at a bonus slot): the masses
+    are distributions' and the fallback matches them on average only. Under sample-and-match that distribution has no
+    closed form: no such rows."""
     from mirrorsd.api import LoadedModel
     from mirrorsd.bench.probe import run_probe
     from tests.helpers import row_exact, tiny_hf
 
     target, draft = LoadedModel(row_exact(tiny_hf(layers=4, seed=1))), LoadedModel(row_exact(tiny_hf(layers=2, seed=2)))
     probe = run_probe(target, draft, [("qa", [5, 9, 2, 7]), ("rag", [3, 1, 4])], 24, gamma=3, kappas=(1, 2, 4),
-                      progress=False, temperature=temperature, seed=3)
+                      progress=False, temperature=temperature, seed=3, acceptance=acceptance)
     fallback, own, paper = probe.fallback(), probe.overlap(drawn=True), probe.overlap()
+    assert (own == {}) == (temperature > 0 and acceptance == "match")
     for name in probe.exit_layers:
         for k in (1, 2, 4):
-            assert 0.0 <= own[name][k] <= 1.0 + 1e-9 and 0.0 <= paper[name][k] <= 1.0 + 1e-9
+            assert 0.0 <= paper[name][k] <= 1.0 + 1e-9
+            assert not own or 0.0 <= own[name][k] <= 1.0 + 1e-9
             if temperature == 0.0:
                 assert fallback[name][k] == pytest.approx(1 - own[name][k])
     assert probe.to_dict()["temperature"] == temperature
+    assert probe.to_dict()["acceptance"] == (acceptance if temperature else "greedy")
+
+
+@pytest.mark.parametrize("acceptance", ["match", "rejection"])
+def test_the_probe_verifies_as_sd_does(acceptance):
+    """The probe simulated speculative sampling at every temperature while the methods default to sample-and-match:
+    at T = 1 its acceptance and fallback described a verifier the benched methods did not run. Now its windows are
+    accepted as sd's with the same acceptance, seed and fixed γ."""
+    from mirrorsd.api import LoadedModel
+    from mirrorsd.bench.probe import run_probe
+    from tests.helpers import row_exact, tiny_hf
+
+    target, draft = LoadedModel(row_exact(tiny_hf(layers=4, seed=1))), LoadedModel(row_exact(tiny_hf(layers=2, seed=2)))
+    prompt = [5, 9, 2, 7]
+    probe = run_probe(target, draft, [("qa", prompt)], 24, gamma=3, kappas=(1, 2), progress=False, temperature=1.0,
+                      seed=3, acceptance=acceptance)
+    got = mirrorsd.generate(target, prompt, draft=draft, method="sd", gamma=3, confidence=0, suffix_match=0,
+                            acceptance=acceptance, temperature=1.0, seed=3, max_new_tokens=24)
+    sd = [a for a, d in zip(got.stats.accepted, got.stats.drafted, strict=True) if d == 3]
+    n = min(len(sd), len(probe.accepted["qa"])) - 1  # (the last windows differ: sd's are cut to the room left)
+    assert n >= 3 and probe.accepted["qa"][:n] == sd[:n]
 
 
 def test_a_wrong_probe_exit_head_fails_before_any_model_loads(tmp_path):
