@@ -32,6 +32,16 @@ def smollm2():
     return ours, hf
 
 
+@pytest.fixture(autouse=True)
+def fresh_suffix_index(monkeypatch):
+    """Every test starts with an empty process-wide suffix index (every thread's): holding all earlier tests' answers,
+    sd's suffix hybrid copied ar's reference answer from it and the draft a test named never ran, so what a test
+    covered depended on the order the tests ran in."""
+    from mirrorsd.decoding import suffix_index
+
+    monkeypatch.setattr(suffix_index, "_shared", {})
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread: a tiny model's forwards are microseconds of work, and on a 2-core machine whose other

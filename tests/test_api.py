@@ -22,11 +22,14 @@ def test_eos_stops_and_is_not_output(tiny, method):
     first = next(i for i in range(3, 20) if reference[i] not in reference[:i])  # a token new at i >= 3
     model = LoadedModel(tiny, eos_token_ids=frozenset({reference[first]}))
     # The identity draft with 8-token windows puts the EOS in the middle of an accepted window.
-    kw = {"draft": tiny, "gamma": 8, "confidence": 0} if method == "sd" else {}
+    # (The model always: the measured gate began with suffix-only steps, which found nothing, so sd ran as ar.)
+    kw = {"draft": tiny, "gamma": 8, "confidence": 0, "model_gate": "always", "suffix_match": 0} \
+        if method == "sd" else {}
     g = generate(model, [1, 2, 3], method=method, max_new_tokens=20, **kw)
     assert g.finish_reason == "eos"
     assert g.token_ids == reference[:first]
     assert g.stats.new_tokens == first
+    assert (g.stats.draft_forwards > 0) == (method == "sd")
 
 
 def test_a_stop_string_over_more_tokens_than_characters_is_found(tiny):

@@ -33,7 +33,7 @@ from mirrorsd.batching import (
     model_key,
     outcomes,
 )
-from mirrorsd.decoding import GenerationStats, methods
+from mirrorsd.decoding import REFERENCE, GenerationStats, get_method, methods
 from mirrorsd.decoding.engine import budgeted_by
 from mirrorsd.decoding.mirror.options import batch_caps
 from mirrorsd.decoding.suffix_index import isolated_shared_indexes
@@ -56,6 +56,7 @@ class Req:
     seed: int
     arrival: int  # the batcher step it joins at (or once nothing else runs)
     stop_after: int | None  # tokens after which its client closes the stream (leaves mid-way)
+    confident: bool = False  # confidence=0 for the methods that take it (random drafts are never confident)
 
 
 def fp32_row_exact(hf) -> Transformer:
@@ -77,6 +78,8 @@ class Pair:
         # ss: streams in the pass or after verification (a second, stream-only window through the batcher)
         options = {"streams": self.adapters, "defer_streams": ("never", "always")[r.seed % 2]} if r.method == "ss" \
             else {"head": self.head} if r.method == "eagle" else {}
+        if r.confident and any(o.name == "confidence" for o in get_method(r.method).options.fields()):
+            options["confidence"] = 0.0
         with isolated_shared_indexes():  # (see the module docstring)
             return self._tokens(r, needs_draft, options)
 
@@ -90,6 +93,7 @@ class Pair:
             if r.stop_after is not None and len(out) >= r.stop_after:
                 stream.close()
                 break
+        self.last = stream.result  # (None when stopped early)
         return out
 
 
@@ -463,13 +467,16 @@ def test_any_speculation_budget_keeps_the_tokens(pair: Pair, method: str, temper
     """Capping a window (down to a plain step) is the budget's only power, and it cannot change a token; a capped
     step drafts no more than its cap, and the cap shows in the step log."""
     for seed in range(3):
-        r = Req(method, (1, 2, 3, 1, 2, 3, seed), 20, temperature, seed, 0, None)
+        r = Req(method, (1, 2, 3, 1, 2, 3, seed), 20, temperature, seed, 0, None, confident=True)
         want = pair.tokens(r)
         budget = RandomBudget(seed)
         with budgeted_by(budget):
             got = pair.tokens(r)
         assert got == want
-        assert budget.limits
+        log = pair.last.stats.step_log
+        assert [step.get("limit") for step in log] == budget.limits  # one cap a step, each in the log
+        assert all(step["drafted"] <= step["limit"] for step in log if "limit" in step)
+        assert any(step["drafted"] for step in log) or method == REFERENCE  # (something drafted: caps bit)
 
 
 class NoDrafts:

@@ -48,6 +48,12 @@ def test_files_round_trip_and_clear_errors(tiny_pair, tmp_path):
         tuned_exit(target, str(tmp_path / "deeper"), 1)
 
 
+def rolled_out(got) -> int:
+    """Roots Mirror-SD rolled out over a run: 0 means the early exit never ran (the serial backend's fitted budget
+    is 0 unless told), and a test of what the exit reads would test nothing."""
+    return sum(step.roots for step in got.stats.extra["mirror"].steps)
+
+
 def test_mirror_with_a_tuned_exit_equals_ar(tiny_pair, tmp_path):
     """Any translator only changes which branches the draft rolls out, never the tokens."""
     target, draft = tiny_pair
@@ -57,9 +63,9 @@ def test_mirror_with_a_tuned_exit_equals_ar(tiny_pair, tmp_path):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     for sampling in ({}, {"temperature": 0.9, "seed": 4}):
         want = mirrorsd.generate(target, prompt, method="ar", max_new_tokens=24, **sampling)
-        got = mirrorsd.generate(target, prompt, draft=draft, method="mirror", exit_layer=2,
+        got = mirrorsd.generate(target, prompt, draft=draft, method="mirror", exit_layer=2, budget=2,
                                 exit_head=str(tmp_path / "exit"), max_new_tokens=24, **sampling)
-        assert got.token_ids == want.token_ids
+        assert got.token_ids == want.token_ids and rolled_out(got) > 0
     hidden, translate = torch.randn(1, 3, d), tuned_exit(target, str(tmp_path / "exit"), 2)
     message = early_exit(target, hidden, 4, SamplingParams(), translate)
     with torch.no_grad():
@@ -129,11 +135,12 @@ def test_mirror_reads_the_shipped_tuned_exit_by_default(monkeypatch):
     prompt = "Write a haiku about the sea."
     want = mirrorsd.generate(loaded, prompt, method="ar", max_new_tokens=16)
     draft = loaded.model.prefix_model(10)
-    got = mirrorsd.generate(loaded, prompt, draft=draft, method="mirror", max_new_tokens=16)
-    assert got.token_ids == want.token_ids
+    got = mirrorsd.generate(loaded, prompt, draft=draft, method="mirror", budget=2, max_new_tokens=16)
+    assert got.token_ids == want.token_ids and rolled_out(got) > 0
     assert read == [(str(shipped_exit("smollm2-135m")), 15)]  # N/2 of 30 layers
-    got = mirrorsd.generate(loaded, prompt, draft=draft, method="mirror", exit_layer=16, max_new_tokens=16)
+    got = mirrorsd.generate(loaded, prompt, draft=draft, method="mirror", exit_layer=16, budget=2, max_new_tokens=16)
     assert got.token_ids == want.token_ids and len(read) == 1  # no translator for layer 16: the lens
+    assert rolled_out(got) > 0
     assert shipped_exit("smollm2-135m", 16) is None and shipped_exit("smollm2-135m", 22) is not None
 
 
@@ -151,8 +158,8 @@ def test_fit_on_smollm2_beats_or_matches_the_lens_and_decodes_losslessly(tmp_pat
     prompt = "Write a haiku about the sea."
     want = mirrorsd.generate(loaded, prompt, method="ar", max_new_tokens=24)
     got = mirrorsd.generate(loaded, prompt, draft=loaded.model.prefix_model(10), method="mirror", exit_layer=15,
-                            exit_head=str(tmp_path / "exit"), max_new_tokens=24)
-    assert got.token_ids == want.token_ids
+                            exit_head=str(tmp_path / "exit"), budget=2, max_new_tokens=24)
+    assert got.token_ids == want.token_ids and rolled_out(got) > 0
 
 
 def test_kl_refine_lowers_the_kl_and_keeps_the_best_held_out_step(tiny_pair):

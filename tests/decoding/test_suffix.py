@@ -337,10 +337,11 @@ def test_sd_with_either_model_gate_equals_ar(temperature):
     kw = dict(max_new_tokens=40, temperature=temperature, seed=3)
     want = generate(target, prompt, method="ar", **kw).token_ids
     for gate in ("always", "measured"):
-        got = generate(target, prompt, method="sd", draft=draft, gamma=4, model_gate=gate, **kw)
-        assert got.token_ids == want
+        with suffix_index.isolated_shared_indexes():  # (else the measured run copied the answers made before it)
+            got = generate(target, prompt, method="sd", draft=draft, gamma=4, model_gate=gate, **kw)
+        assert got.token_ids == want and got.stats.draft_forwards > 0
         logged = {s.get("gate") for s in got.stats.step_log}
-        assert logged == {None} if gate == "always" else logged <= {None, "model", "suffix"}
+        assert logged == {None} if gate == "always" else "model" in logged <= {None, "model", "suffix"}
 
 
 @pytest.mark.parametrize("backend", ["serial", "threads"])
