@@ -518,6 +518,8 @@ def stream(
     temperature, top_k, top_p = (0.0 if temperature is None else temperature, 0 if top_k is None else top_k,
                                  1.0 if top_p is None else top_p)
     stop = () if stop is None else stop
+    if seed is not None and (not is_integer(seed) or not -(2**63) <= seed < 2**63):  # (before auto's plan; 1.7 and
+        raise OptionError("seed", f"must be an integer in [-2**63, 2**63), got {seed!r}")  # True became 1)
     if not isinstance(stop, str) and not (isinstance(stop, Sequence) and all(isinstance(x, str) for x in stop)):
         raise OptionError("stop", f"must be a string or a list of strings, got {stop!r}")
     if prefix_cache is not None and prefix_cache.model is not target.model:
@@ -555,8 +557,6 @@ def stream(
                          f"{max(short - len(ids), 0)}, a draft with a longer context, or a method without a draft")
     if seed is None:  # like HF and vLLM, no seed means a fresh one; it is reported in the stats
         seed = secrets.randbits(63)
-    if not is_integer(seed) or not -(2**63) <= seed < 2**63:  # (1.7 and True became 1, 2**64 + 1 wrapped round)
-        raise OptionError("seed", f"must be an integer in [-2**63, 2**63), got {seed!r}")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))
     stats = GenerationStats(method, seed=params.seed)
     request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge, prefix_cache)

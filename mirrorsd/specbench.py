@@ -86,7 +86,9 @@ def load_suite(spec: str) -> list[Question]:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f'{path}:{n}: expected a JSON object with "turns" (list) or "prompt" ({e})') from None
         qid = row.get("question_id", n)
-        if not is_integer(qid):  # (int("q2") failed as if "turns" were missing)
+        whole = is_integer(qid) or (isinstance(qid, float) and qid.is_integer()) or \
+            (isinstance(qid, str) and qid.strip().lstrip("+-").isdigit())  # (12, 12.0 and "12" are taken)
+        if not whole:  # (int("q2") failed as if "turns" were missing)
             raise ValueError(f'{path}:{n}: "question_id" must be an integer, got {json.dumps(qid)}')
         questions.append(Question(int(qid), str(row.get("category", "custom")), tuple(turns)))
     if not questions:

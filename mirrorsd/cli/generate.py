@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 import mirrorsd
-from mirrorsd import tuned_drafts
+from mirrorsd import tuned_drafts, zoo
 from mirrorsd.api import SELF_DRAFT, self_draft_depth
 from mirrorsd.decoding import MethodOptions, get_method, leave_launched_world, methods, serve_launched
 from mirrorsd.plans import measured_otherwise, saved_recommendation
@@ -112,13 +112,17 @@ def _auto_choice(args: argparse.Namespace) -> tuple[str, dict]:
     so that the flags are checked against the method it picked; ``("auto", {})`` when there is no plan yet (the
     API then plans briefly after loading)."""
     draft = _plan_draft(args)
-    pick = None if draft.startswith(SELF_DRAFT) else saved_recommendation(args.target, draft)
+    pick = None if draft is not None and draft.startswith(SELF_DRAFT) else saved_recommendation(args.target, draft)
     return ("auto", {}) if pick is None else (pick["method"], pick["options"])
 
 
-def _plan_draft(args: argparse.Namespace) -> str:
-    """The draft a plan for ``--method auto`` is keyed by."""
-    return args.draft or DEFAULT_DRAFT
+def _plan_draft(args: argparse.Namespace) -> str | None:
+    """The draft a plan for ``--method auto`` is keyed by: ``--draft``, else the default draft where it shares the
+    target's tokenizer, else none (auto then chooses among the methods without a draft model, and no draft loads:
+    SmolLM2 as the target loaded the Qwen draft for nothing, and the plan was never found before loading)."""
+    if args.draft:
+        return args.draft
+    return None if zoo.same_tokenizer(args.target, DEFAULT_DRAFT) is False else DEFAULT_DRAFT
 
 
 def _checked_target_tp(args: argparse.Namespace) -> int:
@@ -225,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
         shown = " ".join(f"{k}={v}" for k, v in options.items())
         err.print(f"mirrorsd: auto chose {method} {shown} (this machine's plan for the pair; `mirrorsd plan` "
                   "re-plans)".replace("  ", " "), style="dim", highlight=False)
-    needs_draft = method == "auto" or get_method(method).needs_draft  # auto: the plan is keyed by the draft too
+    # auto: the plan is keyed by the draft too
+    needs_draft = _plan_draft(args) is not None if method == "auto" else get_method(method).needs_draft
     tp = _checked_target_tp(args)
     ranked = _draft_ranks(args, method, options)
     draft_tp = _checked_draft_tp(args, tp, ranked)

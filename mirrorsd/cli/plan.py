@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 import mirrorsd
+from mirrorsd import zoo
 from mirrorsd.api import encode_chat
 from mirrorsd.bench.plan import make_plan
 from mirrorsd.decoding import REFERENCE
@@ -25,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Measures the target's k-token forward, prefix and early-exit costs and the draft's k-row "
         "costs here, probes acceptance and early-exit fallback on a few Spec-Bench prompts, predicts every "
         "method's speed with the Mirror-SD latency law (Eq. 10) and saves the best for `generate --method auto`.")
-    add_pair(pl, self_drafts=False)  # (a plan is kept under its draft's name; a self-draft has none)
+    # (a plan is kept under its draft's name; a self-draft has none)
+    add_pair(pl, self_drafts=False, also=", or none: plan only the methods without a draft model (also where the "
+             "draft does not share the target's tokenizer)")
     add_weights(pl)
     pl.add_argument("--suite", default="specbench:1", help="calibration prompts: specbench[:N], assist or FILE.jsonl")
     add_sampling(pl, max_new_tokens=(48, "tokens per calibration prompt"))
@@ -39,8 +43,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out and Path(args.out).is_dir():  # (found out only when saving, after minutes of measuring)
         raise ValueError(f"--out names the plan's file, and {args.out} is a folder")
     warn_if_busy("the plan")
+    if args.draft == "none" or zoo.same_tokenizer(args.target, args.draft) is False:
+        if args.draft != "none":  # (SmolLM2 had no zoo draft of its tokenizer, so it could not be planned at all)
+            print(f"mirrorsd: {args.draft} does not share {args.target}'s tokenizer: planning the methods without a "
+                  "draft model (what --method auto then chooses among)", file=sys.stderr, flush=True)
+        args.draft = None
     target = mirrorsd.load_model(args.target, weights=args.weights)
-    draft = mirrorsd.load_model(args.draft, weights=args.weights)
+    draft = mirrorsd.load_model(args.draft, weights=args.weights) if args.draft else None
     prompts = [(q.group, encode_chat(target, [{"role": "user", "content": q.turns[0]}]))
                for q in load_suite(args.suite)]
     plan = make_plan(target, draft, prompts, args.max_new_tokens)

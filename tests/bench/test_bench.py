@@ -329,6 +329,8 @@ def test_suites(tmp_path):
     path.write_text('{"turns": ["a"], "question_id": "q2"}\n')  # (blamed "turns", which was there)
     with pytest.raises(ValueError, match=':1: "question_id" must be an integer, got "q2"'):
         load_suite(str(path))
+    path.write_text('{"turns": ["a"], "question_id": "12"}\n{"turns": ["b"], "question_id": 3.0}\n')
+    assert [q.question_id for q in load_suite(str(path))] == [12, 3]
     with pytest.raises(FileNotFoundError):
         load_suite("nope.jsonl")
     with pytest.raises(ValueError, match="positive"):

@@ -6,6 +6,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -480,6 +481,31 @@ def test_default_method_runs_the_saved_plan_without_loading_an_unused_draft(caps
     rc, out, _ = run(capsys, "generate", "--target", "smollm2-135m", "--method", "ar", "--prompt", "Say hi.",
                      "--max-new-tokens", "6", "--json")
     assert json.loads(out)["token_ids"] == row["token_ids"]
+
+
+@requires_smollm2
+def test_auto_on_a_target_the_default_draft_cannot_serve_loads_no_draft(capsys, tmp_path, monkeypatch):
+    """The default draft is Qwen's: for SmolLM2 as the target, auto loaded it on every run (13 s cold) and looked for
+    a plan under its name, which a draft-free plan is never saved under. `mirrorsd plan` refused the pair outright."""
+    import mirrorsd
+    from mirrorsd import plans, zoo
+
+    assert zoo.same_tokenizer("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b") is True
+    assert zoo.same_tokenizer("smollm2-135m", "qwen2.5-coder-0.5b") is False
+    assert zoo.same_tokenizer(str(tmp_path), "qwen2.5-coder-0.5b") is None  # (a folder: known once loaded)
+    monkeypatch.setattr(plans, "plan_path", lambda target, draft: tmp_path / f"{target}__{draft}.json")
+    made, loaded, load = [], [], mirrorsd.load_model
+    monkeypatch.setattr(plans, "_planner", lambda target, draft: made.append(draft) or
+                        {"recommended": {"method": "suffix", "options": {}}})
+    monkeypatch.setattr(mirrorsd, "load_model", lambda name, **kw: loaded.append(name) or load(name, **kw))
+    rc, out, err = run(capsys, "generate", "--target", "smollm2-135m", "--prompt", "Say hi.", "--max-new-tokens",
+                       "4", "--json")
+    assert rc == 0 and loaded == ["smollm2-135m"] and made == [None], err
+    monkeypatch.setattr("mirrorsd.cli.plan.make_plan", lambda target, draft, *a, **k: pytest.fail(str(draft))
+                        if draft is not None else SimpleNamespace(save=lambda path: path, to_dict=dict))
+    loaded.clear()
+    rc, _, err = run(capsys, "plan", "--target", "smollm2-135m", "--out", str(tmp_path / "p.json"), "--json")
+    assert loaded == ["smollm2-135m"] and "planning the methods without a draft model" in err
 
 
 @requires_smollm2
