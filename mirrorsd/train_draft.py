@@ -371,7 +371,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
         meta["spd_tracks"] = spd_tracks
     if soft_top:
         meta["top_k"] = soft_top
-    shards, complete = open_cache(cache, meta, data, n_train)
+    shards, complete, meta = open_cache(cache, meta, data, n_train)  # (meta: with the data's version)
     if not complete:
         if target_cache is None and target is None:
             raise ValueError("labels need the target model or its state cache")

@@ -186,7 +186,7 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
     n_train = chunks or min(steps, 10_000)
     meta = {"model": model_name, "weights": decode_format, "data": list(data), "seq_len": seq_len,
             "chunks": n_train, "held_out": held_out, "seed": seed, "features": list(layers)}
-    shards, complete = open_cache(cache, meta, data, n_train)
+    shards, complete, meta = open_cache(cache, meta, data, n_train)  # (meta: with the data's version)
     if not complete:
         all_chunks = make_chunks(tokenizer, corpus_texts(data, model_name, tokenizer), seq_len, n_train + held_out,
                                  seed)

@@ -326,7 +326,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     meta = {"model": model_name, "weights": decode_format, "data": list(data), "seq_len": seq_len, "chunks": n_train,
             "held_out": held_out, "distill": distill, "seed": seed, "first_layer": first, "n_layers": cfg.n_layers,
             "hidden_size": cfg.hidden_size}
-    shards, complete = open_cache(cache, meta, data, n_train)
+    shards, complete, meta = open_cache(cache, meta, data, n_train)  # (meta: with the data's version)
     if not complete:
         texts = corpus_texts(data, model_name, tokenizer)
         all_chunks = make_chunks(tokenizer, texts, seq_len, n_train + held_out, seed)

@@ -309,10 +309,12 @@ def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
     return index
 
 
-def open_cache(folder: Path, meta: dict[str, Any], sources: list[str], count: int) -> tuple[list[Path], bool]:
-    """A state cache's training shard paths for ``count`` windows, and whether it is complete (all of them and the
-    held-out shard exist). ``meta`` gains the ``distill:`` sources' shard counts and is checked by
-    :func:`check_cache`."""
+def open_cache(folder: Path, meta: dict[str, Any], sources: list[str], count: int
+               ) -> tuple[list[Path], bool, dict[str, Any]]:
+    """A state cache's training shard paths for ``count`` windows, whether it is complete (all of them and the
+    held-out shard exist), and its ``meta`` with the data's version: the ``distill:`` sources' shard counts and the
+    text sources' digests, checked by :func:`check_cache`. A checkpoint records that meta, so a run resumes only on
+    the data it started on (other data reshuffles the windows: its held-out ones were trained on)."""
     if versions := data_versions(list(sources)):
         meta = meta | {"data_shards": versions, "distill_documents": DISTILL_DOCUMENTS}
     path = folder / CACHE_META
@@ -321,7 +323,7 @@ def open_cache(folder: Path, meta: dict[str, Any], sources: list[str], count: in
         meta = meta | {"data_digests": digests}
     check_cache(folder, meta)
     shards = shard_paths(folder, count, SHARD_CHUNKS)
-    return shards, all(p.exists() for p in [*shards, folder / HELD_OUT])
+    return shards, all(p.exists() for p in [*shards, folder / HELD_OUT]), meta
 
 
 def optimize(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params: Iterable[torch.Tensor]) -> None:

@@ -216,3 +216,25 @@ def test_a_cache_of_text_that_changed_is_refused(tmp_path):
     del recorded["data_digests"]  # a cache from before the digests: taken as it was
     (cache / CACHE_META).write_text(json.dumps(recorded))
     open_cache(cache, meta, [str(text)], 4)
+
+
+def test_a_run_resumes_only_on_the_data_it_started_on(tmp_path):
+    """A distill folder that grew (or a text that changed) refuses the old cache; the user gives another, as told,
+    and resumed: the new cache reshuffles the windows, so the resumed run's held-out windows were ones its first
+    steps trained on (3 of 4 in a review's run). The checkpoint records the data's version with the cache's meta."""
+    from mirrorsd.training import open_cache
+
+    text, meta = tmp_path / "notes.txt", {"model": "m", "chunks": 4, "seq_len": 8}
+    text.write_text("one text\n")
+    _, _, first = open_cache(tmp_path / "cache", meta, [str(text)], 4)
+    text.write_text("another text\n")
+    _, _, second = open_cache(tmp_path / "another cache", meta, [str(text)], 4)
+    assert first["data_digests"] != second["data_digests"] and first.items() >= meta.items()
+    model = torch.nn.Linear(4, 1)
+    trainable = Trainable(list(model.parameters()), model.state_dict, model.load_state_dict, "linear")
+    run = lambda cache: fit(tmp_path / "out", trainable, [0, 1, 2], lambda i: (None, 0, {}), dict, steps=6,  # noqa: E731
+                            lr=0.05, seed=3, eval_every=2, save_every=1, desc="test", settings={"cache": cache},
+                            progress=False)
+    run(first)
+    with pytest.raises(ValueError, match=r"other settings .*'cache'"):
+        run(second)
