@@ -113,6 +113,9 @@ def head_weight(head: nn.Module, embedding: torch.Tensor, tied: bool) -> torch.T
 
 
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(size, kind, device): SubsetHead}
+#: Heads kept per model, the least recently used dropped first: a server's clients may ask for any size (18 MB each
+#: on SmolLM2, more on the Qwen pair), and every new one was kept for the life of the process.
+KEPT_HEADS = 4
 
 
 def subset_table(vocab_size: int, size: int, kind: str = "corpus") -> torch.Tensor:
@@ -130,8 +133,12 @@ def subset_head(model, size: int, kind: str = "corpus") -> SubsetHead:
     built once per model (a q8 copy of those rows) and shared by every request and role that asks for it."""
     heads = _HEADS.setdefault(model, {})
     key = (size, kind, model.device)
-    if key not in heads:
+    if key in heads:
+        heads[key] = heads.pop(key)  # the most recently used last
+    else:
         table = subset_table(model.config.vocab_size, size, kind)
+        while len(heads) >= KEPT_HEADS:  # (a request in flight keeps its own)
+            heads.pop(next(iter(heads)))
         heads[key] = SubsetHead(model.lm_head, model.embed_tokens.weight, table,
                                 model.config.tie_word_embeddings).eval()
     return heads[key]

@@ -203,6 +203,17 @@ def test_subset_head_columns_map_back_to_token_ids(tables):
     assert torch.equal(ids, want.indices) and torch.allclose(logprobs, want.values)
 
 
+def test_a_model_keeps_a_few_subset_heads_not_one_per_size_ever_asked(tables):
+    """A server's clients may send any draft_vocab / exit_vocab / stream_vocab: each new size built a head that was
+    kept for the life of the process (18 MB a size on SmolLM2, 734 MB after 40 sizes in a review's run)."""
+    model = row_exact(tiny_hf(layers=2, seed=1))
+    often = dv.subset_head(model, 16)
+    for size in range(2, 40):
+        dv.subset_head(model, size)
+        assert dv.subset_head(model, 16) is often  # the one in use stays
+    assert len(dv._HEADS[model]) == dv.KEPT_HEADS
+
+
 def test_optional_head_defaults_to_the_full_vocabulary_where_no_larger_table_ships(tables, monkeypatch):
     model = row_exact(tiny_hf(layers=2, seed=1))  # vocabulary 64, smaller than the 32k default
     assert dv.optional_head(model, None) is None and dv.optional_head(model, 0) is None

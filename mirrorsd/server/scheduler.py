@@ -107,6 +107,13 @@ class Scheduler:
         with self._ready:  # (stop() swaps the queue under this lock: a job appended after its sentinels hung)
             if self._stopping:
                 raise APIError(503, "the server is shutting down", code="shutting_down")
+            # Jobs whose client left while queued go now, not when a worker reaches them: behind long answers, each
+            # held its prompt and closure (~130 KB) and the queue grew without bound while no 429 was sent.
+            gone = [queued for queued in self._queue if queued is not None and queued.cancelled.is_set()]
+            if gone:
+                self._queue = deque(q for q in self._queue if q is None or not q.cancelled.is_set())
+                for queued in gone:
+                    queued.send("cancelled")  # (what a worker taking it would have said)
             if self.waiting >= self.max_queued:
                 raise APIError(429, f"too many requests: {self.max_queued} are waiting already; retry later",
                                code="queue_full")

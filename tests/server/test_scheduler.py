@@ -151,6 +151,29 @@ def test_a_queued_job_whose_client_left_frees_its_place():
     run_jobs(body)
 
 
+def test_jobs_whose_clients_left_do_not_pile_up_in_the_queue():
+    """Behind a long answer, every client that gave up while queued stayed in the queue (its prompt and closure, ~130
+    KB each) until a worker reached it, and the queue grew without bound while no 429 was sent."""
+    async def body(loop) -> None:
+        scheduler = Scheduler(max_queued=2, max_running=1)
+        scheduler.start()
+        running = Job(EndlessStream, loop)
+        scheduler.submit(running)
+        await first_event(running, "started")
+        gone = []
+        for _ in range(50):
+            job = Job(EndlessStream, loop)
+            scheduler.submit(job)
+            job.cancel()
+            gone.append(job)
+        assert len(scheduler._queue) <= 1  # (the last one, pruned at the next submit)
+        for job in gone[:-1]:
+            assert (await first_event(job, "cancelled")).kind == "cancelled"
+        running.cancel()
+        await asyncio.to_thread(scheduler.stop, 5.0)
+    run_jobs(body)
+
+
 def test_a_burst_fills_every_free_place_before_any_429():
     """Jobs submitted before the idle workers woke counted as waiting: a burst of no more than the free places got
     429s (a load generator's first wave did)."""

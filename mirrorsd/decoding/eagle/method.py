@@ -114,13 +114,18 @@ class HeadProposer:
 
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(head, vocab): HeadRunner}
+KEPT_RUNNERS = 2  # runners kept per target, the least recently used dropped first
 
 
 def runner_for(target: Transformer, source: str | Path | EagleHead, vocab: int) -> HeadRunner:
     """One runner per target, head and vocabulary, shared by every request (its int8 weights are built once)."""
     key = (source if isinstance(source, EagleHead) else str(Path(source).resolve()), vocab)
     runners = _RUNNERS.setdefault(target, {})
-    if key not in runners:
+    if key in runners:
+        runners[key] = runners.pop(key)  # the most recently used last
+    else:
+        while len(runners) >= KEPT_RUNNERS:  # (a server's clients may ask for any draft_vocab: ~125 MB each on
+            runners.pop(next(iter(runners)))  # SmolLM2, all kept for the life of the process)
         runners[key] = HeadRunner(target, load_head(target, source), vocab, draft_table_kind(target.config.vocab_size))
     return runners[key]
 
