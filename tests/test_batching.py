@@ -962,3 +962,24 @@ def test_goodput_keeps_a_method_plain_after_a_long_plain_run() -> None:
     rule.batcher.steps.extend(_record(8, 0, 8, 0, 0.080) for _ in range(256))  # one size: no line to fit
     assert rule.batcher.cost_curve(8) is None
     assert rule.acceptance(poor) is not None and rule.limit(state) == 0
+
+
+def test_the_goodput_rule_keeps_no_ended_requests_statistics():
+    """It kept the whole statistics of up to 128 ended requests (step logs, spans, Mirror-SD's steps) to read 16
+    pairs of counts: ~260 MB for Mirror-SD at 2,048 tokens each."""
+    import gc
+    import weakref
+
+    from mirrorsd.batching import _Drafted
+
+    stats = GenerationStats("sd")
+    for accepted in (2, 0, 3):
+        stats.record_step(3, accepted)
+    stats.draft_s, stats.draft_forwards = 0.5, 9
+    tracker = _Drafted(stats)
+    seen, drafting = tracker.outcomes(), tracker.drafting()
+    gone = weakref.ref(stats)
+    del stats
+    gc.collect()
+    assert gone() is None and tracker.stats is None  # nothing but the request held them
+    assert tracker.outcomes() == seen and tracker.drafting() == drafting == (0.5, 9)
