@@ -242,7 +242,7 @@ class Measured:
 
     costs: Costs
     per_position: Sequence[float]
-    fallback: Mapping[int, Mapping[int, float]]
+    fallback: Mapping[int, Mapping[int, Mapping[int, float]]]  # by γ, exit layer, κ
     gammas: Sequence[int] = range(1, 9)
     kappas: Sequence[int] = (1, 2, 4, 8)
     backends: Sequence[str] = ("serial", "threads")
@@ -370,7 +370,7 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     probe = run_probe(target, draft, prompts, max_new, gamma=max(Measured.gammas), exits=EXITS, progress=progress,
                       tuned=tuned) if draft else None
     per_position = probe.per_position() if probe else []
-    fallback = exit_fallback(probe.fallback(), exits) if probe else {}
+    fallback = {g: exit_fallback(probe.fallback(gamma=g), exits) for g in Measured.gammas} if probe else {}
     if progress:
         print("pricing the methods (short runs where acceptance depends on the text)…", flush=True)
     found = candidates(Measured(costs, per_position, fallback, quick=quick, target=target, draft=draft,

@@ -57,7 +57,10 @@ class Probe:
     exit_layers: dict[str, int]
     kappas: tuple[int, ...]
     accepted: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # per group, full windows
-    ranks: dict[str, dict[str, list[int]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    # per group and exit, per step: the rank among the exit's top candidates of the target's token at every slot up
+    # to the correction's (the accepted draft tokens, then the correction); max(kappas) where not among them
+    ranks: dict[str, dict[str, list[list[int]]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     draft_ranks: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # candidates=draft
     # Eq. 9's Ω_κ(ℓe) per step: the target's probability mass on the exit's top-κ at slot A+1, one entry per κ
     omegas: dict[str, dict[str, list[list[float]]]] = field(
@@ -74,10 +77,12 @@ class Probe:
     def _accepted(self, group: str) -> list[int]:
         return [a for acc in self.accepted.values() for a in acc] if group == "all" else self.accepted[group]
 
-    def _ranks(self, group: str, exit_name: str) -> list[int]:
-        if group == "all":
-            return [r for by_exit in self.ranks.values() for r in by_exit[exit_name]]
-        return self.ranks[group][exit_name]
+    def _ranks(self, group: str, exit_name: str, gamma: int | None = None) -> list[int]:
+        """Per step, the rank of the token that fills the correction's slot: with ``gamma`` < the probe's γ, that of
+        a γ-token window over the same steps, slot min(A, γ)."""
+        rows = ([r for by_exit in self.ranks.values() for r in by_exit[exit_name]] if group == "all"
+                else self.ranks[group][exit_name])
+        return [row[-1] if gamma is None else row[min(len(row) - 1, gamma)] for row in rows]
 
     def expected_accepted(self, group: str = "all") -> dict[int, float]:
         """E[A_t] (accepted draft tokens per step, the paper's convention) for γ' = 1..γ."""
@@ -94,11 +99,14 @@ class Probe:
             out.append(sum(a > i for a in reached) / len(reached) if reached else 0.0)
         return out
 
-    def fallback(self, group: str = "all") -> dict[str, dict[int, float]]:
-        """Per exit depth and κ: the share of steps whose correction is not among the exit's top-κ."""
+    def fallback(self, group: str = "all", gamma: int | None = None) -> dict[str, dict[int, float]]:
+        """Per exit depth and κ: the share of steps whose correction is not among the exit's top-κ. ``gamma``: of a
+        window of that many tokens instead, as E[A] for γ' ≤ γ is read from the same steps. A shorter window's
+        correction slot holds a token the longer one accepted, which is the target's own token there (greedy, and
+        under sample-and-match with the same noise); under speculative sampling a bonus draw stands in for it."""
         out = {}
         for name in self.exit_layers:
-            ranks = self._ranks(group, name)
+            ranks = self._ranks(group, name, gamma)
             if ranks:
                 out[name] = {k: sum(r >= k for r in ranks) / len(ranks) for k in self.kappas}
         return out
@@ -208,8 +216,10 @@ def run_probe(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
             if speculative and a < len(window.tokens):
                 residual = (source - window.probs[a].to(source)).clamp_min(0)
                 source = residual / residual.sum() if residual.sum() > 0 else source
+            filled = [*window.tokens[:a], c]  # the target's token at every slot up to the correction's
             for name, rows in scorer.exit_ids.items():
-                probe.ranks[group][name].append(rows[a].index(c) if c in rows[a] else max(kappas))
+                probe.ranks[group][name].append([row.index(t) if t in row else max(kappas)
+                                                 for row, t in zip(rows, filled, strict=False)])
                 for masses, dist in ((probe.omegas, q), (probe.drawn, source)):
                     if dist is None:
                         continue

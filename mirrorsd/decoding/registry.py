@@ -233,7 +233,9 @@ class PlanInputs(Protocol):
     quick: bool  # ``auto``'s first use: no split-thread tables, no hybrid runs
     files: ShippedFiles | None  # the target's shipped files (None: pricing without models)
     per_position: Sequence[float]  # the probe's per-position acceptance of the draft alone
-    fallback: Mapping[int, Mapping[int, float]]  # fallback frequency by exit layer, then κ (the probe's exit ranks)
+    # fallback frequency by window size γ, exit layer, then κ (the probe's exit ranks): a shorter window's
+    # correction fills an earlier slot, where the exit reads otherwise
+    fallback: Mapping[int, Mapping[int, Mapping[int, float]]]
     gammas: Sequence[int]
     kappas: Sequence[int]
     backends: Sequence[str]

@@ -213,7 +213,7 @@ def test_latency_law_terms():
 
 
 def test_planner_ranks_by_predicted_speed():
-    perfect, fallback = [1.0] * 8, {4: {1: 0.5, 8: 0.0}}
+    perfect, fallback = [1.0] * 8, {g: {4: {1: 0.5, 8: 0.0}} for g in range(1, 9)}
     ranked = sorted(plan.candidates(plan.Measured(costs(draft_ms=0.5), perfect, fallback, backends=("serial",))),
                     key=lambda c: -c.tokens_per_s)
     assert ranked[0].method in ("sd", "mirror") and ranked[0].tokens_per_step == 9.0  # cheap, perfect draft
@@ -222,6 +222,19 @@ def test_planner_ranks_by_predicted_speed():
                      key=lambda c: -c.tokens_per_s)
     assert useless[0].method == "ar"  # a costly draft that is never right loses to ar
     assert plan.Costs.from_dict(json.loads(json.dumps(costs().to_dict()))) == costs()
+
+
+def test_mirror_is_priced_with_each_windows_own_fallback():
+    """Every γ was priced with the γ = 8 window's fallback."""
+    mirror = get_method("mirror")
+    fallback = {1: {4: {1: 0.0}}, 2: {4: {1: 1.0}}}
+    measured = plan.Measured(costs(), [0.5] * 8, fallback, gammas=(1, 2), kappas=(1,), backends=("serial",))
+    priced = {p.options["gamma"]: p.step_ms for p in mirror.plan(measured, mirror)}
+    for gamma, hit in ((1, True), (2, False)):
+        options = {"gamma": gamma, "kappa": 1, "exit_layer": 4, "roots": "paper", "backend": "serial",
+                   "confidence": 0.0}
+        step = {"drafted": gamma, "gamma": gamma, "roots": gamma + 1, "exit_layer": 4, "hit": hit}
+        assert priced[gamma] == pytest.approx(mirror.price(measured.costs, step, **options))
 
 
 def test_a_reduced_draft_head_is_priced_with_its_own_table():
@@ -810,6 +823,29 @@ def test_the_probe_verifies_as_sd_does(acceptance):
     sd = [a for a, d in zip(got.stats.accepted, got.stats.drafted, strict=True) if d == 3]
     n = min(len(sd), len(probe.accepted["qa"])) - 1  # (the last windows differ: sd's are cut to the room left)
     assert n >= 3 and probe.accepted["qa"][:n] == sd[:n]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_probe_reads_a_shorter_windows_fallback_from_the_same_steps(temperature):
+    """The planner priced every γ with the probe's γ = 8 fallback, though a shorter window's correction comes at
+    an earlier slot, where the exit reads otherwise. A γ-window probe now reads, for each γ' < γ, the slot a
+    γ'-window's correction would fill: on the first step (same context) it is what a γ'-window probe records."""
+    from mirrorsd.api import LoadedModel
+    from mirrorsd.bench.probe import run_probe
+    from tests.helpers import row_exact, tiny_hf
+
+    target = LoadedModel(row_exact(tiny_hf(layers=4, seed=1)))
+    prompt, kw = [5, 9, 2, 7], dict(kappas=(1, 2, 4), progress=False, temperature=temperature, seed=3)
+    long = run_probe(target, target, [("qa", prompt)], 1, gamma=4, **kw)  # (one step: its own draft accepts all)
+    assert long.accepted["qa"] == [4]
+    for gamma in (1, 2, 3, 4):
+        short = run_probe(target, target, [("qa", prompt)], 1, gamma=gamma, **kw)
+        for name in long.exit_layers:
+            assert long._ranks("qa", name, gamma) == short._ranks("qa", name)
+        assert long.fallback(gamma=gamma) == short.fallback()
+    assert long.fallback(gamma=4) == long.fallback()
+    ranks = [long._ranks("qa", name, g)[0] for name in long.exit_layers for g in (1, 2, 3, 4)]
+    assert len(set(ranks)) > 1  # (the slots differ: the test tells a shorter window from the longest)
 
 
 def test_a_wrong_probe_exit_head_fails_before_any_model_loads(tmp_path):

@@ -95,7 +95,7 @@ def plan(inputs: PlanInputs, method: Method) -> list[Priced]:
     out = []
     for g in inputs.gammas:
         tokens = inputs.expected_tokens(g)
-        for e, by_kappa in inputs.fallback.items():
+        for e, by_kappa in inputs.fallback.get(g, {}).items():
             for k in inputs.kappas:
                 if k not in by_kappa:
                     continue
