@@ -74,7 +74,7 @@ def load_suite(spec: str) -> list[Question]:
     if not path.is_file():
         raise FileNotFoundError(f"--suite {spec!r}: not 'specbench', 'specbench:N', 'assist' or an existing JSONL "
                                 "file")
-    questions = []
+    questions, lines = [], {}
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -90,6 +90,10 @@ def load_suite(spec: str) -> list[Question]:
             (isinstance(qid, str) and qid.strip().lstrip("+-").isdigit())  # (12, 12.0 and "12" are taken)
         if not whole:  # (int("q2") failed as if "turns" were missing)
             raise ValueError(f'{path}:{n}: "question_id" must be an integer, got {json.dumps(qid)}')
+        if int(qid) in lines:  # (answer files key rows by it: one of the two answers would be lost)
+            raise ValueError(f"{path}:{n}: question_id {int(qid)} is taken by line {lines[int(qid)]} (a line without "
+                             "one takes its line number)")
+        lines[int(qid)] = n
         questions.append(Question(int(qid), str(row.get("category", "custom")), tuple(turns)))
     if not questions:
         raise ValueError(f"{path} holds no questions")

@@ -16,7 +16,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..decoding.engine import GenerationStats
 
 OVERALL = "overall"
 
@@ -140,6 +143,13 @@ def pooled_counters(answers: Sequence[Answer], method: str) -> dict[str, float]:
     return dict(totals)
 
 
+def draft_counters(stats: GenerationStats) -> dict[str, float]:
+    """A turn's drafting sums: ``model_drafted`` counts what the draft model drafted, for η̄ (a suffix lookup's
+    windows cost no draft forward, and counted they made a one-token-a-forward draft look like a streaming one)."""
+    return {"drafted": sum(stats.drafted), "accepted": sum(stats.accepted), "draft_forwards": stats.draft_forwards,
+            "model_drafted": sum(s["drafted"] for s in stats.step_log if s.get("draft_forwards"))}
+
+
 def method_extras(answers: Sequence[Answer], method: str) -> dict[str, float]:
     """Mirror-SD's fallback frequency and hidden-draft fraction, SS's call reduction, the acceptance rate and the
     draft's η̄, from pooled counters."""
@@ -157,8 +167,8 @@ def method_extras(answers: Sequence[Answer], method: str) -> dict[str, float]:
     forwards = c.get("fresh_forwards", 0) + c.get("rollout_forwards", 0)
     if forwards:
         out["draft_tokens_per_forward"] = (c.get("fresh_tokens", 0) + c.get("rollout_depth", 0)) / forwards
-    elif c.get("draft_forwards"):
-        out["draft_tokens_per_forward"] = c["drafted"] / c["draft_forwards"]
+    elif c.get("draft_forwards"):  # (the model's windows only: a suffix lookup's cost no draft forward)
+        out["draft_tokens_per_forward"] = c.get("model_drafted", c["drafted"]) / c["draft_forwards"]
     return out
 
 

@@ -19,6 +19,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,23 @@ PLD_TOKENS, PLD_NGRAM = 10, 3  # Spec-Bench's PLD settings (draft_num_candidate_
 
 
 
+def truncated(target, draft) -> bool:
+    """Whether ``draft`` is the target's own first layers (``self:N``): the target's files, fewer layers."""
+    return draft.path == target.path and draft.config.n_layers < target.config.n_layers
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
 class HFPeers:
     """HF models loaded once, on the device and dtype of our target."""
 
@@ -47,7 +66,12 @@ class HFPeers:
         self.model = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).to(self.device).eval()
         self.assistant = None
         if draft is not None and draft.path is not None:
-            self.assistant = AutoModelForCausalLM.from_pretrained(draft.path, dtype=dtype).to(self.device).eval()
+            # a self:N draft is the target's folder read through its first N layers (then its final norm and head,
+            # as ours): HF's assistant must be that too, not the whole target
+            layers = {"num_hidden_layers": draft.config.n_layers} if truncated(target, draft) else {}
+            with quiet_transformers():  # (its checkpoint's later layers go unused, on purpose)
+                self.assistant = AutoModelForCausalLM.from_pretrained(draft.path, dtype=dtype, **layers)
+            self.assistant = self.assistant.to(self.device).eval()
 
     @torch.inference_mode()
     def generate(self, method: str, ids: list[int], max_new: int, params: SamplingParams,

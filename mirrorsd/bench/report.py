@@ -59,7 +59,7 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
     groups = _groups(results)
     runs = cfg["runs"]
     lines = [
-        f"# mirrorsd bench: {cfg['target']} + draft {cfg['draft']}",
+        f"# mirrorsd bench: {cfg['target']}" + (f" + draft {d}" if (d := results.get("draft", cfg["draft"])) else ""),
         "",
         f"Machine: {_machine(results['machine'])}.",
         f"Suite `{cfg['suite']}` ({results['questions']} questions), max {cfg['max_new_tokens']} new tokens, "
@@ -236,7 +236,8 @@ TRADEOFF_PLOT = "tradeoff_vs_gamma.png"
 def tradeoff_curves(runs: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
     """Methods that differ only in ``gamma``, across one or more runs (each with its own draft), as curves: label
     (kind, draft, the options that tell curves apart) -> γ -> ms per token (median run), accepted draft tokens per
-    step (MAT − 1, the paper's E[A_t]) and tok/s. Curves with a single γ are left out."""
+    step (MAT − 1, the paper's E[A_t]), tok/s and whether every answer equalled its reference's. Curves with a
+    single γ are left out."""
     points: dict[tuple[str, str, tuple], dict[int, dict[str, float]]] = {}
     for results in runs:
         draft = results["config"].get("draft") or ""
@@ -248,7 +249,7 @@ def tradeoff_curves(runs: list[dict[str, Any]]) -> dict[str, dict[int, dict[str,
             tps = s["tokens_per_s"]["median"]
             points.setdefault((s["kind"], draft, rest), {})[int(gamma)] = {
                 "ms_per_token": 1e3 / tps if tps else float("nan"), "tokens_per_s": tps,
-                "accepted": s["mean_accepted_tokens"] - 1}
+                "accepted": s["mean_accepted_tokens"] - 1, "lossless": not diverged(s)}
     points = {key: c for key, c in points.items() if len(c) > 1}
     shared = set.intersection(*(set(rest) for _, _, rest in points)) if points else set()
     return {" ".join(x for x in (kind, draft, ":".join(f"{k}={v}" for k, v in rest if (k, v) not in shared)) if x):
@@ -264,12 +265,15 @@ def tradeoff_table(runs: list[dict[str, Any]]) -> list[str]:
     out = ["| curve | " + " | ".join(f"γ={g}" for g in gammas) + " |", "|---|" + "---|" * len(gammas)]
     for label, c in curves.items():
         out.append(f"| {label} | " + " | ".join(
-            f"{c[g]['ms_per_token']:.1f} ms, {c[g]['accepted']:.2f}" if g in c else "" for g in gammas) + " |")
+            f"{c[g]['ms_per_token']:.1f} ms, {c[g]['accepted']:.2f}{'' if c[g]['lossless'] else ' ✗'}" if g in c
+            else "" for g in gammas) + " |")
     refs = [f"{r['config'].get('draft')}: `ar` {r['summary'][REFERENCE]['tokens_per_s']['median']:.2f} tok/s "
             f"({1e3 / r['summary'][REFERENCE]['tokens_per_s']['median']:.1f} ms per token)"
             for r in runs if REFERENCE in r["summary"]]
-    return [*out, "", "Each cell: latency per token (median run), accepted draft tokens per step (E[A_t]). "
-            + "; ".join(refs) + ".", ""]
+    lossy = any(not p["lossless"] for c in curves.values() for p in c.values())
+    return [*out, "", "Each cell: latency per token (median run), accepted draft tokens per step (E[A_t])"
+            + ("; ✗: **not lossless**, an answer differed from its reference's (the run's report lists where)"
+               if lossy else "") + ". " + "; ".join(refs) + ".", ""]
 
 
 def plot_tradeoff(runs: list[dict[str, Any]], path: Path) -> bool:
@@ -284,10 +288,16 @@ def plot_tradeoff(runs: list[dict[str, Any]], path: Path) -> bool:
     if not curves:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    marked = False
     for label, c in curves.items():
         gammas = list(c)
         left.plot(gammas, [c[g]["ms_per_token"] for g in gammas], marker="o", label=label)
         right.plot(gammas, [c[g]["accepted"] for g in gammas], marker="o", label=label)
+        lossy = [g for g in gammas if not c[g]["lossless"]]
+        for axis, key in ((left, "ms_per_token"), (right, "accepted")):  # a point that is not lossless: a red x
+            axis.plot(lossy, [c[g][key] for g in lossy], "x", color="red", ms=10, mew=2,
+                      label="not lossless" if lossy and axis is right and not marked else None)
+        marked = marked or bool(lossy)
     for r in runs:
         if REFERENCE in r["summary"]:
             left.axhline(1e3 / r["summary"][REFERENCE]["tokens_per_s"]["median"], color="black", lw=0.8, ls=":")

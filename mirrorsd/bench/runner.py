@@ -39,8 +39,8 @@ from ..runtime.load import busy_warning, others_cpu_share
 from ..sampling import SAMPLING_EPS, SamplingParams
 from ..specbench import GROUPS, Question, load_suite
 from . import metrics, plan, probe
-from .metrics import Answer, Turn
-from .peers import HF_METHODS, LLAMA_METHODS, HFPeers, LlamaServer, find_llama_server, server_flags
+from .metrics import Answer, Turn, draft_counters
+from .peers import HF_METHODS, LLAMA_METHODS, HFPeers, LlamaServer, find_llama_server, server_flags, truncated
 
 NEAR_TIE = 1e-3  # logit units: a divergence with a smaller gap is float reordering, not a bug
 PEER_REFERENCES = {"hf-assisted": "hf-ar", "hf-pld": "hf-ar", "hf-ar": "hf-ar", "llama-server": "llama-server-ar",
@@ -262,6 +262,10 @@ class Bench:
         ctx = min(self.target.config.context_length, 8192)
         threads = torch.get_num_threads()
         for spec in specs:
+            if spec.kind == "llama-server" and truncated(self.target, self.draft):
+                self.notes.append(f"`{spec.label}` skipped: llama-server drafts with a model file, and the "
+                                  f"{self.config.draft} draft is the target's first layers, not a file of its own")
+                continue
             draft = d_gguf if spec.kind == "llama-server" else None
             flags = server_flags(spec.options) if spec.kind == "llama-server-ngram" else None
             try:
@@ -303,7 +307,7 @@ class Bench:
         turn = Turn(new_tokens=st.new_tokens, wall_s=wall, token_ids=g.token_ids, text=g.text,
                     prefill_s=st.prefill_s, accept_lengths=[a + 1 for a in st.accepted] or [1] * st.new_tokens,
                     drafted=list(st.drafted) if st.accepted else [0] * st.new_tokens, steps=list(st.step_log))
-        turn.counters = {"drafted": sum(st.drafted), "accepted": sum(st.accepted), "draft_forwards": st.draft_forwards}
+        turn.counters = draft_counters(st)
         for extra in st.extra.values():
             turn.counters.update(extra.counters())
             overlapped = extra.timeline()  # the timeline shows the first overlapped run if any
@@ -461,13 +465,23 @@ class Bench:
                 s["predicted_tokens_per_s"] = self._predicted(spec, costs)
             summary[spec.label] = s
         return {"config": self.config.to_dict(), "machine": machine(), "target_weights": self.target.weights,
+                "draft": self.config.draft if self.draft is not None else None,  # (the configured one may not load)
                 "notes": self.notes, "questions": len(self.questions), "summary": summary,
                 "costs": costs.to_dict() if costs else None, "probe": probe_result, "timeline": self.timeline,
                 "answers": [{**{k: v for k, v in vars(a).items() if k != "turns"},
                              "turns": [t.to_dict() for t in a.turns]} for a in answers]}
 
     def _predicted(self, spec: MethodSpec, costs: plan.Costs) -> float | None:
-        """Mean per-question speed the latency law predicts from this method's own recorded steps."""
+        """Mean per-question speed the latency law predicts from this method's own recorded steps; None where its
+        cores are split otherwise than the one split the costs were measured at."""
+        threads = getattr(get_method(spec.kind).options.parse(spec.options, spec.kind), "threads", None) \
+            if ours(spec.kind) else None
+        if threads is not None and costs.split and list(threads) != list(costs.split["threads"]):
+            note = (f"`{spec.label}` is not predicted: its threads {','.join(map(str, threads))} are not the split "
+                    f"the costs were measured at ({','.join(map(str, costs.split['threads']))}; --threads-split)")
+            if note not in self.notes:  # (results are written after every question)
+                self.notes.append(note)
+            return None
         speeds = []
         for a in (a for a in self.answers if a.method == spec.label and a.run == 0):
             times = [plan.turn_time(costs, spec.kind, t.steps, t.prefill_s, spec.options)
@@ -486,7 +500,8 @@ def write_answers(results: dict[str, Any], out: Path) -> list[Path]:
     for stale in folder.glob("*.jsonl"):  # (an earlier run's methods: not this run's answers)
         if stale.name not in names.values():
             stale.unlink()
-    model_id = f"{results['config']['target']}+{results['config']['draft']}"
+    draft = results.get("draft", results["config"]["draft"])
+    model_id = results["config"]["target"] + (f"+{draft}" if draft else "")
     paths = []
     for label in results["summary"]:
         rows: dict[int, dict[str, Any]] = {}

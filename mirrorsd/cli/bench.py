@@ -221,9 +221,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tradeoff", formatter_class=HelpFormatter,
         help="latency and acceptance vs γ across runs with different drafts (the Mirror-SD paper's Fig. 3a)",
         description="Reads the results.json of one or more `mirrorsd bench` runs (one per draft, each with methods "
-        "that differ only in gamma, e.g. sd-g1=sd:gamma=1:confidence=0 ... sd-g7=...) and draws every curve in one "
-        "figure: latency per token and accepted draft tokens per step against γ, with each run's ar dotted. Writes "
-        "tradeoff_vs_gamma.png and tradeoff.md to --out.")
+        "that differ only in gamma, e.g. sd-g1=sd:gamma=1:confidence=0:suffix_match=0 ... sd-g7=...) and draws "
+        "every curve in one figure: latency per token and accepted draft tokens per step against γ, with each "
+        "run's ar dotted. Writes tradeoff_vs_gamma.png and tradeoff.md to --out.")
     bt.add_argument("runs", nargs="+", metavar="RUN", help="bench output folders (or their results.json)")
     bt.add_argument("--out", default="bench_out/tradeoff", help="output folder")
 
@@ -360,7 +360,8 @@ def _run_bench(config, out: Path) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     specs = [MethodSpec("ar", "ar")]
     for gamma in parse_csv(args.gammas, int):
-        specs.append(MethodSpec(f"sd γ={gamma}", "sd", {"gamma": gamma, "confidence": 0.0}))
+        # vanilla SD: fixed windows from the draft alone (sd's default suffix lookup in front would measure its gate)
+        specs.append(MethodSpec(f"sd γ={gamma}", "sd", {"gamma": gamma, "confidence": 0.0, "suffix_match": 0}))
         grid = itertools.product(parse_csv(args.exit_layers, number), parse_csv(args.kappas, int),
                                  parse_csv(args.roots), parse_csv(args.candidates), parse_csv(args.backends))
         for exit_layer, kappa, roots, candidates, backend in grid:
@@ -452,6 +453,9 @@ def _tradeoff(args: argparse.Namespace) -> int:
             print(f"mirrorsd: warning: {path} is a run that did not finish: its figures cover only the questions "
                   "it answered", file=sys.stderr)
     table = tradeoff_table(runs)
+    if any("✗" in row for row in table):
+        print("mirrorsd: warning: points marked ✗ are not lossless: an answer differed from its reference's",
+              file=sys.stderr)
     if not table:
         raise ValueError("no method in these runs comes at two or more values of gamma: nothing to draw")
     out = Path(args.out)

@@ -22,7 +22,8 @@ def build(req: DecodeRequest, opts: AROptions) -> Roles:
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: AROptions) -> float:
-    return costs.target(1)
+    """One forward, none where the prefill's logits gave the step its token (the first, on a CPU)."""
+    return costs.target(1) if step.get("target_forwards", 1) else 0.0
 
 
 def plan(inputs: PlanInputs, method: Method) -> list[Priced]:

@@ -605,6 +605,8 @@ def run(request: DecodeRequest, roles: Roles) -> Iterator[list[int]]:
                 detail = roles.log(scores, verdict) if roles.log is not None else {}
                 if scores.draft.forwards:  # what a draft model's forwards read, for the planner's cost model
                     detail.update(draft_forwards=scores.draft.forwards, fed=scores.draft.fed)
+                if not scores.forwards:  # (the prefill's logits served it: a cost model charges no forward)
+                    detail.update(target_forwards=0)
                 if state.limit is not None:
                     detail.update(limit=state.limit)
                 if state.batch > 1:

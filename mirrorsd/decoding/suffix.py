@@ -53,8 +53,9 @@ def build(req: DecodeRequest, opts: SuffixOptions) -> Roles:
 
 
 def step_cost(costs: Any, step: dict[str, Any], opts: SuffixOptions) -> float:
-    """The lookup costs microseconds; a step is one target forward over the window and the last token."""
-    return costs.target(step["drafted"] + 1)
+    """The lookup costs microseconds; a step is one target forward over the window and the last token (none where
+    the prefill's logits gave the step its token: the first, with nothing drafted)."""
+    return costs.target(step["drafted"] + 1) if step.get("target_forwards", 1) else 0.0
 
 
 #: The configurations the planner prices by running them: acceptance depends on how much the text repeats.

@@ -80,6 +80,23 @@ def test_mean_accepted_tokens_includes_the_bonus_and_pools_steps():
     assert metrics.per_position_acceptance(rows, "ar") == []
 
 
+def test_draft_eta_counts_the_draft_models_windows_only():
+    """A suffix lookup's windows cost no draft forward: counted, they gave a one-token-a-forward draft η̄ 1.28."""
+    from mirrorsd.api import LoadedModel
+    from tests.helpers import row_exact, tiny_hf
+
+    target, draft = LoadedModel(row_exact(tiny_hf(layers=4, seed=1))), LoadedModel(row_exact(tiny_hf(layers=2, seed=2)))
+    g = mirrorsd.generate(target, [5, 6, 7, 8, 9] * 6, draft=draft, method="sd", max_new_tokens=64, suffix_match=1)
+    log = g.stats.step_log
+    assert sum(s["drafted"] for s in log if s.get("source") == "suffix") > 0  # (the lookup drafted some windows)
+    counters = metrics.draft_counters(g.stats)
+    assert counters["model_drafted"] == sum(s["drafted"] for s in log if s.get("source") == "model") > 0
+    sd = [answer("sd", 0, 1, "qa", 1, 1.0, counters=counters)]
+    eta = metrics.method_extras(sd, "sd")["draft_tokens_per_forward"]
+    assert eta == pytest.approx(counters["model_drafted"] / counters["draft_forwards"])
+    assert eta <= 1.0  # an AR draft: a token a forward at most
+
+
 def test_mirror_and_ss_extras_pool_counters():
     rows = [answer("m", 0, 1, "qa", 1, 1.0, counters={"tree_steps": 4, "misses": 1, "hidden_s": 0.3, "draft_s": 1.0}),
             answer("m", 0, 2, "qa", 1, 1.0, counters={"tree_steps": 6, "misses": 1, "hidden_s": 0.1, "draft_s": 1.0}),
@@ -116,7 +133,10 @@ def test_tradeoff_curves_join_runs_by_draft_and_leave_single_points_out(tmp_path
     assert curves["sd self:0.5"][3]["ms_per_token"] == pytest.approx(1e3 / 15)
     assert curves["sd d"][1]["accepted"] == pytest.approx(1.0)  # MAT 2.0, bonus excluded
     table = "\n".join(report.tradeoff_table(runs))
-    assert "| sd d | 100.0 ms, 1.00 | 33.3 ms, 1.00 |" in table
+    assert "| sd d | 100.0 ms, 1.00 | 33.3 ms, 1.00 |" in table and "not lossless" not in table
+    runs[1]["summary"]["sd-g3"] = {**runs[1]["summary"]["sd-g3"], "lossless": {"checked": 2, "equal": 1}}
+    table = "\n".join(report.tradeoff_table(runs))  # (a diverged point was drawn and tabled as any other)
+    assert "| sd self:0.5 | 200.0 ms, 1.00 | 66.7 ms, 1.00 ✗ |" in table and "not lossless" in table
     assert report.plot_tradeoff(runs, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 1000
     folders = []
     for i, results in enumerate(runs):
@@ -197,10 +217,16 @@ def test_latency_law_terms():
     # a rollout shorter than Δ is hidden; a miss adds the exposed fresh rollout γ·D(1)
     short = {**step, "gamma": 1, "roots": 1}
     assert step_ms("mirror", short, backend="threads") == pytest.approx(8.5 + ee + 8.5)
-    assert step_ms("mirror", {**short, "hit": False}, backend="threads") == pytest.approx(8.5 + ee + 8.5 + 2.0)
+    assert step_ms("mirror", {**short, "hit": False, "draft_forwards": 1}, backend="threads") == pytest.approx(
+        8.5 + ee + 8.5 + 2.0)
     # the first step's fresh rollout also reads the prompt (64 tokens): D(64), as sd's draft does
-    first = {**short, "hit": False, "fed": 64}
+    first = {**short, "hit": False, "fed": 64, "draft_forwards": 1}
     assert step_ms("mirror", first, backend="threads") == pytest.approx(8.5 + ee + 8.5 + 32.0)
+    # a fresh rollout is charged the forwards it ran (a confident window ends early; γ were charged), else one per
+    # drafted token (what the planner prices)
+    miss = {**step, "hit": False}
+    assert step_ms("mirror", {**miss, "draft_forwards": 3}) == pytest.approx(8.5 + ee + 8.5 + 224 + 3 * 2.0)
+    assert step_ms("mirror", miss) == pytest.approx(8.5 + ee + 8.5 + 224 + 7 * 2.0)
     # the serial budget rolls out nothing: no exit, a fresh rollout for every window (vanilla SD's step)
     none = {**step, "roots": 0, "hit": None}
     assert step_ms("mirror", none) == pytest.approx(17.0 + 7 * 2.0) == step_ms("sd", {"drafted": 7})
@@ -210,6 +236,20 @@ def test_latency_law_terms():
     assert plan.turn_time(c, "sd", steps, 0.5, {}) == pytest.approx(0.5 + (31.0 + 10.0) / 1e3)
     assert plan.turn_time(c, "ar", [{"drafted": 0}] * 5, 0.0, {}) == pytest.approx(0.05)
     assert plan.turn_time(c, "hf-ar", [], 0.0, {}) is None
+
+
+def test_the_law_charges_ar_and_suffix_the_forwards_they_ran():
+    """The first step takes its token from the prefill's logits (no forward): it was charged one."""
+    from mirrorsd.api import LoadedModel
+    from tests.helpers import row_exact, tiny_hf
+
+    target = LoadedModel(row_exact(tiny_hf(layers=4, seed=1)))
+    for kind in ("ar", "suffix"):
+        g = mirrorsd.generate(target, [5, 6, 7, 8, 9] * 3, method=kind, max_new_tokens=8)
+        log, forwards = g.stats.step_log, g.stats.target_forwards - 1  # (the prefill's is timed apart)
+        ran = [s for s in log if s.get("target_forwards", 1)]
+        assert len(ran) == forwards and (kind != "ar" or len(ran) < len(log)), kind
+        assert sum(step_ms(kind, s) for s in log) == pytest.approx(sum(costs().target(s["drafted"] + 1) for s in ran))
 
 
 def test_planner_ranks_by_predicted_speed():
@@ -235,6 +275,22 @@ def test_mirror_is_priced_with_each_windows_own_fallback():
                    "confidence": 0.0}
         step = {"drafted": gamma, "gamma": gamma, "roots": gamma + 1, "exit_layer": 4, "hit": hit}
         assert priced[gamma] == pytest.approx(mirror.price(measured.costs, step, **options))
+
+
+def test_a_thread_split_other_than_the_measured_one_is_not_predicted():
+    """A sweep over --thread-splits predicted every split from the one split table measured (331 ms for 1,1, 2,2
+    and 3,1 alike)."""
+    from mirrorsd.bench.runner import Bench, MethodSpec
+
+    c = dataclasses.replace(costs(), split={"threads": [1, 1], "target_ms": {}, "prefix_ms": {}, "draft_ms": {}})
+    bench = SimpleNamespace(notes=[], answers=[])
+    other = MethodSpec("m31", "mirror", {"backend": "threads", "threads": "3,1"})
+    assert Bench._predicted(bench, other, c) is None and Bench._predicted(bench, other, c) is None
+    assert bench.notes == ["`m31` is not predicted: its threads 3,1 are not the split the costs were measured at "
+                           "(1,1; --threads-split)"]
+    Bench._predicted(bench, MethodSpec("m11", "mirror", {"backend": "threads", "threads": "1,1"}), c)
+    Bench._predicted(bench, MethodSpec("d", "mirror", {"backend": "threads"}), c)  # (the measured split)
+    assert len(bench.notes) == 1
 
 
 def test_a_reduced_draft_head_is_priced_with_its_own_table():
@@ -344,6 +400,9 @@ def test_suites(tmp_path):
         load_suite(str(path))
     path.write_text('{"turns": ["a"], "question_id": "12"}\n{"turns": ["b"], "question_id": 3.0}\n')
     assert [q.question_id for q in load_suite(str(path))] == [12, 3]
+    path.write_text('{"turns": ["a"], "question_id": 2}\n{"turns": ["b"]}\n')  # (line 2 takes id 2: one answer row)
+    with pytest.raises(ValueError, match=":2: question_id 2 is taken by line 1"):
+        load_suite(str(path))
     with pytest.raises(FileNotFoundError):
         load_suite("nope.jsonl")
     with pytest.raises(ValueError, match="positive"):
@@ -390,6 +449,26 @@ def time_costs_briefly(monkeypatch) -> None:
 
 
 # -- end to end on real weights --------------------------------------------------------------------------------
+
+
+@requires_smollm2
+def test_hf_assisted_drafts_with_the_self_draft_it_is_given():
+    """With ``--draft self:N`` HF's assistant was the target's whole folder (30 layers where ours drafted with 12),
+    so the peer's row compared another draft. It is now the first N layers through the final norm and head, as
+    ours: the same logits."""
+    from mirrorsd.api import self_draft
+    from mirrorsd.bench.peers import HFPeers
+
+    target = mirrorsd.load_model("smollm2-135m", weights="fp32", progress=False)
+    draft = self_draft(target, "self:12")
+    hf = HFPeers(target, draft)
+    assert hf.assistant.config.num_hidden_layers == 12 and hf.model.config.num_hidden_layers == 30
+    ids = torch.tensor([target.tokenizer.encode("The capital of France is")])
+    with torch.inference_mode():
+        ours = draft.model(ids)[0].float()
+        theirs = hf.assistant(ids).logits[0].float()
+    assert torch.allclose(ours[-1], theirs[-1], atol=1e-3, rtol=1e-3)
+    assert HFPeers(target, target).assistant.config.num_hidden_layers == 30  # a whole model stays whole
 
 
 @requires_smollm2
@@ -450,7 +529,9 @@ def test_bench_samples_through_the_filters_it_is_given(tmp_path, monkeypatch, ca
     for label in ("ar", "ss", "hf-ar", "hf-pld"):
         line = json.loads((out / "answers" / f"{label}.jsonl").read_text().splitlines()[0])
         assert line["choices"][0]["turns"] == [greedy], label
-    assert "temperature 1.0, top-k 1," in (out / "report.md").read_text()
+        assert line["model_id"] == f"smollm2-135m/{label}"  # (named the default draft, never loaded)
+    report = (out / "report.md").read_text()
+    assert "temperature 1.0, top-k 1," in report and report.startswith("# mirrorsd bench: smollm2-135m\n")
 
 
 @requires_smollm2
@@ -556,6 +637,7 @@ def test_sweep_plan_and_generate_auto(tmp_path, monkeypatch, capsys):
     assert list(summary) == ["ar", "sd γ=2", "mirror γ=2 κ=1 ℓe=0.5 paper exit serial",
                              "mirror γ=2 κ=1 ℓe=0.5 paper draft serial"]
     assert summary["mirror γ=2 κ=1 ℓe=0.5 paper exit serial"]["options"]["kappa"] == 1
+    assert summary["sd γ=2"]["options"]["suffix_match"] == 0  # vanilla SD, not the hybrid and its gate
     assert summary["mirror γ=2 κ=1 ℓe=0.5 paper draft serial"]["options"]["candidates"] == "draft"
     capsys.readouterr()
 

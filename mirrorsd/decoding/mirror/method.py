@@ -81,8 +81,11 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     # a window no branch was kept for (a miss, or no rollout) is a fresh rollout; a suffix draft is free
     fresh = float(step["hit"] is not True and step.get("source", "model") == "model")
     exit_head = c.exit_head(w) if roots else 0.0  # the exit only picks roots: none rolled out, none read
-    # the fresh rollout's first forward reads what the draft's cache lacked (the prompt, on the first step), as sd's
-    rollout_fresh = c.draft(max(step.get("fed", 1), 1), opts.draft_vocab) + (gamma - 1) * c.draft(1, opts.draft_vocab)
+    # the fresh rollout's first forward reads what the draft's cache lacked (the prompt, on the first step), as sd's;
+    # its forwards as recorded (a confident window ends early), else one per drafted token
+    forwards = step.get("draft_forwards", step["drafted"])
+    d = partial(c.draft, vocab=opts.draft_vocab)
+    rollout_fresh = d(max(step.get("fed", 1), 1)) + (forwards - 1) * d(1) if forwards else 0.0
     return pre + exit_head + core + fresh * rollout_fresh
 
 
