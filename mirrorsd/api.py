@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -152,8 +153,20 @@ def self_draft(target: LoadedModel, spec: str) -> LoadedModel:
     layers = round(depth * n_layers) if isinstance(depth, float) else depth
     if not 0 < layers < n_layers:
         raise ValueError(f"draft {spec}: the self-draft needs 1..{n_layers - 1} of the target's layers")
-    return LoadedModel(target.model.prefix_model(layers), target.tokenizer, f"{target.name}[:{layers}]",
-                       target.path, target.eos_token_ids, target.weights, target.activations)
+    # One prefix model per target and depth: what is built for a draft (its process, its subset heads, its
+    # CUDA caches) is keyed by the draft model, and a new one per request built them all again (a draft process
+    # spawned per request: ~9 s each on SmolLM2)
+    with _SELF_DRAFTS_LOCK:
+        prefixes = _SELF_DRAFTS.setdefault(target.model, {})
+        prefix = prefixes.get(layers)
+        if prefix is None:
+            prefix = prefixes[layers] = target.model.prefix_model(layers)
+    return LoadedModel(prefix, target.tokenizer, f"{target.name}[:{layers}]", target.path, target.eos_token_ids,
+                       target.weights, target.activations)
+
+
+_SELF_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {layers: its prefix model}
+_SELF_DRAFTS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -363,6 +376,7 @@ class GenerationStream:
         self._text = ""
         self._emitted = 0
         self._ends: list[tuple[int, str]] = []  # (text length after token i, its source), for segments
+        self._closed = False  # close() was called: the iteration ends at its next step, whichever thread asked
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.target.tokenizer
@@ -375,9 +389,14 @@ class GenerationStream:
 
     def close(self) -> None:
         """Stop generating (a client went away), also mid-iteration: the engine's steps end now, not when the
-        iterator is collected; ``.result`` stays None unless the stream had finished."""
+        iterator is collected; ``.result`` stays None unless the stream had finished. From another thread than the
+        one iterating, it ends after the step in flight (a running generator cannot be closed from outside)."""
+        self._closed = True
         if self._iteration is not None:
-            self._iteration.close()
+            try:
+                self._iteration.close()
+            except ValueError:  # ("generator already executing": the iterating thread stops at its next step)
+                return
         if self._steps is not None:  # (never iterated)
             self._steps.close()
             self._steps = None
@@ -398,6 +417,8 @@ class GenerationStream:
         steps, self._steps = self._steps, None
         try:
             for chunk in steps:
+                if self._closed:  # (closed from another thread during this step: its tokens are not output)
+                    return
                 done = False
                 kept: list[int] = []
                 sources: list[str] = []

@@ -8,7 +8,7 @@ import torch
 import mirrorsd
 from mirrorsd import LoadedModel, Transformer, generate, stream
 from mirrorsd.server.app import usage
-from tests.helpers import requires_smollm2, tiny_hf
+from tests.helpers import requires_smollm2, row_exact, tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +115,24 @@ def test_a_self_draft_is_taken_by_name_as_the_cli_takes_it(tiny):
     assert got.token_ids == generate(tiny, [1, 2, 3], max_new_tokens=8).token_ids
     with pytest.raises(ValueError, match="needs 1..1 of the target's layers"):
         generate(tiny, [1, 2, 3], draft="self:2", method="sd")
+
+
+def test_a_self_draft_named_again_is_the_same_draft_model():
+    """Each ``draft="self:N"`` built a new prefix model, so what is kept per draft model (its process for Mirror-SD's
+    processes backend, its subset heads) was built again for every request: ~9 s a request on SmolLM2."""
+    import gc
+    import weakref
+
+    from mirrorsd.api import self_draft
+
+    target = LoadedModel(row_exact(tiny_hf(layers=4, seed=1)))
+    first = self_draft(target, "self:2").model
+    assert self_draft(target, "self:2").model is first and self_draft(target, "self:0.5").model is first
+    assert self_draft(target, "self:1").model is not first and first.config.n_layers == 2
+    gone = weakref.ref(target.model)
+    del target
+    gc.collect()
+    assert gone() is None  # (the kept prefix does not keep its target alive)
 
 
 class _Vocab:
@@ -419,3 +437,24 @@ def test_warm_up_runs_the_method_and_leaves_no_trace(tiny, monkeypatch, method):
     assert all(calls[0][k] == v for k, v in options.items())
     assert (calls[0]["draft"] is tiny) == (method == "sd")  # a draft only where the method takes one
     assert len(suffix_index.shared_index(key)) == 0  # the warm-up's index was its own
+
+
+def test_a_stream_closed_from_another_thread_stops_after_the_step_in_flight(tiny):
+    """A UI's stop button or a watchdog closes the stream another thread iterates: close() raised "generator
+    already executing" on nearly every try, and the stream ran to its end."""
+    import threading
+
+    s = stream(tiny, [1, 2, 3], max_new_tokens=1000, ignore_eos=True)
+    seen = threading.Semaphore(0)
+
+    def consume() -> None:
+        for _ in s.deltas():
+            seen.release()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    for _ in range(3):
+        assert seen.acquire(timeout=60)
+    s.close()  # (while the reader is in a step, or between two: both must stop it)
+    reader.join(60)
+    assert not reader.is_alive() and s.result is None and 3 <= len(s.token_ids) < 1000

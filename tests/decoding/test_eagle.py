@@ -73,6 +73,23 @@ def test_each_chain_is_what_a_fresh_head_drafts_from_the_committed_text(target, 
         assert fresh == chain, committed
 
 
+def test_a_head_saved_again_into_its_folder_is_read_again(target, tmp_path):
+    """Runners were cached by the folder's path alone: a process evaluating successive checkpoints saved into one
+    folder kept drafting with the first."""
+    import os
+
+    config, folder = HeadConfig("tiny", feature_layers(8), 64, 8, 3, {}), tmp_path / "head"
+    config.save(folder, random_head(target, seed=2))
+    first = eagle_method.runner_for(target, folder, 0)
+    assert eagle_method.runner_for(target, str(folder), 0) is first  # (unchanged: the same runner)
+    config.save(folder, random_head(target, seed=3))
+    for f in folder.iterdir():  # (a later save, whatever the file system's clock granularity)
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    again = eagle_method.runner_for(target, folder, 0)
+    x = torch.randn(1, first.fc.in_features)
+    assert again is not first and not torch.equal(again.fc(x), first.fc(x))
+
+
 def test_a_saved_head_loads_and_refuses_another_target(target, tmp_path):
     head = random_head(target, seed=2)
     HeadConfig("tiny", feature_layers(8), 64, 8, 3, {}).save(tmp_path / "head", head)

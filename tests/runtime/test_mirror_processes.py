@@ -67,6 +67,29 @@ def test_the_draft_rank_serves_request_after_request(pair):
     assert _worker().process.pid == first
 
 
+def test_two_requests_at_once_each_draft_with_a_rank_of_their_own(pair):
+    """Two live streams on one draft (API threads, or an app reading two clients' streams in turns) shared its one
+    rank: each one's messages went into the other's session, the rank was killed, and both went on with the target
+    alone (63 and 57 draft forwards where each makes ~270 alone). The second now gets a rank for itself."""
+    target, draft = pair
+    prompts, kw = [PROMPT, PROMPT[5:30]], dict(method="mirror", draft=draft, backend="processes", max_new_tokens=24)
+    alone = [generate(target, p, **kw) for p in prompts]
+    shared = _worker()
+    streams = [stream(target, p, **kw) for p in prompts]
+    turns = [s.deltas() for s in streams]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ("the draft failed ... continuing with the target alone" is the defect)
+        while turns:
+            for t in list(turns):
+                if next(t, None) is None:
+                    turns.remove(t)
+    for s, a in zip(streams, alone, strict=True):
+        assert s.result.token_ids == a.token_ids
+        assert s.result.stats.extra["mirror"].draft_failed is None
+        assert s.result.stats.draft_forwards == a.stats.draft_forwards > 0
+    assert _worker() is shared and shared.alive() and not mirror_remote._held  # (the private rank was closed)
+
+
 def _decode_while(pair, act):
     """Generate with the processes backend, calling ``act(worker)`` after the first step's tokens. The draft rank
     is started and warmed first with the default timeout: a rank still starting on a loaded host can take longer

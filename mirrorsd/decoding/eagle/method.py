@@ -10,6 +10,7 @@ token per step from its own output states (:class:`HeadProposer`). The head's to
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,19 +116,34 @@ class HeadProposer:
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(head, vocab): HeadRunner}
 KEPT_RUNNERS = 2  # runners kept per target, the least recently used dropped first
+_RUNNERS_LOCK = threading.Lock()
 
 
 def runner_for(target: Transformer, source: str | Path | EagleHead, vocab: int) -> HeadRunner:
     """One runner per target, head and vocabulary, shared by every request (its int8 weights are built once)."""
-    key = (source if isinstance(source, EagleHead) else str(Path(source).resolve()), vocab)
-    runners = _RUNNERS.setdefault(target, {})
-    if key in runners:
-        runners[key] = runners.pop(key)  # the most recently used last
-    else:
+    key = (source, vocab) if isinstance(source, EagleHead) else (*_saved(Path(source)), vocab)
+    with _RUNNERS_LOCK:  # (requests ask at once: one's eviction between another's lookup and read)
+        runners = _RUNNERS.setdefault(target, {})
+        if key in runners:
+            runners[key] = runner = runners.pop(key)  # the most recently used last
+            return runner
+    runner = HeadRunner(target, load_head(target, source), vocab, draft_table_kind(target.config.vocab_size))
+    with _RUNNERS_LOCK:
+        runners = _RUNNERS.setdefault(target, {})
+        if key in runners:  # (another request built it meanwhile)
+            return runners[key]
         while len(runners) >= KEPT_RUNNERS:  # (a server's clients may ask for any draft_vocab: ~125 MB each on
             runners.pop(next(iter(runners)))  # SmolLM2, all kept for the life of the process)
-        runners[key] = HeadRunner(target, load_head(target, source), vocab, draft_table_kind(target.config.vocab_size))
-    return runners[key]
+        runners[key] = runner
+    return runner
+
+
+def _saved(folder: Path) -> tuple[str, float]:
+    """A head folder as a cache key: its path and its files' latest change (a head saved again into the same
+    folder, as successive checkpoints are, is read again rather than served stale)."""
+    folder = folder.resolve()
+    files = [f for f in folder.iterdir() if f.is_file()] if folder.is_dir() else []  # (none: load_head says so)
+    return str(folder), max((f.stat().st_mtime_ns for f in files), default=0)
 
 
 def build(req: DecodeRequest, opts: EagleOptions) -> Roles:

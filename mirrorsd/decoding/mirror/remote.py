@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -209,6 +210,8 @@ def serve_draft(channel: Any, draft: Transformer, syncs: SyncCount | None = None
 
 _workers: dict[tuple[int, int | None], Worker | LaunchedPeer] = {}
 _served: dict[tuple[int, int | None], weakref.ref] = {}  # the draft each spawned worker holds a copy of
+_claims = threading.RLock()  # (draft_worker spawns under it; _claim takes it too)
+_held: set[int] = set()  # the draft ranks a request holds, START to END: a rank serves one session at a time
 
 
 def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker | LaunchedPeer:
@@ -217,6 +220,11 @@ def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker
     world's draft rank (``serve_launched`` runs there). A caller's own torchrun world (data-parallel API calls, say)
     is not taken over: each rank spawns its own draft process. ``tp``: the target's tensor-parallel ranks; rank 0
     relays the channel to the others."""
+    with _claims:  # (two first requests at once spawned two ranks, one orphaned)
+        return _draft_worker(draft, threads, tp)
+
+
+def _draft_worker(draft: Transformer, threads: int | None, tp: int) -> Worker | LaunchedPeer:
     if current_world() is not None:
         key = (0, None)
         if key not in _workers:
@@ -237,6 +245,21 @@ def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker
         _served[key] = weakref.ref(draft)
         weakref.finalize(draft, _retire, key, worker)  # its process and shared weights go with the draft
     return worker
+
+
+def _claim(worker: Worker | LaunchedPeer) -> bool:
+    """Hold ``worker`` for one request; False where another request holds it (two sessions interleaved on one rank
+    broke each other's drafting and got the rank killed)."""
+    with _claims:
+        if id(worker) in _held:
+            return False
+        _held.add(id(worker))
+        return True
+
+
+def _release(worker: Worker | LaunchedPeer) -> None:
+    with _claims:
+        _held.discard(id(worker))
 
 
 def _retire(key: tuple[int, int | None], worker: Worker) -> None:
@@ -318,6 +341,7 @@ class RemoteDraft:
         self.launched: int | None = None  # perf_counter_ns when this step's LAUNCH left, if one did
         self.channel_s: dict[str, list[float]] = run.stats.channel_s
         self.awaiting = False  # a FRESH or VERDICT went and its reply has not come: the rank is busy answering
+        self.own = False  # the rank was spawned for this request alone (the shared one was busy): closed with it
 
     # -- the channel
 
@@ -348,7 +372,14 @@ class RemoteDraft:
                   "options": {"gamma": opts.gamma, "confidence": opts.confidence, "draft_vocab": opts.draft_vocab,
                               "draft_streams": opts.draft_streams, "acceptance": opts.acceptance,
                               "kappa": opts.kappa, "candidates": opts.candidates}}
-        self.worker = draft_worker(req.draft, self.run.executor.draft_threads, getattr(req.target, "tp_size", 1))
+        threads = self.run.executor.draft_threads
+        worker = draft_worker(req.draft, threads, getattr(req.target, "tp_size", 1))
+        if not _claim(worker):  # another request holds that rank (an API thread; a stream not yet read to its end)
+            if isinstance(worker, LaunchedPeer):
+                raise ChannelError("the torchrun world's draft rank is serving another request (one at a time)")
+            worker, self.own = Worker(serve_draft, (req.draft,), threads=threads), True  # its own, for this request
+            _claim(worker)
+        self.worker = worker
         self.worker.channel.timeout = opts.channel_timeout
         self._send(START, encode_text(json.dumps(config)))
         self.synced = len(state.tokens)
@@ -406,10 +437,15 @@ class RemoteDraft:
         """The request is over: the draft rank drops its session and waits for the next one. Stopped between a
         request and its reply (a Ctrl-C), the rank is sending that reply: an END sent into it would wait for the
         channel's timeout, so the rank is given up at once (the next request spawns another)."""
-        if self.worker is not None and self.awaiting and not failed:
+        if self.worker is None:
+            return
+        if self.awaiting and not failed:
             self.worker.abandon("stopped while the draft rank was answering")
-        elif self.worker is not None and not failed:
+        elif not failed:
             try:
                 self._send(END, [])
             except ChannelError as error:
                 self.worker.abandon(str(error))
+        _release(self.worker)
+        if self.own:
+            self.worker.close()
