@@ -377,7 +377,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
             raise ValueError("labels need the target model or its state cache")
         if target_cache is not None:
             check_labeller(target_cache, target_name)
-        all_chunks = make_chunks(tokenizer, corpus_texts(data, model_name, tokenizer), seq_len, n_train + held_out,
+        # (chat-answers: the target's answers, which the draft learns to propose, not its own)
+        all_chunks = make_chunks(tokenizer, corpus_texts(data, target_name, tokenizer), seq_len, n_train + held_out,
                                  seed)
         labels = (cached_labels(target_cache, target, soft_top) if target_cache is not None
                   else target_labels(target, soft_top))

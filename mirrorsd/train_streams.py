@@ -326,6 +326,8 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     meta = {"model": model_name, "weights": decode_format, "data": list(data), "seq_len": seq_len, "chunks": n_train,
             "held_out": held_out, "distill": distill, "seed": seed, "first_layer": first, "n_layers": cfg.n_layers,
             "hidden_size": cfg.hidden_size}
+    # (the --init adapter is read first: a wrong one was refused only after the whole cache was built)
+    warm_tokens = warm_start(model, adapters, init) if init is not None else 0
     shards, complete, meta = open_cache(cache, meta, data, n_train)  # (meta: with the data's version)
     if not complete:
         texts = corpus_texts(data, model_name, tokenizer)
@@ -347,7 +349,7 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
     trainable = Trainable(list(adapters.trainable()), adapters.adapter_state, adapters.load_adapter_state, "adapter")
     fitted = fit(out, trainable, train_items, step, lambda: evaluate(model, adapters, eval_items), steps=steps, lr=lr,
                  seed=seed, eval_every=eval_every, save_every=save_every, desc="train streams",
-                 tokens=warm_start(model, adapters, init) if init is not None else 0, device=model.device,
+                 tokens=warm_tokens, device=model.device,
                  settings={"streams": streams, "layers": layers, "rank": rank, "vocab": vocab, "loss": loss,
                            "init": init, "cache": meta}, progress=progress)
     curve, tokens = fitted.curve, fitted.tokens

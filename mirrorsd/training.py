@@ -15,6 +15,7 @@ import signal
 import sysconfig
 import threading
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -318,12 +319,23 @@ def open_cache(folder: Path, meta: dict[str, Any], sources: list[str], count: in
     if versions := data_versions(list(sources)):
         meta = meta | {"data_shards": versions, "distill_documents": DISTILL_DOCUMENTS}
     path = folder / CACHE_META
-    recorded = json.loads(path.read_text()).get("data_digests") if path.is_file() else None
-    if digests := text_digests(list(sources), recorded):
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    if digests := text_digests(list(sources), old.get("data_digests")):
         meta = meta | {"data_digests": digests}
-    check_cache(folder, meta)
     shards = shard_paths(folder, count, SHARD_CHUNKS)
-    return shards, all(p.exists() for p in [*shards, folder / HELD_OUT]), meta
+    complete = all(p.exists() for p in [*shards, folder / HELD_OUT])
+    grown = {s: (n, meta["data_shards"][s]) for s, n in old.get("data_shards", {}).items()
+             if meta.get("data_shards", {}).get(s, n) > n}
+    if complete and grown and old == meta | {"data_shards": old["data_shards"]}:
+        # A distill folder grows while it is trained on; a complete cache reads none of it, so a stopped run
+        # resumes over the windows it was built from (its checkpoint records that version).
+        meta = old
+        warnings.warn("the state cache in {} was built from {}; training goes on over it as built (another --cache "
+                      "folder uses the new shards)".format(folder, ", ".join(
+                          f"{n} of the {now} shards {s.removeprefix(DISTILL)} holds now" for s, (n, now) in
+                          grown.items())), stacklevel=2)
+    check_cache(folder, meta)
+    return shards, complete, meta
 
 
 def optimize(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
@@ -360,11 +372,14 @@ class StopNow(KeyboardInterrupt):
 
 @contextmanager
 def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
-    """Ctrl-C takes effect after the step it came in: inside one it could save parameters the optimizer had half
-    updated, or a step without its evaluation. A second Ctrl-C stops at once. (Signals reach the main thread only:
-    elsewhere Ctrl-C is left as it is.)"""
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if previous in (None, signal.SIG_IGN):  # (another thread; Ctrl-C ignored, or handled outside Python: as it is)
+    """Ctrl-C (or a SIGTERM: ``kill``, a job scheduler) takes effect after the step it came in: inside one it could
+    save parameters the optimizer had half updated, or a step without its evaluation; a SIGTERM ended the process
+    at once, losing every step since the last save. A second one stops at once. (Signals reach the main thread
+    only: elsewhere they are left as they are.)"""
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    taken = [s for s, handler in previous.items() if handler is not signal.SIG_IGN and handler is not None]
+    if signal.SIGINT not in taken:  # (another thread; Ctrl-C ignored, or handled outside Python: as it is)
         yield lambda: False
         return
     asked: list[bool] = []
@@ -373,13 +388,15 @@ def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
         if asked:
             raise StopNow
         asked.append(True)
-        bar.write("stopping after this step (Ctrl-C again to stop at once)")
+        bar.write(f"{signal.Signals(signum).name}: stopping after this step (again to stop at once)")
 
-    signal.signal(signal.SIGINT, ask)
+    for s in taken:
+        signal.signal(s, ask)
     try:
         yield lambda: bool(asked)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s in taken:
+            signal.signal(s, previous[s])
 
 
 def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evaluate: Callable[[], dict[str, Any]],
@@ -406,6 +423,9 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
             changed = {k: (recorded.get(k), run.get(k)) for k in {*recorded, *run} if recorded.get(k) != run.get(k)}
             raise ValueError(f"{checkpoint} is a run with other settings (recorded, asked): {changed}; give the "
                              "recorded ones to resume it, or another --out")
+        if state["step"] > steps:  # (it would train nothing and save the longer run under this recipe)
+            raise ValueError(f"{checkpoint} is a run at step {state['step']}, past --steps {steps}: give --steps "
+                             f"{state['step']} or more to go on with it, or another --out")
         trainable.load(state[trainable.key])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])

@@ -9,6 +9,7 @@ A tool on the API (it generates the answers), so it lives above the model layer 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from collections import Counter
@@ -123,6 +124,15 @@ def prompts(prompt_set: str = "draft_vocab") -> list[dict[str, str]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def answers_key(model_name: str) -> str:
+    """The name a model's cached answers go under: a zoo name as it is; a local folder's name and a digest of its
+    path (two fine-tunes in run-a/model and run-b/model shared one file, and each trained on the other's answers)."""
+    path = Path(model_name)
+    if not path.exists():
+        return path.name
+    return f"{path.name}-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]}"
+
+
 def answers_of(model_name: str, max_new_tokens: int = 128, prompt_set: str = "draft_vocab") -> list[list[int]]:
     """``model_name``'s greedy answers (token ids) to ``prompts(prompt_set)``, generated once and kept in the cache
     (``draft_vocab/answers-NAME-N.jsonl``, one line per answer keyed by its prompt, so an interrupted run resumes
@@ -133,7 +143,7 @@ def answers_of(model_name: str, max_new_tokens: int = 128, prompt_set: str = "dr
     from .cache import ensure_cache_dir
     from .decoding import REFERENCE
 
-    path = ensure_cache_dir() / "draft_vocab" / f"answers-{Path(model_name).name}-{max_new_tokens}.jsonl"
+    path = ensure_cache_dir() / "draft_vocab" / f"answers-{answers_key(model_name)}-{max_new_tokens}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     done = {}
     if path.is_file():

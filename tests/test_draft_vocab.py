@@ -339,3 +339,14 @@ def test_answers_resume_past_a_line_cut_short(tmp_path, monkeypatch):
                     + '{"prompt": "cut sho', encoding="utf-8")
     monkeypatch.setattr("mirrorsd.api.load_model", lambda name: pytest.fail("every prompt was answered already"))
     assert vt.answers_of("m", 8) == [[i] for i in range(len(rows))]
+
+
+def test_local_models_of_one_folder_name_keep_their_answers_apart(tmp_path):
+    """Answers were cached under the folder's name alone: run-a/model and run-b/model shared one file, and each
+    trained on the other's answers."""
+    a, b = tmp_path / "run-a" / "model", tmp_path / "run-b" / "model"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    assert vt.answers_key(str(a)) != vt.answers_key(str(b)) and vt.answers_key(str(a)).startswith("model-")
+    assert vt.answers_key(str(a)) == vt.answers_key(str(tmp_path / "run-a" / ".." / "run-a" / "model"))
+    assert vt.answers_key("qwen2.5-coder-1.5b") == "qwen2.5-coder-1.5b"  # (a zoo name: the shipped caches' names)

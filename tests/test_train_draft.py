@@ -202,6 +202,26 @@ def test_training_raises_agreement_with_the_target_and_resumes(tmp_path):
               steps=10, **(common | {"seq_len": 16}))
 
 
+def test_chat_answers_are_the_targets_own(tmp_path, monkeypatch):
+    """``--data chat-answers`` gave the draft its own answers to learn (and a target cache built on the target's
+    answers was refused as other windows)."""
+    from mirrorsd import training
+
+    asked = []
+
+    def answers(model: str, tokenizer) -> list[str]:
+        asked.append(model)
+        return ["".join(chr(65 + (i * 7) % 29) for i in range(1200))]
+
+    monkeypatch.setattr(training, "chat_answer_texts", answers)
+    draft_hf = tiny_hf(layers=3, seed=2)
+    train(Transformer.from_hf(draft_hf, linear="dense"), Transformer.from_hf(draft_hf),
+          Transformer.from_hf(tiny_hf(layers=4, seed=1)), _tokenizer, ["chat-answers"], tmp_path / "out",
+          model_name="the-draft", target_name="the-target", decode_format="fp32", layers=2, rank=4, chunks=8,
+          seq_len=32, held_out=2, steps=1, vocab=0, eval_every=1, progress=False)
+    assert asked == ["the-target"]
+
+
 def test_training_on_the_targets_top_k_caches_it_and_raises_agreement(tmp_path):
     """--soft-top: the cache keeps the target's top-k, the loss is the bucketed distribution's, and the curve says
     how sure the draft is and how often it is right when sure."""

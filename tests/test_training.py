@@ -122,6 +122,40 @@ def _ctrl_c_inside_a_step(tmp_path, whole, done) -> None:
     assert finished == done
 
 
+def test_a_sigterm_inside_a_step_saves_it_and_stops(tmp_path):
+    """``kill`` (a job scheduler's stop) ended the process at once: every step since the last save was lost. It now
+    stops as Ctrl-C does, after the step it came in, and saves."""
+    model = torch.nn.Linear(4, 1)
+    trainable = Trainable(list(model.parameters()), model.state_dict, model.load_state_dict, "linear")
+    x = torch.ones(4)
+
+    def step(i: int) -> tuple[torch.Tensor, int, dict]:
+        if step.calls == 3:
+            signal.raise_signal(signal.SIGTERM)
+        step.calls += 1
+        return model(x).square().sum(), 1, {}
+
+    step.calls = 0
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: xdist's workers ignore it)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fit(tmp_path / "out", trainable, [0, 1], step, dict, steps=20, lr=0.01, seed=0, eval_every=100,
+                save_every=25, desc="test", progress=False)
+        assert signal.getsignal(signal.SIGTERM) is before[signal.SIGTERM]  # (given back)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)["step"] == 4  # (the step it came in)
+
+
+def test_a_finished_run_is_not_relabelled_with_fewer_steps(tmp_path):
+    """The same command with a smaller --steps trained nothing, yet saved the longer run's weights under the
+    shorter recipe."""
+    _run(tmp_path / "run", 7)
+    with pytest.raises(ValueError, match="at step 7, past --steps 4: give --steps 7 or more"):
+        _run(tmp_path / "run", 4)
+
+
 def test_a_cache_built_for_fewer_steps_says_how_to_train_on(tmp_path):
     """The chunk count defaults to --steps: resuming with more steps was refused as "other settings (chunks)"."""
     from mirrorsd.training import CACHE_META, check_cache
@@ -216,6 +250,30 @@ def test_a_cache_of_text_that_changed_is_refused(tmp_path):
     del recorded["data_digests"]  # a cache from before the digests: taken as it was
     (cache / CACHE_META).write_text(json.dumps(recorded))
     open_cache(cache, meta, [str(text)], 4)
+
+
+def test_a_complete_cache_resumes_while_its_distill_folder_grows(tmp_path):
+    """Distill runs for days beside training: once its folder grew, a stopped run could not resume (the complete
+    cache was refused, and the one the message asked for was rebuilt from the new shards, then its checkpoint
+    refused). A complete cache reads none of the folder: it goes on as built. A partial one cannot."""
+    from mirrorsd.training import HELD_OUT, open_cache, shard_paths
+
+    folder, cache, meta = tmp_path / "distill", tmp_path / "cache", {"model": "m", "chunks": 4, "seq_len": 8}
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"shard-{i:05d}.npz").write_bytes(b"")
+    sources = ["distill:" + str(folder)]
+    _, complete, built = open_cache(cache, meta, sources, 4)
+    assert not complete and built["data_shards"] == {sources[0]: 2}
+    for path in [*shard_paths(cache, 4, 32), cache / HELD_OUT]:  # (states cached)
+        path.write_bytes(b"")
+    (folder / "shard-00002.npz").write_bytes(b"")  # distill went on
+    with pytest.warns(UserWarning, match="built from 2 of the 3 shards"):
+        _, complete, resumed = open_cache(cache, meta, sources, 4)
+    assert complete and resumed == built  # (what the checkpoint recorded)
+    (cache / HELD_OUT).unlink()  # a partial cache would be finished from other windows
+    with pytest.raises(ValueError, match=r"other settings \(data_shards\)"):
+        open_cache(cache, meta, sources, 4)
 
 
 def test_a_run_resumes_only_on_the_data_it_started_on(tmp_path):

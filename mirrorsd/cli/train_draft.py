@@ -13,7 +13,7 @@ from mirrorsd.api import shares_tokenizer
 from mirrorsd.runtime.tensor_parallel import segment_bounds
 from mirrorsd.train_draft import train
 
-from .args import COMMANDS, DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_HELP, add_training
+from .args import COMMANDS, DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_HELP, add_training, count
 from .common import HelpFormatter, training_dtype, warn_if_busy
 
 
@@ -39,9 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="read the target's tokens from its `train-streams` state cache, or from another "
                         "`train-draft` cache (e.g. of other --layers or --spd-tracks), built over the same windows "
                         "(same --data, --seq-len, --chunks, --held-out, --seed; checked) instead of running it")
-    t.add_argument("--layers", type=int,
+    t.add_argument("--layers", type=count(1),
                    help="top layers of the draft that get deltas (default: 8; with --spd-tracks, the top segment)")
-    t.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
+    t.add_argument("--rank", type=count(1), default=16, help="LoRA rank (alpha = 2 x rank)")
     add_training(t, seq_len=256, lr=3e-4, held_out=16, measured="agreement", trained="deltas")
     t.add_argument("--loss-on", choices=["answers", "all"], default="all",
                    help="all: every position (measured better at 253k tokens: prompts act as more data); answers: "

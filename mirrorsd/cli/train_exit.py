@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "token differs from the model's are the corrections Mirror-SD's exit must hold; they weigh "
                          "--correction-weight times in the fit, and pick λ and the KL step by their validation top-8")
     te.add_argument("--correction-weight", type=float, default=4.0, metavar="W",
-                    help="how much more a correction row counts (with --corrections)")
+                    help="how much more a correction row counts (with --corrections; at least 1)")
     add_formats(te, "the format decoding will use (default: as generate)", "(default: as generate)")
     te.set_defaults(func=run)
 
@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if args.topk_weight < 0 or (args.topk_weight and not args.kl_steps):
         raise ValueError(f"--topk-weight must be >= 0 and needs --kl-steps, got {args.topk_weight}")
     layers_asked = [number(x) for x in parse_csv(args.layers)]
+    if not layers_asked:  # (an unset shell variable: an empty exit was written, and "written" said)
+        raise ValueError(f"--layers names no exit layer (got {args.layers!r}): give indices or fractions of the depth")
+    if args.correction_weight < 1:  # (checked by the fit too, after the model loaded and self-distilled)
+        raise ValueError(f"--correction-weight must be at least 1, got {args.correction_weight}")
     # the exit a refit joins, and the folder a new one goes to, are checked before minutes of fitting
     base = ExitTranslators.load(Path(args.into)) if args.into else None
     if args.out:

@@ -11,7 +11,7 @@ from pathlib import Path
 import mirrorsd
 from mirrorsd.train_streams import LOSSES, train
 
-from .args import COMMANDS, add_model, add_training
+from .args import COMMANDS, add_model, add_training, count
 from .common import HelpFormatter, training_dtype, warn_if_busy
 
 
@@ -33,9 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", required=True, help="folder for stream_config.json + adapter.safetensors")
     t.add_argument("--cache", help="state cache folder (default: OUT/cache); reused by later runs with the same "
                                    "model, data, --seq-len, --chunks, --held-out, --self-distill, --layers, --seed")
-    t.add_argument("--streams", type=int, default=3, help="γ speculative streams")
-    t.add_argument("--layers", type=int, default=4, help="N_s: top layers with multi-stream attention")
-    t.add_argument("--rank", type=int, default=8, help="LoRA rank of the stream-row adapters")
+    t.add_argument("--streams", type=count(1), default=3, help="γ speculative streams")
+    t.add_argument("--layers", type=count(1), default=4, help="N_s: top layers with multi-stream attention")
+    t.add_argument("--rank", type=count(1), default=8, help="LoRA rank of the stream-row adapters")
     add_training(t, seq_len=128, lr=1e-3, held_out=8, measured="stream accuracy", trained="adapters")
     t.add_argument("--self-distill", type=int, default=0, metavar="N",
                    help="replace N training chunks by the model's own greedy continuations of their first tokens "

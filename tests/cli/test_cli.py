@@ -291,6 +291,9 @@ def test_every_flag_is_checked_before_loading_and_named(capsys, prepared_smollm2
     (["train-streams", "--chunks", "x"], "--chunks", 1),
     (["train-exit", "--out", "o", "--held-out", "1"], "--held-out", 2),
     (["train-exit", "--out", "o", "--seq-len", "1"], "--seq-len", 2),
+    (["train-streams", "--data", "stdlib", "--out", "o", "--streams", "0"], "--streams", 1),  # (after loading)
+    (["train-streams", "--data", "stdlib", "--out", "o", "--rank", "0"], "--rank", 1),  # (peft's "`r` should be")
+    (["train-draft", "--data", "stdlib", "--out", "o", "--layers", "0"], "--layers", 1),
 ])
 def test_the_trainers_counts_are_checked_when_parsed(capsys, no_loading, argv, flag, least):
     """A count the training loop would divide by, or index with, is refused before any model loads and any cache
@@ -401,6 +404,15 @@ def test_train_exit_into_and_plan_out_are_checked_before_loading(capsys, no_load
     assert rc == 2 and "holds no tuned exit" in err
     rc, _, err = run(capsys, "plan", "--out", str(tmp_path))
     assert rc == 2 and "is a folder" in err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--layers", ""], "--layers names no exit layer"),  # (an unset shell variable: an empty exit, "written")
+    (["--correction-weight", "0.5"], "--correction-weight must be at least 1"),  # (after loading and distilling)
+])
+def test_train_exit_flags_are_checked_before_loading(capsys, no_loading, tmp_path, flags, match):
+    rc, _, err = run(capsys, "train-exit", "--model", "smollm2-135m", "--out", str(tmp_path / "x"), *flags)
+    assert rc == 2 and match in err and not (tmp_path / "x").exists()
 
 
 def test_version(capsys):

@@ -462,6 +462,22 @@ def test_a_warm_start_may_grow_n_s_keeping_the_saved_layers(exact_model, tmp_pat
             assert not got[key].any()
 
 
+def test_a_wrong_init_adapter_is_refused_before_the_cache_is_built(exact_model, tmp_path):
+    """``--init`` of another rank was refused only once the whole state cache was built (68 s in a review's tiny
+    run, hours at scale)."""
+    from mirrorsd.train_streams import train
+
+    random_adapters(exact_model, layers=2).save(tmp_path / "init")
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(65 + (i * 7) % 29) for i in range(2400)))
+    tokenizer = lambda text, add_special_tokens=False: {"input_ids": [ord(c) % 64 for c in text]}  # noqa: E731
+    dense = Transformer.from_hf(tiny_hf(layers=4, seed=1))
+    with pytest.raises(ValueError, match="--init adapter has streams/rank"):
+        train(dense, exact_model, tokenizer, [str(text)], tmp_path / "out", model_name="m", decode_format="fp32",
+              rank=4, layers=2, steps=1, chunks=4, seq_len=32, held_out=2, init=tmp_path / "init", progress=False)
+    assert not list((tmp_path / "out" / "cache").glob("*.safetensors"))
+
+
 # -- the SS draft inside Mirror-SD ---------------------------------------------------------------------------------
 
 
