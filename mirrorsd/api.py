@@ -6,6 +6,7 @@ validation, EOS / stop strings / ``max_new_tokens``, incremental detokenisation 
 
 from __future__ import annotations
 
+import math
 import secrets
 import sys
 import threading
@@ -139,10 +140,13 @@ def self_draft_depth(spec: str) -> int | float:
     except ValueError:
         pass
     try:
-        return float(text)
+        fraction = float(text)
     except ValueError:
-        raise ValueError(f"draft {spec}: give self:N (the target's first N layers) or self:F (a fraction of them, "
-                         "e.g. self:0.5)") from None
+        fraction = math.nan
+    if not 0 < fraction < 1:  # (inf and nan passed, to fail after loading as an OverflowError)
+        raise ValueError(f"draft {spec}: give self:N (the target's first N layers) or self:F (a fraction of them "
+                         "between 0 and 1, e.g. self:0.5)")
+    return fraction
 
 
 def self_draft(target: LoadedModel, spec: str) -> LoadedModel:
@@ -545,13 +549,21 @@ def stream(
         raise OptionError("stop", f"must be a string or a list of strings, got {stop!r}")
     if prefix_cache is not None and prefix_cache.model is not target.model:
         raise ValueError("prefix_cache belongs to another model than the target")
+    # What does not depend on the method is checked before auto plans (1-2 minutes on first use)
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise OptionError("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    ids = encode_prompt(target, prompt, raw=raw)
+    context = target.config.context_length
+    if len(ids) >= context:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {context}")
+    if seed is None:  # like HF and vLLM, no seed means a fresh one; it is reported in the stats
+        seed = secrets.randbits(63)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))
     method = method or default_method(draft)
     if method == "auto":
         method, options, draft = planned(target, draft, options)
     spec = get_method(method)
-    if not is_integer(max_new_tokens) or max_new_tokens < 1:
-        raise OptionError("max_new_tokens", f"must be an integer >= 1, got {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
     draft_model = bridge = None
     if spec.needs_draft:
         if draft is None:
@@ -566,19 +578,12 @@ def stream(
     if getattr(target.model, "tp_size", 1) > 1:
         shares = draft_model is not None and draft_model.layers[0] is target.model.layers[0]  # (a prefix_model)
         spec.check_tensor_parallel(opts, self_draft=shares)
-    ids = encode_prompt(target, prompt, raw=raw)
-    context = target.config.context_length
-    if len(ids) >= context:
-        raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {context}")
     max_new = min(max_new_tokens, context - len(ids))
     short = draft_model.config.context_length if draft_model is not None else context
     if len(ids) + max_new > short:  # the draft would stop drafting, or its cache overflow, before the answer ends
         raise ValueError(f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new}, but the draft's context "
                          f"is {short} tokens (the target's {context}): give max_new_tokens <= "
                          f"{max(short - len(ids), 0)}, a draft with a longer context, or a method without a draft")
-    if seed is None:  # like HF and vLLM, no seed means a fresh one; it is reported in the stats
-        seed = secrets.randbits(63)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed))
     stats = GenerationStats(method, seed=params.seed)
     request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge, prefix_cache)
     roles = spec.build(request, opts)  # checks the models against the options now, not at the first token

@@ -458,3 +458,27 @@ def test_a_stream_closed_from_another_thread_stops_after_the_step_in_flight(tiny
     s.close()  # (while the reader is in a step, or between two: both must stop it)
     reader.join(60)
     assert not reader.is_alive() and s.result is None and 3 <= len(s.token_ids) < 1000
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0, "temperature": 1}, "top_p"),
+    ({"prompt": [10**9]}, "out of range"),
+    ({"prompt": list(range(1, 60)) * 20}, "context"),
+])
+def test_auto_checks_the_request_before_it_plans(tiny, monkeypatch, kwargs, match):
+    """``method="auto"`` planned first (1-2 minutes on a machine without a plan), then refused the bad argument."""
+    monkeypatch.setattr("mirrorsd.api.planned", lambda *a, **k: pytest.fail("planned before checking"))
+    prompt = kwargs.pop("prompt", [1, 2, 3])
+    with pytest.raises(ValueError, match=match):
+        generate(tiny, prompt, method="auto", **kwargs)
+
+
+@pytest.mark.parametrize("spec", ["self:inf", "self:1e400", "self:nan", "self:1.5", "self:-0.5"])
+def test_a_self_draft_fraction_outside_0_1_is_refused_before_loading(spec):
+    """``self:inf`` passed the check before loading and failed after it as an OverflowError traceback."""
+    from mirrorsd.api import self_draft_depth
+
+    with pytest.raises(ValueError, match="a fraction of them between 0 and 1"):
+        self_draft_depth(spec)
