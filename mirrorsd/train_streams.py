@@ -17,13 +17,13 @@ accuracy is measured with the full vocabulary.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from .decoding.streams.adapters import CONFIG_FILE, WEIGHTS_FILE, StreamAdapters, StreamConfig, msa_mask
 from .draft_vocab import load_table
@@ -48,19 +48,15 @@ from .training import (
 )
 
 
-def self_distill(model: Transformer, chunks: list[Chunk], prompt_len: int) -> list[Chunk]:
-    """Replace each chunk's text after ``prompt_len`` tokens by the model's own greedy continuation: the
+def self_distilled(model: Transformer, chunk: Chunk, prompt_len: int) -> Chunk:
+    """The chunk with its text after ``prompt_len`` tokens replaced by the model's own greedy continuation: the
     streams then learn to predict exactly what decoding will ask them for."""
     from .api import generate
     from .decoding import REFERENCE
 
-    out = []
-    for chunk in tqdm(chunks, desc="self-distillation", unit="chunk"):
-        prompt = chunk.ids[:prompt_len].tolist()
-        g = generate(model, prompt, method=REFERENCE, max_new_tokens=len(chunk.ids) - prompt_len)
-        ids = prompt + g.token_ids
-        out.append(Chunk(torch.tensor(ids), prompt_len))
-    return out
+    prompt = chunk.ids[:prompt_len].tolist()
+    g = generate(model, prompt, method=REFERENCE, max_new_tokens=len(chunk.ids) - prompt_len)
+    return Chunk(torch.tensor(prompt + g.token_ids), prompt_len)
 
 
 # -- the cache: what the frozen model gives each chunk, computed once --------------------------------------
@@ -98,10 +94,20 @@ def freeze(model: Transformer, first: int, chunk: Chunk) -> dict[str, torch.Tens
 
 
 def cache_states(model: Transformer, first: int, train_chunks: list[Chunk], held_out: list[Chunk], folder: Path,
-                 *, shard_size: int = SHARD_CHUNKS, progress: bool = True) -> None:
-    """The frozen model's cache (:func:`freeze` per chunk), by :func:`write_shards`."""
-    write_shards(folder, train_chunks, held_out, lambda _, chunks: (freeze(model, first, c) for c in chunks),
-                 desc="caching frozen states", shard_size=shard_size, progress=progress)
+                 *, shard_size: int = SHARD_CHUNKS, progress: bool = True, distill: int = 0) -> None:
+    """The frozen model's cache (:func:`freeze` per chunk), by :func:`write_shards`. ``distill``: the first that
+    many training chunks are :func:`self_distilled` by ``model`` as their shard is written, so a resumed
+    build generates only for the shards it lacks (all of them were generated again, and a stop before the first
+    shard lost every one)."""
+    distilled = {id(c) for c in train_chunks[:distill]}
+    prompt_len = min(32, len(train_chunks[0].ids) // 2) if train_chunks else 0
+
+    def rows(_: Path, chunks: list[Chunk]) -> Iterator[dict[str, torch.Tensor]]:
+        for c in chunks:
+            yield freeze(model, first, self_distilled(model, c, prompt_len) if id(c) in distilled else c)
+
+    write_shards(folder, train_chunks, held_out, rows, desc="caching frozen states" + (
+        f" (the first {distill} chunks self-distilled)" if distill else ""), shard_size=shard_size, progress=progress)
 
 
 class StateCache(ShardCache[Cached]):
@@ -333,11 +339,8 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
         texts = corpus_texts(data, model_name, tokenizer)
         all_chunks = make_chunks(tokenizer, texts, seq_len, n_train + held_out, seed)
         train_chunks, eval_chunks = all_chunks[held_out:], all_chunks[:held_out]
-        if distill:
-            prompt_len = min(32, seq_len // 2)
-            train_chunks = self_distill(decode_model, train_chunks[:distill], prompt_len) + train_chunks[distill:]
         cache_states(decode_model, first, train_chunks, eval_chunks, cache, shard_size=SHARD_CHUNKS,
-                     progress=progress)
+                     progress=progress, distill=distill)
     train_items, eval_items = StateCache(shards, model.device), StateCache([cache / HELD_OUT], model.device)
     head = TrainHead(model, load_table(cfg.vocab_size)[:vocab] if vocab else torch.arange(cfg.vocab_size))
 

@@ -885,6 +885,35 @@ def test_training_head_is_the_full_head_on_its_subset(dense_model):
     assert head.labels(torch.tensor([7, 2, -100, 1])).tolist() == [2, -100, -100, 0]  # outside the subset: none
 
 
+def test_self_distillation_runs_as_each_shard_is_written(dense_model, tmp_path, monkeypatch):
+    """--self-distill N generated all N continuations before the first shard, again on every resume (hours on the
+    1.5B at scale), and a stop before the first shard lost them all. Each chunk is now distilled in its shard."""
+    from mirrorsd import train_streams
+    from mirrorsd.train_streams import StateCache, cache_states, freeze, self_distilled
+    from mirrorsd.training import Chunk, shard_paths
+
+    gen = torch.Generator().manual_seed(0)
+    chunks = [Chunk(torch.randint(0, dense_model.config.vocab_size, (12,), generator=gen), 1) for _ in range(5)]
+    calls = []
+
+    def counting(model, chunk, prompt_len):
+        calls.append(chunk)
+        return self_distilled(model, chunk, prompt_len)
+
+    monkeypatch.setattr(train_streams, "self_distilled", counting)
+    cache_states(dense_model, 2, chunks[1:], chunks[:1], tmp_path, shard_size=2, progress=False, distill=3)
+    assert calls == chunks[1:4]
+    shards = shard_paths(tmp_path, 4, 2)
+    cached = StateCache(shards, "cpu")
+    want = freeze(dense_model, 2, self_distilled(dense_model, chunks[3], 6))  # (distilled: prompt of 6 of 12)
+    assert torch.equal(cached[2].labels, want["labels"]) and cached[2].loss_from == 6
+    assert cached[3].loss_from == 1  # (past the first 3: as read)
+    calls.clear()
+    shards[1].unlink()  # an interrupted build: only the missing shard's chunks are distilled again
+    cache_states(dense_model, 2, chunks[1:], chunks[:1], tmp_path, shard_size=2, progress=False, distill=3)
+    assert calls == [chunks[3]]
+
+
 def test_state_cache_resumes_by_shard_and_refuses_other_settings(dense_model, tmp_path):
     from mirrorsd.train_streams import StateCache, cache_states
     from mirrorsd.training import HELD_OUT, Chunk, check_cache, shard_paths
