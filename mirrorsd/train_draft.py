@@ -405,7 +405,8 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
                  lambda: evaluate(model, lora, eval_items, spd_tracks), steps=steps, lr=lr, seed=seed,
                  eval_every=eval_every, save_every=save_every, desc="train draft", device=model.device,
                  settings={"layers": layers, "rank": rank, "vocab": vocab, "answers_only": answers_only,
-                           "spd_tracks": spd_tracks, "soft_top": soft_top, "cache": meta}, progress=progress)
+                           "spd_tracks": spd_tracks, "soft_top": soft_top, "cache": meta}, progress=progress,
+                 command=(recipe or {}).get("command"))
     curve, tokens = fitted.curve, fitted.tokens
     summary = {"held_out_agreement_before": curve[0]["agreement"], "held_out_agreement_after": curve[-1]["agreement"],
                "held_out_agreement_all_before": curve[0]["agreement_all"],
@@ -416,7 +417,7 @@ def train(model: Transformer, draft: Transformer, target: Transformer | None, to
                **{f"held_out_{name}_{when}": curve[at][name] for name in ("sure", "sure_agreement")
                   for when, at in (("before", 0), ("after", -1))},
                "train_vocab": vocab or cfg.vocab_size,
-               "train_seconds_this_run": fitted.seconds, "steps": steps,
+               "train_seconds_this_run": fitted.seconds, "steps": steps, "runs": fitted.runs,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / max(1, len(train_items)), 2), "held_out_chunks": len(eval_items),
                "dtype": str(model.dtype).removeprefix("torch."), "spd_tracks": spd_tracks, "curve": curve}

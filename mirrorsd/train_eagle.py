@@ -213,12 +213,12 @@ def train(target: Transformer, tokenizer, data: list[str], out: Path, *, model_n
     fitted = fit(out, trainable, train_items, step, lambda: evaluate(head, target, full, eval_items, depth),
                  steps=steps, lr=lr, seed=seed, eval_every=eval_every, save_every=save_every,
                  desc="train eagle head", settings={"vocab": vocab, "depth": depth, "dtype": str(dtype), "cache": meta},
-                 progress=progress)
+                 progress=progress, command=(recipe or {}).get("command"))
     curve, tokens = fitted.curve, fitted.tokens
     summary = {"tokens_per_pass_before": curve[0]["tokens_per_pass"],
                "tokens_per_pass_after": curve[-1]["tokens_per_pass"], "accept_after": curve[-1]["accept"],
                "depth": depth, "train_vocab": vocab or cfg.vocab_size,
-               "train_seconds_this_run": fitted.seconds, "steps": steps,
+               "train_seconds_this_run": fitted.seconds, "steps": steps, "runs": fitted.runs,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / max(1, len(train_items)), 2), "held_out_chunks": len(eval_items),
                "dtype": str(dtype).removeprefix("torch."), "curve": curve}

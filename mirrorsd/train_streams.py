@@ -354,14 +354,14 @@ def train(model: Transformer, decode_model: Transformer, tokenizer, data: list[s
                  seed=seed, eval_every=eval_every, save_every=save_every, desc="train streams",
                  tokens=warm_tokens, device=model.device,
                  settings={"streams": streams, "layers": layers, "rank": rank, "vocab": vocab, "loss": loss,
-                           "init": init, "cache": meta}, progress=progress)
+                           "init": init, "cache": meta}, progress=progress, command=(recipe or {}).get("command"))
     curve, tokens = fitted.curve, fitted.tokens
     summary = {"held_out_stream_accuracy_before": curve[0]["stream_accuracy"],
                "held_out_stream_accuracy_after": curve[-1]["stream_accuracy"],
                "held_out_prune_accuracy_before": curve[0]["prune_accuracy"],
                "held_out_prune_accuracy_after": curve[-1]["prune_accuracy"],
                "labels": LABELS[loss], "loss": loss, "train_vocab": vocab or cfg.vocab_size,
-               "train_seconds_this_run": fitted.seconds, "steps": steps,
+               "train_seconds_this_run": fitted.seconds, "steps": steps, "runs": fitted.runs,
                "train_tokens": tokens, "seq_len": seq_len, "train_chunks": len(train_items),
                "epochs": round(steps / max(1, len(train_items)), 2), "held_out_chunks": len(eval_items),
                "self_distilled_chunks": distill, "dtype": str(model.dtype).removeprefix("torch.")}

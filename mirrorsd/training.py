@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -364,6 +364,9 @@ class Fitted:
     curve: list[dict[str, Any]]  # held-out measures at step 0, every ``eval_every`` steps and at the end
     tokens: int  # training tokens seen, repeats over epochs included
     seconds: float  # this run's training time (not a resumed run's earlier part)
+    # every run that shaped the weights, in order: the steps it trained and its command (a run extended with more
+    # steps is not the run its last command would train from scratch: the schedule decayed to the first count)
+    runs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class StopNow(KeyboardInterrupt):
@@ -401,14 +404,15 @@ def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
 
 def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evaluate: Callable[[], dict[str, Any]],
         *, steps: int, lr: float, seed: int, eval_every: int, save_every: int, desc: str, tokens: int = 0,
-        settings: Mapping[str, Any] | None = None, device: torch.device | str = "cpu", progress: bool = True
-        ) -> Fitted:
+        settings: Mapping[str, Any] | None = None, device: torch.device | str = "cpu", progress: bool = True,
+        command: str | None = None) -> Fitted:
     """Train ``steps`` steps of AdamW under :func:`warmup_decay` over ``items`` in :func:`epoch_order`, or resume a
     run from ``out/checkpoint.pt``. ``step(item)`` gives the loss (None: nothing to learn in this window, only the
     schedule moves), its token count and the progress bar's postfix. ``tokens`` counts what a warm start had seen.
     ``settings``: what else shapes the run (its loss, its start...); a checkpoint resumes only the same run, on to
     ``steps`` (the optimizer's state would bring back the old learning rate, and a finished run would train
-    nothing yet be saved under the new recipe)."""
+    nothing yet be saved under the new recipe). ``command``: this run's, kept with the steps it trained
+    (:attr:`Fitted.runs`)."""
     optimizer = torch.optim.AdamW(trainable.params, lr=lr, weight_decay=0.0)
     schedule = warmup_decay(optimizer, steps)
     out.mkdir(parents=True, exist_ok=True)
@@ -430,13 +434,20 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
+        earlier = state.get("runs", [])
+    else:
+        earlier = []
     if not curve:
         curve.append({"step": 0, "train_tokens": tokens} | evaluate())
+
+    def runs(step: int) -> list[dict[str, Any]]:
+        this = {"steps": [start_step, step], "of": steps} | ({"command": command} if command else {})
+        return earlier + [this] if step > start_step or not earlier else earlier
 
     def save(step: int) -> None:
         save_torch({"step": step, trainable.key: {k: v.detach() for k, v in trainable.state().items()},  # (whole)
                     "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "curve": curve,
-                    "train_tokens": tokens, "settings": run}, checkpoint)
+                    "train_tokens": tokens, "settings": run, "runs": runs(step)}, checkpoint)
         (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")
 
     bar = tqdm(total=steps, initial=start_step, desc=desc, unit="step", disable=not progress)
@@ -474,7 +485,7 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
     finally:
         bar.close()
     (out / CURVE).write_text(json.dumps(curve, indent=1) + "\n")  # also after --steps 0: an evaluation alone
-    return Fitted(curve, tokens, round(time.perf_counter() - started, 1))
+    return Fitted(curve, tokens, round(time.perf_counter() - started, 1), runs(done))
 
 
 def plot_learning_curve(curve: list[dict[str, Any]], path: Path, series: dict[str, list[float]], ylabel: str,

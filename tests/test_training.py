@@ -148,6 +148,21 @@ def test_a_sigterm_inside_a_step_saves_it_and_stops(tmp_path):
     assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)["step"] == 4  # (the step it came in)
 
 
+def test_every_run_that_shaped_the_weights_is_recorded(tmp_path):
+    """A run extended with more steps saved only its last command, which trains another run from scratch (the
+    schedule had decayed to the first count)."""
+    model = torch.nn.Linear(4, 1)
+    trainable = Trainable(list(model.parameters()), model.state_dict, model.load_state_dict, "linear")
+    run = lambda steps, command: fit(tmp_path / "out", trainable, [0, 1], lambda i: (model(torch.ones(4)).sum(), 1,  # noqa: E731
+                                     {}), dict, steps=steps, lr=0.01, seed=0, eval_every=100, save_every=2,
+                                     desc="test", progress=False, command=command)
+    assert run(4, "train --steps 4").runs == [{"steps": [0, 4], "of": 4, "command": "train --steps 4"}]
+    extended = run(7, "train --steps 7").runs
+    assert extended == [{"steps": [0, 4], "of": 4, "command": "train --steps 4"},
+                        {"steps": [4, 7], "of": 7, "command": "train --steps 7"}]
+    assert run(7, "train --steps 7").runs == extended  # (a finished run asked again trains nothing more)
+
+
 def test_a_finished_run_is_not_relabelled_with_fewer_steps(tmp_path):
     """The same command with a smaller --steps trained nothing, yet saved the longer run's weights under the
     shorter recipe."""
