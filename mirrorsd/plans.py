@@ -48,11 +48,17 @@ def _made_here(plan: dict[str, Any]) -> bool:
 
 
 def setup_of(target: Any, draft: Any) -> dict[str, str]:
-    """What else a plan's costs and acceptance were measured with: the loaded formats and the device (an fp32 plan
-    prices q4's default badly; a CPU plan a GPU's)."""
+    """What else a plan's costs and acceptance were measured with: the loaded formats, their float type where not
+    fp32, and the device (an fp32 plan prices q4's default badly, a float32 one bfloat16's k-curve, a CPU plan a
+    GPU's)."""
     device = getattr(getattr(target, "model", target), "device", "cpu")
-    return {"target": str(getattr(target, "format", "?")), "device": str(device),
-            "draft": "none" if draft is None else str(getattr(draft, "format", "?"))}
+
+    def loaded(model: Any) -> str:
+        dtype = getattr(getattr(model, "model", model), "dtype", torch.float32)
+        return str(getattr(model, "format", "?")) + ("" if dtype == torch.float32 else
+                                                      f", {str(dtype).removeprefix('torch.')}")
+
+    return {"target": loaded(target), "device": str(device), "draft": "none" if draft is None else loaded(draft)}
 
 
 def describe_setup(setup: dict[str, str], draft: bool = True) -> str:

@@ -76,6 +76,10 @@ class Costs:
     # 32k head makes the 0.5B's forward ~25% cheaper, which the full-head table would hide from the ranking.
     default_draft_vocab: int = 0
     draft_vocab_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # vocabulary size -> k -> ms
+    # The draft's forward over k rows that reads the logits of the last only, as its first forward of a window
+    # reads what its cache lacked (the prompt, on the first step): with the head on every row (draft_ms) a 128-token
+    # read was priced 1.5x on SmolLM2's 49k-token head.
+    draft_read_ms: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,7 +94,8 @@ class Costs:
         return cls(d["context"], d["threads"], ints(d["target_ms"]),
                    {int(e): ints(t) for e, t in d["prefix_ms"].items()}, ints(d["exit_head_ms"]),
                    ints(d["draft_ms"]), split, d.get("default_draft_vocab", 0),  # plans saved before: full head
-                   {int(v): ints(t) for v, t in d.get("draft_vocab_ms", {}).items()})
+                   {int(v): ints(t) for v, t in d.get("draft_vocab_ms", {}).items()},
+                   ints(d.get("draft_read_ms", {})))
 
     # What a method's cost model reads (mirrorsd.decoding.registry.CostTable), in ms.
     def target(self, rows: float) -> float:
@@ -101,6 +106,13 @@ class Costs:
         a vocabulary without a measured table is priced with the full head (an upper bound)."""
         size = self.default_draft_vocab if vocab is None else vocab
         return interpolate(self.draft_vocab_ms.get(size, self.draft_ms), rows)
+
+    def draft_read(self, rows: float, vocab: int | None = 0) -> float:
+        """The draft's forward over ``rows`` that reads the last row's logits only (the first forward of a window,
+        a prompt prefill), with the head ``vocab`` asks for on that row; without a reading table, :meth:`draft`."""
+        if not self.draft_read_ms or rows <= 1:
+            return self.draft(max(rows, 1), vocab)
+        return interpolate(self.draft_read_ms, rows) - interpolate(self.draft_ms, 1) + self.draft(1, vocab)
 
     def prefix(self, exit_layer: int, rows: float) -> float:
         return interpolate(self.prefix_ms[exit_layer], rows)
@@ -121,7 +133,8 @@ class Costs:
                     for v, table in self.draft_vocab_ms.items()}
         return Costs(self.context, self.threads, s["target_ms"], s["prefix_ms"], self.exit_head_ms, s["draft_ms"],
                      default_draft_vocab=self.default_draft_vocab,
-                     draft_vocab_ms={v: t for v, t in vocab_ms.items() if t})
+                     draft_vocab_ms={v: t for v, t in vocab_ms.items() if t},
+                     draft_read_ms={k: ms * slowdown[k] for k, ms in self.draft_read_ms.items() if k in slowdown})
 
 
 def interpolate(table: dict[int, float], k: float) -> float:
@@ -153,7 +166,7 @@ def _median_ms(fn, rounds: int, device: torch.device) -> float:
 
 @torch.inference_mode()
 def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], context: int, rounds: int,
-            heads: bool, lm_head: nn.Module | None = None) -> tuple[dict, dict, dict]:
+            heads: bool, lm_head: nn.Module | None = None, last: int | None = None) -> tuple[dict, dict, dict]:
     g = torch.Generator().manual_seed(0)
     vocab, device = model.config.vocab_size, model.device
     cache = model.new_cache(capacity=context + max(ks) + 1)
@@ -165,7 +178,7 @@ def _tables(model: Transformer, ks: Sequence[int], exit_layers: Sequence[int], c
         positions = torch.arange(context, context + k, device=device)[None]
 
         def forward(x=x):
-            model(x, cache=cache, head=lm_head)
+            model(x, cache=cache, head=lm_head, last=last)
             cache.truncate(context)
 
         full[k] = _median_ms(forward, rounds, device)
@@ -188,6 +201,8 @@ def measure_costs(target: Transformer, draft: Transformer | None, exit_layers: S
     threads = torch.get_num_threads()
     full, prefix, head = _tables(target, target_ks, exit_layers, context, rounds, heads=True)
     draft_ms = _tables(draft, draft_ks, (), context, rounds, heads=False)[0] if draft is not None else {}
+    read_ms = _tables(draft, [k for k in draft_ks if k > 1], (), context, rounds, heads=False, last=1)[0] \
+        if draft is not None else {}
     vocab = draft_vocab_size(None, draft) if draft is not None else 0
     draft_vocab_ms = {vocab: _tables(draft, draft_ks, (), context, rounds, heads=False,
                                      lm_head=subset_head(draft, vocab, draft_table_kind(draft.config.vocab_size)))[0]
@@ -202,7 +217,7 @@ def measure_costs(target: Transformer, draft: Transformer | None, exit_layers: S
         finally:
             torch.set_num_threads(threads)
         split_tables = {"threads": list(split), "target_ms": s_full, "prefix_ms": s_prefix, "draft_ms": s_draft}
-    return Costs(context, threads, full, prefix, head, draft_ms, split_tables, vocab, draft_vocab_ms)
+    return Costs(context, threads, full, prefix, head, draft_ms, split_tables, vocab, draft_vocab_ms, read_ms)
 
 
 # -- the latency law ------------------------------------------------------------------------------------------
@@ -266,7 +281,7 @@ class Measured:
     def draft_prefill(self, read: int | None) -> float:
         if self.draft is None or not self.prompts:
             return 0.0
-        return statistics.fmean(self.costs.draft(min(len(ids), read or len(ids)), None)
+        return statistics.fmean(self.costs.draft_read(min(len(ids), read or len(ids)), None)
                                 for ids in self.prompts) / self.max_new
 
     def calibrated(self, method: str, options: dict[str, Any]) -> Priced | None:

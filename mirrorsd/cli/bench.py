@@ -101,8 +101,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     bw.add_argument("--candidates", default="exit", help="comma-separated candidate sources (exit: the paper's "
                     "early exit; draft: the draft's runner-ups)")
     bw.add_argument("--backends", default="serial", help="comma-separated backends (serial, threads, ...)")
-    bw.add_argument("--thread-splits", nargs="+", default=["1,1"], metavar="T,D",
-                    help="target,draft thread splits tried with the threads backend")
+    bw.add_argument("--thread-splits", nargs="+", default=[None], metavar="T,D",
+                    help="target,draft thread splits tried with the threads backend (default: the machine's cores "
+                         "halved, as the backend's own default and the latency law's split tables)")
     bf = bsub.add_parser(
         "forward", formatter_class=HelpFormatter,
         help="k-token forward cost and AR tok/s of one model",

@@ -199,6 +199,8 @@ class CostTable(Protocol):
 
     def draft(self, rows: float, vocab: int | None = 0) -> float: ...  # draft_vocab as the option gives it
 
+    def draft_read(self, rows: float, vocab: int | None = 0) -> float: ...  # logits of the last row only
+
     def prefix(self, exit_layer: int, rows: float) -> float: ...  # target layers [0, ℓe)
 
     def exit_head(self, rows: float) -> float: ...

@@ -121,7 +121,8 @@ def step_cost(costs: Any, step: dict[str, Any], opts: SDOptions) -> float:
         drafting = 0.0
     elif "draft_forwards" in step:
         d = partial(costs.draft, vocab=opts.draft_vocab)
-        drafting = d(max(step["fed"], 1)) + (step["draft_forwards"] - 1) * d(1) if step["draft_forwards"] else 0.0
+        first = costs.draft_read(max(step["fed"], 1), opts.draft_vocab)  # (the head on its last row only)
+        drafting = first + (step["draft_forwards"] - 1) * d(1) if step["draft_forwards"] else 0.0
     else:  # a step recorded without them
         drafting = step["drafted"] * costs.draft(1, opts.draft_vocab)
     return drafting + costs.target(step["drafted"] + 1)

@@ -209,6 +209,14 @@ def test_latency_law_terms():
     # the draft's first forward read the prompt (64 tokens): D(64) + D(1), not 2·D(1); a suffix window is free
     assert step_ms("sd", {"drafted": 2, "draft_forwards": 2, "fed": 64}) == pytest.approx(32.0 + 2.0 + 12.0)
     assert step_ms("sd", {"drafted": 2, "source": "suffix"}) == pytest.approx(12.0)
+    # that first forward reads the last row's logits only: where measured, priced from the reading table (the head
+    # on all 64 rows priced SmolLM2's prompt reads 1.5-2x)
+    reading = dataclasses.replace(c, draft_read_ms={64: 20.0})
+    sd = get_method("sd")
+    assert sd.step_cost(reading, {"drafted": 2, "draft_forwards": 2, "fed": 64}, sd.options.parse({}, "sd")) == \
+        pytest.approx(20.0 + 2.0 + 12.0)
+    assert reading.draft_read(1) == c.draft(1) and plan.Costs.from_dict(json.loads(json.dumps(
+        reading.to_dict()))) == reading
     # w = 8: P = 8.5, Δ = 8.5, EE = 0.5 + 1.0 * 7/15, rollout = 7 * D(64) = 7 * 32 = 224
     ee = 0.5 + 7 / 15
     step = {"drafted": 7, "gamma": 7, "roots": 64, "exit_layer": 4, "hit": True}
@@ -291,6 +299,19 @@ def test_a_thread_split_other_than_the_measured_one_is_not_predicted():
     Bench._predicted(bench, MethodSpec("m11", "mirror", {"backend": "threads", "threads": "1,1"}), c)
     Bench._predicted(bench, MethodSpec("d", "mirror", {"backend": "threads"}), c)  # (the measured split)
     assert len(bench.notes) == 1
+
+
+def test_the_sweeps_threads_rows_split_the_cores_as_the_backend_does(monkeypatch):
+    """--thread-splits defaulted to 1,1 on any machine: on 16 threads that row ran 1 + 1 beside serial rows on 16,
+    and was not predicted."""
+    from mirrorsd.cli import bench as cli_bench
+
+    ran = {}
+    monkeypatch.setattr(cli_bench, "_run_bench", lambda config, out: ran.setdefault("specs", config.methods) and 0)
+    assert main(["bench", "sweep", "--target", "t", "--draft", "d", "--gammas", "2", "--backends", "serial,threads",
+                 "--out", "x"]) == 0
+    threads = [s for s in ran["specs"] if s.options.get("backend") == "threads"]
+    assert threads and all("threads" not in s.options and s.label.endswith("threads") for s in threads)
 
 
 def test_a_reduced_draft_head_is_priced_with_its_own_table():
@@ -765,6 +786,11 @@ def test_a_plan_auto_cannot_follow_is_made_again(tmp_path, monkeypatch, capsys):
     saved.write_text(json.dumps(older | {"recommended": pick}))  # a plan from before setups were records
     assert plans.saved_recommendation("t", "d") is None and plans.measured_otherwise("t", "d", target) is None
     assert plans.plan_for(*pair) == {"fresh": True} and len(made) == 5
+    # a bfloat16 load has its own k-curve: an fp32 plan of the same formats was reused for it
+    bf16 = SimpleNamespace(name="t", format=target.format, model=SimpleNamespace(device="cpu", dtype=torch.bfloat16))
+    saved.write_text(json.dumps(here | {"recommended": pick}))
+    assert plans.plan_for(bf16, pair[1]) == {"fresh": True} and len(made) == 6
+    assert "this is target q4 weights, int8x2 activations, bfloat16 on cpu" in capsys.readouterr().err
 
 
 def test_the_machine_label_names_the_kernel_build(monkeypatch):

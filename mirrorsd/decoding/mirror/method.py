@@ -85,7 +85,8 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     # its forwards as recorded (a confident window ends early), else one per drafted token
     forwards = step.get("draft_forwards", step["drafted"])
     d = partial(c.draft, vocab=opts.draft_vocab)
-    rollout_fresh = d(max(step.get("fed", 1), 1)) + (forwards - 1) * d(1) if forwards else 0.0
+    first = c.draft_read(max(step.get("fed", 1), 1), opts.draft_vocab)  # (the head on its last row only)
+    rollout_fresh = first + (forwards - 1) * d(1) if forwards else 0.0
     return pre + exit_head + core + fresh * rollout_fresh
 
 
