@@ -162,15 +162,17 @@ def self_draft(target: LoadedModel, spec: str) -> LoadedModel:
     # spawned per request: ~9 s each on SmolLM2)
     with _SELF_DRAFTS_LOCK:
         prefixes = _SELF_DRAFTS.setdefault(target.model, {})
-        prefix = prefixes.get(layers)
-        if prefix is None:
-            prefix = prefixes[layers] = target.model.prefix_model(layers)
+        prefix = prefixes.pop(layers, None) or target.model.prefix_model(layers)
+        prefixes[layers] = prefix  # the most recently used last
+        while len(prefixes) > KEPT_SELF_DRAFTS:  # (a sweep over depths: each kept a draft process and heads)
+            prefixes.pop(next(iter(prefixes)))
     return LoadedModel(prefix, target.tokenizer, f"{target.name}[:{layers}]", target.path, target.eos_token_ids,
                        target.weights, target.activations)
 
 
 _SELF_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {layers: its prefix model}
 _SELF_DRAFTS_LOCK = threading.Lock()
+KEPT_SELF_DRAFTS = 2  # depths kept per target, the least recently used dropped first
 
 
 @dataclass
@@ -381,6 +383,7 @@ class GenerationStream:
         self._emitted = 0
         self._ends: list[tuple[int, str]] = []  # (text length after token i, its source), for segments
         self._closed = False  # close() was called: the iteration ends at its next step, whichever thread asked
+        self._reader: int | None = None  # the thread iterating, once it started
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.target.tokenizer
@@ -394,13 +397,13 @@ class GenerationStream:
     def close(self) -> None:
         """Stop generating (a client went away), also mid-iteration: the engine's steps end now, not when the
         iterator is collected; ``.result`` stays None unless the stream had finished. From another thread than the
-        one iterating, it ends after the step in flight (a running generator cannot be closed from outside)."""
+        one reading, it ends the stream at the reader's next read (after the step in flight): the engine's steps
+        are closed in the reader's thread, which closing them here would race."""
         self._closed = True
+        if self._reader is not None and self._reader != threading.get_ident():
+            return  # (another thread reads it: closing the generator here would race its next read)
         if self._iteration is not None:
-            try:
-                self._iteration.close()
-            except ValueError:  # ("generator already executing": the iterating thread stops at its next step)
-                return
+            self._iteration.close()
         if self._steps is not None:  # (never iterated)
             self._steps.close()
             self._steps = None
@@ -415,6 +418,7 @@ class GenerationStream:
         # segments cost a decode per drafted token, so plain text iteration (CLI, bench) skips them
         if self._steps is None:
             raise RuntimeError("a GenerationStream can be iterated only once")
+        self._reader = threading.get_ident()
         req, stats = self.request, self.request.stats
         finish = "length"
         start = time.perf_counter()
@@ -447,6 +451,8 @@ class GenerationStream:
                 if segments:
                     self._mark_ends(kept, sources)
                 yield self._delta(final=done, token_ids=kept, sources=sources)
+                if self._closed:  # (closed from another thread while the reader held this delta)
+                    return
                 if done:
                     break
         finally:

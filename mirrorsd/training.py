@@ -381,8 +381,10 @@ def interrupts_between_steps(bar: tqdm) -> Iterator[Callable[[], bool]]:
     only: elsewhere they are left as they are.)"""
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    # each signal on its own: a background job ignores Ctrl-C, yet is stopped by SIGTERM (another thread, or a signal
+    # ignored or handled outside Python: left as it is)
     taken = [s for s, handler in previous.items() if handler is not signal.SIG_IGN and handler is not None]
-    if signal.SIGINT not in taken:  # (another thread; Ctrl-C ignored, or handled outside Python: as it is)
+    if not taken:
         yield lambda: False
         return
     asked: list[bool] = []

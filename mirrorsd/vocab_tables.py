@@ -127,8 +127,10 @@ def prompts(prompt_set: str = "draft_vocab") -> list[dict[str, str]]:
 def answers_key(model_name: str) -> str:
     """The name a model's cached answers go under: a zoo name as it is; a local folder's name and a digest of its
     path (two fine-tunes in run-a/model and run-b/model shared one file, and each trained on the other's answers)."""
-    path = Path(model_name)
-    if not path.exists():
+    from .zoo import ZOO
+
+    path = Path(model_name).expanduser()
+    if model_name in ZOO or not path.exists():  # (a zoo name wins over a same-named folder, as load_model has it)
         return path.name
     return f"{path.name}-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]}"
 

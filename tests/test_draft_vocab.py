@@ -341,7 +341,7 @@ def test_answers_resume_past_a_line_cut_short(tmp_path, monkeypatch):
     assert vt.answers_of("m", 8) == [[i] for i in range(len(rows))]
 
 
-def test_local_models_of_one_folder_name_keep_their_answers_apart(tmp_path):
+def test_local_models_of_one_folder_name_keep_their_answers_apart(tmp_path, monkeypatch):
     """Answers were cached under the folder's name alone: run-a/model and run-b/model shared one file, and each
     trained on the other's answers."""
     a, b = tmp_path / "run-a" / "model", tmp_path / "run-b" / "model"
@@ -350,3 +350,8 @@ def test_local_models_of_one_folder_name_keep_their_answers_apart(tmp_path):
     assert vt.answers_key(str(a)) != vt.answers_key(str(b)) and vt.answers_key(str(a)).startswith("model-")
     assert vt.answers_key(str(a)) == vt.answers_key(str(tmp_path / "run-a" / ".." / "run-a" / "model"))
     assert vt.answers_key("qwen2.5-coder-1.5b") == "qwen2.5-coder-1.5b"  # (a zoo name: the shipped caches' names)
+    (tmp_path / "smollm2-135m").mkdir()  # a fine-tune saved under a zoo name: the name still loads the zoo model
+    monkeypatch.chdir(tmp_path)
+    assert vt.answers_key("smollm2-135m") == "smollm2-135m" != vt.answers_key("./smollm2-135m")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert vt.answers_key("~/run-a/model") == vt.answers_key(str(a)) != vt.answers_key("~/run-b/model")

@@ -122,7 +122,8 @@ def _ctrl_c_inside_a_step(tmp_path, whole, done) -> None:
     assert finished == done
 
 
-def test_a_sigterm_inside_a_step_saves_it_and_stops(tmp_path):
+@pytest.mark.parametrize("ctrl_c", ["handled", "ignored"])  # (ignored: a background job of a script)
+def test_a_sigterm_inside_a_step_saves_it_and_stops(tmp_path, ctrl_c):
     """``kill`` (a job scheduler's stop) ended the process at once: every step since the last save was lost. It now
     stops as Ctrl-C does, after the step it came in, and saves."""
     model = torch.nn.Linear(4, 1)
@@ -137,7 +138,7 @@ def test_a_sigterm_inside_a_step_saves_it_and_stops(tmp_path):
 
     step.calls = 0
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: xdist's workers ignore it)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler if ctrl_c == "handled" else signal.SIG_IGN)
     try:
         with pytest.raises(KeyboardInterrupt):
             fit(tmp_path / "out", trainable, [0, 1], step, dict, steps=20, lr=0.01, seed=0, eval_every=100,

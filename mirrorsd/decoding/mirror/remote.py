@@ -210,8 +210,9 @@ def serve_draft(channel: Any, draft: Transformer, syncs: SyncCount | None = None
 
 _workers: dict[tuple[int, int | None], Worker | LaunchedPeer] = {}
 _served: dict[tuple[int, int | None], weakref.ref] = {}  # the draft each spawned worker holds a copy of
-_claims = threading.RLock()  # (draft_worker spawns under it; _claim takes it too)
+_claims = threading.Lock()  # guards _held and _spawning (never held while a rank spawns)
 _held: set[int] = set()  # the draft ranks a request holds, START to END: a rank serves one session at a time
+_spawning: dict[tuple[int, int | None], threading.Lock] = {}  # per draft key: one first request spawns its rank
 
 
 def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker | LaunchedPeer:
@@ -220,13 +221,16 @@ def draft_worker(draft: Transformer, threads: int | None, tp: int = 1) -> Worker
     world's draft rank (``serve_launched`` runs there). A caller's own torchrun world (data-parallel API calls, say)
     is not taken over: each rank spawns its own draft process. ``tp``: the target's tensor-parallel ranks; rank 0
     relays the channel to the others."""
-    with _claims:  # (two first requests at once spawned two ranks, one orphaned)
-        return _draft_worker(draft, threads, tp)
+    key = (0, None) if current_world() is not None else (id(draft), threads)
+    with _claims:
+        spawning = _spawning.setdefault(key, threading.Lock())
+    with spawning:  # (two first requests at once spawned two ranks, one orphaned; other drafts' requests go on)
+        return _draft_worker(draft, threads, tp, key)
 
 
-def _draft_worker(draft: Transformer, threads: int | None, tp: int) -> Worker | LaunchedPeer:
+def _draft_worker(draft: Transformer, threads: int | None, tp: int, key: tuple[int, int | None]
+                  ) -> Worker | LaunchedPeer:
     if current_world() is not None:
-        key = (0, None)
         if key not in _workers:
             _workers[key] = LaunchedPeer(_launched_channel(tp))
         if not _workers[key].alive():
@@ -234,7 +238,6 @@ def _draft_worker(draft: Transformer, threads: int | None, tp: int) -> Worker | 
         return _workers[key]
     if tp > 1:
         raise ChannelError("a tensor-parallel target needs its draft rank from torchrun (WORLD_SIZE = tp + 1)")
-    key = (id(draft), threads)
     worker = _workers.get(key)
     # a worker is this draft's only while that draft lives: a later model may get a collected one's id, and must
     # not draft with the old weights
@@ -267,6 +270,7 @@ def _retire(key: tuple[int, int | None], worker: Worker) -> None:
     if _workers.get(key) is worker:
         del _workers[key]
         _served.pop(key, None)
+        _spawning.pop(key, None)
     worker.abandon("its draft model was collected")
 
 
