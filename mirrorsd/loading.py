@@ -47,7 +47,7 @@ def _merged(state: dict, deltas: dict[str, torch.Tensor]) -> dict:
 
 def _load(cls: type[Transformer], path: str | Path, device: str | torch.device, dtype: torch.dtype, weights: str,
           linear: str, deltas: dict[str, torch.Tensor]) -> Transformer:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig
 
     if weights not in WEIGHT_FORMATS:
@@ -56,6 +56,7 @@ def _load(cls: type[Transformer], path: str | Path, device: str | torch.device, 
     if weights != "fp32" and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"weights={weights!r} runs on CPU in fp32 only; use weights='fp32' on {device}")
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    ModelConfig.from_hf(hf_config)  # (an architecture we cannot run is refused before its weights are read)
     if weights == "q4":
         from .gguf_weights import load_gguf_weights
 
@@ -82,9 +83,13 @@ def _load(cls: type[Transformer], path: str | Path, device: str | torch.device, 
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        with safe_open(path / name, framework="pt", device=str(device)) as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                state[key.removeprefix("model.")] = f.get_tensor(key).to(dtype)
+        try:
+            with safe_open(path / name, framework="pt", device=str(device)) as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    state[key.removeprefix("model.")] = f.get_tensor(key).to(dtype)
+        except (OSError, SafetensorError) as error:  # (a cut-short download or copy: a traceback before)
+            raise ValueError(f"{path / name} cannot be read ({error}): the file is incomplete or damaged; copy it "
+                             f"again (a zoo model: delete {path} and run `mirrorsd models prepare NAME`)") from None
     state = _merged(state, deltas)
     if weights == "q8":
         if hf_config.tie_word_embeddings or "lm_head.weight" not in state:

@@ -404,6 +404,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, weights, i, linear) for i in range(cfg.n_layers))
         self.norm = RMSNorm(weights["norm.weight"], cfg.rms_norm_eps)
         head = weights.get("lm_head.weight")
+        if head is None and not cfg.tie_word_embeddings:  # (a checkpoint short of its head's shard: it read as tied)
+            raise ValueError("the checkpoint has no lm_head.weight and its config does not tie the head to the "
+                             "embedding (tie_word_embeddings false): a weights file is missing")
         if head is None or (cfg.tie_word_embeddings and not isinstance(head, GroupQuant | PackedWeight)):
             head = embed  # tied (a quantized copy of the embedding, from q8/q4 loading, is kept as the head)
         self.lm_head = make_linear(head, linear=linear)

@@ -223,3 +223,35 @@ def test_a_graph_kind_outside_the_list_is_refused():
     model = Transformer.from_hf(tiny_hf(layers=1))
     with pytest.raises(ValueError, match="unknown graph kind 'drafts'"):
         static_graph(model, model.new_cache(capacity=4), ("drafts", model, None), 4, lambda pool: None)
+
+
+def test_a_folder_we_cannot_run_or_read_is_refused_in_one_line(tmp_path, monkeypatch):
+    """From a review of loading: an unsupported architecture was refused only after every weight was read (17 GB
+    for a 7B), a cut-short safetensors file was a SafetensorError traceback, and an untied checkpoint without its
+    head's shard silently used the embedding as the head."""
+    from transformers import GPT2Config
+
+    from mirrorsd import loading
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(gpt2)
+    (gpt2 / "model.safetensors").write_bytes(b"not read")
+    monkeypatch.setattr(loading, "_merged", lambda *a: pytest.fail("weights read before the check"))
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        Transformer.from_pretrained(gpt2, weights="fp32")
+    monkeypatch.undo()
+    hf = tiny_hf(layers=1, seed=1)
+    hf.config.tie_word_embeddings = False
+    hf.save_pretrained(tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match="cannot be read .*incomplete or damaged"):
+        Transformer.from_pretrained(tmp_path / "cut", weights="fp32")
+    from safetensors.torch import load_file, save_file
+
+    weights.write_bytes(whole)
+    state = {k: v for k, v in load_file(weights).items() if k != "lm_head.weight"}
+    save_file(state, weights)
+    with pytest.raises(ValueError, match="no lm_head.weight and its config does not tie"):
+        Transformer.from_pretrained(tmp_path / "cut", weights="fp32")
