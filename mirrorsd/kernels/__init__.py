@@ -262,6 +262,15 @@ def _load() -> str | None:
     reason = _why_unavailable()
     if reason is None:
         name = isa()
+        built = build_dir(name)
+        if (built / DONE_STAMP).exists() and not os.access(built, os.W_OK):
+            # a finished build in a cache this user cannot write (a read-only image, another user's cache): load
+            # it as it is (the PyTorch fallbacks decoded ~22x slower)
+            try:
+                torch.ops.load_library(str(built / f"{EXTENSION}.so"))
+                return None
+            except Exception as exc:  # noqa: BLE001 - then as any unwritable cache: fall back, saying why
+                return f"the {name} C++ extension in the read-only {built} failed to load: {exc}"
         try:
             build_extension(EXTENSION, SOURCES, ensure_cache_dir(build_dir(name)), compile_flags(name), LINK_FLAGS)
             return None

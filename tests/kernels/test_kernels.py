@@ -935,3 +935,15 @@ def test_a_forced_isa_is_ignored_where_the_kernels_are_off(monkeypatch):
     monkeypatch.delenv("MIRRORSD_KERNELS")
     with pytest.raises(RuntimeError, match="MIRRORSD_KERNEL_ISA=no-such-isa"):
         kernels.code_widths()
+
+
+@requires_kernels
+def test_a_finished_build_in_a_read_only_cache_is_loaded(monkeypatch):
+    """A prepared cache mounted read-only (a container image, another user's cache) lost its built kernels: the
+    build wanted to write its lock, and the PyTorch fallbacks decoded ~22x slower."""
+    built = kernels.build_dir(kernels.isa())
+    assert (built / kernels.DONE_STAMP).exists()  # (this process loaded the kernels from there)
+    real = os.access
+    monkeypatch.setattr(kernels.os, "access", lambda path, mode, **kw: False if mode & os.W_OK else real(path, mode))
+    monkeypatch.setattr(kernels, "build_extension", lambda *a, **k: pytest.fail("built (or locked) again"))
+    assert kernels._load.__wrapped__() is None
