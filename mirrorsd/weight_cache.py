@@ -74,6 +74,10 @@ def load(file: Path) -> Weights | None:
             entries = json.loads(f.metadata()["weights"])
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
         state = {name: _rebuilt(name, entry, tensors) for name, entry in entries.items()}
+    except PermissionError as error:  # another user's file in a shared cache: theirs to keep
+        warnings.warn(f"cannot read the packed weights at {file} ({error}); decoding the GGUF file instead",
+                      RuntimeWarning, stacklevel=3)
+        return None
     except Exception as error:  # noqa: BLE001 - a cut-short or foreign file: decode the checkpoint instead
         warnings.warn(f"ignoring the packed weights at {file} ({type(error).__name__}: {error}); decoding the GGUF "
                       "file again", RuntimeWarning, stacklevel=3)
@@ -112,6 +116,7 @@ def store(file: Path, model: Transformer, source: Path) -> None:
             log.info("not keeping packed weights (%d MB): too little free disk in %s", size >> 20, folder)
             return
         _write(file, arrays, {"weights": json.dumps(entries), "source": str(source.resolve())})
+        file.chmod(folder.stat().st_mode & 0o666)  # (the writer leaves 0600: other users of a shared cache decoded)
     except (OSError, CacheDirError, SafetensorError) as error:  # (safetensors reports a full disk as its own)
         warnings.warn(f"could not keep the packed weights at {file} ({error}); the next load decodes again",
                       RuntimeWarning, stacklevel=3)
@@ -124,9 +129,20 @@ def store(file: Path, model: Transformer, source: Path) -> None:
                 stale.unlink(missing_ok=True)
         except OSError:
             pass
-    for other in folder.glob("*.safetensors"):  # this model's older files, and those of checkpoints now gone
-        if other != file and (other.name.startswith(f"{stem}-") or not _source_exists(other)):
+    # this model's older files but the most recent other one (two installs sharing a cache, a release and a dev
+    # tree, removed each other's file on every load), and those of checkpoints now gone
+    mine = sorted((f for f in folder.glob(f"{stem}-*.safetensors") if f != file), key=_mtime, reverse=True)
+    kept = mine[:1] if mine and _source_exists(mine[0]) else []
+    for other in folder.glob("*.safetensors"):
+        if other != file and other not in kept and (other in mine or not _source_exists(other)):
             other.unlink(missing_ok=True)
+
+
+def _mtime(file: Path) -> float:
+    try:
+        return file.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _source_exists(file: Path) -> bool:

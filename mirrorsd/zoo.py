@@ -466,6 +466,7 @@ def prepare(name: str, *, progress: bool = True) -> Path:
     entry = _entry(name)
     target = model_dir(name)
     if _complete(target, entry):
+        _sweep_stale(target.parent, entry.name)  # (a killed prepare's staging, GBs, stayed once a retry succeeded)
         return target  # fast path; works even if the packages were uninstalled afterwards
     sources = _locate(entry)
     root = ensure_cache_dir()

@@ -83,8 +83,12 @@ def test_a_newer_file_replaces_the_models_older_one_and_orphans_go(folder, monke
     assert kept != stale
     monkeypatch.setattr(weight_cache, "FORMAT", "another")  # as after a code change: a new name
     _load()
-    [newer] = folder.glob("*.safetensors")
-    assert newer != kept
+    # the most recent other file stays: two installs sharing a cache (a release and a dev tree) removed each
+    # other's on every load, and each load decoded again
+    assert {p.name for p in folder.glob("*.safetensors")} > {kept.name}
+    monkeypatch.setattr(weight_cache, "FORMAT", "a third")
+    _load()
+    assert len(list(folder.glob("*.safetensors"))) == 2 and not kept.exists()
 
 
 def test_the_cache_stays_out_of_the_way_where_it_does_not_apply(folder, decodes, monkeypatch):
@@ -121,3 +125,21 @@ def test_a_full_disk_is_a_warning_and_killed_writes_leftovers_go(folder, monkeyp
     os.utime(old, (hour_ago, hour_ago))
     _load()
     assert not old.exists() and fresh.exists()
+
+
+def test_a_shared_cache_keeps_its_files_readable_and_another_users_file(folder, monkeypatch):
+    """The writer left 0600 files: another user of the cache could not read them, removed them under a "No such
+    file" warning and wrote their own, and the two kept replacing each other."""
+    import safetensors
+
+    _load()
+    [kept] = folder.glob("*.safetensors")
+    assert kept.stat().st_mode & 0o777 == folder.stat().st_mode & 0o666
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(kept))
+
+    monkeypatch.setattr(safetensors, "safe_open", denied)
+    with pytest.warns(RuntimeWarning, match="cannot read the packed weights .*Permission denied"):
+        assert weight_cache.load(kept) is None
+    assert kept.exists()  # (another user's: theirs to keep)

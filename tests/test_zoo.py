@@ -303,6 +303,10 @@ def test_crashed_staging_folders_are_swept(
     zoo.prepare(FAKE, progress=False)
     assert not dead.exists()
     assert young.exists()  # too recent to be sure it is abandoned (shared caches)
+    (dead / "model").mkdir(parents=True)  # killed after the model was prepared: only the fast path runs later
+    os.utime(dead, (old, old))
+    zoo.prepare(FAKE, progress=False)
+    assert not dead.exists() and young.exists()
 
 
 # -------------------------------------------------------------------------------------------- resolve
