@@ -17,7 +17,7 @@ from mirrorsd.bench.plan import make_plan
 from mirrorsd.decoding import REFERENCE
 from mirrorsd.specbench import load_suite
 
-from .args import COMMANDS, add_pair, add_sampling, add_weights
+from .args import COMMANDS, add_dtype, add_formats, add_pair, add_sampling
 from .common import HelpFormatter, warn_if_busy
 
 
@@ -30,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     # (a plan is kept under its draft's name; a self-draft has none)
     add_pair(pl, self_drafts=False, also=", or none: plan only the methods without a draft model (also where the "
              "draft does not share the target's tokenizer)")
-    add_weights(pl)
+    add_formats(pl)  # (generate's warning about a plan of other formats says to plan with its flags)
+    pl.add_argument("--device", default="cpu", help="torch device the plan measures on (as generate's --device)")
+    add_dtype(pl, help="float type of the models (as generate's --dtype)")
     pl.add_argument("--suite", default="specbench:1", help="calibration prompts: specbench[:N], assist or FILE.jsonl")
     add_sampling(pl, max_new_tokens=(48, "tokens per calibration prompt"))
     pl.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
@@ -48,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"mirrorsd: {args.draft} does not share {args.target}'s tokenizer: planning the methods without a "
                   "draft model (what --method auto then chooses among)", file=sys.stderr, flush=True)
         args.draft = None
-    target = mirrorsd.load_model(args.target, weights=args.weights)
-    draft = mirrorsd.load_model(args.draft, weights=args.weights) if args.draft else None
+    load = dict(weights=args.weights, activations=args.activations, device=args.device, dtype=args.dtype)
+    target = mirrorsd.load_model(args.target, **load)
+    draft = mirrorsd.load_model(args.draft, **load) if args.draft else None
     prompts = [(q.group, encode_chat(target, [{"role": "user", "content": q.turns[0]}]))
                for q in load_suite(args.suite)]
     plan = make_plan(target, draft, prompts, args.max_new_tokens)

@@ -585,3 +585,19 @@ def test_distill_offers_no_method_it_cannot_run(capsys, no_loading):
     with pytest.raises(SystemExit) as e:
         main(["distill", "--method", needs[0]])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_plan_takes_the_formats_generate_says_to_plan_with(capsys, monkeypatch):
+    """`generate --method auto --activations int8` warned that the plan was measured with other formats and said to
+    run `mirrorsd plan` with these flags, which `plan` refused as unrecognized arguments."""
+    asked = {}
+
+    def load(name, **kwargs):
+        asked.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("mirrorsd.load_model", load)
+    rc, _, err = run(capsys, "plan", "--target", "smollm2-135m", "--draft", "none", "--weights", "q8",
+                     "--activations", "int8", "--dtype", "bfloat16", "--device", "cpu")
+    assert rc == 2 and "stop here" in err
+    assert asked == {"weights": "q8", "activations": "int8", "device": "cpu", "dtype": "bfloat16"}
