@@ -11,6 +11,7 @@ import secrets
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .cache import cache_dir
 from .collector import paused_collector
 from .decoding import DecodeRequest, GenerationStats, ModelShape, default_method, get_method, methods
 from .decoding.bridge import TokenBridge
@@ -72,7 +74,14 @@ def default_format(name_or_path: str | Path, path: Path, device: str | torch.dev
     entry = ZOO.get(str(name_or_path))
     if entry is not None:
         return entry.default_weights, entry.default_activations
-    return ("q4", "int8x2") if (Path(path) / "model.gguf").is_file() else ("fp32", "int8")
+    folder = Path(path)
+    if not (folder / "model.gguf").is_file():
+        return "fp32", "int8"
+    if folder.resolve().parent != cache_dir().resolve() and any(folder.glob("*.safetensors")):
+        warnings.warn(f"{folder} holds a model.gguf beside its safetensors weights: by default its q4 codes load, "
+                      "which do not follow a change to the safetensors (a fine-tune saved into a copy of a zoo "
+                      "folder); give weights='fp32' or 'q8' (--weights) to load the safetensors", stacklevel=3)
+    return "q4", "int8x2"
 
 
 def usable_device(device: str | torch.device) -> torch.device:

@@ -487,3 +487,21 @@ def test_a_self_draft_fraction_outside_0_1_is_refused_before_loading(spec):
 
     with pytest.raises(ValueError, match="a fraction of them between 0 and 1"):
         self_draft_depth(spec)
+
+
+def test_a_folder_with_a_gguf_beside_changed_safetensors_is_warned_about(tmp_path):
+    """A fine-tune saved into a copy of a zoo folder loaded the old GGUF's q4 codes by default, silently (its logits
+    45 away from the fine-tune's)."""
+    import warnings
+
+    from mirrorsd.api import default_format
+
+    folder = tmp_path / "my-finetune"
+    folder.mkdir()
+    (folder / "model.gguf").write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert default_format(str(folder), folder, "cpu", torch.float32) == ("q4", "int8x2")  # (a GGUF alone)
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.warns(UserWarning, match="model.gguf beside its safetensors.*weights='fp32'"):
+        assert default_format(str(folder), folder, "cpu", torch.float32) == ("q4", "int8x2")
