@@ -285,6 +285,23 @@ def test_mirror_is_priced_with_each_windows_own_fallback():
         assert priced[gamma] == pytest.approx(mirror.price(measured.costs, step, **options))
 
 
+def test_the_threads_backend_splits_the_cores_only_around_the_overlap():
+    """The executor splits the threads around the upper layers and the branch rollouts alone: the prefix, the exit
+    and a fresh rollout run on every core, and were priced with the split tables (a hit step 304.5 ms for 264.5)."""
+    c = dataclasses.replace(costs(), split={"threads": [1, 1], "target_ms": {k: 2 * v for k, v in
+                                                                            costs().target_ms.items()},
+                                            "prefix_ms": {4: {k: v for k, v in costs().target_ms.items()}},
+                                            "draft_ms": {1: 4.0, 64: 128.0}})
+    mirror = get_method("mirror")
+    opts = mirror.options.parse({"backend": "threads"}, "mirror")
+    step = {"drafted": 7, "gamma": 1, "roots": 1, "exit_layer": 4, "hit": False, "draft_forwards": 1}
+    pre, split_pre, split_target = 8.5, 17.0, 34.0  # (w = 8: prefix 8.5 on all cores, 17 split; target 34 split)
+    ee, rollout = 0.5 + 7 / 15, 4.0  # (one root, one step, the split draft)
+    fresh = 2.0  # (a fresh rollout on all cores: D(1))
+    assert mirror.step_cost(c, step, opts) == pytest.approx(pre + ee + max(split_target - split_pre, rollout)
+                                                            + fresh)
+
+
 def test_a_thread_split_other_than_the_measured_one_is_not_predicted():
     """A sweep over --thread-splits predicted every split from the one split table measured (331 ms for 1,1, 2,2
     and 3,1 alike)."""

@@ -73,19 +73,22 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     max(Δ, rollout) (their sum on the serial backend) + the miss's fresh rollout."""
     backend = opts.backend
     c = costs.for_backend(backend)
+    # threads: only the upper layers and the branch rollouts share the cores; the prefix, the exit and a fresh
+    # rollout run with all of them (the executor splits the threads around the overlap alone)
+    whole = costs if backend == "threads" else c
     w, gamma, roots = step["drafted"] + 1, step["gamma"], step["roots"]
-    pre = c.prefix(step["exit_layer"], w)
-    delta = c.target(w) - pre
+    pre = whole.prefix(step["exit_layer"], w)
+    delta = c.target(w) - c.prefix(step["exit_layer"], w)
     rollout = gamma * c.draft(roots, opts.draft_vocab) if roots else 0.0
     core = max(delta, rollout) if backend != "serial" else delta + rollout
     # a window no branch was kept for (a miss, or no rollout) is a fresh rollout; a suffix draft is free
     fresh = float(step["hit"] is not True and step.get("source", "model") == "model")
-    exit_head = c.exit_head(w) if roots else 0.0  # the exit only picks roots: none rolled out, none read
+    exit_head = whole.exit_head(w) if roots else 0.0  # the exit only picks roots: none rolled out, none read
     # the fresh rollout's first forward reads what the draft's cache lacked (the prompt, on the first step), as sd's;
     # its forwards as recorded (a confident window ends early), else one per drafted token
     forwards = step.get("draft_forwards", step["drafted"])
-    d = partial(c.draft, vocab=opts.draft_vocab)
-    first = c.draft_read(max(step.get("fed", 1), 1), opts.draft_vocab)  # (the head on its last row only)
+    d = partial(whole.draft, vocab=opts.draft_vocab)
+    first = whole.draft_read(max(step.get("fed", 1), 1), opts.draft_vocab)  # (the head on its last row only)
     rollout_fresh = first + (forwards - 1) * d(1) if forwards else 0.0
     return pre + exit_head + core + fresh * rollout_fresh
 
