@@ -59,7 +59,7 @@ class LoadedModel:
 
 
 def default_format(name_or_path: str | Path, path: Path, device: str | torch.device,
-                   dtype: torch.dtype) -> tuple[str, str]:
+                   dtype: torch.dtype, asked: str | None = None) -> tuple[str, str]:
     """The (weights, activations) a model loads with when none are asked for.
 
     Zoo models: the fastest format that passed the chat quality gate on that model (``ZooEntry.default_weights``
@@ -77,7 +77,7 @@ def default_format(name_or_path: str | Path, path: Path, device: str | torch.dev
     folder = Path(path)
     if not (folder / "model.gguf").is_file():
         return "fp32", "int8"
-    if folder.resolve().parent != cache_dir().resolve() and any(folder.glob("*.safetensors")):
+    if asked is None and folder.resolve().parent != cache_dir().resolve() and any(folder.glob("*.safetensors")):
         warnings.warn(f"{folder} holds a model.gguf beside its safetensors weights: by default its q4 codes load, "
                       "which do not follow a change to the safetensors (a fine-tune saved into a copy of a zoo "
                       "folder); give weights='fp32' or 'q8' (--weights) to load the safetensors", stacklevel=3)
@@ -122,7 +122,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     if (tuned := tuned_drafts.resolve(name_or_path)) is not None:
         base, deltas = tuned_drafts.load_config(tuned).base, tuned_drafts.deltas(tuned)
     path = zoo.resolve(base, progress=progress)
-    default_weights, default_acts = default_format(base, path, device, dtype)
+    default_weights, default_acts = default_format(base, path, device, dtype, asked=weights)
     weights = weights or default_weights
     activations = "int8" if weights == "fp32" else activations or default_acts  # fp32 has no quantized layer
     with paused_collector():

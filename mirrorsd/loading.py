@@ -92,7 +92,7 @@ def _load(cls: type[Transformer], path: str | Path, device: str | torch.device, 
                              f"again (a zoo model: delete {path} and run `mirrorsd models prepare NAME`)") from None
     state = _merged(state, deltas)
     if weights == "q8":
-        if hf_config.tie_word_embeddings or "lm_head.weight" not in state:
+        if hf_config.tie_word_embeddings:  # (untied without its head: refused by the model, as for fp32)
             state["lm_head.weight"] = state["embed_tokens.weight"]
         state = {k: quantize_q8(v) if _is_projection(k) else v for k, v in state.items()}
     return from_state(cls, hf_config, state, linear).to(device)

@@ -436,7 +436,8 @@ def fit(out: Path, trainable: Trainable, items: Sequence[Any], step: Step, evalu
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         start_step, curve, tokens = state["step"], state["curve"], state["train_tokens"]
-        earlier = state.get("runs", [])
+        # (a checkpoint from before runs were recorded: its steps by an unrecorded command)
+        earlier = state.get("runs", [{"steps": [0, start_step], "of": None, "command": "not recorded"}])
     else:
         earlier = []
     if not curve:

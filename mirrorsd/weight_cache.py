@@ -8,7 +8,8 @@ the layers keep (packed projections, the quantized embedding, norms, biases) int
 ``$MIRRORSD_CACHE/packed/`` and later loads build the model from it: the same bytes, so the same logits bit for bit.
 
 ``MIRRORSD_WEIGHT_CACHE=0`` turns it off. A file that cannot be read is dropped and the checkpoint decoded again; a
-changed GGUF file, config, CPU or source file gets a new file name (and the model's older file is removed).
+changed GGUF file, config, CPU or source file gets a new file name (and this install's older file of the model is
+removed; another install's, a release beside a dev tree sharing the cache, stays).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ _QUANT_FIELDS = ("codes", "scales", "offsets", "super_scales", "super_offsets")
 STALE_WRITE_S = 3600  # a half-written file this old is a killed writer's, not one in progress
 
 log = logging.getLogger(__name__)
+_CODE = str(Path(__file__).resolve().parent)  # which install wrote a file (files without one: an older install's)
 
 
 def file_for(gguf: Path, linear: str) -> Path | None:
@@ -67,6 +69,10 @@ def load(file: Path) -> Weights | None:
     none (or it cannot be read: then it is removed)."""
     if not file.exists():
         return None
+    if not os.access(file, os.R_OK):  # another user's file in a shared cache (safetensors says "No such file")
+        warnings.warn(f"cannot read the packed weights at {file} (permission denied); decoding the GGUF file "
+                      "instead", RuntimeWarning, stacklevel=3)
+        return None
     from safetensors import safe_open
 
     try:
@@ -74,10 +80,6 @@ def load(file: Path) -> Weights | None:
             entries = json.loads(f.metadata()["weights"])
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
         state = {name: _rebuilt(name, entry, tensors) for name, entry in entries.items()}
-    except PermissionError as error:  # another user's file in a shared cache: theirs to keep
-        warnings.warn(f"cannot read the packed weights at {file} ({error}); decoding the GGUF file instead",
-                      RuntimeWarning, stacklevel=3)
-        return None
     except Exception as error:  # noqa: BLE001 - a cut-short or foreign file: decode the checkpoint instead
         warnings.warn(f"ignoring the packed weights at {file} ({type(error).__name__}: {error}); decoding the GGUF "
                       "file again", RuntimeWarning, stacklevel=3)
@@ -115,8 +117,9 @@ def store(file: Path, model: Transformer, source: Path) -> None:
         if shutil.disk_usage(folder).free < 2 * size + (1 << 30):
             log.info("not keeping packed weights (%d MB): too little free disk in %s", size >> 20, folder)
             return
-        _write(file, arrays, {"weights": json.dumps(entries), "source": str(source.resolve())})
-        file.chmod(folder.stat().st_mode & 0o666)  # (the writer leaves 0600: other users of a shared cache decoded)
+        _write(file, arrays, {"weights": json.dumps(entries), "source": str(source.resolve()), "code": _CODE})
+        # readable as the folder is (the writer leaves 0600: other users of a shared cache decoded), written by us
+        file.chmod(folder.stat().st_mode & 0o444 | 0o200)
     except (OSError, CacheDirError, SafetensorError) as error:  # (safetensors reports a full disk as its own)
         warnings.warn(f"could not keep the packed weights at {file} ({error}); the next load decodes again",
                       RuntimeWarning, stacklevel=3)
@@ -129,30 +132,28 @@ def store(file: Path, model: Transformer, source: Path) -> None:
                 stale.unlink(missing_ok=True)
         except OSError:
             pass
-    # this model's older files but the most recent other one (two installs sharing a cache, a release and a dev
-    # tree, removed each other's file on every load), and those of checkpoints now gone
-    mine = sorted((f for f in folder.glob(f"{stem}-*.safetensors") if f != file), key=_mtime, reverse=True)
-    kept = mine[:1] if mine and _source_exists(mine[0]) else []
+    # this install's older files of this model (two installs sharing a cache, a release and a dev tree, removed
+    # each other's on every load), any file of a checkpoint now gone, and the unreadable
     for other in folder.glob("*.safetensors"):
-        if other != file and other not in kept and (other in mine or not _source_exists(other)):
+        if other == file:
+            continue
+        meta = _metadata(other)
+        ours = other.name.startswith(f"{stem}-") and meta.get("code", _CODE) == _CODE
+        if ours or not Path(meta.get("source", "")).is_file():
             other.unlink(missing_ok=True)
 
 
-def _mtime(file: Path) -> float:
-    try:
-        return file.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def _source_exists(file: Path) -> bool:
+def _metadata(file: Path) -> dict[str, str]:
+    """A packed file's metadata ({} where unreadable: as good as gone, unless it is another user's)."""
     from safetensors import safe_open
 
+    if not os.access(file, os.R_OK):
+        return {"source": str(file), "code": ""}  # (another user's: kept)
     try:
         with safe_open(file, framework="pt") as f:
-            return Path((f.metadata() or {}).get("source", "")).is_file()
-    except Exception:  # noqa: BLE001 - unreadable: as good as gone
-        return False
+            return f.metadata() or {}
+    except Exception:  # noqa: BLE001
+        return {}
 
 
 def _write(file: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> None:

@@ -505,3 +505,6 @@ def test_a_folder_with_a_gguf_beside_changed_safetensors_is_warned_about(tmp_pat
     (folder / "model.safetensors").write_bytes(b"")
     with pytest.warns(UserWarning, match="model.gguf beside its safetensors.*weights='fp32'"):
         assert default_format(str(folder), folder, "cpu", torch.float32) == ("q4", "int8x2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (weights asked for: the advice was taken, nothing to warn about)
+        default_format(str(folder), folder, "cpu", torch.float32, asked="fp32")

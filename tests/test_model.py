@@ -253,5 +253,6 @@ def test_a_folder_we_cannot_run_or_read_is_refused_in_one_line(tmp_path, monkeyp
     weights.write_bytes(whole)
     state = {k: v for k, v in load_file(weights).items() if k != "lm_head.weight"}
     save_file(state, weights)
-    with pytest.raises(ValueError, match="no lm_head.weight and its config does not tie"):
-        Transformer.from_pretrained(tmp_path / "cut", weights="fp32")
+    for weights in ("fp32", "q8"):
+        with pytest.raises(ValueError, match="no lm_head.weight and its config does not tie"):
+            Transformer.from_pretrained(tmp_path / "cut", weights=weights)

@@ -162,6 +162,10 @@ def test_every_run_that_shaped_the_weights_is_recorded(tmp_path):
     assert extended == [{"steps": [0, 4], "of": 4, "command": "train --steps 4"},
                         {"steps": [4, 7], "of": 7, "command": "train --steps 7"}]
     assert run(7, "train --steps 7").runs == extended  # (a finished run asked again trains nothing more)
+    state = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)
+    del state["runs"]  # a checkpoint from before runs were recorded: its steps are said to be unrecorded
+    torch.save(state, tmp_path / "out" / "checkpoint.pt")
+    assert run(9, "train --steps 9").runs[0] == {"steps": [0, 7], "of": None, "command": "not recorded"}
 
 
 def test_a_finished_run_is_not_relabelled_with_fewer_steps(tmp_path):

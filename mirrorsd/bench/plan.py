@@ -388,8 +388,10 @@ def make_plan(target, draft, prompts: Sequence[tuple[str, list[int]]], max_new: 
     fallback = {g: exit_fallback(probe.fallback(gamma=g), exits) for g in Measured.gammas} if probe else {}
     if progress:
         print("pricing the methods (short runs where acceptance depends on the text)…", flush=True)
+    # (the threads backend splits a CPU's cores: a GPU's plan would rank a backend it refuses)
+    backends = ("serial", "threads") if target.model.device.type == "cpu" else ("serial",)
     found = candidates(Measured(costs, per_position, fallback, quick=quick, target=target, draft=draft,
-                                prompts=[ids for _, ids in prompts], max_new=max_new))
+                                backends=backends, prompts=[ids for _, ids in prompts], max_new=max_new))
     ranked = sorted(found, key=lambda c: -c.tokens_per_s)
     row = lambda c: {"method": c.method, "options": c.options, "label": c.label(),  # noqa: E731
                      "predicted_tokens_per_s": round(c.tokens_per_s, 3),

@@ -474,8 +474,10 @@ class Bench:
     def _predicted(self, spec: MethodSpec, costs: plan.Costs) -> float | None:
         """Mean per-question speed the latency law predicts from this method's own recorded steps; None where its
         cores are split otherwise than the one split the costs were measured at."""
-        threads = getattr(get_method(spec.kind).options.parse(spec.options, spec.kind), "threads", None) \
-            if ours(spec.kind) else None
+        opts = get_method(spec.kind).options.parse(spec.options, spec.kind) if ours(spec.kind) else None
+        threads = getattr(opts, "threads", None)
+        if threads is None and getattr(opts, "backend", None) in ("threads", "processes"):
+            threads = split_threads()  # (the backend's own default split, whatever --threads-split measured)
         if threads is not None and costs.split and list(threads) != list(costs.split["threads"]):
             note = (f"`{spec.label}` is not predicted: its threads {','.join(map(str, threads))} are not the split "
                     f"the costs were measured at ({','.join(map(str, costs.split['threads']))}; --threads-split)")

@@ -14,7 +14,7 @@ import mirrorsd
 from mirrorsd import tuned_drafts, zoo
 from mirrorsd.api import SELF_DRAFT, self_draft_depth
 from mirrorsd.decoding import MethodOptions, get_method, leave_launched_world, methods, serve_launched
-from mirrorsd.plans import measured_otherwise, saved_recommendation
+from mirrorsd.plans import describe_setup, measured_otherwise, saved_recommendation, setup_of
 from mirrorsd.runtime import write_chrome_trace
 from mirrorsd.runtime.processes import launched_rank
 from mirrorsd.runtime.tensor_parallel import DRAFT_SYNCS, gather_spans, launched_world, shard_draft, shard_target
@@ -251,8 +251,9 @@ def run(args: argparse.Namespace) -> int:
         shard_target(target.model, launched_world(tp).tp_group)
     say_loaded("target", target, args)
     if by_auto and method != "auto" and (other := measured_otherwise(args.target, _plan_draft(args), target)):
-        err.print(f"mirrorsd: warning: the plan auto followed was measured with {other}; this run has "
-                  f"{target.format} on {target.model.device}: `mirrorsd plan` with these flags measures it",
+        here = describe_setup(setup_of(target, None), draft=False)  # (its float type too, as the plan records it)
+        err.print(f"mirrorsd: warning: the plan auto followed was measured with {other}; this run has {here}: "
+                  "`mirrorsd plan` with these flags measures it",
                   style="yellow", highlight=False)
     draft = load_draft(args, target, err) if needs_draft else None
     spans = []

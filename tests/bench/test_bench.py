@@ -300,13 +300,18 @@ def test_the_threads_backend_splits_the_cores_only_around_the_overlap():
     fresh = 2.0  # (a fresh rollout on all cores: D(1))
     assert mirror.step_cost(c, step, opts) == pytest.approx(pre + ee + max(split_target - split_pre, rollout)
                                                             + fresh)
+    processes = mirror.options.parse({"backend": "processes"}, "mirror")  # (its fresh rollout: the draft's share)
+    assert mirror.step_cost(c, step, processes) == pytest.approx(pre + ee + max(split_target - split_pre, rollout)
+                                                                 + 4.0)
 
 
-def test_a_thread_split_other_than_the_measured_one_is_not_predicted():
+def test_a_thread_split_other_than_the_measured_one_is_not_predicted(monkeypatch):
     """A sweep over --thread-splits predicted every split from the one split table measured (331 ms for 1,1, 2,2
     and 3,1 alike)."""
+    from mirrorsd.bench import runner
     from mirrorsd.bench.runner import Bench, MethodSpec
 
+    monkeypatch.setattr(runner, "split_threads", lambda: (1, 1))  # (the backend's default split, this machine's)
     c = dataclasses.replace(costs(), split={"threads": [1, 1], "target_ms": {}, "prefix_ms": {}, "draft_ms": {}})
     bench = SimpleNamespace(notes=[], answers=[])
     other = MethodSpec("m31", "mirror", {"backend": "threads", "threads": "3,1"})
@@ -316,6 +321,9 @@ def test_a_thread_split_other_than_the_measured_one_is_not_predicted():
     Bench._predicted(bench, MethodSpec("m11", "mirror", {"backend": "threads", "threads": "1,1"}), c)
     Bench._predicted(bench, MethodSpec("d", "mirror", {"backend": "threads"}), c)  # (the measured split)
     assert len(bench.notes) == 1
+    c = dataclasses.replace(c, split={**c.split, "threads": [3, 1]})  # --threads-split 3,1; a row on the default
+    assert Bench._predicted(bench, MethodSpec("d", "mirror", {"backend": "threads"}), c) is None
+    assert "`d` is not predicted: its threads 1,1" in bench.notes[-1]
 
 
 def test_the_sweeps_threads_rows_split_the_cores_as_the_backend_does(monkeypatch):

@@ -73,9 +73,11 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     max(Δ, rollout) (their sum on the serial backend) + the miss's fresh rollout."""
     backend = opts.backend
     c = costs.for_backend(backend)
-    # threads: only the upper layers and the branch rollouts share the cores; the prefix, the exit and a fresh
-    # rollout run with all of them (the executor splits the threads around the overlap alone)
-    whole = costs if backend == "threads" else c
+    # threads and processes: only the upper layers and the branch rollouts share the cores; the prefix and the exit
+    # run with all of them (the executors split the threads around the overlap alone), and so does a fresh rollout
+    # on the threads backend (in the draft's process, on its share, with processes)
+    whole = costs if backend in ("threads", "processes") else c
+    fresh_costs = costs if backend == "threads" else c
     w, gamma, roots = step["drafted"] + 1, step["gamma"], step["roots"]
     pre = whole.prefix(step["exit_layer"], w)
     delta = c.target(w) - c.prefix(step["exit_layer"], w)
@@ -87,8 +89,8 @@ def step_cost(costs: Any, step: dict[str, Any], opts: MirrorOptions) -> float:
     # the fresh rollout's first forward reads what the draft's cache lacked (the prompt, on the first step), as sd's;
     # its forwards as recorded (a confident window ends early), else one per drafted token
     forwards = step.get("draft_forwards", step["drafted"])
-    d = partial(whole.draft, vocab=opts.draft_vocab)
-    first = whole.draft_read(max(step.get("fed", 1), 1), opts.draft_vocab)  # (the head on its last row only)
+    d = partial(fresh_costs.draft, vocab=opts.draft_vocab)
+    first = fresh_costs.draft_read(max(step.get("fed", 1), 1), opts.draft_vocab)  # (the head on its last row only)
     rollout_fresh = first + (forwards - 1) * d(1) if forwards else 0.0
     return pre + exit_head + core + fresh * rollout_fresh
 
