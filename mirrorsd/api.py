@@ -28,6 +28,7 @@ from .decoding.engine import run
 from .decoding.suffix_index import isolated_shared_indexes
 from .errors import OptionError
 from .execution import release_thread_team
+from .kept import Kept
 from .model import ACTIVATION_FORMATS, Transformer
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, is_integer
@@ -169,19 +170,13 @@ def self_draft(target: LoadedModel, spec: str) -> LoadedModel:
     # One prefix model per target and depth: what is built for a draft (its process, its subset heads, its
     # CUDA caches) is keyed by the draft model, and a new one per request built them all again (a draft process
     # spawned per request: ~9 s each on SmolLM2)
-    with _SELF_DRAFTS_LOCK:
-        prefixes = _SELF_DRAFTS.setdefault(target.model, {})
-        prefix = prefixes.pop(layers, None) or target.model.prefix_model(layers)
-        prefixes[layers] = prefix  # the most recently used last
-        while len(prefixes) > KEPT_SELF_DRAFTS:  # (a sweep over depths: each kept a draft process and heads)
-            prefixes.pop(next(iter(prefixes)))
+    prefix = _SELF_DRAFTS.get(target.model, layers, lambda: target.model.prefix_model(layers))
     return LoadedModel(prefix, target.tokenizer, f"{target.name}[:{layers}]", target.path, target.eos_token_ids,
                        target.weights, target.activations)
 
 
-_SELF_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {layers: its prefix model}
-_SELF_DRAFTS_LOCK = threading.Lock()
-KEPT_SELF_DRAFTS = 2  # depths kept per target, the least recently used dropped first
+# target -> {layers: its prefix model}: the 2 most recent depths (a sweep over depths kept a draft process each)
+_SELF_DRAFTS = Kept(2)
 
 
 @dataclass

@@ -20,14 +20,13 @@ frequent first, the unseen ones after them by id -- BPE's merge order):
 
 from __future__ import annotations
 
-import threading
-import weakref
 from importlib import resources
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .kept import Kept
 from .linear import DenseLinear, make_linear, on_huge_pages
 from .quant import quantize_q8
 
@@ -113,11 +112,10 @@ def head_weight(head: nn.Module, embedding: torch.Tensor, tied: bool) -> torch.T
     return head(torch.eye(head.in_features, device=embedding.device)).float().T
 
 
-_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(size, kind, device): SubsetHead}
-_HEADS_LOCK = threading.Lock()
 #: Heads kept per model, the least recently used dropped first: a server's clients may ask for any size (18 MB each
 #: on SmolLM2, more on the Qwen pair), and every new one was kept for the life of the process.
 KEPT_HEADS = 4
+_HEADS = Kept(KEPT_HEADS)  # model -> {(size, kind, device): SubsetHead}
 
 
 def subset_table(vocab_size: int, size: int, kind: str = "corpus") -> torch.Tensor:
@@ -133,22 +131,9 @@ def subset_table(vocab_size: int, size: int, kind: str = "corpus") -> torch.Tens
 def subset_head(model, size: int, kind: str = "corpus") -> SubsetHead:
     """``model``'s head restricted to the ``size`` most frequent ids of its tokenizer's shipped ``kind`` table;
     built once per model (a q8 copy of those rows) and shared by every request and role that asks for it."""
-    key = (size, kind, model.device)
-    with _HEADS_LOCK:  # (a server's requests ask at once: one's eviction between another's lookup and read)
-        heads = _HEADS.setdefault(model, {})
-        if key in heads:
-            heads[key] = head = heads.pop(key)  # the most recently used last
-            return head
-    table = subset_table(model.config.vocab_size, size, kind)
-    head = SubsetHead(model.lm_head, model.embed_tokens.weight, table, model.config.tie_word_embeddings).eval()
-    with _HEADS_LOCK:
-        heads = _HEADS.setdefault(model, {})
-        if key in heads:  # (another request built it meanwhile: one copy is kept)
-            return heads[key]
-        while len(heads) >= KEPT_HEADS:  # (a request in flight keeps its own)
-            heads.pop(next(iter(heads)))
-        heads[key] = head
-    return head
+    return _HEADS.get(model, (size, kind, model.device), lambda: SubsetHead(
+        model.lm_head, model.embed_tokens.weight, subset_table(model.config.vocab_size, size, kind),
+        model.config.tie_word_embeddings).eval())
 
 
 def optional_head(model, size: int | None) -> SubsetHead | None:

@@ -211,7 +211,7 @@ def test_a_model_keeps_a_few_subset_heads_not_one_per_size_ever_asked(tables):
     for size in range(2, 40):
         dv.subset_head(model, size)
         assert dv.subset_head(model, 16) is often  # the one in use stays
-    assert len(dv._HEADS[model]) == dv.KEPT_HEADS
+    assert dv._HEADS.held(model) == dv.KEPT_HEADS
 
 
 def test_subset_heads_asked_for_by_many_threads_at_once(tables):
@@ -246,7 +246,7 @@ def test_subset_heads_asked_for_by_many_threads_at_once(tables):
     finally:
         sys.setswitchinterval(interval)
     assert not errors, errors[:3]
-    assert len(dv._HEADS[model]) <= dv.KEPT_HEADS
+    assert dv._HEADS.held(model) <= dv.KEPT_HEADS
 
 
 def test_optional_head_defaults_to_the_full_vocabulary_where_no_larger_table_ships(tables, monkeypatch):

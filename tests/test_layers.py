@@ -11,8 +11,8 @@ PACKAGE = Path(mirrorsd.__file__).parent
 
 # Bottom to top. A module may import its own layer and the ones below it.
 LAYERS = [
-    {"errors", "cache", "files", "collector", "transfer", "quant", "sampling", "kv_cache", "prefix_cache", "kernels",
-     "linear", "gguf_weights", "model",
+    {"errors", "cache", "files", "collector", "kept", "transfer", "quant", "sampling", "kv_cache", "prefix_cache",
+     "kernels", "linear", "gguf_weights", "model",
      "loading", "weight_cache", "execution", "cuda_graphs", "verify", "runtime", "draft_vocab",
      "exit_heads", "tuned_drafts"},  # the model, kernels, executors
     {"decoding"},  # the loop, the roles, the methods and their registry

@@ -10,8 +10,6 @@ token per step from its own output states (:class:`HeadProposer`). The head's to
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import torch
 
 from ...draft_vocab import draft_table_kind
+from ...kept import Kept
 from ...model import PREFILL_CHUNK, Transformer
 from ...verify import Verdict
 from ..drafting import draft_vocab_option, draft_vocab_size
@@ -114,28 +113,15 @@ class HeadProposer:
         self._catch_up(state, state.tokens[before:before + rows], self.scorer.features[:rows], before - 1)
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(head, vocab): HeadRunner}
-KEPT_RUNNERS = 2  # runners kept per target, the least recently used dropped first
-_RUNNERS_LOCK = threading.Lock()
+KEPT_RUNNERS = 2  # runners kept per target (a server's clients may ask for any draft_vocab: ~125 MB each on SmolLM2)
+_RUNNERS = Kept(KEPT_RUNNERS)  # target -> {(head, vocab): HeadRunner}
 
 
 def runner_for(target: Transformer, source: str | Path | EagleHead, vocab: int) -> HeadRunner:
     """One runner per target, head and vocabulary, shared by every request (its int8 weights are built once)."""
     key = (source, vocab) if isinstance(source, EagleHead) else (*_saved(Path(source)), vocab)
-    with _RUNNERS_LOCK:  # (requests ask at once: one's eviction between another's lookup and read)
-        runners = _RUNNERS.setdefault(target, {})
-        if key in runners:
-            runners[key] = runner = runners.pop(key)  # the most recently used last
-            return runner
-    runner = HeadRunner(target, load_head(target, source), vocab, draft_table_kind(target.config.vocab_size))
-    with _RUNNERS_LOCK:
-        runners = _RUNNERS.setdefault(target, {})
-        if key in runners:  # (another request built it meanwhile)
-            return runners[key]
-        while len(runners) >= KEPT_RUNNERS:  # (a server's clients may ask for any draft_vocab: ~125 MB each on
-            runners.pop(next(iter(runners)))  # SmolLM2, all kept for the life of the process)
-        runners[key] = runner
-    return runner
+    return _RUNNERS.get(target, key, lambda: HeadRunner(target, load_head(target, source), vocab,
+                                                        draft_table_kind(target.config.vocab_size)))
 
 
 def _saved(folder: Path) -> tuple[str, float]:
