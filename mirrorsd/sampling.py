@@ -104,6 +104,22 @@ def stream_key(seed: int, noise: int) -> int:
     return int(_splitmix64(torch.tensor(_int64(seed)) ^ _splitmix64(torch.tensor(_int64(noise)))))
 
 
+def window_seed(seed: int, start: int) -> int:
+    """The seed of a rejection-sampled draft's window that starts at text position ``start``: after a rejection at P
+    the next window drafts P + 1 again, where a discarded token was drawn, and keyed by position alone it would reuse
+    that draw's noise, which what chose the window (its length, a gate's timing) may have read. Windows start at
+    distinct positions (each step commits a token), and Mirror-SD's branch rooted at P drafts with the seed of the
+    window that would start at P + 1: the tokens vanilla SD draws there (the paper's parity, App. B)."""
+    return stream_key(seed, -1 - start)  # (every Noise kind is >= 0)
+
+
+def window_keys(seed: int, starts: Sequence[int], noise: int) -> torch.Tensor:
+    """``[len(starts)]`` :func:`stream_key` values of :func:`window_seed` and ``noise``, hashed in one go (a tree
+    rollout's branches each start their own window)."""
+    seeds = _splitmix64(_splitmix64(torch.tensor([-1 - s for s in starts], dtype=torch.long)) ^ _int64(seed))
+    return _splitmix64(seeds ^ int(_splitmix64(torch.tensor(_int64(noise)))))
+
+
 def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int, noise: int = Noise.TARGET,
                    device: torch.device | str | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
     """Uniforms in (0, 1), ``[len(positions), size]`` float64, a pure function of their arguments.
@@ -112,8 +128,8 @@ def keyed_uniforms(seed: int, positions: Sequence[int] | torch.Tensor, size: int
     its logits are: the host hashes only each row's key, never its ``size`` ids, and copies no noise; with the
     positions as a device tensor a CUDA graph can capture it whole. ``key``: the :func:`stream_key` of ``(seed,
     noise)`` as a device tensor beside such positions (then ``seed`` and ``noise`` are not read), so a graph that
-    draws for one request replays for another with another seed."""
-    base = stream_key(seed, noise) if key is None else key
+    draws for one request replays for another with another seed; or one key per row (:func:`window_keys`)."""
+    base = stream_key(seed, noise) if key is None else key.view(-1, 1) if key.dim() else key
     if key is not None and not isinstance(positions, torch.Tensor):
         raise ValueError("a device stream key goes with positions on the device")
     if isinstance(positions, torch.Tensor):

@@ -130,3 +130,20 @@ def test_verifiers_give_the_same_verdict_reading_rows_at_once_or_one_by_one(para
     assert verdicts[0] == verdicts[1]
     assert verdicts[0][0].accepted == 3 and verdicts[0][1].accepted == 5
     assert verdicts[0][2].path == (0, 2, 3)
+
+
+def test_a_rows_window_key_draws_what_its_windows_seed_draws_alone():
+    """A tree rollout's branches each draw with the key of the window they start (one op for all rows, on a GPU);
+    row by row (the CPU's way, :func:`~mirrorsd.verify.verify_tree`) each draws with that window's seed: the same
+    tokens. Windows at other starts draw other noise."""
+    from mirrorsd.sampling import Noise, choose, window_keys, window_seed
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).double()
+    params = SamplingParams(temperature=1.5, seed=2**63 + 11)
+    starts, positions = [9, 9, 12, 40], torch.tensor([9, 10, 12, 41])
+    together = choose(logits, positions, params, Noise.DRAFT, window_keys(params.seed, starts, Noise.DRAFT))
+    alone = [choose(logits[r:r + 1], [int(positions[r])], SamplingParams(temperature=1.5, seed=window_seed(
+        params.seed, starts[r])), Noise.DRAFT).item() for r in range(4)]
+    assert together.tolist() == alone
+    noise = [keyed_uniforms(window_seed(params.seed, s), [20], 50, Noise.DRAFT) for s in (9, 12)]
+    assert not torch.equal(noise[0], noise[1])

@@ -22,13 +22,25 @@ draft's distribution only, never its draw, so rejection sampling still sees prop
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..draft_vocab import default_size, draft_table_kind, subset_head
 from ..model import Transformer
-from ..sampling import Noise, SamplingParams, choose, graph_choice, probabilities, sample
+from ..sampling import (
+    Noise,
+    SamplingParams,
+    choose,
+    graph_choice,
+    probabilities,
+    sample,
+    stream_key,
+    window_keys,
+    window_seed,
+)
 from ..verify import ACCEPTANCE_RULES
 from .registry import at_least, option
 from .streams.passes import DEFER_STREAMS
@@ -115,13 +127,16 @@ class DraftSampler:
     """One draft step over any number of rows (see the module docstring).
 
     ``rejection``: the draft's draws use their own noise key and keep their distributions (speculative sampling
-    needs them independent of the acceptance noise); otherwise the draft is coupled to the target's noise, which
-    maximises sample-and-match acceptance. ``runner_ups`` > 0: steps also give that many likeliest tokens per row.
+    needs them independent of the acceptance noise), each window with a seed of its own
+    (:func:`~mirrorsd.sampling.window_seed`: :meth:`begin`, :meth:`keys`); otherwise the draft is coupled to the
+    target's noise, which maximises sample-and-match acceptance. ``runner_ups`` > 0: steps also give that many
+    likeliest tokens per row.
     """
 
     def __init__(self, draft: Transformer, target_vocab: int, params: SamplingParams, *, confidence: float = 0.0,
                  rejection: bool = False, vocab: int = 0) -> None:
         self.params, self.confidence = params, confidence
+        self.request_params = params  # (:attr:`params` draws the window begun last)
         self.subset = subset_head(draft, vocab, draft_table_kind(draft.config.vocab_size)) if vocab else None
         self.subset_columns = self.subset is not None and params.greedy  # logits' column c is token subset.ids[c]
         self.head = self.subset.full if self.subset is not None and not params.greedy else self.subset
@@ -132,6 +147,24 @@ class DraftSampler:
         self.need_probs = self.rejection or confidence > 0
         self.pad = target_vocab - draft.config.vocab_size
         self.runner_ups = 0
+
+    def params_at(self, start: int) -> SamplingParams:
+        """The sampling parameters of a window that starts at text position ``start``: under rejection sampling with
+        its own seed, else the request's (coupled draws are the target's noise)."""
+        if not self.rejection:
+            return self.request_params
+        return replace(self.request_params, seed=window_seed(self.request_params.seed, start))
+
+    def begin(self, start: int) -> None:
+        """A window starts at text position ``start``: :meth:`draw` and :meth:`choose` draw with its parameters."""
+        self.params = self.params_at(start)
+
+    def keys(self, starts: Sequence[int], device: torch.device | str) -> torch.Tensor:
+        """One noise stream key per row, for rows that each start a window at ``starts`` (a tree rollout's
+        branches): :meth:`choose`'s ``key`` and what a graph's rows read."""
+        if self.rejection:
+            return window_keys(self.request_params.seed, starts, self.noise).to(device)
+        return torch.full((len(starts),), stream_key(self.request_params.seed, self.noise), device=device)
 
     @property
     def choice(self) -> tuple:
@@ -169,7 +202,8 @@ class DraftSampler:
     def choose(self, logits: torch.Tensor, positions: list[int] | torch.Tensor,
                key: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`draw`'s token ids as a tensor where the logits are (nothing read on the host yet); ``key``: the
-        noise's stream key as a device tensor (:func:`~mirrorsd.sampling.keyed_uniforms`)."""
+        noise's stream key as a device tensor, or one per row (:meth:`keys`; see
+        :func:`~mirrorsd.sampling.keyed_uniforms`)."""
         drawn = choose(logits, positions, self.params, self.noise, key)
         return self.subset.ids[drawn] if self.subset_columns else drawn
 

@@ -72,6 +72,7 @@ class ModelProposer:
         window = min(self.gamma, state.room) if window is None else window
         model, sampler, cache = self.model, self.sampler, state.draft_cache
         position = len(state.tokens)  # of the first drafted token
+        sampler.begin(position)
         if not (sampler.need_probs or sampler.runner_ups):
             return self._chain(state, window)
         if self.cut_on_device and not (sampler.rejection or sampler.runner_ups):
@@ -198,6 +199,7 @@ class StreamProposer(ModelProposer):
         window = min(self.gamma, state.room) if window is None else window
         streams = self.adapters.stream_count(streams)
         cache, position, sampler = state.draft_cache, len(state.tokens), self.sampler
+        sampler.begin(position)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         tops: list[float] = []
@@ -207,7 +209,7 @@ class StreamProposer(ModelProposer):
             tree = guesses.tree(depth, self.tree_budget)
             # the next pass, after at least one more token, reads streams 1..window - len(tokens) - 2 at most
             rows = max(1, min(streams, window - len(tokens) - 2))
-            result = ss_pass(self.model, self.adapters, cache, trunk, tree, self.params, noise=sampler.noise,
+            result = ss_pass(self.model, self.adapters, cache, trunk, tree, sampler.params, noise=sampler.noise,
                              tree_k=self.tree_k, head=self.stream_head, streams=rows, defer=self.defer,
                              main_head=sampler.id_head)
             forwards += 1

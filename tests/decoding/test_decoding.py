@@ -334,3 +334,28 @@ def test_drafts_share_their_graphs_whatever_their_seed(tiny_pair):
     assert choice(temperature=0.8, seed=1) == choice(temperature=0.8, seed=2)
     assert choice(temperature=0.8, seed=1) != choice(temperature=0.9, seed=1)
     assert choice(temperature=0.8, seed=1) != choice(temperature=0.8, seed=1, top_k=5) != choice(seed=1)
+
+
+@pytest.mark.parametrize("acceptance", ["rejection", "match"])
+def test_a_rejection_sampled_draft_draws_each_window_from_noise_of_its_own(tiny_pair, acceptance):
+    """After a rejection at P the next window drafts P + 1 again, where the last window drew a discarded token: under
+    speculative sampling it must not reuse that draw's noise (whatever chose the window may have read it), so over the
+    same text the two draws at P + 1 differ for some seed. Sample-and-match drafts stay coupled to the target's
+    noise: the same token."""
+    from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, RequestState
+    from mirrorsd.decoding.proposers import ModelProposer
+
+    target, draft = tiny_pair
+    prompt, differs = [3, 1, 4, 1, 5], []
+    for seed in range(8):
+        params = SamplingParams(temperature=1.5, seed=seed)
+        windows = []
+        for text in (prompt, None):
+            text = text or [*prompt, windows[0][0]]  # the first window's first token kept, the rest discarded
+            request = DecodeRequest(target, text, 16, params, GenerationStats("sd"), draft)
+            state = RequestState(request, list(text), target.new_cache(), draft.new_cache(capacity=64), list(text))
+            proposer = ModelProposer(draft, target.config.vocab_size, params, gamma=3,
+                                     rejection=acceptance == "rejection")
+            windows.append(proposer.propose(state).tokens)
+        differs.append(windows[0][1] != windows[1][0])
+    assert any(differs) if acceptance == "rejection" else not any(differs)

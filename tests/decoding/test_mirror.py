@@ -782,3 +782,34 @@ def test_a_self_draft_on_a_sharded_target_needs_no_shared_group(backend, refused
             opts.check_tensor_parallel(self_draft=True)
     else:
         opts.check_tensor_parallel(self_draft=True)
+
+
+@pytest.mark.parametrize("acceptance", ["rejection", "match"])
+def test_a_branch_drafts_the_window_vanilla_sd_would_start_after_its_root(exact_pair, acceptance):
+    """A branch rooted at P drafts the window that starts at P + 1: vanilla SD's window there, token for token, under
+    both rules (the paper's parity, App. B). Under speculative sampling that is not the draft's last window's
+    continuation through P, whose draw at P + 1 was discarded (its noise is not reused); coupled, it is."""
+    from mirrorsd.decoding.engine import DecodeRequest, GenerationStats, RequestState
+    from mirrorsd.decoding.mirror.draft import LocalDraft, fresh_proposer
+    from mirrorsd.decoding.mirror.options import MirrorOptions
+    from mirrorsd.sampling import SamplingParams
+
+    target, draft = exact_pair
+    prompt, differs = [3, 1, 4, 1, 5], []
+
+    def state_of(text: list[int], params: SamplingParams) -> RequestState:
+        request = DecodeRequest(target, text, 32, params, GenerationStats("mirror"), draft)
+        state = RequestState(request, list(text), target.new_cache(), draft.new_cache(capacity=64), text[-1:])
+        draft.prefill(torch.tensor([text[:-1]]), state.draft_cache)
+        return state
+
+    for seed in range(8):
+        params = SamplingParams(temperature=1.5, seed=seed)
+        opts = MirrorOptions(gamma=3, confidence=0.0, acceptance=acceptance)
+        side = LocalDraft(None, fresh_proposer(draft, target.config.vocab_size, params, opts))  # (no run)
+        window = side.proposer.propose(state_of(prompt, params)).tokens  # drafted from P = len(prompt)
+        tree = side._rollout(state_of(prompt, params), len(prompt), 0, prompt[-1:], [(0, window[0])], 3)
+        branch = list(tree.tokens[0])
+        assert branch == side.proposer.propose(state_of([*prompt, window[0]], params)).tokens  # SD's next window
+        differs.append(branch[0] != window[1])
+    assert any(differs) if acceptance == "rejection" else not any(differs)

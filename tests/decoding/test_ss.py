@@ -515,6 +515,28 @@ def test_ss_rollout_equals_the_drafts_own_rollout(exact_model, pending, window, 
     assert streamed.forwards <= plain.forwards
 
 
+@pytest.mark.parametrize("rejection", [True, False])
+def test_a_stream_draft_draws_each_window_from_noise_of_its_own_under_rejection(exact_model, rejection):
+    """As a plain draft (test_decoding's twin): a window that drafts P + 1 again, over the same text, draws it with
+    fresh noise under speculative sampling and with the target's coupled noise under sample-and-match."""
+    adapters = random_adapters(exact_model, streams=3, layers=2, std=0.1)
+    seq, vocab, differs = [3, 1, 4, 1, 5], exact_model.config.vocab_size, []
+    with torch.inference_mode():
+        for seed in range(8):
+            params = SamplingParams(temperature=1.5, seed=seed)
+            windows: list[list[int]] = []
+            for text in (seq, None):
+                text = text or [*seq, windows[0][0]]  # the first window's first token kept, the rest discarded
+                proposer = StreamProposer(exact_model, adapters, vocab, params, 4, rejection=rejection)
+                cache = exact_model.new_cache()
+                exact_model.prefill(torch.tensor([text[:-1]]), cache)
+                request = DecodeRequest(exact_model, text, 64, params, GenerationStats("test"))
+                state = RequestState(request, list(text), exact_model.new_cache(), cache, text[-1:])
+                windows.append(proposer.propose(state).tokens)
+            differs.append(windows[0][1] != windows[1][0])
+    assert any(differs) if rejection else not any(differs)
+
+
 @pytest.mark.parametrize("streams", [1, 2])
 def test_fewer_streams_are_the_first_streams_of_the_full_pass(exact_model, streams):
     """A pass over the first streams only gives their rows the bits of the full pass (stream j sees streams 1..j):

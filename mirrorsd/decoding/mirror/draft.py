@@ -364,6 +364,8 @@ class LocalDraft:
             tree.graphed = replayed
             return tree
         root_pos = send([committed + j for j in at], device)
+        # branch r drafts the window that starts after its root (a seed of its own under rejection sampling)
+        keys = None if sampler.params.greedy else sampler.keys([committed + j + 1 for j in at], device)
         # Every step's mask is a prefix of one: branch r sees the spine before its root (root (j, v) sees
         # [0, committed + j)) and its own inputs, which step s puts at base + s·R + r.
         cols = torch.arange(base + steps * n_roots, device=device)
@@ -391,7 +393,7 @@ class LocalDraft:
                 tops.append(top)
             if q is not None:
                 q_steps.append(q)
-            drawn.append(sampler.choose(logits, root_pos + step + 1))
+            drawn.append(sampler.choose(logits, root_pos + step + 1, keys))
             if sampler.runner_ups:
                 runner_ups.append(sampler.likeliest_ids(logits))
             ids = draft_tokens(model, drawn[-1])
@@ -480,6 +482,7 @@ class LocalDraft:
         while live := [r for r in range(n_roots) if len(tokens[r]) < steps]:
             past = len(cache)
             feed, positions = list(lead), list(range(past, past + len(lead)))
+            starts: list[int] = []  # per branch row, the start of the window its branch drafts
             blocks: list[tuple[int, int, Proposal]] = []  # (branch, first row, guess tree)
             for r in live:
                 tree = guesses[r].tree(min(n_streams, steps - len(tokens[r]) - 1), proposer.tree_budget)
@@ -490,6 +493,7 @@ class LocalDraft:
                     depths.append(depths[parent + 1] + 1)
                 feed += [inputs[r], *tree.tokens]
                 positions += [at + d for d in depths]
+                starts += [sees[r] + 1] * len(depths)
             n, rows = len(feed), len(feed) - len(lead)
             main = torch.zeros(n, past + n, dtype=torch.bool)  # on the host: one copy to the device, no index copies
             for i in range(len(lead)):
@@ -515,7 +519,8 @@ class LocalDraft:
             own: list[int] | None = None
             every = reads_every_row(logits, proposer.params)
             if rows_apart(logits, proposer.params):
-                drawn = choose(logits, [p + 1 for p in positions[len(lead):]], proposer.params, sampler.noise)
+                keys = None if sampler.params.greedy else sampler.keys(starts, device)
+                drawn = choose(logits, pos[len(lead):] + 1, sampler.params, sampler.noise, keys)
                 if every:
                     own, top_ids, logprobs = read_all(drawn, *stream_tops(model, out[n:n + rows * n_streams], n_streams,
                                                                           proposer.tree_k, proposer.stream_head))
@@ -525,7 +530,8 @@ class LocalDraft:
             for r, first, tree in blocks:
                 at, size = first - len(lead), 1 + len(tree.tokens)
                 verdict = verify_tree(tree.tokens, tree.parents or [], logits[at:at + size], positions[first] + 1,
-                                      proposer.params, sampler.noise, own[at:at + size] if own is not None else None)
+                                      sampler.params_at(sees[r] + 1), sampler.noise,
+                                      own[at:at + size] if own is not None else None)
                 tokens[r] += [*(tree.tokens[i] for i in verdict.nodes), verdict.next_token]
                 entries[r] += [past + first, *(past + first + 1 + i for i in verdict.nodes)]
                 inputs[r] = verdict.next_token
