@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .decoding.engine import GenerationStats, RequestState, budgeted_by
+from .errors import Cancelled
 from .execution import LayerCall, batched_by, ragged_layers, release_thread_team
 from .model import PREFILL_CHUNK
 
@@ -332,6 +333,7 @@ class _Waiting:
     outputs: list[torch.Tensor] = field(default_factory=list)
     result: torch.Tensor | None = None
     error: BaseException | None = None
+    cancelled: threading.Event | None = None  # its member's request was cancelled: a prompt stops between chunks
     computed: bool = False  # set by the step, outside the lock
     finished: bool = False  # published by the engine under the lock, with the running count: a member woken by
     # another's notify must not leave before the engine counts it as running again
@@ -405,6 +407,7 @@ class StepRecord:
 
 class _Member:
     counted = False
+    cancelled: threading.Event | None = None
 
 
 class Batcher:
@@ -461,10 +464,13 @@ class Batcher:
         return max(my - slope * mx, 1e-6), slope
 
     @contextmanager
-    def member(self) -> Iterator[None]:
+    def member(self, cancelled: threading.Event | None = None) -> Iterator[None]:
         """This thread's forwards go through the batcher for the block. It counts as a member from its first
-        forward (what it does before, a plan or a tokenizer call, holds nobody up) until the block ends."""
+        forward (what it does before, a plan or a tokenizer call, holds nobody up) until the block ends. Once
+        ``cancelled`` is set, a prompt it runs stops at its next chunk: the forward raises
+        :class:`~mirrorsd.errors.Cancelled`."""
         me = _Member()
+        me.cancelled = cancelled
         self._local.member = me
         try:
             with batched_by(self), budgeted_by(self.budget):
@@ -496,6 +502,7 @@ class Batcher:
 
     def _wait(self, item: _Waiting) -> torch.Tensor:
         me = getattr(self._local, "member", None)
+        item.cancelled = me.cancelled if me is not None else None
         if me is not None and self._claim_solo(me) and self._run_solo(item):
             return self._result(item)
         release_thread_team()  # its forwards run on the engine's team; its own ops, an argmax, may have started one
@@ -547,6 +554,9 @@ class Batcher:
                 self._record(record)
                 if item.computed:
                     return True
+                if item.cancelled is not None and item.cancelled.is_set():
+                    item.error = Cancelled()
+                    return True
                 if self._waiting:
                     return False
 
@@ -574,6 +584,8 @@ class Batcher:
                 if not self._waiting:  # every member left, or the only one runs its forwards itself (_claim_solo)
                     self._engine = None
                     break
+                if self._drop_cancelled():
+                    continue
                 work = self._select()
                 self._cond.release()
                 try:
@@ -587,6 +599,19 @@ class Batcher:
                     self._running += 1
                 self._cond.notify_all()
         release_thread_team()  # (a solo member's forwards run beside this thread until it ends)
+
+    def _drop_cancelled(self) -> bool:
+        """Whether a prompt whose request was cancelled left the waiting forwards (under the lock): its member
+        gets :class:`~mirrorsd.errors.Cancelled` instead of the rest of its chunks."""
+        dropped = [w for w in self._waiting if w.cancelled is not None and w.cancelled.is_set()
+                   and w.splittable(self.whole_rows)]
+        for item in dropped:
+            item.error, item.computed, item.finished = Cancelled(), True, True
+            self._waiting.remove(item)
+            self._running += 1
+        if dropped:
+            self._cond.notify_all()
+        return bool(dropped)
 
     def _select(self) -> list[tuple[_Waiting, int]]:
         """This step's work: the waiting LM heads alone if any wait, else each waiting window whole and chunks of

@@ -10,3 +10,8 @@ class OptionError(ValueError):
     def __init__(self, option: str, message: str) -> None:
         super().__init__(f"{option} {message}")
         self.option, self.message = option, message
+
+
+class Cancelled(Exception):
+    """A request's client went away while its prompt ran: its forwards stopped between prompt chunks (a long prefill
+    would otherwise hold its place for seconds with nobody to read the answer)."""

@@ -983,3 +983,40 @@ def test_the_goodput_rule_keeps_no_ended_requests_statistics():
     gc.collect()
     assert gone() is None and tracker.stats is None  # nothing but the request held them
     assert tracker.outcomes() == seen and tracker.drafting() == drafting == (0.5, 9)
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_cancelled_members_prompt_stops_at_its_next_chunk(pair: Pair, monkeypatch, alone: bool) -> None:
+    """A client that leaves during a long prompt frees its place within a chunk (it held it for the whole prefill,
+    seconds with nobody to read the answer): its forward raises Cancelled, alone or beside another member, and the
+    other member keeps its tokens."""
+    import mirrorsd.batching as batching
+    from mirrorsd.errors import Cancelled
+
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 4)  # a 60-token prompt: 15 chunks
+    if not alone:
+        monkeypatch.setattr(Batcher, "_claim_solo", lambda self, me: False)
+    cancelled = threading.Event()
+    batcher = Batcher(speculation="fixed", on_step=lambda record: record.prompts and cancelled.set())
+    long, short = Req("ar", tuple(range(1, 61)), 4, 0.0, 0, 0, None), Req("ar", (7, 8, 9), 30, 0.0, 0, 0, None)
+    out: dict[str, object] = {}
+
+    def work(name: str, req: Req, event: threading.Event | None) -> None:
+        try:
+            with batcher.member(event):
+                out[name] = pair.tokens(req)
+        except Cancelled as e:
+            out[name] = e
+
+    threads = [threading.Thread(target=work, args=("long", long, cancelled))]
+    if not alone:
+        threads.append(threading.Thread(target=work, args=("short", short, None)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(out["long"], Cancelled)
+    assert sum(s.prompts for s in batcher.steps) <= 2  # the chunk that saw the cancel, and at most one in flight
+    if not alone:
+        assert out["short"] == pair.tokens(short)
+    assert batcher.members_running == 0 and not batcher._waiting

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..api import GenerationStream
 from ..batching import Batcher
+from ..errors import Cancelled
 from ..execution import release_thread_team
 from .protocol import APIError
 
@@ -187,8 +188,10 @@ class Scheduler:
                     job.send("cancelled")
                     continue
                 try:
-                    with self.batcher.member():
+                    with self.batcher.member(job.cancelled):
                         self._run(job)
+                except Cancelled:  # its client left while its prompt ran
+                    job.send("cancelled")
                 except APIError as e:
                     job.send("error", e)
                 except Exception as e:  # a bug: the client gets a 500 without a traceback, the log keeps it

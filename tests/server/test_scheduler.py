@@ -195,3 +195,27 @@ def test_a_burst_fills_every_free_place_before_any_429():
             job.cancel()
         await asyncio.to_thread(scheduler.stop, 5.0)
     run_jobs(body)
+
+
+def test_a_job_whose_client_left_during_its_prompt_ends_cancelled_not_failed():
+    """The batcher stops a cancelled job's prompt between chunks by raising Cancelled in its forward
+    (tests/test_batching.py): the job ends as cancelled, not as a 500, and its worker takes the next job."""
+    from mirrorsd.errors import Cancelled
+
+    class CancelledPrompt(EndlessStream):
+        def deltas(self):
+            raise Cancelled()
+            yield
+
+    async def body(loop) -> None:
+        scheduler = Scheduler(max_queued=4, max_running=1)
+        scheduler.start()
+        left = Job(CancelledPrompt, loop)
+        scheduler.submit(left)
+        events = [(await left.next()).kind, (await left.next()).kind]
+        assert events == ["started", "cancelled"]
+        after = Job(lambda: EndlessStream(fail_at=2), loop)
+        scheduler.submit(after)
+        assert (await first_event(after, "error")).value.status == 500
+        await asyncio.to_thread(scheduler.stop, 5.0)
+    run_jobs(body)
