@@ -6,6 +6,7 @@ validation, EOS / stop strings / ``max_new_tokens``, incremental detokenisation 
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import sys
@@ -108,7 +109,7 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
     :func:`default_format` (the model's default activations also apply to weights asked for explicitly).
     ``linear="dense"`` keeps PyTorch's stock GEMMs instead of our kernels (a baseline for benchmarks).
     """
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
     from . import tuned_drafts, zoo
 
@@ -130,13 +131,33 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
         model = Transformer.from_pretrained(path, device=device, dtype=dtype, weights=weights, linear=linear,
                                             activations=activations, deltas=deltas).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    eos: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
+    eos = end_ids(path, tokenizer, converted=base in zoo.ZOO)
+    return LoadedModel(model, tokenizer, str(name_or_path), path, frozenset(eos), weights, activations)
+
+
+#: Tokens llama.cpp ends generation on by their text in any GGUF vocabulary (``llama-vocab.cpp``'s EOG list): a
+#: GGUF names one EOS, so Qwen's converted generation config lost ``<|endoftext|>``, which its published one lists.
+GGUF_END_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                            "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"})
+
+
+def end_ids(path: Path, tokenizer: Any, converted: bool = False) -> set[int]:
+    """The ids generation ends on, as HF's ``generate`` takes them: the tokenizer's EOS and the generation config's,
+    or without a ``generation_config.json`` the model config's (HF builds the generation config from it then).
+    ``converted``: a zoo model converted from a GGUF, which also ends on the special tokens llama.cpp ends on
+    (:data:`GGUF_END_TEXTS`)."""
+    from transformers import GenerationConfig
+
+    eos: set[int] = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
     if (path / "generation_config.json").exists():
         ids = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-        eos.update([ids] if isinstance(ids, int) else ids or [])
-    return LoadedModel(model, tokenizer, str(name_or_path), path, frozenset(eos), weights, activations)
+    else:
+        ids = json.loads((path / "config.json").read_text()).get("eos_token_id")
+    eos.update([ids] if isinstance(ids, int) else ids or [])
+    if converted:
+        eos.update(i for i, token in tokenizer.added_tokens_decoder.items()
+                   if token.special and token.content in GGUF_END_TEXTS)
+    return eos
 
 
 SELF_DRAFT = "self:"
@@ -494,15 +515,16 @@ class GenerationStream:
     def _hit_stop(self) -> bool:
         # A stop string that just appeared ends in the last token's text: decode only the tokens that hold the
         # longest one. Tokens and characters do not pair up (a byte-level token may be a third of a character, a
-        # special token decodes to nothing), so the tail grows until its text is long enough (a cut character at
-        # its start decodes to up to 3 replacement characters).
+        # special token decodes to nothing), so the tail grows until its text before the last token is long enough
+        # (a cut character at its start decodes to up to 3 replacement characters; the last token's own text may be
+        # long, and counting it missed a stop string that began behind a run of special tokens).
         longest = max(len(s) for s in self.stop)
         n = longest + 8
         while True:
-            tail = self._decode(self.token_ids[-n:])
-            if len(tail) >= longest + 3 or n >= len(self.token_ids):
+            if len(self._decode(self.token_ids[-n:-1])) >= longest + 3 or n >= len(self.token_ids):
                 break
             n *= 2
+        tail = self._decode(self.token_ids[-n:])
         if not any(s in tail for s in self.stop):
             return False
         text = self._decode(self.token_ids)

@@ -508,3 +508,49 @@ def test_a_folder_with_a_gguf_beside_changed_safetensors_is_warned_about(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (weights asked for: the advice was taken, nothing to warn about)
         default_format(str(folder), folder, "cpu", torch.float32, asked="fp32")
+
+
+@requires_smollm2
+def test_generation_ends_where_hf_and_llama_cpp_end_it(tmp_path):
+    """Without a generation_config.json HF ends on the model config's eos ids (a Llama-3-style list), and a zoo model
+    converted from a GGUF also ends on the special tokens llama.cpp ends on by their text (Qwen's GGUF names one EOS,
+    so its converted config lost ``<|endoftext|>``: a raw or fill-in-the-middle completion ran on past it)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from mirrorsd import zoo
+    from mirrorsd.api import end_ids
+
+    source = zoo.resolve("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    assert end_ids(source, tokenizer) == {2}  # <|im_end|>, as its generation config says
+    assert end_ids(source, tokenizer, converted=True) == {0, 2}  # and <|endoftext|>, as llama.cpp ends on it
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 7]}))
+    assert end_ids(tmp_path, tokenizer) == {2, 7}
+    shutil.copy(source / "generation_config.json", tmp_path)
+    assert end_ids(tmp_path, tokenizer) == {2}  # a generation config, where there is one, is HF's word
+
+
+@requires_smollm2
+def test_a_stop_string_behind_a_run_of_special_tokens_is_found():
+    """Special tokens decode to nothing, so a stop string may begin many tokens back; a long last token made the
+    tail look long enough, and ``Hello`` + 20 ``<|im_start|>`` + ``====...`` ran past ``stop=["Hello="]``."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from mirrorsd import zoo
+    from mirrorsd.api import GenerationStream
+    from mirrorsd.decoding import GenerationStats
+
+    tokenizer = AutoTokenizer.from_pretrained(zoo.resolve("smollm2-135m"), local_files_only=True)
+    target = LoadedModel(model=None, tokenizer=tokenizer, name="smollm2-135m", eos_token_ids=frozenset({2}))
+    ids = [*tokenizer("Hello", add_special_tokens=False)["input_ids"], *[1] * 20,
+           *tokenizer("=" * 32, add_special_tokens=False)["input_ids"]]
+    request = SimpleNamespace(max_new_tokens=100, stats=GenerationStats("ar"))
+    s = GenerationStream(target, [1], ([t] for t in ids), request, ["Hello="], False)
+    assert "".join(d.text for d in s.deltas()) == ""
+    assert s.result.finish_reason == "stop" and s.result.text == ""

@@ -12,7 +12,7 @@ from rich.console import Console
 
 import mirrorsd
 from mirrorsd import tuned_drafts, zoo
-from mirrorsd.api import SELF_DRAFT, self_draft_depth
+from mirrorsd.api import SELF_DRAFT, encode_prompt, self_draft_depth
 from mirrorsd.decoding import MethodOptions, get_method, leave_launched_world, methods, serve_launched
 from mirrorsd.plans import describe_setup, measured_otherwise, saved_recommendation, setup_of
 from mirrorsd.runtime import write_chrome_trace
@@ -79,10 +79,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=run)
 
 
-def _read_prompts(path: str) -> list[str | list]:
+def _read_prompts(path: str) -> dict[str, str | list]:
     """One JSON object a line, ``{"prompt": TEXT}``, ``{"prompt": [token ids]}`` or ``{"prompt": [chat messages]}``:
-    every line is checked before any model loads (a number or null failed as a traceback after loading)."""
-    prompts = []
+    every line is checked before any model loads (a number or null failed as a traceback after loading). Each prompt
+    by where it is (``FILE:LINE``), so an error found later can name it."""
+    prompts = {}
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # (a BOM, as editors on Windows write it)
     except UnicodeDecodeError as e:
@@ -101,7 +102,7 @@ def _read_prompts(path: str) -> list[str | list]:
         if not (isinstance(prompt, str) or chat or ids):
             raise ValueError(f'{path}:{n}: "prompt" must be text, token ids or chat messages ([{{"role": ..., '
                              f'"content": ...}}]), got {json.dumps(prompt)[:60]}')
-        prompts.append(prompt)
+        prompts[f"{path}:{n}"] = prompt
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
@@ -243,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         launched_world(tp)  # the launcher's world is mirrorsd's: its draft rank serves this target's rank 0
     if needs_draft:
         _warn_draft_form(args, draft_tp, err)
-    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    prompts = {"--prompt": args.prompt} if args.prompt is not None else _read_prompts(args.prompts)
     with err.status(f"loading target {args.target}…"):
         target = mirrorsd.load_model(args.target, device=args.device, dtype=args.dtype, weights=args.weights,
                                      activations=args.activations, **({"linear": "dense"} if tp > 1 else {}))
@@ -256,8 +257,12 @@ def run(args: argparse.Namespace) -> int:
                   "`mirrorsd plan` with these flags measures it",
                   style="yellow", highlight=False)
     draft = load_draft(args, target, err) if needs_draft else None
+    context = target.config.context_length
+    for where, prompt in prompts.items():  # every prompt fits before the first answer (one far down ended a run)
+        if (n := len(encode_prompt(target, prompt, raw=args.raw))) >= context:
+            raise ValueError(f"{where}: the prompt has {n} tokens but the model's context is {context}")
     spans = []
-    for prompt in prompts:
+    for prompt in prompts.values():
         s = mirrorsd.stream(target, prompt, draft=draft, method=method, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, stop=args.stop or (), raw=args.raw, **options)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mirrorsd import cli, zoo
+from tests.helpers import requires_smollm2
 
 
 def _lines(text: str) -> list[str]:
@@ -227,3 +228,16 @@ def test_models_prepare_of_a_folder_does_not_suggest_passing_a_folder(tmp_path: 
     assert cli.main(["models", "prepare", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "is not a zoo model" in err and "folder" not in err.split("is not a zoo model")[1]
+
+
+@requires_smollm2
+def test_a_prompt_too_long_further_down_a_prompts_file_stops_the_run_before_the_first_answer(capsys, tmp_path):
+    """Every prompt's length is checked once the model is loaded, before the first answer, and the error names the
+    line (a 9000-token third prompt ended the run after the first answers, naming no line)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Say hi."}\n\n{"prompt": "%s"}\n' % ("word " * 9000))
+    rc = cli.main(["generate", "--target", "smollm2-135m", "--method", "ar", "--prompts", str(prompts),
+                   "--max-new-tokens", "2", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 2 and not captured.out.strip()
+    assert f"{prompts}:3: the prompt has" in captured.err and "context is 8192" in captured.err
