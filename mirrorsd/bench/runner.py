@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ..api import SELF_DRAFT, generate, load_model, planned, self_draft, shares_tokenizer
 from ..decoding import REFERENCE, get_method, methods
+from ..decoding.registry import split_specs
 from ..decoding.suffix_index import isolated_shared_indexes
 from ..errors import OptionError
 from ..exit_heads import ExitTranslators
@@ -90,14 +91,13 @@ def _value(text: str) -> Any:
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
-    """``ar,sd,mirror:roots=budget:backend=threads,fast=sd:gamma=4``: a kind with ``:key=value`` options,
-    optionally labelled ``LABEL=``. Our methods' options are parsed and checked by their registered options
-    class. References are added: ``ar`` always, ``hf-ar`` / ``llama-server-ar`` for their peers."""
+    """``ar,sd,mirror:roots=budget:backend=threads:threads=2,1,fast=sd:gamma=4``: a kind with ``:key=value``
+    options, optionally labelled ``LABEL=``. Our methods' options are parsed and checked by their registered options
+    class, each key its name or its flag's (``depth`` or ``tree-depth``). References are added: ``ar`` always,
+    ``hf-ar`` / ``llama-server-ar`` for their peers."""
     kinds = [*(m.name for m in methods()), *PEER_KINDS, AUTO]
     specs: list[MethodSpec] = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
+    for item in split_specs(text):
         label = item
         if re.match(r"^[\w.\-]+=", item) and "=" in item.split(":")[0]:
             label, item = item.split("=", 1)
@@ -109,19 +109,21 @@ def parse_methods(text: str) -> list[MethodSpec]:
             if "=" not in pair:
                 raise ValueError(f"method option {pair!r} in {item!r} must be key=value")
             key, value = pair.split("=", 1)
-            raw[key.replace("-", "_")] = value
+            raw[key] = value
         if kind == AUTO:
             if raw:
                 raise ValueError("auto takes no options: it runs what `mirrorsd plan` recommended")
             options = {}
         elif ours(kind):
+            options_type = get_method(kind).options
+            raw = {options_type.named(k): v for k, v in raw.items()}
             try:
-                parsed = get_method(kind).options.parse(raw, kind)
+                parsed = options_type.parse(raw, kind)
             except OptionError as e:
                 raise ValueError(f"{item}: {e}") from None
             options = {k: getattr(parsed, k) for k in raw}
         else:
-            options = {k: _value(v) for k, v in raw.items()}
+            options = {k.replace("-", "_"): _value(v) for k, v in raw.items()}
         specs.append(MethodSpec(label, kind, options))
     for s in specs:  # a baseline's name on another decoder would silently become every ratio's denominator
         if s.label in (REFERENCE, "hf-ar", "llama-server-ar") and s.kind != s.label:
@@ -217,11 +219,19 @@ class Bench:
             self.draft = (self_draft(self.target, config.draft) if config.draft.startswith(SELF_DRAFT)
                           else load_model(config.draft, **load))
         if self.draft is not None and not shares_tokenizer(self.target, self.draft):
-            cannot = [k for k in drafting if k == AUTO or not ours(k) or not get_method(k).bridged]
-            if cannot or config.probe:
+            drafted = [k for k in drafting if k != AUTO]  # auto plans among the methods without one, as generate's
+            cannot = [k for k in drafted if not ours(k) or not get_method(k).bridged]
+            if cannot or (config.probe and drafted):
                 takes = ", ".join(m.name for m in methods() if m.bridged)
                 raise ValueError(f"draft {config.draft} has a tokenizer of its own, which only {takes} can draft with "
                                  f"(through text); not {', '.join(cannot or ['the probe (--no-probe)'])}")
+            if not drafted:  # loaded for auto or the probe alone: nothing of this run drafts with it
+                skipped = [*(["auto chose among the methods without a draft model"] if AUTO in kinds else []),
+                           *(["the probe (which reads the draft in the target's token ids) did not run"]
+                             if config.probe else [])]
+                self.notes.append(f"draft {config.draft} has a tokenizer of its own: {' and '.join(skipped)}.")
+                print(f"mirrorsd: note: {self.notes[-1]}", file=sys.stderr, flush=True)
+                self.draft, config.probe = None, False
         config.methods = [self._resolve_auto(m) for m in config.methods]
         self.device = self.target.model.device
         self.hf = None

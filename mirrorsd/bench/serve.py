@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import cache_dir
+from ..decoding.registry import option_flag, split_specs
 from ..runtime.processes import free_port
 from ..specbench import load_suite
 from .peers import LlamaServer, find_llama_server
@@ -75,10 +76,10 @@ class ServerSpec:
 
 
 def parse_servers(text: str) -> list[ServerSpec]:
+    """A mirrorsd server's keys are ``mirrorsd serve``'s flags, a method option's also by its name (``depth`` for
+    ``--tree-depth``), as ``mirrorsd bench --methods`` takes them; a value may hold a comma (``threads=2,1``)."""
     specs: list[ServerSpec] = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
+    for item in split_specs(text):
         label, _, body = item.partition("=") if "=" in item.split(":")[0] else (item, "", item)
         kind, *pairs = body.split(":")
         if kind not in KINDS:
@@ -88,7 +89,8 @@ def parse_servers(text: str) -> list[ServerSpec]:
             key, sep, value = pair.partition("=")
             if not sep or not key:
                 raise ValueError(f"server flag {pair!r} in {item!r} must be flag=value")
-            flags[key] = value
+            flag = option_flag(key) if kind == "mirrorsd" else None
+            flags[flag.lstrip("-") if flag else key] = value
         cap = flags.pop("max-concurrency", None)
         if cap is not None and not (cap.isdigit() and int(cap) > 0):
             raise ValueError(f"max-concurrency={cap} in {item!r} must be a positive integer")

@@ -38,8 +38,9 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
                        help=f"comma-separated: {', '.join(m.name for m in registered_methods())}, hf-ar, "
                             "hf-assisted, hf-pld, llama-server, llama-server-ar, llama-server-ngram (llama.cpp's "
                             "draft-free n-gram speculation; its options are llama-server flags, default "
-                            "spec-type=ngram-simple); options as KIND:key=value:key=value, a label as LABEL=KIND:... "
-                            "(e.g. mirror:roots=budget:backend=threads); auto runs what `mirrorsd plan` recommends "
+                            "spec-type=ngram-simple); options as KIND:key=value:key=value (`mirrorsd methods` lists "
+                            "the keys), a label as LABEL=KIND:... (e.g. mirror:backend=threads:threads=2,1); auto runs "
+                            "what `mirrorsd plan` recommends "
                             "for the pair (planned first if needed). References (ar, hf-ar, llama-server-ar) "
                             "are added as needed")
         p.add_argument("--llama-server", metavar="PATH",
@@ -299,7 +300,9 @@ def _forward(args: argparse.Namespace) -> int:
 def _bench_config(args: argparse.Namespace, methods) -> object:
     split = None
     if getattr(args, "threads_split", None):
-        split = tuple(int(x) for x in args.threads_split.split(","))
+        split = _positive_ints(args.threads_split, "--threads-split")
+        if len(split) != 2:
+            raise ValueError(f"--threads-split takes two thread counts, TARGET,DRAFT, got {args.threads_split!r}")
     try:
         return BenchConfig(target=args.target, draft=args.draft, methods=methods, suite=args.suite,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,

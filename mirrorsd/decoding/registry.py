@@ -11,7 +11,9 @@ A new method is one new module that calls :func:`register` (see ``tests/decoding
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,29 +42,53 @@ class Option:
     metavar: str | None = None
     const: Any = None  # value of the flag given without an argument (``--draft-streams``)
     default_text: str | None = None  # what a None default means (``the target's shipped adapter``)
-    required: bool = False  # no default: a request must give it (the method's build says what to give)
+    required: str = ""  # no default: what a request must give (refused, with these words, when it gives none)
 
     @property
     def shown_default(self) -> str:
         return "required" if self.required else self.default_text or str(self.default)
 
+    @property
+    def kind(self) -> str:
+        """What a value must be, as an error says it."""
+        return {int: "an integer", float: "a number"}.get(self.parse) or getattr(self.parse, "kind", "valid")
+
     def convert(self, value: Any) -> Any:
         """A Python value, parsing strings for non-string options and checking it."""
+        given = value
+        if self.parse not in (str, int, float):
+            value = self._as_text(value)
         if isinstance(value, str) and self.parse is not str:
             try:
                 value = self.parse(value)
             except ValueError:
-                kind = {int: "an integer", float: "a number"}.get(self.parse) or getattr(self.parse, "kind", "valid")
-                raise OptionError(self.name, f"must be {kind}, got {value!r}") from None
+                raise OptionError(self.name, f"must be {self.kind}, got {given!r}") from None
+            if isinstance(given, list | tuple) and not isinstance(value, tuple):  # ([3] is not layer 3)
+                raise OptionError(self.name, f"must be {self.kind}, got {given!r}")
         if value is None:
             return value
         value = self._typed(value)
+        # inf passed every `> 0` and overflowed where it sized a window (a server's 500); NaN fails every comparison
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and not math.isfinite(value):
+            raise OptionError(self.name, f"must be a finite number, got {value!r}")
         if self.choices is not None and value not in self.choices:
             raise OptionError(self.name, f"must be one of {', '.join(map(str, self.choices))}, got {value!r}")
         if self.check is not None and not self.check[0](value):
             raise OptionError(self.name, f"{self.check[1]}, got {value!r}")
         return value
 
+    def _as_text(self, value: Any) -> Any:
+        """A Python value (the API's, a request's JSON) of an option with a parser of its own, as the text that parser
+        reads: a number or a list of them as the command line writes it (``exit_layer`` 0.5, ``threads`` [2, 1] as
+        ``2,1``), so it is checked as that text is; other shapes (a bool, an object) are refused here, where they
+        failed inside the checks (a server's 500) or passed as a number (true as layer 1)."""
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list | tuple):
+            return ",".join(map(str, value))
+        if isinstance(value, numbers.Number) and not isinstance(value, bool):
+            return str(value)
+        raise OptionError(self.name, f"must be {self.kind}, got {value!r}")
 
     def _typed(self, value: Any) -> Any:
         """A value given as a Python object (the API, a server request's JSON) of the option's type: a float or a list
@@ -81,7 +107,7 @@ class Option:
 def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None,
            choices: Sequence[Any] | None = None, check: tuple[Callable[[Any], bool], str] | None = None,
            flag: str | None = None, metavar: str | None = None, const: Any = None,
-           default_text: str | None = None, required: bool = False) -> Any:
+           default_text: str | None = None, required: str = "") -> Any:
     """A dataclass field carrying its :class:`Option` description (``parse`` defaults to the default's type)."""
     meta = {"help": help, "parse": parse or type(default), "choices": tuple(choices) if choices else None,
             "check": check, "flag": flag, "metavar": metavar, "const": const, "default_text": default_text,
@@ -139,14 +165,27 @@ class MethodOptions:
         return out
 
     @classmethod
+    def named(cls, key: str) -> str:
+        """The option a spec's ``key=value`` names (``mirrorsd bench --methods``): its name, or its flag without the
+        dashes as ``mirrorsd methods`` lists it (``tree-depth`` for ``depth``), ``-`` and ``_`` alike; an unknown key
+        as given, for :meth:`parse` to refuse."""
+        spelled = key.replace("-", "_")
+        return next((o.name for o in cls.fields() if spelled in (o.name, o.flag.lstrip("-").replace("-", "_"))),
+                    spelled)
+
+    @classmethod
     def parse(cls, values: Mapping[str, Any], method: str, shape: ModelShape | None = None) -> MethodOptions:
-        """Options from ``values`` (strings are parsed); None means the default. Unknown names are refused."""
+        """Options from ``values`` (strings are parsed); None means the default. Unknown names are refused, and a
+        required option not given (before any model loads, not when the method builds)."""
         fields = {o.name: o for o in cls.fields()}
         unknown = sorted(set(values) - set(fields))
         if unknown:
             known = ", ".join(fields) or "none"
             raise OptionError(unknown[0], f"is not an option of method {method!r} (its options: {known})")
         given = {k: fields[k].convert(v) for k, v in values.items() if v is not None}
+        missing = [o for o in fields.values() if o.required and o.name not in given]
+        if missing:
+            raise OptionError(missing[0].name, f"is required: {missing[0].required}")
         opts = cls(**given)
         opts.check(shape)
         return opts
@@ -352,6 +391,22 @@ def methods() -> list[Method]:
 
 def get_method(name: str) -> Method:
     return Registry.get(name)
+
+
+def option_flag(key: str) -> str | None:
+    """The CLI flag of the option a spec's ``key`` names (:meth:`MethodOptions.named`) in any method, or None."""
+    for method in methods():
+        name = method.options.named(key)
+        flag = next((o.flag for o in method.options.fields() if o.name == name), None)
+        if flag is not None:
+            return flag
+    return None
+
+
+def split_specs(text: str) -> list[str]:
+    """The items of a comma-separated list of ``[LABEL=]KIND:key=value`` specs, empty ones dropped. A comma ends an
+    item only where a name follows (the next spec, or its label): a value may hold one (Mirror-SD's ``threads=2,1``)."""
+    return [item.strip() for item in re.split(r",(?=\s*(?:[A-Za-z_]|[\w.\-]+=|,|$))", text) if item.strip()]
 
 
 #: The method every other one equals token for token, and the one a plan falls back to.

@@ -430,6 +430,57 @@ def test_parse_methods_options_labels_and_references():
         parse_methods("auto:gamma=2")
 
 
+def test_a_method_option_may_hold_a_comma():
+    """Mirror-SD's threads are written T,D: the list was split at every comma, so `threads=2,1` never parsed."""
+    specs = {s.label: s for s in parse_methods("mirror:backend=threads:threads=2,1,fast=mirror:threads=3,1:backend="
+                                               "threads,sd:gamma=3,hf-pld")}
+    assert list(specs) == ["ar", "hf-ar", "mirror:backend=threads:threads=2,1", "fast", "sd:gamma=3", "hf-pld"]
+    assert specs["mirror:backend=threads:threads=2,1"].options == {"backend": "threads", "threads": (2, 1)}
+    assert specs["fast"].options == {"threads": (3, 1), "backend": "threads"}
+    with pytest.raises(ValueError, match=r"threads must be TARGET,DRAFT thread counts, got '2,1,1'"):
+        parse_methods("mirror:backend=threads:threads=2,1,1")
+
+
+@pytest.mark.parametrize("split, message", [("x,1", "--threads-split must be comma-separated integers, got 'x,1'"),
+                                            ("4", "--threads-split takes two thread counts, TARGET,DRAFT, got '4'"),
+                                            ("4,1,1", "--threads-split takes two thread counts"),
+                                            ("0,2", "--threads-split must list positive integers")])
+def test_a_bad_threads_split_is_refused_naming_the_flag(monkeypatch, capsys, split, message):
+    monkeypatch.setattr("mirrorsd.bench.runner.load_model", lambda *args, **kwargs: pytest.fail("loaded a model"))
+    assert main(["bench", "--threads-split", split, "--methods", "ar"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_auto_with_a_draft_of_another_tokenizer_plans_without_it(tmp_path, monkeypatch, capsys):
+    """`mirrorsd bench --target smollm2-135m --methods auto` (with the default Qwen draft) was refused where generate's
+    and the API's auto drop such a draft and choose among the methods without one; the probe, which reads the
+    draft in the target's token ids, does not run (a method drafting with it still refuses the probe)."""
+    from mirrorsd.bench import runner
+
+    class Tokenizer:  # (weakly referenced: shares_tokenizer remembers each pair)
+        def __init__(self, words: dict[str, int]) -> None:
+            self.get_vocab = lambda: words
+
+    models = {"t": SimpleNamespace(name="t", tokenizer=Tokenizer({"a": 0}), model=SimpleNamespace(device="cpu")),
+              "d": SimpleNamespace(name="d", tokenizer=Tokenizer({"b": 0}))}
+    monkeypatch.setattr(runner, "load_model", lambda name, **kwargs: models[name])
+    planned_with = []
+    monkeypatch.setattr(runner, "planned", lambda target, draft, options: planned_with.append(draft) or
+                        ("suffix", {"gamma": 8}, None))
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"question_id": 1, "category": "qa", "turns": ["Name two planets."]}\n')
+    config = BenchConfig("t", "d", parse_methods("auto"), suite=str(suite), predict=False)
+    bench = Bench(config, progress=False)
+    assert planned_with == [None] and bench.draft is None and not config.probe
+    assert [(m.label, m.kind, m.options) for m in bench.methods] == [("ar", "ar", {}),
+                                                                     ("auto", "suffix", {"gamma": 8})]
+    note = ("draft d has a tokenizer of its own: auto chose among the methods without a draft model and the probe "
+            "(which reads the draft in the target's token ids) did not run.")
+    assert note in bench.notes and note in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tokenizer of its own.*not the probe"):
+        Bench(BenchConfig("t", "d", parse_methods("auto,sd"), suite=str(suite), predict=False), progress=False)
+
+
 def test_suites(tmp_path):
     chosen = load_suite("specbench:2")
     assert len(chosen) == 2 * len(GROUPS) and [q.group for q in chosen[::2]] == list(GROUPS)

@@ -29,6 +29,19 @@ def test_servers_parse_with_labels_kinds_and_flags():
     assert one[0].max_concurrency is None and one[0].runs_at(10**6)
 
 
+def test_a_servers_keys_take_method_options_by_name_and_values_with_commas():
+    """`mirrorsd bench --methods` takes ss:depth=2 and `mirrorsd methods` lists --tree-depth: both reach `mirrorsd
+    serve` as its flag. Mirror-SD's threads=T,D was split into another server at its comma."""
+    by_name, by_flag, threads, ar = serve.parse_servers(
+        "a=mirrorsd:method=ss:depth=2:threshold=0.1,b=mirrorsd:method=ss:tree-depth=2:prune-threshold=0.1,"
+        "c=mirrorsd:method=mirror:backend=threads:threads=2,1:exit_layer=0.25,d=mirrorsd:method=ar")
+    assert by_name.flags == by_flag.flags == {"method": "ss", "tree-depth": "2", "prune-threshold": "0.1"}
+    assert threads.flags == {"method": "mirror", "backend": "threads", "threads": "2,1", "exit-layer": "0.25"}
+    assert (ar.label, ar.flags) == ("d", {"method": "ar"})
+    llama = serve.parse_servers("l=llama-server:tensor-split=3,1:depth=2")[0]  # (its own flags, as given)
+    assert llama.flags == {"tensor-split": "3,1", "depth": "2"}
+
+
 def test_the_servers_take_turns_going_first():
     """The sweep ran its servers in one fixed order every round: whatever running first costs (or saves) fell on
     the same server each time."""

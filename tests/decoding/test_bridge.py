@@ -243,7 +243,8 @@ def test_a_server_with_a_draft_of_another_tokenizer(smol, toy_draft):
 
 def test_the_bench_runs_sd_through_text_and_refuses_what_cannot(smol, toy_draft, monkeypatch, tmp_path):
     """`mirrorsd bench --draft` with such a draft times ``sd`` (lossless against ``ar``) and refuses, before any
-    question runs, the methods and the probe that read the target's token ids from the draft."""
+    question runs, the methods and the probe that read the target's token ids from the draft; ``auto`` plans
+    without it, as ``generate``'s does."""
     from mirrorsd.bench import runner
     from mirrorsd.bench.runner import Bench, BenchConfig, parse_methods
 
@@ -251,10 +252,16 @@ def test_the_bench_runs_sd_through_text_and_refuses_what_cannot(smol, toy_draft,
     monkeypatch.setattr(runner, "load_model", lambda name, **kwargs: models[name])
     suite = tmp_path / "suite.jsonl"
     suite.write_text('{"question_id": 1, "category": "qa", "turns": ["Name two planets."]}\n')
-    for methods, probe, refused in (("ar,mirror", False, "mirror"), ("ar,sd", True, "the probe"),
-                                    ("ar,auto", False, "auto")):
+    for methods, probe, refused in (("ar,mirror", False, "mirror"), ("ar,sd", True, "the probe")):
         with pytest.raises(ValueError, match=f"tokenizer of its own.*not {refused}"):
             Bench(BenchConfig("target", "toy", parse_methods(methods), suite=str(suite), probe=probe), progress=False)
+    plans: list[object] = []
+    monkeypatch.setattr(runner, "planned", lambda target, draft, options: plans.append(draft) or ("ar", {}, None))
+    auto = Bench(BenchConfig("target", "toy", parse_methods("ar,auto"), suite=str(suite)), progress=False)
+    assert plans == [None] and auto.draft is None and not auto.config.probe
+    assert any("tokenizer of its own" in note for note in auto.notes)
+    monkeypatch.undo()
+    monkeypatch.setattr(runner, "load_model", lambda name, **kwargs: models[name])
     bench = Bench(BenchConfig("target", "toy", parse_methods("ar,sd"), suite=str(suite), max_new_tokens=12, runs=1,
                               warmup=0, probe=False, predict=False), progress=False)
     summary = bench.run()["summary"]

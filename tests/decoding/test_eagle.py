@@ -103,3 +103,29 @@ def test_a_saved_head_loads_and_refuses_another_target(target, tmp_path):
         load_head(target, tmp_path)
     with pytest.raises(ValueError, match="head.*required"):
         generate(target, [1, 2], method="eagle", max_new_tokens=2)
+
+
+def test_the_heads_cache_holds_what_a_window_can_use(target, monkeypatch):
+    """The head's cache was sized prompt + max_new + γ + 2: a request's gamma=10**12 asked for 128 TB (a server's
+    500). A window never drafts past the tokens left, so γ counts up to max_new only."""
+    capacities = []
+    new_cache = HeadRunner.new_cache
+    monkeypatch.setattr(HeadRunner, "new_cache", lambda self, capacity: capacities.append(capacity)
+                        or new_cache(self, capacity))
+    prompt, head = [3, 1, 4, 1, 5, 9, 2, 6], random_head(target, seed=1)
+    out = generate(target, prompt, method="eagle", head=head, gamma=10**12, max_new_tokens=12)
+    assert out.token_ids == generate(target, prompt, method="ar", max_new_tokens=12).token_ids
+    assert capacities == [len(prompt) + 12 + 12 + 2]
+    generate(target, prompt, method="eagle", head=head, gamma=3, max_new_tokens=12)
+    assert capacities[-1] == len(prompt) + 12 + 3 + 2  # (a window of γ = 3 as before)
+
+
+def test_serve_refuses_eagle_without_a_head_before_loading_anything(monkeypatch, capsys):
+    """A head is the server's to give (a request cannot): `mirrorsd serve --method eagle` without --head started,
+    after loading the models, and failed every request."""
+    import mirrorsd
+    from mirrorsd.cli import main
+
+    monkeypatch.setattr(mirrorsd, "load_model", lambda *args, **kwargs: pytest.fail("loaded a model"))
+    assert main(["serve", "--target", "smollm2-135m", "--method", "eagle", "--no-warmup"]) == 2
+    assert "head is required: a folder from `mirrorsd train-eagle` (--head FOLDER)" in capsys.readouterr().err

@@ -13,7 +13,8 @@ from mirrorsd import generate
 from mirrorsd.bench import plan
 from mirrorsd.bench.runner import parse_methods
 from mirrorsd.cli import build_parser, main
-from mirrorsd.decoding import get_method, methods, register
+from mirrorsd.decoding import OptionError, get_method, methods, register
+from mirrorsd.decoding.mirror.options import MAX_ROLLOUT_ROWS
 from tests.helpers import requires_smollm2, row_exact, tiny_hf
 
 from .example_method import METHOD, NAME, NgramOptions, build, lookup, step_cost
@@ -159,3 +160,79 @@ def test_cli_generates_with_the_example_on_real_weights(capsys):
         out[method] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out[NAME]["token_ids"] == out["ar"]["token_ids"]
     assert out[NAME]["stats"]["method"] == NAME and out[NAME]["stats"]["gamma"] == 3
+
+
+def _parsed(method: str, **values):
+    return get_method(method).options.parse(values, method)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), "inf", "nan", "Infinity"])
+def test_a_float_option_must_be_finite(model, one_thread, value):
+    """inf passed suffix's `factor > 0` (a string from the command line, or JSON's Infinity in a request) and sized a
+    window with math.ceil(inf): an OverflowError, a server's 500. The registry refuses it for every option."""
+    with pytest.raises(OptionError, match=r"^factor must be a finite number"):
+        _parsed("suffix", factor=value)
+    with pytest.raises(OptionError, match=r"^exit_layer must be a finite number"):
+        _parsed("mirror", exit_layer=value)
+    with pytest.raises(OptionError, match="factor"):  # (the API: it reached the lookup's window before)
+        generate(model, [1, 2, 3, 1, 2, 3, 1, 2], method="suffix", factor=value, max_new_tokens=8)
+    assert _parsed("suffix", factor=1e300).factor == 1e300  # (large is no error: the window is capped by gamma)
+
+
+@pytest.mark.parametrize("value", [[2, 1], [3], (0.5,), {"a": 1}, True, False])
+def test_an_option_with_its_own_parser_refuses_other_shapes(value):
+    """Mirror-SD's exit_layer (a layer or a fraction) took a JSON list or object to a TypeError inside its checks
+    (a server's 500) and true as layer 1."""
+    with pytest.raises(OptionError, match=r"^exit_layer must be a layer index or a fraction, got "):
+        _parsed("mirror", exit_layer=value)
+
+
+def test_an_option_with_its_own_parser_takes_what_its_text_says():
+    exit_layer = lambda value: _parsed("mirror", exit_layer=value, backend="threads").exit_layer  # noqa: E731
+    assert exit_layer(0.25) == 0.25 and exit_layer("0.25") == 0.25
+    assert exit_layer(3) == 3 and type(exit_layer(3)) is int
+    for threads in ([2, 1], (2, 1), "2,1"):  # (JSON's list, the API's tuple, the command line's text)
+        assert _parsed("mirror", backend="threads", threads=threads).threads == (2, 1)
+    for threads in (4, [4], [2, 1, 1], True, [True, 1], {"target": 2}):  # (the API's threads=4 was a TypeError)
+        with pytest.raises(OptionError, match=r"^threads must be TARGET,DRAFT thread counts, got "):
+            _parsed("mirror", backend="threads", threads=threads)
+
+
+def test_a_required_option_is_refused_when_the_options_are_parsed():
+    """eagle's head was checked only when the method built, after the models loaded (and a server started without
+    it failed every request)."""
+    with pytest.raises(OptionError, match=r"^head is required: a folder from `mirrorsd train-eagle` \(--head FOLDER\)"):
+        _parsed("eagle", gamma=3)
+    assert _parsed("eagle", head="folder").head == "folder"
+
+
+def test_mirror_caps_the_rows_a_step_rolls_out():
+    """(γ+1)·κ branches of γ tokens each: with roots=paper, κ = 49152 rolled out 393216 branches a step, ~77 GB of
+    logits. Capped as ss caps its whole tree; a fixed budget or the serial backend's fitted none count what runs."""
+    with pytest.raises(OptionError, match=rf"^kappa 49152 with gamma 7 rolls out 393216 branches of 7 tokens in every "
+                                          rf"step, 2752512 draft rows \(at most {MAX_ROLLOUT_ROWS}"):
+        _parsed("mirror", kappa=49152, roots="paper")
+    with pytest.raises(OptionError, match=r"^gamma 100 with kappa 1 rolls out 101 branches"):
+        _parsed("mirror", gamma=100, kappa=1, backend="threads")
+    assert _parsed("mirror", gamma=4, kappa=64, roots="paper").rollout_rows() == 5 * 64 * 4  # (test_mirror's)
+    assert _parsed("mirror", kappa=49152, budget=8, backend="threads").rollout_rows() == 8 * 7
+    assert _parsed("mirror", gamma=100).rollout_rows() == 0  # serial, fitted budget: nothing rolls out
+
+
+def test_every_listed_flag_is_a_spec_key():
+    """`mirrorsd methods` says its flags are the keys `bench --methods KIND:key=value` takes: ss's --tree-depth and
+    --prune-threshold were refused there (their options are named depth and threshold), and are taken now, as are
+    the names."""
+    for method in methods():
+        for o in method.options.fields():
+            for key in (o.flag.removeprefix("--"), o.name, o.name.replace("_", "-")):
+                assert method.options.named(key) == o.name, (method.name, key)
+    specs = {s.label: s for s in parse_methods("a=ss:tree-depth=2:prune-threshold=0.1,b=ss:depth=2:threshold=0.1")}
+    assert specs["a"].options == specs["b"].options == {"depth": 2, "threshold": 0.1}
+
+
+def test_the_methods_listing_shows_an_options_name_where_its_flag_differs(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "  --tree-depth (depth) (default: γ)" in out and "  --prune-threshold (threshold) (default: " in out
+    assert "  --tree-k (default: " in out  # (the name is the flag's)

@@ -22,7 +22,7 @@ from ...model import PREFILL_CHUNK, Transformer
 from ...verify import Verdict
 from ..drafting import draft_vocab_option, draft_vocab_size
 from ..engine import ChainScorer, DecodeRequest, Proposal, RequestState, Roles, Scores, match
-from ..registry import MethodOptions, OptionError, at_least, option, register
+from ..registry import MethodOptions, at_least, option, register
 from .head import EagleHead, feature_layers, load_head
 from .runtime import HeadRunner
 
@@ -30,7 +30,7 @@ from .runtime import HeadRunner
 @dataclass(frozen=True)
 class EagleOptions(MethodOptions):
     head: Any = option(None, "the trained head: a `mirrorsd train-eagle` folder (or an EagleHead)", parse=str,
-                       metavar="FOLDER", required=True)
+                       metavar="FOLDER", required="a folder from `mirrorsd train-eagle` (--head FOLDER)")
     gamma: int = option(5, "draft tokens per verification window (a chain)", check=at_least(1))
     draft_vocab: int | None = draft_vocab_option(None)
 
@@ -85,7 +85,9 @@ class HeadProposer:
 
     def start(self, state: RequestState) -> None:
         request = state.request
-        state.draft_cache = self.runner.new_cache(len(request.prompt_ids) + request.max_new_tokens + self.gamma + 2)
+        # a chain's rows past the committed text: a window never holds more than the tokens left (γ may be 10**12)
+        window = min(self.gamma, request.max_new_tokens)
+        state.draft_cache = self.runner.new_cache(len(request.prompt_ids) + request.max_new_tokens + window + 2)
         if self.scorer.features is not None:  # the prompt's rows 0..L-2 read tokens 1..L-1
             self._catch_up(state, state.tokens[1:], self.scorer.features, 0)
 
@@ -133,8 +135,6 @@ def _saved(folder: Path) -> tuple[str, float]:
 
 
 def build(req: DecodeRequest, opts: EagleOptions) -> Roles:
-    if opts.head is None:
-        raise OptionError("head", "is required: a folder from `mirrorsd train-eagle` (--head FOLDER)")
     runner = runner_for(req.target, opts.head, draft_vocab_size(opts.draft_vocab, req.target))
     scorer = FeatureScorer(req.target)
     return Roles(HeadProposer(runner, scorer, opts.gamma), scorer, match, gamma=opts.gamma)

@@ -22,6 +22,9 @@ ROOT_MODES = ("paper", "budget")
 BATCH_SCHEDULE = ((8, None, None), (16, 4, 1), (63, 2, 1))
 LARGE_BATCH = (1, 1)
 CANDIDATE_SOURCES = ("exit", "draft")
+# Draft rows a step's branch rollouts may run (the paper's γ = 7, κ = 8: 64 roots of 7 tokens, 448 rows), as ss caps
+# its whole tree: every root's logits and attention rows are held at once (κ = 49152 asked ~77 GB of logits).
+MAX_ROLLOUT_ROWS = 4096
 
 
 def batch_caps(batch: int) -> tuple[int | None, int | None]:
@@ -117,6 +120,12 @@ class MirrorOptions(MethodOptions):
                               "token ids only (use acceptance='match')")
         if isinstance(self.exit_layer, float) and not self.exit_layer.is_integer() and not 0 < self.exit_layer < 1:
             raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {self.exit_layer}")
+        if self.rollout_rows() > MAX_ROLLOUT_ROWS:
+            blamed, other = ("kappa", "gamma") if self.kappa > 1 else ("gamma", "kappa")
+            raise OptionError(blamed, f"{getattr(self, blamed)} with {other} {getattr(self, other)} rolls out "
+                              f"{self.rollout_roots()} branches of {self.gamma} tokens in every step, "
+                              f"{self.rollout_rows()} draft rows (at most {MAX_ROLLOUT_ROWS}: a step holds all their "
+                              "logits and attention at once): give a smaller kappa, gamma or budget")
         if shape is not None:
             resolve_exit_layer(self.exit_layer, shape.n_layers)
             if self.kappa > shape.vocab_size:
@@ -129,6 +138,17 @@ class MirrorOptions(MethodOptions):
                 warnings.warn("mirror: the serial backend rolls out no branch unless told (nothing overlaps there, "
                               f"so a rollout is never hidden), so these options change nothing: {', '.join(unused)}; "
                               "give budget=N or roots='paper', or an overlapping backend", UserWarning, stacklevel=2)
+
+    def rollout_roots(self) -> int:
+        """Most branches one step rolls out: every candidate root, (γ+1)·κ, or a fixed budget's fewer; none where
+        the serial backend fits its budget (nothing overlaps there, so nothing rolls out)."""
+        if self.backend == "serial" and self.roots == "budget" and self.budget is None:
+            return 0
+        every = (self.gamma + 1) * self.kappa
+        return every if self.roots == "paper" or self.budget is None else min(self.budget, every)
+
+    def rollout_rows(self) -> int:
+        return self.rollout_roots() * self.gamma
 
     def resolved(self, files: ShippedFiles, shape: ModelShape) -> MirrorOptions:
         """``draft_streams`` alone: the draft's shipped adapter; ``exit_head="tuned"``: the target's shipped tuned
