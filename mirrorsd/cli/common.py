@@ -95,10 +95,11 @@ def _target_shape(name: str):
         return None
 
 
-def checked_options(args: argparse.Namespace, method: str, by_auto: bool = False) -> dict:
+def checked_options(args: argparse.Namespace, method: str, by_auto: bool = False, serving: bool = False) -> dict:
     """The method's options from the flags, validated before any model loads; errors name the flag. ``by_auto``:
-    ``method`` is what ``--method auto`` chose, so a flag it does not take says so, and ``--draft`` only keys the
-    plan."""
+    ``method`` is what ``--method auto`` chose, so a flag it does not take says so, and ``--draft`` (with
+    ``--draft-device``) only keys the plan. ``serving``: ``method`` is a server's default, and its ``--draft`` (with
+    ``--draft-device``) also serves the methods requests pick."""
     flags = {f: uses for f, uses in method_flags().items() if getattr(args, flag_dest(f)) is not None}
     values: dict[str, str] = {}
     for flag, uses in flags.items():
@@ -125,8 +126,9 @@ def checked_options(args: argparse.Namespace, method: str, by_auto: bool = False
         options = spec.options.parse(values, method, _target_shape(args.target))
     except OptionError as e:
         raise ValueError(f"{to_flag.get(e.option, e.option)} {e.message}") from None
-    if args.draft and not spec.needs_draft and not by_auto:
-        raise ValueError(f"--draft does not apply to --method {method} (it drafts without a draft model)")
-    if args.draft_device and not spec.needs_draft:
-        raise ValueError(f"--draft-device does not apply to --method {method} (it uses no draft model)")
+    if not spec.needs_draft and not by_auto:
+        if args.draft and not serving:
+            raise ValueError(f"--draft does not apply to --method {method} (it drafts without a draft model)")
+        if args.draft_device and not (serving and args.draft):
+            raise ValueError(f"--draft-device does not apply to --method {method} (it uses no draft model)")
     return {k: getattr(options, k) for k in values}

@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "produced. Requests may pick the method and its options in a `mirrorsd` object ({\"mirrorsd\": "
         "{\"method\": \"suffix\", \"gamma\": 8}}); this command's flags are the defaults. Every answer is "
         "the target's own output, as with `mirrorsd generate`.")
-    add_pair(sv, draft_help="draft model for sd / mirror: zoo name or folder, or self:N / self:F (default: none; "
-                            "requests may then use only draft-free methods: ar, suffix, ss)")
+    add_pair(sv, draft_help="draft model for sd / mirror: zoo name or folder, or self:N / self:F; kept for the "
+                            "requests that ask for those whatever the default --method (default: none; requests may "
+                            "then use only draft-free methods: ar, suffix, ss)")
     add_method(sv, "the default decoding method of requests (default: sd with --draft, else ar; "
                    "`suffix` needs no draft and measured fastest here, see docs/drafting.md)")
     sv.add_argument("--served-model-name", help="the model name clients send (default: --target)")
@@ -62,6 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "sequence (a conversation's next turn, a shared system prompt) prefills only the rest "
                          "(vLLM's prefix caching, llama.cpp's cache_prompt); used where it cannot change a token: "
                          "on the batch-invariant C++ path; 0: off")
+    sv.add_argument("--enable-prompt-tokens-details", action="store_true",
+                    help="report usage.prompt_tokens_details.cached_tokens (the prompt tokens the prefix cache "
+                         "restored; vLLM's flag). Off by default: the cache is shared by every client, so a client "
+                         "could read another's prompt back by guessing it a token at a time and watching the count")
     sv.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted (400 beyond)")
     sv.add_argument("--max-tokens", type=int, default=2048,
                     help="largest max_tokens a request may ask for, and the limit of requests that set none")
@@ -113,7 +118,7 @@ def check_bindable(host: str, port: int) -> None:
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True, markup=False, soft_wrap=True)
     method = args.method or default_method(args.draft)
-    options = checked_options(args, method)
+    options = checked_options(args, method, serving=True)
     for name, value in (("--max-queued", args.max_queued), ("--max-num-seqs", args.max_num_seqs),
                         ("--max-prompt-tokens", args.max_prompt_tokens),
                         ("--max-tokens", args.max_tokens), ("--max-request-bytes", args.max_request_bytes)):
@@ -133,9 +138,8 @@ def run(args: argparse.Namespace) -> int:
                                      activations=args.activations)
     say_loaded("target", target, args)
     draft = load_draft(args, target, err) if needs_draft and (args.draft or method != "auto") else None
-    if method == "auto":
-        method, options, chosen = planned(target, draft, options)
-        draft = draft if chosen is not None else None
+    if method == "auto":  # (a draft the plan does not use stays, for the requests that ask for sd or mirror)
+        method, options, _ = planned(target, draft, options)
         err.print(f"mirrorsd: auto chose {method} {options}", style="dim", highlight=False)
     config = ServerConfig(model_name=args.served_model_name or target.name, method=method, options=options,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, api_key=api_key,
@@ -144,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                           max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens=args.max_tokens, max_request_bytes=args.max_request_bytes,
                           shutdown_timeout=args.shutdown_timeout, prefix_cache_bytes=args.prefix_cache_mib << 20,
+                          prompt_tokens_details=args.enable_prompt_tokens_details, host=args.host,
                           warm_up=False)  # (warmed below, where a method that fails to build is a clear error)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:

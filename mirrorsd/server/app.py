@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -76,6 +78,12 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
     prefix_cache_bytes: int = 1 << 30  # finished requests' keys and values kept for prompts that start alike (0: off)
+    # usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details): off, since the prefix cache
+    # is every client's, and a client guessing another's prompt token by token would read it back from the count
+    prompt_tokens_details: bool = False
+    # The address uvicorn binds (`mirrorsd serve --host`; None: each connection's own): on loopback, only requests
+    # whose Host names this machine are answered, so a web page cannot reach the server through DNS rebinding
+    host: str | None = None
     warm_up: bool = True  # one short untimed generation with the default method before serving (api.warm_up)
 
 
@@ -157,14 +165,16 @@ class Server:
         shape = ModelShape(self.target.config.n_layers, self.target.config.vocab_size)
         try:
             alone = spec.options.parse(options, method, shape).unbatchable()
+        except OptionError as e:  # (a key of the mirrorsd object, even one named like a sampling field)
+            raise APIError(400, f"mirrorsd.{e.option} {e.message}", param=f"mirrorsd.{e.option}") from None
+        try:
             params = SamplingParams(
                 temperature=cfg.temperature if req.temperature is None else req.temperature,
                 top_p=cfg.top_p if req.top_p is None else req.top_p,
                 top_k=cfg.top_k if req.top_k is None else max(req.top_k, 0),
                 seed=0 if req.seed is None else req.seed)
         except OptionError as e:
-            where = e.option if e.option in SamplingFields.model_fields else f"mirrorsd.{e.option}"
-            raise APIError(400, f"{where} {e.message}", param=where) from None
+            raise APIError(400, f"{e.option} {e.message}", param=e.option) from None
         if len(prompt_ids) > cfg.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this server takes at most "
                            f"{cfg.max_prompt_tokens} (--max-prompt-tokens)",
@@ -227,18 +237,22 @@ class Server:
                      ttft or 0.0, end - job.arrival, reason)
 
 
-def usage(result: api.Generation) -> dict[str, Any]:
+def usage(result: api.Generation, prompt_tokens_details: bool = False) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details`` (the prefix cache's hits) only where the server is told to report
+    them (:attr:`ServerConfig.prompt_tokens_details`)."""
     st = result.stats
     # OpenAI's prediction tokens split the drafted ones by whether they reached the output (an EOS or stop cut
     # leaves accepted tokens out of it), so the two add up to drafted_tokens; ours, drafted/accepted_tokens, are
     # the verifier's, as the spec_decode metrics are (vLLM's convention)
     drafted, accepted, output = sum(st.drafted), sum(st.accepted), st.accepted_output
-    return {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
+    body = {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
             "total_tokens": len(result.prompt_ids) + len(result.token_ids),
-            "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": output,
                                           "rejected_prediction_tokens": drafted - output},
             "drafted_tokens": drafted, "accepted_tokens": accepted}
+    if prompt_tokens_details:
+        body["prompt_tokens_details"] = {"cached_tokens": st.cached_tokens}
+    return body
 
 
 def summary(result: api.Generation) -> dict[str, Any]:
@@ -250,7 +264,15 @@ def summary(result: api.Generation) -> dict[str, Any]:
 
 
 async def read_json(request: Request, model: type[BaseModel], limit: int) -> Any:
-    """The body as ``model``: 413 past ``limit`` bytes, 400 for malformed JSON or a wrong field."""
+    """The body as ``model``: 413 past ``limit`` bytes, 400 for malformed JSON or a wrong field, and 400 for a body
+    declared as something other than JSON: a web page may send any site a ``text/plain`` POST without asking it
+    first (a CORS "simple request"), but not a JSON one (FastAPI refuses it too). No Content-Type is accepted."""
+    content_type = request.headers.get("content-type")
+    if content_type:
+        kind = content_type.split(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):
+            raise APIError(400, f"the Content-Type header is {content_type!r}; send the body as application/json",
+                           code="invalid_content_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body has {declared} bytes; this server takes at most {limit} "
@@ -265,6 +287,8 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Any
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON nests too deeply", code="invalid_json") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -295,6 +319,7 @@ def create_app(target: api.LoadedModel, draft: api.LoadedModel | None, config: S
     app.state.server = server
     if config.api_key:
         app.add_middleware(KeyGate, key=config.api_key)
+    app.add_middleware(HostGate, host=config.host)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -382,18 +407,55 @@ class KeyGate:
     OPEN = frozenset({"/health", "/", "/favicon.ico"})
 
     def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and path not in self.OPEN and not path.startswith("/static/"):
-            given = Headers(scope=scope).get("authorization", "")
-            if not hmac.compare_digest(given.encode(), self.expected):
+            scheme, _, given = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.expected):
                 denied = error(APIError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                                         code="invalid_api_key"))
                 await denied(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class HostGate:
+    """On a server bound to loopback, a request whose ``Host`` names anything but this machine (``localhost`` or a
+    loopback address) is refused: a web page whose maker points its name at 127.0.0.1 (DNS rebinding) would otherwise
+    be the server's own origin to the browser, and read its answers. A plain ASGI middleware, as :class:`KeyGate`."""
+
+    def __init__(self, app: ASGIApp, host: str | None) -> None:
+        self.app, self.host = app, host
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        bound = self.host or (scope.get("server") or (None,))[0]
+        if scope["type"] == "http" and loopback(bound):
+            named = Headers(scope=scope).get("host")  # (none: an HTTP/1.0 client, never a browser)
+            if named is not None:
+                try:
+                    name = urlsplit(f"//{named}").hostname
+                except ValueError:  # (an unclosed "[")
+                    name = None
+                if not loopback(name):
+                    refused = error(APIError(400, f"the Host header names {named!r}; this server listens on {bound} "
+                                             "and answers only requests for localhost, 127.0.0.1 or [::1] (a web "
+                                             "page could otherwise reach it through DNS rebinding)",
+                                             code="invalid_host"))
+                    await refused(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def loopback(host: str | None) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
 
 
 def error(e: APIError) -> JSONResponse:
@@ -470,7 +532,7 @@ async def whole_response(server: Server, client: Departure, job: Job, chat: bool
             elif event.kind == "done":
                 result = event.value
                 server.finish(job, FINISH_REASONS[result.finish_reason], first_token_at, len(result.token_ids))
-                return JSONResponse(completion_body(job.id, server.config.model_name, result, chat))
+                return JSONResponse(completion_body(job.id, server.config, result, chat))
             elif event.kind == "error":  # counted as the streaming answer counts it
                 server.finish(job, "error", first_token_at, tokens)
                 raise event.value
@@ -483,15 +545,16 @@ async def whole_response(server: Server, client: Departure, job: Job, chat: bool
         raise
 
 
-def completion_body(id_: str, model: str, result: api.Generation, chat: bool) -> dict[str, Any]:
+def completion_body(id_: str, config: ServerConfig, result: api.Generation, chat: bool) -> dict[str, Any]:
     finish = FINISH_REASONS[result.finish_reason]
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
                   "finish_reason": finish}
     else:
         choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
-    return {"id": id_, "object": "chat.completion" if chat else "text_completion", "created": now(), "model": model,
-            "choices": [choice], "usage": usage(result), "mirrorsd": summary(result)}
+    return {"id": id_, "object": "chat.completion" if chat else "text_completion", "created": now(),
+            "model": config.model_name, "choices": [choice], "usage": usage(result, config.prompt_tokens_details),
+            "mirrorsd": summary(result)}
 
 
 async def stream_events(server: Server, job: Job, req: SamplingFields, chat: bool) -> AsyncIterator[bytes]:
@@ -542,7 +605,7 @@ async def stream_events(server: Server, job: Job, req: SamplingFields, chat: boo
                                  **summary(result)}))
                 if include_usage:
                     yield sse({"id": job.id, "object": kind, "created": created, "model": model, "choices": [],
-                               "usage": usage(result)})
+                               "usage": usage(result, server.config.prompt_tokens_details)})
                 yield sse("[DONE]")
                 return
             elif event.kind == "error":  # after the stream started: say so in the stream, OpenAI-style

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 
 class APIError(Exception):
@@ -51,11 +51,12 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 and 0 disable it
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # (larger ones wrapped round silently)
+    # Numbers are strict, as the Python API's are: pydantic's lax mode took `true` for 1 and 4.0 for 4
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM's extension; -1 and 0 disable it
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63)  # (larger ones wrapped round silently)
     stop: Stop = None
     n: int | None = 1  # (null: OpenAI's default, as for stream and vLLM's ignore_eos)
     stream: bool | None = False
@@ -147,7 +148,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
 
     def conversation(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know "system"
@@ -160,7 +161,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for text completions
+    max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for text completions
 
     def one_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -182,7 +183,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # (as the chat route's)
     add_special_tokens: bool = True
 
 

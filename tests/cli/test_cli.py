@@ -358,6 +358,21 @@ def test_serve_warms_up_before_it_listens_unless_told_not_to(capsys, monkeypatch
 
 
 @requires_smollm2
+def test_serve_reports_cached_tokens_only_when_told_to(capsys, monkeypatch):
+    """`--enable-prompt-tokens-details` (vLLM's flag) turns on what would show one client's prompts to another; the
+    bound address goes to the app, which checks Host headers on loopback."""
+    import mirrorsd.cli.serve as serve
+
+    configs = []
+    monkeypatch.setattr(serve, "create_app", lambda target, draft, config: configs.append(config))
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, **kwargs: None)
+    for flags in ([], ["--enable-prompt-tokens-details"]):
+        assert run(capsys, "serve", "--target", "smollm2-135m", "--method", "ar", "--no-warmup", *flags)[0] == 0
+    assert [c.prompt_tokens_details for c in configs] == [False, True]
+    assert {c.host for c in configs} == {"127.0.0.1"}
+
+
+@requires_smollm2
 def test_serve_says_why_its_warm_up_failed(capsys, monkeypatch):
     """A method that fails to build fails the warm-up: one error line before the server listens, not a traceback
     from inside uvicorn's startup."""
@@ -372,6 +387,34 @@ def test_serve_says_why_its_warm_up_failed(capsys, monkeypatch):
     assert rc == 2 and "the stream adapter is missing" in err and "Traceback" not in err
 
 
+@requires_smollm2
+@pytest.mark.parametrize("method", ["suffix", "auto"])
+def test_serve_keeps_its_draft_for_the_requests_that_ask_for_it(capsys, monkeypatch, saved_plan, method):
+    """A server's --draft serves the methods requests pick: `--method suffix` refused it outright, and under `auto`
+    a plan that chose a draft-free default threw it away, so a request for `sd` got "this server has none"."""
+    from fastapi.testclient import TestClient
+
+    import mirrorsd.cli.serve as serve
+
+    saved_plan("suffix", {})
+    answers = {}
+
+    def listen(app, **kwargs):
+        with TestClient(app, base_url="http://localhost") as client:  # (served on loopback: a Host naming it)
+            for asked in ("sd", "suffix"):
+                r = client.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 3,
+                                                         "temperature": 0, "mirrorsd": {"method": asked}})
+                answers[asked] = r.status_code, r.json().get("mirrorsd", r.json())
+
+    monkeypatch.setattr(serve.uvicorn, "run", listen)
+    rc, _, err = run(capsys, "serve", "--target", "smollm2-135m", "--draft", "self:0.5", "--draft-device", "cpu",
+                     "--method", method, "--no-warmup")
+    assert rc == 0, err
+    assert answers["sd"][0] == 200 and answers["sd"][1]["method"] == "sd", answers
+    assert answers["suffix"][0] == 200 and answers["suffix"][1]["method"] == "suffix", answers
+    assert "serving smollm2-135m with method suffix" in err
+
+
 def test_serve_checks_its_draft_and_address_before_loading(capsys, no_loading):
     """A method that needs a draft, a port out of range, or an address in use failed only once the target was up
     (uvicorn's bind error came after minutes of loading)."""
@@ -379,6 +422,8 @@ def test_serve_checks_its_draft_and_address_before_loading(capsys, no_loading):
 
     rc, _, err = run(capsys, "serve", "--method", "sd")
     assert rc == 2 and "--method sd needs --draft" in err, err
+    rc, _, err = run(capsys, "serve", "--method", "ar", "--draft-device", "cpu")  # (no --draft for it to place)
+    assert rc == 2 and "--draft-device does not apply to --method ar" in err, err
     rc, _, err = run(capsys, "serve", "--method", "ar", "--port", "70000")
     assert rc == 2 and "--port must be in 0..65535, got 70000" in err, err
     with socket.socket() as taken:
@@ -480,6 +525,16 @@ def test_auto_is_the_default_and_its_flags_are_checked_before_loading(capsys, pr
     rc, _, err = run(capsys, "generate", "--target", "smollm2-135m", "--prompt", "hi", *extra)
     assert rc == 2 and message in err, err
     assert err.count("\n") == 1
+
+
+@requires_smollm2
+def test_draft_device_under_auto_is_a_draft_flag_auto_may_not_use(capsys, saved_plan):
+    """`--draft-device` with the default method (auto) was refused as "does not apply to --method ar" when the plan
+    chose ar, a method the user never named; like --draft, it is for the draft auto may pick."""
+    saved_plan("ar", {})
+    rc, out, err = run(capsys, "generate", "--target", "smollm2-135m", "--draft-device", "cpu", "--prompt", "Say hi.",
+                       "--max-new-tokens", "3", "--json")
+    assert rc == 0 and json.loads(out)["stats"]["method"] == "ar" and "auto chose ar" in err, err
 
 
 @requires_smollm2

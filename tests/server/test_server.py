@@ -40,7 +40,8 @@ def live(models):
     target, draft = models
     server = LiveServer(create_app(target, draft, ServerConfig(MODEL, method="sd", options={"gamma": 4},
                                                                max_prompt_tokens=512, max_tokens=256,
-                                                               max_request_bytes=64 * 1024)))
+                                                               max_request_bytes=64 * 1024,
+                                                               prompt_tokens_details=True)))
     yield server
     server.stop()
 
@@ -75,7 +76,8 @@ def test_chat_greedy_equals_generate(live, models, method):
 @pytest.mark.parametrize("method", ["ar", "sd"])
 def test_next_turn_prefills_only_what_is_new(live, models, method):
     """A conversation's second turn restores the first turn's keys and values from the prefix cache (OpenAI's
-    ``usage.prompt_tokens_details.cached_tokens`` says how many) and still gets ``generate``'s answer."""
+    ``usage.prompt_tokens_details.cached_tokens`` says how many, on a server told to report it) and still gets
+    ``generate``'s answer."""
     client = live.client()
     turns = [{"role": "user", "content": PROMPTS[2] + f" ({method})"}]  # a prompt no other test sends
     first = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=12, temperature=0,
@@ -87,6 +89,25 @@ def test_next_turn_prefills_only_what_is_new(live, models, method):
                                             extra_body={"mirrorsd": {"method": method}})
     assert second.choices[0].message.content == reference(models, turns, max_new_tokens=12, temperature=0).text
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_cached_tokens_are_reported_only_when_the_server_is_told_to(models):
+    """The prefix cache is every client's: a client that reads ``cached_tokens`` can guess another client's prompt a
+    token at a time and see which guess was cached. A server reports it only when started with
+    ``--enable-prompt-tokens-details`` (vLLM's flag); /metrics still counts the hits, in aggregate."""
+    target, _ = models
+    server = LiveServer(create_app(target, None, ServerConfig(MODEL, warm_up=False)))
+    body = {"model": MODEL, "prompt": "A secret note: the vault code is 7291.", "max_tokens": 2, "temperature": 0}
+    try:
+        before = counters(server.metrics(), "mirrorsd:prefix_cache_hits_total")
+        whole = [post(server, "/v1/completions", json=body).json()["usage"] for _ in range(2)]
+        with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            streamed = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][-1]["usage"]
+        assert all("prompt_tokens_details" not in u and u["prompt_tokens"] > 0 for u in [*whole, streamed])
+        assert counters(server.metrics(), "mirrorsd:prefix_cache_hits_total") > before  # (the later two hit)
+    finally:
+        server.stop()
 
 
 def test_chat_stream_equals_generate_and_carries_segments(live, models):
@@ -217,6 +238,13 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, words
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "does not exist"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature", ""),
+    # a bool is no number and a float no integer, as for the Python API (lax parsing took true for 1, 4.0 for 4)
+    *[({"model": MODEL, "messages": [{"role": "user", "content": "x"}], name: value}, 400, name, "valid")
+      for name, value in (("seed", True), ("temperature", True), ("top_p", True), ("top_k", 4.0), ("top_k", True),
+                          ("max_tokens", True), ("max_completion_tokens", 8.0))],
+    # a key of the mirrorsd object named like a sampling field is the object's (it was blamed on the field)
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "mirrorsd": {"temperature": 0.5}}, 400,
+     "mirrorsd.temperature", "mirrorsd.temperature is not an option of method 'sd'"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n", "n must be 1"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs", ""),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400, "max_tokens",
@@ -277,10 +305,48 @@ def test_nulls_openai_accepts_are_defaults(live):
     assert r.json()["object"] == "chat.completion" and r.json()["usage"]["completion_tokens"] <= 2
 
 
+def test_bodies_a_web_page_could_send_unasked_are_refused(live):
+    """A page on any site may POST ``text/plain`` (or a form) to a server on this machine without the browser
+    asking the server first (a CORS "simple request"): only a body declared as JSON, or not declared, is read. And a
+    page whose name its maker's DNS points at 127.0.0.1 (DNS rebinding) is refused by its Host header."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = post(live, "/v1/chat/completions", content=json.dumps(chat), headers={"content-type": kind})
+        assert_error(r, 400, None, "the Content-Type header is")
+        assert r.json()["error"]["code"] == "invalid_content_type"
+    for kind in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json", None):
+        r = post(live, "/tokenize", content=b'{"prompt": "hi"}', headers={"content-type": kind} if kind else {})
+        assert r.status_code == 200 and r.json()["count"] > 0, (kind, r.text)
+    port = live.url.rsplit(":", 1)[1]
+    for host in ("attacker.example", f"attacker.example:{port}", "localhost.attacker.example", "[::1"):
+        r = httpx.get(live.url + "/v1/models", headers={"host": host})
+        assert_error(r, 400, None, "answers only requests for localhost")
+        assert r.json()["error"]["code"] == "invalid_host"
+    for host in (f"localhost:{port}", "LOCALHOST", f"127.0.0.1:{port}", "[::1]:80", "127.0.0.2"):
+        assert httpx.get(live.url + "/v1/models", headers={"host": host}).status_code == 200, host
+
+
+def test_the_host_header_is_not_checked_off_loopback(models):
+    """A server bound to every address (`--host 0.0.0.0`) is meant to be reached by other names: its Host is free,
+    even on a connection that came over loopback."""
+    target, _ = models
+    server = LiveServer(create_app(target, None, ServerConfig(MODEL, host="0.0.0.0", warm_up=False)))
+    try:
+        assert httpx.get(server.url + "/health", headers={"host": "gpu-box.lan:8000"}).json() == {"status": "ok"}
+    finally:
+        server.stop()
+
+
 def test_malformed_and_oversize_bodies(live):
     assert_error(post(live, "/v1/chat/completions", content=b"{not json", headers={"content-type":
                                                                                    "application/json"}), 400)
     assert_error(post(live, "/v1/chat/completions", content=b"[1, 2]"), 400)
+    nested = post(live, "/v1/chat/completions", content=b"[" * 30000 + b"]" * 30000)  # (a RecursionError's 500)
+    assert_error(nested, 400, None, "nests too deeply")
+    body = {"model": MODEL, "messages": []}  # /tokenize's was a 500
+    tokenized, chat = post(live, "/tokenize", json=body), post(live, "/v1/chat/completions", json=body)
+    assert_error(tokenized, 400, "messages")
+    assert tokenized.json() == chat.json()
     assert_error(post(live, "/v1/chat/completions", json={"model": MODEL, "messages": [
         {"role": "user", "content": "y" * (70 * 1024)}]}), 413, None, "--max-request-bytes")
     assert_error(post(live, "/v1/completions", json={"model": MODEL, "prompt": [10 ** 9]}), 400, "prompt", "range")
@@ -312,6 +378,10 @@ def test_api_key(models):
         for path in ("/v1/models", "/metrics"):
             assert_error(httpx.get(server.url + path), 401, None, "API key")
             assert_error(httpx.get(server.url + path, headers={"Authorization": "Bearer wrong"}), 401)
+            assert_error(httpx.get(server.url + path, headers={"Authorization": "Basic s3cret"}), 401)
+            for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110); the key is not
+                assert httpx.get(server.url + path, headers={"Authorization": f"{scheme} s3cret"}).status_code == 200
+            assert_error(httpx.get(server.url + path, headers={"Authorization": "Bearer S3CRET"}), 401)
         assert_error(httpx.post(server.url + "/tokenize", json={"prompt": "x"}), 401)
         with pytest.raises(openai.AuthenticationError):
             server.client("wrong").models.list()
@@ -412,7 +482,8 @@ def test_load_16_clients_correct_answers_and_consistent_metrics(models):
     the target's layers, does not pay at that load)."""
     target, draft = models
     live = LiveServer(create_app(target, draft, ServerConfig(MODEL, method="sd", options={"gamma": 4},
-                                                             speculation="fixed", max_prompt_tokens=512)))
+                                                             speculation="fixed", max_prompt_tokens=512,
+                                                             prompt_tokens_details=True)))
     try:
         _load_16_clients(live, models)
     finally:
