@@ -612,10 +612,12 @@ def stream(
         spec.check_tensor_parallel(opts, self_draft=shares)
     max_new = min(max_new_tokens, context - len(ids))
     short = draft_model.config.context_length if draft_model is not None else context
-    if len(ids) + max_new > short:  # the draft would stop drafting, or its cache overflow, before the answer ends
+    if opts.draft_positions(len(ids), max_new) > short:  # the draft would stop drafting, or its cache overflow
+        room = short - opts.draft_positions(len(ids), 0)
         raise ValueError(f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new}, but the draft's context "
-                         f"is {short} tokens (the target's {context}): give max_new_tokens <= "
-                         f"{max(short - len(ids), 0)}, a draft with a longer context, or a method without a draft")
+                         f"is {short} tokens (the target's {context}): give "
+                         f"{f'max_new_tokens <= {room}, ' if room > 0 else ''}a draft with a longer context, or a "
+                         "method without a draft")
     stats = GenerationStats(method, seed=params.seed)
     request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge, prefix_cache)
     roles = spec.build(request, opts)  # checks the models against the options now, not at the first token

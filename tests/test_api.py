@@ -74,13 +74,19 @@ def test_a_draft_with_a_shorter_context_is_a_clear_error_not_a_shorter_answer():
     target = Transformer.from_hf(tiny_hf(layers=4, seed=1))
     short = Transformer.from_hf(tiny_hf("mistral", layers=2, seed=2, sliding_window=256))
     prompt = ([1, 2, 3, 4, 5, 6, 7, 8] * 40)[:200]
-    for method in ("sd", "mirror"):
+    for method, options in (("sd", {"draft_context": 0}), ("mirror", {})):
         with pytest.raises(ValueError, match="the draft's context is 256 tokens .the target's 1024.: give "
                                              "max_new_tokens <= 56"):
-            generate(target, prompt, method=method, draft=short, max_new_tokens=100)
-        got = generate(target, prompt, method=method, draft=short, max_new_tokens=56)
+            generate(target, prompt, method=method, draft=short, max_new_tokens=100, **options)
+        got = generate(target, prompt, method=method, draft=short, max_new_tokens=56, **options)
         assert got.token_ids == generate(target, prompt, method="ar", max_new_tokens=56).token_ids
-    assert len(generate(target, prompt, method="ar", max_new_tokens=100).token_ids) == 100
+    ar = generate(target, prompt, method="ar", max_new_tokens=100).token_ids
+    assert len(ar) == 100
+    # sd's default draft reads the prompt's first 4 and last 128 tokens: 232 positions in all, within its 256 (it was
+    # refused, where its draft never reads the long prompt)
+    assert generate(target, prompt, method="sd", draft=short, max_new_tokens=100).token_ids == ar
+    with pytest.raises(ValueError, match="the draft's context is 256 tokens .the target's 1024.: give a draft"):
+        generate(target, [1] * 300, method="mirror", draft=short, max_new_tokens=100)  # (no max_new_tokens <= -44)
 
 
 @pytest.mark.parametrize(

@@ -111,7 +111,9 @@ def checked_options(args: argparse.Namespace, method: str, by_auto: bool = False
             raise ValueError(f"{flag} does not apply to --method {method} (it is an option of: {users}){chosen}")
         name = mine[0].name if mine else uses[0][1].name
         values[name] = getattr(args, flag_dest(flag))
-    to_flag = {o.name: f for f, uses in flags.items() for m, o in uses if m.name == method or method == "auto"}
+    # (every flag of the method, not only those given: a required one missing is named as its flag too)
+    to_flag = {o.name: f for f, uses in method_flags().items() for m, o in uses if m.name == method}
+    to_flag.update({o.name: f for f, uses in flags.items() for m, o in uses if method == "auto"})
     to_flag.update(temperature="--temperature", top_k="--top-k", top_p="--top-p", max_new_tokens="--max-new-tokens")
     try:
         SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

@@ -193,6 +193,11 @@ class MethodOptions:
     def check(self, shape: ModelShape | None) -> None:
         """Checks across options or against the target's shape (None: not known yet)."""
 
+    def draft_positions(self, prompt: int, new: int) -> int:
+        """The positions a draft model's cache reaches for a prompt and an answer of these lengths (its context
+        must hold them): all of both, unless the method's draft reads less of the prompt."""
+        return prompt + new
+
     def resolved(self, files: ShippedFiles, shape: ModelShape) -> Self:
         """These options with the defaults that name shipped files filled in (a request's, by the API)."""
         return self

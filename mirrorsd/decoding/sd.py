@@ -72,6 +72,13 @@ class SDOptions(MethodOptions):
         if self.draft_streams is None and self.defer_streams != "auto":
             raise OptionError("defer_streams", "applies to an SS draft: give draft_streams too")
 
+    def draft_positions(self, prompt: int, new: int) -> int:
+        """A ``draft_context`` draft reads the prompt's sink and last tokens, at positions that close the gap (an SS
+        draft reads it whole)."""
+        if self.draft_context and self.draft_streams is None:
+            prompt = min(prompt, SINK_TOKENS + self.draft_context)
+        return prompt + new
+
     def resolved(self, files: ShippedFiles, shape: ModelShape) -> SDOptions:
         """``draft_streams`` alone: the draft's shipped adapter."""
         return replace(self, draft_streams=files.streams("draft")) if self.draft_streams == "auto" else self

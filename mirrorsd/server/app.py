@@ -164,7 +164,8 @@ class Server:
         options = {**(cfg.options if method == cfg.method else {}), **asked}
         shape = ModelShape(self.target.config.n_layers, self.target.config.vocab_size)
         try:
-            alone = spec.options.parse(options, method, shape).unbatchable()
+            parsed = spec.options.parse(options, method, shape)
+            alone = parsed.unbatchable()
         except OptionError as e:  # (a key of the mirrorsd object, even one named like a sampling field)
             raise APIError(400, f"mirrorsd.{e.option} {e.message}", param=f"mirrorsd.{e.option}") from None
         try:
@@ -181,9 +182,11 @@ class Server:
                            param="prompt" if isinstance(req, CompletionRequest) else "messages",
                            code="context_length_exceeded")
         context, whose = self.target.config.context_length, "model"
-        if spec.needs_draft and self.draft.config.context_length < context:  # (a request's method may use the draft)
-            context, whose = self.draft.config.context_length, "draft"
         room = context - len(prompt_ids)
+        if spec.needs_draft:  # (a request's method may use the draft, which may read less of the prompt)
+            drafts = self.draft.config.context_length - parsed.draft_positions(len(prompt_ids), 0)
+            if drafts < room:
+                context, whose, room = self.draft.config.context_length, "draft", drafts
         limit = req.token_limit
         if limit is not None and limit > cfg.max_tokens:
             raise APIError(400, f"max_tokens is {limit}; this server allows at most {cfg.max_tokens} "

@@ -128,4 +128,4 @@ def test_serve_refuses_eagle_without_a_head_before_loading_anything(monkeypatch,
 
     monkeypatch.setattr(mirrorsd, "load_model", lambda *args, **kwargs: pytest.fail("loaded a model"))
     assert main(["serve", "--target", "smollm2-135m", "--method", "eagle", "--no-warmup"]) == 2
-    assert "head is required: a folder from `mirrorsd train-eagle` (--head FOLDER)" in capsys.readouterr().err
+    assert "--head is required: a folder from `mirrorsd train-eagle` (--head FOLDER)" in capsys.readouterr().err
