@@ -5,8 +5,8 @@ answer), the servers alternating which goes first per question; printed: each tu
 prompt tokens the server restored (``usage.prompt_tokens_details.cached_tokens``) and whether both servers gave the
 same answers. Start the servers first, e.g.::
 
-    mirrorsd serve --method ar --port 8101 --prefix-cache-mib 0 &
-    mirrorsd serve --method ar --port 8102 &
+    mirrorsd serve --method ar --port 8101 --prefix-cache-mib 0 --enable-prompt-tokens-details &
+    mirrorsd serve --method ar --port 8102 --enable-prompt-tokens-details &
     python benchmarks/prefix_cache_turns.py http://127.0.0.1:8101 http://127.0.0.1:8102 --suite specbench:8
 """
 
