@@ -23,7 +23,7 @@ import torch
 
 from .cache import cache_dir
 from .collector import paused_collector
-from .decoding import DecodeRequest, GenerationStats, ModelShape, default_method, get_method, methods
+from .decoding import REFERENCE, DecodeRequest, GenerationStats, ModelShape, default_method, get_method, methods
 from .decoding.bridge import TokenBridge
 from .decoding.engine import run
 from .decoding.suffix_index import isolated_shared_indexes
@@ -596,6 +596,7 @@ def stream(
     if method == "auto":
         method, options, draft = planned(target, draft, options)
     spec = get_method(method)
+    exact_windows(target.model, method)
     draft_model = bridge = None
     if spec.needs_draft:
         if draft is None:
@@ -622,6 +623,18 @@ def stream(
     request = DecodeRequest(target.model, ids, max_new, params, stats, draft_model, opts, bridge, prefix_cache)
     roles = spec.build(request, opts)  # checks the models against the options now, not at the first token
     return GenerationStream(target, ids, run(request, roles), request, stop, ignore_eos)
+
+
+def exact_windows(model: Transformer, method: str) -> None:
+    """Refuses speculation where a window's rows would not have the bits one row gets alone: on a CPU, bfloat16 and
+    float16 run through PyTorch's GEMM and attention (our C++ path, which keeps a row's bits whatever rides with it,
+    takes float32 and the quantized formats), and a window's logits differed from one token's by up to 0.38, enough
+    to change greedy tokens. ``ar`` reads one row a step, and stays the reference."""
+    if method != REFERENCE and model.device.type == "cpu" and model.dtype != torch.float32:
+        dtype = str(model.dtype).removeprefix("torch.")
+        raise ValueError(f"method {method!r} cannot be exact with {dtype} weights on a CPU: a verification window's "
+                         "rows there do not get the bits one row gets alone (our CPU kernels take float32 and the "
+                         "quantized formats); load the model in float32, q8 or q4 (the defaults), or use method 'ar'")
 
 
 def generate(target: LoadedModel | Transformer, prompt: Prompt, **kwargs: Any) -> Generation:

@@ -129,3 +129,15 @@ def test_serve_refuses_eagle_without_a_head_before_loading_anything(monkeypatch,
     monkeypatch.setattr(mirrorsd, "load_model", lambda *args, **kwargs: pytest.fail("loaded a model"))
     assert main(["serve", "--target", "smollm2-135m", "--method", "eagle", "--no-warmup"]) == 2
     assert "--head is required: a folder from `mirrorsd train-eagle` (--head FOLDER)" in capsys.readouterr().err
+
+
+def test_a_head_builds_and_drafts_for_a_bfloat16_target():
+    """A bfloat16 target (a GPU's usual one): the head read its projections with float32 inputs and its runner kept
+    float32 norms beside bfloat16 projections; both failed in a matmul."""
+    from mirrorsd import Transformer
+
+    target = Transformer.from_hf(tiny_hf("qwen2", layers=4, seed=1).to(torch.bfloat16))
+    runner = HeadRunner(target, random_head(target, seed=3))
+    features = torch.randn(3, 3 * target.config.hidden_size, dtype=torch.bfloat16)
+    state, token = runner.rows([1, 2, 3], features, 0, runner.new_cache(32), fed_back=False)
+    assert state.dtype == torch.bfloat16 and 0 <= token < target.config.vocab_size

@@ -35,11 +35,12 @@ def feature_layers(n_layers: int) -> tuple[int, int, int]:
 # -- the head -------------------------------------------------------------------------------------------------
 
 
-def _dense(linear: nn.Module, bias: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _dense(linear: nn.Module, bias: bool, device: torch.device,
+           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A (possibly quantized) linear's weight ``[out, in]`` and bias, read off by applying it to the identity (each
-    row has one non-zero, so int8-activation kernels read it exactly)."""
-    eye = torch.eye(linear.in_features, device=device)
-    zero = linear(torch.zeros(1, linear.in_features, device=device)).float()[0]
+    row has one non-zero, so int8-activation kernels read it exactly) in the target's ``dtype`` (its inputs')."""
+    eye = torch.eye(linear.in_features, device=device, dtype=dtype)
+    zero = linear(torch.zeros(1, linear.in_features, device=device, dtype=dtype)).float()[0]
     return (linear(eye).float() - zero).T.contiguous(), zero if bias else None
 
 
@@ -88,7 +89,7 @@ class EagleHead(nn.Module):
                        **{n: getattr(last.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}}
             with torch.no_grad():
                 for name, linear in sources.items():
-                    weight, bias = _dense(linear, self.proj[name].bias is not None, target.device)
+                    weight, bias = _dense(linear, self.proj[name].bias is not None, target.device, target.dtype)
                     self.proj[name].weight.copy_(weight)
                     if bias is not None:
                         self.proj[name].bias.copy_(bias)

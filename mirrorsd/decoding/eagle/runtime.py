@@ -31,8 +31,8 @@ class HeadRunner:
         cfg = target.config
         self.ids = load_table(cfg.vocab_size, table)[:vocab].sort().values if 0 < vocab < cfg.vocab_size else None
         rows = head_weight(target.lm_head, target.embed_tokens.weight, cfg.tie_word_embeddings).float()
-        def vector(p: torch.Tensor) -> torch.Tensor:
-            return p.detach().float().to(target.device)
+        def vector(p: torch.Tensor) -> torch.Tensor:  # (in the target's dtype, as its projections: a bfloat16
+            return p.detach().to(target.device, target.dtype)  # target's float32 norms failed its matmuls)
 
         weights = {"embed_tokens.weight": target.embed_tokens.weight, "norm.weight": vector(head.norm),
                    "lm_head.weight": _weight(rows if self.ids is None else rows[self.ids], target),
