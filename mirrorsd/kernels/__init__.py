@@ -155,6 +155,8 @@ def _switched_off() -> str | None:
 def _why_unavailable() -> str | None:
     if (off := _switched_off()) is not None:
         return off
+    if missing := [path.name for path in (*SOURCES, *HEADERS) if not path.is_file()]:  # (a wheel built without them)
+        return f"{', '.join(missing)} missing from {Path(__file__).parent}: an incomplete install (reinstall mirrorsd)"
     if isa() is None:
         return f"this CPU lacks {', '.join(f for f in ISAS['avx2'][0] if f not in _cpu_flags())} (AVX2 at least)"
     return None
@@ -234,11 +236,23 @@ def build_lock(build: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def ninja_on_path() -> None:
+    """torch runs the bare ``ninja``, and the ``ninja`` package (our dependency) puts it in its environment's bin
+    folder, which is not on ``PATH`` where that environment is not activated (its ``mirrorsd`` run by its path,
+    pipx, a service unit): the build then failed with "pip install ninja" advice, and decoding ran ~20x slower."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def build_extension(name: str, sources: Path | Sequence[Path], build: Path, cflags: Sequence[str] = (),
                     ldflags: Sequence[str] = ()) -> None:
     """Compile (if needed) and load a C++ extension into ``build`` under :func:`build_lock`."""
     from torch.utils import cpp_extension
 
+    ninja_on_path()
     with build_lock(build):
         done = build / DONE_STAMP
         if not done.exists():

@@ -947,3 +947,38 @@ def test_a_finished_build_in_a_read_only_cache_is_loaded(monkeypatch):
     monkeypatch.setattr(kernels.os, "access", lambda path, mode, **kw: False if mode & os.W_OK else real(path, mode))
     monkeypatch.setattr(kernels, "build_extension", lambda *a, **k: pytest.fail("built (or locked) again"))
     assert kernels._load.__wrapped__() is None
+
+
+def test_the_installed_package_carries_every_file_the_kernels_build_from():
+    """The wheel packed the sources but not the headers they include: an installed mirrorsd failed to load any model
+    (FileNotFoundError from the build key), where the checkout worked."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(kernels.__file__).parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["mirrorsd.kernels"]
+    for path in (*kernels.SOURCES, *kernels.HEADERS):
+        assert any(fnmatch.fnmatch(path.name, p) for p in patterns), path.name
+
+
+def test_a_missing_kernel_source_is_a_reason_to_fall_back_not_a_crash(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.setattr(kernels, "HEADERS", (*kernels.HEADERS, Path(kernels.__file__).with_name("gone.h")))
+    monkeypatch.delenv("MIRRORSD_KERNELS", raising=False)
+    reason = kernels._why_unavailable()
+    assert reason is not None and "gone.h missing from" in reason and "reinstall mirrorsd" in reason
+    assert kernels.isa_label() == "off"
+
+
+def test_the_ninja_package_builds_where_its_environment_is_not_on_path(monkeypatch):
+    """torch runs the bare `ninja`; a venv's mirrorsd run by its path (pipx, a service unit) has its ninja off PATH,
+    and the kernels fell back ~20x slower advising to install the ninja it had."""
+    ninja = pytest.importorskip("ninja")
+    import shutil
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(shutil, "which", lambda name, *args, **kwargs: None)
+    kernels.ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
