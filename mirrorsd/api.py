@@ -56,8 +56,12 @@ class LoadedModel:
 
     @property
     def format(self) -> str:
-        """What was loaded, for messages: ``fp32``, or ``q4 weights, int8x2 activations``."""
-        return "fp32" if self.weights == "fp32" else f"{self.weights} weights, {self.activations} activations"
+        """What was loaded, for messages: ``fp32``, ``fp32 weights in bfloat16``, or ``q4 weights, int8x2
+        activations``."""
+        if self.weights != "fp32":
+            return f"{self.weights} weights, {self.activations} activations"
+        dtype = getattr(self.model, "dtype", torch.float32)
+        return "fp32" if dtype == torch.float32 else f"fp32 weights in {str(dtype).removeprefix('torch.')}"
 
 
 def default_format(name_or_path: str | Path, path: Path, device: str | torch.device,
@@ -118,6 +122,8 @@ def load_model(name_or_path: str | Path, *, device: str | torch.device = "cpu",
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():  # (torch.int8 loaded, then failed at the first token)
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
     if activations is not None and activations not in ACTIVATION_FORMATS:
         raise ValueError(f"activations must be one of {ACTIVATION_FORMATS}, got {activations!r}")
     base, deltas = name_or_path, None

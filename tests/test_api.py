@@ -571,3 +571,9 @@ def test_speculation_is_refused_where_a_windows_rows_are_not_exact():
         with pytest.raises(ValueError, match=f"method '{method}' cannot be exact with bfloat16 weights on a CPU"):
             generate(target, [1, 2, 3], method=method, max_new_tokens=4, **extra)
     assert len(generate(target, [1, 2, 3], method="ar", max_new_tokens=4).token_ids) == 4
+
+
+@requires_smollm2
+def test_a_dtype_that_is_not_a_float_type_is_refused():
+    with pytest.raises(ValueError, match="dtype must be one of .*got torch.int8"):
+        mirrorsd.load_model("smollm2-135m", dtype=torch.int8)

@@ -65,6 +65,8 @@ def warn_if_busy(what: str) -> None:
 def say_loaded(role: str, model, args: argparse.Namespace) -> None:
     """Which format a model loaded with, and whether that was the default (the zoo's gate-picked one)."""
     chosen = "as asked" if args.weights or args.activations else "default"
+    if args.activations and model.weights == "fp32":  # (fp32 weights have no quantized layer to take them)
+        chosen += f"; --activations {args.activations} does not apply to fp32 weights"
     print(f"mirrorsd: {role} {model.name}: {model.format} ({chosen})", file=sys.stderr, flush=True)
 
 
@@ -115,6 +117,9 @@ def checked_options(args: argparse.Namespace, method: str, by_auto: bool = False
     to_flag = {o.name: f for f, uses in method_flags().items() for m, o in uses if m.name == method}
     to_flag.update({o.name: f for f, uses in flags.items() for m, o in uses if method == "auto"})
     to_flag.update(temperature="--temperature", top_k="--top-k", top_p="--top-p", max_new_tokens="--max-new-tokens")
+    if args.draft_device and (args.draft or "").startswith(SELF_DRAFT):  # (the flag did nothing: it stays there)
+        raise ValueError(f"--draft-device does not apply to --draft {args.draft}: a self draft is the target's own "
+                         "first layers, on the target's device")
     try:
         SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         if getattr(args, "max_new_tokens", 1) < 1:

@@ -407,8 +407,8 @@ def test_serve_keeps_its_draft_for_the_requests_that_ask_for_it(capsys, monkeypa
                 answers[asked] = r.status_code, r.json().get("mirrorsd", r.json())
 
     monkeypatch.setattr(serve.uvicorn, "run", listen)
-    rc, _, err = run(capsys, "serve", "--target", "smollm2-135m", "--draft", "self:0.5", "--draft-device", "cpu",
-                     "--method", method, "--no-warmup")
+    rc, _, err = run(capsys, "serve", "--target", "smollm2-135m", "--draft", "self:0.5", "--method", method,
+                     "--no-warmup")
     assert rc == 0, err
     assert answers["sd"][0] == 200 and answers["sd"][1]["method"] == "sd", answers
     assert answers["suffix"][0] == 200 and answers["suffix"][1]["method"] == "suffix", answers

@@ -241,3 +241,23 @@ def test_a_prompt_too_long_further_down_a_prompts_file_stops_the_run_before_the_
     captured = capsys.readouterr()
     assert rc == 2 and not captured.out.strip()
     assert f"{prompts}:3: the prompt has" in captured.err and "context is 8192" in captured.err
+
+
+def test_draft_device_with_a_self_draft_is_refused_before_loading(capsys, monkeypatch):
+    """A self draft is the target's own first layers, on its device: --draft-device was silently ignored (and under
+    --backend devices the error told the user to set the flag they had set)."""
+    import mirrorsd
+
+    monkeypatch.setattr(mirrorsd, "load_model", lambda *args, **kwargs: pytest.fail("loaded a model"))
+    rc = cli.main(["generate", "--target", "smollm2-135m", "--method", "sd", "--draft", "self:10", "--draft-device",
+                   "cuda:3", "--prompt", "hi"])
+    assert rc == 2 and "--draft-device does not apply to --draft self:10" in capsys.readouterr().err
+
+
+@requires_smollm2
+def test_the_loaded_format_names_its_float_type_and_what_it_ignored(capsys):
+    rc = cli.main(["generate", "--target", "smollm2-135m", "--method", "ar", "--dtype", "bfloat16", "--activations",
+                   "int8x2", "--prompt", "hi", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "target smollm2-135m: fp32 weights in bfloat16 (as asked; --activations int8x2 does not apply to fp32" in err
