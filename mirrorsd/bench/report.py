@@ -38,6 +38,11 @@ def _filters(cfg: dict[str, Any]) -> str:
     return "".join(f", {p}" for p in parts if p)
 
 
+def _format(results: dict[str, Any], role: str) -> str:
+    """A model's loaded format (an older results file has the target's weights only)."""
+    return results.get(f"{role}_format") or results.get(f"{role}_weights") or "?"
+
+
 def _machine(m: dict[str, Any]) -> str:
     parts = [m.get("cpu", "?"), f"{m.get('cores')} cores", f"{m.get('torch_threads')} torch threads"]
     if m.get("memory_gib"):
@@ -65,7 +70,8 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         f"Suite `{cfg['suite']}` ({results['questions']} questions), max {cfg['max_new_tokens']} new tokens, "
         f"temperature {cfg['temperature']}{_filters(cfg)}, {runs} run(s) (median; range in brackets), "
         f"warm-up {cfg['warmup']}, "
-        f"methods interleaved per question with a rotating order; our target weights `{results['target_weights']}`.",
+        f"methods interleaved per question with a rotating order; our target `{_format(results, 'target')}`"
+        + (f", our draft `{_format(results, 'draft')}`." if results.get("draft") else "."),
         "",
         "Speedup = mean per-question tok/s of the method ÷ that of `ar` in the same run (Spec-Bench's definition); "
         "MAT = mean tokens committed per target step, bonus included; acceptance = accepted ÷ drafted tokens; "

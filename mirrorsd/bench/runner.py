@@ -172,6 +172,7 @@ class BenchConfig:
     runs: int = 3
     warmup: int = 1
     weights: str | None = None
+    activations: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     llama_server: str | None = None
@@ -209,7 +210,8 @@ class Bench:
             raise ValueError("--probe-exit-head is read by the probe; drop --no-probe or the exit head")
         # read before the models load, so a wrong folder fails in seconds
         self.probe_exit = ExitTranslators.load(config.probe_exit_head) if config.probe_exit_head else None
-        load = dict(device=config.device, dtype=config.dtype, weights=config.weights, progress=progress)
+        load = dict(device=config.device, dtype=config.dtype, weights=config.weights, activations=config.activations,
+                    progress=progress)
         self.target = load_model(config.target, **load)
         if self.probe_exit is not None:
             for layer in self.probe_exit.layers:
@@ -475,7 +477,9 @@ class Bench:
                 s["predicted_tokens_per_s"] = self._predicted(spec, costs)
             summary[spec.label] = s
         return {"config": self.config.to_dict(), "machine": machine(), "target_weights": self.target.weights,
+                "target_format": self.target.format,
                 "draft": self.config.draft if self.draft is not None else None,  # (the configured one may not load)
+                "draft_format": self.draft.format if self.draft is not None else None,
                 "notes": self.notes, "questions": len(self.questions), "summary": summary,
                 "costs": costs.to_dict() if costs else None, "probe": probe_result, "timeline": self.timeline,
                 "answers": [{**{k: v for k, v in vars(a).items() if k != "turns"},

@@ -58,7 +58,8 @@ def _bench_arguments(p: argparse.ArgumentParser, methods: bool) -> None:
                  seed=(0, "sampling seed (per question: seed and question id)"))
     p.add_argument("--runs", type=int, default=3, help="timed runs (median and range reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up passes of every method")
-    add_weights(p, "our weight format (default: as generate)")
+    add_formats(p, "our weight format (default: as generate)",
+                "our activation precision of quantized weights (default: as generate)")
     p.add_argument("--device", default="cpu", help="torch device for our models and the HF peers")
     add_dtype(p)
     p.add_argument("--threads-split", metavar="T,D", help="target,draft threads the planner times for the threads "
@@ -307,7 +308,8 @@ def _bench_config(args: argparse.Namespace, methods) -> object:
         return BenchConfig(target=args.target, draft=args.draft, methods=methods, suite=args.suite,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0), seed=args.seed,
-                           runs=args.runs, warmup=args.warmup, weights=args.weights, device=args.device,
+                           runs=args.runs, warmup=args.warmup, weights=args.weights,
+                           activations=args.activations, device=args.device,
                            dtype=args.dtype, llama_server=getattr(args, "llama_server", None), probe=not args.no_probe,
                            probe_exit_head=getattr(args, "probe_exit_head", None),
                            probe_acceptance=getattr(args, "probe_acceptance", "match"), predict=not args.no_predict,

@@ -1084,3 +1084,25 @@ def test_cli_commands_warn_on_a_busy_machine(monkeypatch, capsys):
     monkeypatch.setattr(load, "others_cpu_share", lambda interval=0.5: 0.0)
     cli._warn_if_busy("train-streams")
     assert capsys.readouterr().err == ""
+
+
+def test_bench_loads_the_activations_asked_for_and_records_both_models_formats(monkeypatch, capsys):
+    """`mirrorsd bench` had no --activations (SmolLM2 could be timed at int8x2 only) and its results named the
+    target's weights alone."""
+    from mirrorsd.bench import runner
+
+    loads: list[dict] = []
+
+    def load(name, **kwargs):
+        loads.append(kwargs)
+        raise RuntimeError("stop after the load")
+
+    monkeypatch.setattr(runner, "load_model", load)
+    with pytest.raises(RuntimeError, match="stop after the load"):
+        main(["bench", "--target", "smollm2-135m", "--methods", "ar", "--weights", "q4", "--activations", "int8"])
+    assert loads[0]["weights"] == "q4" and loads[0]["activations"] == "int8"
+    from mirrorsd.bench.report import _format
+
+    assert _format({"target_format": "q4 weights, int8 activations", "target_weights": "q4"}, "target") == \
+        "q4 weights, int8 activations"
+    assert _format({"target_weights": "q4"}, "target") == "q4"  # (a results file from before)
