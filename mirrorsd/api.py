@@ -365,6 +365,13 @@ def planned(target: LoadedModel, draft: LoadedModel | Transformer | None,
         raise ValueError(f"method='auto' follows the plan saved for a named target and draft and plans on text, so "
                          f"it needs models from mirrorsd.load_model (this {unnamed[0] if unnamed else 'target'} has "
                          f"{'no name' if unnamed else 'no tokenizer'}): give a method instead")
+    if not windows_exact(target.model):  # only ar can be exact there: nothing to plan or to price
+        print(f"mirrorsd: method auto: {str(target.model.dtype).removeprefix('torch.')} on a CPU runs only ar "
+              "exactly (exact_windows), so auto chooses it", file=sys.stderr, flush=True)
+        for name in options:
+            raise OptionError(name, f"is not an option of method {REFERENCE!r}, which method='auto' chose; name a "
+                              "method to use it")
+        return REFERENCE, {}, None
     if draft is not None and not shares_tokenizer(target, draft):
         print(f"mirrorsd: method auto: draft {draft.name} has a tokenizer of its own (the plan probes acceptance in "
               f"the target's token ids), so auto chooses among the methods without a draft model", file=sys.stderr,
@@ -631,12 +638,18 @@ def stream(
     return GenerationStream(target, ids, run(request, roles), request, stop, ignore_eos)
 
 
+def windows_exact(model: Transformer) -> bool:
+    """Whether a window's rows get the bits one row gets alone: not on a CPU in bfloat16 or float16, which run through
+    PyTorch's GEMM and attention (our C++ path, which keeps a row's bits whatever rides with it, takes float32 and the
+    quantized formats); a window's logits differed from one token's by up to 0.38 there, enough to change greedy
+    tokens."""
+    return model.device.type != "cpu" or model.dtype == torch.float32
+
+
 def exact_windows(model: Transformer, method: str) -> None:
-    """Refuses speculation where a window's rows would not have the bits one row gets alone: on a CPU, bfloat16 and
-    float16 run through PyTorch's GEMM and attention (our C++ path, which keeps a row's bits whatever rides with it,
-    takes float32 and the quantized formats), and a window's logits differed from one token's by up to 0.38, enough
-    to change greedy tokens. ``ar`` reads one row a step, and stays the reference."""
-    if method != REFERENCE and model.device.type == "cpu" and model.dtype != torch.float32:
+    """Refuses speculation where :func:`windows_exact` does not hold. ``ar`` reads one row a step, and stays the
+    reference."""
+    if method != REFERENCE and not windows_exact(model):
         dtype = str(model.dtype).removeprefix("torch.")
         raise ValueError(f"method {method!r} cannot be exact with {dtype} weights on a CPU: a verification window's "
                          "rows there do not get the bits one row gets alone (our CPU kernels take float32 and the "

@@ -503,6 +503,8 @@ class Batcher:
     def _wait(self, item: _Waiting) -> torch.Tensor:
         me = getattr(self._local, "member", None)
         item.cancelled = me.cancelled if me is not None else None
+        if item.cancelled is not None and item.cancelled.is_set():  # (the model's own prompt pieces come one by one)
+            raise Cancelled()
         if me is not None and self._claim_solo(me) and self._run_solo(item):
             return self._result(item)
         release_thread_team()  # its forwards run on the engine's team; its own ops, an argmax, may have started one

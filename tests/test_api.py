@@ -577,3 +577,16 @@ def test_speculation_is_refused_where_a_windows_rows_are_not_exact():
 def test_a_dtype_that_is_not_a_float_type_is_refused():
     with pytest.raises(ValueError, match="dtype must be one of .*got torch.int8"):
         mirrorsd.load_model("smollm2-135m", dtype=torch.int8)
+
+
+@requires_smollm2
+def test_auto_in_bfloat16_on_a_cpu_runs_ar_without_planning(monkeypatch, capsys):
+    """Only ar is exact there: auto planned, calibrated suffix and failed with a refusal of a method the user never
+    named (and a saved plan's pick failed the same way)."""
+    import mirrorsd.plans
+
+    monkeypatch.setattr(mirrorsd.plans, "plan_for", lambda *args: pytest.fail("planned"))
+    target = mirrorsd.load_model("smollm2-135m", dtype="bfloat16")
+    got = generate(target, "Hi", method="auto", max_new_tokens=3)
+    assert got.stats.method == "ar" and len(got.token_ids) == 3
+    assert "bfloat16 on a CPU runs only ar exactly" in capsys.readouterr().err

@@ -985,19 +985,23 @@ def test_the_goodput_rule_keeps_no_ended_requests_statistics():
     assert tracker.outcomes() == seen and tracker.drafting() == drafting == (0.5, 9)
 
 
-@pytest.mark.parametrize("alone", [True, False])
-def test_a_cancelled_members_prompt_stops_at_its_next_chunk(pair: Pair, monkeypatch, alone: bool) -> None:
+@pytest.mark.parametrize("mode", ["alone", "pieces", "batched"])
+def test_a_cancelled_members_prompt_stops_at_its_next_chunk(pair: Pair, monkeypatch, mode: str) -> None:
     """A client that leaves during a long prompt frees its place within a chunk (it held it for the whole prefill,
-    seconds with nobody to read the answer): its forward raises Cancelled, alone or beside another member, and the
-    other member keeps its tokens."""
+    seconds with nobody to read the answer): its forward raises Cancelled, alone, beside another member, or where
+    the model hands its prompt over in pieces (as it does past PREFILL_CHUNK tokens, each piece computed whole), and
+    the other member keeps its tokens."""
     import mirrorsd.batching as batching
+    import mirrorsd.model
     from mirrorsd.errors import Cancelled
 
     monkeypatch.setattr(batching, "PREFILL_CHUNK", 4)  # a 60-token prompt: 15 chunks
-    if not alone:
+    if mode == "pieces":
+        monkeypatch.setattr(mirrorsd.model, "PREFILL_CHUNK", 8)  # the model's own pieces of 8 rows
+    if mode == "batched":
         monkeypatch.setattr(Batcher, "_claim_solo", lambda self, me: False)
     cancelled = threading.Event()
-    batcher = Batcher(speculation="fixed", on_step=lambda record: record.prompts and cancelled.set())
+    batcher = Batcher(speculation="fixed", on_step=lambda record: record.rows and cancelled.set())
     long, short = Req("ar", tuple(range(1, 61)), 4, 0.0, 0, 0, None), Req("ar", (7, 8, 9), 30, 0.0, 0, 0, None)
     out: dict[str, object] = {}
 
@@ -1009,14 +1013,15 @@ def test_a_cancelled_members_prompt_stops_at_its_next_chunk(pair: Pair, monkeypa
             out[name] = e
 
     threads = [threading.Thread(target=work, args=("long", long, cancelled))]
-    if not alone:
+    if mode == "batched":
         threads.append(threading.Thread(target=work, args=("short", short, None)))
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert isinstance(out["long"], Cancelled)
-    assert sum(s.prompts for s in batcher.steps) <= 2  # the chunk that saw the cancel, and at most one in flight
-    if not alone:
+    # the step that saw the cancel, and at most one in flight
+    assert sum(s.prompts for s in batcher.steps) <= 2 if mode == "batched" else batcher.total_steps <= 2
+    if mode == "batched":
         assert out["short"] == pair.tokens(short)
     assert batcher.members_running == 0 and not batcher._waiting

@@ -90,6 +90,10 @@ def _value(text: str) -> Any:
     return text
 
 
+#: Where an answer ended, in a divergence: the likeliest of the target's end tokens there (:meth:`Bench._logit_gap`).
+END = -2
+
+
 def parse_methods(text: str) -> list[MethodSpec]:
     """``ar,sd,mirror:roots=budget:backend=threads:threads=2,1,fast=sd:gamma=4``: a kind with ``:key=value``
     options, optionally labelled ``LABEL=``. Our methods' options are parsed and checked by their registered options
@@ -370,7 +374,7 @@ class Bench:
             if pos is None:
                 continue
             answer.equal_to_reference = False
-            eos = min(self.target.eos_token_ids) if self.target.eos_token_ids else -1
+            eos = END if self.target.eos_token_ids else -1
             expected = ref.token_ids[pos] if pos < len(ref.token_ids) else eos
             got = mine.token_ids[pos] if pos < len(mine.token_ids) else eos
             gap = self._logit_gap(spec, ref.prompt_ids + ref.token_ids[:pos], expected, got)
@@ -381,15 +385,21 @@ class Bench:
 
     @torch.inference_mode()
     def _logit_gap(self, spec: MethodSpec, prefix: list[int], expected: int, got: int) -> float | None:
-        if expected < 0 or got < 0:
+        """The reference's token's logit less the other's; :data:`END` is the likeliest of the model's end tokens
+        there (an answer that ended; the smallest id was a token the model did not choose: SmolLM2's ends differ by
+        12.7 logits at an answer's end)."""
+        if -1 in (expected, got) or spec.kind in LLAMA_METHODS:  # (llama.cpp's logits are not exposed here)
             return None
+        logits = None
+        if spec.kind not in HF_METHODS or END in (expected, got):
+            model = self.target.model
+            cache = model.new_cache(capacity=len(prefix) + 1)
+            logits = model(torch.tensor([prefix], device=model.device), cache=cache, last=1)[0, -1]
+            end = max(self.target.eos_token_ids, key=lambda t: float(logits[t]))
+            expected, got = (end if t == END else t for t in (expected, got))
         if spec.kind in HF_METHODS:
             return self.hf.logit_gap(prefix, expected, got)
-        if spec.kind in LLAMA_METHODS:
-            return None  # llama.cpp's logits are not exposed here
-        model = self.target.model
-        cache = model.new_cache(capacity=len(prefix) + 1)
-        logits = model(torch.tensor([prefix], device=model.device), cache=cache, last=1)[0, -1]
+        assert logits is not None
         return float(logits[expected] - logits[got])
 
     # -- the run ------------------------------------------------------------------------------------------

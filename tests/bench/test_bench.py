@@ -1106,3 +1106,23 @@ def test_bench_loads_the_activations_asked_for_and_records_both_models_formats(m
     assert _format({"target_format": "q4 weights, int8 activations", "target_weights": "q4"}, "target") == \
         "q4 weights, int8 activations"
     assert _format({"target_weights": "q4"}, "target") == "q4"  # (a results file from before)
+
+
+@requires_smollm2
+def test_a_divergence_at_an_answers_end_is_measured_against_the_end_token_the_model_would_choose(smollm2):
+    """SmolLM2 ends on <|im_end|> (2) and, as llama.cpp, <|endoftext|> (0): the divergence check took the smallest
+    end id, one the model did not choose (12.7 logits apart at an answer's end), and would call a near-tie a
+    mismatch."""
+    from mirrorsd.bench.runner import END, Bench, MethodSpec
+
+    ours, _ = smollm2
+    bench = object.__new__(Bench)
+    bench.target = ours
+    from mirrorsd.api import encode_prompt
+
+    prompt = encode_prompt(ours, [{"role": "user", "content": "Say hi."}])
+    model = ours.model
+    logits = model(torch.tensor([prompt]), cache=model.new_cache(capacity=len(prompt) + 1), last=1)[0, -1]
+    end = max(ours.eos_token_ids, key=lambda t: float(logits[t]))
+    gap = bench._logit_gap(MethodSpec("sd", "sd", {}), prompt, END, 42)
+    assert gap == pytest.approx(float(logits[end] - logits[42]))

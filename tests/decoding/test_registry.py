@@ -217,6 +217,8 @@ def test_mirror_caps_the_rows_a_step_rolls_out():
     assert _parsed("mirror", gamma=4, kappa=64, roots="paper").rollout_rows() == 5 * 64 * 4  # (test_mirror's)
     assert _parsed("mirror", kappa=49152, budget=8, backend="threads").rollout_rows() == 8 * 7
     assert _parsed("mirror", gamma=100).rollout_rows() == 0  # serial, fitted budget: nothing rolls out
+    with pytest.raises(OptionError, match=r"^gamma 1000000 with kappa 8 rolls out 1 branches"):  # (kappa unset:
+        _parsed("mirror", gamma=10**6, backend="threads", budget=1)  # the budget sets the roots, kappa was blamed)
 
 
 def test_every_listed_flag_is_a_spec_key():

@@ -121,7 +121,8 @@ class MirrorOptions(MethodOptions):
         if isinstance(self.exit_layer, float) and not self.exit_layer.is_integer() and not 0 < self.exit_layer < 1:
             raise OptionError("exit_layer", f"as a fraction must be in (0, 1), got {self.exit_layer}")
         if self.rollout_rows() > MAX_ROLLOUT_ROWS:
-            blamed, other = ("kappa", "gamma") if self.kappa > 1 else ("gamma", "kappa")
+            fixed = self.roots == "budget" and self.budget is not None  # (the budget sets the roots, not kappa)
+            blamed, other = ("kappa", "gamma") if self.kappa > 1 and not fixed else ("gamma", "kappa")
             raise OptionError(blamed, f"{getattr(self, blamed)} with {other} {getattr(self, other)} rolls out "
                               f"{self.rollout_roots()} branches of {self.gamma} tokens in every step, "
                               f"{self.rollout_rows()} draft rows (at most {MAX_ROLLOUT_ROWS}: a step holds all their "
