@@ -12,7 +12,7 @@ from rich.table import Table
 
 import mirrorsd
 from mirrorsd import zoo
-from mirrorsd.api import encode_chat
+from mirrorsd.api import encode_chat, windows_exact
 from mirrorsd.bench.plan import make_plan
 from mirrorsd.decoding import REFERENCE
 from mirrorsd.specbench import load_suite
@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         args.draft = None
     load = dict(weights=args.weights, activations=args.activations, device=args.device, dtype=args.dtype)
     target = mirrorsd.load_model(args.target, **load)
+    if not windows_exact(target.model):
+        raise ValueError(f"nothing to plan: in {args.dtype} on a CPU only ar runs exactly (every other method is "
+                         "refused there), and --method auto runs it without a plan")
     draft = mirrorsd.load_model(args.draft, **load) if args.draft else None
     prompts = [(q.group, encode_chat(target, [{"role": "user", "content": q.turns[0]}]))
                for q in load_suite(args.suite)]

@@ -261,3 +261,10 @@ def test_the_loaded_format_names_its_float_type_and_what_it_ignored(capsys):
     err = capsys.readouterr().err
     assert rc == 0
     assert "target smollm2-135m: fp32 weights in bfloat16 (as asked; --activations int8x2 does not apply to fp32" in err
+
+
+@requires_smollm2
+def test_plan_in_bfloat16_on_a_cpu_says_there_is_nothing_to_plan(capsys):
+    """Only ar runs exactly there: the planner calibrated suffix and failed on a method the user never named."""
+    rc = cli.main(["plan", "--target", "smollm2-135m", "--draft", "none", "--dtype", "bfloat16"])
+    assert rc == 2 and "nothing to plan: in bfloat16 on a CPU only ar runs exactly" in capsys.readouterr().err
